@@ -1,0 +1,85 @@
+"""The rollout buffer: bounded, async, group-atomic, with admission by depth and a max-lag rule.
+
+Depth is counted in trainer steps of rollouts generated ahead of the trainer. The producer
+asks `admit(k)` before generating k groups; admission holds
+
+    groups_admitted <= (steps_trained + depth + 1) * groups_per_step + groups_refunded
+
+so depth 0 is synchronous (the next batch is generated only after the trainer published the
+weights of the previous step: lag 0), depth 1 is a double buffer (lag <= 1), depth K a bounded
+queue (lag <= K), and depth None an unbounded stream held back only by `max_queued` and the
+max-lag rule. A group that never reaches the trainer (dropped for lag, a reward fault, or no
+learning signal) refunds its admission, so a short batch is topped up instead of starving
+the trainer.
+
+`take()` returns the next `groups_per_step` groups whose oldest token is at most `max_lag`
+versions behind the trainer; every group dropped on the way is counted by reason in `drops`.
+Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+
+from nonstop.types import Group
+
+
+class RolloutBuffer:
+    def __init__(self, groups_per_step: int, depth: int | None, max_lag: int, max_queued: int) -> None:
+        self.groups_per_step = groups_per_step
+        self.depth = depth
+        self.max_lag = max_lag
+        self.queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=max_queued)
+        self.policy_version = 0
+        self.steps_trained = 0
+        self.admitted = 0
+        self.refunded = 0
+        self.drops: Counter[str] = Counter()
+        self._changed = asyncio.Condition()
+
+    def _limit(self) -> float:
+        if self.depth is None:
+            return math.inf
+        return (self.steps_trained + self.depth + 1) * self.groups_per_step + self.refunded
+
+    async def admit(self, max_groups: int) -> int:
+        """Wait until generation may start; reserve and return how many groups (1..max_groups)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._limit() - self.admitted >= 1)
+            k = int(min(max_groups, self._limit() - self.admitted))
+            self.admitted += k
+            return k
+
+    async def put(self, group: Group) -> None:
+        await self.queue.put(group)
+
+    async def drop(self, group: Group, reason: str) -> None:
+        """Count a group that will not be trained on and refund its admission."""
+        self.drops[reason] += 1
+        async with self._changed:
+            self.refunded += 1
+            self._changed.notify_all()
+
+    async def take(self) -> list[Group]:
+        """The next batch for the trainer at the current policy_version."""
+        batch: list[Group] = []
+        while len(batch) < self.groups_per_step:
+            group = await self.queue.get()
+            if self.policy_version - group.min_version > self.max_lag:
+                await self.drop(group, "max_lag")
+                continue
+            batch.append(group)
+        return batch
+
+    async def step_done(self, policy_version: int) -> None:
+        """The trainer finished a step and published `policy_version`."""
+        async with self._changed:
+            self.steps_trained += 1
+            self.policy_version = policy_version
+            self._changed.notify_all()
+
+    @property
+    def queued(self) -> int:
+        return self.queue.qsize()

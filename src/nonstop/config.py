@@ -1,0 +1,253 @@
+"""Run configuration: pydantic models, validated on load and frozen afterwards.
+
+`load_config(path, overrides)` reads an optional YAML file, applies `a.b=c` overrides (values
+parsed as YAML scalars) and validates the whole tree. Every problem becomes one `ConfigError`
+whose message names the dotted field, e.g. `buffer.depht: unknown field (did you mean 'depth'?)`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class TinyModelConfig(_Section):
+    """Shape of the built-in Qwen2-architecture model made on the fly (no downloads)."""
+
+    hidden_size: int = Field(128, ge=8)
+    """Width of the residual stream."""
+    num_layers: int = Field(2, ge=1)
+    """Number of transformer blocks."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads; hidden_size must be divisible by it."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    intermediate_size: int = Field(512, ge=8)
+    """Width of the MLP."""
+    max_position_embeddings: int = Field(128, ge=16)
+    """Longest sequence (prompt + completion) the model supports."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be divisible by num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be divisible by num_kv_heads")
+        return self
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """A local folder or hub id loaded with AutoModelForCausalLM.from_pretrained; None builds the tiny model."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Used only when path is None."""
+
+
+class TaskConfig(_Section):
+    name: Literal["addition", "jsonl"] = "addition"
+    """Built-in two-operand addition ('07+45=' -> '52'), or prompts/answers from a JSONL file."""
+    max_operand: int = Field(99, ge=1, le=9999)
+    """Operands of the addition task are drawn from 0..max_operand."""
+    eval_size: int = Field(500, ge=1)
+    """Number of held-out prompts (never trained on) used to measure accuracy."""
+    dataset_path: str | None = None
+    """JSONL file with one {"prompt": ..., "answer": ...} object per line (task 'jsonl')."""
+    reward: str = "exact_match"
+    """'exact_match', 'partial_credit', or 'package.module:function' taking (completion, answer) -> float."""
+
+    @model_validator(mode="after")
+    def _dataset_needs_path(self) -> "TaskConfig":
+        if self.name == "jsonl" and not self.dataset_path:
+            raise ValueError("task 'jsonl' needs dataset_path")
+        return self
+
+
+class WarmupConfig(_Section):
+    enabled: bool = True
+    """Run a short supervised warm-up to get a weak (not blank) base policy; cached on disk."""
+    target_accuracy: float = Field(0.25, gt=0.0, le=1.0)
+    """Stop the warm-up once held-out accuracy reaches this."""
+    max_steps: int = Field(4000, ge=1)
+    """Give up on the accuracy gate after this many steps."""
+    batch_size: int = Field(64, ge=1)
+    """Examples per warm-up step."""
+    lr: float = Field(3e-3, gt=0.0)
+    """AdamW learning rate of the warm-up."""
+    eval_every: int = Field(50, ge=1)
+    """Check the accuracy gate every this many steps."""
+    cache_dir: str = ".nonstop_cache"
+    """Where warmed-up base models are cached, keyed by a hash of everything that shapes them."""
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(32, ge=1)
+    """Groups (prompts) per trainer step."""
+    group_size: int = Field(8, ge=2)
+    """Completions per prompt (GRPO's G); at least 2 so advantages are defined."""
+    max_new_tokens: int = Field(4, ge=1)
+    """Longest completion in tokens."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature; behaviour logprobs are those of the tempered distribution."""
+
+
+class BufferConfig(_Section):
+    depth: int | None = Field(1, ge=0)
+    """Trainer steps of rollouts that may be generated ahead: 0 synchronous, 1 double buffer, K bounded, null unbounded stream."""
+    max_lag: int = Field(2, ge=0)
+    """Groups whose oldest token is more than this many versions behind the trainer are dropped (counted)."""
+    max_queued_groups: int = Field(4096, ge=1)
+    """Hard bound on groups waiting in the buffer (back-pressure for the unbounded stream)."""
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(3e-4, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    clip_eps: float = Field(0.2, gt=0.0)
+    """Lower clip range of the ratio: 1 - clip_eps."""
+    clip_eps_high: float | None = Field(None, gt=0.0)
+    """Upper clip range (1 + clip_eps_high); None means clip_eps (symmetric)."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Global gradient-norm clip."""
+    loss_norm: Literal["sequence", "token"] = "sequence"
+    """'sequence': mean over each completion, then over samples (GRPO); 'token': mean over all tokens (DAPO)."""
+    skip_zero_advantage: bool = True
+    """Do not spend forward/backward on groups whose rewards are all equal (they carry no gradient)."""
+    logprob_chunk_rows: int = Field(64, ge=1)
+    """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
+
+
+class TransportConfig(_Section):
+    kind: Literal["shm", "broadcast"] = "shm"
+    """'shm': shared-memory flat buffer, double-buffered; 'broadcast': torch.distributed broadcast in buckets."""
+    bucket_mb: float = Field(25.0, gt=0.0)
+    """Bucket size of the broadcast transport in MiB."""
+    timeout_s: float = Field(120.0, gt=0.0)
+    """Longest a weight send or receive may take before the run fails naming the peer."""
+
+
+class RuntimeConfig(_Section):
+    backend: Literal["local"] = "local"
+    """Actor backend: 'local' spawns one OS process per actor."""
+    start_timeout_s: float = Field(180.0, gt=0.0)
+    """Longest an actor may take to start (imports and model load)."""
+    call_timeout_s: float = Field(600.0, gt=0.0)
+    """Longest one actor call may take before the run fails with a clear message."""
+
+
+class RunConfig(_Section):
+    max_steps: int = Field(1000, ge=1)
+    """Trainer steps (each publishes policy_version + 1)."""
+    max_time_s: float | None = Field(170.0, gt=0.0)
+    """Stop RL after this many seconds of wall time (None: only max_steps)."""
+    eval_every: int = Field(25, ge=1)
+    """Measure held-out accuracy every this many steps (greedy decoding on the engine)."""
+    seed: int = 0
+    """Seeds the model init, the data order and sampling."""
+    out_dir: str = "runs"
+    """Parent folder of run folders."""
+    name: str | None = None
+    """Run folder name; default is a timestamp."""
+    progress: Literal["auto", "rich", "plain", "off"] = "auto"
+    """Live display: rich on a terminal, plain lines otherwise."""
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    warmup: WarmupConfig = WarmupConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    buffer: BufferConfig = BufferConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    transport: TransportConfig = TransportConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "Config":
+        if self.buffer.depth is not None and self.buffer.max_lag < self.buffer.depth:
+            raise ValueError(
+                f"buffer.max_lag ({self.buffer.max_lag}) < buffer.depth ({self.buffer.depth}): "
+                "most groups would be generated only to be dropped; raise max_lag or lower depth"
+            )
+        if self.warmup.enabled and self.model.path is not None and self.task.name != "addition":
+            raise ValueError("warmup.enabled: the built-in warm-up only supports task 'addition'")
+        return self
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: '{key}' is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _suggest(loc: tuple[Any, ...]) -> str:
+    """'did you mean' hint for an unknown key, from the fields of its parent section."""
+    model: type[BaseModel] = Config
+    for key in loc[:-1]:
+        field = model.model_fields.get(str(key))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(model.model_fields)})"
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        field = ".".join(str(p) for p in loc) or "config"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{field}: unknown field{_suggest(loc)}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{field}: {msg} (got {e.get('input')!r})" if e["type"] != "value_error" else f"{field}: {msg}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML (optional), apply `a.b=c` overrides, validate. Raises ConfigError."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        tree = loaded or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-4")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,34 @@
+"""The one loading path for models and tokenizers (tiny built-ins and users' real models).
+
+`load_model(path_or_hub_id)` is `AutoModelForCausalLM.from_pretrained` in float32 unless told
+otherwise; a local folder written by `save_pretrained` and a hub id go through the same call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def quiet_transformers() -> None:
+    """Silence per-load progress bars and advisory warnings in worker output."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    quiet_transformers()
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def load_tokenizer(path: str):
+    quiet_transformers()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

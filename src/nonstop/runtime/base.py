@@ -1,0 +1,43 @@
+"""Protocols of the actor seam, its errors, and the backend factory."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from nonstop.config import RuntimeConfig
+
+
+class ActorDied(RuntimeError):
+    """An actor process ended (crash, kill, or failure to start) or stopped answering."""
+
+
+class ActorCallError(RuntimeError):
+    """The actor raised while serving a call; the message carries its remote traceback."""
+
+
+class ActorHandle(Protocol):
+    name: str
+
+    async def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """Run `method` on the actor; raise ActorCallError, ActorDied or TimeoutError."""
+        ...
+
+    def is_alive(self) -> bool: ...
+
+    async def stop(self, timeout_s: float = 10.0) -> None: ...
+
+
+class ActorBackend(Protocol):
+    async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorHandle:
+        """Start an actor running `cls(*args, **kwargs)`; returns once it is constructed."""
+        ...
+
+    async def shutdown(self) -> None: ...
+
+
+def make_backend(cfg: RuntimeConfig) -> ActorBackend:
+    if cfg.backend == "local":
+        from nonstop.runtime.local import LocalBackend
+
+        return LocalBackend(cfg)
+    raise ValueError(f"runtime.backend: unknown backend {cfg.backend!r}")

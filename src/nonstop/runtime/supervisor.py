@@ -1,0 +1,62 @@
+"""One supervisor for the orchestrator's background tasks.
+
+Every task is created through `Supervisor.spawn(coro, name)` and kept. `run(main)` runs the
+main coroutine and returns its result; if any background task fails first, the main coroutine
+is cancelled and that failure is re-raised, so a dead producer can never leave the trainer
+loop waiting forever. On exit every remaining task is cancelled and awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._failed: asyncio.Future | None = None
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        if name in self.tasks and not self.tasks[name].done():
+            raise ValueError(f"a task named {name!r} is already running")
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self.tasks[name] = task
+        task.add_done_callback(self._on_done)
+        return task
+
+    def _on_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+
+    async def run(self, main: Coroutine[Any, Any, T]) -> T:
+        self._failed = asyncio.get_running_loop().create_future()
+        for task in self.tasks.values():  # a task may have failed before run() started
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+                break
+        main_task = asyncio.get_running_loop().create_task(main, name="main")
+        try:
+            await asyncio.wait({main_task, self._failed}, return_when=asyncio.FIRST_COMPLETED)
+            if self._failed.done() and not main_task.done():
+                main_task.cancel()
+                await asyncio.gather(main_task, return_exceptions=True)
+                self._failed.result()  # raises the background failure
+            return main_task.result()
+        finally:
+            if not self._failed.done():
+                self._failed.cancel()
+            elif not self._failed.cancelled():
+                self._failed.exception()  # mark retrieved
+            await self.close()
+
+    async def close(self) -> None:
+        live = [t for t in self.tasks.values() if not t.done()]
+        for t in live:
+            t.cancel()
+        await asyncio.gather(*live, return_exceptions=True)

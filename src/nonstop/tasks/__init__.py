@@ -1,0 +1,1 @@
+"""Built-in tasks, the tiny-model factory and the supervised warm-up."""

@@ -1,0 +1,117 @@
+"""Prompt sources: the built-in addition task and JSONL datasets.
+
+A task yields `Example(index, prompt, answer)` rows split into train and held-out (eval) sets.
+The addition task enumerates every pair (a, b) in 0..max_operand, zero-pads operands so that
+all prompts share one length ("07+45=" -> "52"), shuffles with the seed and holds out the first
+`eval_size` pairs. A JSONL dataset is validated row by row: a row that is not an object, lacks
+`prompt` or `answer`, or holds non-string values is reported with its line number and skipped;
+the skips are counted in `DatasetReport`, never silent.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nonstop.config import TaskConfig
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used at all (missing file, or no valid row)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    index: int
+    prompt: str
+    answer: str
+
+
+@dataclass
+class DatasetReport:
+    rows_read: int = 0
+    rows_skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TaskData:
+    train: list[Example]
+    eval: list[Example]
+    report: DatasetReport
+
+
+def addition_examples(max_operand: int) -> list[tuple[str, str]]:
+    width = len(str(max_operand))
+    return [
+        (f"{a:0{width}d}+{b:0{width}d}=", str(a + b))
+        for a in range(max_operand + 1)
+        for b in range(max_operand + 1)
+    ]
+
+
+def read_jsonl(path: str | Path) -> tuple[list[tuple[str, str]], DatasetReport]:
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset file not found: {path}")
+    rows: list[tuple[str, str]] = []
+    report = DatasetReport()
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        report.rows_read += 1
+        problem = None
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            row, problem = None, f"not valid JSON ({e.msg})"
+        if problem is None and not isinstance(row, dict):
+            problem = "not a JSON object"
+        if problem is None:
+            missing = [k for k in ("prompt", "answer") if k not in row]
+            if missing:
+                problem = f"missing field(s) {', '.join(missing)}"
+            elif not isinstance(row["prompt"], str) or not isinstance(row["answer"], str):
+                problem = "'prompt' and 'answer' must be strings"
+        if problem is not None:
+            report.rows_skipped += 1
+            report.problems.append(f"{path}:{lineno}: {problem}; row skipped")
+            continue
+        rows.append((row["prompt"], row["answer"]))
+    if not rows:
+        raise DatasetError(f"dataset {path} has no valid row ({report.rows_skipped} skipped)")
+    return rows, report
+
+
+def load_task(cfg: TaskConfig, seed: int) -> TaskData:
+    if cfg.name == "addition":
+        pairs, report = addition_examples(cfg.max_operand), DatasetReport()
+        report.rows_read = len(pairs)
+    else:
+        assert cfg.dataset_path is not None  # guaranteed by TaskConfig validation
+        pairs, report = read_jsonl(cfg.dataset_path)
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(cfg.eval_size, len(pairs) // 2)
+    examples = [Example(i, *pairs[i]) for i in order]
+    return TaskData(train=examples[n_eval:], eval=examples[:n_eval], report=report)
+
+
+class PromptStream:
+    """Endless epochs over the train split, reshuffled each epoch with a seeded RNG."""
+
+    def __init__(self, examples: list[Example], seed: int) -> None:
+        self._examples = list(examples)
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+        self.epoch = -1
+
+    def next(self) -> Example:
+        if not self._order:
+            self.epoch += 1
+            self._order = list(range(len(self._examples)))
+            self._rng.shuffle(self._order)
+            self._order.reverse()
+        return self._examples[self._order.pop()]

@@ -1,0 +1,70 @@
+"""Tiny models and character tokenizers made on the fly (no downloads).
+
+`make_char_tokenizer()` builds a 128-entry character-level tokenizer with the `tokenizers`
+library: ids 0-2 are <pad>, <bos>, <eos>; then the 95 printable ASCII characters; the rest are
+reserved tokens, so model vocab and tokenizer vocab always agree. `make_tiny_model()` builds a
+Qwen2-architecture causal LM from a transformers config. `save_tiny(dir)` writes both with
+`save_pretrained`, so the single loading path, `AutoModelForCausalLM.from_pretrained(path)` and
+`AutoTokenizer.from_pretrained(path)`, serves the tiny model and users' real models alike.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+from nonstop.config import TinyModelConfig
+
+VOCAB_SIZE = 128
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+
+def make_char_tokenizer() -> PreTrainedTokenizerFast:
+    chars = [c for c in string.printable if c.isprintable()]  # 95 printable ASCII, space included
+    vocab = {PAD: 0, BOS: 1, EOS: 2}
+    for c in chars:
+        vocab[c] = len(vocab)
+    while len(vocab) < VOCAB_SIZE:
+        vocab[f"<reserved_{len(vocab)}>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD
+    )
+    fast.add_special_tokens({"additional_special_tokens": [t for t in vocab if t.startswith("<reserved_")]})
+    return fast
+
+
+def make_tiny_model(cfg: TinyModelConfig, seed: int = 0) -> torch.nn.Module:
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def save_tiny(path: str | Path, cfg: TinyModelConfig, seed: int = 0) -> Path:
+    """Write a freshly initialised tiny model and its tokenizer to `path`; return the path."""
+    path = Path(path)
+    make_tiny_model(cfg, seed).save_pretrained(path)
+    make_char_tokenizer().save_pretrained(path)
+    return path
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,1 @@
+"""Learning side: pure losses, the Trainer (model, optimizer, step) and its actor worker."""

@@ -1,0 +1,57 @@
+"""Trainer actor: a Trainer in its own process; owns the sending end of the weight transport.
+
+`step(groups)` trains on one batch and publishes the new weights as policy_version + 1 before
+it returns, so when the orchestrator sees version v every engine can load v.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from nonstop.config import TrainerConfig, TransportConfig
+from nonstop.hf import load_model
+from nonstop.trainer.core import Trainer
+from nonstop.transport import WeightSink, open_sink, plan_transport
+from nonstop.types import Group, StepResult, TransportHandle
+
+
+class TrainerWorker:
+    def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0):
+        torch.manual_seed(seed)
+        self.model_path = model_path
+        self.trainer = Trainer(load_model(model_path), cfg, temperature, pad_token_id)
+        self.sink: WeightSink | None = None
+        self.busy_s = 0.0
+
+    def plan_transport(self, cfg: TransportConfig, num_engines: int) -> TransportHandle:
+        handle = plan_transport(cfg, self.trainer.model, num_engines)
+        self.sink = open_sink(handle)
+        return handle
+
+    def connect_transport(self) -> None:
+        assert self.sink is not None, "plan_transport must come first"
+        self.sink.connect()
+
+    def step(self, groups: list[Group]) -> StepResult:
+        t0 = time.perf_counter()
+        metrics = self.trainer.step(groups)
+        t1 = time.perf_counter()
+        if self.sink is not None:
+            self.sink.publish(self.trainer.model, self.trainer.policy_version)
+        t2 = time.perf_counter()
+        self.busy_s += t2 - t0
+        metrics.update(train_s=t1 - t0, publish_s=t2 - t1)
+        return StepResult(self.trainer.policy_version, metrics)
+
+    def save(self, path: str) -> str:
+        """Write the current weights with save_pretrained (safetensors), loadable by transformers."""
+        out = Path(path)
+        self.trainer.model.save_pretrained(out)
+        return str(out)
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()

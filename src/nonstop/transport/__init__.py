@@ -1,0 +1,27 @@
+"""Weight transports: how new weights travel from the trainer to the engines.
+
+The seam is one method on each side:
+- trainer side `WeightSink.publish(model, version)` — blocks until the version is readable by
+  every engine (shm: written and stamped; broadcast: every rank received it);
+- engine side `WeightSource.maybe_update(model) -> int | None` — never waits for the trainer;
+  loads the newest complete version, if newer than the one applied, between two forward passes.
+
+`plan_transport` (trainer side) describes the transport in a picklable `TransportHandle`;
+`open_sink(handle)` and `open_source(handle, rank)` open the two ends.
+"""
+
+from nonstop.transport.base import (
+    TransportError,
+    WeightSink,
+    WeightSource,
+    check_layout,
+    model_layout,
+    open_sink,
+    open_source,
+    plan_transport,
+)
+
+__all__ = [
+    "TransportError", "WeightSink", "WeightSource", "check_layout", "model_layout",
+    "open_sink", "open_source", "plan_transport",
+]

@@ -1,0 +1,130 @@
+"""torch.distributed broadcast transport, in fixed-size buckets.
+
+The trainer (rank 0) and the engines (ranks 1..N) form their own process group, built from a
+TCPStore and a ProcessGroupGloo (NCCL on GPU later) directly, so it is separate from any
+training process group and from the default group. Publishing version v: the trainer packs
+its parameters into a flat staging buffer, sets the store key `v{v}` (the notification), then
+broadcasts the buffer in slices of `bucket_bytes`. Each engine runs one receiver thread that
+waits for the next key, receives into a back buffer and, once every bucket arrived, swaps it
+with the front buffer under a lock: decoding goes on meanwhile, and `maybe_update` only ever
+copies a complete version. Every collective has the transport timeout; a failure is kept and
+raised from `maybe_update` as a TransportError naming the peer and the version.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nonstop.transport.base import TransportError, bind_flat, views
+from nonstop.types import TransportHandle
+
+STOP = b"stop"
+_WAIT_SLICE = timedelta(seconds=1)
+
+
+def _group(handle: TransportHandle, rank: int) -> tuple[dist.TCPStore, dist.ProcessGroup]:
+    opts = handle.options
+    world = 1 + opts["num_engines"]
+    timeout = timedelta(seconds=opts["timeout_s"])
+    store = dist.TCPStore(opts["host"], opts["port"], world, is_master=rank == 0, timeout=timeout)
+    return store, dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _buckets(flat: torch.Tensor, bucket_bytes: int) -> list[torch.Tensor]:
+    return [flat[i:i + bucket_bytes] for i in range(0, flat.numel(), bucket_bytes)]
+
+
+class BroadcastSink:
+    def __init__(self, handle: TransportHandle) -> None:
+        self.handle = handle
+        self.staging = torch.empty(handle.total_bytes, dtype=torch.uint8)
+        self.staging_views = views(self.staging, handle.layout)
+        self.buckets = _buckets(self.staging, handle.options["bucket_bytes"])
+        self.store: dist.TCPStore | None = None
+        self.pg: dist.ProcessGroup | None = None
+        self.last_version = 0
+
+    def connect(self) -> None:
+        self.store, self.pg = _group(self.handle, rank=0)
+
+    @torch.no_grad()
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        if self.pg is None or self.store is None:
+            raise TransportError("broadcast transport used before connect()")
+        for dst, (_, p) in zip(self.staging_views, model.named_parameters()):
+            dst.copy_(p.detach())
+        self.store.set(f"v{version}", b"1")
+        for i, bucket in enumerate(self.buckets):
+            try:
+                self.pg.broadcast([bucket], 0).wait()
+            except Exception as e:  # gloo raises RuntimeError subclasses on timeout and reset
+                raise TransportError(
+                    f"broadcast of version {version} (bucket {i + 1}/{len(self.buckets)}) to the "
+                    f"engines failed within {self.handle.options['timeout_s']} s: {e}"
+                ) from e
+        self.last_version = version
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.set(f"v{self.last_version + 1}", STOP)
+            self.store = None
+            self.pg = None
+
+
+class BroadcastSource:
+    def __init__(self, handle: TransportHandle, model: torch.nn.Module, rank: int) -> None:
+        self.handle, self.rank = handle, rank
+        self.flat = bind_flat(model, handle.layout, handle.total_bytes)
+        self.front = torch.empty_like(self.flat)
+        self.back = torch.empty_like(self.flat)
+        self.lock = threading.Lock()
+        self.ready = -1
+        self.applied = -1
+        self.error: TransportError | None = None
+        self.closing = threading.Event()
+        self.store, self.pg = _group(handle, rank)
+        self.thread = threading.Thread(target=self._receive_loop, name=f"weights-rx-{rank}", daemon=True)
+        self.thread.start()
+
+    def _receive_loop(self) -> None:
+        version = 1
+        buckets = _buckets(self.back, self.handle.options["bucket_bytes"])
+        while not self.closing.is_set():
+            try:
+                self.store.wait([f"v{version}"], _WAIT_SLICE)
+            except Exception:  # the store's wait raises on its own timeout: check closing, go on
+                continue
+            if self.store.get(f"v{version}") == STOP:
+                return
+            try:
+                for bucket in buckets:
+                    self.pg.broadcast([bucket], 0).wait()
+            except Exception as e:
+                self.error = TransportError(
+                    f"engine rank {self.rank}: receiving version {version} from the trainer failed "
+                    f"within {self.handle.options['timeout_s']} s: {e}"
+                )
+                return
+            with self.lock:
+                self.front, self.back = self.back, self.front
+                self.ready = version
+            buckets = _buckets(self.back, self.handle.options["bucket_bytes"])
+            version += 1
+
+    def maybe_update(self, model: torch.nn.Module) -> int | None:
+        if self.error is not None:
+            raise self.error
+        with self.lock:
+            if self.ready <= self.applied:
+                return None
+            self.flat.copy_(self.front)
+            self.applied = self.ready
+        return self.applied
+
+    def close(self) -> None:
+        self.closing.set()
+        self.thread.join(timeout=2 * _WAIT_SLICE.total_seconds())

@@ -1,0 +1,108 @@
+"""Neutral message types shared by the generation side and the learning side.
+
+This module imports no model code and no torch: engines, trainers, the buffer and the
+orchestrator all speak in these types, so neither side needs to import the other. Messages
+cross process boundaries by pickling, so they hold plain Python lists, not tensors.
+
+Invariants of a `Sample`: `completion_ids`, `logprobs`, `versions` and `loss_mask` have one
+entry per completion token; `logprobs[t]` is the behaviour logprob log mu(a_t) of the
+distribution the engine actually sampled from (after temperature); `versions[t]` is the
+policy_version of the weights that produced token t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How an engine samples one completion. temperature 0 means greedy decoding."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One prompt to complete `n` times (a GRPO group when n > 1)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    n: int
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class Sample:
+    """One prompt and one completion with per-token behaviour metadata and its reward."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    loss_mask: list[bool] = field(default_factory=list)
+    reward: float = 0.0
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.loss_mask:
+            self.loss_mask = [True] * len(self.completion_ids)
+
+    @property
+    def min_version(self) -> int:
+        return min(self.versions) if self.versions else -1
+
+
+@dataclass(slots=True)
+class Group:
+    """The samples of one prompt; atomic in the rollout buffer."""
+
+    prompt_index: int
+    prompt: str
+    answer: str
+    samples: list[Sample]
+
+    @property
+    def min_version(self) -> int:
+        """Version of the oldest token in the group (drives the max-lag rule)."""
+        versions = [s.min_version for s in self.samples if s.versions]
+        return min(versions) if versions else -1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.completion_ids) for s in self.samples)
+
+
+@dataclass(slots=True)
+class TensorSpec:
+    """Name, shape, dtype (as a string such as 'float32') and byte offset of one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class TransportHandle:
+    """Everything an engine needs to attach to a trainer's weight transport (picklable)."""
+
+    kind: str
+    layout: list[TensorSpec]
+    total_bytes: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a trainer step reports back to the orchestrator."""
+
+    policy_version: int
+    metrics: dict[str, Any]
