@@ -66,6 +66,8 @@ class TaskConfig(_Section):
     """JSONL file with one {"prompt": ..., "answer": ...} object per line (task 'jsonl')."""
     reward: str = "exact_match"
     """'exact_match', 'partial_credit', or 'package.module:function' taking (completion, answer) -> float."""
+    max_consecutive_reward_failures: int = Field(64, ge=1)
+    """Groups in a row whose reward failed (raised or non-finite) before the run stops with the last error."""
 
     @model_validator(mode="after")
     def _dataset_needs_path(self) -> "TaskConfig":
@@ -100,6 +102,11 @@ class RolloutConfig(_Section):
     """Longest completion in tokens."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature; behaviour logprobs are those of the tempered distribution."""
+    filter_uniform_reward: bool = True
+    """Drop (and count) groups whose samples all scored the same: they carry no GRPO signal. The
+    engine generates more prompts to fill the step (DAPO's dynamic sampling)."""
+    max_consecutive_uniform: int = Field(4096, ge=1)
+    """Filtered groups in a row before the run stops: the policy never produces a learning signal."""
 
 
 class BufferConfig(_Section):
@@ -112,7 +119,7 @@ class BufferConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    lr: float = Field(3e-4, gt=0.0)
+    lr: float = Field(6e-4, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
@@ -124,8 +131,6 @@ class TrainerConfig(_Section):
     """Global gradient-norm clip."""
     loss_norm: Literal["sequence", "token"] = "sequence"
     """'sequence': mean over each completion, then over samples (GRPO); 'token': mean over all tokens (DAPO)."""
-    skip_zero_advantage: bool = True
-    """Do not spend forward/backward on groups whose rewards are all equal (they carry no gradient)."""
     logprob_chunk_rows: int = Field(64, ge=1)
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
 
@@ -137,6 +142,8 @@ class TransportConfig(_Section):
     """Bucket size of the broadcast transport in MiB."""
     timeout_s: float = Field(120.0, gt=0.0)
     """Longest a weight send or receive may take before the run fails naming the peer."""
+    connect_timeout_s: float = Field(300.0, gt=0.0)
+    """Longest the trainer and the engines may take to meet when the transport is set up."""
 
 
 class RuntimeConfig(_Section):
@@ -151,7 +158,7 @@ class RuntimeConfig(_Section):
 class RunConfig(_Section):
     max_steps: int = Field(1000, ge=1)
     """Trainer steps (each publishes policy_version + 1)."""
-    max_time_s: float | None = Field(170.0, gt=0.0)
+    max_time_s: float | None = Field(150.0, gt=0.0)
     """Stop RL after this many seconds of wall time (None: only max_steps)."""
     eval_every: int = Field(25, ge=1)
     """Measure held-out accuracy every this many steps (greedy decoding on the engine)."""

@@ -68,6 +68,7 @@ class FunctionScorer:
 
     def __init__(self, fn: RewardFn) -> None:
         self.fn = fn
+        # errors counts failing samples; a group with any failing sample is skipped by the caller
         self.errors: Counter[str] = Counter()
         self.last_error: str | None = None
 

@@ -87,7 +87,7 @@ class Trainer:
         lags = (self.policy_version - batch["versions"])[batch["mask"]]
         self.policy_version += 1
         return {
-            "loss": float(loss),
+            "loss": float(loss.detach()),
             **{k: float(v) for k, v in stats.items()},
             "grad_norm": float(grad_norm),
             "lag_hist": {str(k): v for k, v in sorted(Counter(lags.tolist()).items())},

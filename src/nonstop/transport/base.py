@@ -95,7 +95,7 @@ def free_port() -> int:
 
 def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: int) -> TransportHandle:
     layout, total = model_layout(model)
-    options: dict = {"timeout_s": cfg.timeout_s, "num_engines": num_engines}
+    options: dict = {"timeout_s": cfg.timeout_s, "connect_timeout_s": cfg.connect_timeout_s, "num_engines": num_engines}
     if cfg.kind == "shm":
         from nonstop.transport.shm import new_segment_name
 

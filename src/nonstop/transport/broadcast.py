@@ -29,9 +29,11 @@ _WAIT_SLICE = timedelta(seconds=1)
 def _group(handle: TransportHandle, rank: int) -> tuple[dist.TCPStore, dist.ProcessGroup]:
     opts = handle.options
     world = 1 + opts["num_engines"]
-    timeout = timedelta(seconds=opts["timeout_s"])
-    store = dist.TCPStore(opts["host"], opts["port"], world, is_master=rank == 0, timeout=timeout)
-    return store, dist.ProcessGroupGloo(store, rank, world, timeout)
+    connect = timedelta(seconds=opts["connect_timeout_s"])
+    store = dist.TCPStore(opts["host"], opts["port"], world, is_master=rank == 0, timeout=connect)
+    pg = dist.ProcessGroupGloo(store, rank, world, connect)
+    pg.set_timeout(timedelta(seconds=opts["timeout_s"]))  # every later collective
+    return store, pg
 
 
 def _buckets(flat: torch.Tensor, bucket_bytes: int) -> list[torch.Tensor]:
@@ -60,13 +62,29 @@ class BroadcastSink:
         self.store.set(f"v{version}", b"1")
         for i, bucket in enumerate(self.buckets):
             try:
-                self.pg.broadcast([bucket], 0).wait()
+                self.pg.broadcast(bucket, 0).wait()
             except Exception as e:  # gloo raises RuntimeError subclasses on timeout and reset
                 raise TransportError(
-                    f"broadcast of version {version} (bucket {i + 1}/{len(self.buckets)}) to the "
-                    f"engines failed within {self.handle.options['timeout_s']} s: {e}"
+                    f"broadcast of version {version} (bucket {i + 1}/{len(self.buckets)}) to engine ranks "
+                    f"1..{self.handle.options['num_engines']} failed within {self.handle.options['timeout_s']:g} s: {e}"
                 ) from e
+        self._await_acks(version)
         self.last_version = version
+
+    def _await_acks(self, version: int) -> None:
+        """Every engine confirms it holds `version`; a silent or dead engine is named."""
+        assert self.store is not None
+        keys = [f"ack{rank}/v{version}" for rank in range(1, 1 + self.handle.options["num_engines"])]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.handle.options["timeout_s"]))
+        except Exception as e:  # the store raises DistStoreError on timeout
+            missing = [k.split("/")[0].removeprefix("ack") for k in keys if not self.store.check([k])]
+            raise TransportError(
+                f"engine rank(s) {', '.join(missing)} did not confirm version {version} "
+                f"within {self.handle.options['timeout_s']:g} s (dead or stalled): {e}"
+            ) from e
+        for key in [*keys, f"v{version}"]:
+            self.store.delete_key(key)
 
     def close(self) -> None:
         if self.store is not None:
@@ -102,16 +120,17 @@ class BroadcastSource:
                 return
             try:
                 for bucket in buckets:
-                    self.pg.broadcast([bucket], 0).wait()
+                    self.pg.broadcast(bucket, 0).wait()
             except Exception as e:
                 self.error = TransportError(
                     f"engine rank {self.rank}: receiving version {version} from the trainer failed "
-                    f"within {self.handle.options['timeout_s']} s: {e}"
+                    f"within {self.handle.options['timeout_s']:g} s: {e}"
                 )
                 return
             with self.lock:
                 self.front, self.back = self.back, self.front
                 self.ready = version
+            self.store.set(f"ack{self.rank}/v{version}", b"1")
             buckets = _buckets(self.back, self.handle.options["bucket_bytes"])
             version += 1
 

@@ -12,7 +12,7 @@ update is never applied.
 from __future__ import annotations
 
 import uuid
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 
@@ -32,10 +32,6 @@ class _Segment:
     def __init__(self, handle: TransportHandle, create: bool) -> None:
         size = HEADER_BYTES + 2 * handle.total_bytes
         self.shm = shared_memory.SharedMemory(name=handle.options["name"], create=create, size=size)
-        if not create:
-            # Attaching registers the segment with the resource tracker, which would unlink it
-            # when this process exits; the creator alone owns its lifetime.
-            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
         raw = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         self.stamps = raw[:HEADER_BYTES].view(torch.int64)
         total = handle.total_bytes
@@ -44,6 +40,8 @@ class _Segment:
             self.stamps.fill_(EMPTY)
 
     def close(self, unlink: bool) -> None:
+        """Only the creator unlinks; attachers share the orchestrator's resource tracker, which
+        also unlinks the segment if the creator dies without closing it."""
         del self.stamps, self.slots
         self.shm.close()
         if unlink:

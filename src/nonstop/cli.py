@@ -1,0 +1,120 @@
+"""Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop config`.
+
+`nonstop train` with no arguments runs the built-in default: the tiny model on two-operand
+addition, a cached supervised warm-up to a weak base, then asynchronous GRPO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from nonstop.config import Config, ConfigError, dump_config, load_config
+
+
+def _run_dir(cfg: Config) -> Path:
+    name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = Path(cfg.run.out_dir) / name
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(f"run.name: run folder {path} already exists and is not empty; pick another name")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _summary_table(s: dict) -> Table:
+    t = Table(title="nonstop: end of run", show_header=False)
+    base, final = s["base_accuracy"], s["final_accuracy"]
+    t.add_row("held-out accuracy", f"base {base:.1%} -> final {final:.1%} ({100 * (final - base):+.1f} points)")
+    t.add_row("wall time", f"{s['wall_s']:.1f} s total ({s['warmup_s']:.1f} s base policy, {s['rl_wall_s']:.1f} s RL)")
+    t.add_row("steps", f"{s['steps']} (policy_version {s['policy_version']})")
+    t.add_row("samples/s", f"{s['samples_per_s']:.0f} ({s['samples_generated']} generated)")
+    t.add_row("idle", f"trainer {s['trainer_idle_frac']:.0%}, engine {s['engine_idle_frac']:.0%}")
+    t.add_row("dropped groups", json.dumps(s["drops"]) if s["drops"] else "none")
+    if s["reward_errors"]:
+        t.add_row("reward errors", f"{json.dumps(s['reward_errors'])}; last: {s['last_reward_error']}")
+    t.add_row("run folder", s["run_dir"])
+    return t
+
+
+def run_training(cfg: Config, console: Console) -> dict:
+    """Everything `nonstop train` does after parsing: data, base policy, pipeline, summary."""
+    from nonstop.pipeline import train
+    from nonstop.progress import Progress
+    from nonstop.tasks.data import load_task
+    from nonstop.tasks.warmup import prepare_base_model
+
+    t0 = time.perf_counter()
+    run_dir = _run_dir(cfg)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    data = load_task(cfg.task, cfg.run.seed)
+    with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
+        for problem in data.report.problems:
+            progress.log(f"[yellow]dataset:[/] {problem}")
+        if data.report.rows_skipped:
+            progress.log(f"dataset: {data.report.rows_skipped} of {data.report.rows_read} rows skipped")
+        progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
+        base = prepare_base_model(cfg, data, progress.log)
+        warmup_s = time.perf_counter() - t0
+        summary = asyncio.run(train(cfg, base, data, run_dir, progress))
+    summary.update(wall_s=time.perf_counter() - t0, warmup_s=warmup_s, run_dir=str(run_dir),
+                   dataset_rows_skipped=data.report.rows_skipped)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+@click.group()
+def main() -> None:
+    """nonstop: asynchronous RL post-training of LLMs."""
+
+
+@main.command("train")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set buffer.depth=2")
+def train_cmd(config: str | None, overrides: tuple[str, ...]) -> None:
+    """Run asynchronous GRPO. With no CONFIG, the built-in default job."""
+    console = Console()
+    try:
+        cfg = load_config(config, overrides)
+        summary = run_training(cfg, console)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/]", highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]")
+        sys.exit(130)
+    except Exception as e:  # one clear line for the user; the cause chain stays in the traceback
+        from nonstop.rollout import NoLearningSignal
+        from nonstop.runtime import ActorCallError, ActorDied
+        from nonstop.scorer import RewardError
+        from nonstop.tasks.data import DatasetError
+        from nonstop.transport import TransportError
+
+        if isinstance(e, (ActorDied, ActorCallError, DatasetError, RewardError, NoLearningSignal, TransportError, TimeoutError)):
+            console.print(f"[red]run failed:[/] {e}", highlight=False)
+            sys.exit(1)
+        raise
+    console.print(_summary_table(summary))
+
+
+@main.command("config")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+def config_cmd(config: str | None, overrides: tuple[str, ...]) -> None:
+    """Print the fully resolved config (defaults + CONFIG + overrides) as YAML."""
+    try:
+        click.echo(dump_config(load_config(config, overrides)), nl=False)
+    except ConfigError as e:
+        click.echo(str(e), err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

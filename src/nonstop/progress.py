@@ -1,0 +1,82 @@
+"""Live progress: a rich panel on a terminal, plain lines elsewhere (CI, logs), or nothing."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+
+def _lag_text(hist: dict[str, int]) -> str:
+    total = sum(hist.values()) or 1
+    return " ".join(f"{k}:{v / total:.0%}" for k, v in hist.items()) or "-"
+
+
+class Progress:
+    def __init__(self, mode: str, total_steps: int, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=False)
+        if mode == "auto":
+            mode = "rich" if self.console.is_terminal else "plain"
+        self.mode = mode
+        self.total_steps = total_steps
+        self.live: Live | None = None
+        self.last_eval: float | None = None
+        self.base_eval: float | None = None
+        self._last_plain = 0.0
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def log(self, message: str) -> None:
+        if self.mode == "off":
+            return
+        if self.live is not None:
+            self.live.console.print(message)
+        else:
+            self.console.print(message, highlight=False, soft_wrap=True)
+
+    def _table(self, r: dict[str, Any]) -> Table:
+        t = Table(title="nonstop train", show_header=True, header_style="bold")
+        for col in ("step", "version", "reward", "held-out acc", "samples/s", "trainer idle", "engine idle", "lag", "drops"):
+            t.add_column(col)
+        acc = "-" if self.last_eval is None else f"{self.last_eval:.1%}"
+        if self.base_eval is not None and self.last_eval is not None:
+            acc += f" (base {self.base_eval:.1%})"
+        t.add_row(
+            f"{r['step']}/{self.total_steps}", str(r["policy_version"]), f"{r['reward_mean']:.3f}", acc,
+            f"{r['samples_per_s']:.0f}", f"{r['trainer_idle_frac']:.0%}", f"{r['engine_idle_frac']:.0%}",
+            _lag_text(r["lag_hist"]), str(sum(r["drops"].values())),
+        )
+        return t
+
+    def update(self, record: dict[str, Any]) -> None:
+        if "eval_accuracy" in record:
+            self.last_eval = record["eval_accuracy"]
+        if self.mode == "rich":
+            if self.live is None:
+                self.live = Live(self._table(record), console=self.console, refresh_per_second=4)
+                self.live.start()
+            else:
+                self.live.update(self._table(record))
+        elif self.mode == "plain":
+            now = time.monotonic()
+            if "eval_accuracy" in record or now - self._last_plain >= 10.0:
+                self._last_plain = now
+                acc = "" if "eval_accuracy" not in record else f" held-out {record['eval_accuracy']:.1%}"
+                self.log(
+                    f"step {record['step']:>4} v{record['policy_version']} reward {record['reward_mean']:.3f}{acc} "
+                    f"{record['samples_per_s']:.0f} samples/s trainer idle {record['trainer_idle_frac']:.0%} "
+                    f"lag {_lag_text(record['lag_hist'])}"
+                )
+
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None

@@ -1,0 +1,98 @@
+"""Rollout production and evaluation, in the orchestrator, over an engine actor.
+
+`produce(...)` loops forever: wait for admission from the buffer, take the next prompts from
+the stream, have the engine complete each one `group_size` times, decode and score the
+groups, and hand each group to the buffer (or drop it, counted, when its reward failed or when
+all its samples scored the same and the run filters such groups). `evaluate(...)` measures
+greedy exact-match accuracy on held-out prompts with the engine's current weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from nonstop.buffer import RolloutBuffer
+from nonstop.config import RolloutConfig
+from nonstop.metrics import Clock
+from nonstop.runtime import ActorHandle
+from nonstop.scorer import Scorer, exact_match
+from nonstop.tasks.data import Example, PromptStream
+from nonstop.types import GenerationRequest, Group, SamplingParams
+
+
+@dataclass
+class Codec:
+    """Text <-> token ids at the orchestrator (engines work token-in, token-out)."""
+
+    tokenizer: object
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]  # type: ignore[operator]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+class NoLearningSignal(RuntimeError):
+    """Rollouts keep failing to produce trainable groups; the message says why and what to change."""
+
+
+@dataclass
+class RolloutStats:
+    prompts: int = 0
+    samples: int = 0
+    groups_delivered: int = 0
+    reward_failures_in_row: int = 0
+    uniform_in_row: int = 0
+
+
+async def produce(
+    engine: ActorHandle, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
+    codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int,
+) -> None:
+    params = SamplingParams(cfg.max_new_tokens, cfg.temperature)
+    while True:
+        k = await buffer.admit(cfg.prompts_per_step)
+        examples = [stream.next() for _ in range(k)]
+        requests = [GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, params) for ex in examples]
+        t0 = time.perf_counter()
+        results = await engine.call("generate", requests)
+        clock.add("generation", time.perf_counter() - t0)
+        stats.prompts += len(examples)
+        for ex, samples in zip(examples, results):
+            stats.samples += len(samples)
+            for s in samples:
+                s.text = codec.decode(s.completion_ids)
+            group = Group(ex.index, ex.prompt, ex.answer, samples)
+            if not scorer.score_group(group):
+                await buffer.drop(group, "reward_error")
+                stats.reward_failures_in_row += 1
+                if stats.reward_failures_in_row >= max_reward_failures:
+                    raise NoLearningSignal(
+                        f"the reward function failed on {stats.reward_failures_in_row} groups in a row "
+                        f"(task.max_consecutive_reward_failures); last: {scorer.last_error}"
+                    )
+                continue
+            stats.reward_failures_in_row = 0
+            if cfg.filter_uniform_reward and len({s.reward for s in samples}) == 1:
+                await buffer.drop(group, "uniform_reward")
+                stats.uniform_in_row += 1
+                if stats.uniform_in_row >= cfg.max_consecutive_uniform:
+                    raise NoLearningSignal(
+                        f"{stats.uniform_in_row} groups in a row had all-equal rewards "
+                        "(rollout.max_consecutive_uniform): the policy gets no learning signal on this task; "
+                        "start from a stronger base, use a graded reward, or set rollout.filter_uniform_reward=false"
+                    )
+                continue
+            stats.uniform_in_row = 0
+            stats.groups_delivered += 1
+            await buffer.put(group)
+
+
+async def evaluate(engine: ActorHandle, examples: list[Example], codec: Codec, max_new_tokens: int) -> float:
+    params = SamplingParams(max_new_tokens, 0.0)
+    requests = [GenerationRequest(i, codec.encode(ex.prompt), 1, params) for i, ex in enumerate(examples)]
+    results = await engine.call("generate", requests)
+    right = sum(exact_match(codec.decode(r[0].completion_ids), ex.answer) for r, ex in zip(results, examples))
+    return right / max(len(examples), 1)

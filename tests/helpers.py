@@ -1,0 +1,96 @@
+"""Code that test child processes import (spawned processes need importable targets)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+class Echo:
+    """A small actor for runtime tests."""
+
+    def __init__(self, base: int = 0, fail_init: bool = False) -> None:
+        if fail_init:
+            raise ValueError("refusing to start")
+        self.base = base
+
+    def add(self, x: int, y: int = 0) -> int:
+        return self.base + x + y
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def fail(self) -> None:
+        raise KeyError("no such thing")
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def crash(self) -> None:
+        os._exit(3)
+
+
+def receive_weights(handle, model_dir: str, rank: int, want_version: int, out_queue, deadline_s: float = 60.0) -> None:
+    """Engine-side process: attach to the transport, wait for `want_version`, send the weights back."""
+    torch.set_num_threads(1)
+    from nonstop.hf import load_model
+    from nonstop.transport import open_source
+
+    model = load_model(model_dir)
+    source = open_source(handle, model, rank)
+    out_queue.put(("attached", None))
+    end = time.monotonic() + deadline_s
+    seen = []
+    while time.monotonic() < end:
+        v = source.maybe_update(model)
+        if v is not None:
+            seen.append(v)
+            if v >= want_version:
+                # numpy pickles by value; a torch tensor would travel as a shared fd that dies with us
+                out_queue.put(("weights", (seen, {k: t.numpy().copy() for k, t in model.state_dict().items()})))
+                source.close()
+                return
+        time.sleep(0.005)
+    out_queue.put(("timeout", seen))
+
+
+def connect_then_hang(handle, model_dir: str, rank: int, out_queue) -> None:
+    """Engine-side process that joins the broadcast group and then stops participating."""
+    torch.set_num_threads(1)
+    from nonstop.hf import load_model
+    from nonstop.transport import open_source
+
+    source = open_source(handle, load_model(model_dir), rank)
+    source.close()  # the receiver thread stops: the peer process is alive but silent
+    out_queue.put(("attached", None))
+    time.sleep(120)
+
+
+def kill_engine_reward(completion: str, answer: str) -> float:
+    """A reward function that SIGKILLs the engine actor the first time it runs (fault injection)."""
+    import multiprocessing as mp
+    import signal
+
+    for child in mp.active_children():
+        if child.name == "nonstop-engine":
+            os.kill(child.pid, signal.SIGKILL)
+    return 0.0
+
+
+def raising_reward(completion: str, answer: str) -> float:
+    """Raises for answers divisible by 3 (about a third of the prompts); completion length otherwise."""
+    if int(answer) % 3 == 0:
+        raise RuntimeError("reward server unavailable")
+    return float(len(completion))
+
+
+def always_raising_reward(completion: str, answer: str) -> float:
+    raise RuntimeError("reward server is down")
+
+
+def length_reward(completion: str, answer: str) -> float:
+    """Rewards longer completions: varies even for a random model, so advantages are non-zero."""
+    return float(len(completion))

@@ -1,0 +1,81 @@
+import asyncio
+
+import pytest
+
+from nonstop.buffer import RolloutBuffer
+from nonstop.types import Group, Sample
+
+
+def _group(version, idx=0):
+    return Group(idx, "p", "a", [Sample([1], [2, 3], [-1.0, -1.0], [version, version + 1], "stop")])
+
+
+async def _admit_nowait(buf, k):
+    """Admit if possible without waiting; None if admission would block."""
+    try:
+        return await asyncio.wait_for(buf.admit(k), timeout=0.05)
+    except TimeoutError:
+        return None
+
+
+def test_depth0_is_synchronous():
+    async def go():
+        buf = RolloutBuffer(groups_per_step=2, depth=0, max_lag=0, max_queued=100)
+        assert await _admit_nowait(buf, 2) == 2
+        assert await _admit_nowait(buf, 2) is None  # next batch waits for the trainer
+        await buf.step_done(1)
+        assert await _admit_nowait(buf, 5) == 2
+    asyncio.run(go())
+
+
+def test_depth1_allows_one_batch_ahead_and_depth_k_more():
+    async def go():
+        for depth in (1, 3):
+            buf = RolloutBuffer(groups_per_step=4, depth=depth, max_lag=depth, max_queued=100)
+            admitted = 0
+            while (k := await _admit_nowait(buf, 4)) is not None:
+                admitted += k
+            assert admitted == 4 * (depth + 1)
+    asyncio.run(go())
+
+
+def test_lagging_groups_are_dropped_counted_and_refunded():
+    async def go():
+        buf = RolloutBuffer(groups_per_step=2, depth=1, max_lag=1, max_queued=100)
+        assert await _admit_nowait(buf, 2) == 2
+        assert await _admit_nowait(buf, 2) == 2
+        await buf.step_done(1)
+        await buf.step_done(2)
+        await buf.step_done(3)
+        for v in (0, 2, 3):  # min versions 0, 2, 3; trainer at 3: lags 3, 1, 0
+            await buf.put(_group(v))
+        batch = await buf.take()
+        assert [g.min_version for g in batch] == [2, 3]
+        assert buf.drops == {"max_lag": 1}
+        assert buf.refunded == 1
+    asyncio.run(go())
+
+
+def test_refund_tops_up_a_short_batch():
+    async def go():
+        buf = RolloutBuffer(groups_per_step=2, depth=0, max_lag=0, max_queued=100)
+        assert await _admit_nowait(buf, 2) == 2
+        await buf.drop(_group(0), "uniform_reward")
+        assert await _admit_nowait(buf, 2) == 1  # exactly the refunded group
+        assert buf.drops == {"uniform_reward": 1}
+    asyncio.run(go())
+
+
+def test_unbounded_stream_enforces_max_lag():
+    async def go():
+        buf = RolloutBuffer(groups_per_step=1, depth=None, max_lag=2, max_queued=1000)
+        for _ in range(50):
+            assert await _admit_nowait(buf, 1) == 1
+        for v in range(10):
+            await buf.put(_group(v))
+        for version in range(1, 9):
+            await buf.step_done(version)
+        taken = await buf.take()
+        lag = buf.policy_version - taken[0].min_version
+        assert lag <= 2 and buf.drops["max_lag"] == 6  # versions 0..5 are more than 2 behind 8
+    asyncio.run(go())

@@ -1,0 +1,63 @@
+import pytest
+
+from nonstop.config import Config, ConfigError, dump_config, load_config
+
+
+def test_defaults_validate_and_round_trip(tmp_path):
+    cfg = load_config()
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+
+
+def test_misspelt_key_names_field_and_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["buffer.depht=2"])
+    assert "buffer.depht: unknown field (did you mean 'depth'?)" in str(e.value)
+
+
+def test_misspelt_section_in_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainr:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"trainr: unknown field \(did you mean 'trainer'\?\)"):
+        load_config(path)
+
+
+def test_wrong_type_names_field():
+    with pytest.raises(ConfigError, match=r"trainer\.lr: .*valid number.*'abc'"):
+        load_config(overrides=["trainer.lr=abc"])
+
+
+def test_out_of_range_names_field():
+    with pytest.raises(ConfigError, match=r"rollout\.group_size: .*greater than or equal to 2"):
+        load_config(overrides=["rollout.group_size=1"])
+
+
+def test_impossible_combination_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"buffer\.max_lag \(1\) < buffer\.depth \(3\)"):
+        load_config(overrides=["buffer.depth=3", "buffer.max_lag=1"])
+
+
+def test_overrides_parse_yaml_scalars_and_null():
+    cfg = load_config(overrides=["buffer.depth=null", "trainer.lr=1e-4", "transport.kind=broadcast"])
+    assert cfg.buffer.depth is None and cfg.trainer.lr == 1e-4 and cfg.transport.kind == "broadcast"
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(overrides=["trainer.lr"])
+
+
+def test_config_is_frozen():
+    cfg = Config()
+    with pytest.raises(Exception):
+        cfg.trainer.lr = 1.0  # type: ignore[misc]
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

@@ -1,0 +1,149 @@
+"""End-to-end runs of the real CLI: orchestrator + engine process + trainer process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import SMALL
+
+HERE = Path(__file__).resolve().parent
+NONSTOP = str(Path(sys.executable).parent / "nonstop")
+
+
+def nonstop(args: list[str], cwd: Path, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(HERE), "COLUMNS": "200"}
+    return subprocess.run([NONSTOP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def small_model_args(tiny_dir: Path) -> list[str]:
+    return ["--set", f"model.path={tiny_dir}", "--set", "warmup.enabled=false", "--set", "run.progress=plain"]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_learns(tmp_path):
+    """The default task and model, a cached warm-up to a weak base, then ~40 s of async GRPO."""
+    result = nonstop(
+        ["train", "--set", "run.name=learn", "--set", "run.max_time_s=40", "--set", "run.eval_every=20",
+         "--set", "warmup.target_accuracy=0.2", "--set", "run.progress=plain"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "learn"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_accuracy"] >= summary["base_accuracy"] + 0.04, summary
+    recs = records(run_dir)
+    for key in ("step", "policy_version", "reward_mean", "loss", "ratio_mean", "ratio_max", "lag_hist",
+                "generation_busy_s", "generation_idle_s", "training_busy_s", "training_idle_s", "samples_per_s"):
+        assert key in recs[-1], key
+    assert [r["policy_version"] for r in recs] == list(range(1, len(recs) + 1))
+    assert all(int(lag) <= 1 for r in recs for lag in r["lag_hist"])  # depth 1 bounds the lag
+    assert "eval_accuracy" in recs[-1]
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert model.config.model_type == "qwen2"
+    assert "held-out accuracy" in result.stdout and "base" in result.stdout
+
+
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_depth0_first_step_is_exactly_on_policy(tiny_dir, tmp_path, transport):
+    result = nonstop(
+        ["train", *small_model_args(tiny_dir), "--set", "buffer.depth=0", "--set", "buffer.max_lag=0",
+         "--set", "run.max_steps=4", "--set", "run.name=d0", "--set", f"transport.kind={transport}",
+         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.max_new_tokens=6",
+         "--set", "task.max_operand=9", "--set", "task.eval_size=20", "--set", "trainer.lr=1e-2",
+         "--set", "task.reward=helpers:length_reward"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "d0"
+    recs = records(run_dir)
+    assert len(recs) == 4
+    for r in recs:  # depth 0: every token was sampled by the weights being trained
+        assert abs(r["ratio_min"] - 1) < 1e-4 and abs(r["ratio_max"] - 1) < 1e-4, r
+        assert set(r["lag_hist"]) == {"0"}
+    assert (run_dir / "config.yaml").is_file()
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert not torch.equal(final.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+
+
+def test_bad_dataset_rows_and_raising_reward_are_counted_not_fatal(tiny_dir, tmp_path):
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(3, json.dumps({"prompt": "1+1="}))  # no answer: line 4
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    result = nonstop(
+        ["train", *small_model_args(tiny_dir), "--set", "task.name=jsonl", "--set", "task.dataset_path=data.jsonl",
+         "--set", "task.eval_size=10", "--set", "task.reward=helpers:raising_reward", "--set", "run.max_steps=3",
+         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.prompts_per_step=4",
+         "--set", "run.name=bad"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "data.jsonl:4: missing field(s) answer; row skipped" in result.stdout
+    summary = json.loads((tmp_path / "runs" / "bad" / "summary.json").read_text())
+    assert summary["dataset_rows_skipped"] == 1
+    assert summary["reward_errors"]["reward_raised"] > 0
+    assert summary["drops"]["reward_error"] > 0
+    assert "reward server unavailable" in summary["last_reward_error"]
+    assert "reward errors" in result.stdout
+
+
+def test_reward_that_always_fails_stops_the_run_with_the_cause(tiny_dir, tmp_path):
+    result = nonstop(
+        ["train", *small_model_args(tiny_dir), "--set", "task.reward=helpers:always_raising_reward",
+         "--set", "task.max_operand=9", "--set", "task.eval_size=10", "--set", "task.max_consecutive_reward_failures=8"],
+        cwd=tmp_path, timeout_s=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "failed on 8 groups in a row" in result.stdout and "reward server is down" in result.stdout
+
+
+def test_killed_engine_ends_the_run_with_a_clear_message(tiny_dir, tmp_path):
+    t0 = time.monotonic()
+    result = nonstop(
+        ["train", *small_model_args(tiny_dir), "--set", "task.reward=helpers:kill_engine_reward",
+         "--set", "run.max_steps=50", "--set", "task.max_operand=9", "--set", "task.eval_size=10"],
+        cwd=tmp_path, timeout_s=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "run failed" in result.stdout
+    assert "actor 'engine'" in result.stdout and "killed by signal 9" in result.stdout
+    assert time.monotonic() - t0 < 120
+
+
+def test_misspelt_config_key_is_one_clear_error(tmp_path):
+    (tmp_path / "c.yaml").write_text("buffer:\n  depht: 2\n")
+    result = nonstop(["train", "c.yaml"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "buffer.depht: unknown field (did you mean 'depth'?)" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_command_prints_resolved_yaml(tmp_path):
+    result = nonstop(["config", "--set", "buffer.depth=3", "--set", "buffer.max_lag=4"], cwd=tmp_path)
+    assert result.returncode == 0
+    assert "depth: 3" in result.stdout and "max_lag: 4" in result.stdout
+
+
+@pytest.mark.slow
+def test_default_job_meets_the_acceptance_bar(tmp_path):
+    """`nonstop train` with no arguments: <= 5 minutes, held-out accuracy +30 points over the base."""
+    t0 = time.monotonic()
+    result = nonstop(["train"], cwd=tmp_path, timeout_s=900)
+    wall = time.monotonic() - t0
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
+    assert wall <= 300, wall
+    assert summary["final_accuracy"] - summary["base_accuracy"] >= 0.30, summary

@@ -1,0 +1,105 @@
+import pytest
+import torch
+
+from nonstop.engine.core import TorchEngine
+from nonstop.hf import load_model, load_tokenizer
+from nonstop.types import GenerationRequest, SamplingParams
+
+
+@pytest.fixture()
+def engine(tiny_dir):
+    tok = load_tokenizer(str(tiny_dir))
+    return TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id), tok
+
+
+def _full_logprobs(model, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1: -1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_behaviour_logprobs_are_those_of_the_tempered_distribution(engine):
+    eng, tok = engine
+    prompts = ["1+2=", "33+44=", "5=", "123+456="]  # ragged: exercises left padding
+    reqs = [GenerationRequest(i, tok(p)["input_ids"], 3, SamplingParams(6, 0.7, seed=1)) for i, p in enumerate(prompts)]
+    results = eng.generate(reqs)
+    assert [len(r) for r in results] == [3, 3, 3, 3]
+    for r in results:
+        for s in r:
+            assert len(s.completion_ids) == len(s.logprobs) == len(s.versions) == len(s.loss_mask)
+            expected = _full_logprobs(eng.model, s.prompt_ids, s.completion_ids, 0.7)
+            assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-4)
+            assert s.versions == [0] * len(s.completion_ids)
+
+
+def test_batched_greedy_equals_one_by_one(engine):
+    eng, tok = engine
+    prompts = ["1+2=", "33+44=", "5=", "123+456=", "9+9="]
+    params = SamplingParams(8, 0.0)
+    batched = eng.generate([GenerationRequest(i, tok(p)["input_ids"], 1, params) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        alone = eng.generate([GenerationRequest(0, tok(p)["input_ids"], 1, params)])
+        assert alone[0][0].completion_ids == batched[i][0].completion_ids
+
+
+def test_eos_stops_a_row_and_sets_finish_reason(engine):
+    eng, tok = engine
+    bias = torch.zeros(eng.model.config.vocab_size)
+    bias[tok.eos_token_id] = 1e4  # makes EOS the only likely token
+    handle = eng.model.lm_head.register_forward_hook(lambda m, i, o: o + bias)
+    try:
+        out = eng.generate([GenerationRequest(0, tok("1+1=")["input_ids"], 2, SamplingParams(5, 1.0))])
+    finally:
+        handle.remove()
+    assert all(s.finish_reason == "stop" and s.completion_ids == [tok.eos_token_id] for s in out[0])
+    long = eng.generate([GenerationRequest(0, tok("1+1=")["input_ids"], 1, SamplingParams(3, 0.0))])[0][0]
+    assert long.finish_reason in ("stop", "length") and len(long.completion_ids) <= 3
+
+
+class _SwapAfter:
+    """A real weight source: loads `new_state` after `k` forward passes (between two passes)."""
+
+    def __init__(self, new_state, k):
+        self.new_state, self.k, self.calls = new_state, k, 0
+
+    def maybe_update(self, model):
+        self.calls += 1
+        if self.calls == self.k + 1:
+            model.load_state_dict(self.new_state)
+            return 7
+        return None
+
+
+def _perturbed(tiny_dir):
+    other = load_model(str(tiny_dir))
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return other
+
+
+def test_weights_swap_mid_sequence_and_later_tokens_carry_new_version(engine, tiny_dir):
+    eng, tok = engine
+    old = load_model(str(tiny_dir))
+    eng.weights = _SwapAfter(_perturbed(tiny_dir).state_dict(), k=2)
+    prompt = tok("12+34=")["input_ids"]
+    s = eng.generate([GenerationRequest(0, prompt, 1, SamplingParams(6, 1.0, seed=0))])[0][0]
+    assert len(s.completion_ids) >= 3, "needs tokens after the swap"
+    assert s.versions[:2] == [0, 0] and all(v == 7 for v in s.versions[2:])
+    assert eng.policy_version == 7
+    # tokens before the swap keep the old weights' logprobs; later ones come from the new weights
+    # (over the kept KV cache, so they match neither model's full recompute exactly)
+    old_lp = _full_logprobs(old, prompt, s.completion_ids, 1.0)
+    assert torch.allclose(torch.tensor(s.logprobs[:2]), old_lp[:2], atol=1e-4)
+    assert not torch.allclose(torch.tensor(s.logprobs[2:]), old_lp[2:], atol=1e-2)
+
+
+def test_weights_received_before_the_first_pass_apply_to_every_token(engine, tiny_dir):
+    eng, tok = engine
+    new = _perturbed(tiny_dir)
+    eng.weights = _SwapAfter(new.state_dict(), k=0)
+    prompt = tok("12+34=")["input_ids"]
+    s = eng.generate([GenerationRequest(0, prompt, 1, SamplingParams(6, 1.0, seed=0))])[0][0]
+    assert set(s.versions) == {7}
+    assert torch.allclose(torch.tensor(s.logprobs), _full_logprobs(new, prompt, s.completion_ids, 1.0), atol=1e-4)

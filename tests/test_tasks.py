@@ -1,0 +1,65 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nonstop.config import TaskConfig
+from nonstop.tasks.data import DatasetError, PromptStream, addition_examples, load_task, read_jsonl
+from nonstop.tasks.tiny import VOCAB_SIZE, make_char_tokenizer
+
+
+def test_char_tokenizer_round_trips_text_with_spaces():
+    tok = make_char_tokenizer()
+    text = "Q: 07 + 45 = ?"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text) and len(tok) == VOCAB_SIZE
+    assert tok.decode(ids) == text
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_saved_tiny_model_loads_through_the_auto_classes(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    assert model.config.model_type == "qwen2" and model.config.vocab_size == VOCAB_SIZE
+    assert (tiny_dir / "model.safetensors").is_file()
+    assert tok("07+45=")["input_ids"] == make_char_tokenizer()("07+45=")["input_ids"]
+    out = model(torch.tensor([tok("1+1=")["input_ids"]]))
+    assert out.logits.shape == (1, 4, VOCAB_SIZE)
+
+
+def test_addition_splits_are_disjoint_and_zero_padded():
+    data = load_task(TaskConfig(max_operand=99, eval_size=500), seed=0)
+    assert len(data.eval) == 500 and len(data.train) == 100 * 100 - 500
+    assert not {e.prompt for e in data.eval} & {e.prompt for e in data.train}
+    assert all(len(e.prompt) == 6 for e in data.train)
+    assert ("07+45=", "52") in addition_examples(99)
+
+
+def test_jsonl_rows_without_answer_are_reported_and_skipped(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}, "not an object", {"prompt": "3+3=", "answer": 6}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n" + json.dumps({"prompt": "4+4=", "answer": "8"}))
+    pairs, report = read_jsonl(path)
+    assert pairs == [("1+1=", "2"), ("4+4=", "8")]
+    assert report.rows_read == 6 and report.rows_skipped == 4
+    assert any(":2: missing field(s) answer" in p for p in report.problems)
+    assert any(":5: not valid JSON" in p for p in report.problems)
+
+
+def test_jsonl_without_valid_rows_is_an_error(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(DatasetError, match="no valid row"):
+        read_jsonl(path)
+    with pytest.raises(DatasetError, match="not found"):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_prompt_stream_visits_each_prompt_once_per_epoch():
+    data = load_task(TaskConfig(max_operand=9, eval_size=10), seed=1)
+    stream = PromptStream(data.train, seed=3)
+    first = [stream.next().index for _ in range(len(data.train))]
+    second = [stream.next().index for _ in range(len(data.train))]
+    assert sorted(first) == sorted(second) == sorted(e.index for e in data.train)
+    assert first != second and stream.epoch == 1

@@ -1,0 +1,105 @@
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from nonstop.config import TransportConfig
+from nonstop.hf import load_model
+from nonstop.transport import TransportError, check_layout, model_layout, open_sink, open_source, plan_transport
+
+from helpers import connect_then_hang, receive_weights
+
+
+def _perturbed(model_dir, seed):
+    model = load_model(str(model_dir))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def _get(q, kind, timeout=120):
+    tag, value = q.get(timeout=timeout)
+    assert tag == kind, (tag, value)
+    return value
+
+
+@pytest.mark.parametrize("kind", ["shm", "broadcast"])
+def test_round_trip_exact_weights_across_processes(tiny_dir, kind):
+    trainer_model = load_model(str(tiny_dir))
+    handle = plan_transport(TransportConfig(kind=kind, bucket_mb=0.01, timeout_s=60), trainer_model, num_engines=1)
+    sink = open_sink(handle)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=receive_weights, args=(handle, str(tiny_dir), 1, 2, q))
+    child.start()
+    try:
+        sink.connect()  # broadcast: rendezvous with the child; shm: nothing to do
+        _get(q, "attached")
+        published = _perturbed(tiny_dir, seed=1)
+        sink.publish(_perturbed(tiny_dir, seed=9), 1)
+        sink.publish(published, 2)
+        seen, state = _get(q, "weights")
+        assert seen[-1] == 2 and seen == sorted(seen)
+        expected = published.state_dict()
+        assert state.keys() == expected.keys()
+        for name in expected:
+            assert torch.equal(torch.from_numpy(state[name]), expected[name]), name
+        assert len(handle.layout) == len(list(published.named_parameters()))  # tied weights sent once
+    finally:
+        child.join(timeout=30)
+        sink.close()
+    assert child.exitcode == 0
+
+
+def test_half_written_shm_slot_is_never_applied(tiny_dir):
+    trainer_model = _perturbed(tiny_dir, seed=2)
+    handle = plan_transport(TransportConfig(kind="shm"), trainer_model, 1)
+    sink = open_sink(handle)
+    engine_model = load_model(str(tiny_dir))
+    before = {k: v.clone() for k, v in engine_model.state_dict().items()}
+    source = open_source(handle, engine_model)
+    try:
+        assert source.maybe_update(engine_model) is None  # nothing published yet
+        sink.segment.stamps[1] = -1  # a writer is mid-way through slot 1
+        assert source.maybe_update(engine_model) is None
+        assert all(torch.equal(before[k], v) for k, v in engine_model.state_dict().items())
+        sink.publish(trainer_model, 1)
+        assert source.maybe_update(engine_model) == 1
+        assert torch.equal(engine_model.model.embed_tokens.weight, trainer_model.model.embed_tokens.weight)
+        assert source.maybe_update(engine_model) is None  # same version is not applied twice
+    finally:
+        source.close()
+        sink.close()
+
+
+def test_layout_mismatch_is_reported_by_name(tiny_dir):
+    from nonstop.config import TinyModelConfig
+    from nonstop.tasks.tiny import make_tiny_model
+
+    layout, _ = model_layout(load_model(str(tiny_dir)))
+    wider = make_tiny_model(TinyModelConfig(hidden_size=48, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64))
+    with pytest.raises(TransportError, match=r"trainer and engine parameters differ: .*embed_tokens.weight: trainer float32\[128, 32\] vs engine float32\[128, 48\]"):
+        check_layout(layout, wider)
+
+
+def test_silent_broadcast_peer_times_out_with_a_clear_error(tiny_dir):
+    model = load_model(str(tiny_dir))
+    handle = plan_transport(TransportConfig(kind="broadcast", timeout_s=3), model, 1)
+    sink = open_sink(handle)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=connect_then_hang, args=(handle, str(tiny_dir), 1, q), daemon=True)
+    child.start()
+    try:
+        sink.connect()
+        _get(q, "attached")
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=r"(engine rank\(s\) 1 did not confirm version 1 within 3 s)|(version 1 .*failed within 3 s)"):
+            sink.publish(model, 1)
+        assert time.monotonic() - t0 < 3 + 10
+    finally:
+        child.kill()
+        child.join()
