@@ -34,6 +34,8 @@ def test_addition_splits_are_disjoint_and_zero_padded():
     assert not {e.prompt for e in data.eval} & {e.prompt for e in data.train}
     assert all(len(e.prompt) == 6 for e in data.train)
     assert ("07+45=", "52") in addition_examples(99)
+    assert ("07+45=", "052") in addition_examples(99, pad_answer=True)
+    assert {len(a) for _, a in addition_examples(99, pad_answer=True)} == {3}
 
 
 def test_jsonl_rows_without_answer_are_reported_and_skipped(tmp_path):

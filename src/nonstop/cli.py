@@ -107,8 +107,14 @@ def train_cmd(config: str | None, overrides: tuple[str, ...]) -> None:
 @main.command("config")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
-def config_cmd(config: str | None, overrides: tuple[str, ...]) -> None:
+@click.option("--markdown", is_flag=True, help="Print the reference of every field instead.")
+def config_cmd(config: str | None, overrides: tuple[str, ...], markdown: bool) -> None:
     """Print the fully resolved config (defaults + CONFIG + overrides) as YAML."""
+    if markdown:
+        from nonstop.config import config_reference
+
+        click.echo(config_reference())
+        return
     try:
         click.echo(dump_config(load_config(config, overrides)), nl=False)
     except ConfigError as e:

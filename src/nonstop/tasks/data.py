@@ -2,7 +2,8 @@
 
 A task yields `Example(index, prompt, answer)` rows split into train and held-out (eval) sets.
 The addition task enumerates every pair (a, b) in 0..max_operand, zero-pads operands so that
-all prompts share one length ("07+45=" -> "52"), shuffles with the seed and holds out the first
+all prompts share one length ("07+45=" -> "52"; with `pad_answer` answers share one length too:
+"052"), shuffles with the seed and holds out the first
 `eval_size` pairs. A JSONL dataset is validated row by row: a row that is not an object, lacks
 `prompt` or `answer`, or holds non-string values is reported with its line number and skipped;
 the skips are counted in `DatasetReport`, never silent.
@@ -43,10 +44,10 @@ class TaskData:
     report: DatasetReport
 
 
-def addition_examples(max_operand: int) -> list[tuple[str, str]]:
-    width = len(str(max_operand))
+def addition_examples(max_operand: int, pad_answer: bool = False) -> list[tuple[str, str]]:
+    width, out_width = len(str(max_operand)), len(str(2 * max_operand))
     return [
-        (f"{a:0{width}d}+{b:0{width}d}=", str(a + b))
+        (f"{a:0{width}d}+{b:0{width}d}=", f"{a + b:0{out_width if pad_answer else 1}d}")
         for a in range(max_operand + 1)
         for b in range(max_operand + 1)
     ]
@@ -87,7 +88,7 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[str, str]], DatasetReport]:
 
 def load_task(cfg: TaskConfig, seed: int) -> TaskData:
     if cfg.name == "addition":
-        pairs, report = addition_examples(cfg.max_operand), DatasetReport()
+        pairs, report = addition_examples(cfg.max_operand, cfg.pad_answer), DatasetReport()
         report.rows_read = len(pairs)
     else:
         assert cfg.dataset_path is not None  # guaranteed by TaskConfig validation

@@ -1,0 +1,151 @@
+"""nonstop vs TRL's synchronous GRPOTrainer, side by side in one invocation.
+
+Same initial weights (a 3.05 M-parameter Qwen2: hidden 256, 4 layers, char vocab of 128, made
+on the fly and saved once), same task (two-operand addition) and exact-match reward, 16
+completions (2 prompts x 8) of at most 64 new tokens per step. Arms:
+
+- trl:      trl.GRPOTrainer (bf16=False, use_cpu=True, gradient_checkpointing=False), one
+            process with torch's default threads (both cores);
+- nonstop:  depth 0 (synchronous), depth 1 and depth 2, engine and trainer processes with one
+            thread each, filter_uniform_reward off so every generated sample is trained on.
+
+Each arm runs in its own subprocess; samples/s counts completions consumed by the trainer per
+second in steady state (from the end of the first step to the end of the last). Trainer idle
+is the fraction of that wall time the trainer was not computing (for TRL: time in generation).
+
+    python bench/vs_trl.py [--steps 40]        # needs the bench extra: pip install -e .[bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS, GROUP, MAX_NEW = 2, 8, 64
+
+
+def make_model(path: Path) -> int:
+    from nonstop.config import TinyModelConfig
+    from nonstop.tasks.tiny import count_parameters, make_char_tokenizer, make_tiny_model
+
+    cfg = TinyModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=640,
+                          max_position_embeddings=128)
+    model = make_tiny_model(cfg, seed=0)
+    model.save_pretrained(path)
+    make_char_tokenizer().save_pretrained(path)
+    return count_parameters(model)
+
+
+def run_trl(model_dir: str, steps: int, out: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from nonstop.config import TaskConfig
+    from nonstop.scorer import exact_match
+    from nonstop.tasks.data import load_task
+
+    data = load_task(TaskConfig(), seed=0)
+    ds = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in data.train[: PROMPTS * (steps + 2)]])
+
+    def reward(prompts, completions, answer, **_):
+        return [exact_match(c, a) for c, a in zip(completions, answer)]
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    args = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+        max_completion_length=MAX_NEW, max_steps=steps, learning_rate=3e-4, bf16=False, use_cpu=True,
+        gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=10**6,
+        disable_tqdm=True, seed=0, temperature=1.0,
+    )
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward,
+                          args=args, train_dataset=ds, processing_class=tok)
+    gen_s, ends = [0.0], []
+    inner = trainer._generate_and_score_completions
+
+    def timed(*a, **kw):  # a timer around TRL's own generation step, to split gen vs train time
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            if ends:  # steady state only: after the first step
+                gen_s[0] += time.perf_counter() - t0
+
+    trainer._generate_and_score_completions = timed
+
+    class Ends(TrainerCallback):
+        def on_step_end(self, *a, **kw):
+            ends.append(time.perf_counter())
+
+    trainer.add_callback(Ends())
+    trainer.train()
+    wall = ends[-1] - ends[0]
+    return {"samples_per_s": PROMPTS * GROUP * (len(ends) - 1) / wall, "trainer_idle": gen_s[0] / wall,
+            "steps": len(ends), "threads": torch.get_num_threads()}
+
+
+def run_nonstop(model_dir: str, steps: int, depth: int, out: str) -> dict:
+    from rich.console import Console
+
+    from nonstop.cli import run_training
+    from nonstop.config import load_config
+
+    cfg = load_config(overrides=[
+        f"model.path={model_dir}", "warmup.enabled=false", f"buffer.depth={depth}", f"buffer.max_lag={max(depth, 1)}",
+        f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", f"rollout.max_new_tokens={MAX_NEW}",
+        "rollout.filter_uniform_reward=false", "trainer.lr=3e-4", f"run.max_steps={steps}", "run.max_time_s=null",
+        f"run.eval_every={10**6}", "task.eval_size=16", f"run.out_dir={out}", "run.name=run", "run.progress=off",
+    ])
+    run_training(cfg, Console(quiet=True))
+    recs = [json.loads(x) for x in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
+    first, last = recs[0], recs[-1]
+    wall = last["time_s"] - first["time_s"]
+    trained = sum(r["samples_trained"] for r in recs[1:])
+    train_busy = last["training_busy_s"] - first["training_busy_s"]
+    return {"samples_per_s": trained / wall, "trainer_idle": max(0.0, 1 - train_busy / wall), "steps": len(recs),
+            "threads": "1 per process"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    if ns.arm:  # child: run one arm, print its JSON on the last line
+        with tempfile.TemporaryDirectory() as out:
+            res = run_trl(ns.model, ns.steps, out) if ns.arm == "trl" else run_nonstop(ns.model, ns.steps, int(ns.arm[-1]), out)
+        print(json.dumps(res))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "qwen2-3m"
+        n_params = make_model(model_dir)
+        print(f"model: Qwen2, {n_params / 1e6:.2f} M parameters; {PROMPTS} prompts x {GROUP} completions x "
+              f"<= {MAX_NEW} new tokens per step; {ns.steps} steps per arm", flush=True)
+        results = {}
+        for arm in ("trl", "depth0", "depth1", "depth2"):
+            env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
+            proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--model", str(model_dir), "--steps", str(ns.steps)],
+                                  capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                print(f"{arm}: failed\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}", flush=True)
+                continue
+            results[arm] = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"  {arm}: {results[arm]}", flush=True)
+    base = results.get("trl", {}).get("samples_per_s")
+    print(f"\n{'arm':<18}{'samples/s':>10}{'trainer idle':>14}{'vs TRL':>9}")
+    names = {"trl": "TRL GRPOTrainer", "depth0": "nonstop depth 0", "depth1": "nonstop depth 1", "depth2": "nonstop depth 2"}
+    for arm, r in results.items():
+        ratio = f"{r['samples_per_s'] / base:.2f}x" if base else "-"
+        print(f"{names[arm]:<18}{r['samples_per_s']:>10.1f}{r['trainer_idle']:>13.0%}{ratio:>9}")
+
+
+if __name__ == "__main__":
+    main()
