@@ -116,6 +116,7 @@ def run_nonstop(model_dir: str, steps: int, depth: int, out: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--arms", default="trl,depth0,depth1,depth2", help="comma-separated subset of arms")
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -130,7 +131,7 @@ def main() -> None:
         print(f"model: Qwen2, {n_params / 1e6:.2f} M parameters; {PROMPTS} prompts x {GROUP} completions x "
               f"<= {MAX_NEW} new tokens per step; {ns.steps} steps per arm", flush=True)
         results = {}
-        for arm in ("trl", "depth0", "depth1", "depth2"):
+        for arm in ns.arms.split(","):
             env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
             proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--model", str(model_dir), "--steps", str(ns.steps)],
                                   capture_output=True, text=True, env=env)

@@ -61,3 +61,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("a: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_yaml11_words_stay_strings_for_enums_and_work_for_booleans(tmp_path):
+    cfg = load_config(overrides=["run.progress=off", "warmup.enabled=no"])
+    assert cfg.run.progress == "off" and cfg.warmup.enabled is False
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  progress: off\n")
+    assert load_config(path).run.progress == "off"

@@ -11,7 +11,12 @@ def test_group_advantages_hand_computed():
     adv = group_advantages(rewards, "std")
     # group 0: mean 0.5, population std 0.5 -> +-1; group 1: all equal -> 0
     assert torch.allclose(adv, torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]), atol=1e-5)
-    assert torch.allclose(group_advantages(torch.tensor([[3.0, 1.0]]), "none"), torch.tensor([[1.0, -1.0]]))
+    assert torch.allclose(group_advantages(torch.tensor([[3.0, 1.0]]), "group_mean"), torch.tensor([[1.0, -1.0]]))
+    # batch: centre per group, divide by the std of all centred rewards: values +-1, +-0 -> std 0.5*sqrt(2)... computed:
+    centred = torch.tensor([[1.0, -1.0], [0.5, -0.5]])
+    expected = centred / centred.std(unbiased=False)
+    assert torch.allclose(group_advantages(torch.tensor([[3.0, 1.0], [1.0, 0.0]]), "batch"), expected, atol=1e-5)
+    assert expected[0, 0].item() == pytest.approx(1.0 / (0.625 ** 0.5), rel=1e-5)
 
 
 def test_on_policy_loss_is_minus_mean_advantage():

@@ -1,3 +1,6 @@
+import math
+
+import pytest
 import torch
 
 from nonstop.config import TrainerConfig, TransportConfig
@@ -68,3 +71,43 @@ def test_step_raises_the_probability_of_rewarded_completions(tiny_dir):
         after = (trainer.logprobs(batch) * batch["mask"]).sum(-1)
     adv = batch["advantages"]
     assert (after - before)[adv > 0].mean() > 0 > (after - before)[adv < 0].mean()
+
+
+def _stale_groups(tok, versions_per_sample):
+    from nonstop.types import Sample
+
+    samples = []
+    for j, versions in enumerate(versions_per_sample):
+        comp = tok("12")["input_ids"][: len(versions)]
+        samples.append(Sample(tok("1+1=")["input_ids"], comp, [-1.0] * len(comp), versions,
+                              "length" if j == 0 else "stop", reward=float(j % 2)))
+    return [Group(0, "1+1=", "2", samples)]
+
+
+def test_token_and_sample_rejection_and_overlong_filter_are_counted(tiny_dir):
+    tok = load_tokenizer(str(tiny_dir))
+    versions = [[3, 5], [5, 5], [2, 3], [5, 4]]  # trainer at version 5, max_lag 1
+    cases = [("token", {"rejected_tokens": 3, "rejected_samples": 0}), ("sample", {"rejected_tokens": 4, "rejected_samples": 2})]
+    for reject, expected in cases:
+        trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(), 1.0, tok.pad_token_id, max_lag=1, reject=reject)
+        trainer.policy_version = 5
+        m = trainer.step(_stale_groups(tok, versions))
+        assert {k: m[k] for k in expected} == expected, reject
+        assert m["tokens"] == 8 - expected["rejected_tokens"]
+        assert m["lag_hist"] == {"0": 4, "1": 1, "2": 2, "3": 1}
+    dapo = Trainer(load_model(str(tiny_dir)), TrainerConfig(loss="dapo"), 1.0, tok.pad_token_id)
+    m = dapo.step(_stale_groups(tok, [[0, 0]] * 4))
+    assert m["overlong_samples"] == 1 and m["tokens"] == 6
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"])
+def test_every_loss_trains_with_kl_and_entropy(tiny_dir, loss):
+    tok = load_tokenizer(str(tiny_dir))
+    engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id)
+    cfg = TrainerConfig(loss=loss, kl_coef=0.1, entropy_coef=0.01, correction="tis")
+    trainer = Trainer(load_model(str(tiny_dir)), cfg, 1.0, tok.pad_token_id)
+    groups = _rollouts(engine, tok, ["1+2=", "3+4="], temperature=1.0)
+    m1 = trainer.step(groups)
+    m2 = trainer.step(groups)
+    assert m1["kl_ref"] == pytest.approx(0.0, abs=1e-6) and m2["kl_ref"] > 0  # moved away from the reference
+    assert m1["entropy"] > 0 and math.isfinite(m2["loss"])

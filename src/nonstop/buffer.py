@@ -14,6 +14,8 @@ the trainer.
 
 `take()` returns the next `groups_per_step` groups whose oldest token is at most `max_lag`
 versions behind the trainer; every group dropped on the way is counted by reason in `drops`.
+With `max_lag=None` the buffer rejects nothing (rejection per sample or token is then the
+trainer's, which masks and counts).
 Nothing is dropped silently.
 """
 
@@ -27,7 +29,7 @@ from nonstop.types import Group
 
 
 class RolloutBuffer:
-    def __init__(self, groups_per_step: int, depth: int | None, max_lag: int, max_queued: int) -> None:
+    def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int) -> None:
         self.groups_per_step = groups_per_step
         self.depth = depth
         self.max_lag = max_lag
@@ -67,7 +69,7 @@ class RolloutBuffer:
         batch: list[Group] = []
         while len(batch) < self.groups_per_step:
             group = await self.queue.get()
-            if self.policy_version - group.min_version > self.max_lag:
+            if self.max_lag is not None and self.policy_version - group.min_version > self.max_lag:
                 await self.drop(group, "max_lag")
                 continue
             batch.append(group)

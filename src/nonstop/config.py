@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -115,7 +115,10 @@ class BufferConfig(_Section):
     depth: int | None = Field(1, ge=0)
     """Trainer steps of rollouts that may be generated ahead: 0 synchronous, 1 double buffer, K bounded, null unbounded stream."""
     max_lag: int = Field(2, ge=0)
-    """Groups whose oldest token is more than this many versions behind the trainer are dropped (counted)."""
+    """Rollouts whose tokens are more than this many versions behind the trainer are rejected (counted)."""
+    reject: Literal["group", "sample", "token"] = "group"
+    """Granularity of max-lag rejection: drop whole groups in the buffer, or mask lagging samples or
+    tokens out of the loss in the trainer (advantages still use the whole group)."""
     max_queued_groups: int = Field(4096, ge=1)
     """Hard bound on groups waiting in the buffer (back-pressure for the unbounded stream)."""
 
@@ -125,16 +128,63 @@ class TrainerConfig(_Section):
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
-    clip_eps: float = Field(0.2, gt=0.0)
-    """Lower clip range of the ratio: 1 - clip_eps."""
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"] = "grpo"
+    """Objective: grpo (per-sample mean), dr_grpo (no length/std normalisation), dapo (token mean,
+    clip-higher, overlong filter), gspo (sequence ratio), reinforce_pp (batch-normalised advantages)."""
+    advantage: Literal["group_std", "group_mean", "batch"] | None = None
+    """Advantage normalisation; None picks the loss's own (group_mean for dr_grpo, batch for reinforce_pp, else group_std)."""
+    clip_eps: float | None = Field(None, gt=0.0)
+    """Lower clip range of the ratio (1 - clip_eps); None: 0.2, or 3e-4 for gspo."""
     clip_eps_high: float | None = Field(None, gt=0.0)
-    """Upper clip range (1 + clip_eps_high); None means clip_eps (symmetric)."""
+    """Upper clip range (1 + clip_eps_high); None: clip_eps, or 0.28 for dapo and 4e-4 for gspo."""
+    correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "geo_tis", "geo_mis", "decoupled"] = "none"
+    """Off-policy importance-sampling correction against the behaviour logprobs (see trainer/correction.py)."""
+    is_cap: float = Field(2.0, ge=1.0)
+    """Truncation cap C of the *_tis corrections."""
+    is_lo: float = Field(0.5, gt=0.0, le=1.0)
+    """Lower bound of the *_mis corrections: weights below are masked."""
+    is_hi: float = Field(2.0, ge=1.0)
+    """Upper bound of the *_mis corrections: weights above are masked."""
+    overlong_filter: bool | None = None
+    """Leave completions cut at max_new_tokens out of the loss; None: on for dapo only."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of a KL penalty to the initial (reference) policy; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Sample estimator of the KL penalty."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of an entropy bonus."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
-    loss_norm: Literal["sequence", "token"] = "sequence"
-    """'sequence': mean over each completion, then over samples (GRPO); 'token': mean over all tokens (DAPO)."""
     logprob_chunk_rows: int = Field(64, ge=1)
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
+
+    @property
+    def advantage_mode(self) -> str:
+        return self.advantage or {"dr_grpo": "group_mean", "reinforce_pp": "batch"}.get(self.loss, "group_std")
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_eps if self.clip_eps is not None else (3e-4 if self.loss == "gspo" else 0.2)
+
+    @property
+    def clip_high(self) -> float:
+        if self.clip_eps_high is not None:
+            return self.clip_eps_high
+        return {"dapo": 0.28, "gspo": 4e-4}.get(self.loss, self.clip_low)
+
+    @property
+    def norm(self) -> str:
+        return {"grpo": "sequence", "dr_grpo": "constant"}.get(self.loss, "token")
+
+    @property
+    def filter_overlong(self) -> bool:
+        return self.overlong_filter if self.overlong_filter is not None else self.loss == "dapo"
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "TrainerConfig":
+        if self.is_lo >= self.is_hi:
+            raise ValueError(f"is_lo ({self.is_lo}) must be below is_hi ({self.is_hi})")
+        return self
 
 
 class TransportConfig(_Section):
@@ -173,6 +223,11 @@ class RunConfig(_Section):
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live display: rich on a terminal, plain lines otherwise."""
 
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return {False: "off", True: "auto"}.get(v, v) if isinstance(v, bool) else v
+
 
 class Config(_Section):
     model: ModelConfig = ModelConfig()
@@ -187,7 +242,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
-        if self.buffer.depth is not None and self.buffer.max_lag < self.buffer.depth:
+        if self.buffer.depth is not None and self.buffer.max_lag < self.buffer.depth and self.buffer.reject == "group":
             raise ValueError(
                 f"buffer.max_lag ({self.buffer.max_lag}) < buffer.depth ({self.buffer.depth}): "
                 "most groups would be generated only to be dropped; raise max_lag or lower depth"
@@ -234,6 +289,19 @@ def format_validation_error(err: ValidationError) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
+_YAML11_WORDS = {"on", "off", "yes", "no", "y", "n"}
+
+
+def _parse_value(raw: str) -> Any:
+    """An override value as a YAML scalar, except YAML 1.1's on/off/yes/no, which stay strings
+    (so `run.progress=off` means 'off'; boolean fields still accept them through pydantic)."""
+    if not raw.strip():
+        return None
+    if raw.strip().lower() in _YAML11_WORDS:
+        return raw.strip()
+    return yaml.safe_load(raw)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read YAML (optional), apply `a.b=c` overrides, validate. Raises ConfigError."""
     tree: dict[str, Any] = {}
@@ -251,7 +319,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-4")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        _set_dotted(tree, key.strip(), _parse_value(raw))
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

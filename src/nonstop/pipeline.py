@@ -72,8 +72,7 @@ def step_record(run: Run, step: int, version: int, groups: list, metrics: dict[s
     return {
         "step": step, "policy_version": version, "time_s": round(wall, 3),
         "reward_mean": sum(rewards) / max(len(rewards), 1),
-        **{k: metrics[k] for k in ("loss", "ratio_mean", "ratio_min", "ratio_max", "clip_frac", "mismatch_kl",
-                                   "grad_norm", "lag_hist", "tokens", "train_s", "publish_s")},
+        **{k: v for k, v in metrics.items() if k != "samples"},
         "samples_trained": metrics["samples"], "samples_generated": run.stats.samples,
         "samples_per_s": run.stats.samples / wall if wall > 0 else 0.0,
         "generation_busy_s": round(busy["generation"], 3), "generation_idle_s": round(max(0.0, wall - busy["generation"]), 3),
@@ -95,11 +94,12 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         engine, trainer = await asyncio.gather(
             backend.spawn("engine", EngineWorker, str(base_model), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed),
             backend.spawn("trainer", TrainerWorker, str(base_model), cfg.trainer, cfg.rollout.temperature,
-                          tok.pad_token_id, cfg.run.seed),
+                          tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject),
         )
         handle = await trainer.call("plan_transport", cfg.transport, 1)
         await asyncio.gather(trainer.call("connect_transport"), engine.call("connect_transport", handle, 1))
-        buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth, cfg.buffer.max_lag, cfg.buffer.max_queued_groups)
+        buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
+                               cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups)
         run = Run(cfg, data, codec, engine, trainer, buffer, FunctionScorer(resolve_reward(cfg.task.reward)), Clock(),
                   RolloutStats(), JsonlSink(run_dir / "metrics.jsonl"), progress)
         base_accuracy = await run.eval()

@@ -1,43 +1,55 @@
 """The Trainer: one policy-gradient step on a batch of groups, then a new policy_version.
 
 `Trainer.step(groups)`:
-1. advantages per group from the rewards (group mean, optionally divided by group std);
-2. one forward pass over prompt + completion (right padding, attention mask, no cache), token
-   logprobs of the completion tokens under the same temperature the engine sampled with;
-3. the clipped GRPO loss with the per-token ratio against the behaviour logprobs;
-4. backward, global grad-norm clip, AdamW; policy_version += 1.
-It reports loss and ratio statistics, the per-token lag histogram (lag = the trainer's version
-before the step minus the token's version) and sizes. Publishing is the worker's job.
+1. advantages per group from the rewards (`trainer.advantage`, defaulting per loss);
+2. the loss mask: completion tokens, minus truncated samples under the overlong filter, minus
+   samples or tokens older than `max_lag` when rejection is per sample or per token (counted);
+3. one forward pass over prompt + completion (right padding, attention mask, no cache), token
+   logprobs of the completion tokens under the engine's sampling temperature;
+4. importance weights of the off-policy correction against the behaviour logprobs, the loss of
+   `trainer.loss`, optional KL to the reference (initial) policy and entropy bonus;
+5. backward, global grad-norm clip, AdamW; policy_version += 1.
+Reported: loss, ratio and correction statistics, the mismatch KL between behaviour and trainer
+logprobs, the per-token lag histogram (lag = version before the step - token version), and
+rejections. Publishing the weights is the worker's job.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import torch
 
 from nonstop.config import TrainerConfig
-from nonstop.trainer.losses import clipped_policy_loss, group_advantages, token_logprobs
+from nonstop.trainer.correction import is_weights
+from nonstop.trainer.losses import clipped_policy_loss, group_advantages, gspo_loss, kl_penalty, masked_mean, token_logprobs
 from nonstop.types import Group
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float, pad_token_id: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float, pad_token_id: int,
+        max_lag: int | None = None, reject: str = "group",
+    ) -> None:
         self.model = model.train()
         self.cfg = cfg
         self.temperature = temperature
         self.pad_token_id = pad_token_id
+        self.max_lag = max_lag
+        self.reject = reject
         self.policy_version = 0
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
         )
 
     def _batch(self, groups: list[Group]) -> dict[str, torch.Tensor]:
         samples = [s for g in groups for s in g.samples]
-        rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
         widths = {len(g.samples) for g in groups}
         if len(widths) != 1:
             raise ValueError(f"groups of different sizes in one batch: {sorted(widths)}")
+        rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)  # (G, n)
         seqs = [s.prompt_ids + s.completion_ids for s in samples]
         B, L = len(seqs), max(len(x) for x in seqs)
         T = max(len(s.completion_ids) for s in samples)
@@ -58,39 +70,79 @@ class Trainer:
             behaviour[b, :C] = torch.tensor(s.logprobs)
             mask[b, :C] = torch.tensor(s.loss_mask, dtype=torch.bool)
             versions[b, :C] = torch.tensor(s.versions)
-        adv = group_advantages(rewards, "std").reshape(-1)  # (B,)
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        adv = group_advantages(rewards, self.cfg.advantage_mode).reshape(-1)  # (B,)
         return dict(ids=ids, attn=attn, gather_pos=gather_pos, targets=targets, behaviour=behaviour,
-                    mask=mask, versions=versions, advantages=adv, rewards=rewards.reshape(-1))
+                    mask=mask, versions=versions, advantages=adv, truncated=truncated)
 
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Current policy's logprobs of the completion tokens: (B, T)."""
-        hidden = self.model.get_decoder()(
+    def logprobs(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None, with_entropy: bool = False):
+        """Logprobs (B, T) of the completion tokens under `model` (default: the policy)."""
+        model = model or self.model
+        hidden = model.get_decoder()(
             input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False
         ).last_hidden_state  # (B, L, H)
         idx = batch["gather_pos"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (B, T, H)
-        picked = hidden.gather(1, idx)  # (B, T, H)
-        return token_logprobs(
-            picked, self.model.get_output_embeddings(), batch["targets"], self.temperature, self.cfg.logprob_chunk_rows
-        )
+        return token_logprobs(hidden.gather(1, idx), model.get_output_embeddings(), batch["targets"],
+                              self.temperature, self.cfg.logprob_chunk_rows, with_entropy)
+
+    def _loss_mask(self, batch: dict[str, torch.Tensor], lag: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+        mask = batch["mask"].clone()
+        counts = {"overlong_samples": 0, "rejected_samples": 0, "rejected_tokens": 0}
+        if self.cfg.filter_overlong:
+            counts["overlong_samples"] = int(batch["truncated"].sum())
+            mask &= ~batch["truncated"].unsqueeze(-1)
+        if self.max_lag is not None and self.reject in ("sample", "token"):
+            stale = (lag > self.max_lag) & mask  # (B, T)
+            if self.reject == "sample":
+                stale_rows = stale.any(-1)
+                counts["rejected_samples"] = int(stale_rows.sum())
+                stale = stale_rows.unsqueeze(-1) & mask
+            counts["rejected_tokens"] = int(stale.sum())
+            mask &= ~stale
+        return mask, counts
 
     def step(self, groups: list[Group]) -> dict[str, float | int | dict]:
+        cfg = self.cfg
         batch = self._batch(groups)
-        logp = self.logprobs(batch)
-        loss, stats = clipped_policy_loss(
-            logp, batch["behaviour"], batch["advantages"], batch["mask"],
-            self.cfg.clip_eps, self.cfg.clip_eps_high, self.cfg.loss_norm,
-        )
+        lag = self.policy_version - batch["versions"]  # (B, T)
+        mask, counts = self._loss_mask(batch, lag)
+        out = self.logprobs(batch, with_entropy=cfg.entropy_coef > 0)
+        logp, entropy = out if cfg.entropy_coef > 0 else (out, None)
+        prox = logp.detach()  # proximal policy: one optimizer step per batch, so pi_prox = pi_theta now
+        weights, is_stats = is_weights(prox, batch["behaviour"], mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
+        old = batch["behaviour"] if cfg.correction == "none" else prox
+        if cfg.loss == "gspo":
+            loss, stats = gspo_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high, weights)
+        else:
+            loss, stats = clipped_policy_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high,
+                                              cfg.norm, weights)  # type: ignore[arg-type]
+        extra: dict[str, float] = {}
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self.logprobs(batch, self.reference)
+            kl = masked_mean(kl_penalty(logp, ref, cfg.kl_estimator), mask, cfg.norm)  # type: ignore[arg-type]
+            loss = loss + cfg.kl_coef * kl
+            extra["kl_ref"] = float(kl.detach())
+        if entropy is not None:
+            ent = masked_mean(entropy, mask, cfg.norm)  # type: ignore[arg-type]
+            loss = loss - cfg.entropy_coef * ent
+            extra["entropy"] = float(ent.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
-        lags = (self.policy_version - batch["versions"])[batch["mask"]]
+        sel = batch["mask"]
+        d = (batch["behaviour"] - prox)[sel]  # log mu - log pi
         self.policy_version += 1
         return {
             "loss": float(loss.detach()),
             **{k: float(v) for k, v in stats.items()},
+            **{k: float(v) for k, v in is_stats.items()},
+            "mismatch_kl": float(d.mean()) if d.numel() else 0.0,  # k1 estimate of KL(mu || pi)
+            "mismatch_kl_k3": float((torch.exp(-d) + d - 1).mean()) if d.numel() else 0.0,
+            **extra, **counts,
             "grad_norm": float(grad_norm),
-            "lag_hist": {str(k): v for k, v in sorted(Counter(lags.tolist()).items())},
+            "lag_hist": {str(k): v for k, v in sorted(Counter(lag[sel].tolist()).items())},
             "samples": int(batch["ids"].shape[0]),
-            "tokens": int(batch["mask"].sum()),
+            "tokens": int(mask.sum()),
         }

@@ -1,8 +1,18 @@
-"""Pure tensor functions of the policy-gradient objective. No model, no state.
+"""Pure tensor functions of the policy-gradient objectives. No model, no state.
 
 Shapes: B samples, T completion positions (padded), V vocabulary, G groups of n samples.
-`mask` is True on completion tokens that the loss counts (padding and environment-written
-tokens are False).
+`mask` is True on completion tokens the loss counts (padding, environment-written tokens and
+rejected tokens are False). `old_logp` is the logprob the ratio is taken against: the behaviour
+logprob for plain GRPO, the proximal (trainer, start of step) logprob under a correction.
+`weights` (B, T) are detached importance weights from `correction.is_weights` (1 = none).
+
+Loss family (config `trainer.loss`):
+- grpo         : token ratio, clip [1-eps, 1+eps_high], mean per sample then over samples;
+- dr_grpo      : as grpo without length normalisation: sum over tokens / (B x T_max);
+- dapo         : token-level normalisation (mean over all tokens), clip-higher; the trainer
+                 also drops truncated (overlong) samples from the loss;
+- gspo         : one ratio per sequence, exp(mean_t log ratio_t), clipped per sequence;
+- reinforce_pp : as dapo's token normalisation, with batch-normalised advantages.
 """
 
 from __future__ import annotations
@@ -11,69 +21,134 @@ from typing import Literal
 
 import torch
 
+LossType = Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"]
+AdvantageMode = Literal["group_std", "group_mean", "batch"]
+KLEstimator = Literal["k1", "k2", "k3"]
 
-def group_advantages(rewards: torch.Tensor, scale: Literal["std", "none"] = "std", eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: reward minus its group mean, divided by the group std when `scale` is 'std'.
 
-    rewards: (G, n) -> (G, n). A group whose rewards are all equal gets zero advantages.
+def group_advantages(rewards: torch.Tensor, mode: AdvantageMode | Literal["std", "none"] = "group_std", eps: float = 1e-6) -> torch.Tensor:
+    """Advantages from rewards (G, n) -> (G, n).
+
+    group_std : (r - group mean) / group std   (GRPO)
+    group_mean: r - group mean                   (Dr. GRPO: no std normalisation)
+    batch     : (r - group mean) / batch std     (REINFORCE++ style global normalisation)
+    A group whose rewards are all equal gets zero advantages in every mode.
     """
     centred = rewards - rewards.mean(dim=-1, keepdim=True)  # (G, n)
-    if scale == "none":
+    if mode in ("group_mean", "none"):
         return centred
+    if mode == "batch":
+        return centred / (centred.std(unbiased=False) + eps)
     return centred / (rewards.std(dim=-1, keepdim=True, unbiased=False) + eps)
 
 
 def token_logprobs(
-    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 64
-) -> torch.Tensor:
-    """log softmax(head(hidden) / temperature) at `targets`, computed `chunk_rows` rows at a time.
+    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
+    chunk_rows: int = 64, with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(head(hidden) / temperature) at `targets`, `chunk_rows` rows at a time.
 
-    hidden: (B, T, H); targets: (B, T) -> (B, T). Only one chunk's (rows, T, V) logits exist at
-    once, so peak memory does not grow with B x T x V.
+    hidden: (B, T, H); targets: (B, T) -> (B, T) [and the entropy (B, T) of each distribution].
+    Only one chunk's (rows, T, V) logits exist at once, so peak memory does not grow with B x T x V.
     """
-    out = []
+    out, ent = [], []
     for h, t in zip(hidden.split(chunk_rows), targets.split(chunk_rows)):
-        logits = head(h).float() / temperature  # (b, T, V)
-        out.append(torch.log_softmax(logits, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1))  # (b, T)
-    return torch.cat(out)
+        logp_all = torch.log_softmax(head(h).float() / temperature, dim=-1)  # (b, T, V)
+        out.append(logp_all.gather(-1, t.unsqueeze(-1)).squeeze(-1))  # (b, T)
+        if with_entropy:
+            ent.append(-(logp_all.exp() * logp_all).sum(-1))  # (b, T)
+    logp = torch.cat(out)
+    return (logp, torch.cat(ent)) if with_entropy else logp
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, norm: Literal["sequence", "token", "constant"]) -> torch.Tensor:
+    """Reduce per-token values (B, T) to a scalar: per sample then over samples, over all tokens,
+    or summed and divided by the constant B x T (no length normalisation)."""
+    m = mask.to(x.dtype)
+    if norm == "sequence":
+        return ((x * m).sum(-1) / m.sum(-1).clamp_min(1.0)).mean()
+    if norm == "token":
+        return (x * m).sum() / m.sum().clamp_min(1.0)
+    return (x * m).sum() / (x.shape[0] * x.shape[1])
 
 
 def clipped_policy_loss(
     logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
+    old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
-    norm: Literal["sequence", "token"] = "sequence",
+    norm: Literal["sequence", "token", "constant"] = "sequence",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO's clipped surrogate with the per-token ratio against the behaviour logprobs.
+    """PPO/GRPO clipped surrogate with a per-token ratio.
 
-    logp, behaviour_logp: (B, T); advantages: (B,); mask: (B, T) bool.
-    ratio_t = exp(logp_t - behaviour_logp_t); per token: -min(ratio_t A, clip(ratio_t, 1-eps, 1+eps_high) A).
-    norm 'sequence': mean over each sample's tokens, then over samples; 'token': mean over all tokens.
+    logp, old_logp: (B, T); advantages: (B,); mask: (B, T) bool; weights: (B, T) or None.
+    ratio_t = exp(logp_t - old_logp_t); per token: -w_t min(ratio_t A, clip(ratio_t, 1-eps, 1+eps_high) A).
     Returns the scalar loss and detached statistics over masked tokens.
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    m = mask.to(logp.dtype)  # (B, T)
-    ratio = torch.exp(logp - behaviour_logp)  # (B, T)
+    ratio = torch.exp(logp - old_logp)  # (B, T)
     adv = advantages.unsqueeze(-1)  # (B, 1)
     unclipped = ratio * adv  # (B, T)
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * adv  # (B, T)
     per_token = -torch.minimum(unclipped, clipped)  # (B, T)
-    if norm == "sequence":
-        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp_min(1.0)).mean()
-    else:
-        loss = (per_token * m).sum() / m.sum().clamp_min(1.0)
+    if weights is not None:
+        per_token = per_token * weights
+    loss = masked_mean(per_token, mask, norm)
+    return loss, _ratio_stats(ratio, clipped < unclipped, mask)
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 3e-4,
+    clip_eps_high: float | None = 4e-4,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: one ratio per sequence, s = exp(mean_t (logp_t - old_logp_t)), clipped per sequence.
+
+    logp, old_logp: (B, T); advantages: (B,); mask: (B, T). Per sample: -min(s A, clip(s) A);
+    mean over samples. `weights` (B, T) are reduced to one weight per sample by their mean.
+    """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    m = mask.to(logp.dtype)
+    n = m.sum(-1).clamp_min(1.0)  # (B,)
+    s = torch.exp(((logp - old_logp) * m).sum(-1) / n)  # (B,)
+    unclipped = s * advantages  # (B,)
+    clipped = s.clamp(1.0 - clip_eps, 1.0 + high) * advantages  # (B,)
+    per_seq = -torch.minimum(unclipped, clipped)  # (B,)
+    if weights is not None:
+        per_seq = per_seq * (weights * m).sum(-1) / n
+    has_tokens = (m.sum(-1) > 0).to(logp.dtype)
+    loss = (per_seq * has_tokens).sum() / has_tokens.sum().clamp_min(1.0)
+    token_ratio = torch.exp(logp - old_logp)
+    stats = _ratio_stats(token_ratio, (clipped < unclipped).unsqueeze(-1).expand_as(mask), mask)
+    return loss, stats
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi: (B, T) -> (B, T).
+
+    k1 = log pi - log ref; k2 = (log pi - log ref)^2 / 2; k3 = ref/pi - log(ref/pi) - 1 (>= 0).
+    """
+    d = logp - ref_logp
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return torch.exp(-d) + d - 1.0
+
+
+def _ratio_stats(ratio: torch.Tensor, was_clipped: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         sel = mask.bool()
+        if not sel.any():
+            one, zero = torch.tensor(1.0), torch.tensor(0.0)
+            return {"ratio_mean": one, "ratio_min": one, "ratio_max": one, "clip_frac": zero}
         r = ratio[sel]
-        was_clipped = (clipped < unclipped)[sel]
-        stats = {
-            "ratio_mean": r.mean() if r.numel() else torch.tensor(1.0),
-            "ratio_min": r.min() if r.numel() else torch.tensor(1.0),
-            "ratio_max": r.max() if r.numel() else torch.tensor(1.0),
-            "clip_frac": was_clipped.float().mean() if r.numel() else torch.tensor(0.0),
-            "mismatch_kl": (behaviour_logp - logp)[sel].mean() if r.numel() else torch.tensor(0.0),
-        }
-    return loss, stats
+        return {"ratio_mean": r.mean(), "ratio_min": r.min(), "ratio_max": r.max(),
+                "clip_frac": was_clipped[sel].float().mean()}

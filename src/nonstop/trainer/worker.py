@@ -19,10 +19,11 @@ from nonstop.types import Group, StepResult, TransportHandle
 
 
 class TrainerWorker:
-    def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0):
+    def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0,
+                 max_lag: int | None = None, reject: str = "group"):
         torch.manual_seed(seed)
         self.model_path = model_path
-        self.trainer = Trainer(load_model(model_path), cfg, temperature, pad_token_id)
+        self.trainer = Trainer(load_model(model_path), cfg, temperature, pad_token_id, max_lag, reject)
         self.sink: WeightSink | None = None
         self.busy_s = 0.0
 
