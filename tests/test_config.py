@@ -69,3 +69,12 @@ def test_yaml11_words_stay_strings_for_enums_and_work_for_booleans(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("run:\n  progress: off\n")
     assert load_config(path).run.progress == "off"
+
+
+def test_example_configs_validate():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        load_config(path, ["model.path=x"] if "own_model" in path.name else [])
