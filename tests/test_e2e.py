@@ -55,14 +55,16 @@ def test_short_run_learns(tmp_path):
     assert "held-out accuracy" in result.stdout and "base" in result.stdout
 
 
-@pytest.mark.parametrize("transport", ["shm", "broadcast"])
-def test_depth0_first_step_is_exactly_on_policy(tiny_dir, tmp_path, transport):
+@pytest.mark.parametrize("transport,sampling", [("shm", []), ("broadcast", []),
+                                                ("shm", ["--set", "rollout.top_k=6", "--set", "rollout.top_p=0.9"])])
+def test_depth0_first_step_is_exactly_on_policy(tiny_dir, tmp_path, transport, sampling):
+    """Depth 0: ratio 1 on every step; with top-k/top-p only because the trainer replays the kept sets."""
     result = nonstop(
         ["train", *small_model_args(tiny_dir), "--set", "buffer.depth=0", "--set", "buffer.max_lag=0",
          "--set", "run.max_steps=4", "--set", "run.name=d0", "--set", f"transport.kind={transport}",
          "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.max_new_tokens=6",
          "--set", "task.max_operand=9", "--set", "task.eval_size=20", "--set", "trainer.lr=1e-2",
-         "--set", "task.reward=helpers:length_reward"],
+         "--set", "task.reward=helpers:length_reward", *sampling],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr

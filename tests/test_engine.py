@@ -103,3 +103,40 @@ def test_weights_received_before_the_first_pass_apply_to_every_token(engine, tin
     s = eng.generate([GenerationRequest(0, prompt, 1, SamplingParams(6, 1.0, seed=0))])[0][0]
     assert set(s.versions) == {7}
     assert torch.allclose(torch.tensor(s.logprobs), _full_logprobs(new, prompt, s.completion_ids, 1.0), atol=1e-4)
+
+
+def _tempered_logits(model, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        return model(ids).logits[0, len(prompt) - 1: -1] / temperature  # (C, V)
+
+
+@pytest.mark.parametrize("kw", [{"top_k": 5}, {"top_p": 0.6}, {"min_p": 0.3}, {"top_k": 8, "top_p": 0.7}])
+def test_sampling_mask_records_the_truncation_actually_applied(engine, kw):
+    eng, tok = engine
+    prompt = tok("21+13=")["input_ids"]
+    params = SamplingParams(6, 0.8, seed=3, **kw)
+    for s in eng.generate([GenerationRequest(0, prompt, 4, params)])[0]:
+        assert s.sampling_mask is not None and len(s.sampling_mask) == len(s.completion_ids)
+        scaled = _tempered_logits(eng.model, prompt, s.completion_ids, 0.8)
+        for t, (kept, tok_id, lp) in enumerate(zip(s.sampling_mask, s.completion_ids, s.logprobs)):
+            probs = torch.softmax(scaled[t], -1)
+            order = probs.argsort(descending=True).tolist()
+            if "top_k" in kw:
+                assert set(kept) <= set(order[: kw["top_k"]])
+            if kw.get("top_p") is not None and "top_k" not in kw:
+                n = len(kept)
+                assert set(kept) == set(order[:n])  # a prefix of the sorted distribution
+                assert probs[order[: n - 1]].sum() < kw["top_p"] <= probs[order[:n]].sum() + 1e-6
+            if "min_p" in kw:
+                assert set(kept) == set((probs >= kw["min_p"] * probs.max()).nonzero().squeeze(-1).tolist())
+            assert tok_id in kept
+            # behaviour logprob: the tempered distribution renormalised over the kept set
+            expected = scaled[t, tok_id] - torch.logsumexp(scaled[t, kept], -1)
+            assert abs(lp - expected.item()) < 1e-4
+
+
+def test_no_truncation_records_no_mask(engine):
+    eng, tok = engine
+    s = eng.generate([GenerationRequest(0, tok("1+1=")["input_ids"], 1, SamplingParams(3, 1.0))])[0][0]
+    assert s.sampling_mask is None

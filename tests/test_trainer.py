@@ -111,3 +111,29 @@ def test_every_loss_trains_with_kl_and_entropy(tiny_dir, loss):
     m2 = trainer.step(groups)
     assert m1["kl_ref"] == pytest.approx(0.0, abs=1e-6) and m2["kl_ref"] > 0  # moved away from the reference
     assert m1["entropy"] > 0 and math.isfinite(m2["loss"])
+
+
+def test_keep_sampling_mask_replays_the_engine_support(tiny_dir):
+    tok = load_tokenizer(str(tiny_dir))
+    engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id)
+    trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(), temperature=0.9, pad_token_id=tok.pad_token_id)
+    reqs = [GenerationRequest(i, tok(p)["input_ids"], 4, SamplingParams(5, 0.9, seed=i, top_k=4, top_p=0.9))
+            for i, p in enumerate(["1+2=", "33+44="])]
+    groups = [Group(i, "p", "a", samples) for i, samples in enumerate(engine.generate(reqs))]
+    batch = trainer._batch(groups)
+    m = batch["mask"]
+    with torch.no_grad():
+        kept_lp = trainer.logprobs(batch)
+        full_lp = trainer.logprobs({**batch, "keep": None})
+    # renormalisation: log p_kept(a) = log p(a) - log sum_{k in kept} p(k), checked against a plain forward
+    s = groups[0].samples[0]
+    with torch.no_grad():
+        logits = trainer.model(torch.tensor([s.prompt_ids + s.completion_ids])).logits[0] / 0.9
+    P = len(s.prompt_ids)
+    for t, kept in enumerate(s.sampling_mask):
+        full = torch.log_softmax(logits[P - 1 + t], -1)
+        expected = full[s.completion_ids[t]] - torch.logsumexp(full[kept], -1)
+        assert abs(kept_lp[0, t].item() - expected.item()) < 1e-5
+        assert abs(full_lp[0, t].item() - full[s.completion_ids[t]].item()) < 1e-5
+    assert torch.allclose(kept_lp[m], batch["behaviour"][m], atol=1e-4)  # ratio 1 on policy
+    assert not torch.allclose(full_lp[m], batch["behaviour"][m], atol=1e-3)  # without the mask it is not

@@ -104,6 +104,12 @@ class RolloutConfig(_Section):
     """Longest completion in tokens."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature; behaviour logprobs are those of the tempered distribution."""
+    top_k: int = Field(0, ge=0)
+    """Sample from the k most likely tokens (0: off). The kept set is recorded and replayed by the trainer."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass (1.0: off). The kept set is recorded and replayed by the trainer."""
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    """Keep tokens with probability >= min_p x the top token's (0.0: off)."""
     filter_uniform_reward: bool = True
     """Drop (and count) groups whose samples all scored the same: they carry no GRPO signal. The
     engine generates more prompts to fill the step (DAPO's dynamic sampling)."""
@@ -210,7 +216,7 @@ class RuntimeConfig(_Section):
 class RunConfig(_Section):
     max_steps: int = Field(1000, ge=1)
     """Trainer steps (each publishes policy_version + 1)."""
-    max_time_s: float | None = Field(150.0, gt=0.0)
+    max_time_s: float | None = Field(190.0, gt=0.0)
     """Stop RL after this many seconds of wall time (None: only max_steps)."""
     eval_every: int = Field(25, ge=1)
     """Measure held-out accuracy every this many steps (greedy decoding on the engine)."""

@@ -51,7 +51,7 @@ async def produce(
     engine: ActorHandle, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
     codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int,
 ) -> None:
-    params = SamplingParams(cfg.max_new_tokens, cfg.temperature)
+    params = SamplingParams(cfg.max_new_tokens, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
     while True:
         k = await buffer.admit(cfg.prompts_per_step)
         examples = [stream.next() for _ in range(k)]

@@ -7,7 +7,9 @@ cross process boundaries by pickling, so they hold plain Python lists, not tenso
 Invariants of a `Sample`: `completion_ids`, `logprobs`, `versions` and `loss_mask` have one
 entry per completion token; `logprobs[t]` is the behaviour logprob log mu(a_t) of the
 distribution the engine actually sampled from (after temperature); `versions[t]` is the
-policy_version of the weights that produced token t.
+policy_version of the weights that produced token t. When the engine truncated the distribution
+(top-k / top-p / min-p), `sampling_mask[t]` lists the token ids it kept, and `logprobs[t]` is
+normalised over exactly that set.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    """Keep the k most likely tokens (0: off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1.0: off)."""
+    min_p: float = 0.0
+    """Keep tokens with probability >= min_p x the most likely token's (0.0: off)."""
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 @dataclass(slots=True)
@@ -47,6 +59,9 @@ class Sample:
     versions: list[int]
     finish_reason: FinishReason
     loss_mask: list[bool] = field(default_factory=list)
+    sampling_mask: list[list[int]] | None = None
+    """Keep Sampling Mask: when top-k/top-p/min-p truncated the distribution, the sorted ids of the
+    tokens kept at each completion position (the support the behaviour logprob is normalised over)."""
     reward: float = 0.0
     text: str = ""
 

@@ -10,8 +10,9 @@ Contract of `TorchEngine.generate(requests)`:
   gets them, every token sampled afterwards carries the new policy_version, while tokens
   already sampled keep the version and behaviour logprob they were sampled with;
 - the behaviour logprob of a token is log-softmax(logits / temperature) at that token, i.e.
-  of the distribution actually sampled from; for greedy decoding (temperature 0) it is the
-  untempered log-softmax.
+  of the distribution actually sampled from; with top-k / top-p / min-p the distribution is
+  renormalised over the kept tokens, and their ids are recorded per token (`sampling_mask`);
+  for greedy decoding (temperature 0) it is the untempered log-softmax.
 """
 
 from __future__ import annotations
@@ -22,6 +23,25 @@ import torch
 from transformers import DynamicCache
 
 from nonstop.types import GenerationRequest, Sample
+
+
+def keep_mask(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Tokens kept by top-k, top-p and min-p together: (B, V) tempered logits -> (B, V) bool.
+
+    The most likely token is always kept, so the kept set is never empty."""
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if top_k > 0 and top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        keep &= scaled >= kth
+    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)  # top-p sees the top-k renormalised
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # probability mass strictly ahead of each token
+        keep_sorted = before < top_p
+        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max(dim=-1, keepdim=True).values
+    return keep
 
 
 class WeightSource(Protocol):
@@ -74,10 +94,10 @@ class TorchEngine:
         # is seeded by the seed of its first request (per-row generators would cost a sampling
         # call per row).
         results: list[list[Sample]] = [[] for _ in requests]
-        by_params: dict[tuple[int, float], list[tuple[int, GenerationRequest]]] = {}
+        by_params: dict[tuple, list[tuple[int, GenerationRequest]]] = {}
         for row in rows:
             p = row[1].params
-            by_params.setdefault((p.max_new_tokens, p.temperature), []).append(row)
+            by_params.setdefault((p.max_new_tokens, p.temperature, p.top_k, p.top_p, p.min_p), []).append(row)
         for batch in by_params.values():
             for (req_index, _), sample in zip(batch, self._decode(batch)):
                 results[req_index].append(sample)
@@ -100,6 +120,7 @@ class TorchEngine:
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
         out_ver: list[list[int]] = [[] for _ in range(n)]
+        out_mask: list[list[list[int]]] = [[] for _ in range(n)]
         finish: list[str] = ["length"] * n
         live = torch.arange(n)  # original row index of each row still in the batch
         cache = DynamicCache(config=self.model.config)
@@ -114,13 +135,21 @@ class TorchEngine:
             self.forward_passes += 1
             cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
             logits = out.logits[:, -1, :].float()  # (B, V)
+            keep = None
             if params.temperature > 0:
-                logp = torch.log_softmax(logits / params.temperature, dim=-1)
+                scaled = logits / params.temperature
+                if params.truncates:
+                    keep = keep_mask(scaled, params.top_k, params.top_p, params.min_p)  # (B, V)
+                    scaled = scaled.masked_fill(~keep, float("-inf"))
+                logp = torch.log_softmax(scaled, dim=-1)
                 tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             else:
                 logp = torch.log_softmax(logits, dim=-1)
                 tokens = logits.argmax(-1)
             token_lp = logp.gather(-1, tokens[:, None]).squeeze(-1)  # (B,)
+            if keep is not None:
+                for r, row_keep in zip(live.tolist(), keep):
+                    out_mask[r].append(row_keep.nonzero().squeeze(-1).tolist())
             self.tokens_generated += len(tokens)
             tok_list, lp_list, live_list = tokens.tolist(), token_lp.tolist(), live.tolist()
             for r, tok, lp in zip(live_list, tok_list, lp_list):
@@ -144,6 +173,7 @@ class TorchEngine:
             Sample(
                 prompt_ids=list(prompts[r]), completion_ids=out_ids[r], logprobs=out_lp[r],
                 versions=out_ver[r], finish_reason=finish[r],  # type: ignore[arg-type]
+                sampling_mask=out_mask[r] if params.truncates and params.temperature > 0 else None,
             )
             for r in range(n)
         ]

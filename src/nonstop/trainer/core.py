@@ -71,9 +71,17 @@ class Trainer:
             mask[b, :C] = torch.tensor(s.loss_mask, dtype=torch.bool)
             versions[b, :C] = torch.tensor(s.versions)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        keep = None
+        if any(s.sampling_mask for s in samples):  # Keep Sampling Mask: replay the engine's support
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            keep = torch.ones((B, T, vocab), dtype=torch.bool)
+            for b, s in enumerate(samples):
+                for t, kept in enumerate(s.sampling_mask or []):
+                    keep[b, t] = False
+                    keep[b, t, kept] = True
         adv = group_advantages(rewards, self.cfg.advantage_mode).reshape(-1)  # (B,)
         return dict(ids=ids, attn=attn, gather_pos=gather_pos, targets=targets, behaviour=behaviour,
-                    mask=mask, versions=versions, advantages=adv, truncated=truncated)
+                    mask=mask, versions=versions, advantages=adv, truncated=truncated, keep=keep)
 
     def logprobs(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None, with_entropy: bool = False):
         """Logprobs (B, T) of the completion tokens under `model` (default: the policy)."""
@@ -83,7 +91,7 @@ class Trainer:
         ).last_hidden_state  # (B, L, H)
         idx = batch["gather_pos"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (B, T, H)
         return token_logprobs(hidden.gather(1, idx), model.get_output_embeddings(), batch["targets"],
-                              self.temperature, self.cfg.logprob_chunk_rows, with_entropy)
+                              self.temperature, self.cfg.logprob_chunk_rows, with_entropy, batch["keep"])
 
     def _loss_mask(self, batch: dict[str, torch.Tensor], lag: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
         mask = batch["mask"].clone()

@@ -44,19 +44,25 @@ def group_advantages(rewards: torch.Tensor, mode: AdvantageMode | Literal["std",
 
 def token_logprobs(
     hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
-    chunk_rows: int = 64, with_entropy: bool = False,
+    chunk_rows: int = 64, with_entropy: bool = False, keep: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(head(hidden) / temperature) at `targets`, `chunk_rows` rows at a time.
 
     hidden: (B, T, H); targets: (B, T) -> (B, T) [and the entropy (B, T) of each distribution].
-    Only one chunk's (rows, T, V) logits exist at once, so peak memory does not grow with B x T x V.
+    keep: optional (B, T, V) bool Keep Sampling Mask: the distribution is renormalised over the
+    kept tokens, as the engine sampled it. Only one chunk's (rows, T, V) logits exist at once,
+    so peak memory does not grow with B x T x V.
     """
     out, ent = [], []
-    for h, t in zip(hidden.split(chunk_rows), targets.split(chunk_rows)):
-        logp_all = torch.log_softmax(head(h).float() / temperature, dim=-1)  # (b, T, V)
+    keeps = keep.split(chunk_rows) if keep is not None else [None] * len(hidden.split(chunk_rows))
+    for h, t, k in zip(hidden.split(chunk_rows), targets.split(chunk_rows), keeps):
+        scaled = head(h).float() / temperature  # (b, T, V)
+        if k is not None:
+            scaled = scaled.masked_fill(~k, float("-inf"))
+        logp_all = torch.log_softmax(scaled, dim=-1)  # (b, T, V)
         out.append(logp_all.gather(-1, t.unsqueeze(-1)).squeeze(-1))  # (b, T)
         if with_entropy:
-            ent.append(-(logp_all.exp() * logp_all).sum(-1))  # (b, T)
+            ent.append(-(logp_all.exp() * logp_all.clamp_min(-1e30)).sum(-1).nan_to_num(0.0))  # (b, T)
     logp = torch.cat(out)
     return (logp, torch.cat(ent)) if with_entropy else logp
 
