@@ -113,6 +113,7 @@ class TorchEngine:
             input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention[r, width - len(p):] = 1
         positions = (attention.cumsum(-1) - 1).clamp_min(0)
+        unpadded = bool(attention.all())  # every row stays unpadded: rows only leave, never shift
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
@@ -128,9 +129,11 @@ class TorchEngine:
 
         for _ in range(params.max_new_tokens):
             self._refresh_weights()
+            # Without padding the causal mask is implied; building a mask tensor every step
+            # costs more than the attention itself on small models.
             out = self.model(
-                input_ids=step_input, attention_mask=attention, position_ids=step_pos,
-                cache=cache, use_cache=True,
+                input_ids=step_input, attention_mask=None if unpadded else attention, position_ids=step_pos,
+                cache=cache, use_cache=True, logits_to_keep=1,
             )
             self.forward_passes += 1
             cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
