@@ -137,3 +137,25 @@ def test_keep_sampling_mask_replays_the_engine_support(tiny_dir):
         assert abs(full_lp[0, t].item() - full[s.completion_ids[t]].item()) < 1e-5
     assert torch.allclose(kept_lp[m], batch["behaviour"][m], atol=1e-4)  # ratio 1 on policy
     assert not torch.allclose(full_lp[m], batch["behaviour"][m], atol=1e-3)  # without the mask it is not
+
+
+def test_non_finite_step_is_skipped_with_weights_unchanged_and_counted(tiny_dir):
+    from nonstop.trainer.core import NumericalError
+
+    tok = load_tokenizer(str(tiny_dir))
+    engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id)
+    trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(max_consecutive_skips=3), 1.0, tok.pad_token_id)
+    good = _rollouts(engine, tok, ["1+2="], temperature=1.0)
+    bad = _rollouts(engine, tok, ["1+2="], temperature=1.0)
+    bad[0].samples[0].logprobs[0] = float("nan")  # a corrupted behaviour logprob poisons the loss
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    m = trainer.step(bad)
+    assert m["skipped"] == 1 and m["skipped_steps"] == 1 and trainer.policy_version == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    m = trainer.step(good)
+    assert m["skipped"] == 0 and trainer.policy_version == 1 and trainer.skips_in_row == 0
+    trainer.step(bad)
+    trainer.step(bad)
+    with pytest.raises(NumericalError, match="3 consecutive steps had a non-finite loss"):
+        trainer.step(bad)
+    assert trainer.skipped_steps == 4

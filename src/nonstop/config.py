@@ -161,6 +161,8 @@ class TrainerConfig(_Section):
     """Weight of an entropy bonus."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
+    max_consecutive_skips: int = Field(5, ge=1)
+    """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted); this many in a row stop the run."""
     logprob_chunk_rows: int = Field(64, ge=1)
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
 

@@ -123,6 +123,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
             "engine_idle_frac": run.clock.idle_fraction("generation"),
             "trainer_idle_frac": run.clock.idle_fraction("training"),
             "drops": dict(buffer.drops), "reward_errors": dict(run.scorer.errors),
+            "skipped_steps": last.get("skipped_steps", 0),
             "last_reward_error": run.scorer.last_error, "final_dir": str(final_dir),
         }
     finally:

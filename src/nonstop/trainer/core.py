@@ -8,7 +8,9 @@
    logprobs of the completion tokens under the engine's sampling temperature;
 4. importance weights of the off-policy correction against the behaviour logprobs, the loss of
    `trainer.loss`, optional KL to the reference (initial) policy and entropy bonus;
-5. backward, global grad-norm clip, AdamW; policy_version += 1.
+5. backward, global grad-norm clip, AdamW; policy_version += 1. A non-finite loss or gradient
+   skips the step instead (weights and version unchanged, counted); `max_consecutive_skips`
+   in a row raise NumericalError.
 Reported: loss, ratio and correction statistics, the mismatch KL between behaviour and trainer
 logprobs, the per-token lag histogram (lag = version before the step - token version), and
 rejections. Publishing the weights is the worker's job.
@@ -27,6 +29,10 @@ from nonstop.trainer.losses import clipped_policy_loss, group_advantages, gspo_l
 from nonstop.types import Group
 
 
+class NumericalError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
 class Trainer:
     def __init__(
         self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float, pad_token_id: int,
@@ -39,6 +45,8 @@ class Trainer:
         self.max_lag = max_lag
         self.reject = reject
         self.policy_version = 0
+        self.skipped_steps = 0
+        self.skips_in_row = 0
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
@@ -112,7 +120,7 @@ class Trainer:
     def step(self, groups: list[Group]) -> dict[str, float | int | dict]:
         cfg = self.cfg
         batch = self._batch(groups)
-        lag = self.policy_version - batch["versions"]  # (B, T)
+        lag = self.policy_version - batch["versions"]  # (B, T), against the version before the step
         mask, counts = self._loss_mask(batch, lag)
         out = self.logprobs(batch, with_entropy=cfg.entropy_coef > 0)
         logp, entropy = out if cfg.entropy_coef > 0 else (out, None)
@@ -136,13 +144,28 @@ class Trainer:
             loss = loss - cfg.entropy_coef * ent
             extra["entropy"] = float(ent.detach())
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        self.optimizer.step()
+        grad_norm = torch.tensor(float("nan"))
+        if torch.isfinite(loss):
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        skipped = not (torch.isfinite(loss) and torch.isfinite(grad_norm))
+        if skipped:  # weights stay as they are; the version does not move
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.skips_in_row += 1
+            if self.skips_in_row >= cfg.max_consecutive_skips:
+                raise NumericalError(
+                    f"{self.skips_in_row} consecutive steps had a non-finite loss or gradient "
+                    f"(trainer.max_consecutive_skips); last loss {float(loss.detach())}, grad norm {float(grad_norm)}"
+                )
+        else:
+            self.optimizer.step()
+            self.skips_in_row = 0
+            self.policy_version += 1
         sel = batch["mask"]
         d = (batch["behaviour"] - prox)[sel]  # log mu - log pi
-        self.policy_version += 1
         return {
+            "skipped": int(skipped), "skipped_steps": self.skipped_steps,
             "loss": float(loss.detach()),
             **{k: float(v) for k, v in stats.items()},
             **{k: float(v) for k, v in is_stats.items()},

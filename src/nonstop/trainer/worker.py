@@ -40,7 +40,7 @@ class TrainerWorker:
         t0 = time.perf_counter()
         metrics = self.trainer.step(groups)
         t1 = time.perf_counter()
-        if self.sink is not None:
+        if self.sink is not None and not metrics["skipped"]:
             self.sink.publish(self.trainer.model, self.trainer.policy_version)
         t2 = time.perf_counter()
         self.busy_s += t2 - t0
