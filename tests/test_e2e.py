@@ -55,7 +55,7 @@ def test_short_run_learns(tmp_path):
     assert "held-out accuracy" in result.stdout and "base" in result.stdout
 
 
-@pytest.mark.parametrize("transport,sampling", [("shm", []), ("broadcast", []),
+@pytest.mark.parametrize("transport,sampling", [("shm", []), ("broadcast", []), ("files", []),
                                                 ("shm", ["--set", "rollout.top_k=6", "--set", "rollout.top_p=0.9"])])
 def test_depth0_first_step_is_exactly_on_policy(tiny_dir, tmp_path, transport, sampling):
     """Depth 0: ratio 1 on every step; with top-k/top-p only because the trainer replays the kept sets."""

@@ -26,7 +26,7 @@ def _get(q, kind, timeout=120):
     return value
 
 
-@pytest.mark.parametrize("kind", ["shm", "broadcast"])
+@pytest.mark.parametrize("kind", ["shm", "broadcast", "files"])
 def test_round_trip_exact_weights_across_processes(tiny_dir, kind):
     trainer_model = load_model(str(tiny_dir))
     handle = plan_transport(TransportConfig(kind=kind, bucket_mb=0.01, timeout_s=60), trainer_model, num_engines=1)
@@ -103,3 +103,24 @@ def test_silent_broadcast_peer_times_out_with_a_clear_error(tiny_dir):
     finally:
         child.kill()
         child.join()
+
+
+def test_files_transport_applies_only_complete_versions_and_keeps_the_newest(tiny_dir, tmp_path):
+    from nonstop.transport.files import MARKER
+
+    trainer_model = _perturbed(tiny_dir, seed=4)
+    handle = plan_transport(TransportConfig(kind="files", files_dir=str(tmp_path / "w"), files_keep=2), trainer_model, 1)
+    sink = open_sink(handle)
+    engine_model = load_model(str(tiny_dir))
+    source = open_source(handle, engine_model)
+    assert source.maybe_update(engine_model) is None  # no marker yet
+    # a weights file without a marker (the writer died before the rename) is never applied
+    (tmp_path / "w" / "v1.safetensors").write_bytes(b"partial")
+    assert source.maybe_update(engine_model) is None
+    for v in (1, 2, 3):
+        sink.publish(trainer_model, v)
+    assert sorted(p.name for p in (tmp_path / "w").glob("v*.safetensors")) == ["v2.safetensors", "v3.safetensors"]
+    assert (tmp_path / "w" / MARKER).read_text() == "3"
+    assert source.maybe_update(engine_model) == 3
+    assert torch.equal(engine_model.model.norm.weight, trainer_model.model.norm.weight)
+    assert source.maybe_update(engine_model) is None

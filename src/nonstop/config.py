@@ -196,8 +196,13 @@ class TrainerConfig(_Section):
 
 
 class TransportConfig(_Section):
-    kind: Literal["shm", "broadcast"] = "shm"
-    """'shm': shared-memory flat buffer, double-buffered; 'broadcast': torch.distributed broadcast in buckets."""
+    kind: Literal["shm", "broadcast", "files"] = "shm"
+    """'shm': shared-memory flat buffer, double-buffered; 'broadcast': torch.distributed broadcast in buckets;
+    'files': safetensors files and an atomically replaced version marker in a shared folder."""
+    files_dir: str | None = None
+    """Folder of the files transport (shared by trainer and engines); None: a new temp folder."""
+    files_keep: int = Field(2, ge=1)
+    """Versions the files transport keeps on disk."""
     bucket_mb: float = Field(25.0, gt=0.0)
     """Bucket size of the broadcast transport in MiB."""
     timeout_s: float = Field(120.0, gt=0.0)

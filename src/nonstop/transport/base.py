@@ -100,6 +100,12 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
         from nonstop.transport.shm import new_segment_name
 
         options["name"] = new_segment_name()
+    elif cfg.kind == "files":
+        import tempfile
+
+        options["dir"] = cfg.files_dir or tempfile.mkdtemp(prefix="nonstop-weights-")
+        options["owned"] = cfg.files_dir is None  # the sink removes a folder it created
+        options["keep"] = cfg.files_keep
     else:
         options.update(host="127.0.0.1", port=free_port(), bucket_bytes=int(cfg.bucket_mb * 2**20))
     return TransportHandle(kind=cfg.kind, layout=layout, total_bytes=total, options=options)
@@ -111,6 +117,10 @@ def open_sink(handle: TransportHandle) -> WeightSink:
         from nonstop.transport.shm import ShmSink
 
         return ShmSink(handle)
+    if handle.kind == "files":
+        from nonstop.transport.files import FilesSink
+
+        return FilesSink(handle)
     from nonstop.transport.broadcast import BroadcastSink
 
     return BroadcastSink(handle)
@@ -123,6 +133,10 @@ def open_source(handle: TransportHandle, model: torch.nn.Module, rank: int = 1) 
         from nonstop.transport.shm import ShmSource
 
         return ShmSource(handle, model)
+    if handle.kind == "files":
+        from nonstop.transport.files import FilesSource
+
+        return FilesSource(handle, model)
     from nonstop.transport.broadcast import BroadcastSource
 
     return BroadcastSource(handle, model, rank)
