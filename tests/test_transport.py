@@ -124,3 +124,51 @@ def test_files_transport_applies_only_complete_versions_and_keeps_the_newest(tin
     assert source.maybe_update(engine_model) == 3
     assert torch.equal(engine_model.model.norm.weight, trainer_model.model.norm.weight)
     assert source.maybe_update(engine_model) is None
+
+
+def test_corrupted_shm_slot_and_weights_file_are_rejected(tiny_dir, tmp_path):
+    trainer_model = _perturbed(tiny_dir, seed=5)
+    for kind, extra in (("shm", {}), ("files", {"files_dir": str(tmp_path / "w")})):
+        handle = plan_transport(TransportConfig(kind=kind, checksum=True, **extra), trainer_model, 1)
+        sink = open_sink(handle)
+        engine_model = load_model(str(tiny_dir))
+        before = engine_model.model.norm.weight.detach().clone()
+        source = open_source(handle, engine_model)
+        try:
+            sink.publish(trainer_model, 1)
+            if kind == "shm":
+                sink.segment.slots[1][100] ^= 0xFF  # a flipped byte after the writer stamped the slot
+            else:
+                data = bytearray((tmp_path / "w" / "v1.safetensors").read_bytes())
+                data[-10] ^= 0xFF
+                (tmp_path / "w" / "v1.safetensors").write_bytes(bytes(data))
+            with pytest.raises(TransportError, match="version 1 failed its checksum; not applied"):
+                source.maybe_update(engine_model)
+            assert torch.equal(engine_model.model.norm.weight, before)
+            sink.publish(trainer_model, 2)  # a clean version afterwards is applied
+            assert source.maybe_update(engine_model) == 2
+        finally:
+            source.close()
+            sink.close()
+
+
+def test_per_tensor_broadcast_with_checksums_round_trips(tiny_dir):
+    trainer_model = load_model(str(tiny_dir))
+    handle = plan_transport(TransportConfig(kind="broadcast", per_tensor=True, checksum=True, timeout_s=60), trainer_model, 1)
+    sink = open_sink(handle)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=receive_weights, args=(handle, str(tiny_dir), 1, 1, q))
+    child.start()
+    try:
+        sink.connect()
+        _get(q, "attached")
+        published = _perturbed(tiny_dir, seed=6)
+        sink.publish(published, 1)
+        seen, state = _get(q, "weights")
+        assert seen == [1]
+        for name, t in published.state_dict().items():
+            assert torch.equal(torch.from_numpy(state[name]), t), name
+    finally:
+        child.join(timeout=30)
+        sink.close()

@@ -205,6 +205,10 @@ class TransportConfig(_Section):
     """Versions the files transport keeps on disk."""
     bucket_mb: float = Field(25.0, gt=0.0)
     """Bucket size of the broadcast transport in MiB."""
+    per_tensor: bool = False
+    """Broadcast one parameter at a time instead of fixed-size buckets (for comparison)."""
+    checksum: bool = False
+    """The receiver verifies a CRC32 of every bucket (broadcast), slot (shm) or file (files); a mismatch is never applied."""
     timeout_s: float = Field(120.0, gt=0.0)
     """Longest a weight send or receive may take before the run fails naming the peer."""
     connect_timeout_s: float = Field(300.0, gt=0.0)

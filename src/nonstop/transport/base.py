@@ -9,6 +9,7 @@ attach time and fails with a message naming the first mismatches.
 from __future__ import annotations
 
 import socket
+import zlib
 from typing import Protocol
 
 import torch
@@ -87,6 +88,11 @@ def bind_flat(model: torch.nn.Module, layout: list[TensorSpec], total_bytes: int
     return flat
 
 
+def crc32(buf: torch.Tensor) -> int:
+    """CRC32 of a contiguous uint8 tensor's bytes."""
+    return zlib.crc32(memoryview(buf.numpy()))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -95,7 +101,8 @@ def free_port() -> int:
 
 def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: int) -> TransportHandle:
     layout, total = model_layout(model)
-    options: dict = {"timeout_s": cfg.timeout_s, "connect_timeout_s": cfg.connect_timeout_s, "num_engines": num_engines}
+    options: dict = {"timeout_s": cfg.timeout_s, "connect_timeout_s": cfg.connect_timeout_s,
+                     "num_engines": num_engines, "checksum": cfg.checksum, "per_tensor": cfg.per_tensor}
     if cfg.kind == "shm":
         from nonstop.transport.shm import new_segment_name
 

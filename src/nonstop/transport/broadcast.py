@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nonstop.transport.base import TransportError, bind_flat, views
+from nonstop.transport.base import TransportError, bind_flat, crc32, views
 from nonstop.types import TransportHandle
 
 STOP = b"stop"
@@ -36,8 +36,12 @@ def _group(handle: TransportHandle, rank: int) -> tuple[dist.TCPStore, dist.Proc
     return store, pg
 
 
-def _buckets(flat: torch.Tensor, bucket_bytes: int) -> list[torch.Tensor]:
-    return [flat[i:i + bucket_bytes] for i in range(0, flat.numel(), bucket_bytes)]
+def _buckets(flat: torch.Tensor, handle: TransportHandle) -> list[torch.Tensor]:
+    """Fixed-size byte slices of the flat layout, or one slice per parameter (per_tensor)."""
+    if handle.options.get("per_tensor"):
+        return [flat[s.offset:s.offset + s.nbytes] for s in handle.layout]
+    size = handle.options["bucket_bytes"]
+    return [flat[i:i + size] for i in range(0, flat.numel(), size)]
 
 
 class BroadcastSink:
@@ -45,7 +49,7 @@ class BroadcastSink:
         self.handle = handle
         self.staging = torch.empty(handle.total_bytes, dtype=torch.uint8)
         self.staging_views = views(self.staging, handle.layout)
-        self.buckets = _buckets(self.staging, handle.options["bucket_bytes"])
+        self.buckets = _buckets(self.staging, handle)
         self.store: dist.TCPStore | None = None
         self.pg: dist.ProcessGroup | None = None
         self.last_version = 0
@@ -60,7 +64,8 @@ class BroadcastSink:
         for dst, (_, p) in zip(self.staging_views, model.named_parameters()):
             dst.copy_(p.detach())
         self.store.set(f"v{version}", b"1")
-        for i, bucket in enumerate(self.buckets):
+        sums = [torch.tensor([crc32(b) for b in self.buckets], dtype=torch.int64)] if self.handle.options.get("checksum") else []
+        for i, bucket in enumerate(self.buckets + sums):
             try:
                 self.pg.broadcast(bucket, 0).wait()
             except Exception as e:  # gloo raises RuntimeError subclasses on timeout and reset
@@ -110,7 +115,9 @@ class BroadcastSource:
 
     def _receive_loop(self) -> None:
         version = 1
-        buckets = _buckets(self.back, self.handle.options["bucket_bytes"])
+        buckets = _buckets(self.back, self.handle)
+        checksum = self.handle.options.get("checksum")
+        sums = torch.zeros(len(buckets), dtype=torch.int64)
         while not self.closing.is_set():
             try:
                 self.store.wait([f"v{version}"], _WAIT_SLICE)
@@ -119,7 +126,7 @@ class BroadcastSource:
             if self.store.get(f"v{version}") == STOP:
                 return
             try:
-                for bucket in buckets:
+                for bucket in buckets + ([sums] if checksum else []):
                     self.pg.broadcast(bucket, 0).wait()
             except Exception as e:
                 self.error = TransportError(
@@ -127,11 +134,16 @@ class BroadcastSource:
                     f"within {self.handle.options['timeout_s']:g} s: {e}"
                 )
                 return
+            bad = [i for i, b in enumerate(buckets) if checksum and crc32(b) != int(sums[i])]
+            if bad:  # never applied; the trainer learns of it through the missing acknowledgement
+                self.error = TransportError(
+                    f"engine rank {self.rank}: bucket(s) {bad} of version {version} failed their checksum; not applied")
+                return
             with self.lock:
                 self.front, self.back = self.back, self.front
                 self.ready = version
             self.store.set(f"ack{self.rank}/v{version}", b"1")
-            buckets = _buckets(self.back, self.handle.options["bucket_bytes"])
+            buckets = _buckets(self.back, self.handle)
             version += 1
 
     def maybe_update(self, model: torch.nn.Module) -> int | None:

@@ -16,9 +16,10 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from nonstop.transport.base import TransportError, bind_flat, views
+from nonstop.transport.base import TransportError, bind_flat, crc32, views
 from nonstop.types import TransportHandle
 
 MARKER = "LATEST"
@@ -50,8 +51,11 @@ class FilesSink:
         for dst, (_, p) in zip(self.staging_views, model.named_parameters()):
             dst.copy_(p.detach())
         try:
+            meta = {"version": str(version)}
+            if self.handle.options.get("checksum"):
+                meta["crc32"] = str(crc32(self.staging))
             _atomic_write(self.dir / f"v{version}.safetensors",
-                          lambda tmp: save_file({"flat": self.staging}, str(tmp), metadata={"version": str(version)}))
+                          lambda tmp: save_file({"flat": self.staging}, str(tmp), metadata=meta))
             _atomic_write(self.dir / MARKER, lambda tmp: tmp.write_text(str(version)))
         except OSError as e:
             raise TransportError(f"writing version {version} to {self.dir} failed: {e}") from e
@@ -89,10 +93,15 @@ class FilesSource:
             return None
         path = self.dir / f"v{version}.safetensors"
         try:
-            shadow = load_file(str(path))["flat"]
+            with safe_open(str(path), framework="pt") as f:
+                shadow, meta = f.get_tensor("flat"), f.metadata() or {}
         except FileNotFoundError:  # already replaced by a newer version: the next marker names it
             self._seen_stat = None
             return None
+        except Exception as e:  # safetensors raises its own error types on a damaged file
+            raise TransportError(f"{path}: unreadable weights file for version {version}: {e}") from e
+        if "crc32" in meta and crc32(shadow) != int(meta["crc32"]):
+            raise TransportError(f"{path}: version {version} failed its checksum; not applied")
         if shadow.numel() != self.flat.numel():
             raise TransportError(f"{path}: {shadow.numel()} bytes, expected {self.flat.numel()} from the trainer's layout")
         self.flat.copy_(shadow)

@@ -1,6 +1,7 @@
 """Shared-memory transport: one segment allocated once, two slots, version stamps.
 
-Segment layout: a 64-byte header of int64 stamps, then slot 0 and slot 1, each holding the
+Segment layout: a 64-byte header of int64 words (stamps of slots 0 and 1, then their CRC32
+when checksums are on), then slot 0 and slot 1, each holding the
 whole flat parameter layout. Version v is written into slot v % 2, so the slot holding the
 previous version stays intact while the trainer writes (the engine keeps decoding with it and
 can still read it). A stamp is -1 while its slot is being written and the version once it is
@@ -16,7 +17,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from nonstop.transport.base import bind_flat, views
+from nonstop.transport.base import TransportError, bind_flat, crc32, views
 from nonstop.types import TransportHandle
 
 HEADER_BYTES = 64
@@ -63,6 +64,8 @@ class ShmSink:
         self.segment.stamps[slot] = WRITING
         for dst, (_, p) in zip(self.slot_views[slot], model.named_parameters()):
             dst.copy_(p.detach())
+        if self.handle.options.get("checksum"):
+            self.segment.stamps[2 + slot] = crc32(self.segment.slots[slot])
         self.segment.stamps[slot] = version
 
     def close(self) -> None:
@@ -72,6 +75,7 @@ class ShmSink:
 
 class ShmSource:
     def __init__(self, handle: TransportHandle, model: torch.nn.Module) -> None:
+        self.handle = handle
         self.segment = _Segment(handle, create=False)
         self.flat = bind_flat(model, handle.layout, handle.total_bytes)
         self.shadow = torch.empty_like(self.flat)
@@ -88,6 +92,8 @@ class ShmSource:
         if int(self.segment.stamps[slot]) != version:
             self.torn_reads += 1
             return None
+        if self.handle.options.get("checksum") and crc32(self.shadow) != int(self.segment.stamps[2 + slot]):
+            raise TransportError(f"shared-memory slot {slot} of version {version} failed its checksum; not applied")
         self.flat.copy_(self.shadow)
         self.applied = version
         return version
