@@ -23,7 +23,9 @@ from nonstop.transport.base import TransportError, bind_flat, crc32, views
 from nonstop.types import TransportHandle
 
 STOP = b"stop"
-_WAIT_SLICE = timedelta(seconds=1)
+# How long one store wait for the next version lasts before it is renewed. The trainer's close()
+# wakes the waiter at once (it sets the next key to STOP), so this only bounds log noise.
+_WAIT_SLICE = timedelta(seconds=30)
 
 
 def _group(handle: TransportHandle, rank: int) -> tuple[dist.TCPStore, dist.ProcessGroup]:
@@ -121,9 +123,15 @@ class BroadcastSource:
         while not self.closing.is_set():
             try:
                 self.store.wait([f"v{version}"], _WAIT_SLICE)
-            except Exception:  # the store's wait raises on its own timeout: check closing, go on
-                continue
-            if self.store.get(f"v{version}") == STOP:
+            except Exception as e:  # a timeout of this slice is normal; anything else means the store is gone
+                if self.closing.is_set():
+                    return
+                if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                    continue
+                self.error = TransportError(
+                    f"engine rank {self.rank}: lost the trainer's store while waiting for version {version}: {e}")
+                return
+            if self.closing.is_set() or self.store.get(f"v{version}") == STOP:
                 return
             try:
                 for bucket in buckets + ([sums] if checksum else []):
@@ -158,4 +166,4 @@ class BroadcastSource:
 
     def close(self) -> None:
         self.closing.set()
-        self.thread.join(timeout=2 * _WAIT_SLICE.total_seconds())
+        self.thread.join(timeout=2.0)  # a daemon thread: a wait in progress must not hold up shutdown
