@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -15,10 +16,18 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+@contextlib.asynccontextmanager
+async def local_backend(**cfg):
+    backend = make_backend(RuntimeConfig(**cfg))
+    try:
+        yield backend
+    finally:
+        await backend.shutdown()
+
+
 def test_spawn_call_and_remote_errors():
     async def go():
-        backend = make_backend(RuntimeConfig(start_timeout_s=120))
-        try:
+        async with local_backend(start_timeout_s=120) as backend:
             actor = await backend.spawn("echo", Echo, 10)
             assert await actor.call("add", 1, y=2) == 13
             assert await actor.call("threads") == 1  # each actor runs single-threaded torch
@@ -27,15 +36,12 @@ def test_spawn_call_and_remote_errors():
                 await actor.call("fail")
             assert await actor.call("add", 0) == 10  # a remote error does not kill the actor
             assert actor.is_alive()
-        finally:
-            await backend.shutdown()
     _run(go())
 
 
 def test_dead_actor_fails_pending_calls_at_once():
     async def go():
-        backend = make_backend(RuntimeConfig())
-        try:
+        async with local_backend() as backend:
             actor = await backend.spawn("victim", Echo)
             pending = [asyncio.ensure_future(actor.call("sleep", 30)), asyncio.ensure_future(actor.call("add", 1))]
             await asyncio.sleep(0.2)
@@ -52,31 +58,23 @@ def test_dead_actor_fails_pending_calls_at_once():
             crasher = await backend.spawn("crasher", Echo)
             with pytest.raises(ActorDied, match=r"actor 'crasher' \(pid \d+\) died \(exit code 3\)"):
                 await crasher.call("crash")
-        finally:
-            await backend.shutdown()
     _run(go())
 
 
 def test_call_timeout_names_actor_and_method():
     async def go():
-        backend = make_backend(RuntimeConfig())
-        try:
+        async with local_backend() as backend:
             actor = await backend.spawn("slow", Echo)
             with pytest.raises(TimeoutError, match=r"actor 'slow': call 'sleep' did not answer within 0.5 s"):
                 await actor.call("sleep", 5, timeout_s=0.5)
-        finally:
-            await backend.shutdown()
     _run(go())
 
 
 def test_start_failure_is_reported_with_traceback():
     async def go():
-        backend = make_backend(RuntimeConfig())
-        try:
+        async with local_backend() as backend:
             with pytest.raises(ActorDied, match=r"actor bad failed to start(.|\n)*refusing to start"):
                 await backend.spawn("bad", Echo, fail_init=True)
-        finally:
-            await backend.shutdown()
     _run(go())
 
 

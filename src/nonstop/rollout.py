@@ -18,7 +18,7 @@ from nonstop.metrics import Clock
 from nonstop.runtime import ActorHandle
 from nonstop.scorer import Scorer, exact_match
 from nonstop.tasks.data import Example, PromptStream
-from nonstop.types import GenerationRequest, Group, SamplingParams
+from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 
 
 @dataclass
@@ -90,9 +90,16 @@ async def produce(
             await buffer.put(group)
 
 
-async def evaluate(engine: ActorHandle, examples: list[Example], codec: Codec, max_new_tokens: int) -> float:
+def greedy_requests(examples: list[Example], codec: Codec, max_new_tokens: int) -> list[GenerationRequest]:
     params = SamplingParams(max_new_tokens, 0.0)
-    requests = [GenerationRequest(i, codec.encode(ex.prompt), 1, params) for i, ex in enumerate(examples)]
-    results = await engine.call("generate", requests)
+    return [GenerationRequest(i, codec.encode(ex.prompt), 1, params) for i, ex in enumerate(examples)]
+
+
+def exact_match_accuracy(results: list[list[Sample]], examples: list[Example], codec: Codec) -> float:
     right = sum(exact_match(codec.decode(r[0].completion_ids), ex.answer) for r, ex in zip(results, examples))
     return right / max(len(examples), 1)
+
+
+async def evaluate(engine: ActorHandle, examples: list[Example], codec: Codec, max_new_tokens: int) -> float:
+    results = await engine.call("generate", greedy_requests(examples, codec, max_new_tokens))
+    return exact_match_accuracy(results, examples, codec)

@@ -24,23 +24,15 @@ import torch
 from nonstop.config import Config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import quiet_transformers
-from nonstop.scorer import exact_match
+from nonstop.rollout import Codec, exact_match_accuracy, greedy_requests
 from nonstop.tasks.data import Example, TaskData
 from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
-from nonstop.types import GenerationRequest, SamplingParams
 
 
 def greedy_accuracy(engine: TorchEngine, tokenizer, examples: list[Example], max_new_tokens: int) -> float:
-    requests = [
-        GenerationRequest(i, tokenizer(ex.prompt)["input_ids"], 1, SamplingParams(max_new_tokens, 0.0))
-        for i, ex in enumerate(examples)
-    ]
-    results = engine.generate(requests)
-    right = sum(
-        exact_match(tokenizer.decode(r[0].completion_ids, skip_special_tokens=True), ex.answer)
-        for r, ex in zip(results, examples)
-    )
-    return right / max(len(examples), 1)
+    """Held-out accuracy on an in-process engine, scored exactly like the pipeline's evaluation."""
+    codec = Codec(tokenizer)
+    return exact_match_accuracy(engine.generate(greedy_requests(examples, codec, max_new_tokens)), examples, codec)
 
 
 def _cache_key(cfg: Config) -> str:

@@ -77,6 +77,13 @@ def views(flat: torch.Tensor, layout: list[TensorSpec]) -> list[torch.Tensor]:
     ]
 
 
+@torch.no_grad()
+def pack(model: torch.nn.Module, dst_views: list[torch.Tensor]) -> None:
+    """Copy the model's parameters into the typed views of a flat buffer, in layout order."""
+    for dst, (_, p) in zip(dst_views, model.named_parameters()):
+        dst.copy_(p.detach())
+
+
 def bind_flat(model: torch.nn.Module, layout: list[TensorSpec], total_bytes: int) -> torch.Tensor:
     """Re-home the model's parameters into one flat buffer so a weight update is one copy."""
     flat = torch.empty(total_bytes, dtype=torch.uint8)

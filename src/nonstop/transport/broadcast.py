@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nonstop.transport.base import TransportError, bind_flat, crc32, views
+from nonstop.transport.base import TransportError, bind_flat, crc32, pack, views
 from nonstop.types import TransportHandle
 
 STOP = b"stop"
@@ -63,8 +63,7 @@ class BroadcastSink:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.pg is None or self.store is None:
             raise TransportError("broadcast transport used before connect()")
-        for dst, (_, p) in zip(self.staging_views, model.named_parameters()):
-            dst.copy_(p.detach())
+        pack(model, self.staging_views)
         self.store.set(f"v{version}", b"1")
         sums = [torch.tensor([crc32(b) for b in self.buckets], dtype=torch.int64)] if self.handle.options.get("checksum") else []
         for i, bucket in enumerate(self.buckets + sums):

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nonstop.transport.base import TransportError, bind_flat, crc32, views
+from nonstop.transport.base import TransportError, bind_flat, crc32, pack, views
 from nonstop.types import TransportHandle
 
 MARKER = "LATEST"
@@ -48,8 +48,7 @@ class FilesSink:
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        for dst, (_, p) in zip(self.staging_views, model.named_parameters()):
-            dst.copy_(p.detach())
+        pack(model, self.staging_views)
         try:
             meta = {"version": str(version)}
             if self.handle.options.get("checksum"):

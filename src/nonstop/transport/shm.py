@@ -17,7 +17,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from nonstop.transport.base import TransportError, bind_flat, crc32, views
+from nonstop.transport.base import TransportError, bind_flat, crc32, pack, views
 from nonstop.types import TransportHandle
 
 HEADER_BYTES = 64
@@ -62,8 +62,7 @@ class ShmSink:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         slot = version % 2
         self.segment.stamps[slot] = WRITING
-        for dst, (_, p) in zip(self.slot_views[slot], model.named_parameters()):
-            dst.copy_(p.detach())
+        pack(model, self.slot_views[slot])
         if self.handle.options.get("checksum"):
             self.segment.stamps[2 + slot] = crc32(self.segment.slots[slot])
         self.segment.stamps[slot] = version
