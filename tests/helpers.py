@@ -94,3 +94,14 @@ def always_raising_reward(completion: str, answer: str) -> float:
 def length_reward(completion: str, answer: str) -> float:
     """Rewards longer completions: varies even for a random model, so advantages are non-zero."""
     return float(len(completion))
+
+
+
+class Probe(Echo):
+    """Echo plus an async method (served concurrently) for backend tests."""
+
+    async def async_sleep(self, seconds: float) -> float:
+        import asyncio
+
+        await asyncio.sleep(seconds)
+        return seconds

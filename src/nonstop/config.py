@@ -165,6 +165,11 @@ class TrainerConfig(_Section):
     """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted); this many in a row stop the run."""
     logprob_chunk_rows: int = Field(64, ge=1)
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
+    ranks: int = Field(1, ge=1)
+    """Data-parallel trainer ranks (actors); each trains on its share of the groups of a step."""
+    data_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    """With ranks > 1: 'ddp' keeps a full model per rank and all-reduces gradients; 'fsdp2' shards
+    parameters, gradients and optimizer state across ranks (torch fully_shard). Gloo on CPU, NCCL on GPU."""
 
     @property
     def advantage_mode(self) -> str:
@@ -215,9 +220,28 @@ class TransportConfig(_Section):
     """Longest the trainer and the engines may take to meet when the transport is set up."""
 
 
+class RayActorResources(_Section):
+    num_cpus: float = Field(1.0, ge=0.0)
+    """CPUs Ray reserves for each actor of this role."""
+    num_gpus: float | None = Field(None, ge=0.0)
+    """GPUs Ray reserves for each actor of this role; None: 1 when the cluster has GPUs, else 0."""
+
+
 class RuntimeConfig(_Section):
-    backend: Literal["local"] = "local"
-    """Actor backend: 'local' spawns one OS process per actor."""
+    backend: Literal["local", "ray"] = "local"
+    """Actor backend: 'local' spawns one OS process per actor; 'ray' makes every actor a Ray actor (extra `nonstop[ray]`)."""
+    num_engines: int = Field(1, ge=1)
+    """Engine actors; a least-loaded dispatcher spreads the prompts over them and every one receives each published version."""
+    ray_address: str | None = None
+    """Address of a running Ray cluster ('auto', 'host:port' or 'ray://host:port'); None starts a private local cluster."""
+    ray_num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the private local Ray cluster; None: all of this machine's."""
+    ray_num_gpus: int | None = Field(None, ge=0)
+    """GPUs of the private local Ray cluster; None: Ray detects them."""
+    ray_engine: RayActorResources = RayActorResources()
+    """Ray resources of each engine actor."""
+    ray_trainer: RayActorResources = RayActorResources()
+    """Ray resources of each trainer rank actor."""
     start_timeout_s: float = Field(180.0, gt=0.0)
     """Longest an actor may take to start (imports and model load)."""
     call_timeout_s: float = Field(600.0, gt=0.0)
@@ -263,6 +287,11 @@ class Config(_Section):
             raise ValueError(
                 f"buffer.max_lag ({self.buffer.max_lag}) < buffer.depth ({self.buffer.depth}): "
                 "most groups would be generated only to be dropped; raise max_lag or lower depth"
+            )
+        if self.trainer.ranks > self.rollout.prompts_per_step:
+            raise ValueError(
+                f"trainer.ranks ({self.trainer.ranks}) > rollout.prompts_per_step ({self.rollout.prompts_per_step}): "
+                "every rank needs at least one group per step"
             )
         if self.warmup.enabled and self.model.path is not None and self.task.name != "addition":
             raise ValueError("warmup.enabled: the built-in warm-up only supports task 'addition'")

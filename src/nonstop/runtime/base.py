@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 from nonstop.config import RuntimeConfig
@@ -35,9 +36,14 @@ class ActorBackend(Protocol):
     async def shutdown(self) -> None: ...
 
 
-def make_backend(cfg: RuntimeConfig) -> ActorBackend:
+def make_backend(cfg: RuntimeConfig, run_dir: Path | None = None) -> ActorBackend:
+    """The backend `runtime.backend` names; `run_dir` receives the Ray cluster's logs."""
     if cfg.backend == "local":
         from nonstop.runtime.local import LocalBackend
 
         return LocalBackend(cfg)
+    if cfg.backend == "ray":
+        from nonstop.runtime.ray import RayBackend
+
+        return RayBackend(cfg, run_dir)
     raise ValueError(f"runtime.backend: unknown backend {cfg.backend!r}")

@@ -1,0 +1,213 @@
+"""Ray actor backend: the same seam as the local backend, with every actor a Ray actor.
+
+Contract (shared with runtime/local.py):
+- `spawn(name, cls, *args, **kwargs)` returns once `cls(*args, **kwargs)` is built inside the
+  actor; a constructor failure raises ActorDied naming the actor, with the remote traceback;
+- methods declared `async def` on `cls` are served concurrently on the actor's event loop,
+  plain methods one at a time, in order, on one worker thread (a Ray async actor whose plain
+  calls go through a one-thread executor);
+- a remote exception raises ActorCallError naming `actor.method`; a dead actor fails every
+  pending and later call with ActorDied naming it; a call past its timeout raises TimeoutError
+  naming the actor and the method;
+- every actor sets `torch.set_num_threads(1)` before it builds its object.
+
+Resources: an actor's role is its name up to the first '-' ("engine-1" -> engine); engines and
+trainer ranks get `runtime.ray_engine` / `runtime.ray_trainer` CPUs and GPUs, other actors one
+CPU. Cluster: `runtime.ray_address` connects to a running cluster; without it a private local
+cluster is started on 127.0.0.1, its temp and log folder under /tmp (Ray's socket paths must
+stay short) and linked from the run folder, with a random auth token passed through the
+environment, so nothing is written to the home folder. That cluster ends with `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import os
+import secrets
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from nonstop.config import RayActorResources, RuntimeConfig
+from nonstop.runtime.base import ActorCallError, ActorDied
+
+try:
+    import ray
+    import ray.exceptions as rex
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "runtime.backend=ray needs Ray: install the extra with `pip install nonstop[ray]`"
+    ) from e
+
+
+class _Shim:
+    """Runs inside the Ray actor process and serves calls on the wrapped object."""
+
+    def __init__(self, name: str, cls: type, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.name = name
+        self.obj = cls(*args, **kwargs)
+        self.serial = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-calls")
+
+    async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        fn = getattr(self.obj, method)
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.serial, functools.partial(fn, *args, **kwargs))
+
+    async def ready(self) -> int:
+        return os.getpid()
+
+    async def watch(self) -> None:
+        """Never answers; the orchestrator learns of the actor's death when this call fails."""
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        closer = getattr(self.obj, "close", None)
+        if callable(closer):
+            await asyncio.get_running_loop().run_in_executor(self.serial, closer)
+
+
+def _cause(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _reload_auth_settings() -> None:
+    """Ray caches RAY_AUTH_MODE / RAY_AUTH_TOKEN when it is imported; re-read them as Ray's own
+    `ray.init` does when it turns token auth on."""
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth  # noqa: F401
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+class RayActor:
+    def __init__(self, name: str, actor: Any, call_timeout_s: float) -> None:
+        self.name = name
+        self.actor = actor
+        self.call_timeout_s = call_timeout_s
+        self.pid: int | None = None
+        self._dead: str | None = None
+        self._watch: asyncio.Task | None = None
+
+    def start_watch(self) -> None:
+        self._watch = asyncio.get_running_loop().create_task(self._watch_death(), name=f"watch-{self.name}")
+
+    async def _watch_death(self) -> None:
+        try:
+            await self.actor.watch.remote()
+        except rex.RayActorError as e:
+            if self._dead is None:
+                self._dead = f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}"
+
+    async def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        if self._dead is not None:
+            raise ActorDied(self._dead)
+        limit_s = timeout_s or self.call_timeout_s
+        ref = self.actor.call.remote(method, args, kwargs)
+        try:
+            return await asyncio.wait_for(ref, limit_s)
+        except TimeoutError:
+            ray.cancel(ref)
+            raise TimeoutError(f"actor '{self.name}': call '{method}' did not answer within {limit_s:g} s") from None
+        except rex.RayActorError as e:
+            self._dead = self._dead or f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}"
+            raise ActorDied(self._dead) from None
+        except rex.RayTaskError as e:
+            raise ActorCallError(f"{self.name}.{method} raised:\n{e}") from None
+
+    def is_alive(self) -> bool:
+        return self._dead is None
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        if self._dead is None:
+            try:
+                await asyncio.wait_for(self.actor.close.remote(), timeout_s)
+            except (TimeoutError, rex.RayError):
+                pass
+        self._dead = self._dead or f"actor '{self.name}' was stopped"
+        ray.kill(self.actor, no_restart=True)
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+
+
+def _resources(cfg: RuntimeConfig, role: str, cluster_gpus: float) -> dict[str, float]:
+    spec: RayActorResources | None = {"engine": cfg.ray_engine, "trainer": cfg.ray_trainer}.get(role)
+    if spec is None:
+        return {"num_cpus": 1.0, "num_gpus": 0.0}
+    gpus = spec.num_gpus if spec.num_gpus is not None else (1.0 if cluster_gpus >= 1 else 0.0)
+    return {"num_cpus": spec.num_cpus, "num_gpus": gpus}
+
+
+class RayBackend:
+    def __init__(self, cfg: RuntimeConfig, run_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.actors: list[RayActor] = []
+        self.temp_dir: Path | None = None
+        self._started = False
+        self._cls = ray.remote(_Shim)
+
+    def _init(self) -> None:
+        if ray.is_initialized():
+            return
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if self.cfg.ray_address is not None:
+            ray.init(address=self.cfg.ray_address, log_to_driver=False, include_dashboard=False)
+            return
+        # A private cluster: token auth with a token that lives only in this environment
+        # (Ray would otherwise write ~/.ray/auth_token), temp/logs under a short /tmp path.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        if os.environ["RAY_AUTH_MODE"] == "token":
+            os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        _reload_auth_settings()
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="nsray-"))
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            link = self.run_dir / "ray"
+            if not link.exists():
+                link.symlink_to(self.temp_dir, target_is_directory=True)
+        ray.init(num_cpus=self.cfg.ray_num_cpus, num_gpus=self.cfg.ray_num_gpus, _temp_dir=str(self.temp_dir),
+                 _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        self._started = True
+
+    async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> RayActor:
+        self._init()  # blocking once per run; ray.init wants the main thread
+        res = _resources(self.cfg, name.split("-")[0], ray.cluster_resources().get("GPU", 0.0))
+        handle = self._cls.options(name=None, max_restarts=0, max_concurrency=1000, **res).remote(name, cls, args, kwargs)
+        actor = RayActor(name, handle, self.cfg.call_timeout_s)
+        self.actors.append(actor)
+        try:
+            actor.pid = await asyncio.wait_for(handle.ready.remote(), self.cfg.start_timeout_s)
+        except TimeoutError:
+            raise ActorDied(f"actor {name} did not start within {self.cfg.start_timeout_s:g} s "
+                            f"(asked for {res}; free: {ray.available_resources()})") from None
+        except rex.RayActorError as e:
+            raise ActorDied(f"actor {name} failed to start:\n{e}") from None
+        actor.start_watch()
+        return actor
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(a.stop() for a in self.actors), return_exceptions=True)
+        self.actors.clear()
+        if self._started:
+            await asyncio.to_thread(ray.shutdown)
+            self._started = False
+            if self.run_dir is not None and self.temp_dir is not None:
+                # keep Ray's logs with the run, then drop the temp folder
+                logs = self.temp_dir / "session_latest" / "logs"
+                link = self.run_dir / "ray"
+                if link.is_symlink():
+                    link.unlink()
+                if logs.is_dir():
+                    shutil.copytree(logs, link, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+            if self.temp_dir is not None:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -1,0 +1,77 @@
+"""The Ray backend on a real private local Ray cluster (2 CPUs): the actor-seam contract, and a
+short end-to-end run that learns."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+
+from nonstop.config import RuntimeConfig  # noqa: E402
+from nonstop.runtime import ActorCallError, ActorDied, make_backend  # noqa: E402
+
+from helpers import Probe  # noqa: E402
+
+
+@contextlib.asynccontextmanager
+async def ray_backend(run_dir, **cfg):
+    backend = make_backend(RuntimeConfig(backend="ray", ray_num_cpus=2, **cfg), run_dir)
+    try:
+        yield backend
+    finally:
+        await backend.shutdown()
+
+
+def test_ray_actor_seam_contract(tmp_path, monkeypatch):
+    """Calls, remote errors, timeouts, start failures and a killed actor, on one private cluster
+    that writes nothing to the home folder and leaves its logs in the run folder."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    here = os.path.dirname(os.path.abspath(__file__))  # Ray workers import `helpers` from here
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    run_dir = tmp_path / "run"
+
+    async def go():
+        async with ray_backend(run_dir, start_timeout_s=120, ray_engine={"num_cpus": 0.5}) as backend:
+            actor = await backend.spawn("echo", Probe, 10)
+            assert (run_dir / "ray").is_symlink()
+            assert await actor.call("add", 1, y=2) == 13
+            assert await actor.call("threads") == 1
+            assert await asyncio.gather(*(actor.call("add", i) for i in range(20))) == [10 + i for i in range(20)]
+            with pytest.raises(ActorCallError, match=r"echo\.fail raised:(.|\n)*no such thing"):
+                await actor.call("fail")
+            assert await actor.call("add", 0) == 10 and actor.is_alive()
+            # plain methods are served in order, one at a time; async ones concurrently
+            t0 = time.monotonic()
+            await asyncio.gather(actor.call("sleep", 0.5), actor.call("sleep", 0.5))
+            serial_s = time.monotonic() - t0
+            t0 = time.monotonic()
+            await asyncio.gather(*(actor.call("async_sleep", 0.5) for _ in range(4)))
+            assert time.monotonic() - t0 < serial_s  # 4 concurrent sleeps beat 2 serial ones
+            with pytest.raises(TimeoutError, match=r"actor 'echo': call 'sleep' did not answer within 0.5 s"):
+                await actor.call("sleep", 5, timeout_s=0.5)
+            with pytest.raises(ActorDied, match=r"actor bad failed to start(.|\n)*refusing to start"):
+                await backend.spawn("bad", Probe, fail_init=True)
+            victim = await backend.spawn("engine-1", Probe)
+            pending = asyncio.ensure_future(victim.call("sleep", 30))
+            await asyncio.sleep(0.3)
+            os.kill(victim.pid, 9)
+            with pytest.raises(ActorDied, match=r"actor 'engine-1' \(pid \d+\) died"):
+                await pending
+            with pytest.raises(ActorDied, match="engine-1"):
+                await victim.call("add", 1)
+            assert not victim.is_alive()
+
+    asyncio.run(go())
+    assert not any(home.iterdir()), list(home.rglob("*"))  # no token, no cache, nothing in $HOME
+    assert (run_dir / "ray").is_dir() and not (run_dir / "ray").is_symlink()
+    assert any((run_dir / "ray").glob("raylet*")), list((run_dir / "ray").iterdir())
