@@ -105,3 +105,25 @@ class Probe(Echo):
 
         await asyncio.sleep(seconds)
         return seconds
+
+
+class DataParallelRank:
+    """One data-parallel trainer rank for tests: a fresh ParallelTrainer per config, one step."""
+
+    def __init__(self, model_dir: str, pad_token_id: int) -> None:
+        self.model_dir, self.pad_token_id = model_dir, pad_token_id
+
+    def join(self, host: str, port: int, rank: int, world: int) -> None:
+        from nonstop.trainer.parallel import join_group
+
+        join_group(host, port, rank, world, timeout_s=120)
+
+    def step(self, cfg, groups, temperature: float) -> dict:
+        """Train one step; every rank returns the full parameters (numpy) and the metrics."""
+        from nonstop.hf import load_model
+        from nonstop.trainer.parallel import ParallelTrainer
+
+        trainer = ParallelTrainer(load_model(self.model_dir), cfg, temperature, self.pad_token_id, mode=cfg.data_parallel)
+        metrics = trainer.step(groups)
+        params = {n: t.detach().numpy().copy() for n, t in trainer.publishable().named_parameters()}
+        return {"params": params, "metrics": metrics, "version": trainer.policy_version}

@@ -48,9 +48,28 @@ class Trainer:
         self.skipped_steps = 0
         self.skips_in_row = 0
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
+        self.optimizer = self.make_optimizer()
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
+
+    # Data-parallel seam: one rank holding the whole batch needs none of this; trainer/parallel.py
+    # overrides these four so that M ranks take exactly the step one rank would.
+    def denominators(self, mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Global divisors of the loss reductions by norm (and 'gspo'); None: this batch is all."""
+        return None
+
+    def all_finite(self, loss: torch.Tensor) -> bool:
+        return bool(torch.isfinite(loss))
+
+    def clip_grads(self) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+
+    def publishable(self) -> torch.nn.Module:
+        """What the weight transport packs: an object whose named_parameters() are full tensors."""
+        return self.model
 
     def _batch(self, groups: list[Group]) -> dict[str, torch.Tensor]:
         samples = [s for g in groups for s in g.samples]
@@ -127,28 +146,32 @@ class Trainer:
         prox = logp.detach()  # proximal policy: one optimizer step per batch, so pi_prox = pi_theta now
         weights, is_stats = is_weights(prox, batch["behaviour"], mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
         old = batch["behaviour"] if cfg.correction == "none" else prox
+        den = self.denominators(mask)
+        norm_den = den[cfg.norm] if den else None
         if cfg.loss == "gspo":
-            loss, stats = gspo_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high, weights)
+            loss, stats = gspo_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high, weights,
+                                    den["gspo"] if den else None)
         else:
             loss, stats = clipped_policy_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high,
-                                              cfg.norm, weights)  # type: ignore[arg-type]
+                                              cfg.norm, weights, norm_den)  # type: ignore[arg-type]
         extra: dict[str, float] = {}
         if self.reference is not None:
             with torch.no_grad():
                 ref = self.logprobs(batch, self.reference)
-            kl = masked_mean(kl_penalty(logp, ref, cfg.kl_estimator), mask, cfg.norm)  # type: ignore[arg-type]
+            kl = masked_mean(kl_penalty(logp, ref, cfg.kl_estimator), mask, cfg.norm, norm_den)  # type: ignore[arg-type]
             loss = loss + cfg.kl_coef * kl
             extra["kl_ref"] = float(kl.detach())
         if entropy is not None:
-            ent = masked_mean(entropy, mask, cfg.norm)  # type: ignore[arg-type]
+            ent = masked_mean(entropy, mask, cfg.norm, norm_den)  # type: ignore[arg-type]
             loss = loss - cfg.entropy_coef * ent
             extra["entropy"] = float(ent.detach())
         self.optimizer.zero_grad(set_to_none=True)
         grad_norm = torch.tensor(float("nan"))
-        if torch.isfinite(loss):
+        loss_ok = self.all_finite(loss)  # on M ranks: all of them, or none, take the backward pass
+        if loss_ok:
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        skipped = not (torch.isfinite(loss) and torch.isfinite(grad_norm))
+            grad_norm = self.clip_grads()
+        skipped = not (loss_ok and torch.isfinite(grad_norm))
         if skipped:  # weights stay as they are; the version does not move
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1

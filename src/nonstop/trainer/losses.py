@@ -67,15 +67,21 @@ def token_logprobs(
     return (logp, torch.cat(ent)) if with_entropy else logp
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, norm: Literal["sequence", "token", "constant"]) -> torch.Tensor:
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, norm: Literal["sequence", "token", "constant"], denom: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Reduce per-token values (B, T) to a scalar: per sample then over samples, over all tokens,
-    or summed and divided by the constant B x T (no length normalisation)."""
+    or summed and divided by the constant B x T (no length normalisation).
+
+    `denom` replaces the divisor (samples, tokens, or B x T) when this batch is one rank's share
+    of a larger one: every rank then divides by the global count (trainer/parallel.py)."""
     m = mask.to(x.dtype)
     if norm == "sequence":
-        return ((x * m).sum(-1) / m.sum(-1).clamp_min(1.0)).mean()
+        per_sample = (x * m).sum(-1) / m.sum(-1).clamp_min(1.0)  # (B,)
+        return per_sample.mean() if denom is None else per_sample.sum() / denom
     if norm == "token":
-        return (x * m).sum() / m.sum().clamp_min(1.0)
-    return (x * m).sum() / (x.shape[0] * x.shape[1])
+        return (x * m).sum() / (m.sum().clamp_min(1.0) if denom is None else denom)
+    return (x * m).sum() / (x.shape[0] * x.shape[1] if denom is None else denom)
 
 
 def clipped_policy_loss(
@@ -87,6 +93,7 @@ def clipped_policy_loss(
     clip_eps_high: float | None = None,
     norm: Literal["sequence", "token", "constant"] = "sequence",
     weights: torch.Tensor | None = None,
+    denom: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped surrogate with a per-token ratio.
 
@@ -102,7 +109,7 @@ def clipped_policy_loss(
     per_token = -torch.minimum(unclipped, clipped)  # (B, T)
     if weights is not None:
         per_token = per_token * weights
-    loss = masked_mean(per_token, mask, norm)
+    loss = masked_mean(per_token, mask, norm, denom)
     return loss, _ratio_stats(ratio, clipped < unclipped, mask)
 
 
@@ -114,11 +121,13 @@ def gspo_loss(
     clip_eps: float = 3e-4,
     clip_eps_high: float | None = 4e-4,
     weights: torch.Tensor | None = None,
+    denom: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: one ratio per sequence, s = exp(mean_t (logp_t - old_logp_t)), clipped per sequence.
 
     logp, old_logp: (B, T); advantages: (B,); mask: (B, T). Per sample: -min(s A, clip(s) A);
-    mean over samples. `weights` (B, T) are reduced to one weight per sample by their mean.
+    mean over samples that have tokens (`denom`: their global count). `weights` (B, T) are reduced
+    to one weight per sample by their mean.
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     m = mask.to(logp.dtype)
@@ -130,7 +139,7 @@ def gspo_loss(
     if weights is not None:
         per_seq = per_seq * (weights * m).sum(-1) / n
     has_tokens = (m.sum(-1) > 0).to(logp.dtype)
-    loss = (per_seq * has_tokens).sum() / has_tokens.sum().clamp_min(1.0)
+    loss = (per_seq * has_tokens).sum() / (has_tokens.sum().clamp_min(1.0) if denom is None else denom)
     token_ratio = torch.exp(logp - old_logp)
     stats = _ratio_stats(token_ratio, (clipped < unclipped).unsqueeze(-1).expand_as(mask), mask)
     return loss, stats

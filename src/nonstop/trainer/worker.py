@@ -2,6 +2,9 @@
 
 `step(groups)` trains on one batch and publishes the new weights as policy_version + 1 before
 it returns, so when the orchestrator sees version v every engine can load v.
+With `trainer.ranks` > 1 every rank is such an actor: rank 0 calls `rendezvous`, all call
+`join_group` (trainer/parallel.py), then every step goes to all ranks with the whole batch and
+only rank 0 holds the transport sink.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from nonstop.config import TrainerConfig, TransportConfig
 from nonstop.hf import load_model
 from nonstop.trainer.core import Trainer
+from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
 from nonstop.types import Group, StepResult, TransportHandle
 
@@ -27,8 +31,18 @@ class TrainerWorker:
         self.sink: WeightSink | None = None
         self.busy_s = 0.0
 
-    def plan_transport(self, cfg: TransportConfig, num_engines: int) -> TransportHandle:
-        handle = plan_transport(cfg, self.trainer.model, num_engines)
+    def rendezvous(self, host: str | None) -> tuple[str, int]:
+        return rendezvous(host)
+
+    def join_group(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+        """Become rank `rank` of `world` data-parallel trainer ranks (blocks until all joined)."""
+        join_group(host, port, rank, world, timeout_s)
+        t = self.trainer
+        self.trainer = ParallelTrainer(t.model, t.cfg, t.temperature, t.pad_token_id, t.max_lag, t.reject,
+                                       t.cfg.data_parallel)
+
+    def plan_transport(self, cfg: TransportConfig, num_engines: int, host: str | None = "127.0.0.1") -> TransportHandle:
+        handle = plan_transport(cfg, self.trainer.model, num_engines, node_host(host))
         self.sink = open_sink(handle)
         return handle
 
@@ -40,8 +54,13 @@ class TrainerWorker:
         t0 = time.perf_counter()
         metrics = self.trainer.step(groups)
         t1 = time.perf_counter()
-        if self.sink is not None and not metrics["skipped"]:
-            self.sink.publish(self.trainer.model, self.trainer.policy_version)
+        if not metrics["skipped"]:
+            weights = self.trainer.publishable()
+            if self.sink is not None:
+                self.sink.publish(weights, self.trainer.policy_version)
+            else:  # a rank without the sink still takes part in every gather (FSDP2)
+                for _ in weights.named_parameters():
+                    pass
         t2 = time.perf_counter()
         self.busy_s += t2 - t0
         metrics.update(train_s=t1 - t0, publish_s=t2 - t1)
@@ -50,9 +69,14 @@ class TrainerWorker:
     def save(self, path: str) -> str:
         """Write the current weights with save_pretrained (safetensors), loadable by transformers."""
         out = Path(path)
-        self.trainer.model.save_pretrained(out)
+        if isinstance(self.trainer, ParallelTrainer):
+            self.trainer.save_full(out)  # every rank takes part; rank 0 writes
+        else:
+            self.trainer.model.save_pretrained(out)
         return str(out)
 
     def close(self) -> None:
         if self.sink is not None:
             self.sink.close()
+        if isinstance(self.trainer, ParallelTrainer):
+            self.trainer.close()

@@ -100,13 +100,14 @@ def crc32(buf: torch.Tensor) -> int:
     return zlib.crc32(memoryview(buf.numpy()))
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: int) -> TransportHandle:
+def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: int, host: str = "127.0.0.1") -> TransportHandle:
+    """`host`: the trainer's address the engines reach (broadcast's store and group)."""
     layout, total = model_layout(model)
     options: dict = {"timeout_s": cfg.timeout_s, "connect_timeout_s": cfg.connect_timeout_s,
                      "num_engines": num_engines, "checksum": cfg.checksum, "per_tensor": cfg.per_tensor}
@@ -121,7 +122,7 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
         options["owned"] = cfg.files_dir is None  # the sink removes a folder it created
         options["keep"] = cfg.files_keep
     else:
-        options.update(host="127.0.0.1", port=free_port(), bucket_bytes=int(cfg.bucket_mb * 2**20))
+        options.update(host=host, port=free_port(host), bucket_bytes=int(cfg.bucket_mb * 2**20))
     return TransportHandle(kind=cfg.kind, layout=layout, total_bytes=total, options=options)
 
 

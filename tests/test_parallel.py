@@ -1,0 +1,100 @@
+"""Data-parallel training: 2 gloo ranks (real processes) take the same step as 1 rank on the whole batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from nonstop.config import RuntimeConfig, TrainerConfig
+from nonstop.engine.core import TorchEngine
+from nonstop.hf import load_model, load_tokenizer
+from nonstop.runtime import make_backend
+from nonstop.trainer.core import Trainer
+from nonstop.trainer.parallel import rendezvous, shard_bounds
+from nonstop.types import GenerationRequest, Group, SamplingParams
+
+from helpers import DataParallelRank
+
+TEMPERATURE = 1.0
+# One config per way the losses normalise: per-sample mean, token mean (with
+# clip-higher), the Dr.GRPO constant B x T_max, GSPO's per-sequence mean, batch-normalised
+# advantages, and the KL / entropy terms that share the loss's divisor.
+CONFIGS = {
+    "grpo": TrainerConfig(lr=1e-2),
+    "dapo": TrainerConfig(lr=1e-2, loss="dapo", overlong_filter=False),  # random tiny models rarely stop
+    "dr_grpo": TrainerConfig(lr=1e-2, loss="dr_grpo"),
+    "gspo": TrainerConfig(lr=1e-2, loss="gspo", clip_eps=0.2, clip_eps_high=0.2),
+    "reinforce_pp_kl_entropy": TrainerConfig(lr=1e-2, loss="reinforce_pp", kl_coef=0.1, entropy_coef=0.01),
+}
+
+
+def _groups(model_dir) -> tuple[list[Group], int]:
+    """Five groups of four with mixed rewards and completions of different lengths (odd count:
+    the ranks get unequal shares)."""
+    tok = load_tokenizer(str(model_dir))
+    engine = TorchEngine(load_model(str(model_dir)), [tok.eos_token_id], tok.pad_token_id)
+    prompts = ["1+2=", "33+44=", "7+0=", "12+9=", "50+50="]
+    reqs = [GenerationRequest(i, tok(p)["input_ids"], 4, SamplingParams(2 + 2 * i, TEMPERATURE, seed=i))
+            for i, p in enumerate(prompts)]
+    groups = []
+    for i, (p, samples) in enumerate(zip(prompts, engine.generate(reqs))):
+        for j, s in enumerate(samples):
+            s.reward = float((j + i) % 3 == 0) + 0.1 * j
+        groups.append(Group(i, p, "x", samples))
+    assert len({len(s.completion_ids) for g in groups for s in g.samples}) > 1
+    return groups, tok.pad_token_id
+
+
+def test_shard_bounds_cover_every_group_once():
+    for n in range(1, 12):
+        for world in range(1, n + 1):
+            spans = [shard_bounds(n, r, world) for r in range(world)]
+            assert [i for lo, hi in spans for i in range(lo, hi)] == list(range(n))
+            assert max(hi - lo for lo, hi in spans) - min(hi - lo for lo, hi in spans) <= 1
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_gloo_ranks_take_the_one_rank_step(tiny_dir, mode):
+    groups, pad = _groups(tiny_dir)
+
+    async def two_ranks() -> dict[str, dict]:
+        backend = make_backend(RuntimeConfig())
+        try:
+            ranks = await asyncio.gather(*(backend.spawn(f"trainer-{r}", DataParallelRank, str(tiny_dir), pad)
+                                           for r in range(2)))
+            host, port = rendezvous("127.0.0.1")
+            await asyncio.gather(*(a.call("join", host, port, r, 2) for r, a in enumerate(ranks)))
+            out = {}
+            for name, cfg in CONFIGS.items():
+                cfg = cfg.model_copy(update={"data_parallel": mode, "ranks": 2})
+                r0, r1 = await asyncio.gather(*(a.call("step", cfg, groups, TEMPERATURE) for a in ranks))
+                out[name] = r0
+                for k in r0["params"]:  # both ranks hold (or gather) the same full parameters
+                    assert (r0["params"][k] == r1["params"][k]).all(), (name, k)
+            return out
+        finally:
+            await backend.shutdown()
+
+    parallel = asyncio.run(two_ranks())
+    for name, cfg in CONFIGS.items():
+        torch.manual_seed(0)
+        single = Trainer(load_model(str(tiny_dir)), cfg, TEMPERATURE, pad)
+        initial = {n: p.detach().clone() for n, p in single.model.named_parameters()}
+        metrics = single.step(groups)
+        got = parallel[name]
+        assert got["version"] == 1 and got["metrics"]["samples"] == metrics["samples"] == 20
+        assert got["metrics"]["tokens"] == metrics["tokens"]
+        assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6), name
+        # AdamW's first step hardly depends on the gradient's scale, so the global gradient norm
+        # is what shows a wrong divisor; the parameters show a wrong direction.
+        assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), name
+        moved = 0.0
+        for n, p in single.model.named_parameters():
+            theirs = torch.from_numpy(got["params"][n])
+            # first-step Adam updates are ~lr (1e-2) per element; float noise on near-zero
+            # gradients moves a few of them by ~1e-5
+            assert torch.allclose(theirs, p.detach(), rtol=0, atol=5e-5), (name, n, (theirs - p).abs().max())
+            moved = max(moved, float((p.detach() - initial[n]).abs().max()))
+        assert moved > 5e-3, name  # the step changed the weights, so the comparison means something
