@@ -1,8 +1,9 @@
 """The top-level asynchronous loop.
 
-Processes: this orchestrator (asyncio), one engine actor, one trainer actor. Rollouts flow
-engine -> orchestrator (scoring) -> buffer -> trainer as small messages; weights flow
-trainer -> engine through the weight transport only. The producer task runs beside the
+Processes: this orchestrator (asyncio), `runtime.num_engines` engine actors behind a
+least-loaded pool, `trainer.ranks` trainer actors in lockstep (dispatch.py). Rollouts flow
+engines -> orchestrator (scoring) -> buffer -> trainer ranks as small messages; weights flow
+trainer rank 0 -> every engine through the weight transport only. The producer task runs beside the
 learning loop below; the supervisor re-raises its failure, and a dead actor fails every
 pending call at once, so the run ends with a message instead of a hang.
 """
@@ -17,11 +18,12 @@ from typing import Any
 
 from nonstop.buffer import RolloutBuffer
 from nonstop.config import Config
+from nonstop.dispatch import EnginePool, RankGroup
 from nonstop.engine.worker import EngineWorker
 from nonstop.metrics import Clock, JsonlSink
 from nonstop.progress import Progress
 from nonstop.rollout import Codec, RolloutStats, evaluate, produce
-from nonstop.runtime import ActorHandle, Supervisor, make_backend
+from nonstop.runtime import ActorBackend, Supervisor, make_backend
 from nonstop.scorer import FunctionScorer, resolve_reward
 from nonstop.tasks.data import PromptStream, TaskData
 from nonstop.trainer.worker import TrainerWorker
@@ -32,8 +34,8 @@ class Run:
     cfg: Config
     data: TaskData
     codec: Codec
-    engine: ActorHandle
-    trainer: ActorHandle
+    engine: EnginePool
+    trainer: RankGroup
     buffer: RolloutBuffer
     scorer: FunctionScorer
     clock: Clock
@@ -79,7 +81,35 @@ def step_record(run: Run, step: int, version: int, groups: list, metrics: dict[s
         "training_busy_s": round(busy["training"], 3), "training_idle_s": round(max(0.0, wall - busy["training"]), 3),
         "engine_idle_frac": run.clock.idle_fraction("generation"), "trainer_idle_frac": run.clock.idle_fraction("training"),
         "drops": dict(run.buffer.drops), "reward_errors": dict(run.scorer.errors), "buffer_queued": run.buffer.queued,
+        "engine_versions": list(run.engine.versions),
     }
+
+
+def _names(role: str, count: int) -> list[str]:
+    return [role] if count == 1 else [f"{role}-{i}" for i in range(count)]
+
+
+async def start_actors(backend: ActorBackend, cfg: Config, base_model: Path, tok: Any) -> tuple[EnginePool, RankGroup]:
+    """Spawn the engines and the trainer ranks, form the ranks' group, connect the transport
+    (trainer rank 0 is transport rank 0, engine i is rank i + 1)."""
+    rt = cfg.runtime
+    spawns = [backend.spawn(n, EngineWorker, str(base_model), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed + i)
+              for i, n in enumerate(_names("engine", rt.num_engines))]
+    spawns += [backend.spawn(n, TrainerWorker, str(base_model), cfg.trainer, cfg.rollout.temperature,
+                             tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject)
+               for n in _names("trainer", cfg.trainer.ranks)]
+    actors = await asyncio.gather(*spawns)
+    engines, trainers = EnginePool(actors[:rt.num_engines]), RankGroup(actors[rt.num_engines:])
+    # Actors on other machines reach rank 0 / the transport at its node's address; else loopback.
+    host = None if rt.backend == "ray" and rt.ray_address is not None else "127.0.0.1"
+    if len(trainers.ranks) > 1:
+        addr, port = await trainers.lead.call("rendezvous", host)
+        await asyncio.gather(*(t.call("join_group", addr, port, r, len(trainers.ranks), cfg.transport.connect_timeout_s)
+                               for r, t in enumerate(trainers.ranks)))
+    handle = await trainers.lead.call("plan_transport", cfg.transport, rt.num_engines, host)
+    await asyncio.gather(trainers.lead.call("connect_transport"),
+                         *(e.call("connect_transport", handle, i + 1) for i, e in enumerate(engines.engines)))
+    return engines, trainers
 
 
 async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, progress: Progress) -> dict[str, Any]:
@@ -88,16 +118,11 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
 
     codec = Codec(load_tokenizer(str(base_model)))
     tok = codec.tokenizer
-    backend, supervisor = make_backend(cfg.runtime), Supervisor()
+    backend, supervisor = make_backend(cfg.runtime, run_dir), Supervisor()
     try:
-        progress.log("starting engine and trainer processes ...")
-        engine, trainer = await asyncio.gather(
-            backend.spawn("engine", EngineWorker, str(base_model), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed),
-            backend.spawn("trainer", TrainerWorker, str(base_model), cfg.trainer, cfg.rollout.temperature,
-                          tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject),
-        )
-        handle = await trainer.call("plan_transport", cfg.transport, 1)
-        await asyncio.gather(trainer.call("connect_transport"), engine.call("connect_transport", handle, 1))
+        progress.log(f"starting {cfg.runtime.num_engines} engine and {cfg.trainer.ranks} trainer actor(s) "
+                     f"({cfg.runtime.backend} backend) ...")
+        engine, trainer = await start_actors(backend, cfg, base_model, tok)
         buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
                                cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups)
         run = Run(cfg, data, codec, engine, trainer, buffer, FunctionScorer(resolve_reward(cfg.task.reward)), Clock(),
@@ -124,6 +149,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
             "trainer_idle_frac": run.clock.idle_fraction("training"),
             "drops": dict(buffer.drops), "reward_errors": dict(run.scorer.errors),
             "skipped_steps": last.get("skipped_steps", 0),
+            "engines": await engine.call("stats"),
             "last_reward_error": run.scorer.last_error, "final_dir": str(final_dir),
         }
     finally:
