@@ -87,6 +87,10 @@ def raising_reward(completion: str, answer: str) -> float:
     return float(len(completion))
 
 
+def ones_reward(completion: str, answer: str) -> float:
+    """Counts the '1' characters: rare under a random tiny model, quickly learnt by RL."""
+    return float(completion.count("1"))
+
 def always_raising_reward(completion: str, answer: str) -> float:
     raise RuntimeError("reward server is down")
 

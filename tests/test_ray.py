@@ -75,3 +75,30 @@ def test_ray_actor_seam_contract(tmp_path, monkeypatch):
     assert not any(home.iterdir()), list(home.rglob("*"))  # no token, no cache, nothing in $HOME
     assert (run_dir / "ray").is_dir() and not (run_dir / "ray").is_symlink()
     assert any((run_dir / "ray").glob("raylet*")), list((run_dir / "ray").iterdir())
+
+
+def test_short_run_on_a_local_ray_cluster_learns(tiny_dir, tmp_path):
+    """The real CLI on a private 2-CPU Ray cluster, two engines (half a CPU each) and one trainer:
+    it finishes, the reward rises, both engines follow the published versions."""
+    from test_e2e import nonstop, records, small_model_args
+
+    result = nonstop(
+        ["train", *small_model_args(tiny_dir), "--set", "runtime.backend=ray", "--set", "runtime.ray_num_cpus=2",
+         "--set", "runtime.num_engines=2", "--set", "runtime.ray_engine.num_cpus=0.5", "--set", "run.name=ray",
+         "--set", "task.reward=helpers:ones_reward", "--set", "run.max_steps=25", "--set", "trainer.lr=3e-2",
+         "--set", "rollout.prompts_per_step=8", "--set", "rollout.group_size=4", "--set", "rollout.max_new_tokens=6",
+         "--set", "task.max_operand=9", "--set", "task.eval_size=10", "--set", "rollout.filter_uniform_reward=false"],
+        cwd=tmp_path, timeout_s=400,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 engine and 1 trainer actor(s) (ray backend)" in result.stdout
+    run_dir = tmp_path / "runs" / "ray"
+    recs = records(run_dir)
+    assert [r["policy_version"] for r in recs] == list(range(1, 26))
+    first, last = [r["reward_mean"] for r in recs[:5]], [r["reward_mean"] for r in recs[-5:]]
+    assert sum(last) / 5 >= sum(first) / 5 + 0.5, (first, last)  # the policy learnt to write '1's
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [e["policy_version"] for e in summary["engines"]] == [25, 25]
+    assert all(e["tokens_generated"] > 0 for e in summary["engines"])
+    assert min(recs[-1]["engine_versions"]) >= 20
+    assert any((run_dir / "ray").glob("raylet*"))  # Ray's logs stay with the run
