@@ -114,16 +114,6 @@ def length_reward(completion: str, answer: str) -> float:
 
 
 
-class Probe(Echo):
-    """Echo plus an async method (served concurrently) for backend tests."""
-
-    async def async_sleep(self, seconds: float) -> float:
-        import asyncio
-
-        await asyncio.sleep(seconds)
-        return seconds
-
-
 class DataParallelRank:
     """One data-parallel trainer rank for tests: a fresh ParallelTrainer per config, one step."""
 
