@@ -55,11 +55,11 @@ def test_shard_bounds_cover_every_group_once():
             assert max(hi - lo for lo, hi in spans) - min(hi - lo for lo, hi in spans) <= 1
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_gloo_ranks_take_the_one_rank_step(tiny_dir, mode):
+def test_two_gloo_ranks_take_the_one_rank_step_with_ddp_and_fsdp2(tiny_dir):
+    """Both modes on one pair of rank processes (one process group), each config from the same start."""
     groups, pad = _groups(tiny_dir)
 
-    async def two_ranks() -> dict[str, dict]:
+    async def two_ranks() -> dict[tuple[str, str], dict]:
         backend = make_backend(RuntimeConfig())
         try:
             ranks = await asyncio.gather(*(backend.spawn(f"trainer-{r}", DataParallelRank, str(tiny_dir), pad)
@@ -67,12 +67,13 @@ def test_two_gloo_ranks_take_the_one_rank_step(tiny_dir, mode):
             host, port = rendezvous("127.0.0.1")
             await asyncio.gather(*(a.call("join", host, port, r, 2) for r, a in enumerate(ranks)))
             out = {}
-            for name, cfg in CONFIGS.items():
-                cfg = cfg.model_copy(update={"data_parallel": mode, "ranks": 2})
-                r0, r1 = await asyncio.gather(*(a.call("step", cfg, groups, TEMPERATURE) for a in ranks))
-                out[name] = r0
-                for k in r0["params"]:  # both ranks hold (or gather) the same full parameters
-                    assert (r0["params"][k] == r1["params"][k]).all(), (name, k)
+            for mode in ("ddp", "fsdp2"):
+                for name, cfg in CONFIGS.items():
+                    cfg = cfg.model_copy(update={"data_parallel": mode, "ranks": 2})
+                    r0, r1 = await asyncio.gather(*(a.call("step", cfg, groups, TEMPERATURE) for a in ranks))
+                    out[mode, name] = r0
+                    for k in r0["params"]:  # both ranks hold (or gather) the same full parameters
+                        assert (r0["params"][k] == r1["params"][k]).all(), (mode, name, k)
             return out
         finally:
             await backend.shutdown()
@@ -83,18 +84,22 @@ def test_two_gloo_ranks_take_the_one_rank_step(tiny_dir, mode):
         single = Trainer(load_model(str(tiny_dir)), cfg, TEMPERATURE, pad)
         initial = {n: p.detach().clone() for n, p in single.model.named_parameters()}
         metrics = single.step(groups)
-        got = parallel[name]
-        assert got["version"] == 1 and got["metrics"]["samples"] == metrics["samples"] == 20
-        assert got["metrics"]["tokens"] == metrics["tokens"]
-        assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6), name
-        # AdamW's first step hardly depends on the gradient's scale, so the global gradient norm
-        # is what shows a wrong divisor; the parameters show a wrong direction.
-        assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), name
-        moved = 0.0
-        for n, p in single.model.named_parameters():
-            theirs = torch.from_numpy(got["params"][n])
-            # first-step Adam updates are ~lr (1e-2) per element; float noise on near-zero
-            # gradients moves a few of them by ~1e-5
-            assert torch.allclose(theirs, p.detach(), rtol=0, atol=5e-5), (name, n, (theirs - p).abs().max())
-            moved = max(moved, float((p.detach() - initial[n]).abs().max()))
-        assert moved > 5e-3, name  # the step changed the weights, so the comparison means something
+        for mode in ("ddp", "fsdp2"):
+            _same_step(parallel[mode, name], metrics, single, initial, f"{mode}/{name}")
+
+
+def _same_step(got: dict, metrics: dict, single: Trainer, initial: dict, name: str) -> None:
+    assert got["version"] == 1 and got["metrics"]["samples"] == metrics["samples"] == 20
+    assert got["metrics"]["tokens"] == metrics["tokens"]
+    assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6), name
+    # AdamW's first step hardly depends on the gradient's scale, so the global gradient norm
+    # is what shows a wrong divisor; the parameters show a wrong direction.
+    assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), name
+    moved = 0.0
+    for n, p in single.model.named_parameters():
+        theirs = torch.from_numpy(got["params"][n])
+        # first-step Adam updates are ~lr (1e-2) per element; float noise on near-zero
+        # gradients moves a few of them by ~1e-5
+        assert torch.allclose(theirs, p.detach(), rtol=0, atol=5e-5), (name, n, (theirs - p).abs().max())
+        moved = max(moved, float((p.detach() - initial[n]).abs().max()))
+    assert moved > 5e-3, name  # the step changed the weights, so the comparison means something
