@@ -50,9 +50,10 @@ def rendezvous(host: str | None) -> tuple[str, int]:
     return host, free_port(host)
 
 
-def join_group(host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-    """Join the trainer ranks' default process group (blocks until all `world` ranks have)."""
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+def join_group(host: str, port: int, rank: int, world: int, timeout_s: float, cuda: bool = False) -> None:
+    """Join the trainer ranks' default process group (blocks until all `world` ranks have);
+    NCCL when the model lives on a GPU (`cuda`), gloo otherwise."""
+    backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
 

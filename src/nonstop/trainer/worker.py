@@ -36,8 +36,8 @@ class TrainerWorker:
 
     def join_group(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         """Become rank `rank` of `world` data-parallel trainer ranks (blocks until all joined)."""
-        join_group(host, port, rank, world, timeout_s)
         t = self.trainer
+        join_group(host, port, rank, world, timeout_s, cuda=next(t.model.parameters()).is_cuda)
         self.trainer = ParallelTrainer(t.model, t.cfg, t.temperature, t.pad_token_id, t.max_lag, t.reject,
                                        t.cfg.data_parallel)
 
