@@ -32,7 +32,7 @@ CELLS: dict[str, tuple[str, list[str]]] = {
 
 def run_cell(name: str, extra: list[str], steps: int, out: str) -> dict:
     cfg = load_config(overrides=[
-        "warmup.enabled=false", f"run.max_steps={steps}", "run.max_time_s=null", f"run.eval_every={steps}",
+        "warmup.enabled=false", "rollout.filter_uniform_reward=false", f"run.max_steps={steps}", "run.max_time_s=null", f"run.eval_every={steps}",
         "task.eval_size=50", f"run.out_dir={out}", f"run.name={name}", "run.progress=off", *extra,
     ])
     return run_training(cfg, Console(quiet=True))

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from nonstop.config import Config
 from nonstop.dispatch import place
 from nonstop.hf import load_tokenizer
@@ -18,7 +21,7 @@ def _requests(tok, count: int, n: int, first: int = 0) -> list[GenerationRequest
             for i in range(count)]
 
 
-def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each_version(tiny_dir):
+def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each_version(tiny_dir, tmp_path):
     tok = load_tokenizer(str(tiny_dir))
     cfg = Config.model_validate({
         "model": {"path": str(tiny_dir)}, "rollout": {"prompts_per_step": 4, "group_size": 3},
@@ -59,6 +62,18 @@ def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each
                 assert {v for samples in after for s in samples for v in s.versions} == {version}
                 assert pool.versions == [version, version]
                 assert [st["policy_version"] for st in await pool.call("stats")] == [version, version]
+
+            # the gathered FSDP2 save is the model the engines sample from
+            await ranks.call("save", str(tmp_path / "final"))
+            saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+            for samples in after:
+                s = samples[0]
+                ids = torch.tensor([s.prompt_ids + s.completion_ids])
+                with torch.no_grad():
+                    logp = torch.log_softmax(saved(ids).logits[0].float(), -1)  # (L, V)
+                P = len(s.prompt_ids)
+                ours = logp[P - 1:P - 1 + len(s.completion_ids)].gather(-1, torch.tensor(s.completion_ids)[:, None])
+                assert torch.allclose(ours.squeeze(-1), torch.tensor(s.logprobs), atol=1e-4)
         finally:
             await backend.shutdown()
 
