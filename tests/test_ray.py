@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
-pytest.importorskip("ray")
+from nonstop.config import RuntimeConfig
+from nonstop.runtime import ActorCallError, ActorDied, make_backend
 
-from nonstop.config import RuntimeConfig  # noqa: E402
-from nonstop.runtime import ActorCallError, ActorDied, make_backend  # noqa: E402
+from helpers import Echo
 
-from helpers import Echo  # noqa: E402
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
+
+
+def test_missing_ray_is_one_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if it were not installed
+    monkeypatch.delitem(sys.modules, "nonstop.runtime.ray", raising=False)
+    with pytest.raises(ImportError, match=r"runtime.backend=ray needs Ray: install the extra with `pip install nonstop\[ray\]`"):
+        make_backend(RuntimeConfig(backend="ray"))
 
 
 @contextlib.asynccontextmanager
@@ -27,6 +36,7 @@ async def ray_backend(run_dir, **cfg):
         await backend.shutdown()
 
 
+@needs_ray
 def test_ray_actor_seam_contract(tmp_path, monkeypatch):
     """Calls, remote errors, timeouts, start failures and a killed actor, on one private cluster
     that writes nothing to the home folder and leaves its logs in the run folder."""
@@ -82,6 +92,7 @@ def test_ray_actor_seam_contract(tmp_path, monkeypatch):
     assert any((run_dir / "ray").glob("raylet*")), list((run_dir / "ray").iterdir())
 
 
+@needs_ray
 def test_short_run_on_a_local_ray_cluster_learns(tiny_dir, tmp_path):
     """The real CLI on a private 2-CPU Ray cluster, two engines (half a CPU each) and one trainer:
     it finishes, the reward rises, both engines follow the published versions."""

@@ -38,7 +38,7 @@ from nonstop.runtime.base import ActorCallError, ActorDied
 try:
     import ray
     import ray.exceptions as rex
-except ImportError as e:  # pragma: no cover - exercised only without the extra
+except ImportError as e:
     raise ImportError(
         "runtime.backend=ray needs Ray: install the extra with `pip install nonstop[ray]`"
     ) from e
