@@ -5,7 +5,9 @@ Contract (shared with runtime/local.py):
   actor; a constructor failure raises ActorDied naming the actor, with the remote traceback;
 - methods declared `async def` on `cls` are served concurrently on the actor's event loop,
   plain methods one at a time, in order, on one worker thread (a Ray async actor whose plain
-  calls go through a one-thread executor);
+  calls go through a one-thread executor). Ray does not promise that an async actor starts
+  calls in submission order, so every call carries a sequence number and the actor admits
+  calls strictly in that order (a plain call is queued on the thread when admitted);
 - a remote exception raises ActorCallError naming `actor.method`; a dead actor fails every
   pending and later call with ActorDied naming it; a call past its timeout raises TimeoutError
   naming the actor and the method;
@@ -54,12 +56,22 @@ class _Shim:
         self.name = name
         self.obj = cls(*args, **kwargs)
         self.serial = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-calls")
+        self.admitted = 0  # sequence number of the next call to admit
+        self.turn: asyncio.Condition | None = None  # made on the actor's loop
 
-    async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        fn = getattr(self.obj, method)
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self.serial, functools.partial(fn, *args, **kwargs))
+    async def call(self, seq: int, method: str, args: tuple, kwargs: dict) -> Any:
+        self.turn = self.turn or asyncio.Condition()
+        async with self.turn:
+            await self.turn.wait_for(lambda: self.admitted == seq)
+            fn = getattr(self.obj, method, None)
+            plain = None
+            if fn is not None and not inspect.iscoroutinefunction(fn):
+                plain = asyncio.get_running_loop().run_in_executor(self.serial, functools.partial(fn, *args, **kwargs))
+            self.admitted += 1
+            self.turn.notify_all()
+        if fn is None:
+            raise AttributeError(f"{type(self.obj).__name__} has no method {method!r}")
+        return await (plain if plain is not None else fn(*args, **kwargs))
 
     async def ready(self) -> int:
         return os.getpid()
@@ -94,6 +106,7 @@ class RayActor:
         self.actor = actor
         self.call_timeout_s = call_timeout_s
         self.pid: int | None = None
+        self._seq = 0  # every call is numbered; the actor admits them in this order
         self._dead: str | None = None
         self._watch: asyncio.Task | None = None
 
@@ -111,11 +124,11 @@ class RayActor:
         if self._dead is not None:
             raise ActorDied(self._dead)
         limit_s = timeout_s or self.call_timeout_s
-        ref = self.actor.call.remote(method, args, kwargs)
+        ref = self.actor.call.remote(self._seq, method, args, kwargs)
+        self._seq += 1
         try:
             return await asyncio.wait_for(ref, limit_s)
-        except TimeoutError:
-            ray.cancel(ref)
+        except TimeoutError:  # not cancelled remotely: a numbered call that never ran would block later ones
             raise TimeoutError(f"actor '{self.name}': call '{method}' did not answer within {limit_s:g} s") from None
         except rex.RayActorError as e:
             self._dead = self._dead or f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}"
