@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from nonstop.config import RuntimeConfig, TrainerConfig
+from nonstop.config import ConfigError, RuntimeConfig, TrainerConfig, load_config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.runtime import make_backend
@@ -103,3 +103,10 @@ def _same_step(got: dict, metrics: dict, single: Trainer, initial: dict, name: s
         assert torch.allclose(theirs, p.detach(), rtol=0, atol=5e-5), (name, n, (theirs - p).abs().max())
         moved = max(moved, float((p.detach() - initial[n]).abs().max()))
     assert moved > 5e-3, name  # the step changed the weights, so the comparison means something
+
+
+def test_more_ranks_than_groups_per_step_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"trainer.ranks \(5\) > rollout.prompts_per_step \(4\)"):
+        load_config(overrides=["trainer.ranks=5", "rollout.prompts_per_step=4"])
+    with pytest.raises(ConfigError, match="trainer.data_parallel"):
+        load_config(overrides=["trainer.data_parallel=zero3"])
