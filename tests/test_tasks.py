@@ -61,7 +61,31 @@ def test_jsonl_without_valid_rows_is_an_error(tmp_path):
 def test_prompt_stream_visits_each_prompt_once_per_epoch():
     data = load_task(TaskConfig(max_operand=9, eval_size=10), seed=1)
     stream = PromptStream(data.train, seed=3)
-    first = [stream.next().index for _ in range(len(data.train))]
-    second = [stream.next().index for _ in range(len(data.train))]
-    assert sorted(first) == sorted(second) == sorted(e.index for e in data.train)
-    assert first != second and stream.epoch == 1
+    first = [stream.next().example.index for _ in range(len(data.train))]
+    second = [stream.next() for _ in range(len(data.train))]
+    assert sorted(first) == sorted(d.example.index for d in second) == sorted(e.index for e in data.train)
+    assert first != [d.example.index for d in second] and stream.epoch == 1
+    assert {d.epoch for d in second} == {1}
+
+
+def test_prompt_stream_state_continues_the_same_order_and_requeues_first():
+    data = load_task(TaskConfig(max_operand=9, eval_size=10), seed=1)
+    reference = PromptStream(data.train, seed=5)
+    expected = [(d.epoch, d.example.index) for d in (reference.next() for _ in range(200))]
+
+    stream = PromptStream(data.train, seed=5)
+    head = [stream.next() for _ in range(77)]
+    state = json.loads(json.dumps(stream.state_dict()))  # checkpoints hold it as JSON
+    resumed = PromptStream(data.train, seed=5)
+    resumed.load_state_dict(state)
+    resumed.requeue(head[70:])  # in flight at the checkpoint: drawn again first, in draw order
+    tail = [resumed.next() for _ in range(200 - 70)]
+    assert [(d.epoch, d.example.index) for d in head[:70] + tail] == expected
+
+
+def test_prompt_stream_stops_after_max_epochs():
+    data = load_task(TaskConfig(max_operand=9, eval_size=10), seed=1)
+    stream = PromptStream(data.train, seed=0, max_epochs=2)
+    draws = [stream.next() for _ in range(2 * len(data.train))]
+    assert all(d is not None for d in draws)
+    assert stream.next() is None and stream.next() is None
