@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nonstop.config import TaskConfig
-from nonstop.tasks.data import DatasetError, PromptStream, addition_examples, load_task, read_jsonl
+from nonstop.tasks.data import DatasetError, PromptStream, addition_examples, load_task, read_jsonl, screen_prompts
 from nonstop.tasks.tiny import VOCAB_SIZE, make_char_tokenizer
 
 
@@ -89,3 +89,27 @@ def test_prompt_stream_stops_after_max_epochs():
     draws = [stream.next() for _ in range(2 * len(data.train))]
     assert all(d is not None for d in draws)
     assert stream.next() is None and stream.next() is None
+
+
+def test_over_long_prompts_are_reported_by_index_and_skipped_or_rejected(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 6 + [{"prompt": "9" * 40 + "+1=", "answer": "x"}] * 2
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = TaskConfig(name="jsonl", dataset_path=str(path), eval_size=1)
+    data = load_task(cfg, seed=0)
+    long_ids = sorted(ex.index for ex in data.train + data.eval if len(ex.prompt) > 10)
+    problems = screen_prompts(data, list, 16, "skip")  # one token per character
+    assert len(problems) == 2 and all("over the limit of 16" in p for p in problems)
+    assert [f"#{i} " in " ".join(problems) for i in long_ids] == [True, True]
+    assert all(len(ex.prompt) <= 16 for ex in data.train + data.eval)
+    assert data.report.rows_skipped == 2
+    with pytest.raises(DatasetError, match=r"2 over-long prompt\(s\) \(task.on_bad_row=error\)"):
+        screen_prompts(load_task(cfg, seed=0), list, 16, "error")
+
+
+def test_bad_rows_can_stop_the_run_before_training(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n{"prompt": "3+3=", "answer": "6"}\n')
+    cfg = TaskConfig(name="jsonl", dataset_path=str(path), eval_size=1, on_bad_row="error")
+    with pytest.raises(DatasetError, match=r"1 bad row\(s\)(.|\n)*d.jsonl:2: missing field\(s\) answer"):
+        load_task(cfg, seed=0)

@@ -31,7 +31,7 @@ from nonstop.rollout import Codec, RolloutStats, evaluate, produce
 from nonstop.runtime import ActorCallError, ActorDied, ActorHandle, Supervisor, make_backend
 from nonstop.runtime.restart import RestartingActor
 from nonstop.scorer import FunctionScorer, resolve_reward
-from nonstop.tasks.data import PromptStream, TaskData
+from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 from nonstop.trainer.worker import TrainerWorker
 
 
@@ -123,12 +123,18 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
 
     With `resume`, actors start from the checkpoint's weights and state, and the data cursor and
     ledger continue from it (prompts in flight at the checkpoint are generated again first)."""
-    from nonstop.hf import load_tokenizer
+    from nonstop.hf import load_tokenizer, max_positions
 
     weights = resume.model_dir if resume is not None else base_model
     version0 = resume.state["policy_version"] if resume is not None else 0
     codec = Codec(load_tokenizer(str(weights)))
     tok = codec.tokenizer
+    limit = cfg.task.max_prompt_tokens or max_positions(weights) - cfg.rollout.max_new_tokens
+    long_prompts = screen_prompts(data, codec.encode, limit, cfg.task.on_bad_row)
+    for problem in long_prompts[:10]:
+        progress.log(f"[yellow]dataset:[/] {problem}; skipped")
+    if len(long_prompts) > 10:
+        progress.log(f"dataset: {len(long_prompts)} over-long prompts skipped in all")
     backend, supervisor = make_backend(cfg.runtime), Supervisor()
 
     def spawn_engine() -> Any:

@@ -93,11 +93,40 @@ def load_task(cfg: TaskConfig, seed: int) -> TaskData:
     else:
         assert cfg.dataset_path is not None  # guaranteed by TaskConfig validation
         pairs, report = read_jsonl(cfg.dataset_path)
+        if cfg.on_bad_row == "error" and report.rows_skipped:
+            raise DatasetError(f"{report.rows_skipped} bad row(s) in {cfg.dataset_path} (task.on_bad_row=error):\n  "
+                               + "\n  ".join(report.problems))
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
     n_eval = min(cfg.eval_size, len(pairs) // 2)
     examples = [Example(i, *pairs[i]) for i in order]
     return TaskData(train=examples[n_eval:], eval=examples[:n_eval], report=report)
+
+
+def screen_prompts(data: TaskData, encode, limit: int, on_bad_row: str) -> list[str]:
+    """Drop examples whose prompt is longer than `limit` tokens, reporting each by its index.
+
+    With on_bad_row='error' the first screening that finds any raises DatasetError listing them
+    all; otherwise the problems are returned (and counted in data.report) and the run goes on.
+    """
+    problems: list[str] = []
+    for split in (data.train, data.eval):
+        kept = []
+        for ex in split:
+            n = len(encode(ex.prompt))
+            if n > limit:
+                problems.append(f"prompt #{ex.index} has {n} tokens, over the limit of {limit} "
+                                "(task.max_prompt_tokens, or the model's positions minus rollout.max_new_tokens)")
+            else:
+                kept.append(ex)
+        split[:] = kept
+    if problems and on_bad_row == "error":
+        raise DatasetError(f"{len(problems)} over-long prompt(s) (task.on_bad_row=error):\n  " + "\n  ".join(problems))
+    if not data.train:
+        raise DatasetError(f"no train prompt fits in {limit} tokens")
+    data.report.rows_skipped += len(problems)
+    data.report.problems.extend(problems)
+    return problems
 
 
 @dataclass(frozen=True, slots=True)
