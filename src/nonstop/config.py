@@ -169,6 +169,10 @@ class TrainerConfig(_Section):
     """Weight of an entropy bonus."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up over this many optimizer steps (0: full lr from the start)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep lr, or decay it with a cosine to 10% at run.max_steps."""
     max_consecutive_skips: int = Field(5, ge=1)
     """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted); this many in a row stop the run."""
     logprob_chunk_rows: int = Field(64, ge=1)

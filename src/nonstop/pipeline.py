@@ -147,7 +147,8 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
             spawn_engine(),
             backend.spawn("trainer", TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature,
                           tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject,
-                          reference_path=str(base_model) if resume is not None else None),
+                          reference_path=str(base_model) if resume is not None else None,
+                          total_steps=cfg.run.max_steps),
         )
         if resume is not None:
             await trainer.call("load_checkpoint", str(resume.path))

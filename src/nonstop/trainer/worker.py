@@ -24,11 +24,12 @@ from nonstop.types import Group, StepResult, TransportHandle
 
 class TrainerWorker:
     def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0,
-                 max_lag: int | None = None, reject: str = "group", reference_path: str | None = None):
+                 max_lag: int | None = None, reject: str = "group", reference_path: str | None = None,
+                 total_steps: int = 1000):
         """`reference_path`: the KL reference weights when they differ from `model_path` (on resume)."""
         torch.manual_seed(seed)
         self.model_path = model_path
-        self.trainer = Trainer(load_model(model_path), cfg, temperature, pad_token_id, max_lag, reject)
+        self.trainer = Trainer(load_model(model_path), cfg, temperature, pad_token_id, max_lag, reject, total_steps)
         if reference_path is not None and self.trainer.reference is not None:
             self.trainer.reference = load_model(reference_path).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
@@ -65,7 +66,7 @@ class TrainerWorker:
         t = self.trainer
         t.model.save_pretrained(out / "model")
         torch.save({
-            "optimizer": t.optimizer.state_dict(), "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+            "optimizer": t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict(), "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "policy_version": t.policy_version, "skipped_steps": t.skipped_steps, "skips_in_row": t.skips_in_row,
         }, out / "trainer.pt")
         return t.policy_version
@@ -75,6 +76,7 @@ class TrainerWorker:
         state = torch.load(Path(path) / "trainer.pt", weights_only=False)
         t = self.trainer
         t.optimizer.load_state_dict(state["optimizer"])
+        t.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         t.policy_version, t.skipped_steps, t.skips_in_row = state["policy_version"], state["skipped_steps"], state["skips_in_row"]
