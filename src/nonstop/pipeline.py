@@ -167,7 +167,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
 
         engine = RestartingActor("engine", restart_engine, cfg.runtime.max_engine_restarts,
                                  cfg.runtime.heartbeat_interval_s, cfg.runtime.heartbeat_timeout_s,
-                                 count_items=lambda m, a: sum(r.n for r in a[0]) if m == "generate" else 0,
+                                 count_items=lambda m, a: len(a[0]) if m == "generate" else 0,  # prompts
                                  log=progress.log, actor=first_engine)
         ledger = Ledger()
         buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
