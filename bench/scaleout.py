@@ -27,7 +27,8 @@ CELLS: dict[str, tuple[str, list[str]]] = {
     "ray": ("ray, 1 engine, 1 trainer", ["runtime.backend=ray"]),
     "engines2": ("local, 2 engines, 1 trainer", ["runtime.num_engines=2"]),
     "ddp2": ("local, 1 engine, 2 DDP ranks", ["trainer.ranks=2", "trainer.data_parallel=ddp"]),
-    "fsdp2": ("local, 1 engine, 2 FSDP2 ranks", ["trainer.ranks=2", "trainer.data_parallel=fsdp2"]),
+    "fsdp2": ("local, 1 engine, 2 FSDP2 ranks", ["trainer.ranks=2", "trainer.data_parallel=fsdp2",
+                                                 "checkpoint.every_steps=null"]),
     "ray_e2_t2": ("ray, 2 engines, 2 DDP ranks", ["runtime.backend=ray", "runtime.num_engines=2", "trainer.ranks=2",
                                                   "runtime.ray_engine.num_cpus=0.5", "runtime.ray_trainer.num_cpus=0.5"]),
 }

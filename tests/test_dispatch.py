@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nonstop.config import Config
-from nonstop.dispatch import place
+from nonstop.dispatch import EnginePool, place
 from nonstop.hf import load_tokenizer
-from nonstop.pipeline import start_actors
+from nonstop.pipeline import connect_transport, spawn_engine, spawn_trainers
 from nonstop.runtime import make_backend
 from nonstop.types import GenerationRequest, Group, SamplingParams
 
@@ -26,13 +26,17 @@ def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each
     cfg = Config.model_validate({
         "model": {"path": str(tiny_dir)}, "rollout": {"prompts_per_step": 4, "group_size": 3},
         "runtime": {"num_engines": 2}, "transport": {"kind": "broadcast", "timeout_s": 60},
-        "trainer": {"ranks": 2, "data_parallel": "fsdp2", "lr": 1e-2},
+        "trainer": {"ranks": 2, "data_parallel": "fsdp2", "lr": 1e-2}, "checkpoint": {"every_steps": None},
     })
 
     async def go():
         backend = make_backend(cfg.runtime)
         try:
-            pool, ranks = await start_actors(backend, cfg, tiny_dir, tok)
+            engines, ranks = await asyncio.gather(
+                asyncio.gather(*(spawn_engine(backend, cfg, tiny_dir, tok, i) for i in range(2))),
+                spawn_trainers(backend, cfg, tiny_dir, tok))
+            await connect_transport(cfg, ranks, list(engines))
+            pool = EnginePool(list(engines))
             assert [e.name for e in pool.engines] == ["engine-0", "engine-1"]
             assert [r.name for r in ranks.ranks] == ["trainer-0", "trainer-1"]
 

@@ -108,5 +108,8 @@ def _same_step(got: dict, metrics: dict, single: Trainer, initial: dict, name: s
 def test_more_ranks_than_groups_per_step_is_a_config_error():
     with pytest.raises(ConfigError, match=r"trainer.ranks \(5\) > rollout.prompts_per_step \(4\)"):
         load_config(overrides=["trainer.ranks=5", "rollout.prompts_per_step=4"])
+    with pytest.raises(ConfigError, match="checkpoints of fsdp2 trainer ranks are not supported yet"):
+        load_config(overrides=["trainer.ranks=2", "trainer.data_parallel=fsdp2"])
+    load_config(overrides=["trainer.ranks=2", "trainer.data_parallel=fsdp2", "checkpoint.every_steps=null"])
     with pytest.raises(ConfigError, match="trainer.data_parallel"):
         load_config(overrides=["trainer.data_parallel=zero3"])

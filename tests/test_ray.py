@@ -85,6 +85,11 @@ def test_ray_actor_seam_contract(tmp_path, monkeypatch):
             with pytest.raises(ActorDied, match="engine-1"):
                 await victim.call("add", 1)
             assert not victim.is_alive()
+            hung = await backend.spawn("engine-2", Echo)
+            pending = asyncio.ensure_future(hung.call("sleep", 30))
+            await hung.kill()
+            with pytest.raises(ActorDied, match=r"actor 'engine-2' \(pid \d+\) was killed"):
+                await pending
 
     asyncio.run(go())
     assert not any(home.iterdir()), list(home.rglob("*"))  # no token, no cache, nothing in $HOME

@@ -139,6 +139,11 @@ class RayActor:
     def is_alive(self) -> bool:
         return self._dead is None
 
+    async def kill(self) -> None:
+        """End the actor now (a hung one too); its pending calls fail with ActorDied."""
+        self._dead = self._dead or f"actor '{self.name}' (pid {self.pid}) was killed"
+        ray.kill(self.actor, no_restart=True)
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         if self._dead is None:
             try:

@@ -90,11 +90,11 @@ class _FullParameters:
 
 class ParallelTrainer(Trainer):
     def __init__(self, model: torch.nn.Module, cfg, temperature: float, pad_token_id: int,
-                 max_lag: int | None = None, reject: str = "group", mode: Mode = "ddp") -> None:
+                 max_lag: int | None = None, reject: str = "group", mode: Mode = "ddp", total_steps: int = 1000) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParallelTrainer needs the trainer process group: call join_group first")
         self.rank, self.world, self.mode = dist.get_rank(), dist.get_world_size(), mode
-        super().__init__(model, cfg, temperature, pad_token_id, max_lag, reject)  # the reference copy stays whole
+        super().__init__(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps)  # the reference stays whole
         if mode == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -109,7 +109,7 @@ class ParallelTrainer(Trainer):
             from torch.nn.parallel import DistributedDataParallel
 
             self.policy = DistributedDataParallel(_Policy(self))
-        self.optimizer = self.make_optimizer()  # over the sharded / wrapped parameters
+        self.make_optimizer()  # over the sharded / wrapped parameters
         self._global: dict[str, int] = {}
 
     def _batch(self, groups: list[Group]) -> dict[str, torch.Tensor]:
