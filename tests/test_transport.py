@@ -58,24 +58,33 @@ def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra):
     assert child.exitcode == 0
 
 
-def test_half_written_shm_slot_is_never_applied(tiny_dir):
-    trainer_model = _perturbed(tiny_dir, seed=2)
-    handle = plan_transport(TransportConfig(kind="shm"), trainer_model, 1)
+def test_shm_never_applies_a_slot_being_written_nor_overwrites_a_slot_in_use(tiny_dir):
+    first, second = _perturbed(tiny_dir, seed=2), _perturbed(tiny_dir, seed=3)
+    handle = plan_transport(TransportConfig(kind="shm"), first, 1)
     sink = open_sink(handle)
     engine_model = load_model(str(tiny_dir))
     before = {k: v.clone() for k, v in engine_model.state_dict().items()}
     source = open_source(handle, engine_model)
     try:
         assert source.maybe_update(engine_model) is None  # nothing published yet
-        sink.segment.stamps[1] = -1  # a writer is mid-way through slot 1
+        sink.publish(first, 1)
+        slot = int(sink.segment.stamps.tolist().index(1))
+        sink.segment.stamps[slot] = -1  # the writer is mid-way through the only version
         assert source.maybe_update(engine_model) is None
         assert all(torch.equal(before[k], v) for k, v in engine_model.state_dict().items())
-        sink.publish(trainer_model, 1)
+        sink.segment.stamps[slot] = 1
         assert source.maybe_update(engine_model) == 1
-        assert torch.equal(engine_model.model.embed_tokens.weight, trainer_model.model.embed_tokens.weight)
+        assert torch.equal(engine_model.model.embed_tokens.weight, first.model.embed_tokens.weight)
         assert source.maybe_update(engine_model) is None  # same version is not applied twice
+        # The engine keeps decoding with version 1 (zero copy: its weights live in the slot)
+        # while the trainer publishes five more: the slot it reads is never written.
+        for v in range(2, 7):
+            sink.publish(second if v % 2 else first, v)
+            assert torch.equal(engine_model.model.embed_tokens.weight, first.model.embed_tokens.weight)
+        assert source.maybe_update(engine_model) == 6
+        source.close()  # the weights move back to private memory, still version 6
+        assert torch.equal(engine_model.model.norm.weight, first.model.norm.weight)
     finally:
-        source.close()
         sink.close()
 
 
@@ -140,8 +149,8 @@ def test_corrupted_shm_slot_and_weights_file_are_rejected(tiny_dir, tmp_path):
         source = open_source(handle, engine_model)
         try:
             sink.publish(trainer_model, 1)
-            if kind == "shm":
-                sink.segment.slots[1][100] ^= 0xFF  # a flipped byte after the writer stamped the slot
+            if kind == "shm":  # a flipped byte after the writer stamped the slot
+                sink.segment.slots[sink.segment.stamps.tolist().index(1)][100] ^= 0xFF
             else:
                 data = bytearray((tmp_path / "w" / "v1.safetensors").read_bytes())
                 data[-10] ^= 0xFF

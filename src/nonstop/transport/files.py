@@ -5,7 +5,7 @@ trainer writes version v as `v{v}.safetensors` (the flat byte layout as one uint
 names, shapes and dtypes come from the handle's checked layout): temp file, fsync, rename.
 Then it replaces `LATEST` (temp file, fsync, rename) with the version number. The marker is
 the notification: an engine stats it before each forward pass (cheap), and when it changed,
-reads the version, loads that file into a shadow buffer and copies it into its parameters.
+reads the version, loads that file into a new buffer and points its tensors at it (no copy).
 Because the marker is renamed into place only after the weights file is complete, a
 half-written update is never applied. The trainer keeps the newest `keep` versions.
 """
@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nonstop.transport.base import TransportError, bind_flat, crc32, pack, views
+from nonstop.transport.base import FlatSender, TransportError, WeightTarget, crc32, in_layout_order, repoint, views
 from nonstop.types import TransportHandle
 
 MARKER = "LATEST"
@@ -39,8 +39,7 @@ class FilesSink:
         self.dir = Path(handle.options["dir"])
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = int(handle.options.get("keep", 2))
-        self.staging = torch.empty(handle.total_bytes, dtype=torch.uint8)
-        self.staging_views = views(self.staging, handle.layout)
+        self.sender = FlatSender(handle)
         self.written: list[int] = []
 
     def connect(self) -> None:
@@ -48,13 +47,13 @@ class FilesSink:
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        pack(model, self.staging_views)
+        flat = self.sender.flat(model)
         try:
             meta = {"version": str(version)}
             if self.handle.options.get("checksum"):
-                meta["crc32"] = str(crc32(self.staging))
+                meta["crc32"] = str(crc32(flat))
             _atomic_write(self.dir / f"v{version}.safetensors",
-                          lambda tmp: save_file({"flat": self.staging}, str(tmp), metadata=meta))
+                          lambda tmp: save_file({"flat": flat}, str(tmp), metadata=meta))
             _atomic_write(self.dir / MARKER, lambda tmp: tmp.write_text(str(version)))
         except OSError as e:
             raise TransportError(f"writing version {version} to {self.dir} failed: {e}") from e
@@ -71,10 +70,10 @@ class FilesSink:
 
 
 class FilesSource:
-    def __init__(self, handle: TransportHandle, model: torch.nn.Module) -> None:
-        self.handle = handle
+    def __init__(self, handle: TransportHandle, target: WeightTarget) -> None:
+        self.handle, self.target = handle, target
         self.dir = Path(handle.options["dir"])
-        self.flat = bind_flat(model, handle.layout, handle.total_bytes)
+        self.tensors = in_layout_order(target.tensors(), handle.layout)
         self.applied = -1
         self._seen_stat: tuple[int, int] | None = None
 
@@ -92,7 +91,8 @@ class FilesSource:
             return None
         path = self.dir / f"v{version}.safetensors"
         try:
-            with safe_open(str(path), framework="pt") as f:
+            # Made outside inference_mode: the engine's parameters will point into this buffer.
+            with torch.inference_mode(False), safe_open(str(path), framework="pt") as f:
                 shadow, meta = f.get_tensor("flat"), f.metadata() or {}
         except FileNotFoundError:  # already replaced by a newer version: the next marker names it
             self._seen_stat = None
@@ -101,9 +101,10 @@ class FilesSource:
             raise TransportError(f"{path}: unreadable weights file for version {version}: {e}") from e
         if "crc32" in meta and crc32(shadow) != int(meta["crc32"]):
             raise TransportError(f"{path}: version {version} failed its checksum; not applied")
-        if shadow.numel() != self.flat.numel():
-            raise TransportError(f"{path}: {shadow.numel()} bytes, expected {self.flat.numel()} from the trainer's layout")
-        self.flat.copy_(shadow)
+        if shadow.numel() != self.handle.total_bytes:
+            raise TransportError(f"{path}: {shadow.numel()} bytes, expected {self.handle.total_bytes} from the trainer's layout")
+        repoint(self.tensors, views(shadow, self.handle.layout))
+        self.target.applied()
         self.applied = version
         return version
 

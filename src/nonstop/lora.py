@@ -1,0 +1,99 @@
+"""LoRA adapters: the math and names shared by the trainer (peft) and the engine (merge).
+
+Contract:
+- adapter tensor names are the targeted module's path in the plain transformers model plus
+  `.lora_A.weight` (r, in_features) or `.lora_B.weight` (out_features, r) — the keys of a
+  peft adapter file without peft's `base_model.model.` prefix and adapter name;
+- a module is targeted when its path equals an entry of `target_modules` or ends with
+  `.` + that entry (peft's rule for a list), and it must be a `torch.nn.Linear`;
+- the effective weight is W = W0 + (alpha / r) * B @ A (peft's default scaling).
+
+Trainer side (`wrap_with_peft`, `adapter_tensors`) imports peft lazily; the engine side
+(`MergedAdapters`) needs only torch: it keeps a private copy W0 of every targeted weight
+and, after each adapter update, rewrites W in place, so decoding runs the plain model at
+unchanged speed and the base weights never travel again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nonstop.config import LoraConfig
+
+ADAPTER = "default"  # peft's adapter name; it never appears in our tensor names
+
+
+def targeted_modules(model: torch.nn.Module, cfg: LoraConfig) -> list[tuple[str, torch.nn.Linear]]:
+    """(path, module) of every module LoRA applies to, in `named_modules` order."""
+    found = []
+    for name, module in model.named_modules():
+        if not any(name == t or name.endswith(f".{t}") for t in cfg.target_modules):
+            continue
+        if not isinstance(module, torch.nn.Linear):
+            raise ValueError(
+                f"model.lora.target_modules: {name} is a {type(module).__name__}, only torch.nn.Linear modules can be adapted")
+        found.append((name, module))
+    if not found:
+        raise ValueError(f"model.lora.target_modules: none of {list(cfg.target_modules)} matches a module of the model")
+    return found
+
+
+def scaling(cfg: LoraConfig) -> float:
+    return cfg.alpha / cfg.rank
+
+
+def merge_into(weight: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    """weight (out, in) <- base (out, in) + scale * b (out, r) @ a (r, in), in place."""
+    torch.addmm(base, b.to(base.dtype), a.to(base.dtype), alpha=scale, out=weight)
+
+
+class MergedAdapters:
+    """Engine side: adapter tensors to receive, and the merge into the targeted weights.
+
+    `tensors()` are zero-initialised A and B for every targeted module (B = 0 is peft's
+    initialisation, so the model starts as its base); a transport writes or re-points them,
+    then calls `applied()`, which merges them into the live weights."""
+
+    def __init__(self, model: torch.nn.Module, cfg: LoraConfig) -> None:
+        self.scale = scaling(cfg)
+        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.named: list[tuple[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for name, module in targeted_modules(model, cfg):
+                w = module.weight
+                a = torch.zeros((cfg.rank, module.in_features), dtype=w.dtype)
+                b = torch.zeros((module.out_features, cfg.rank), dtype=w.dtype)
+                self.entries.append((w, w.detach().clone(), a, b))
+                self.named += [(f"{name}.lora_A.weight", a), (f"{name}.lora_B.weight", b)]
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return self.named
+
+    @torch.no_grad()
+    def applied(self) -> None:
+        # A transport may have re-pointed A and B (replaced their .data); the objects stay the same.
+        for w, base, a, b in self.entries:
+            merge_into(w.data, base, a, b, self.scale)
+
+
+def wrap_with_peft(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    """Trainer side: a peft model whose only trainable parameters are the adapters."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targeted_modules(model, cfg)  # the same matching rule as the engine, with its errors
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                              target_modules=list(cfg.target_modules), bias="none", init_lora_weights=True)
+    return get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
+
+
+def adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Trainer side: (name, parameter) of every adapter tensor, named as `MergedAdapters` names them."""
+    from peft.tuners.lora import LoraLayer
+
+    out = []
+    for name, module in peft_model.base_model.model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            out += [(f"{name}.lora_A.weight", module.lora_A[ADAPTER].weight),
+                    (f"{name}.lora_B.weight", module.lora_B[ADAPTER].weight)]
+    return out
