@@ -5,7 +5,8 @@ Contract:
   `.lora_A.weight` (r, in_features) or `.lora_B.weight` (out_features, r) — the keys of a
   peft adapter file without peft's `base_model.model.` prefix and adapter name;
 - a module is targeted when its path equals an entry of `target_modules` or ends with
-  `.` + that entry (peft's rule for a list), and it must be a `torch.nn.Linear`;
+  `.` + that entry (peft's rule for a list); it must be a `torch.nn.Linear` whose weight is
+  not tied to another module (a tied lm_head would drag the embedding along when merged);
 - the effective weight is W = W0 + (alpha / r) * B @ A (peft's default scaling).
 
 Trainer side (`wrap_with_peft`, `adapter_tensors`) imports peft lazily; the engine side
@@ -26,12 +27,20 @@ ADAPTER = "default"  # peft's adapter name; it never appears in our tensor names
 def targeted_modules(model: torch.nn.Module, cfg: LoraConfig) -> list[tuple[str, torch.nn.Linear]]:
     """(path, module) of every module LoRA applies to, in `named_modules` order."""
     found = []
+    owners: dict[int, list[str]] = {}  # a weight tensor's storage -> modules using it (tied weights)
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(p.data_ptr(), []).append(f"{name}.{pname}")
     for name, module in model.named_modules():
         if not any(name == t or name.endswith(f".{t}") for t in cfg.target_modules):
             continue
         if not isinstance(module, torch.nn.Linear):
             raise ValueError(
                 f"model.lora.target_modules: {name} is a {type(module).__name__}, only torch.nn.Linear modules can be adapted")
+        tied = owners[module.weight.data_ptr()]
+        if len(tied) > 1:  # merging into it would change the other module too; peft adapts only this one
+            raise ValueError(f"model.lora.target_modules: {name}.weight is tied to {', '.join(t for t in tied if not t.startswith(name + '.'))}; "
+                             "tied weights cannot be adapted")
         found.append((name, module))
     if not found:
         raise ValueError(f"model.lora.target_modules: none of {list(cfg.target_modules)} matches a module of the model")

@@ -94,7 +94,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         engine, trainer = await asyncio.gather(
             backend.spawn("engine", EngineWorker, str(base_model), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed),
             backend.spawn("trainer", TrainerWorker, str(base_model), cfg.trainer, cfg.rollout.temperature,
-                          tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject),
+                          tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject, cfg.model.lora),
         )
         handle = await trainer.call("plan_transport", cfg.transport, 1)
         await asyncio.gather(trainer.call("connect_transport"), engine.call("connect_transport", handle, 1))
