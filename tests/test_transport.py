@@ -163,3 +163,64 @@ def test_corrupted_shm_slot_and_weights_file_are_rejected(tiny_dir, tmp_path):
         finally:
             source.close()
             sink.close()
+
+
+def _tiny_moe():
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+class _PerExpert(torch.nn.Module):
+    """One expert as an engine written per expert holds it (and as checkpoints store it)."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+
+
+@pytest.mark.parametrize("kind", ["shm", "files"])
+def test_fused_moe_experts_reach_a_per_expert_engine_as_stored_on_disk(tmp_path, kind):
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    trainer_model = _tiny_moe()  # transformers 5: experts fused, gate_up_proj (E, 2I, H), down_proj (E, H, I)
+    trainer_model.save_pretrained(tmp_path / "ckpt")  # on disk: experts.{e}.{gate,up,down}_proj.weight
+    engine_model = _tiny_moe()
+    for layer in engine_model.model.layers:
+        layer.mlp.experts = torch.nn.ModuleList([_PerExpert(32, 16) for _ in range(4)])
+    handle = plan_transport(TransportConfig(kind=kind, files_dir=str(tmp_path / "w")), trainer_model, 1)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in {s.name for s in handle.layout}
+    assert len(handle.layout) == len(list(trainer_model.parameters()))  # tied lm_head sent once
+    sink, source = open_sink(handle), open_source(handle, engine_model)
+    try:
+        sink.publish(trainer_model, 1)
+        with torch.inference_mode():
+            assert source.maybe_update(engine_model) == 1
+        engine = engine_model.state_dict()
+        with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), framework="pt") as disk:
+            names = set(disk.keys())
+            assert "model.layers.1.mlp.experts.3.up_proj.weight" in names
+            for name in names:
+                assert torch.equal(engine[name], disk.get_tensor(name)), name
+        assert engine_model.lm_head.weight is engine_model.model.embed_tokens.weight
+    finally:
+        source.close()
+        sink.close()
+
+
+def test_per_expert_engine_with_wrong_expert_shape_is_reported(tmp_path):
+    trainer_model, engine_model = _tiny_moe(), _tiny_moe()
+    engine_model.model.layers[0].mlp.experts = torch.nn.ModuleList([_PerExpert(32, 8) for _ in range(4)])
+    handle = plan_transport(TransportConfig(kind="shm"), trainer_model, 1)
+    sink = open_sink(handle)
+    try:
+        with pytest.raises(TransportError, match=r"experts.0.gate_proj.weight: engine \[8, 32\] vs \[16, 32\] sliced from"):
+            open_source(handle, engine_model)
+    finally:
+        sink.close()

@@ -74,11 +74,20 @@ def sent_tensors(model: torch.nn.Module, lora: LoraConfig | None) -> list[tuple[
     return list(model.named_parameters())
 
 
-def engine_target(model: torch.nn.Module, lora: LoraConfig | None) -> WeightTarget:
+def engine_target(model: torch.nn.Module, lora: LoraConfig | None, layout: list[TensorSpec]) -> WeightTarget:
+    """What the engine's end fills: LoRA adapters to merge, fused experts its model holds per
+    expert (see names.py), or its parameters as they are."""
     if lora is not None:
         from nonstop.lora import MergedAdapters
 
         return MergedAdapters(model, lora)
+    from nonstop.transport.names import PerExpertParameters, needs_expert_mapping
+
+    if needs_expert_mapping(layout, model):
+        try:
+            return PerExpertParameters(model, layout)
+        except ValueError as e:
+            raise TransportError(f"trainer and engine parameters differ: {e}") from e
     return ModelParameters(model)
 
 
@@ -222,7 +231,7 @@ def open_source(handle: TransportHandle, model: torch.nn.Module, rank: int = 1) 
     if not 1 <= rank <= handle.options["num_engines"]:
         raise TransportError(f"engine rank {rank} outside 1..{handle.options['num_engines']} (the trainer planned for "
                              f"{handle.options['num_engines']} engine(s))")
-    target = engine_target(model, handle.options.get("lora"))
+    target = engine_target(model, handle.options.get("lora"), handle.layout)
     check_layout(handle.layout, target.tensors())
     if handle.kind == "shm":
         from nonstop.transport.shm import ShmSource

@@ -170,6 +170,7 @@ class ShmSource:
         """Move the tensors back to private memory (the segment may go away), release the claim."""
         if self.current != NONE:
             bind_flat(self.tensors, self.handle.layout, self.handle.total_bytes)
+            self.target.applied()  # targets that view into the tensors (per-expert weights) follow
         self.segment.claims[self.index] = NONE
         self.slot_views = []
         self.segment.close(unlink=False)
