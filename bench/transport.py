@@ -111,16 +111,17 @@ def _same_process(kind, trainer, engine, repeats, lora=None):
             sink.publish(trainer, version[0])
             assert source.maybe_update(engine) == version[0]
 
-        best = _best(once, repeats)
+        best = _best(once, repeats, warmup=3)  # shm: N + 2 = 3 slots to touch once
         source.close()
         sink.close()
     return best, handle.total_bytes
 
 
-def _best(fn, repeats):
-    """Best of `repeats` timed calls after one untimed call (first-touch page faults, the
-    trainer's one-time re-homing into its flat buffer)."""
-    fn()
+def _best(fn, repeats, warmup=1):
+    """Best of `repeats` timed calls after `warmup` untimed ones (first-touch page faults of
+    every shm slot, the trainer's one-time re-homing into its flat buffer)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

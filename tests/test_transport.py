@@ -29,6 +29,7 @@ def _get(q, kind, timeout=120):
 @pytest.mark.parametrize("kind,extra", [
     ("shm", {}), ("broadcast", {}), ("files", {}),
     ("shm", {"checksum": True}), ("broadcast", {"per_tensor": True, "checksum": True}), ("files", {"checksum": True}),
+    ("files", {"files_notify": "http"}),
 ])
 def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra):
     trainer_model = load_model(str(tiny_dir))
@@ -224,3 +225,26 @@ def test_per_expert_engine_with_wrong_expert_shape_is_reported(tmp_path):
             open_source(handle, engine_model)
     finally:
         sink.close()
+
+
+def test_files_http_notification_loads_off_the_decode_path_and_names_a_lost_trainer(tiny_dir, tmp_path):
+    trainer_model = _perturbed(tiny_dir, seed=6)
+    cfg = TransportConfig(kind="files", files_dir=str(tmp_path / "w"), files_notify="http", timeout_s=5)
+    handle = plan_transport(cfg, trainer_model, 1)
+    sink = open_sink(handle)
+    engine_model = load_model(str(tiny_dir))
+    source = open_source(handle, engine_model)
+    sink.publish(trainer_model, 1)
+    deadline = time.monotonic() + 30
+    while (applied := source.maybe_update(engine_model)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the watcher thread loads the file; maybe_update itself never waits
+    assert applied == 1
+    assert torch.equal(engine_model.model.norm.weight, trainer_model.model.norm.weight)
+    sink.close()  # a normal end: the watcher stops quietly
+    source.thread.join(timeout=10)
+    assert not source.thread.is_alive() and source.maybe_update(engine_model) is None
+    # An engine whose trainer is gone (nothing listens on the port) gets a clear error, not a hang.
+    orphan = open_source(handle, load_model(str(tiny_dir)))
+    orphan.thread.join(timeout=30)
+    with pytest.raises(TransportError, match=r"lost the trainer's notification server http://127.0.0.1:\d+/version"):
+        orphan.maybe_update(engine_model)

@@ -227,6 +227,11 @@ class TransportConfig(_Section):
     """Folder of the files transport (shared by trainer and engines); None: a new temp folder."""
     files_keep: int = Field(2, ge=1)
     """Versions the files transport keeps on disk."""
+    files_notify: Literal["marker", "http"] = "marker"
+    """How engines learn of a new version: 'marker' stats the LATEST file before each forward pass;
+    'http' long-polls the trainer's notification server and loads the file off the decode path."""
+    files_notify_host: str = "127.0.0.1"
+    """Address the trainer's notification server binds to and engines connect to (files_notify 'http')."""
     bucket_mb: float = Field(25.0, gt=0.0)
     """Bucket size of the broadcast transport in MiB."""
     per_tensor: bool = False

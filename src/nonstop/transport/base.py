@@ -180,9 +180,9 @@ def crc32(buf: torch.Tensor) -> int:
     return zlib.crc32(memoryview(buf.numpy()))
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -204,6 +204,9 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
         options["dir"] = cfg.files_dir or tempfile.mkdtemp(prefix="nonstop-weights-")
         options["owned"] = cfg.files_dir is None  # the sink removes a folder it created
         options["keep"] = cfg.files_keep
+        options["notify"] = cfg.files_notify
+        if cfg.files_notify == "http":
+            options.update(host=cfg.files_notify_host, port=free_port(cfg.files_notify_host))
     else:
         options.update(host="127.0.0.1", port=free_port(), bucket_bytes=int(cfg.bucket_mb * 2**20))
     return TransportHandle(kind=cfg.kind, layout=layout, total_bytes=total, options=options)
