@@ -89,6 +89,32 @@ def test_shm_never_applies_a_slot_being_written_nor_overwrites_a_slot_in_use(tin
         sink.close()
 
 
+def test_shm_two_engines_on_different_versions_keep_their_slots_while_the_trainer_moves_on(tiny_dir):
+    models = [_perturbed(tiny_dir, seed=s) for s in range(4)]
+    handle = plan_transport(TransportConfig(kind="shm"), models[0], num_engines=2)
+    sink = open_sink(handle)
+    engines = [load_model(str(tiny_dir)) for _ in range(2)]
+    sources = [open_source(handle, m, rank) for rank, m in ((1, engines[0]), (2, engines[1]))]
+    try:
+        sink.publish(models[1], 1)
+        assert sources[0].maybe_update(engines[0]) == 1
+        sink.publish(models[2], 2)
+        assert sources[1].maybe_update(engines[1]) == 2
+        for v in range(3, 9):  # 4 slots: the two claimed ones are never written
+            sink.publish(models[3], v)
+        assert sorted(sink.segment.claims.tolist()) == sorted([sources[0].current, sources[1].current])
+        assert torch.equal(engines[0].model.embed_tokens.weight, models[1].model.embed_tokens.weight)
+        assert torch.equal(engines[1].model.embed_tokens.weight, models[2].model.embed_tokens.weight)
+        assert [s.maybe_update(m) for s, m in zip(sources, engines)] == [8, 8]
+        assert torch.equal(engines[0].model.norm.weight, models[3].model.norm.weight)
+    finally:
+        for s in sources:
+            s.close()
+        sink.close()
+    with pytest.raises(TransportError, match=r"engine rank 3 outside 1..2"):
+        open_source(handle, engines[0], 3)
+
+
 def test_layout_mismatch_is_reported_by_name(tiny_dir):
     from nonstop.config import TinyModelConfig
     from nonstop.tasks.tiny import make_tiny_model
