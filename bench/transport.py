@@ -99,22 +99,27 @@ def _broadcast(handle_cfg, trainer, spec, repeats, lora=None):
 
 
 def _same_process(kind, trainer, engine, repeats, lora=None):
-    """Best publish + apply time of shm or files, both ends in this process."""
+    """Best publish + apply time of shm or files, both ends in this process; with LoRA also the
+    best time of the same calls without the engine's merge (the merge is timed inside them)."""
     with tempfile.TemporaryDirectory() as d:
         handle = plan_transport(TransportConfig(kind=kind, files_dir=d), trainer, 1, lora)
         sink = open_sink(handle)
         source = open_source(handle, engine)
-        version = [0]
+        version, without_merge = [0], []
 
         def once():
             version[0] += 1
+            merged_before = source.target.merge_s if lora else 0.0
+            t0 = time.perf_counter()
             sink.publish(trainer, version[0])
             assert source.maybe_update(engine) == version[0]
+            merge = (source.target.merge_s - merged_before) if lora else 0.0
+            without_merge.append(time.perf_counter() - t0 - merge)
 
         best = _best(once, repeats, warmup=3)  # shm: N + 2 = 3 slots to touch once
         source.close()
         sink.close()
-    return best, handle.total_bytes
+    return best, min(without_merge[3:]), handle.total_bytes
 
 
 def _best(fn, repeats, warmup=1):
@@ -154,12 +159,12 @@ def bench_lora(repeats):
     peft_trainer = wrap_with_peft(LinearStack(), LORA)
     rows = {}
     for kind in ("shm", "files"):
-        full, _ = _same_process(kind, trainer, LinearStack(seed=1), repeats)
-        lora, nbytes = _same_process(kind, peft_trainer, LinearStack(seed=1), repeats, LORA)
-        rows[kind] = (full, lora)
+        full = _same_process(kind, trainer, LinearStack(seed=1), repeats)[0]
+        lora, lora_sync, nbytes = _same_process(kind, peft_trainer, LinearStack(seed=1), repeats, LORA)
+        rows[kind] = (full, lora_sync, lora)
     full = _broadcast(TransportConfig(kind="broadcast", timeout_s=300), trainer, "stack", repeats)
     lora = _broadcast(TransportConfig(kind="broadcast", timeout_s=300), peft_trainer, "stack", repeats, LORA)
-    rows["broadcast (until acked)"] = (full, lora)
+    rows["broadcast (until acked)"] = (full, lora, None)
     merged = MergedAdapters(LinearStack(seed=1), LORA)
     merge_s = _best(merged.applied, repeats)
     return full_bytes, nbytes, rows, merge_s
@@ -187,13 +192,11 @@ def main():
         full_bytes, lora_bytes, rows, merge_s = bench_lora(ns.repeats)
         print(f"\nLoRA rank {LORA.rank} on every Linear of a {full_bytes / 4e6:.0f}M-parameter stack: "
               f"{lora_bytes / 2**20:.1f} MiB of adapters vs {full_bytes / 2**20:.0f} MiB (best of {ns.repeats})")
-        print(f"  {'transport':<26}{'full ms':>10}{'LoRA ms':>10}{'LoRA/full':>11}")
-        for k, (full, lora) in rows.items():
-            print(f"  {k:<26}{full * 1e3:>10.2f}{lora * 1e3:>10.2f}{lora / full:>11.3f}")
-        print(f"  engine merge of all adapters (included in shm and files LoRA): {merge_s * 1e3:.2f} ms")
-        for k, (full, lora) in rows.items():
-            if not k.startswith("broadcast"):
-                print(f"  {k} LoRA without the merge: {(lora - merge_s) * 1e3:.2f} ms = {(lora - merge_s) / full:.3f} x full")
+        print(f"  {'transport':<25}{'full ms':>9}{'LoRA sync':>11}{'/full':>7}{'+ merge':>10}{'/full':>7}")
+        for k, (full, sync, total) in rows.items():
+            merged = f"{total * 1e3:>10.1f}{total / full:>7.3f}" if total is not None else f"{'-':>10}{'-':>7}"
+            print(f"  {k:<25}{full * 1e3:>9.1f}{sync * 1e3:>11.1f}{sync / full:>7.3f}{merged}")
+        print(f"  engine merge W = W0 + s*B@A of every adapted weight on its own: {merge_s * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

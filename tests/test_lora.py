@@ -171,3 +171,21 @@ def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path
     assert last > first + 0.1, (first, last)
     assert (run_dir / "final" / "adapter_model.safetensors").is_file()
     assert not (run_dir / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_lora_run_on_the_warmed_up_base_improves_held_out_accuracy(tmp_path):
+    """The default task after the supervised warm-up, LoRA adapters only: accuracy goes up."""
+    result = nonstop(
+        ["train", "--set", "run.name=lora", "--set", "model.lora.enabled=true", "--set", "trainer.lr=3e-3",
+         "--set", "run.max_time_s=60", "--set", "run.eval_every=20", "--set", "warmup.target_accuracy=0.2",
+         "--set", "run.progress=plain"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "lora"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_accuracy"] >= summary["base_accuracy"] + 0.04, summary
+    assert all(r["publish_bytes"] < 0.2 * 4 * sum(p.numel() for p in make_tiny_model(TinyModelConfig()).parameters())
+               for r in records(run_dir))
+    assert (run_dir / "final" / "adapter_config.json").is_file()

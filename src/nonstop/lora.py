@@ -17,6 +17,8 @@ unchanged speed and the base weights never travel again.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from nonstop.config import LoraConfig
@@ -65,6 +67,7 @@ class MergedAdapters:
 
     def __init__(self, model: torch.nn.Module, cfg: LoraConfig) -> None:
         self.scale = scaling(cfg)
+        self.merge_s = 0.0  # total time spent merging, for the engine's stats and the benchmark
         self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.named: list[tuple[str, torch.Tensor]] = []
         with torch.no_grad():
@@ -81,8 +84,10 @@ class MergedAdapters:
     @torch.no_grad()
     def applied(self) -> None:
         # A transport may have re-pointed A and B (replaced their .data); the objects stay the same.
+        t0 = time.perf_counter()
         for w, base, a, b in self.entries:
             merge_into(w.data, base, a, b, self.scale)
+        self.merge_s += time.perf_counter() - t0
 
 
 def wrap_with_peft(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:

@@ -1,9 +1,13 @@
 """Transport protocol, parameter layout and the factory that picks an implementation.
 
-Layout: the parameters of `model.named_parameters()` (tied weights appear once) laid out
-back to back in one byte buffer, each at an offset aligned to 64 bytes. Both ends derive the
-layout from their own model; `check_layout` compares names, shapes and dtypes once at
-attach time and fails with a message naming the first mismatches.
+Layout: the sent tensors — `model.named_parameters()` (tied weights appear once), or only the
+LoRA adapters of a LoRA run — laid out back to back in one byte buffer, each at an offset
+aligned to 64 bytes. The trainer's tensors are re-homed into such a buffer at the first
+publish (FlatSender), so publishing reads one contiguous block. The engine end fills a
+`WeightTarget`: its parameters, the LoRA adapters it merges (nonstop.lora), or fused experts
+its per-expert model views (names.py); `check_layout` compares names, shapes and dtypes once
+at attach time and fails with a message naming the first mismatches. Transports apply a
+version by pointing the target's tensors at a complete buffer (`repoint`), not by copying.
 """
 
 from __future__ import annotations
