@@ -189,3 +189,44 @@ def test_lora_run_on_the_warmed_up_base_improves_held_out_accuracy(tmp_path):
     assert all(r["publish_bytes"] < 0.2 * 4 * sum(p.numel() for p in make_tiny_model(TinyModelConfig()).parameters())
                for r in records(run_dir))
     assert (run_dir / "final" / "adapter_config.json").is_file()
+
+
+def test_resumed_lora_trainer_continues_exactly_and_hands_its_adapters_to_a_base_only_engine(tiny_dir, tmp_path):
+    """A checkpoint of a LoRA run holds the adapters; the resumed trainer (base + adapters + state)
+    steps exactly like the original, and publishes its current version on connect, so an engine
+    that loaded only the base gets it — over broadcast, whose receiver starts at that version."""
+    from nonstop.hf import load_tokenizer
+    from nonstop.trainer.worker import TrainerWorker
+
+    from test_trainer import _stale_groups
+
+    tok = load_tokenizer(str(tiny_dir))
+    cfg = TrainerConfig(lr=1e-2)
+    original = TrainerWorker(str(tiny_dir), cfg, 1.0, tok.pad_token_id, lora=LORA)
+    for _ in range(2):
+        original.step(_stale_groups(tok, [[0, 0]] * 4))
+    assert original.save_checkpoint(str(tmp_path)) == 2
+    assert (tmp_path / "model" / "adapter_model.safetensors").is_file()
+    resumed = TrainerWorker(str(tiny_dir), cfg, 1.0, tok.pad_token_id, lora=LORA, adapter_path=str(tmp_path / "model"))
+    assert resumed.load_checkpoint(str(tmp_path)) == 2
+    handle = resumed.plan_transport(TransportConfig(kind="broadcast", timeout_s=60), 1)
+    assert handle.options["next_version"] == 2
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=receive_weights, args=(handle, str(tiny_dir), 1, 2, q))
+    child.start()
+    try:
+        resumed.connect_transport()  # rendezvous, then publishes version 2 (the adapters it resumed with)
+        assert q.get(timeout=120)[0] == "attached"
+        tag, (seen, state) = q.get(timeout=120)
+        assert tag == "weights" and seen == [2]
+        expected = copy.deepcopy(original.trainer.model).merge_and_unload().state_dict()
+        for name, value in expected.items():
+            assert torch.allclose(torch.from_numpy(state[name]), value, atol=1e-6), name
+    finally:
+        child.join(timeout=30)
+        resumed.close()
+    a, b = original.step(_stale_groups(tok, [[2, 2]] * 4)), resumed.step(_stale_groups(tok, [[2, 2]] * 4))
+    assert a.policy_version == b.policy_version == 3
+    for (name, p), (_, q_) in zip(adapter_tensors(original.trainer.model), adapter_tensors(resumed.trainer.model)):
+        assert torch.equal(p, q_), name

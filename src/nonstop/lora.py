@@ -90,12 +90,15 @@ class MergedAdapters:
         self.merge_s += time.perf_counter() - t0
 
 
-def wrap_with_peft(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
-    """Trainer side: a peft model whose only trainable parameters are the adapters."""
+def wrap_with_peft(model: torch.nn.Module, cfg: LoraConfig, adapter_dir: str | None = None) -> torch.nn.Module:
+    """Trainer side: a peft model whose only trainable parameters are the adapters, freshly
+    initialised or loaded from a peft adapter folder (a checkpoint's `model/`)."""
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
+    from peft import PeftModel, get_peft_model
 
     targeted_modules(model, cfg)  # the same matching rule as the engine, with its errors
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, adapter_dir, adapter_name=ADAPTER, is_trainable=True)
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules), bias="none", init_lora_weights=True)
     return get_peft_model(model, peft_cfg, adapter_name=ADAPTER)

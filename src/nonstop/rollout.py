@@ -1,9 +1,10 @@
 """Rollout production and evaluation, in the orchestrator, over an engine actor.
 
-`produce(...)` loops forever: wait for admission from the buffer, take the next prompts from
-the stream, have the engine complete each one `group_size` times, decode and score the
-groups, and hand each group to the buffer (or drop it, counted, when its reward failed or when
-all its samples scored the same and the run filters such groups). `evaluate(...)` measures
+`produce(...)` loops until the stream runs out: wait for admission from the buffer, take the
+next prompts from the stream (recording each draw in the ledger), have the engine complete
+each one `group_size` times, decode and score the groups, and hand each group to the buffer
+(or drop it, counted and settled, when its reward failed or when all its samples scored the
+same and the run filters such groups). When the stream is exhausted it closes the buffer. `evaluate(...)` measures
 greedy exact-match accuracy on held-out prompts with the engine's current weights.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from nonstop.buffer import RolloutBuffer
 from nonstop.config import RolloutConfig
+from nonstop.ledger import Ledger
 from nonstop.metrics import Clock
 from nonstop.runtime import ActorHandle
 from nonstop.scorer import Scorer, exact_match
@@ -49,22 +51,31 @@ class RolloutStats:
 
 async def produce(
     engine: ActorHandle, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
-    codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int,
+    codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int, ledger: Ledger,
 ) -> None:
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
     while True:
         k = await buffer.admit(cfg.prompts_per_step)
-        examples = [stream.next() for _ in range(k)]
+        draws = [d for d in (stream.next() for _ in range(k)) if d is not None]
+        if len(draws) < k:
+            await buffer.refund(k - len(draws))
+        if not draws:
+            await buffer.close()
+            return
+        for d in draws:
+            ledger.draw(d)
+        examples = [d.example for d in draws]
         requests = [GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, params) for ex in examples]
         t0 = time.perf_counter()
         results = await engine.call("generate", requests)
         clock.add("generation", time.perf_counter() - t0)
         stats.prompts += len(examples)
-        for ex, samples in zip(examples, results):
+        for draw, samples in zip(draws, results):
+            ex = draw.example
             stats.samples += len(samples)
             for s in samples:
                 s.text = codec.decode(s.completion_ids)
-            group = Group(ex.index, ex.prompt, ex.answer, samples)
+            group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=draw.epoch)
             if not scorer.score_group(group):
                 await buffer.drop(group, "reward_error")
                 stats.reward_failures_in_row += 1

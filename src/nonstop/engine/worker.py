@@ -18,9 +18,11 @@ from nonstop.types import GenerationRequest, Sample, TransportHandle
 
 
 class EngineWorker:
-    def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0) -> None:
+    def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0,
+                 initial_version: int = 0) -> None:
+        """`initial_version` is the policy_version of the weights at `model_path` (a checkpoint's on resume)."""
         torch.manual_seed(seed)
-        self.engine = TorchEngine(load_model(model_path), eos_token_ids, pad_token_id)
+        self.engine = TorchEngine(load_model(model_path), eos_token_ids, pad_token_id, policy_version=initial_version)
         self.source: WeightSource | None = None
         self.busy_s = 0.0
 
@@ -34,6 +36,10 @@ class EngineWorker:
             return self.engine.generate(requests)
         finally:
             self.busy_s += time.perf_counter() - t0
+
+    async def ping(self) -> int:
+        """Heartbeat: answered on the actor's loop even while `generate` decodes on its thread."""
+        return self.engine.policy_version
 
     def stats(self) -> dict[str, float | int]:
         return {

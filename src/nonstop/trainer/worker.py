@@ -1,13 +1,21 @@
 """Trainer actor: a Trainer in its own process; owns the sending end of the weight transport.
 
 `step(groups)` trains on one batch and publishes the new weights as policy_version + 1 before
-it returns, so when the orchestrator sees version v every engine can load v. With LoRA
-(`lora.enabled`) the base is frozen, only the adapters train and travel, and `save` writes a
-peft adapter folder (adapter_config.json + adapter_model.safetensors) instead of a full model.
+it returns, so when the orchestrator sees version v every engine can load v.
+`save_checkpoint(dir)` writes the weights (`dir/model`) and everything else a resume needs
+(`dir/trainer.pt`: optimizer, RNG states, policy_version, skip counters); a trainer built from
+`dir/model` and given `load_checkpoint(dir)` continues exactly where the saved one stood.
+
+With LoRA (`lora.enabled`) the base is frozen, only the adapters train and travel, the KL
+reference is the plain base, and `save` / `save_checkpoint` write peft adapter folders
+(adapter_config.json + adapter_model.safetensors). A LoRA trainer resumes from the base
+(`model_path`) plus `adapter_path` (the checkpoint's `model/`), and, since an engine holds only
+the base, publishes its current adapters as soon as the transport is connected.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -22,7 +30,10 @@ from nonstop.types import Group, StepResult, TransportHandle
 
 class TrainerWorker:
     def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0,
-                 max_lag: int | None = None, reject: str = "group", lora: LoraConfig | None = None):
+                 max_lag: int | None = None, reject: str = "group", reference_path: str | None = None,
+                 total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None):
+        """`reference_path`: the KL reference weights when they differ from `model_path` (on resume).
+        `lora`: train adapters on the base `model_path`, starting from `adapter_path` if given."""
         torch.manual_seed(seed)
         self.model_path = model_path
         self.lora = lora if lora is not None and lora.enabled else None
@@ -30,14 +41,23 @@ class TrainerWorker:
         if self.lora is not None:
             from nonstop.lora import wrap_with_peft
 
-            model = wrap_with_peft(model, self.lora)
-        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject)
+            model = wrap_with_peft(model, self.lora, adapter_path)
+            reference_path = model_path  # the plain base, not a copy of the peft model
+        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps)
+        if reference_path is not None and self.trainer.reference is not None:
+            self.trainer.reference = load_model(reference_path).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
         self.publish_bytes = 0
         self.busy_s = 0.0
 
+    def _publishes_on_connect(self) -> bool:
+        """A resumed LoRA trainer's engines hold only the base: they need the adapters at once."""
+        return self.lora is not None and self.trainer.policy_version > 0
+
     def plan_transport(self, cfg: TransportConfig, num_engines: int) -> TransportHandle:
-        handle = plan_transport(cfg, self.trainer.model, num_engines, self.lora)
+        version = self.trainer.policy_version
+        handle = plan_transport(cfg, self.trainer.model, num_engines, self.lora,
+                                next_version=version if self._publishes_on_connect() else version + 1)
         self.sink = open_sink(handle)
         self.publish_bytes = handle.total_bytes
         return handle
@@ -45,6 +65,8 @@ class TrainerWorker:
     def connect_transport(self) -> None:
         assert self.sink is not None, "plan_transport must come first"
         self.sink.connect()
+        if self._publishes_on_connect():
+            self.sink.publish(self.trainer.model, self.trainer.policy_version)
 
     def step(self, groups: list[Group]) -> StepResult:
         t0 = time.perf_counter()
@@ -64,6 +86,27 @@ class TrainerWorker:
         out = Path(path)
         self.trainer.model.save_pretrained(out)  # peft records the base's path in adapter_config.json
         return str(out)
+
+    def save_checkpoint(self, path: str) -> int:
+        out = Path(path)
+        t = self.trainer
+        t.model.save_pretrained(out / "model")
+        torch.save({
+            "optimizer": t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict(), "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+            "policy_version": t.policy_version, "skipped_steps": t.skipped_steps, "skips_in_row": t.skips_in_row,
+        }, out / "trainer.pt")
+        return t.policy_version
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore the state next to the weights this trainer was built from."""
+        state = torch.load(Path(path) / "trainer.pt", weights_only=False)
+        t = self.trainer
+        t.optimizer.load_state_dict(state["optimizer"])
+        t.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        t.policy_version, t.skipped_steps, t.skips_in_row = state["policy_version"], state["skipped_steps"], state["skips_in_row"]
+        return t.policy_version
 
     def close(self) -> None:
         if self.sink is not None:

@@ -191,13 +191,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: int,
-                   lora: LoraConfig | None = None) -> TransportHandle:
-    """Describe the transport; with `lora` (an enabled LoraConfig) only the adapters travel."""
+                   lora: LoraConfig | None = None, next_version: int = 1) -> TransportHandle:
+    """Describe the transport; with `lora` (an enabled LoraConfig) only the adapters travel.
+    `next_version`: the first version the trainer will publish (above 1 after a resume)."""
     lora = lora if lora is not None and lora.enabled else None
     layout, total = layout_of(sent_tensors(model, lora))
     options: dict = {"timeout_s": cfg.timeout_s, "connect_timeout_s": cfg.connect_timeout_s,
                      "num_engines": num_engines, "checksum": cfg.checksum, "per_tensor": cfg.per_tensor,
-                     "lora": lora}
+                     "lora": lora, "next_version": next_version}
     if cfg.kind == "shm":
         from nonstop.transport.shm import new_segment_name
 

@@ -55,7 +55,7 @@ class BroadcastSink:
         self.sender = FlatSender(handle)
         self.store: dist.TCPStore | None = None
         self.pg: dist.ProcessGroup | None = None
-        self.last_version = 0
+        self.last_version = handle.options["next_version"] - 1
 
     def connect(self) -> None:
         self.store, self.pg = _group(self.handle, rank=0)
@@ -134,7 +134,7 @@ class BroadcastSource:
             return self.spare.pop() if self.spare else _Buffer(self.handle)
 
     def _receive_loop(self) -> None:
-        version = 1
+        version = self.handle.options["next_version"]
         back = self._take_spare()
         checksum = self.handle.options.get("checksum")
         sums = torch.zeros(len(back.buckets), dtype=torch.int64)

@@ -43,6 +43,10 @@ class FilesSink:
         self.handle = handle
         self.dir = Path(handle.options["dir"])
         self.dir.mkdir(parents=True, exist_ok=True)
+        # Versions left by an earlier run (or by the run before a resume) belong to another
+        # timeline: an engine must never apply them, so the folder starts empty.
+        for stale in [*self.dir.glob("v*.safetensors"), self.dir / MARKER]:
+            stale.unlink(missing_ok=True)
         self.keep = int(handle.options.get("keep", 2))
         self.sender = FlatSender(handle)
         self.written: list[int] = []
