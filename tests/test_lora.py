@@ -5,9 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import multiprocessing as mp
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +17,7 @@ from nonstop.tasks.tiny import make_tiny_model
 from nonstop.transport import open_sink, plan_transport
 
 from helpers import receive_weights
-from test_e2e import NONSTOP, records
-
-HERE = Path(__file__).resolve().parent
+from test_e2e import nonstop, records
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
 
@@ -35,13 +30,6 @@ def _trained_peft(model_dir, seed: int) -> torch.nn.Module:
         for _, t in adapter_tensors(peft_model):
             t.copy_(0.1 * torch.randn(t.shape, generator=g))
     return peft_model
-
-
-def nonstop(args: list[str], cwd: Path, timeout_s: float = 900) -> subprocess.CompletedProcess:
-    """The CLI with this checkout's sources first (the venv may hold another editable install)."""
-    path = os.pathsep.join([str(HERE.parent / "src"), str(HERE)])
-    env = {**os.environ, "PYTHONPATH": path, "COLUMNS": "200"}
-    return subprocess.run([NONSTOP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
 def test_target_modules_are_checked_with_clear_errors():
