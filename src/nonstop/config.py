@@ -48,11 +48,35 @@ class TinyModelConfig(_Section):
         return self
 
 
+class LoraConfig(_Section):
+    """Low-rank adapters (peft): train and send only them; the engine merges them into its base."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of every weight; the transport then carries only the adapters."""
+    rank: int = Field(16, ge=1)
+    """Rank r of each adapter pair A (r x in) and B (out x r)."""
+    alpha: float = Field(32.0, gt=0.0)
+    """Scaling numerator: the update is (alpha / rank) * B @ A."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Linear modules to adapt: a module whose path equals an entry or ends with '.' + entry (peft's rule)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter input during training (the engine never applies it)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or any(not t for t in v):
+            raise ValueError("needs at least one non-empty module name")
+        return v
+
+
 class ModelConfig(_Section):
     path: str | None = None
     """A local folder or hub id loaded with AutoModelForCausalLM.from_pretrained; None builds the tiny model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Used only when path is None."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters (off by default: full fine-tuning)."""
 
 
 class TaskConfig(_Section):
@@ -215,6 +239,11 @@ class TransportConfig(_Section):
     """Folder of the files transport (shared by trainer and engines); None: a new temp folder."""
     files_keep: int = Field(2, ge=1)
     """Versions the files transport keeps on disk."""
+    files_notify: Literal["marker", "http"] = "marker"
+    """How engines learn of a new version: 'marker' stats the LATEST file before each forward pass;
+    'http' long-polls the trainer's notification server and loads the file off the decode path."""
+    files_notify_host: str = "127.0.0.1"
+    """Address the trainer's notification server binds to and engines connect to (files_notify 'http')."""
     bucket_mb: float = Field(25.0, gt=0.0)
     """Bucket size of the broadcast transport in MiB."""
     per_tensor: bool = False

@@ -126,10 +126,12 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
     from nonstop.hf import load_tokenizer, max_positions
 
     weights = resume.model_dir if resume is not None else base_model
+    lora = cfg.model.lora.enabled  # LoRA: engines always hold the base; adapters come by transport
+    model_weights = base_model if lora else weights
     version0 = resume.state["policy_version"] if resume is not None else 0
     codec = Codec(load_tokenizer(str(weights)))
     tok = codec.tokenizer
-    limit = cfg.task.max_prompt_tokens or max_positions(weights) - cfg.rollout.max_new_tokens
+    limit = cfg.task.max_prompt_tokens or max_positions(model_weights) - cfg.rollout.max_new_tokens
     long_prompts = screen_prompts(data, codec.encode, limit, cfg.task.on_bad_row)
     for problem in long_prompts[:10]:
         progress.log(f"[yellow]dataset:[/] {problem}; skipped")
@@ -138,17 +140,18 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
     backend, supervisor = make_backend(cfg.runtime), Supervisor()
 
     def spawn_engine() -> Any:
-        return backend.spawn("engine", EngineWorker, str(weights), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed,
+        return backend.spawn("engine", EngineWorker, str(model_weights), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed,
                              initial_version=version0)
 
     try:
         progress.log("starting engine and trainer processes ...")
         first_engine, trainer = await asyncio.gather(
             spawn_engine(),
-            backend.spawn("trainer", TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature,
+            backend.spawn("trainer", TrainerWorker, str(model_weights), cfg.trainer, cfg.rollout.temperature,
                           tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject,
                           reference_path=str(base_model) if resume is not None else None,
-                          total_steps=cfg.run.max_steps),
+                          total_steps=cfg.run.max_steps, lora=cfg.model.lora,
+                          adapter_path=str(weights) if resume is not None and lora else None),
         )
         if resume is not None:
             await trainer.call("load_checkpoint", str(resume.path))
