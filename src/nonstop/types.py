@@ -14,6 +14,8 @@ normalised over exactly that set.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,10 +35,67 @@ class SamplingParams:
     """Keep the smallest set of tokens whose probability reaches top_p (1.0: off)."""
     min_p: float = 0.0
     """Keep tokens with probability >= min_p x the most likely token's (0.0: off)."""
+    stop: list[str] = field(default_factory=list)
+    """Finish (reason 'stop') once the completion's text contains one of these strings; needs an
+    engine with a tokenizer. The completing token is kept; servers cut the text at the string."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Finish (reason 'stop') after sampling one of these tokens (the model's EOS always stops)."""
 
     @property
     def truncates(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+class KeptIds(Sequence[list[int]]):
+    """Keep Sampling Mask in compact form: the kept token ids of every completion position, as
+    one flat array of ids (2 bytes each below 65,536 ids) plus one offset per position.
+
+    Reads like a list of sorted id lists (`len`, indexing, iteration), and pickles as two
+    arrays, so a few kept ids per token cost a few bytes, not a Python list each."""
+
+    __slots__ = ("ids", "offsets")
+
+    def __init__(self, wide: bool = False) -> None:
+        self.ids = array("I" if wide else "H")
+        self.offsets = array("I", [0])
+
+    def append(self, kept: Sequence[int]) -> None:
+        self.ids.extend(kept)
+        self.offsets.append(len(self.ids))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, t):  # type: ignore[override]
+        if isinstance(t, slice):
+            return [self[i] for i in range(*t.indices(len(self)))]
+        if t < 0:
+            t += len(self)
+        if not 0 <= t < len(self):
+            raise IndexError(t)
+        return self.ids[self.offsets[t]: self.offsets[t + 1]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[t] for t in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == [list(x) for x in other]
+
+    def __repr__(self) -> str:
+        return f"KeptIds({list(self)!r})"
+
+    def __reduce__(self):
+        return (_kept_ids, (self.ids, self.offsets))
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.ids) * self.ids.itemsize + len(self.offsets) * self.offsets.itemsize
+
+
+def _kept_ids(ids: array, offsets: array) -> KeptIds:
+    k = KeptIds()
+    k.ids, k.offsets = ids, offsets
+    return k
 
 
 @dataclass(slots=True)
@@ -59,7 +118,7 @@ class Sample:
     versions: list[int]
     finish_reason: FinishReason
     loss_mask: list[bool] = field(default_factory=list)
-    sampling_mask: list[list[int]] | None = None
+    sampling_mask: KeptIds | list[list[int]] | None = None
     """Keep Sampling Mask: when top-k/top-p/min-p truncated the distribution, the sorted ids of the
     tokens kept at each completion position (the support the behaviour logprob is normalised over)."""
     reward: float = 0.0
