@@ -234,8 +234,8 @@ class EngineConfig(_Section):
     group_cancel: bool = False
     """Cancel (and re-queue from scratch) groups whose oldest token falls more than max_lag versions
     behind the engine's weights at a swap; counted as groups_cancelled."""
-    max_lag: int = Field(2, ge=0)
-    """Lag bound of group_cancel, in policy versions (the pipeline passes buffer.max_lag)."""
+    max_lag: int | None = Field(None, ge=0)
+    """Lag bound of group_cancel, in policy versions; None: buffer.max_lag (and no cancelling in `nonstop serve`)."""
 
 
 class RuntimeConfig(_Section):

@@ -65,6 +65,13 @@ async def learn(run: Run) -> dict[str, Any]:
     return record
 
 
+def engine_settings(cfg: Config):
+    """The engine section with group_cancel's lag bound defaulting to the buffer's."""
+    if cfg.engine.max_lag is not None:
+        return cfg.engine
+    return cfg.engine.model_copy(update={"max_lag": cfg.buffer.max_lag})
+
+
 def step_record(run: Run, step: int, version: int, groups: list, metrics: dict[str, Any]) -> dict[str, Any]:
     wall = run.clock.wall()
     rewards = [s.reward for g in groups for s in g.samples]
@@ -92,7 +99,8 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
     try:
         progress.log("starting engine and trainer processes ...")
         engine, trainer = await asyncio.gather(
-            backend.spawn("engine", EngineWorker, str(base_model), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed),
+            backend.spawn("engine", EngineWorker, str(base_model), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed,
+                          engine_settings(cfg)),
             backend.spawn("trainer", TrainerWorker, str(base_model), cfg.trainer, cfg.rollout.temperature,
                           tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject),
         )

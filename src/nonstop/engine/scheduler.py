@@ -290,12 +290,12 @@ class Scheduler:
         self.stats["swaps"] += 1
         self.stats["swap_s"] += dt
         self.stats["max_swap_s"] = max(self.stats["max_swap_s"], dt)
-        if self.cfg.group_cancel:
-            self._cancel_lagging()
+        if self.cfg.group_cancel and self.cfg.max_lag is not None:
+            self._cancel_lagging(self.cfg.max_lag)
 
-    def _cancel_lagging(self) -> None:
+    def _cancel_lagging(self, max_lag: int) -> None:
         groups = {id(s.group): s.group for s in self.rows}.values()
-        lagging = [g for g in groups if self.policy_version - g.min_version > self.cfg.max_lag]
+        lagging = [g for g in groups if self.policy_version - g.min_version > max_lag]
         for g in lagging:
             self._evict(g)
             g.reset()
