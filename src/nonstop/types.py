@@ -47,24 +47,45 @@ class SamplingParams:
 
 
 class KeptIds(Sequence[list[int]]):
-    """Keep Sampling Mask in compact form: the kept token ids of every completion position, as
-    one flat array of ids (2 bytes each below 65,536 ids) plus one offset per position.
+    """Keep Sampling Mask in compact form: per completion position, the kept token ids stored as
+    whichever is smaller of a sorted id array (2 bytes per id below 65,536 ids, else 4) or a
+    bitmask over the vocabulary (vocab / 8 bytes), in one byte buffer with one offset per position.
 
-    Reads like a list of sorted id lists (`len`, indexing, iteration), and pickles as two
-    arrays, so a few kept ids per token cost a few bytes, not a Python list each."""
+    Reads like a list of sorted id lists (`len`, indexing, iteration) and pickles as a few byte
+    strings, so top-k with a small k costs 2k bytes a token and a wide top-p set at most vocab/8."""
 
-    __slots__ = ("ids", "offsets")
+    __slots__ = ("vocab_size", "data", "offsets", "kinds")
 
-    def __init__(self, wide: bool = False) -> None:
-        self.ids = array("I" if wide else "H")
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.data = bytearray()
         self.offsets = array("I", [0])
+        self.kinds = bytearray()  # 0: id array, 1: bitmask
+
+    @property
+    def _code(self) -> str:
+        return "H" if self.vocab_size <= 65536 else "I"
+
+    def id_bytes(self, count: int) -> int:
+        return count * (2 if self._code == "H" else 4)
+
+    def bitmask_bytes(self) -> int:
+        return (self.vocab_size + 7) // 8
 
     def append(self, kept: Sequence[int]) -> None:
-        self.ids.extend(kept)
-        self.offsets.append(len(self.ids))
+        """Store a sorted list of kept ids (callers with a bitmask at hand use append_bitmask)."""
+        self.data += array(self._code, kept).tobytes()
+        self.offsets.append(len(self.data))
+        self.kinds.append(0)
+
+    def append_bitmask(self, bits: bytes) -> None:
+        """Store a little-endian bitmask of vocab_size bits (bit i set: id i kept)."""
+        self.data += bits
+        self.offsets.append(len(self.data))
+        self.kinds.append(1)
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.kinds)
 
     def __getitem__(self, t):  # type: ignore[override]
         if isinstance(t, slice):
@@ -73,7 +94,11 @@ class KeptIds(Sequence[list[int]]):
             t += len(self)
         if not 0 <= t < len(self):
             raise IndexError(t)
-        return self.ids[self.offsets[t]: self.offsets[t + 1]].tolist()
+        raw = self.data[self.offsets[t]: self.offsets[t + 1]]
+        if self.kinds[t] == 0:
+            return array(self._code, bytes(raw)).tolist()
+        bits = format(int.from_bytes(raw, "little"), "b")[::-1]
+        return [i for i, c in enumerate(bits) if c == "1"]
 
     def __iter__(self) -> Iterator[list[int]]:
         return (self[t] for t in range(len(self)))
@@ -85,16 +110,18 @@ class KeptIds(Sequence[list[int]]):
         return f"KeptIds({list(self)!r})"
 
     def __reduce__(self):
-        return (_kept_ids, (self.ids, self.offsets))
+        return (_kept_ids, (self.vocab_size, bytes(self.data), self.offsets.tobytes(), bytes(self.kinds)))
 
     @property
     def nbytes(self) -> int:
-        return len(self.ids) * self.ids.itemsize + len(self.offsets) * self.offsets.itemsize
+        return len(self.data) + len(self.offsets) * self.offsets.itemsize + len(self.kinds)
 
 
-def _kept_ids(ids: array, offsets: array) -> KeptIds:
-    k = KeptIds()
-    k.ids, k.offsets = ids, offsets
+def _kept_ids(vocab_size: int, data: bytes, offsets: bytes, kinds: bytes) -> KeptIds:
+    k = KeptIds(vocab_size)
+    k.data, k.kinds = bytearray(data), bytearray(kinds)
+    k.offsets = array("I")
+    k.offsets.frombytes(offsets)
     return k
 
 

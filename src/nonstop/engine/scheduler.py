@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from nonstop.config import EngineConfig
@@ -93,7 +94,7 @@ class Scheduler:
                on_fail: Callable[[BaseException], None] | None = None,
                on_token: Callable[[int, int, float, int], None] | None = None) -> Group:
         self.check(request)
-        group = Group(request, on_done, on_fail, on_token, wide_vocab=self.runner.vocab_size > 65535)
+        group = Group(request, on_done, on_fail, on_token, self.runner.vocab_size)
         self.waiting.append(group)
         return group
 
@@ -192,22 +193,15 @@ class Scheduler:
     def _emit(self, seqs: list[Seq], logits: torch.Tensor, params) -> None:
         self.stats["forward_passes"] += 1
         tokens, logprobs, kept = sample(logits, params)
-        kept_lists: dict[int, list[int]] = {}
-        if kept is not None:
-            idx = [i for i, s in enumerate(seqs) if s.kept is not None]
-            if idx:
-                sub = kept[idx]
-                flat = sub.nonzero()[:, 1].tolist()
-                ends = sub.sum(-1).cumsum(0).tolist()
-                starts = [0] + ends[:-1]
-                kept_lists = {i: flat[a:b] for i, a, b in zip(idx, starts, ends)}
+        kept_rows = self._kept_rows(seqs, kept) if kept is not None else {}
         version, finished = self.policy_version, []
         for i, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             s.ids.append(tok)
             s.logprobs.append(lp)
             s.versions.append(version)
             if s.kept is not None:
-                s.kept.append(kept_lists[i])
+                ids, bits = kept_rows[i]
+                s.kept.append(ids) if bits is None else s.kept.append_bitmask(bits)
             s.pending = tok
             g = s.group
             if g.on_token is not None:
@@ -219,6 +213,32 @@ class Scheduler:
         self.stats["tokens_generated"] += len(seqs)
         if finished:
             self._release(finished)
+
+    @staticmethod
+    def _kept_rows(seqs: list[Seq], kept: torch.Tensor) -> dict[int, tuple[list[int] | None, bytes | None]]:
+        """Per truncating row, its kept ids (sorted) or, when smaller, its packed bitmask."""
+        idx = [i for i, s in enumerate(seqs) if s.kept is not None]
+        if not idx:
+            return {}
+        sub = kept[idx]  # (R, V) bool
+        counts = sub.sum(-1).tolist()
+        store = seqs[idx[0]].kept
+        as_bits = [store.id_bytes(c) > store.bitmask_bytes() for c in counts]  # type: ignore[union-attr]
+        out: dict[int, tuple[list[int] | None, bytes | None]] = {}
+        packed = None
+        if any(as_bits):
+            packed = np.packbits(sub.numpy(), axis=-1, bitorder="little")  # (R, ceil(V / 8))
+        listed = [r for r, b in enumerate(as_bits) if not b]
+        if listed:
+            rows = sub[listed]
+            flat = rows.nonzero()[:, 1].tolist()
+            ends = rows.sum(-1).cumsum(0).tolist()
+            for r, a, b in zip(listed, [0] + ends[:-1], ends):
+                out[idx[r]] = (flat[a:b], None)
+        for r, b in enumerate(as_bits):
+            if b:
+                out[idx[r]] = (None, packed[r].tobytes())  # type: ignore[index]
+        return out
 
     def _finish_reason(self, s: Seq, tok: int) -> str | None:
         g = s.group

@@ -31,7 +31,7 @@ class Seq:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
-        self.kept = KeptIds(wide=self.group.wide_vocab) if p.truncates and p.temperature > 0 else None
+        self.kept = KeptIds(self.group.vocab_size) if p.truncates and p.temperature > 0 else None
         self.pending = -1
         self.length = 0
         self.finish: str | None = None
@@ -46,7 +46,7 @@ class Seq:
 class Group:
     def __init__(self, request: GenerationRequest, on_done: Callable[[list[Sample]], None],
                  on_fail: Callable[[BaseException], None] | None,
-                 on_token: Callable[[int, int, float, int], None] | None, wide_vocab: bool = False) -> None:
+                 on_token: Callable[[int, int, float, int], None] | None, vocab_size: int) -> None:
         p = request.params
         self.request, self.on_done, self.on_fail, self.on_token = request, on_done, on_fail, on_token
         self.n = request.n
@@ -55,7 +55,7 @@ class Group:
         self.stop_ids = frozenset(p.stop_token_ids)
         self.stop_strings = tuple(p.stop)
         self.stop_window = max((len(x) for x in p.stop), default=0) + 1
-        self.wide_vocab = wide_vocab
+        self.vocab_size = vocab_size
         self.started = False
         self.seqs = [Seq(self, i) for i in range(request.n)]
 
