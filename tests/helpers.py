@@ -32,6 +32,19 @@ class Echo:
     def crash(self) -> None:
         os._exit(3)
 
+    async def wait_for(self, key: str) -> str:
+        """Returns only after `release(key)`: proves async calls are served concurrently."""
+        import asyncio
+
+        events = self.__dict__.setdefault("_events", {})
+        await events.setdefault(key, asyncio.Event()).wait()
+        return key
+
+    async def release(self, key: str) -> None:
+        import asyncio
+
+        self.__dict__.setdefault("_events", {}).setdefault(key, asyncio.Event()).set()
+
 
 def receive_weights(handle, model_dir: str, rank: int, want_version: int, out_queue, deadline_s: float = 60.0) -> None:
     """Engine-side process: attach to the transport, wait for `want_version`, send the weights back."""

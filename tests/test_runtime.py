@@ -39,6 +39,28 @@ def test_spawn_call_and_remote_errors():
     _run(go())
 
 
+def test_async_methods_are_served_concurrently_and_plain_ones_in_order():
+    async def go():
+        async with local_backend() as backend:
+            actor = await backend.spawn("conc", Echo, 1)
+            waiting = asyncio.ensure_future(actor.call("wait_for", "a", timeout_s=30))
+            # a plain call and a second async call are answered while `wait_for` is pending
+            assert await actor.call("add", 1) == 2
+            await actor.call("release", "a")
+            assert await waiting == "a"
+            # plain calls keep their order even when each takes a while
+            order = []
+
+            async def noted(coro, tag):
+                value = await coro
+                order.append(tag)
+                return value
+
+            await asyncio.gather(noted(actor.call("sleep", 0.3), "slow"), noted(actor.call("add", 5), "fast"))
+            assert order == ["slow", "fast"]
+    _run(go())
+
+
 def test_dead_actor_fails_pending_calls_at_once():
     async def go():
         async with local_backend() as backend:

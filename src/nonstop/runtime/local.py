@@ -1,9 +1,15 @@
 """Local-process actor backend: one spawned OS process per actor, one pipe per actor.
 
 Wire protocol over a duplex `multiprocessing` pipe: the parent sends `(call_id, method, args,
-kwargs)`; the child serves calls one at a time, in order, and answers `(call_id, ok, value)`
-where value is the result or a formatted remote traceback. The child sets
-`torch.set_num_threads(1)` before it builds its object, so actors never oversubscribe cores.
+kwargs)`; the child answers `(call_id, ok, value)` where value is the result or a formatted
+remote traceback. The child sets `torch.set_num_threads(1)` before it builds its object, so
+actors never oversubscribe cores.
+
+Call semantics (the same on every backend): the child runs an asyncio loop. Methods declared
+`async def` run as tasks on that loop, concurrently with each other, so an engine can take new
+requests while earlier ones decode. Plain methods run one at a time, in arrival order, on one
+worker thread, so they never block the loop. Answers may therefore arrive out of order; the
+parent matches them by call id.
 
 The parent never polls: it registers the pipe with the event loop (`add_reader`) and resolves
 the matching future when an answer arrives. When the child dies the pipe hits EOF, and every
@@ -14,11 +20,14 @@ outlives its timeout fails with TimeoutError naming the actor and the method.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import itertools
 import multiprocessing as mp
 import os
 import signal
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -33,29 +42,62 @@ def _child_main(conn: Connection, name: str, cls: type, args: tuple, kwargs: dic
     import torch
 
     torch.set_num_threads(1)
+    asyncio.run(_serve(conn, name, cls, args, kwargs))
+
+
+async def _serve(conn: Connection, name: str, cls: type, args: tuple, kwargs: dict) -> None:
+    """Build the object inside the loop (so it may start tasks), then answer calls until stopped."""
+    loop = asyncio.get_running_loop()
     try:
         obj = cls(*args, **kwargs)
     except BaseException:
         conn.send((_READY, False, f"actor {name} failed to start:\n{traceback.format_exc()}"))
         return
-    conn.send((_READY, True, os.getpid()))
-    while True:
+    serial = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nonstop-{name}")
+    calls: set[asyncio.Task] = set()
+    stop: asyncio.Future = loop.create_future()
+
+    async def answer(call_id: int, method: str, a: tuple, kw: dict) -> None:
+        try:
+            fn = getattr(obj, method)
+            if inspect.iscoroutinefunction(fn):
+                value = await fn(*a, **kw)
+            else:
+                value = await loop.run_in_executor(serial, functools.partial(fn, *a, **kw))
+            reply = (call_id, True, value)
+        except BaseException:
+            reply = (call_id, False, f"{name}.{method} raised:\n{traceback.format_exc()}")
+        conn.send(reply)
+
+    def on_readable() -> None:
         try:
             msg = conn.recv()
-        except EOFError:
-            return  # the orchestrator went away
-        if msg is None:
-            closer = getattr(obj, "close", None)
-            if callable(closer):
-                closer()
-            conn.send((None, True, None))
+        except (EOFError, OSError):
+            msg = "eof"  # the orchestrator went away
+        if msg is None or msg == "eof":
+            loop.remove_reader(conn.fileno())
+            if not stop.done():
+                stop.set_result(msg)
             return
         call_id, method, a, kw = msg
-        try:
-            result = (call_id, True, getattr(obj, method)(*a, **kw))
-        except BaseException:
-            result = (call_id, False, f"{name}.{method} raised:\n{traceback.format_exc()}")
-        conn.send(result)
+        task = loop.create_task(answer(call_id, method, a, kw), name=f"{name}.{method}#{call_id}")
+        calls.add(task)
+        task.add_done_callback(calls.discard)
+
+    conn.send((_READY, True, os.getpid()))
+    loop.add_reader(conn.fileno(), on_readable)
+    how = await stop
+    for task in list(calls):
+        task.cancel()
+    if how is None:
+        closer = getattr(obj, "close", None)
+        if callable(closer):
+            if inspect.iscoroutinefunction(closer):
+                await closer()
+            else:
+                await loop.run_in_executor(serial, closer)
+        conn.send((None, True, None))
+    serial.shutdown(wait=False, cancel_futures=True)
 
 
 class LocalActor:
