@@ -1,0 +1,175 @@
+"""Engine throughput: continuous batching vs HF generate vs a raw batched forward; update modes.
+
+Same model (the default tiny Qwen2: 128 wide, 2 layers, vocab 128, random weights) and the same
+requests for every contender: `--requests` prompts 'a+b=' whose completion lengths follow a long
+tail (most short, `--tail` of them at the maximum `--max-new`). EOS is disabled everywhere, so
+every request generates exactly its length and all contenders produce the same useful tokens.
+Sampling at temperature 1. Measured side by side in one run:
+- HF generate: `model.generate` on padded static batches of `--batch` requests in arrival
+  order (each batch decodes until its longest request is done);
+- engine: `TorchEngine` with `--batch` slots, every request submitted at once (continuous
+  batching: a finished sequence's slot is refilled at the next step);
+- raw forward: the engine's own batched decode forward on `--batch` full rows at the
+  workload's mean position, no sampling and no bookkeeping (the compute limit here);
+- never_stop swap stall: a real shared-memory transport publishes a new version every
+  `--every` decode steps while the engine decodes; stall = mean duration of a step that swapped
+  minus that of one that did not, against the median decode step;
+- every update mode with that same update schedule: tokens/s and what the updates cost.
+Run: python bench/engine.py [--requests 512] [--batch 64] [--every 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from nonstop.config import EngineConfig, TinyModelConfig, TransportConfig
+from nonstop.engine.core import TorchEngine
+from nonstop.engine.updates import UPDATE_MODES
+from nonstop.tasks.tiny import make_tiny_model
+from nonstop.transport import open_sink, open_source, plan_transport
+from nonstop.types import GenerationRequest, SamplingParams
+
+
+def workload(n: int, max_new: int, tail: float, seed: int = 0) -> list[GenerationRequest]:
+    from nonstop.tasks.tiny import make_char_tokenizer
+
+    tok, rng = make_char_tokenizer(), random.Random(seed)
+    reqs = []
+    for i in range(n):
+        length = max_new if rng.random() < tail else min(max_new, 1 + int(rng.expovariate(1 / 8)))
+        prompt = tok(f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=")["input_ids"]
+        reqs.append(GenerationRequest(i, prompt, 1, SamplingParams(length, 1.0, seed=i)))
+    return reqs
+
+
+def bench_hf(model, reqs, batch: int) -> tuple[float, int]:
+    """Wall seconds and useful tokens of HF generate over padded static batches."""
+    useful, t0 = 0, time.perf_counter()
+    for b in range(0, len(reqs), batch):
+        chunk = reqs[b: b + batch]
+        width = max(len(r.prompt_ids) for r in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(chunk):
+            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids):] = 1
+        longest = max(r.params.max_new_tokens for r in chunk)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+        useful += sum(r.params.max_new_tokens for r in chunk)
+    return time.perf_counter() - t0, useful
+
+
+def make_engine(model, batch: int, mode: str = "never_stop") -> TorchEngine:
+    return TorchEngine(model, [], 0, settings=EngineConfig(max_concurrent_seqs=batch, update_mode=mode))  # type: ignore[arg-type]
+
+
+def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 0) -> dict:
+    """Drive the engine until every request is done; publish a version every `every` decode steps.
+    Publishing is the trainer's work: it is left out of the engine's time."""
+    done = []
+    for r in reqs:
+        engine.submit(r, done.append)
+    sched = engine.scheduler
+    steps, swap_steps, version, engine_s = [], [], 0, 0.0
+    while engine.has_work():
+        if sink is not None and sched.stats["decode_steps"] >= (version + 1) * every:
+            version += 1
+            sink.publish(trainer, version)
+        swaps = sched.stats["swaps"]
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        engine_s += dt
+        (swap_steps if sched.stats["swaps"] > swaps else steps).append(dt)
+    tokens = sum(len(s.completion_ids) for g in done for s in g)
+    lags = [sched.policy_version - v for g in done for s in g for v in s.versions]
+    return {"s": engine_s, "tokens": tokens, "steps": steps, "swap_steps": swap_steps, "stats": dict(sched.stats),
+            "published": version, "mean_lag": sum(lags) / max(len(lags), 1)}
+
+
+def raw_forward(engine: TorchEngine, batch: int, position: int, repeats: int) -> float:
+    runner = engine.runner
+    runner.prefill(torch.arange(batch), [[5] * position] * batch)
+    tokens, positions = torch.full((batch,), 7), torch.full((batch,), position)
+    for _ in range(5):
+        runner.decode(tokens, positions)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        runner.decode(tokens, positions)
+    return batch * repeats / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--tail", type=float, default=0.05)
+    ap.add_argument("--every", type=int, default=10, help="decode steps between weight updates")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = make_tiny_model(TinyModelConfig()).eval()
+    reqs = workload(args.requests, args.max_new, args.tail)
+    lengths = [r.params.max_new_tokens for r in reqs]
+    mean_pos = int(sum(len(r.prompt_ids) + n / 2 for r, n in zip(reqs, lengths)) / len(reqs))
+    print(f"{len(reqs)} requests, completion lengths: median {statistics.median(lengths):.0f}, "
+          f"mean {statistics.mean(lengths):.1f}, max {max(lengths)} ({sum(n == args.max_new for n in lengths)} at max)")
+
+    hf_s, hf_tokens = bench_hf(model, reqs, args.batch)
+    hf_tps = hf_tokens / hf_s
+    base = run_engine(make_engine(model, args.batch), reqs)
+    eng_tps = base["tokens"] / base["s"]
+    raw_tps = raw_forward(make_engine(model, args.batch), args.batch, mean_pos, 200)
+    decode_ms = 1e3 * statistics.median(base["steps"])
+
+    print("\n| contender | tokens/s | vs HF generate | vs raw forward |")
+    print("|---|---|---|---|")
+    print(f"| HF generate, padded static batches of {args.batch} | {hf_tps:,.0f} | 1.00x | {hf_tps / raw_tps:.0%} |")
+    print(f"| engine, continuous batching ({args.batch} slots) | {eng_tps:,.0f} | **{eng_tps / hf_tps:.2f}x** | **{eng_tps / raw_tps:.0%}** |")
+    print(f"| raw batched decode forward ({args.batch} rows, position {mean_pos}) | {raw_tps:,.0f} | {raw_tps / hf_tps:.2f}x | 100% |")
+    assert base["tokens"] == hf_tokens == sum(lengths)
+
+    trainer = make_tiny_model(TinyModelConfig(), seed=1)
+    rows = []
+    for mode in UPDATE_MODES:
+        engine = make_engine(model_copy(model), args.batch, mode)
+        handle = plan_transport(TransportConfig(kind="shm"), trainer, 1)
+        sink = open_sink(handle)
+        source = open_source(handle, engine.weight_model)
+        engine.weights = source
+        try:
+            r = run_engine(engine, reqs, sink, trainer, args.every)
+        finally:
+            source.close()
+            sink.close()
+        rows.append((mode, r))
+    print(f"\nWeight update every {args.every} decode steps (shared-memory transport, publishing not timed):\n")
+    print("| update mode | tokens/s | vs no updates | swaps | swap stall | aborted / paused seqs | mean token lag at end |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, r in rows:
+        st = r["stats"]
+        stall = ""
+        if r["swap_steps"] and r["steps"]:
+            extra = statistics.mean(r["swap_steps"]) - statistics.mean(r["steps"])
+            stall = f"{1e3 * extra:+.2f} ms ({extra / (decode_ms / 1e3):+.2f} step)"
+        print(f"| {mode} | {r['tokens'] / r['s']:,.0f} | {r['tokens'] / r['s'] / eng_tps:.2f} | {st['swaps']}/{r['published']} "
+              f"| {stall} | {st['aborted_seqs']} / {st['paused_seqs']} | {r['mean_lag']:.1f} |")
+    print(f"\nmedian decode step (no updates): {decode_ms:.2f} ms; stall = mean step with a swap - mean step without")
+
+
+def model_copy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+if __name__ == "__main__":
+    main()
