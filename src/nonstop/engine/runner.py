@@ -8,7 +8,10 @@ Contract:
   front with `move`), so attention reads a view of the cache, never a gathered copy;
 - `prefill(slots, prompts)` computes the KV of whole prompts into the given slots and returns
   the logits after each prompt's last token; `decode(tokens, positions)` appends one token per
-  row at its position and returns the next-token logits; both return float32 (B, V);
+  row at its position and returns the next-token logits; `mixed(...)` does both in one forward
+  (decode rows 0..B-1 plus prompts into slots >= B): the B + P token streams are packed into
+  one matrix for every linear layer and split only for attention, so a step that admits new
+  requests costs one forward, not two; all return float32 (rows, V);
 - weights are read from the model's own Parameter objects on every call, so a weight update
   that copies into them (or rebinds their storage) is picked up by the next forward pass.
 
@@ -37,6 +40,9 @@ class Runner(Protocol):
     def prefill(self, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor: ...
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              prompts: list[list[int]]) -> torch.Tensor: ...
 
     def move(self, src: int, dst: int, length: int) -> None: ...
 
@@ -166,6 +172,49 @@ class KVRunner:
             x = x + F.linear(a.reshape(B, H * D), layer.wo, layer.bo)
             x = self._mlp(x, layer)
         return self._logits(x)  # (B, V)
+
+    @torch.inference_mode()
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              prompts: list[list[int]]) -> torch.Tensor:
+        """Decode rows 0..B-1 and prefill `prompts` into `slots` (all >= B) in one forward.
+        Returns (B + P, V): the decode rows' logits, then each prompt's last-token logits."""
+        B, P, L = tokens.shape[0], len(prompts), max(len(p) for p in prompts)
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        lengths = [len(p) for p in prompts]
+        # packed prompt token i of prompt j sits at padded index j * L + i
+        pad_index = torch.cat([torch.arange(n) + j * L for j, n in enumerate(lengths)])  # (Np,)
+        ids = torch.cat([tokens, torch.tensor([t for p in prompts for t in p], dtype=torch.long)])  # (B + Np,)
+        pos = torch.cat([positions, torch.cat([torch.arange(n) for n in lengths])])
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N, 1, D)
+        T = int(positions.max()) + 1
+        mask = (self.arange[:T][None, :] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, T)
+        rows = self.rows[:B]
+        last = torch.tensor(lengths).cumsum(0) - 1 + B  # packed index of each prompt's last token
+
+        def padded(t: torch.Tensor, heads: int) -> torch.Tensor:  # (Np, heads, D) -> (P, heads, L, D)
+            out = t.new_zeros((P * L, heads, D))
+            out[pad_index] = t
+            return out.view(P, L, heads, D).transpose(1, 2)
+
+        x = F.embedding(ids, self.embed)  # (N, hidden)
+        for layer, kc, vc in zip(self.layers, self.k, self.v):
+            h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
+            q = _rotate(F.linear(h, layer.wq, layer.bq).view(-1, H, D), cos, sin)
+            k = _rotate(F.linear(h, layer.wk, layer.bk).view(-1, KV, D), cos, sin)
+            v = F.linear(h, layer.wv, layer.bv).view(-1, KV, D)
+            kc[rows, :, positions] = k[:B]
+            vc[rows, :, positions] = v[:B]
+            ad = F.scaled_dot_product_attention(
+                q[:B, :, None, :], kc[:B, :, :T], vc[:B, :, :T], attn_mask=mask, enable_gqa=KV != H,
+            ).reshape(B, H * D)
+            qp, kp, vp = padded(q[B:], H), padded(k[B:], KV), padded(v[B:], KV)
+            kc[slots, :, :L] = kp
+            vc[slots, :, :L] = vp
+            ap = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=KV != H)  # (P, H, L, D)
+            ap = ap.transpose(1, 2).reshape(P * L, H * D)[pad_index]
+            x = x + F.linear(torch.cat([ad, ap]), layer.wo, layer.bo)
+            x = self._mlp(x, layer)
+        return self._logits(x[torch.cat([torch.arange(B), last])])
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst`."""

@@ -5,9 +5,9 @@ Contract:
   limits is a `RequestError` naming the limit, raised before anything is queued) and queues it;
   its group of `n` completions finishes independently of every other request: `on_done` gets
   the n samples (or `on_fail` the exception) as soon as the last one ends;
-- `step()` runs exactly one forward pass: a prefill of newly admitted groups (and of sequences
-  whose KV must be recomputed after an abort), or one decode step of every live sequence; under
-  load the two alternate so neither starves the other. A request joins as soon as `n` slots and
+- `step()` runs exactly one forward pass: one decode step of every live sequence with the
+  prompts of newly admitted groups prefilled in the same pass (after an abort: the prefill of
+  every aborted sequence's prompt + prefix, alone). A request joins as soon as `n` slots and
   its token reservation (prompt + max_new_tokens per sequence) fit, so no sequence waits for
   the slowest one of some batch;
 - the n completions of a prompt share one prefill: the prompt's KV is computed once and copied
@@ -59,7 +59,6 @@ class Scheduler:
         self.reprefill: list[Seq] = []
         self.reserved_tokens = 0
         self.draining = False
-        self._decode_next = False
         self._row_params = None
         self.stats = {"forward_passes": 0, "prefills": 0, "decode_steps": 0, "tokens_generated": 0,
                       "prefill_tokens": 0, "swaps": 0, "swap_s": 0.0, "max_swap_s": 0.0, "aborted_seqs": 0,
@@ -122,13 +121,12 @@ class Scheduler:
     def step(self) -> None:
         t0 = time.perf_counter()
         self._poll_weights()
-        admitted = self._admit() if not (self._decode_next and self.rows) else []
-        if admitted or self.reprefill:
-            self._prefill(admitted)
-            self._decode_next = True
-        elif self.rows:
-            self._decode()
-            self._decode_next = False
+        if self.reprefill:
+            self._forward([])
+        else:
+            admitted = self._admit()
+            if admitted or self.rows:
+                self._forward(admitted)
         self.stats["busy_s"] += time.perf_counter() - t0
 
     def _admit(self) -> list[Group]:
@@ -145,9 +143,11 @@ class Scheduler:
             self.reserved_tokens += g.reserve
         return admitted
 
-    def _prefill(self, groups: list[Group]) -> None:
-        """One forward over the prompts of new groups (one per group, copied to its siblings)
-        and the prompt + prefix of sequences whose KV must be recomputed."""
+    def _forward(self, groups: list[Group]) -> None:
+        """One forward pass. Normally: a decode step of every live row, with the prompts of newly
+        admitted groups prefilled in the same pass (one prompt per group, its KV copied to the
+        siblings). After an abort: a prefill of prompt + prefix of every aborted row, alone."""
+        decoding = [] if self.reprefill else list(self.rows)
         heads, members, prefixes = [], [], []
         for g in groups:
             g.start()
@@ -164,28 +164,35 @@ class Scheduler:
             prefixes.append(s.group.request.prompt_ids + s.ids)
             s.length = len(prefixes[-1])
         self.reprefill = []
-        logits = self.runner.prefill(torch.tensor(heads), prefixes)  # (P, V)
-        for head, seqs in zip(heads, members):
-            for s in seqs[1:]:
-                self.runner.move(head, s.row, s.length)
-        self.stats["prefills"] += 1
-        self.stats["prefill_tokens"] += sum(len(p) for p in prefixes)
-        repeat = torch.tensor([len(m) for m in members])
-        seqs = [s for m in members for s in m]
-        self._row_params = None
-        self._emit(seqs, logits.repeat_interleave(repeat, dim=0), self._params_of(seqs))
-
-    def _decode(self) -> None:
-        rows = self.rows
-        tokens = torch.tensor([s.pending for s in rows])
-        positions = torch.tensor([s.length for s in rows])
-        logits = self.runner.decode(tokens, positions)  # (B, V)
-        for s in rows:
-            s.length += 1
-        if self._row_params is None:
-            self._row_params = self._params_of(rows)
-        self.stats["decode_steps"] += 1
-        self._emit(list(rows), logits, self._row_params)
+        if decoding:
+            tokens = torch.tensor([s.pending for s in decoding])
+            positions = torch.tensor([s.length for s in decoding])
+            if heads:
+                logits = self.runner.mixed(tokens, positions, torch.tensor(heads), prefixes)
+            else:
+                logits = self.runner.decode(tokens, positions)
+            for s in decoding:
+                s.length += 1
+            self.stats["decode_steps"] += 1
+        else:
+            logits = self.runner.prefill(torch.tensor(heads), prefixes)  # (P, V)
+        if heads:
+            for head, seqs in zip(heads, members):
+                for s in seqs[1:]:
+                    self.runner.move(head, s.row, s.length)
+            self.stats["prefills"] += 1
+            self.stats["prefill_tokens"] += sum(len(p) for p in prefixes)
+            repeat = torch.tensor([1] * len(decoding) + [len(m) for m in members])
+            logits = logits.repeat_interleave(repeat, dim=0)
+        seqs = decoding + [s for m in members for s in m]
+        if heads:  # the batch changed: its parameters are rebuilt (and cached only for plain decode steps)
+            self._row_params = None
+            params = self._params_of(seqs)
+        else:
+            if self._row_params is None:
+                self._row_params = self._params_of(seqs)
+            params = self._row_params
+        self._emit(seqs, logits, params)
 
     def _params_of(self, seqs: list[Seq]):
         return row_params([s.group.settings for s in seqs], [s.generator for s in seqs])
