@@ -13,11 +13,10 @@ Sampling at temperature 1. Measured side by side in one run:
   workload's mean position, no sampling and no bookkeeping (the compute limit of decoding);
 - workload compute limit: the raw prefill of every prompt plus raw decode forwards for every
   later token, all in full batches (the least forward work these requests need);
-- never_stop swap stall: a real shared-memory transport publishes a new version every
-  `--every` decode steps while the engine decodes; stall = mean duration of a step that swapped
-  minus that of one that did not, against the median decode step;
-- every update mode with that same update schedule: tokens/s and what the updates cost.
-Run: python bench/engine.py [--requests 2048] [--batch 64] [--every 10]
+- every update mode, with a real shared-memory transport publishing a new version every
+  `--every` decode steps while the engine decodes: tokens/s, and the swap work (the decode
+  stall of a never_stop swap) against the median decode step.
+Run: python bench/engine.py [--requests 1024] [--rounds 3] [--batch 64] [--every 10]
 """
 
 from __future__ import annotations
@@ -88,7 +87,10 @@ def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 
             engine.submit(r, done.append)
 
     top_up()
+    sustained = None  # (seconds, tokens) while the producer still had requests queued
     while engine.has_work():
+        if sustained is None and not sched.waiting:
+            sustained = (engine_s, sched.stats["tokens_generated"])
         if sink is not None and sched.stats["decode_steps"] >= (version + 1) * every:
             version += 1
             sink.publish(trainer, version)
@@ -101,7 +103,7 @@ def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 
         top_up()
     tokens = sum(len(s.completion_ids) for g in done for s in g)
     lags = [sched.policy_version - v for g in done for s in g for v in s.versions]
-    return {"s": engine_s, "tokens": tokens, "steps": steps, "swap_steps": swap_steps, "stats": dict(sched.stats),
+    return {"s": engine_s, "tokens": tokens, "steps": steps, "sustained": sustained, "swap_steps": swap_steps, "stats": dict(sched.stats),
             "published": version, "mean_lag": sum(lags) / max(len(lags), 1)}
 
 
@@ -129,7 +131,8 @@ def raw_prefill(engine: TorchEngine, reqs, batch: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=2048)
+    ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--tail", type=float, default=0.05)
@@ -144,33 +147,44 @@ def main() -> None:
     print(f"{len(reqs)} requests, completion lengths: median {statistics.median(lengths):.0f}, "
           f"mean {statistics.mean(lengths):.1f}, max {max(lengths)} ({sum(n == args.max_new for n in lengths)} at max)")
 
-    hf_s, hf_tokens = bench_hf(model, reqs, args.batch)
-    hf_tps = hf_tokens / hf_s
-    base = run_engine(make_engine(model, args.batch), reqs, backlog=args.batch)
-    eng_tps = base["tokens"] / base["s"]
+    # the machine is shared and its load drifts: contenders alternate for --rounds rounds and
+    # each keeps its best (least) time
+    best: dict[str, float] = {}
     raw = make_engine(model, args.batch)
-    step_s = raw_forward(raw, args.batch, mean_pos, 200)
-    raw_tps = args.batch / step_s
+    for _ in range(args.rounds):
+        hf_s, hf_tokens = bench_hf(model, reqs, args.batch)
+        base = run_engine(make_engine(model, args.batch), reqs, backlog=args.batch)
+        step_s = raw_forward(raw, args.batch, mean_pos, 100)
+        prefill_s = raw_prefill(raw, reqs, args.batch)
+        sus_s, sus_tokens = base["sustained"]
+        for key, value in (("hf", hf_s), ("engine", base["s"]), ("step", step_s), ("prefill", prefill_s),
+                           ("sustained", sus_s / sus_tokens)):
+            best[key] = min(best.get(key, value), value)
+        assert base["tokens"] == hf_tokens == sum(lengths)
+    hf_tps, eng_tps = sum(lengths) / best["hf"], sum(lengths) / best["engine"]
+    raw_tps = args.batch / best["step"]
     # the least forward work this workload needs: every prompt prefilled once and every later
     # token decoded, all in full batches (the first token of each completion comes from its prefill)
-    limit_s = raw_prefill(raw, reqs, args.batch) + (sum(lengths) - len(reqs)) / args.batch * step_s
-    limit_tps = sum(lengths) / limit_s
-    decode_ms = 1e3 * statistics.median(base["steps"])
+    limit_tps = sum(lengths) / (best["prefill"] + (sum(lengths) - len(reqs)) / args.batch * best["step"])
 
     print("\n| contender | tokens/s | vs HF generate | vs raw decode forward | vs workload compute limit |")
     print("|---|---|---|---|---|")
     print(f"| HF generate, padded static batches of {args.batch} | {hf_tps:,.0f} | 1.00x | {hf_tps / raw_tps:.0%} | {hf_tps / limit_tps:.0%} |")
     print(f"| engine, continuous batching ({args.batch} slots) | {eng_tps:,.0f} | **{eng_tps / hf_tps:.2f}x** | "
           f"**{eng_tps / raw_tps:.0%}** | **{eng_tps / limit_tps:.0%}** |")
+    sus_tps = 1 / best["sustained"]
+    print(f"| engine, sustained (while requests were queued, i.e. before the last ones drain out) | {sus_tps:,.0f} | "
+          f"{sus_tps / hf_tps:.2f}x | **{sus_tps / raw_tps:.0%}** | **{sus_tps / limit_tps:.0%}** |")
     print(f"| raw batched decode forward ({args.batch} rows, position {mean_pos}) | {raw_tps:,.0f} | {raw_tps / hf_tps:.2f}x | 100% | |")
     print(f"| workload compute limit (raw prefill of every prompt + raw decode, full batches) | {limit_tps:,.0f} | "
           f"{limit_tps / hf_tps:.2f}x | | 100% |")
-    print(f"\nengine: {base['stats']['decode_steps']} decode steps (mean {(base['tokens'] - len(reqs)) / base['stats']['decode_steps']:.1f} rows), "
-          f"{base['stats']['prefills']} prefills")
-    assert base["tokens"] == hf_tokens == sum(lengths)
+    st = base["stats"]
+    print(f"\nengine: {st['forward_passes']} forward passes, {st['decode_steps']} decode steps "
+          f"(mean {(base['tokens'] - len(reqs)) / st['decode_steps']:.1f} rows), {st['prefills']} of them with prompts packed in; "
+          f"best of {args.rounds} rounds each")
 
     trainer = make_tiny_model(TinyModelConfig(), seed=1)
-    rows = []
+    rows = [("none (no updates)", run_engine(make_engine(model_copy(model), args.batch), reqs, backlog=args.batch))]
     for mode in UPDATE_MODES:
         engine = make_engine(model_copy(model), args.batch, mode)
         handle = plan_transport(TransportConfig(kind="shm"), trainer, 1)
@@ -183,18 +197,23 @@ def main() -> None:
             source.close()
             sink.close()
         rows.append((mode, r))
-    print(f"\nWeight update every {args.every} decode steps (shared-memory transport, publishing not timed):\n")
-    print("| update mode | tokens/s | vs no updates | swaps | swap stall | aborted / paused seqs | mean token lag at end |")
+    no_updates = rows[0][1]["tokens"] / rows[0][1]["s"]
+    step_ms = 1e3 * statistics.median(rows[0][1]["steps"])
+    print(f"\nWeight update every {args.every} decode steps (shared-memory transport; publishing is the trainer's "
+          f"work and is not timed; median decode step {step_ms:.2f} ms):\n")
+    print("| update mode | tokens/s | vs no updates | swaps applied / published | swap work, mean (max) | "
+          "aborted / paused seqs | mean token lag at end |")
     print("|---|---|---|---|---|---|---|")
     for mode, r in rows:
         st = r["stats"]
-        stall = ""
-        if r["swap_steps"] and r["steps"]:
-            extra = statistics.mean(r["swap_steps"]) - statistics.mean(r["steps"])
-            stall = f"{1e3 * extra:+.2f} ms ({extra / (decode_ms / 1e3):+.2f} step)"
-        print(f"| {mode} | {r['tokens'] / r['s']:,.0f} | {r['tokens'] / r['s'] / eng_tps:.2f} | {st['swaps']}/{r['published']} "
-              f"| {stall} | {st['aborted_seqs']} / {st['paused_seqs']} | {r['mean_lag']:.1f} |")
-    print(f"\nmedian decode step (no updates): {decode_ms:.2f} ms; stall = mean step with a swap - mean step without")
+        work = ""
+        if st["swaps"]:
+            mean_ms, max_ms = 1e3 * st["swap_s"] / st["swaps"], 1e3 * st["max_swap_s"]
+            work = f"{mean_ms:.2f} ms ({max_ms:.2f} ms) = {mean_ms / step_ms:.2f} ({max_ms / step_ms:.2f}) step"
+        print(f"| {mode} | {r['tokens'] / r['s']:,.0f} | {r['tokens'] / r['s'] / no_updates:.2f} | {st['swaps']} / {r['published']} "
+              f"| {work} | {st['aborted_seqs']} / {st['paused_seqs']} | {r['mean_lag']:.1f} |")
+    print("\nswap work: time from the poll that found new weights to the end of the swap (copies, pausing, "
+          "re-queueing); abort_retry's recompute happens in the following forward pass.")
 
 
 def model_copy(model):

@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 
+ATTN_BLOCK = 16  # decode rows per attention block when a long tail makes one padded block wasteful
+
+
 class UnsupportedModel(ValueError):
     """The model's architecture is outside what the lean runner implements."""
 
@@ -112,6 +115,27 @@ class KVRunner:
         self.arange = torch.arange(max_seq_len)
         self.rows = torch.arange(num_slots)
 
+    def _plan(self, positions: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
+        """Attention blocks of a decode step: (first row, end row, keys T, mask (rows, 1, 1, T)).
+
+        One block reads every row's keys up to the longest row; with a long tail that wastes
+        most of the attention on padding, so rows are split into blocks of ATTN_BLOCK rows, each
+        reading only up to its own longest row, whenever that saves at least a third."""
+        pos = positions.tolist()
+        B, T = len(pos), max(pos) + 1
+        bounds = [(a, min(a + ATTN_BLOCK, B)) for a in range(0, B, ATTN_BLOCK)]
+        blocked = [(a, b, max(pos[a:b]) + 1) for a, b in bounds]
+        if len(blocked) == 1 or sum((b - a) * t for a, b, t in blocked) > B * T * 2 / 3:
+            blocked = [(0, B, T)]
+        return [(a, b, t, (self.arange[:t][None, :] <= positions[a:b, None])[:, None, None, :]) for a, b, t in blocked]
+
+    def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan) -> torch.Tensor:
+        """q (B, H, 1, D) of decode rows 0..B-1 against their cached keys -> (B, H * D)."""
+        B, gqa = q.shape[0], self.n_kv != self.n_heads
+        out = [F.scaled_dot_product_attention(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa)
+               for a, b, t, m in plan]
+        return (out[0] if len(out) == 1 else torch.cat(out)).reshape(B, self.n_heads * self.head_dim)
+
     @property
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -152,10 +176,9 @@ class KVRunner:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions: (B,) for rows (slots) 0..B-1; writes K/V at each row's position."""
         B = tokens.shape[0]
-        T = int(positions.max()) + 1
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]  # (B, 1, 1, D)
-        mask = (self.arange[:T][None, :] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, T)
+        plan = self._plan(positions)
         rows = self.rows[:B]
         x = F.embedding(tokens, self.embed)  # (B, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
@@ -166,10 +189,7 @@ class KVRunner:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             kc[rows, :, positions] = k[:, :, 0]
             vc[rows, :, positions] = v
-            a = F.scaled_dot_product_attention(
-                q, kc[:B, :, :T], vc[:B, :, :T], attn_mask=mask, enable_gqa=KV != H,
-            )  # (B, H, 1, D)
-            x = x + F.linear(a.reshape(B, H * D), layer.wo, layer.bo)
+            x = x + F.linear(self._attend(q, kc, vc, plan), layer.wo, layer.bo)
             x = self._mlp(x, layer)
         return self._logits(x)  # (B, V)
 
@@ -186,8 +206,7 @@ class KVRunner:
         ids = torch.cat([tokens, torch.tensor([t for p in prompts for t in p], dtype=torch.long)])  # (B + Np,)
         pos = torch.cat([positions, torch.cat([torch.arange(n) for n in lengths])])
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N, 1, D)
-        T = int(positions.max()) + 1
-        mask = (self.arange[:T][None, :] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, T)
+        plan = self._plan(positions)
         rows = self.rows[:B]
         last = torch.tensor(lengths).cumsum(0) - 1 + B  # packed index of each prompt's last token
 
@@ -204,9 +223,7 @@ class KVRunner:
             v = F.linear(h, layer.wv, layer.bv).view(-1, KV, D)
             kc[rows, :, positions] = k[:B]
             vc[rows, :, positions] = v[:B]
-            ad = F.scaled_dot_product_attention(
-                q[:B, :, None, :], kc[:B, :, :T], vc[:B, :, :T], attn_mask=mask, enable_gqa=KV != H,
-            ).reshape(B, H * D)
+            ad = self._attend(q[:B, :, None, :], kc, vc, plan)
             qp, kp, vp = padded(q[B:], H), padded(k[B:], KV), padded(v[B:], KV)
             kc[slots, :, :L] = kp
             vc[slots, :, :L] = vp

@@ -293,15 +293,15 @@ class Scheduler:
     def _poll_weights(self) -> None:
         if self.gate is None or (self.cfg.update_mode == "blocking" and self.rows):
             return
+        t0 = time.perf_counter()  # in never_stop the transport's copy into the model happens in poll()
         if self.gate.poll() is None:
             return
         if self.cfg.update_mode == "drain" and self.rows:
             self.draining = True  # admissions wait; the swap happens once in-flight rows finish
             return
-        self._swap()
+        self._swap(t0)
 
-    def _swap(self) -> None:
-        t0 = time.perf_counter()
+    def _swap(self, t0: float) -> None:
         mode, paused = self.cfg.update_mode, []
         if mode == "save_resume" and self.rows:
             paused = [(s, self.runner.save(s.row, s.length)) for s in self.rows]
