@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -91,6 +92,64 @@ def kill_engine_reward(completion: str, answer: str) -> float:
         if child.name == "nonstop-engine":
             os.kill(child.pid, signal.SIGKILL)
     return 0.0
+
+
+def _once(marker: str) -> bool:
+    """True the first time in this working directory (a marker file survives a resumed run)."""
+    path = Path(marker)
+    if path.exists():
+        return False
+    path.write_text("")
+    return True
+
+
+def _engine_pids() -> list[int]:
+    import multiprocessing as mp
+
+    return [c.pid for c in mp.active_children() if c.name == "nonstop-engine"]
+
+
+_calls = {"n": 0}
+
+
+def kill_engine_once_reward(completion: str, answer: str) -> float:
+    """SIGKILLs the engine once, 50 ms later, so the kill lands while it generates the next batch."""
+    import signal
+    import threading
+
+    if _once("engine_killed"):
+        threading.Timer(0.05, lambda: [os.kill(p, signal.SIGKILL) for p in _engine_pids()]).start()
+    return float(len(completion))
+
+
+def hang_engine_once_reward(completion: str, answer: str) -> float:
+    """SIGSTOPs the engine once: it stays alive but answers nothing (a hang, not a crash)."""
+    import signal
+
+    if _once("engine_hung"):
+        for pid in _engine_pids():
+            os.kill(pid, signal.SIGSTOP)
+    return float(len(completion))
+
+
+def kill_trainer_reward(completion: str, answer: str) -> float:
+    """SIGKILLs the trainer at the 300th scored sample of the first run in this folder."""
+    import multiprocessing as mp
+    import signal
+
+    _calls["n"] += 1
+    if _calls["n"] == 300 and _once("trainer_killed"):
+        for c in mp.active_children():
+            if c.name == "nonstop-trainer":
+                os.kill(c.pid, signal.SIGKILL)
+    return float(len(completion))
+
+
+def overflow_reward(completion: str, answer: str) -> float:
+    """Finite rewards whose group statistics overflow (inf - inf): a NaN loss from bad input."""
+    if answer == "9":
+        return 1e308 if len(completion) % 2 else -1e308
+    return float(len(completion))
 
 
 def raising_reward(completion: str, answer: str) -> float:

@@ -112,16 +112,19 @@ def test_reward_that_always_fails_stops_the_run_with_the_cause(tiny_dir, tmp_pat
     assert "failed on 8 groups in a row" in result.stdout and "reward server is down" in result.stdout
 
 
-def test_killed_engine_ends_the_run_with_a_clear_message(tiny_dir, tmp_path):
+def test_engine_killed_past_its_restart_budget_ends_the_run_with_a_clear_message(tiny_dir, tmp_path):
     t0 = time.monotonic()
     result = nonstop(
         ["train", *small_model_args(tiny_dir), "--set", "task.reward=helpers:kill_engine_reward",
-         "--set", "run.max_steps=50", "--set", "task.max_operand=9", "--set", "task.eval_size=10"],
+         "--set", "run.max_steps=50", "--set", "task.max_operand=9", "--set", "task.eval_size=10",
+         "--set", "runtime.max_engine_restarts=1"],
         cwd=tmp_path, timeout_s=300,
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "run failed" in result.stdout
     assert "actor 'engine'" in result.stdout and "killed by signal 9" in result.stdout
+    assert "no restart left (runtime.max_engine_restarts=1)" in result.stdout
+    assert "restarting (1 of at most 1)" in result.stdout
     assert time.monotonic() - t0 < 120
 
 

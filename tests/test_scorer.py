@@ -44,3 +44,11 @@ def test_non_finite_reward_is_counted():
     scorer = FunctionScorer(lambda c, a: math.nan if c == "x" else 0.0)
     assert scorer.score_group(_group(["x", "y"])) is False
     assert scorer.errors["reward_not_finite"] == 1
+
+
+def test_fail_fast_raises_at_the_first_failing_sample():
+    scorer = FunctionScorer(lambda c, a: math.inf if c == "x" else 0.0, fail_fast=True)
+    assert scorer.score_group(_group(["y", "z"])) is True
+    with pytest.raises(RewardError, match=r"returned inf(.|\n)*task.reward_fail_fast"):
+        scorer.score_group(_group(["y", "x"]))
+    assert scorer.errors["reward_not_finite"] == 1

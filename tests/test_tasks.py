@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nonstop.config import TaskConfig
-from nonstop.tasks.data import DatasetError, PromptStream, addition_examples, load_task, read_jsonl
+from nonstop.tasks.data import DatasetError, PromptStream, addition_examples, load_task, read_jsonl, screen_prompts
 from nonstop.tasks.tiny import VOCAB_SIZE, make_char_tokenizer
 
 
@@ -61,7 +61,55 @@ def test_jsonl_without_valid_rows_is_an_error(tmp_path):
 def test_prompt_stream_visits_each_prompt_once_per_epoch():
     data = load_task(TaskConfig(max_operand=9, eval_size=10), seed=1)
     stream = PromptStream(data.train, seed=3)
-    first = [stream.next().index for _ in range(len(data.train))]
-    second = [stream.next().index for _ in range(len(data.train))]
-    assert sorted(first) == sorted(second) == sorted(e.index for e in data.train)
-    assert first != second and stream.epoch == 1
+    first = [stream.next().example.index for _ in range(len(data.train))]
+    second = [stream.next() for _ in range(len(data.train))]
+    assert sorted(first) == sorted(d.example.index for d in second) == sorted(e.index for e in data.train)
+    assert first != [d.example.index for d in second] and stream.epoch == 1
+    assert {d.epoch for d in second} == {1}
+
+
+def test_prompt_stream_state_continues_the_same_order_and_requeues_first():
+    data = load_task(TaskConfig(max_operand=9, eval_size=10), seed=1)
+    reference = PromptStream(data.train, seed=5)
+    expected = [(d.epoch, d.example.index) for d in (reference.next() for _ in range(200))]
+
+    stream = PromptStream(data.train, seed=5)
+    head = [stream.next() for _ in range(77)]
+    state = json.loads(json.dumps(stream.state_dict()))  # checkpoints hold it as JSON
+    resumed = PromptStream(data.train, seed=5)
+    resumed.load_state_dict(state)
+    resumed.requeue(head[70:])  # in flight at the checkpoint: drawn again first, in draw order
+    tail = [resumed.next() for _ in range(200 - 70)]
+    assert [(d.epoch, d.example.index) for d in head[:70] + tail] == expected
+
+
+def test_prompt_stream_stops_after_max_epochs():
+    data = load_task(TaskConfig(max_operand=9, eval_size=10), seed=1)
+    stream = PromptStream(data.train, seed=0, max_epochs=2)
+    draws = [stream.next() for _ in range(2 * len(data.train))]
+    assert all(d is not None for d in draws)
+    assert stream.next() is None and stream.next() is None
+
+
+def test_over_long_prompts_are_reported_by_index_and_skipped_or_rejected(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 6 + [{"prompt": "9" * 40 + "+1=", "answer": "x"}] * 2
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = TaskConfig(name="jsonl", dataset_path=str(path), eval_size=1)
+    data = load_task(cfg, seed=0)
+    long_ids = sorted(ex.index for ex in data.train + data.eval if len(ex.prompt) > 10)
+    problems = screen_prompts(data, list, 16, "skip")  # one token per character
+    assert len(problems) == 2 and all("over the limit of 16" in p for p in problems)
+    assert [f"#{i} " in " ".join(problems) for i in long_ids] == [True, True]
+    assert all(len(ex.prompt) <= 16 for ex in data.train + data.eval)
+    assert data.report.rows_skipped == 2
+    with pytest.raises(DatasetError, match=r"2 over-long prompt\(s\) \(task.on_bad_row=error\)"):
+        screen_prompts(load_task(cfg, seed=0), list, 16, "error")
+
+
+def test_bad_rows_can_stop_the_run_before_training(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n{"prompt": "3+3=", "answer": "6"}\n')
+    cfg = TaskConfig(name="jsonl", dataset_path=str(path), eval_size=1, on_bad_row="error")
+    with pytest.raises(DatasetError, match=r"1 bad row\(s\)(.|\n)*d.jsonl:2: missing field\(s\) answer"):
+        load_task(cfg, seed=0)

@@ -161,3 +161,30 @@ def test_non_finite_step_is_skipped_with_weights_unchanged_and_counted(tiny_dir)
     with pytest.raises(NumericalError, match="3 consecutive steps had a non-finite loss"):
         trainer.step(bad)
     assert trainer.skipped_steps == 4
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    from nonstop.trainer.core import lr_factor
+
+    assert [lr_factor(n, 4, "constant", 100) for n in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert lr_factor(4, 4, "cosine", 104) == 1.0
+    assert abs(lr_factor(54, 4, "cosine", 104) - 0.55) < 1e-9  # halfway: 0.1 + 0.9 * 0.5
+    assert abs(lr_factor(104, 4, "cosine", 104) - 0.1) < 1e-9 and abs(lr_factor(500, 4, "cosine", 104) - 0.1) < 1e-9
+
+
+def test_checkpoint_restores_the_trainer_exactly(tiny_dir, tmp_path):
+    """A trainer rebuilt from save_checkpoint takes the next step exactly as the original does."""
+    from nonstop.trainer.worker import TrainerWorker
+
+    tok = load_tokenizer(str(tiny_dir))
+    cfg = TrainerConfig(lr=1e-2, lr_warmup_steps=3, lr_schedule="cosine", entropy_coef=0.01)
+    original = TrainerWorker(str(tiny_dir), cfg, 1.0, tok.pad_token_id, total_steps=10)
+    for _ in range(2):
+        original.step(_stale_groups(tok, [[0, 0]] * 4))
+    assert original.save_checkpoint(str(tmp_path)) == 2
+    resumed = TrainerWorker(str(tmp_path / "model"), cfg, 1.0, tok.pad_token_id, total_steps=10)
+    assert resumed.load_checkpoint(str(tmp_path)) == 2
+    a, b = original.step(_stale_groups(tok, [[2, 2]] * 4)), resumed.step(_stale_groups(tok, [[2, 2]] * 4))
+    assert a.policy_version == b.policy_version == 3 and a.metrics["lr"] == b.metrics["lr"]
+    for (name, p), q in zip(original.trainer.model.named_parameters(), resumed.trainer.model.parameters()):
+        assert torch.equal(p, q), name

@@ -15,8 +15,11 @@ the trainer.
 `take()` returns the next `groups_per_step` groups whose oldest token is at most `max_lag`
 versions behind the trainer; every group dropped on the way is counted by reason in `drops`.
 With `max_lag=None` the buffer rejects nothing (rejection per sample or token is then the
-trainer's, which masks and counts).
-Nothing is dropped silently.
+trainer's, which masks and counts). Every drop is also settled in the prompt ledger when one is
+given. Nothing is dropped silently.
+
+When the prompt stream runs out (`run.max_epochs`), the producer calls `close()`; `take()` then
+returns the last, possibly short, batch and after it an empty one.
 """
 
 from __future__ import annotations
@@ -25,15 +28,18 @@ import asyncio
 import math
 from collections import Counter
 
+from nonstop.ledger import Ledger
 from nonstop.types import Group
 
 
 class RolloutBuffer:
-    def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int) -> None:
+    def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int,
+                 ledger: Ledger | None = None) -> None:
         self.groups_per_step = groups_per_step
+        self.ledger = ledger
         self.depth = depth
         self.max_lag = max_lag
-        self.queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=max_queued)
+        self.queue: asyncio.Queue[Group | None] = asyncio.Queue(maxsize=max_queued)  # None: closed
         self.policy_version = 0
         self.steps_trained = 0
         self.admitted = 0
@@ -60,15 +66,28 @@ class RolloutBuffer:
     async def drop(self, group: Group, reason: str) -> None:
         """Count a group that will not be trained on and refund its admission."""
         self.drops[reason] += 1
+        if self.ledger is not None:
+            self.ledger.settle(group.epoch, group.prompt_index, reason)
+        await self.refund(1)
+
+    async def refund(self, n: int) -> None:
+        """Give back admission for `n` groups that will not be generated or trained."""
         async with self._changed:
-            self.refunded += 1
+            self.refunded += n
             self._changed.notify_all()
+
+    async def close(self) -> None:
+        """No more groups will come: the stream ran out. Waits for queue space like `put`."""
+        await self.queue.put(None)
 
     async def take(self) -> list[Group]:
         """The next batch for the trainer at the current policy_version."""
         batch: list[Group] = []
         while len(batch) < self.groups_per_step:
             group = await self.queue.get()
+            if group is None:
+                self.queue.put_nowait(None)  # stays closed for later takes; the slot just freed
+                return batch
             if self.max_lag is not None and self.policy_version - group.min_version > self.max_lag:
                 await self.drop(group, "max_lag")
                 continue

@@ -1,7 +1,9 @@
-"""Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop config`.
+"""Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop train --resume RUN_DIR`,
+`nonstop config`.
 
 `nonstop train` with no arguments runs the built-in default: the tiny model on two-operand
-addition, a cached supervised warm-up to a weak base, then asynchronous GRPO.
+addition, a cached supervised warm-up to a weak base, then asynchronous GRPO. `--resume`
+continues a run from its newest intact checkpoint, with the run's own config (plus --set).
 """
 
 from __future__ import annotations
@@ -38,22 +40,32 @@ def _summary_table(s: dict) -> Table:
     t.add_row("samples/s", f"{s['samples_per_s']:.0f} ({s['samples_generated']} generated)")
     t.add_row("idle", f"trainer {s['trainer_idle_frac']:.0%}, engine {s['engine_idle_frac']:.0%}")
     t.add_row("dropped groups", json.dumps(s["drops"]) if s["drops"] else "none")
+    p, faults = s["prompts"], s["engine_faults"]
+    t.add_row("prompts", f"{p['settled']} settled, {p['in_flight']} in flight, {p['duplicated']} duplicated, "
+                         f"{p['requeued'] + faults['requeued']} re-queued")
+    if faults["restarts"]:
+        t.add_row("engine restarts", f"{faults['restarts']} (detect <= {faults['max_detect_s']:.1f} s, "
+                                     f"recover <= {faults['max_recover_s']:.1f} s)")
     if s["reward_errors"]:
         t.add_row("reward errors", f"{json.dumps(s['reward_errors'])}; last: {s['last_reward_error']}")
     t.add_row("run folder", s["run_dir"])
     return t
 
 
-def run_training(cfg: Config, console: Console) -> dict:
+def run_training(cfg: Config, console: Console, resume_dir: Path | None = None) -> dict:
     """Everything `nonstop train` does after parsing: data, base policy, pipeline, summary."""
+    from nonstop.checkpoint import latest_valid
     from nonstop.pipeline import train
     from nonstop.progress import Progress
     from nonstop.tasks.data import load_task
     from nonstop.tasks.warmup import prepare_base_model
 
     t0 = time.perf_counter()
-    run_dir = _run_dir(cfg)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    if resume_dir is None:
+        run_dir = _run_dir(cfg)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+    else:
+        run_dir = resume_dir
     data = load_task(cfg.task, cfg.run.seed)
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
         for problem in data.report.problems:
@@ -61,9 +73,14 @@ def run_training(cfg: Config, console: Console) -> dict:
         if data.report.rows_skipped:
             progress.log(f"dataset: {data.report.rows_skipped} of {data.report.rows_read} rows skipped")
         progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
-        base = prepare_base_model(cfg, data, progress.log)
+        ckpt = None
+        if resume_dir is None:
+            base = prepare_base_model(cfg, data, progress.log)
+        else:
+            ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
+            base = Path(ckpt.state["base_model"])
         warmup_s = time.perf_counter() - t0
-        summary = asyncio.run(train(cfg, base, data, run_dir, progress))
+        summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt))
     summary.update(wall_s=time.perf_counter() - t0, warmup_s=warmup_s, run_dir=str(run_dir),
                    dataset_rows_skipped=data.report.rows_skipped)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -78,12 +95,16 @@ def main() -> None:
 @main.command("train")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set buffer.depth=2")
-def train_cmd(config: str | None, overrides: tuple[str, ...]) -> None:
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Continue the run in this folder from its newest intact checkpoint (its config.yaml, plus --set).")
+def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path | None) -> None:
     """Run asynchronous GRPO. With no CONFIG, the built-in default job."""
     console = Console()
     try:
-        cfg = load_config(config, overrides)
-        summary = run_training(cfg, console)
+        if resume_dir is not None and config is not None:
+            raise ConfigError("--resume uses the run's own config.yaml; pass changes with --set, not a CONFIG file")
+        cfg = load_config(str(resume_dir / "config.yaml") if resume_dir is not None else config, overrides)
+        summary = run_training(cfg, console, resume_dir)
     except ConfigError as e:
         console.print(f"[red]{e}[/]", highlight=False)
         sys.exit(2)
@@ -91,13 +112,16 @@ def train_cmd(config: str | None, overrides: tuple[str, ...]) -> None:
         console.print("[red]interrupted[/]")
         sys.exit(130)
     except Exception as e:  # one clear line for the user; the cause chain stays in the traceback
+        from nonstop.checkpoint import CheckpointError
+        from nonstop.recovery import RunFailed
         from nonstop.rollout import NoLearningSignal
         from nonstop.runtime import ActorCallError, ActorDied
         from nonstop.scorer import RewardError
         from nonstop.tasks.data import DatasetError
         from nonstop.transport import TransportError
 
-        if isinstance(e, (ActorDied, ActorCallError, DatasetError, RewardError, NoLearningSignal, TransportError, TimeoutError)):
+        if isinstance(e, (ActorDied, ActorCallError, DatasetError, RewardError, NoLearningSignal, TransportError,
+                          TimeoutError, RunFailed, CheckpointError)):
             console.print(f"[red]run failed:[/] {e}", highlight=False)
             sys.exit(1)
         raise

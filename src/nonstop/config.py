@@ -70,6 +70,14 @@ class TaskConfig(_Section):
     """'exact_match', 'partial_credit', or 'package.module:function' taking (completion, answer) -> float."""
     max_consecutive_reward_failures: int = Field(64, ge=1)
     """Groups in a row whose reward failed (raised or non-finite) before the run stops with the last error."""
+    reward_fail_fast: bool = False
+    """Stop the run at the first sample whose reward raised or was not finite, instead of counting it."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Prompts longer than this many tokens are bad rows (None: the model's max_position_embeddings
+    minus rollout.max_new_tokens)."""
+    on_bad_row: Literal["skip", "error"] = "skip"
+    """A dataset row with missing fields or an over-long prompt: 'skip' reports it with its index and
+    goes on; 'error' stops before training with the list of bad rows."""
 
     @model_validator(mode="after")
     def _dataset_needs_path(self) -> "TaskConfig":
@@ -161,6 +169,10 @@ class TrainerConfig(_Section):
     """Weight of an entropy bonus."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up over this many optimizer steps (0: full lr from the start)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep lr, or decay it with a cosine to 10% at run.max_steps."""
     max_consecutive_skips: int = Field(5, ge=1)
     """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted); this many in a row stop the run."""
     logprob_chunk_rows: int = Field(64, ge=1)
@@ -245,11 +257,26 @@ class RuntimeConfig(_Section):
     """Longest an actor may take to start (imports and model load)."""
     call_timeout_s: float = Field(600.0, gt=0.0)
     """Longest one actor call may take before the run fails with a clear message."""
+    heartbeat_interval_s: float = Field(5.0, gt=0.0)
+    """How often the orchestrator pings each engine."""
+    heartbeat_timeout_s: float = Field(30.0, gt=0.0)
+    """An engine that does not answer a ping within this time is declared hung, killed and restarted."""
+    max_engine_restarts: int = Field(3, ge=0)
+    """Engine crashes or hangs survived per run (each restart re-queues the prompts it held); one more ends the run."""
+
+
+class CheckpointConfig(_Section):
+    every_steps: int | None = Field(50, ge=1)
+    """Write a checkpoint every this many trainer steps (and at the end); None: only the final weights."""
+    keep: int = Field(3, ge=1)
+    """How many of the newest checkpoints to keep; older ones are deleted after a new one is complete."""
 
 
 class RunConfig(_Section):
     max_steps: int = Field(1000, ge=1)
     """Trainer steps (each publishes policy_version + 1)."""
+    max_epochs: int | None = Field(None, ge=1)
+    """Stop after this many passes over the train split (the last batch may be short); None: no limit."""
     max_time_s: float | None = Field(190.0, gt=0.0)
     """Stop RL after this many seconds of wall time (None: only max_steps)."""
     eval_every: int = Field(25, ge=1)
@@ -279,6 +306,7 @@ class Config(_Section):
     transport: TransportConfig = TransportConfig()
     engine: EngineConfig = EngineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")

@@ -7,6 +7,7 @@ otherwise; a local folder written by `save_pretrained` and a hub id go through t
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -32,3 +33,10 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def max_positions(path: str | Path) -> int:
+    """The longest sequence the model at `path` supports, from its config alone."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(str(path)).max_position_embeddings)

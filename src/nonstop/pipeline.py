@@ -5,6 +5,10 @@ engine -> orchestrator (scoring) -> buffer -> trainer as small messages; weights
 trainer -> engine through the weight transport only. The producer task runs beside the
 learning loop below; the supervisor re-raises its failure, and a dead actor fails every
 pending call at once, so the run ends with a message instead of a hang.
+
+Faults: the engine sits behind a RestartingActor (heartbeat, restart, its prompts
+re-submitted); a trainer failure ends the run with a message naming the last checkpoint,
+from which `nonstop train --resume RUN_DIR` continues (see checkpoint.py and recovery.py).
 """
 
 from __future__ import annotations
@@ -16,14 +20,18 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.buffer import RolloutBuffer
+from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.engine.worker import EngineWorker
+from nonstop.ledger import Ledger
 from nonstop.metrics import Clock, JsonlSink
 from nonstop.progress import Progress
+from nonstop.recovery import RunFailed, restore, write_checkpoint
 from nonstop.rollout import Codec, RolloutStats, evaluate, produce
-from nonstop.runtime import ActorHandle, Supervisor, make_backend
+from nonstop.runtime import ActorCallError, ActorDied, ActorHandle, Supervisor, make_backend
+from nonstop.runtime.restart import RestartingActor
 from nonstop.scorer import FunctionScorer, resolve_reward
-from nonstop.tasks.data import PromptStream, TaskData
+from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 from nonstop.trainer.worker import TrainerWorker
 
 
@@ -32,7 +40,7 @@ class Run:
     cfg: Config
     data: TaskData
     codec: Codec
-    engine: ActorHandle
+    engine: RestartingActor
     trainer: ActorHandle
     buffer: RolloutBuffer
     scorer: FunctionScorer
@@ -40,19 +48,36 @@ class Run:
     stats: RolloutStats
     sink: JsonlSink
     progress: Progress
+    stream: PromptStream
+    ledger: Ledger
+    run_dir: Path
+    base_model: Path
+    base_accuracy: float = 0.0
+    first_step: int = 1
+    last_checkpoint: int | None = None
 
     async def eval(self) -> float:
         return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens)
 
 
 async def learn(run: Run) -> dict[str, Any]:
-    """The learning loop: take a batch, train, publish, record. Returns the last record."""
+    """The learning loop: take a batch, train, publish, record, checkpoint. Returns the last record."""
     cfg, record = run.cfg, {}
-    for step in range(1, cfg.run.max_steps + 1):
+    for step in range(run.first_step, cfg.run.max_steps + 1):
         groups = await run.buffer.take()
+        if not groups:
+            break  # the stream ran out (run.max_epochs) and every group was trained
         t0 = time.perf_counter()
-        result = await run.trainer.call("step", groups)
+        try:
+            result = await run.trainer.call("step", groups)
+        except (ActorDied, ActorCallError) as e:
+            where = f"checkpoint step {run.last_checkpoint}" if run.last_checkpoint else "no checkpoint yet"
+            raise RunFailed(f"the trainer failed at step {step}: {e}\nresume with `nonstop train --resume "
+                            f"{run.run_dir}` ({where})") from e
         run.clock.add("training", time.perf_counter() - t0)
+        outcome = "skipped_step" if result.metrics["skipped"] else "trained"
+        for g in groups:
+            run.ledger.settle(g.epoch, g.prompt_index, outcome)
         await run.buffer.step_done(result.policy_version)
         out_of_time = cfg.run.max_time_s is not None and run.clock.wall() >= cfg.run.max_time_s
         record = step_record(run, step, result.policy_version, groups, result.metrics)
@@ -60,8 +85,16 @@ async def learn(run: Run) -> dict[str, Any]:
             record["eval_accuracy"] = await run.eval()
         run.sink.write(record)
         run.progress.update(record)
+        if cfg.checkpoint.every_steps is not None and step % cfg.checkpoint.every_steps == 0:
+            await write_checkpoint(run, step)
         if out_of_time:
             break
+    if record and "eval_accuracy" not in record:  # the stream ran out between two evaluations
+        record["eval_accuracy"] = await run.eval()
+        run.sink.write({"step": record["step"], "policy_version": record["policy_version"],
+                        "eval_accuracy": record["eval_accuracy"], "final_eval": True})
+    if record and cfg.checkpoint.every_steps is not None and run.last_checkpoint != record["step"]:
+        await write_checkpoint(run, record["step"])
     return record
 
 
@@ -79,6 +112,7 @@ def step_record(run: Run, step: int, version: int, groups: list, metrics: dict[s
     return {
         "step": step, "policy_version": version, "time_s": round(wall, 3),
         "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "prompts": [[g.epoch, g.prompt_index] for g in groups],
         **{k: v for k, v in metrics.items() if k != "samples"},
         "samples_trained": metrics["samples"], "samples_generated": run.stats.samples,
         "samples_per_s": run.stats.samples / wall if wall > 0 else 0.0,
@@ -86,37 +120,80 @@ def step_record(run: Run, step: int, version: int, groups: list, metrics: dict[s
         "training_busy_s": round(busy["training"], 3), "training_idle_s": round(max(0.0, wall - busy["training"]), 3),
         "engine_idle_frac": run.clock.idle_fraction("generation"), "trainer_idle_frac": run.clock.idle_fraction("training"),
         "drops": dict(run.buffer.drops), "reward_errors": dict(run.scorer.errors), "buffer_queued": run.buffer.queued,
+        "engine_restarts": len(run.engine.stats.restarts), "prompts_requeued": run.ledger.requeued + run.engine.stats.requeued,
     }
 
 
-async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, progress: Progress) -> dict[str, Any]:
-    """Spawn the actors, connect the transport, run the producer beside `learn`, save the result."""
-    from nonstop.hf import load_tokenizer
+async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, progress: Progress,
+                resume: Checkpoint | None = None) -> dict[str, Any]:
+    """Spawn the actors, connect the transport, run the producer beside `learn`, save the result.
 
-    codec = Codec(load_tokenizer(str(base_model)))
+    With `resume`, actors start from the checkpoint's weights and state, and the data cursor and
+    ledger continue from it (prompts in flight at the checkpoint are generated again first)."""
+    from nonstop.hf import load_tokenizer, max_positions
+
+    weights = resume.model_dir if resume is not None else base_model
+    version0 = resume.state["policy_version"] if resume is not None else 0
+    codec = Codec(load_tokenizer(str(weights)))
     tok = codec.tokenizer
+    limit = cfg.task.max_prompt_tokens or max_positions(weights) - cfg.rollout.max_new_tokens
+    long_prompts = screen_prompts(data, codec.encode, limit, cfg.task.on_bad_row)
+    for problem in long_prompts[:10]:
+        progress.log(f"[yellow]dataset:[/] {problem}; skipped")
+    if len(long_prompts) > 10:
+        progress.log(f"dataset: {len(long_prompts)} over-long prompts skipped in all")
     backend, supervisor = make_backend(cfg.runtime), Supervisor()
+
+    def spawn_engine() -> Any:
+        return backend.spawn("engine", EngineWorker, str(weights), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed,
+                             initial_version=version0, settings=engine_settings(cfg))
+
     try:
         progress.log("starting engine and trainer processes ...")
-        engine, trainer = await asyncio.gather(
-            backend.spawn("engine", EngineWorker, str(base_model), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed,
-                          engine_settings(cfg)),
-            backend.spawn("trainer", TrainerWorker, str(base_model), cfg.trainer, cfg.rollout.temperature,
-                          tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject),
+        first_engine, trainer = await asyncio.gather(
+            spawn_engine(),
+            backend.spawn("trainer", TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature,
+                          tok.pad_token_id, cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject,
+                          reference_path=str(base_model) if resume is not None else None,
+                          total_steps=cfg.run.max_steps),
         )
+        if resume is not None:
+            await trainer.call("load_checkpoint", str(resume.path))
         handle = await trainer.call("plan_transport", cfg.transport, 1)
-        await asyncio.gather(trainer.call("connect_transport"), engine.call("connect_transport", handle, 1))
+        await asyncio.gather(trainer.call("connect_transport"), first_engine.call("connect_transport", handle, 1))
+
+        async def restart_engine() -> ActorHandle:
+            # A fresh engine starts from `weights` and applies the newest published version at its
+            # first forward pass; a broadcast group cannot take a new member.
+            if handle.kind == "broadcast":
+                raise ActorDied("the engine cannot be restarted with transport.kind 'broadcast' (use 'shm' or "
+                                f"'files'); resume with `nonstop train --resume {run_dir}`")
+            actor = await spawn_engine()
+            await actor.call("connect_transport", handle, 1)
+            return actor
+
+        engine = RestartingActor("engine", restart_engine, cfg.runtime.max_engine_restarts,
+                                 cfg.runtime.heartbeat_interval_s, cfg.runtime.heartbeat_timeout_s,
+                                 count_items=lambda m, a: len(a[0]) if m == "generate" else 0,  # prompts
+                                 log=progress.log, actor=first_engine)
+        ledger = Ledger()
         buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
-                               cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups)
-        run = Run(cfg, data, codec, engine, trainer, buffer, FunctionScorer(resolve_reward(cfg.task.reward)), Clock(),
-                  RolloutStats(), JsonlSink(run_dir / "metrics.jsonl"), progress)
-        base_accuracy = await run.eval()
-        progress.base_eval = base_accuracy
-        progress.log(f"base policy held-out accuracy: {base_accuracy:.1%} on {len(data.eval)} prompts")
-        run.clock = Clock()
-        stream = PromptStream(data.train, cfg.run.seed)
-        supervisor.spawn(produce(engine, buffer, stream, run.scorer, codec, cfg.rollout, run.clock, run.stats,
-                                 cfg.task.max_consecutive_reward_failures), name="producer")
+                               cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups,
+                               ledger)
+        run = Run(cfg, data, codec, engine, trainer, buffer,
+                  FunctionScorer(resolve_reward(cfg.task.reward), cfg.task.reward_fail_fast), Clock(),
+                  RolloutStats(), JsonlSink(run_dir / "metrics.jsonl"), progress,
+                  PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger, run_dir, base_model)
+        if resume is not None:
+            restore(run, resume)
+        else:
+            run.base_accuracy = await run.eval()
+            progress.log(f"base policy held-out accuracy: {run.base_accuracy:.1%} on {len(data.eval)} prompts")
+            run.clock = Clock()
+        progress.base_eval = run.base_accuracy
+        supervisor.spawn(engine.heartbeat(), name="engine-heartbeat")
+        supervisor.spawn(produce(engine, buffer, run.stream, run.scorer, codec, cfg.rollout, run.clock, run.stats,
+                                 cfg.task.max_consecutive_reward_failures, ledger), name="producer")
         last = await supervisor.run(learn(run))
         run.sink.close()
         final_dir = run_dir / "final"
@@ -124,7 +201,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         tok.save_pretrained(final_dir)
         progress.stop()
         return {
-            "base_accuracy": base_accuracy, "final_accuracy": last.get("eval_accuracy"),
+            "base_accuracy": run.base_accuracy, "final_accuracy": last.get("eval_accuracy"),
             "steps": last.get("step", 0), "policy_version": last.get("policy_version", 0),
             "rl_wall_s": run.clock.wall(), "samples_generated": run.stats.samples,
             "samples_per_s": last.get("samples_per_s", 0.0),
@@ -133,6 +210,9 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
             "drops": dict(buffer.drops), "reward_errors": dict(run.scorer.errors),
             "skipped_steps": last.get("skipped_steps", 0),
             "last_reward_error": run.scorer.last_error, "final_dir": str(final_dir),
+            "prompts": ledger.report(), "engine_faults": engine.stats.summary(),
+            "resumed_from": str(resume.path) if resume is not None else None,
+            "last_checkpoint": run.last_checkpoint,
         }
     finally:
         progress.stop()

@@ -1,9 +1,10 @@
 """Rollout production and evaluation, in the orchestrator, over an engine actor.
 
-`produce(...)` loops forever: wait for admission from the buffer, take the next prompts from
-the stream, have the engine complete each one `group_size` times, decode and score the
-groups, and hand each group to the buffer (or drop it, counted, when its reward failed or when
-all its samples scored the same and the run filters such groups). `evaluate(...)` measures
+`produce(...)` loops until the stream runs out: wait for admission from the buffer, take the
+next prompts from the stream (recording each draw in the ledger), have the engine complete
+each one `group_size` times, decode and score the groups, and hand each group to the buffer
+(or drop it, counted and settled, when its reward failed or when all its samples scored the
+same and the run filters such groups). When the stream is exhausted it closes the buffer. `evaluate(...)` measures
 greedy exact-match accuracy on held-out prompts with the engine's current weights.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from nonstop.buffer import RolloutBuffer
 from nonstop.config import RolloutConfig
+from nonstop.ledger import Ledger
 from nonstop.metrics import Clock
 from nonstop.runtime import ActorHandle
 from nonstop.scorer import Scorer, exact_match
@@ -67,7 +69,7 @@ class _BusyClock:
 
 async def produce(
     engine: ActorHandle, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
-    codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int,
+    codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int, ledger: Ledger,
 ) -> None:
     """Each admitted prompt becomes its own engine call, so a group is scored and handed to the
     buffer as soon as its own completions are done, while the engine keeps decoding the others
@@ -75,19 +77,20 @@ async def produce(
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
     busy = _BusyClock(clock)
 
-    async def one_group(ex: Example) -> None:
+    async def one_group(draw) -> None:
+        ex = draw.example
         busy.enter()
         try:
             results = await engine.call("generate", [GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, params)])
         finally:
             busy.leave()
-        await deliver(ex, results[0])
+        await deliver(ex, draw.epoch, results[0])
 
-    async def deliver(ex: Example, samples: list[Sample]) -> None:
+    async def deliver(ex: Example, epoch: int, samples: list[Sample]) -> None:
         stats.samples += len(samples)
         for s in samples:
             s.text = codec.decode(s.completion_ids)
-        group = Group(ex.index, ex.prompt, ex.answer, samples)
+        group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=epoch)
         if not scorer.score_group(group):
             await buffer.drop(group, "reward_error")
             stats.reward_failures_in_row += 1
@@ -116,12 +119,18 @@ async def produce(
         async with asyncio.TaskGroup() as groups:
             while True:
                 k = await buffer.admit(cfg.prompts_per_step)
-                for _ in range(k):
-                    ex = stream.next()
+                draws = [d for d in (stream.next() for _ in range(k)) if d is not None]
+                if len(draws) < k:
+                    await buffer.refund(k - len(draws))
+                if not draws:
+                    break  # the stream is exhausted: the groups in flight finish, then the buffer closes
+                for d in draws:
+                    ledger.draw(d)
                     stats.prompts += 1
-                    groups.create_task(one_group(ex), name=f"group-{ex.index}")
+                    groups.create_task(one_group(d), name=f"group-{d.example.index}")
     except BaseExceptionGroup as eg:  # the first failure of a group task ends the producer
         raise eg.exceptions[0] from None
+    await buffer.close()
 
 
 def greedy_requests(examples: list[Example], codec: Codec, max_new_tokens: int) -> list[GenerationRequest]:

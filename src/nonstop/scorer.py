@@ -22,7 +22,7 @@ RewardFn = Callable[[str, str], float]
 
 
 class RewardError(ValueError):
-    """The reward specification cannot be resolved."""
+    """The reward specification cannot be resolved, or (with fail-fast) a reward failed."""
 
 
 def exact_match(completion: str, answer: str) -> float:
@@ -64,10 +64,12 @@ class Scorer(Protocol):
 
 
 class FunctionScorer:
-    """Scores each sample with a reward function; faults are counted, never raised."""
+    """Scores each sample with a reward function; faults are counted per sample, and raised as
+    RewardError only when `fail_fast` is set."""
 
-    def __init__(self, fn: RewardFn) -> None:
+    def __init__(self, fn: RewardFn, fail_fast: bool = False) -> None:
         self.fn = fn
+        self.fail_fast = fail_fast
         # errors counts failing samples; a group with any failing sample is skipped by the caller
         self.errors: Counter[str] = Counter()
         self.last_error: str | None = None
@@ -88,4 +90,6 @@ class FunctionScorer:
                 ok = False
                 continue
             sample.reward = value
+        if not ok and self.fail_fast:
+            raise RewardError(f"{self.last_error} (task.reward_fail_fast is set)")
         return ok

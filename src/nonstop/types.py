@@ -168,6 +168,7 @@ class Group:
     prompt: str
     answer: str
     samples: list[Sample]
+    epoch: int = 0  # which pass over the train split drew this prompt (the ledger's key with prompt_index)
 
     @property
     def min_version(self) -> int:

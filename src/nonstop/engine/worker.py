@@ -33,10 +33,11 @@ def load_detokenizer(model_path: str):
 
 class EngineWorker:
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0,
-                 settings: EngineConfig | None = None) -> None:
+                 initial_version: int = 0, settings: EngineConfig | None = None) -> None:
+        """`initial_version` is the policy_version of the weights at `model_path` (a checkpoint's on resume)."""
         torch.manual_seed(seed)
-        self.engine = TorchEngine(load_model(model_path), eos_token_ids, pad_token_id, settings=settings,
-                                  detokenize=load_detokenizer(model_path))
+        self.engine = TorchEngine(load_model(model_path), eos_token_ids, pad_token_id, policy_version=initial_version,
+                                  settings=settings, detokenize=load_detokenizer(model_path))
         self.aio = AsyncEngine(self.engine)
         self.source: WeightSource | None = None
 
@@ -46,6 +47,10 @@ class EngineWorker:
 
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         return await self.aio.generate(requests)
+
+    async def ping(self) -> int:
+        """Heartbeat: answered on the actor's loop between two decode steps."""
+        return self.engine.policy_version
 
     async def stats(self) -> dict[str, float | int]:
         return {"policy_version": self.engine.policy_version, **self.engine.scheduler.stats}

@@ -26,6 +26,10 @@ class ActorHandle(Protocol):
 
     async def stop(self, timeout_s: float = 10.0) -> None: ...
 
+    async def kill(self) -> None:
+        """End the actor now, without its cooperation; pending calls fail with ActorDied."""
+        ...
+
 
 class ActorBackend(Protocol):
     async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorHandle:

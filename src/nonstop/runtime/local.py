@@ -167,6 +167,13 @@ class LocalActor:
     def is_alive(self) -> bool:
         return self._dead is None and self.process.is_alive()
 
+    async def kill(self) -> None:
+        """End the process at once (SIGKILL works on a hung or stopped process too)."""
+        if self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join, 10.0)
+        self._mark_dead(f"actor '{self.name}' (pid {self.process.pid}) was killed")
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         if self._dead is None and self.process.is_alive():
             try:

@@ -93,6 +93,9 @@ def load_task(cfg: TaskConfig, seed: int) -> TaskData:
     else:
         assert cfg.dataset_path is not None  # guaranteed by TaskConfig validation
         pairs, report = read_jsonl(cfg.dataset_path)
+        if cfg.on_bad_row == "error" and report.rows_skipped:
+            raise DatasetError(f"{report.rows_skipped} bad row(s) in {cfg.dataset_path} (task.on_bad_row=error):\n  "
+                               + "\n  ".join(report.problems))
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
     n_eval = min(cfg.eval_size, len(pairs) // 2)
@@ -100,19 +103,83 @@ def load_task(cfg: TaskConfig, seed: int) -> TaskData:
     return TaskData(train=examples[n_eval:], eval=examples[:n_eval], report=report)
 
 
-class PromptStream:
-    """Endless epochs over the train split, reshuffled each epoch with a seeded RNG."""
+def screen_prompts(data: TaskData, encode, limit: int, on_bad_row: str) -> list[str]:
+    """Drop examples whose prompt is longer than `limit` tokens, reporting each by its index.
 
-    def __init__(self, examples: list[Example], seed: int) -> None:
+    With on_bad_row='error' the first screening that finds any raises DatasetError listing them
+    all; otherwise the problems are returned (and counted in data.report) and the run goes on.
+    """
+    problems: list[str] = []
+    for split in (data.train, data.eval):
+        kept = []
+        for ex in split:
+            n = len(encode(ex.prompt))
+            if n > limit:
+                problems.append(f"prompt #{ex.index} has {n} tokens, over the limit of {limit} "
+                                "(task.max_prompt_tokens, or the model's positions minus rollout.max_new_tokens)")
+            else:
+                kept.append(ex)
+        split[:] = kept
+    if problems and on_bad_row == "error":
+        raise DatasetError(f"{len(problems)} over-long prompt(s) (task.on_bad_row=error):\n  " + "\n  ".join(problems))
+    if not data.train:
+        raise DatasetError(f"no train prompt fits in {limit} tokens")
+    data.report.rows_skipped += len(problems)
+    data.report.problems.extend(problems)
+    return problems
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """One prompt taken from the stream: which epoch it belongs to, and the example."""
+
+    epoch: int
+    example: Example
+
+
+class PromptStream:
+    """Epochs over the train split, reshuffled each epoch with a seeded RNG: the data cursor.
+
+    `next()` returns prompts in a fixed order for a given seed, or None once `max_epochs` are
+    exhausted. Prompts handed back with `requeue` (held by a crashed engine, or in flight at a
+    checkpoint) come out first, in the order they were first drawn, keeping their epoch. The
+    state (`state_dict`) is plain JSON: restoring it continues the same order exactly.
+    """
+
+    def __init__(self, examples: list[Example], seed: int, max_epochs: int | None = None) -> None:
         self._examples = list(examples)
+        self._by_index = {ex.index: ex for ex in self._examples}
         self._rng = random.Random(seed)
-        self._order: list[int] = []
+        self._order: list[int] = []  # remaining positions of the current epoch, next one last
+        self._requeued: list[tuple[int, int]] = []  # (epoch, example index), next one first
+        self.max_epochs = max_epochs
         self.epoch = -1
 
-    def next(self) -> Example:
+    def next(self) -> Draw | None:
+        if self._requeued:
+            epoch, index = self._requeued.pop(0)
+            return Draw(epoch, self._by_index[index])
         if not self._order:
+            if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+                return None
             self.epoch += 1
             self._order = list(range(len(self._examples)))
             self._rng.shuffle(self._order)
             self._order.reverse()
-        return self._examples[self._order.pop()]
+        return Draw(self.epoch, self._examples[self._order.pop()])
+
+    def requeue(self, draws: list[Draw]) -> None:
+        """Hand prompts back; they are drawn again before anything new, in the given order."""
+        self._requeued[:0] = [(d.epoch, d.example.index) for d in draws]
+
+    def state_dict(self) -> dict:
+        version, internal, gauss = self._rng.getstate()
+        return {"epoch": self.epoch, "order": list(self._order), "requeued": [list(r) for r in self._requeued],
+                "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self.epoch = state["epoch"]
+        self._order = list(state["order"])
+        self._requeued = [(int(e), int(i)) for e, i in state["requeued"]]

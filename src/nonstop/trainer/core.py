@@ -19,6 +19,7 @@ rejections. Publishing the weights is the worker's job.
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 
 import torch
@@ -33,10 +34,20 @@ class NumericalError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
+def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int) -> float:
+    """Multiplier of trainer.lr after `step` optimizer steps: linear warm-up, then constant or cosine to 0.1."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class Trainer:
     def __init__(
         self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float, pad_token_id: int,
-        max_lag: int | None = None, reject: str = "group",
+        max_lag: int | None = None, reject: str = "group", total_steps: int = 1000,
     ) -> None:
         self.model = model.train()
         self.cfg = cfg
@@ -51,6 +62,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
         )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda n: lr_factor(n, cfg.lr_warmup_steps, cfg.lr_schedule, total_steps))
 
     def _batch(self, groups: list[Group]) -> dict[str, torch.Tensor]:
         samples = [s for g in groups for s in g.samples]
@@ -160,6 +173,7 @@ class Trainer:
                 )
         else:
             self.optimizer.step()
+            self.scheduler.step()
             self.skips_in_row = 0
             self.policy_version += 1
         sel = batch["mask"]
@@ -172,7 +186,7 @@ class Trainer:
             "mismatch_kl": float(d.mean()) if d.numel() else 0.0,  # k1 estimate of KL(mu || pi)
             "mismatch_kl_k3": float((torch.exp(-d) + d - 1).mean()) if d.numel() else 0.0,
             **extra, **counts,
-            "grad_norm": float(grad_norm),
+            "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
             "lag_hist": {str(k): v for k, v in sorted(Counter(lag[sel].tolist()).items())},
             "samples": int(batch["ids"].shape[0]),
             "tokens": int(mask.sum()),

@@ -38,6 +38,10 @@ class FilesSink:
         self.handle = handle
         self.dir = Path(handle.options["dir"])
         self.dir.mkdir(parents=True, exist_ok=True)
+        # Versions left by an earlier run (or by the run before a resume) belong to another
+        # timeline: an engine must never apply them, so the folder starts empty.
+        for stale in [*self.dir.glob("v*.safetensors"), self.dir / MARKER]:
+            stale.unlink(missing_ok=True)
         self.keep = int(handle.options.get("keep", 2))
         self.staging = torch.empty(handle.total_bytes, dtype=torch.uint8)
         self.staging_views = views(self.staging, handle.layout)

@@ -1,0 +1,140 @@
+"""Fault injection, measured: each fault once on the same one-epoch run, side by side.
+
+Every row trains one epoch (80 prompts of addition 0-9, 8 per step, a checkpoint every 2
+steps) of a small random model with a length reward, through the real CLI, with one fault
+injected from inside the orchestrator by a test reward function (tests/helpers.py):
+
+    none        no fault (the reference for wall time)
+    engine_kill SIGKILL of the engine while it generates
+    engine_hang SIGSTOP of the engine (alive but silent); heartbeat 0.5 s, timeout 3 s
+    trainer_kill SIGKILL of the trainer; the run stops, then `nonstop train --resume` finishes it
+    corrupt_ckpt a bit flipped in the newest checkpoint before the resume (previous one used)
+    nan_loss    rewards whose group statistics overflow: non-finite loss, step skipped
+
+Columns: whether the epoch completed, prompts lost (drawn or due but never settled) and
+duplicated (settled twice) from the run's ledger, engine restarts, time to detect and to
+recover, and wall time relative to the fault-free run (all invocations of the row summed).
+
+    python bench/faults.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+NONSTOP = str(Path(sys.executable).parent / "nonstop")
+TRAIN = 80
+
+
+def cli(args: list[str], cwd: Path) -> tuple[int, float, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "COLUMNS": "200"}
+    t0 = time.perf_counter()
+    p = subprocess.run([NONSTOP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return p.returncode, time.perf_counter() - t0, p.stdout + p.stderr
+
+
+def epoch(model: Path, name: str, reward: str, *extra: str) -> list[str]:
+    return ["train", "--set", f"model.path={model}", "--set", "warmup.enabled=false", "--set", "run.progress=plain",
+            "--set", f"run.name={name}", "--set", "run.max_epochs=1", "--set", "run.max_time_s=null",
+            "--set", "task.max_operand=9", "--set", "task.eval_size=20", "--set", "rollout.prompts_per_step=8",
+            "--set", "checkpoint.every_steps=2", "--set", "run.eval_every=100",
+            "--set", f"task.reward=helpers:{reward}", *extra]
+
+
+def flip_newest_checkpoint(run_dir: Path) -> None:
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    weights = newest / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+
+def scenario(name: str, model: Path, work: Path) -> dict:
+    cwd = work / name
+    cwd.mkdir()
+    run_dir, resume = cwd / "runs" / name, ["train", "--resume", str(Path("runs") / name)]
+    codes, wall, out = [], 0.0, ""
+    steps: list[list[str]] = {
+        "none": [epoch(model, name, "length_reward")],
+        "engine_kill": [epoch(model, name, "kill_engine_once_reward")],
+        "engine_hang": [epoch(model, name, "hang_engine_once_reward", "--set", "runtime.heartbeat_interval_s=0.5",
+                              "--set", "runtime.heartbeat_timeout_s=3")],
+        "trainer_kill": [epoch(model, name, "kill_trainer_reward"), resume],
+        "corrupt_ckpt": [epoch(model, name, "kill_trainer_reward"), "flip", resume],
+        "nan_loss": [epoch(model, name, "overflow_reward", "--set", "trainer.max_consecutive_skips=50")],
+    }[name]
+    for args in steps:
+        if args == "flip":
+            flip_newest_checkpoint(run_dir)
+            continue
+        code, seconds, text = cli(args, cwd)
+        codes.append(code)
+        wall += seconds
+        out += text
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    ledger = summary.get("prompts", {})
+    faults = summary.get("engine_faults", {})
+    return {
+        "completed": codes[-1] == 0, "exit_codes": codes,
+        "lost": TRAIN - ledger.get("settled", 0) + ledger.get("in_flight", 0),
+        "duplicated": ledger.get("duplicated", -1), "restarts": faults.get("restarts", 0),
+        "requeued": ledger.get("requeued", 0) + faults.get("requeued", 0),
+        "detect_s": faults.get("max_detect_s", 0.0), "recover_s": faults.get("max_recover_s", 0.0),
+        "skipped_steps": summary.get("skipped_steps", 0), "wall_s": wall,
+        "fell_back": "is corrupted" in out, "resumed": "resumed from" in out,
+        "output_tail": out[-1500:] if codes[-1] != 0 else "",
+    }
+
+
+SCENARIOS = ("none", "engine_kill", "engine_hang", "trainer_kill", "corrupt_ckpt", "nan_loss")
+
+
+def main() -> None:
+    import argparse
+
+    from nonstop.config import TinyModelConfig
+    from nonstop.hf import quiet_transformers
+    from nonstop.tasks.tiny import save_tiny
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")
+    args = ap.parse_args()
+    quiet_transformers()
+    console = Console(width=150)
+    with tempfile.TemporaryDirectory(prefix="nonstop-faults-") as tmp:
+        work = Path(tmp)
+        model = save_tiny(work / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                                          intermediate_size=64), seed=0)
+        rows = {}
+        for name in args.only.split(","):
+            console.log(f"scenario {name} ...")
+            rows[name] = scenario(name, model, work)
+    table = Table(title="Fault injection: one epoch of 80 prompts per row")
+    for col in ("fault", "epoch completed", "prompts lost", "duplicated", "re-queued", "engine restarts",
+                "detect s", "recover s", "skipped steps", "wall vs none"):
+        table.add_column(col, justify="right")
+    base = rows["none"]["wall_s"] if "none" in rows else float("nan")
+    for name, r in rows.items():
+        done = ("yes" if r["completed"] else "NO") + (" (resumed)" if r["resumed"] else "") + \
+            (" (fell back)" if r["fell_back"] else "")
+        table.add_row(name, done, str(r["lost"]), str(r["duplicated"]), str(r["requeued"]), str(r["restarts"]),
+                      f"{r['detect_s']:.2f}", f"{r['recover_s']:.2f}", str(r["skipped_steps"]),
+                      f"{r['wall_s'] / base:.2f}x")
+    console.print(table)
+    for name, r in rows.items():
+        if r["output_tail"]:
+            console.print(f"[red]{name} did not complete[/]; its output ended with:\n{r['output_tail']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Fault injection on real runs: every prompt of the epoch is consumed exactly once.
+
+The default test run keeps the engine crash and the trainer crash + resume; the hang, the
+corrupted checkpoint and the NaN run are marked slow (their mechanisms have fast unit tests).
+Each run trains one epoch (`run.max_epochs=1`) of the 80 train prompts of addition 0-9 on a
+small random model, with a fault injected from inside the orchestrator (a reward function
+that kills or stops an actor, or produces an overflow). The accounting is checked twice: in
+the run's prompt ledger (summary.json) and independently from the per-step prompt lists in
+metrics.jsonl plus the drop counters.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from test_e2e import nonstop, records, small_model_args
+
+TRAIN_PROMPTS = 80
+
+
+def epoch_args(tiny_dir: Path, name: str, reward: str, *extra: str) -> list[str]:
+    return ["train", *small_model_args(tiny_dir), "--set", f"run.name={name}", "--set", "run.max_epochs=1",
+            "--set", "run.max_time_s=null", "--set", "task.max_operand=9", "--set", "task.eval_size=20",
+            "--set", "rollout.prompts_per_step=8", "--set", "checkpoint.every_steps=2",
+            "--set", "run.eval_every=100", "--set", f"task.reward=helpers:{reward}", *extra]
+
+
+def assert_epoch_consumed_exactly_once(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ledger = summary["prompts"]
+    assert ledger["duplicated"] == 0 and ledger["unknown"] == 0, ledger
+    assert ledger["in_flight"] == 0 and ledger["settled"] == TRAIN_PROMPTS, ledger
+    # independently: the last record of each step (a resumed run repeats the steps after its checkpoint)
+    by_step = {r["step"]: r for r in records(run_dir) if "prompts" in r}
+    trained = [tuple(p) for r in by_step.values() for p in r["prompts"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    dropped = sum(summary["drops"].values())
+    assert len(trained) + dropped == TRAIN_PROMPTS, (len(trained), summary["drops"])
+    return summary
+
+
+def test_sigkilled_engine_is_restarted_and_no_prompt_is_lost(tiny_dir, tmp_path):
+    result = nonstop(epoch_args(tiny_dir, "kill", "kill_engine_once_reward"), cwd=tmp_path, timeout_s=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "kill")
+    faults = summary["engine_faults"]
+    assert faults["restarts"] == 1 and "killed by signal 9" in faults["reasons"][0], faults
+    assert "engine restarts" in result.stdout
+
+
+@pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
+def test_hung_engine_is_detected_killed_and_restarted(tiny_dir, tmp_path):
+    result = nonstop(epoch_args(tiny_dir, "hang", "hang_engine_once_reward",
+                                "--set", "runtime.heartbeat_interval_s=0.5", "--set", "runtime.heartbeat_timeout_s=3"),
+                     cwd=tmp_path, timeout_s=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "hang")
+    faults = summary["engine_faults"]
+    assert faults["restarts"] == 1, faults
+    assert f"killed by signal {signal.SIGKILL.value}" in faults["reasons"][0] or "was killed" in faults["reasons"][0]
+    assert 2.5 <= faults["max_detect_s"] <= 10, faults  # heartbeat timeout 3 s (+ scheduling on a busy machine)
+
+
+def test_killed_trainer_stops_the_run_and_resume_keeps_the_prompt_order(tiny_dir, tmp_path):
+    sync = ["--set", "buffer.depth=0", "--set", "buffer.max_lag=0", "--set", "rollout.filter_uniform_reward=false"]
+    ref = nonstop(epoch_args(tiny_dir, "ref", "length_reward", *sync), cwd=tmp_path, timeout_s=400)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+
+    first = nonstop(epoch_args(tiny_dir, "crash", "kill_trainer_reward", *sync), cwd=tmp_path, timeout_s=400)
+    assert first.returncode == 1, first.stdout + first.stderr
+    run_dir = tmp_path / "runs" / "crash"
+    assert "the trainer failed" in first.stdout and f"--resume {Path('runs') / 'crash'}" in first.stdout
+    resumed = nonstop(["train", "--resume", str(Path("runs") / "crash")], cwd=tmp_path, timeout_s=400)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout
+    summary = assert_epoch_consumed_exactly_once(run_dir)
+    assert summary["resumed_from"] is not None
+    # synchronous mode: every step trains the same prompts as the uninterrupted run
+    steps = lambda d: {r["step"]: r["prompts"] for r in records(d) if "prompts" in r}  # noqa: E731
+    assert steps(run_dir) == steps(tmp_path / "runs" / "ref")
+
+
+@pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
+def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path):
+    args = epoch_args(tiny_dir, "corrupt", "length_reward", "--set", "run.max_epochs=null", "--set", "run.max_steps=6")
+    result = nonstop(args, cwd=tmp_path, timeout_s=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "corrupt"
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert [c.name for c in ckpts] == ["step_00000002", "step_00000004", "step_00000006"]
+    weights = ckpts[-1] / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    resumed = nonstop(["train", "--resume", str(Path("runs") / "corrupt"), "--set", "run.max_steps=8"],
+                      cwd=tmp_path, timeout_s=400)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "step_00000006 is corrupted" in resumed.stdout and "model.safetensors fails its CRC32" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step 4," in resumed.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["prompts"]["duplicated"] == 0
+
+
+@pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
+def test_nan_loss_skips_the_step_and_the_epoch_still_completes(tiny_dir, tmp_path):
+    result = nonstop(epoch_args(tiny_dir, "nan", "overflow_reward", "--set", "trainer.max_consecutive_skips=50"),
+                     cwd=tmp_path, timeout_s=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "nan")
+    assert summary["skipped_steps"] >= 1
+    assert summary["prompts"]["outcomes"].get("skipped_step", 0) >= 1
