@@ -230,10 +230,11 @@ class TransportConfig(_Section):
 class EngineConfig(_Section):
     """The built-in engine: continuous batching limits and how weight updates meet in-flight requests."""
 
-    max_concurrent_seqs: int = Field(64, ge=1)
-    """Sequences decoded together (KV-cache slots, allocated once); a group of n needs n free slots."""
+    max_concurrent_seqs: int = Field(256, ge=1)
+    """Sequences decoded together (KV-cache slots, allocated once: the cache holds
+    max_concurrent_seqs x max_seq_len tokens); a group of n needs n free slots."""
     max_seq_len: int | None = Field(None, ge=2)
-    """Longest prompt + completion in tokens; None: the model's max_position_embeddings."""
+    """Longest prompt + completion in tokens; None: the model's max_position_embeddings, at most 4096."""
     max_cached_tokens: int | None = Field(None, ge=2)
     """Budget of KV-cache tokens reserved by admitted sequences (prompt + max_new_tokens each);
     requests wait while it is spent. None: max_concurrent_seqs x max_seq_len."""

@@ -31,6 +31,8 @@ from nonstop.types import GenerationRequest, Sample
 
 __all__ = ["Engine", "RequestError", "TorchEngine", "WeightSource", "keep_mask"]
 
+DEFAULT_MAX_SEQ_LEN = 4096  # the cache is dense: slots x max_seq_len tokens are allocated at start
+
 
 class Engine(Protocol):
     policy_version: int
@@ -52,7 +54,7 @@ class TorchEngine:
         self.model = model.eval()
         self.settings = settings or EngineConfig()
         self.pad_token_id = pad_token_id
-        max_len = self.settings.max_seq_len or model.config.max_position_embeddings
+        max_len = self.settings.max_seq_len or min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         self.runner = KVRunner(self.model, self.settings.max_concurrent_seqs, max_len)
         self.gate = WeightGate(self.model, staged=self.settings.update_mode != "never_stop")
         self.scheduler = Scheduler(self.runner, eos_token_ids, self.settings, self.gate, detokenize, policy_version)
