@@ -152,10 +152,6 @@ def extension(sample: Sample) -> dict[str, Any]:
     return ext
 
 
-def openai_logprobs(sample: Sample, token_text: list[str]) -> dict[str, Any]:
-    return {"tokens": token_text, "token_logprobs": sample.logprobs}
-
-
 def sample_from_extension(ext: dict[str, Any], finish_reason: str) -> Sample:
     return Sample(prompt_ids=ext["prompt_token_ids"], completion_ids=ext["token_ids"], logprobs=ext["logprobs"],
                   versions=ext["policy_versions"], finish_reason=finish_reason,  # type: ignore[arg-type]
