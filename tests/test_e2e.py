@@ -20,8 +20,8 @@ NONSTOP = str(Path(sys.executable).parent / "nonstop")
 
 
 def nonstop(args: list[str], cwd: Path, timeout_s: float = 600) -> subprocess.CompletedProcess:
-    # this checkout's sources first: the shared venv's editable install points at another copy
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "src")]), "COLUMNS": "200"}
+    # This checkout's sources first: the venv's editable install may point at another checkout.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]), "COLUMNS": "200"}
     return subprocess.run([NONSTOP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 

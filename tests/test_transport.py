@@ -29,6 +29,7 @@ def _get(q, kind, timeout=120):
 @pytest.mark.parametrize("kind,extra", [
     ("shm", {}), ("broadcast", {}), ("files", {}),
     ("shm", {"checksum": True}), ("broadcast", {"per_tensor": True, "checksum": True}), ("files", {"checksum": True}),
+    ("files", {"files_notify": "http"}),
 ])
 def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra):
     trainer_model = load_model(str(tiny_dir))
@@ -58,25 +59,60 @@ def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra):
     assert child.exitcode == 0
 
 
-def test_half_written_shm_slot_is_never_applied(tiny_dir):
-    trainer_model = _perturbed(tiny_dir, seed=2)
-    handle = plan_transport(TransportConfig(kind="shm"), trainer_model, 1)
+def test_shm_never_applies_a_slot_being_written_nor_overwrites_a_slot_in_use(tiny_dir):
+    first, second = _perturbed(tiny_dir, seed=2), _perturbed(tiny_dir, seed=3)
+    handle = plan_transport(TransportConfig(kind="shm"), first, 1)
     sink = open_sink(handle)
     engine_model = load_model(str(tiny_dir))
     before = {k: v.clone() for k, v in engine_model.state_dict().items()}
     source = open_source(handle, engine_model)
     try:
         assert source.maybe_update(engine_model) is None  # nothing published yet
-        sink.segment.stamps[1] = -1  # a writer is mid-way through slot 1
+        sink.publish(first, 1)
+        slot = int(sink.segment.stamps.tolist().index(1))
+        sink.segment.stamps[slot] = -1  # the writer is mid-way through the only version
         assert source.maybe_update(engine_model) is None
         assert all(torch.equal(before[k], v) for k, v in engine_model.state_dict().items())
-        sink.publish(trainer_model, 1)
+        sink.segment.stamps[slot] = 1
         assert source.maybe_update(engine_model) == 1
-        assert torch.equal(engine_model.model.embed_tokens.weight, trainer_model.model.embed_tokens.weight)
+        assert torch.equal(engine_model.model.embed_tokens.weight, first.model.embed_tokens.weight)
         assert source.maybe_update(engine_model) is None  # same version is not applied twice
+        # The engine keeps decoding with version 1 (zero copy: its weights live in the slot)
+        # while the trainer publishes five more: the slot it reads is never written.
+        for v in range(2, 7):
+            sink.publish(second if v % 2 else first, v)
+            assert torch.equal(engine_model.model.embed_tokens.weight, first.model.embed_tokens.weight)
+        assert source.maybe_update(engine_model) == 6
+        source.close()  # the weights move back to private memory, still version 6
+        assert torch.equal(engine_model.model.norm.weight, first.model.norm.weight)
     finally:
-        source.close()
         sink.close()
+
+
+def test_shm_two_engines_on_different_versions_keep_their_slots_while_the_trainer_moves_on(tiny_dir):
+    models = [_perturbed(tiny_dir, seed=s) for s in range(4)]
+    handle = plan_transport(TransportConfig(kind="shm"), models[0], num_engines=2)
+    sink = open_sink(handle)
+    engines = [load_model(str(tiny_dir)) for _ in range(2)]
+    sources = [open_source(handle, m, rank) for rank, m in ((1, engines[0]), (2, engines[1]))]
+    try:
+        sink.publish(models[1], 1)
+        assert sources[0].maybe_update(engines[0]) == 1
+        sink.publish(models[2], 2)
+        assert sources[1].maybe_update(engines[1]) == 2
+        for v in range(3, 9):  # 4 slots: the two claimed ones are never written
+            sink.publish(models[3], v)
+        assert sorted(sink.segment.claims.tolist()) == sorted([sources[0].current, sources[1].current])
+        assert torch.equal(engines[0].model.embed_tokens.weight, models[1].model.embed_tokens.weight)
+        assert torch.equal(engines[1].model.embed_tokens.weight, models[2].model.embed_tokens.weight)
+        assert [s.maybe_update(m) for s, m in zip(sources, engines)] == [8, 8]
+        assert torch.equal(engines[0].model.norm.weight, models[3].model.norm.weight)
+    finally:
+        for s in sources:
+            s.close()
+        sink.close()
+    with pytest.raises(TransportError, match=r"engine rank 3 outside 1..2"):
+        open_source(handle, engines[0], 3)
 
 
 def test_layout_mismatch_is_reported_by_name(tiny_dir):
@@ -140,8 +176,8 @@ def test_corrupted_shm_slot_and_weights_file_are_rejected(tiny_dir, tmp_path):
         source = open_source(handle, engine_model)
         try:
             sink.publish(trainer_model, 1)
-            if kind == "shm":
-                sink.segment.slots[1][100] ^= 0xFF  # a flipped byte after the writer stamped the slot
+            if kind == "shm":  # a flipped byte after the writer stamped the slot
+                sink.segment.slots[sink.segment.stamps.tolist().index(1)][100] ^= 0xFF
             else:
                 data = bytearray((tmp_path / "w" / "v1.safetensors").read_bytes())
                 data[-10] ^= 0xFF
@@ -154,3 +190,87 @@ def test_corrupted_shm_slot_and_weights_file_are_rejected(tiny_dir, tmp_path):
         finally:
             source.close()
             sink.close()
+
+
+def _tiny_moe():
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+class _PerExpert(torch.nn.Module):
+    """One expert as an engine written per expert holds it (and as checkpoints store it)."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+
+
+@pytest.mark.parametrize("kind", ["shm", "files"])
+def test_fused_moe_experts_reach_a_per_expert_engine_as_stored_on_disk(tmp_path, kind):
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    trainer_model = _tiny_moe()  # transformers 5: experts fused, gate_up_proj (E, 2I, H), down_proj (E, H, I)
+    trainer_model.save_pretrained(tmp_path / "ckpt")  # on disk: experts.{e}.{gate,up,down}_proj.weight
+    engine_model = _tiny_moe()
+    for layer in engine_model.model.layers:
+        layer.mlp.experts = torch.nn.ModuleList([_PerExpert(32, 16) for _ in range(4)])
+    handle = plan_transport(TransportConfig(kind=kind, files_dir=str(tmp_path / "w")), trainer_model, 1)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in {s.name for s in handle.layout}
+    assert len(handle.layout) == len(list(trainer_model.parameters()))  # tied lm_head sent once
+    sink, source = open_sink(handle), open_source(handle, engine_model)
+    try:
+        sink.publish(trainer_model, 1)
+        with torch.inference_mode():
+            assert source.maybe_update(engine_model) == 1
+        engine = engine_model.state_dict()
+        with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), framework="pt") as disk:
+            names = set(disk.keys())
+            assert "model.layers.1.mlp.experts.3.up_proj.weight" in names
+            for name in names:
+                assert torch.equal(engine[name], disk.get_tensor(name)), name
+        assert engine_model.lm_head.weight is engine_model.model.embed_tokens.weight
+    finally:
+        source.close()
+        sink.close()
+
+
+def test_per_expert_engine_with_wrong_expert_shape_is_reported(tmp_path):
+    trainer_model, engine_model = _tiny_moe(), _tiny_moe()
+    engine_model.model.layers[0].mlp.experts = torch.nn.ModuleList([_PerExpert(32, 8) for _ in range(4)])
+    handle = plan_transport(TransportConfig(kind="shm"), trainer_model, 1)
+    sink = open_sink(handle)
+    try:
+        with pytest.raises(TransportError, match=r"experts.0.gate_proj.weight: engine \[8, 32\] vs \[16, 32\] sliced from"):
+            open_source(handle, engine_model)
+    finally:
+        sink.close()
+
+
+def test_files_http_notification_loads_off_the_decode_path_and_names_a_lost_trainer(tiny_dir, tmp_path):
+    trainer_model = _perturbed(tiny_dir, seed=6)
+    cfg = TransportConfig(kind="files", files_dir=str(tmp_path / "w"), files_notify="http", timeout_s=5)
+    handle = plan_transport(cfg, trainer_model, 1)
+    sink = open_sink(handle)
+    engine_model = load_model(str(tiny_dir))
+    source = open_source(handle, engine_model)
+    sink.publish(trainer_model, 1)
+    deadline = time.monotonic() + 30
+    while (applied := source.maybe_update(engine_model)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the watcher thread loads the file; maybe_update itself never waits
+    assert applied == 1
+    assert torch.equal(engine_model.model.norm.weight, trainer_model.model.norm.weight)
+    sink.close()  # a normal end: the watcher stops quietly
+    source.thread.join(timeout=10)
+    assert not source.thread.is_alive() and source.maybe_update(engine_model) is None
+    # An engine whose trainer is gone (nothing listens on the port) gets a clear error, not a hang.
+    orphan = open_source(handle, load_model(str(tiny_dir)))
+    orphan.thread.join(timeout=30)
+    with pytest.raises(TransportError, match=r"lost the trainer's notification server http://127.0.0.1:\d+/version"):
+        orphan.maybe_update(engine_model)

@@ -48,11 +48,35 @@ class TinyModelConfig(_Section):
         return self
 
 
+class LoraConfig(_Section):
+    """Low-rank adapters (peft): train and send only them; the engine merges them into its base."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of every weight; the transport then carries only the adapters."""
+    rank: int = Field(16, ge=1)
+    """Rank r of each adapter pair A (r x in) and B (out x r)."""
+    alpha: float = Field(32.0, gt=0.0)
+    """Scaling numerator: the update is (alpha / rank) * B @ A."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Linear modules to adapt: a module whose path equals an entry or ends with '.' + entry (peft's rule)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter input during training (the engine never applies it)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or any(not t for t in v):
+            raise ValueError("needs at least one non-empty module name")
+        return v
+
+
 class ModelConfig(_Section):
     path: str | None = None
     """A local folder or hub id loaded with AutoModelForCausalLM.from_pretrained; None builds the tiny model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Used only when path is None."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters (off by default: full fine-tuning)."""
 
 
 class TaskConfig(_Section):
@@ -220,6 +244,11 @@ class TransportConfig(_Section):
     """Folder of the files transport (shared by trainer and engines); None: a new temp folder."""
     files_keep: int = Field(2, ge=1)
     """Versions the files transport keeps on disk."""
+    files_notify: Literal["marker", "http"] = "marker"
+    """How engines learn of a new version: 'marker' stats the LATEST file before each forward pass;
+    'http' long-polls the trainer's notification server and loads the file off the decode path."""
+    files_notify_host: str = "127.0.0.1"
+    """Address the trainer's notification server binds to and engines connect to (files_notify 'http')."""
     bucket_mb: float = Field(25.0, gt=0.0)
     """Bucket size of the broadcast transport in MiB."""
     per_tensor: bool = False
@@ -237,6 +266,30 @@ class RayActorResources(_Section):
     """CPUs Ray reserves for each actor of this role."""
     num_gpus: float | None = Field(None, ge=0.0)
     """GPUs Ray reserves for each actor of this role; None: 1 when the cluster has GPUs, else 0."""
+
+
+class EngineConfig(_Section):
+    """The built-in engine: continuous batching limits and how weight updates meet in-flight requests."""
+
+    max_concurrent_seqs: int = Field(256, ge=1)
+    """Sequences decoded together (KV-cache slots, allocated once: the cache holds
+    max_concurrent_seqs x max_seq_len tokens); a group of n needs n free slots."""
+    max_seq_len: int | None = Field(None, ge=2)
+    """Longest prompt + completion in tokens; None: the model's max_position_embeddings, at most 4096."""
+    max_cached_tokens: int | None = Field(None, ge=2)
+    """Budget of KV-cache tokens reserved by admitted sequences (prompt + max_new_tokens each);
+    requests wait while it is spent. None: max_concurrent_seqs x max_seq_len."""
+    update_mode: Literal["never_stop", "abort_retry", "save_resume", "drain", "blocking"] = "never_stop"
+    """never_stop: swap between two forward passes, in-flight sequences keep their KV cache;
+    abort_retry: at a swap, in-flight sequences are re-prefilled (prompt + prefix) under the new weights;
+    save_resume: in-flight sequences are paused with their KV cache saved, the swap applied, then resumed;
+    drain: once new weights are waiting, no request is admitted until in-flight ones finish, then the swap;
+    blocking: requests are admitted in static batches and weights swap only between batches."""
+    group_cancel: bool = False
+    """Cancel (and re-queue from scratch) groups whose oldest token falls more than max_lag versions
+    behind the engine's weights at a swap; counted as groups_cancelled."""
+    max_lag: int | None = Field(None, ge=0)
+    """Lag bound of group_cancel, in policy versions; None: buffer.max_lag (and no cancelling in `nonstop serve`)."""
 
 
 class RuntimeConfig(_Section):
@@ -305,6 +358,7 @@ class Config(_Section):
     buffer: BufferConfig = BufferConfig()
     trainer: TrainerConfig = TrainerConfig()
     transport: TransportConfig = TransportConfig()
+    engine: EngineConfig = EngineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
@@ -321,6 +375,8 @@ class Config(_Section):
                 "checkpoint.every_steps: checkpoints of fsdp2 trainer ranks are not supported yet (their optimizer "
                 "state is sharded); set checkpoint.every_steps=null or trainer.data_parallel=ddp"
             )
+        if self.trainer.ranks > 1 and self.model.lora.enabled:
+            raise ValueError("trainer.ranks: data-parallel ranks with model.lora are not supported yet; use one rank")
         if self.trainer.ranks > self.rollout.prompts_per_step:
             raise ValueError(
                 f"trainer.ranks ({self.trainer.ranks}) > rollout.prompts_per_step ({self.rollout.prompts_per_step}): "

@@ -102,6 +102,13 @@ async def learn(run: Run) -> dict[str, Any]:
     return record
 
 
+def engine_settings(cfg: Config):
+    """The engine section with group_cancel's lag bound defaulting to the buffer's."""
+    if cfg.engine.max_lag is not None:
+        return cfg.engine
+    return cfg.engine.model_copy(update={"max_lag": cfg.buffer.max_lag})
+
+
 def step_record(run: Run, step: int, version: int, groups: list, metrics: dict[str, Any]) -> dict[str, Any]:
     wall = run.clock.wall()
     rewards = [s.reward for g in groups for s in g.samples]
@@ -135,16 +142,17 @@ def reachable_host(cfg: Config) -> str | None:
 
 async def spawn_engine(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int, version0: int = 0) -> ActorHandle:
     return await backend.spawn(_names("engine", cfg.runtime.num_engines)[i], EngineWorker, str(weights),
-                               [tok.eos_token_id], tok.pad_token_id, cfg.run.seed + i, initial_version=version0)
+                               [tok.eos_token_id], tok.pad_token_id, cfg.run.seed + i, initial_version=version0,
+                               settings=engine_settings(cfg))
 
 
 async def spawn_trainers(backend: ActorBackend, cfg: Config, weights: Path, tok: Any,
-                         reference_path: str | None = None) -> RankGroup:
+                         reference_path: str | None = None, adapter_path: str | None = None) -> RankGroup:
     """The trainer rank actors; with several, they form their process group before returning."""
     ranks = await asyncio.gather(*(
         backend.spawn(n, TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature, tok.pad_token_id,
                       cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject, reference_path=reference_path,
-                      total_steps=cfg.run.max_steps)
+                      total_steps=cfg.run.max_steps, lora=cfg.model.lora, adapter_path=adapter_path)
         for n in _names("trainer", cfg.trainer.ranks)))
     group = RankGroup(list(ranks))
     if len(ranks) > 1:
@@ -171,10 +179,12 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
     from nonstop.hf import load_tokenizer, max_positions
 
     weights = resume.model_dir if resume is not None else base_model
+    lora = cfg.model.lora.enabled  # LoRA: engines always hold the base; adapters come by transport
+    model_weights = base_model if lora else weights
     version0 = resume.state["policy_version"] if resume is not None else 0
     codec = Codec(load_tokenizer(str(weights)))
     tok = codec.tokenizer
-    limit = cfg.task.max_prompt_tokens or max_positions(weights) - cfg.rollout.max_new_tokens
+    limit = cfg.task.max_prompt_tokens or max_positions(model_weights) - cfg.rollout.max_new_tokens
     long_prompts = screen_prompts(data, codec.encode, limit, cfg.task.on_bad_row)
     for problem in long_prompts[:10]:
         progress.log(f"[yellow]dataset:[/] {problem}; skipped")
@@ -187,8 +197,9 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         progress.log(f"starting {num_engines} engine and {cfg.trainer.ranks} trainer actor(s) "
                      f"({cfg.runtime.backend} backend) ...")
         first_engines, trainer = await asyncio.gather(
-            asyncio.gather(*(spawn_engine(backend, cfg, weights, tok, i, version0) for i in range(num_engines))),
-            spawn_trainers(backend, cfg, weights, tok, str(base_model) if resume is not None else None),
+            asyncio.gather(*(spawn_engine(backend, cfg, model_weights, tok, i, version0) for i in range(num_engines))),
+            spawn_trainers(backend, cfg, model_weights, tok, str(base_model) if resume is not None else None,
+                           adapter_path=str(weights) if resume is not None and lora else None),
         )
         if resume is not None:
             await trainer.call("load_checkpoint", str(resume.path))
@@ -201,7 +212,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
                 if handle.kind == "broadcast":
                     raise ActorDied("the engine cannot be restarted with transport.kind 'broadcast' (use 'shm' or "
                                     f"'files'); resume with `nonstop train --resume {run_dir}`")
-                actor = await spawn_engine(backend, cfg, weights, tok, i, version0)
+                actor = await spawn_engine(backend, cfg, model_weights, tok, i, version0)
                 await actor.call("connect_transport", handle, i + 1)
                 return actor
             return restart_engine

@@ -9,6 +9,12 @@ With `trainer.ranks` > 1 every rank is such an actor: rank 0 calls `rendezvous`,
 `join_group` (trainer/parallel.py), then every step, save and checkpoint goes to all ranks
 (they meet in collectives); only rank 0 holds the transport sink and writes files. DDP ranks
 hold identical optimizer states, so rank 0's trainer.pt serves every rank on resume.
+
+With LoRA (`lora.enabled`) the base is frozen, only the adapters train and travel, the KL
+reference is the plain base, and `save` / `save_checkpoint` write peft adapter folders
+(adapter_config.json + adapter_model.safetensors). A LoRA trainer resumes from the base
+(`model_path`) plus `adapter_path` (the checkpoint's `model/`), and, since an engine holds only
+the base, publishes its current adapters as soon as the transport is connected.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from nonstop.config import TrainerConfig, TransportConfig
+from nonstop.config import LoraConfig, TrainerConfig, TransportConfig
 from nonstop.hf import load_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
@@ -30,14 +36,23 @@ from nonstop.types import Group, StepResult, TransportHandle
 class TrainerWorker:
     def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0,
                  max_lag: int | None = None, reject: str = "group", reference_path: str | None = None,
-                 total_steps: int = 1000):
-        """`reference_path`: the KL reference weights when they differ from `model_path` (on resume)."""
+                 total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None):
+        """`reference_path`: the KL reference weights when they differ from `model_path` (on resume).
+        `lora`: train adapters on the base `model_path`, starting from `adapter_path` if given."""
         torch.manual_seed(seed)
         self.model_path = model_path
-        self.trainer = Trainer(load_model(model_path), cfg, temperature, pad_token_id, max_lag, reject, total_steps)
+        self.lora = lora if lora is not None and lora.enabled else None
+        model = load_model(model_path)
+        if self.lora is not None:
+            from nonstop.lora import wrap_with_peft
+
+            model = wrap_with_peft(model, self.lora, adapter_path)
+            reference_path = model_path  # the plain base, not a copy of the peft model
+        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps)
         if reference_path is not None and self.trainer.reference is not None:
             self.trainer.reference = load_model(reference_path).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
+        self.publish_bytes = 0
         self.busy_s = 0.0
 
     def rendezvous(self, host: str | None) -> tuple[str, int]:
@@ -51,14 +66,24 @@ class TrainerWorker:
                                        t.cfg.data_parallel, t.total_steps)
         self.trainer.reference = t.reference  # the worker may have loaded it from elsewhere (resume)
 
+    def _publishes_on_connect(self) -> bool:
+        """A resumed LoRA trainer's engines hold only the base: they need the adapters at once."""
+        return self.lora is not None and self.trainer.policy_version > 0
+
     def plan_transport(self, cfg: TransportConfig, num_engines: int, host: str | None = "127.0.0.1") -> TransportHandle:
-        handle = plan_transport(cfg, self.trainer.model, num_engines, node_host(host))
+        version = self.trainer.policy_version
+        handle = plan_transport(cfg, self.trainer.model, num_engines, self.lora,
+                                next_version=version if self._publishes_on_connect() else version + 1,
+                                host=node_host(host))
         self.sink = open_sink(handle)
+        self.publish_bytes = handle.total_bytes
         return handle
 
     def connect_transport(self) -> None:
         assert self.sink is not None, "plan_transport must come first"
         self.sink.connect()
+        if self._publishes_on_connect():
+            self.sink.publish(self.trainer.model, self.trainer.policy_version)
 
     def step(self, groups: list[Group]) -> StepResult:
         t0 = time.perf_counter()
@@ -73,16 +98,18 @@ class TrainerWorker:
                     pass
         t2 = time.perf_counter()
         self.busy_s += t2 - t0
-        metrics.update(train_s=t1 - t0, publish_s=t2 - t1)
+        metrics.update(train_s=t1 - t0, publish_s=t2 - t1, publish_bytes=self.publish_bytes)
         return StepResult(self.trainer.policy_version, metrics)
 
     def save(self, path: str) -> str:
-        """Write the current weights with save_pretrained (safetensors), loadable by transformers."""
+        """Write the current weights with save_pretrained (safetensors): the full model, loadable
+        by transformers, or with LoRA the adapter folder, loadable by peft.PeftModel.from_pretrained
+        on top of the base this run started from."""
         out = Path(path)
         if isinstance(self.trainer, ParallelTrainer):
             self.trainer.save_full(out)  # every rank takes part; rank 0 writes
         else:
-            self.trainer.model.save_pretrained(out)
+            self.trainer.model.save_pretrained(out)  # with LoRA, peft records the base's path in adapter_config.json
         return str(out)
 
     def save_checkpoint(self, path: str) -> int:

@@ -1,9 +1,13 @@
 """Transport protocol, parameter layout and the factory that picks an implementation.
 
-Layout: the parameters of `model.named_parameters()` (tied weights appear once) laid out
-back to back in one byte buffer, each at an offset aligned to 64 bytes. Both ends derive the
-layout from their own model; `check_layout` compares names, shapes and dtypes once at
-attach time and fails with a message naming the first mismatches.
+Layout: the sent tensors — `model.named_parameters()` (tied weights appear once), or only the
+LoRA adapters of a LoRA run — laid out back to back in one byte buffer, each at an offset
+aligned to 64 bytes. The trainer's tensors are re-homed into such a buffer at the first
+publish (FlatSender), so publishing reads one contiguous block. The engine end fills a
+`WeightTarget`: its parameters, the LoRA adapters it merges (nonstop.lora), or fused experts
+its per-expert model views (names.py); `check_layout` compares names, shapes and dtypes once
+at attach time and fails with a message naming the first mismatches. Transports apply a
+version by pointing the target's tensors at a complete buffer (`repoint`), not by copying.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from nonstop.config import TransportConfig
+from nonstop.config import LoraConfig, TransportConfig
 from nonstop.types import TensorSpec, TransportHandle
 
 ALIGN = 64
@@ -40,22 +44,78 @@ class WeightSource(Protocol):
     def close(self) -> None: ...
 
 
+class WeightTarget(Protocol):
+    """Engine side: the tensors a transport fills, and what follows each complete update."""
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs; a transport may copy into them or replace their `.data`."""
+        ...
+
+    def applied(self) -> None:
+        """Called once the tensors hold a complete new version (LoRA: merge the adapters)."""
+        ...
+
+
+class ModelParameters:
+    """Full-weight sync: the target is every parameter of the model (tied weights once)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.named = list(model.named_parameters())
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return self.named
+
+    def applied(self) -> None:
+        pass
+
+
+def sent_tensors(model: torch.nn.Module, lora: LoraConfig | None) -> list[tuple[str, torch.Tensor]]:
+    """Trainer side: what travels — the adapters of a LoRA run, otherwise every parameter."""
+    if lora is not None:
+        from nonstop.lora import adapter_tensors
+
+        return adapter_tensors(model)
+    return list(model.named_parameters())
+
+
+def engine_target(model: torch.nn.Module, lora: LoraConfig | None, layout: list[TensorSpec]) -> WeightTarget:
+    """What the engine's end fills: LoRA adapters to merge, fused experts its model holds per
+    expert (see names.py), or its parameters as they are."""
+    if lora is not None:
+        from nonstop.lora import MergedAdapters
+
+        return MergedAdapters(model, lora)
+    from nonstop.transport.names import PerExpertParameters, needs_expert_mapping
+
+    if needs_expert_mapping(layout, model):
+        try:
+            return PerExpertParameters(model, layout)
+        except ValueError as e:
+            raise TransportError(f"trainer and engine parameters differ: {e}") from e
+    return ModelParameters(model)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def model_layout(model: torch.nn.Module) -> tuple[list[TensorSpec], int]:
+def layout_of(named: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], int]:
     specs, offset = [], 0
-    for name, p in model.named_parameters():
+    for name, p in named:
         nbytes = p.numel() * p.element_size()
         specs.append(TensorSpec(name, tuple(p.shape), dtype_name(p.dtype), offset, nbytes))
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
     return specs, offset
 
 
-def check_layout(expected: list[TensorSpec], model: torch.nn.Module) -> None:
-    """Fail clearly if `model` does not have exactly the parameters the trainer sends."""
-    ours = {s.name: s for s in model_layout(model)[0]}
+def model_layout(model: torch.nn.Module) -> tuple[list[TensorSpec], int]:
+    return layout_of(list(model.named_parameters()))
+
+
+def check_layout(expected: list[TensorSpec], target: torch.nn.Module | list[tuple[str, torch.Tensor]]) -> None:
+    """Fail clearly if the engine's tensors are not exactly the ones the trainer sends."""
+    named = list(target.named_parameters()) if isinstance(target, torch.nn.Module) else target
+    ours = {s.name: s for s in layout_of(named)[0]}
     theirs = {s.name: s for s in expected}
     problems = [f"missing on engine: {n}" for n in theirs.keys() - ours.keys()]
     problems += [f"not sent by trainer: {n}" for n in ours.keys() - theirs.keys()]
@@ -69,6 +129,11 @@ def check_layout(expected: list[TensorSpec], model: torch.nn.Module) -> None:
         raise TransportError(f"trainer and engine parameters differ: {shown}{more}")
 
 
+def in_layout_order(named: list[tuple[str, torch.Tensor]], layout: list[TensorSpec]) -> list[torch.Tensor]:
+    by_name = dict(named)
+    return [by_name[s.name] for s in layout]
+
+
 def views(flat: torch.Tensor, layout: list[TensorSpec]) -> list[torch.Tensor]:
     """Typed, shaped views into a uint8 buffer, one per TensorSpec."""
     return [
@@ -77,22 +142,41 @@ def views(flat: torch.Tensor, layout: list[TensorSpec]) -> list[torch.Tensor]:
     ]
 
 
-@torch.no_grad()
-def pack(model: torch.nn.Module, dst_views: list[torch.Tensor]) -> None:
-    """Copy the model's parameters into the typed views of a flat buffer, in layout order."""
-    for dst, (_, p) in zip(dst_views, model.named_parameters()):
-        dst.copy_(p.detach())
-
-
-def bind_flat(model: torch.nn.Module, layout: list[TensorSpec], total_bytes: int) -> torch.Tensor:
-    """Re-home the model's parameters into one flat buffer so a weight update is one copy."""
+def bind_flat(tensors: list[torch.Tensor], layout: list[TensorSpec], total_bytes: int) -> torch.Tensor:
+    """Re-home `tensors` (in layout order) into one new flat buffer; returns the buffer."""
     flat = torch.empty(total_bytes, dtype=torch.uint8)
-    params = dict(model.named_parameters())
     with torch.no_grad():
-        for spec, view in zip(layout, views(flat, layout)):
-            view.copy_(params[spec.name])
-            params[spec.name].data = view
+        for t, view in zip(tensors, views(flat, layout)):
+            view.copy_(t)
+            t.data = view
     return flat
+
+
+def repoint(tensors: list[torch.Tensor], new_views: list[torch.Tensor]) -> None:
+    """Zero-copy apply: each tensor's storage becomes its view of another buffer. The tensor
+    objects stay the same, so modules, tied weights and optimizers keep their references."""
+    for t, v in zip(tensors, new_views):
+        t.data = v
+
+
+class FlatSender:
+    """Trainer side: the sent tensors, re-homed once into one flat buffer in layout order, so a
+    publish reads one contiguous block (one copy, or none: broadcast sends slices of it).
+
+    If anything re-homes a tensor later (its storage moved), the next `flat()` binds again."""
+
+    def __init__(self, handle: TransportHandle) -> None:
+        self.handle = handle
+        self.lora: LoraConfig | None = handle.options.get("lora")
+        self.buffer: torch.Tensor | None = None
+        self.expected_ptrs: list[int] = []
+
+    def flat(self, model: torch.nn.Module) -> torch.Tensor:
+        tensors = in_layout_order(sent_tensors(model, self.lora), self.handle.layout)
+        if self.buffer is None or [t.data_ptr() for t in tensors] != self.expected_ptrs:
+            self.buffer = bind_flat(tensors, self.handle.layout, self.handle.total_bytes)
+            self.expected_ptrs = [t.data_ptr() for t in tensors]
+        return self.buffer
 
 
 def crc32(buf: torch.Tensor) -> int:
@@ -106,11 +190,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: int, host: str = "127.0.0.1") -> TransportHandle:
-    """`host`: the trainer's address the engines reach (broadcast's store and group)."""
-    layout, total = model_layout(model)
+def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: int,
+                   lora: LoraConfig | None = None, next_version: int = 1, host: str = "127.0.0.1") -> TransportHandle:
+    """Describe the transport; with `lora` (an enabled LoraConfig) only the adapters travel.
+    `next_version`: the first version the trainer will publish (above 1 after a resume).
+    `host`: the trainer's address the engines reach (broadcast's store and group)."""
+    lora = lora if lora is not None and lora.enabled else None
+    layout, total = layout_of(sent_tensors(model, lora))
     options: dict = {"timeout_s": cfg.timeout_s, "connect_timeout_s": cfg.connect_timeout_s,
-                     "num_engines": num_engines, "checksum": cfg.checksum, "per_tensor": cfg.per_tensor}
+                     "num_engines": num_engines, "checksum": cfg.checksum, "per_tensor": cfg.per_tensor,
+                     "lora": lora, "next_version": next_version}
     if cfg.kind == "shm":
         from nonstop.transport.shm import new_segment_name
 
@@ -121,6 +210,9 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
         options["dir"] = cfg.files_dir or tempfile.mkdtemp(prefix="nonstop-weights-")
         options["owned"] = cfg.files_dir is None  # the sink removes a folder it created
         options["keep"] = cfg.files_keep
+        options["notify"] = cfg.files_notify
+        if cfg.files_notify == "http":
+            options.update(host=cfg.files_notify_host, port=free_port(cfg.files_notify_host))
     else:
         options.update(host=host, port=free_port(host), bucket_bytes=int(cfg.bucket_mb * 2**20))
     return TransportHandle(kind=cfg.kind, layout=layout, total_bytes=total, options=options)
@@ -142,16 +234,22 @@ def open_sink(handle: TransportHandle) -> WeightSink:
 
 
 def open_source(handle: TransportHandle, model: torch.nn.Module, rank: int = 1) -> WeightSource:
-    """Engine side; `rank` is this engine's rank in the transport (trainer is 0)."""
-    check_layout(handle.layout, model)
+    """Engine side; `rank` is this engine's rank in the transport (trainer is 0, engines 1..N).
+
+    With a LoRA handle the engine receives adapters only and merges them into `model`."""
+    if not 1 <= rank <= handle.options["num_engines"]:
+        raise TransportError(f"engine rank {rank} outside 1..{handle.options['num_engines']} (the trainer planned for "
+                             f"{handle.options['num_engines']} engine(s))")
+    target = engine_target(model, handle.options.get("lora"), handle.layout)
+    check_layout(handle.layout, target.tensors())
     if handle.kind == "shm":
         from nonstop.transport.shm import ShmSource
 
-        return ShmSource(handle, model)
+        return ShmSource(handle, target, rank)
     if handle.kind == "files":
         from nonstop.transport.files import FilesSource
 
-        return FilesSource(handle, model)
+        return FilesSource(handle, target)
     from nonstop.transport.broadcast import BroadcastSource
 
-    return BroadcastSource(handle, model, rank)
+    return BroadcastSource(handle, target, rank)

@@ -2,13 +2,16 @@
 
 The trainer (rank 0) and the engines (ranks 1..N) form their own process group, built from a
 TCPStore and a ProcessGroupGloo (NCCL on GPU later) directly, so it is separate from any
-training process group and from the default group. Publishing version v: the trainer packs
-its parameters into a flat staging buffer, sets the store key `v{v}` (the notification), then
-broadcasts the buffer in slices of `bucket_bytes`. Each engine runs one receiver thread that
-waits for the next key, receives into a back buffer and, once every bucket arrived, swaps it
-with the front buffer under a lock: decoding goes on meanwhile, and `maybe_update` only ever
-copies a complete version. Every collective has the transport timeout; a failure is kept and
-raised from `maybe_update` as a TransportError naming the peer and the version.
+training process group and from the default group. Publishing version v: the trainer sets the
+store key `v{v}` (the notification), then broadcasts its flat buffer (the sent tensors live in
+it, see FlatSender: no staging copy) in slices of `bucket_bytes`, all issued at once so gloo
+pipelines them. Each engine runs one receiver thread that waits for the next key, receives
+into a back buffer and, once every bucket arrived (and passed its checksum), hands it over as
+the ready buffer under a lock: decoding goes on meanwhile. `maybe_update` points the engine's
+tensors at the ready buffer (no copy), and the buffer they left becomes the next back buffer;
+at most three buffers exist (live, ready, receiving). Every collective has the transport
+timeout; a failure is kept and raised from `maybe_update` as a TransportError naming the peer
+and the version.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nonstop.transport.base import TransportError, bind_flat, crc32, pack, views
+from nonstop.transport.base import FlatSender, TransportError, WeightTarget, crc32, in_layout_order, repoint, views
 from nonstop.types import TransportHandle
 
 STOP = b"stop"
@@ -49,12 +52,10 @@ def _buckets(flat: torch.Tensor, handle: TransportHandle) -> list[torch.Tensor]:
 class BroadcastSink:
     def __init__(self, handle: TransportHandle) -> None:
         self.handle = handle
-        self.staging = torch.empty(handle.total_bytes, dtype=torch.uint8)
-        self.staging_views = views(self.staging, handle.layout)
-        self.buckets = _buckets(self.staging, handle)
+        self.sender = FlatSender(handle)
         self.store: dist.TCPStore | None = None
         self.pg: dist.ProcessGroup | None = None
-        self.last_version = 0
+        self.last_version = handle.options["next_version"] - 1
 
     def connect(self) -> None:
         self.store, self.pg = _group(self.handle, rank=0)
@@ -63,17 +64,22 @@ class BroadcastSink:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.pg is None or self.store is None:
             raise TransportError("broadcast transport used before connect()")
-        pack(model, self.staging_views)
+        buckets = _buckets(self.sender.flat(model), self.handle)
         self.store.set(f"v{version}", b"1")
-        sums = [torch.tensor([crc32(b) for b in self.buckets], dtype=torch.int64)] if self.handle.options.get("checksum") else []
-        for i, bucket in enumerate(self.buckets + sums):
-            try:
-                self.pg.broadcast(bucket, 0).wait()
-            except Exception as e:  # gloo raises RuntimeError subclasses on timeout and reset
-                raise TransportError(
-                    f"broadcast of version {version} (bucket {i + 1}/{len(self.buckets)}) to engine ranks "
-                    f"1..{self.handle.options['num_engines']} failed within {self.handle.options['timeout_s']:g} s: {e}"
-                ) from e
+        sums = [torch.tensor([crc32(b) for b in buckets], dtype=torch.int64)] if self.handle.options.get("checksum") else []
+        # Issue every bucket before waiting on any: gloo sends them back to back, without a
+        # round trip through Python between two buckets.
+        works = []
+        try:
+            works = [self.pg.broadcast(bucket, 0) for bucket in buckets + sums]
+            for i, work in enumerate(works):
+                work.wait()
+        except Exception as e:  # gloo raises RuntimeError subclasses on timeout and reset
+            done = sum(w.is_completed() for w in works)
+            raise TransportError(
+                f"broadcast of version {version} (bucket {done + 1}/{len(buckets)}) to engine ranks "
+                f"1..{self.handle.options['num_engines']} failed within {self.handle.options['timeout_s']:g} s: {e}"
+            ) from e
         self._await_acks(version)
         self.last_version = version
 
@@ -99,14 +105,23 @@ class BroadcastSink:
             self.pg = None
 
 
+class _Buffer:
+    """One flat receive buffer with its typed views (made once, outside inference_mode)."""
+
+    def __init__(self, handle: TransportHandle) -> None:
+        self.flat = torch.empty(handle.total_bytes, dtype=torch.uint8)
+        self.views = views(self.flat, handle.layout)
+        self.buckets = _buckets(self.flat, handle)
+
+
 class BroadcastSource:
-    def __init__(self, handle: TransportHandle, model: torch.nn.Module, rank: int) -> None:
-        self.handle, self.rank = handle, rank
-        self.flat = bind_flat(model, handle.layout, handle.total_bytes)
-        self.front = torch.empty_like(self.flat)
-        self.back = torch.empty_like(self.flat)
+    def __init__(self, handle: TransportHandle, target: WeightTarget, rank: int) -> None:
+        self.handle, self.target, self.rank = handle, target, rank
+        self.tensors = in_layout_order(target.tensors(), handle.layout)
         self.lock = threading.Lock()
-        self.ready = -1
+        self.spare: list[_Buffer] = []  # guarded by lock, like ready and live
+        self.ready: tuple[int, _Buffer] | None = None
+        self.live: _Buffer | None = None
         self.applied = -1
         self.error: TransportError | None = None
         self.closing = threading.Event()
@@ -114,11 +129,15 @@ class BroadcastSource:
         self.thread = threading.Thread(target=self._receive_loop, name=f"weights-rx-{rank}", daemon=True)
         self.thread.start()
 
+    def _take_spare(self) -> _Buffer:
+        with self.lock:
+            return self.spare.pop() if self.spare else _Buffer(self.handle)
+
     def _receive_loop(self) -> None:
-        version = 1
-        buckets = _buckets(self.back, self.handle)
+        version = self.handle.options["next_version"]
+        back = self._take_spare()
         checksum = self.handle.options.get("checksum")
-        sums = torch.zeros(len(buckets), dtype=torch.int64)
+        sums = torch.zeros(len(back.buckets), dtype=torch.int64)
         while not self.closing.is_set():
             try:
                 self.store.wait([f"v{version}"], _WAIT_SLICE)
@@ -133,35 +152,42 @@ class BroadcastSource:
             if self.closing.is_set() or self.store.get(f"v{version}") == STOP:
                 return
             try:
-                for bucket in buckets + ([sums] if checksum else []):
-                    self.pg.broadcast(bucket, 0).wait()
+                works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
+                for work in works:
+                    work.wait()
             except Exception as e:
                 self.error = TransportError(
                     f"engine rank {self.rank}: receiving version {version} from the trainer failed "
                     f"within {self.handle.options['timeout_s']:g} s: {e}"
                 )
                 return
-            bad = [i for i, b in enumerate(buckets) if checksum and crc32(b) != int(sums[i])]
+            bad = [i for i, b in enumerate(back.buckets) if checksum and crc32(b) != int(sums[i])]
             if bad:  # never applied; the trainer learns of it through the missing acknowledgement
                 self.error = TransportError(
                     f"engine rank {self.rank}: bucket(s) {bad} of version {version} failed their checksum; not applied")
                 return
             with self.lock:
-                self.front, self.back = self.back, self.front
-                self.ready = version
+                if self.ready is not None:  # superseded before it was applied
+                    self.spare.append(self.ready[1])
+                self.ready = (version, back)
             self.store.set(f"ack{self.rank}/v{version}", b"1")
-            buckets = _buckets(self.back, self.handle)
+            back = self._take_spare()
             version += 1
 
     def maybe_update(self, model: torch.nn.Module) -> int | None:
         if self.error is not None:
             raise self.error
         with self.lock:
-            if self.ready <= self.applied:
+            if self.ready is None:
                 return None
-            self.flat.copy_(self.front)
-            self.applied = self.ready
-        return self.applied
+            version, buf = self.ready
+            self.ready = None
+            repoint(self.tensors, buf.views)
+            self.target.applied()
+            if self.live is not None:
+                self.spare.append(self.live)
+            self.live, self.applied = buf, version
+        return version
 
     def close(self) -> None:
         self.closing.set()
