@@ -92,28 +92,38 @@ def scenario(name: str, model: Path, work: Path) -> dict:
         "detect_s": faults.get("max_detect_s", 0.0), "recover_s": faults.get("max_recover_s", 0.0),
         "skipped_steps": summary.get("skipped_steps", 0), "wall_s": wall,
         "fell_back": "is corrupted" in out, "resumed": "resumed from" in out,
+        "output_tail": out[-1500:] if codes[-1] != 0 else "",
     }
 
 
+SCENARIOS = ("none", "engine_kill", "engine_hang", "trainer_kill", "corrupt_ckpt", "nan_loss")
+
+
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "src"))
+    import argparse
+
     from nonstop.config import TinyModelConfig
+    from nonstop.hf import quiet_transformers
     from nonstop.tasks.tiny import save_tiny
 
-    console = Console()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")
+    args = ap.parse_args()
+    quiet_transformers()
+    console = Console(width=150)
     with tempfile.TemporaryDirectory(prefix="nonstop-faults-") as tmp:
         work = Path(tmp)
         model = save_tiny(work / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                                           intermediate_size=64), seed=0)
         rows = {}
-        for name in ("none", "engine_kill", "engine_hang", "trainer_kill", "corrupt_ckpt", "nan_loss"):
+        for name in args.only.split(","):
             console.log(f"scenario {name} ...")
             rows[name] = scenario(name, model, work)
     table = Table(title="Fault injection: one epoch of 80 prompts per row")
     for col in ("fault", "epoch completed", "prompts lost", "duplicated", "re-queued", "engine restarts",
                 "detect s", "recover s", "skipped steps", "wall vs none"):
         table.add_column(col, justify="right")
-    base = rows["none"]["wall_s"]
+    base = rows["none"]["wall_s"] if "none" in rows else float("nan")
     for name, r in rows.items():
         done = ("yes" if r["completed"] else "NO") + (" (resumed)" if r["resumed"] else "") + \
             (" (fell back)" if r["fell_back"] else "")
@@ -121,7 +131,9 @@ def main() -> None:
                       f"{r['detect_s']:.2f}", f"{r['recover_s']:.2f}", str(r["skipped_steps"]),
                       f"{r['wall_s'] / base:.2f}x")
     console.print(table)
-    print(json.dumps(rows, indent=1))
+    for name, r in rows.items():
+        if r["output_tail"]:
+            console.print(f"[red]{name} did not complete[/]; its output ended with:\n{r['output_tail']}")
 
 
 if __name__ == "__main__":

@@ -43,17 +43,15 @@ def test_batched_greedy_equals_one_by_one(engine):
         assert alone[0][0].completion_ids == batched[i][0].completion_ids
 
 
-def test_eos_stops_a_row_and_sets_finish_reason(engine):
+def test_eos_stops_a_row_and_sets_finish_reason(engine, tiny_dir):
     eng, tok = engine
-    bias = torch.zeros(eng.model.config.vocab_size)
-    bias[tok.eos_token_id] = 1e4  # makes EOS the only likely token
-    handle = eng.model.lm_head.register_forward_hook(lambda m, i, o: o + bias)
-    try:
-        out = eng.generate([GenerationRequest(0, tok("1+1=")["input_ids"], 2, SamplingParams(5, 1.0))])
-    finally:
-        handle.remove()
-    assert all(s.finish_reason == "stop" and s.completion_ids == [tok.eos_token_id] for s in out[0])
-    long = eng.generate([GenerationRequest(0, tok("1+1=")["input_ids"], 1, SamplingParams(3, 0.0))])[0][0]
+    prompt = tok("1+1=")["input_ids"]
+    first = eng.generate([GenerationRequest(0, prompt, 1, SamplingParams(5, 0.0))])[0][0].completion_ids[0]
+    # an engine whose end-of-sequence token is the greedy first token stops right after it
+    stopper = TorchEngine(load_model(str(tiny_dir)), [first], tok.pad_token_id)
+    out = stopper.generate([GenerationRequest(0, prompt, 2, SamplingParams(5, 0.0))])
+    assert all(s.finish_reason == "stop" and s.completion_ids == [first] for s in out[0])
+    long = eng.generate([GenerationRequest(0, prompt, 1, SamplingParams(3, 0.0))])[0][0]
     assert long.finish_reason in ("stop", "length") and len(long.completion_ids) <= 3
 
 

@@ -128,6 +128,41 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
     console.print(_summary_table(summary))
 
 
+@main.command("serve")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set engine.max_concurrent_seqs=32")
+@click.option("--model", "model_path", default=None, help="Model folder (default: model.path; none: a fresh tiny model).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; keep 127.0.0.1 unless you mean to expose it.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Port (0: any free port).")
+@click.option("--api-key", default=None, envvar="NONSTOP_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")
+@click.option("--served-model-name", default=None, help="Model id clients must use (default: the folder name).")
+def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | None, host: str, port: int,
+              api_key: str | None, served_model_name: str | None) -> None:
+    """Serve the engine over an OpenAI-compatible HTTP API (token ids, logprobs and versions included)."""
+    console = Console()
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/]", highlight=False)
+        sys.exit(2)
+    from nonstop.serve import serve
+
+    path = model_path or cfg.model.path
+    if path is None:
+        import tempfile
+
+        from nonstop.tasks.tiny import save_tiny
+
+        path = str(save_tiny(Path(tempfile.mkdtemp(prefix="nonstop-serve-")) / "tiny", cfg.model.tiny, cfg.run.seed))
+        console.print(f"no model given: serving a freshly initialised tiny model from {path}")
+    name = served_model_name or Path(path).name
+
+    def ready(bound: int) -> None:
+        console.print(f"serving '{name}' on http://{host}:{bound} (/v1/completions, /v1/chat/completions, /health)", highlight=False)
+
+    asyncio.run(serve(cfg, path, host, port, api_key, name, ready))
+
+
 @main.command("config")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")

@@ -256,6 +256,30 @@ class TransportConfig(_Section):
     """Longest the trainer and the engines may take to meet when the transport is set up."""
 
 
+class EngineConfig(_Section):
+    """The built-in engine: continuous batching limits and how weight updates meet in-flight requests."""
+
+    max_concurrent_seqs: int = Field(256, ge=1)
+    """Sequences decoded together (KV-cache slots, allocated once: the cache holds
+    max_concurrent_seqs x max_seq_len tokens); a group of n needs n free slots."""
+    max_seq_len: int | None = Field(None, ge=2)
+    """Longest prompt + completion in tokens; None: the model's max_position_embeddings, at most 4096."""
+    max_cached_tokens: int | None = Field(None, ge=2)
+    """Budget of KV-cache tokens reserved by admitted sequences (prompt + max_new_tokens each);
+    requests wait while it is spent. None: max_concurrent_seqs x max_seq_len."""
+    update_mode: Literal["never_stop", "abort_retry", "save_resume", "drain", "blocking"] = "never_stop"
+    """never_stop: swap between two forward passes, in-flight sequences keep their KV cache;
+    abort_retry: at a swap, in-flight sequences are re-prefilled (prompt + prefix) under the new weights;
+    save_resume: in-flight sequences are paused with their KV cache saved, the swap applied, then resumed;
+    drain: once new weights are waiting, no request is admitted until in-flight ones finish, then the swap;
+    blocking: requests are admitted in static batches and weights swap only between batches."""
+    group_cancel: bool = False
+    """Cancel (and re-queue from scratch) groups whose oldest token falls more than max_lag versions
+    behind the engine's weights at a swap; counted as groups_cancelled."""
+    max_lag: int | None = Field(None, ge=0)
+    """Lag bound of group_cancel, in policy versions; None: buffer.max_lag (and no cancelling in `nonstop serve`)."""
+
+
 class RuntimeConfig(_Section):
     backend: Literal["local"] = "local"
     """Actor backend: 'local' spawns one OS process per actor."""
@@ -310,6 +334,7 @@ class Config(_Section):
     buffer: BufferConfig = BufferConfig()
     trainer: TrainerConfig = TrainerConfig()
     transport: TransportConfig = TransportConfig()
+    engine: EngineConfig = EngineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()

@@ -98,6 +98,13 @@ async def learn(run: Run) -> dict[str, Any]:
     return record
 
 
+def engine_settings(cfg: Config):
+    """The engine section with group_cancel's lag bound defaulting to the buffer's."""
+    if cfg.engine.max_lag is not None:
+        return cfg.engine
+    return cfg.engine.model_copy(update={"max_lag": cfg.buffer.max_lag})
+
+
 def step_record(run: Run, step: int, version: int, groups: list, metrics: dict[str, Any]) -> dict[str, Any]:
     wall = run.clock.wall()
     rewards = [s.reward for g in groups for s in g.samples]
@@ -141,7 +148,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
 
     def spawn_engine() -> Any:
         return backend.spawn("engine", EngineWorker, str(model_weights), [tok.eos_token_id], tok.pad_token_id, cfg.run.seed,
-                             initial_version=version0)
+                             initial_version=version0, settings=engine_settings(cfg))
 
     try:
         progress.log("starting engine and trainer processes ...")
@@ -170,7 +177,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
 
         engine = RestartingActor("engine", restart_engine, cfg.runtime.max_engine_restarts,
                                  cfg.runtime.heartbeat_interval_s, cfg.runtime.heartbeat_timeout_s,
-                                 count_items=lambda m, a: sum(r.n for r in a[0]) if m == "generate" else 0,
+                                 count_items=lambda m, a: len(a[0]) if m == "generate" else 0,  # prompts
                                  log=progress.log, actor=first_engine)
         ledger = Ledger()
         buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,

@@ -10,6 +10,7 @@ greedy exact-match accuracy on held-out prompts with the engine's current weight
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -49,56 +50,87 @@ class RolloutStats:
     uniform_in_row: int = 0
 
 
+class _BusyClock:
+    """Generation is busy while at least one group is in flight (groups overlap in the engine)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.in_flight, self.since = clock, 0, 0.0
+
+    def enter(self) -> None:
+        if self.in_flight == 0:
+            self.since = time.perf_counter()
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.clock.add("generation", time.perf_counter() - self.since)
+
+
 async def produce(
     engine: ActorHandle, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
     codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int, ledger: Ledger,
 ) -> None:
+    """Each admitted prompt becomes its own engine call, so a group is scored and handed to the
+    buffer as soon as its own completions are done, while the engine keeps decoding the others
+    in the same continuous batch. The buffer's admission bounds the groups in flight."""
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
-    while True:
-        k = await buffer.admit(cfg.prompts_per_step)
-        draws = [d for d in (stream.next() for _ in range(k)) if d is not None]
-        if len(draws) < k:
-            await buffer.refund(k - len(draws))
-        if not draws:
-            await buffer.close()
+    busy = _BusyClock(clock)
+
+    async def one_group(draw) -> None:
+        ex = draw.example
+        busy.enter()
+        try:
+            results = await engine.call("generate", [GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, params)])
+        finally:
+            busy.leave()
+        await deliver(ex, draw.epoch, results[0])
+
+    async def deliver(ex: Example, epoch: int, samples: list[Sample]) -> None:
+        stats.samples += len(samples)
+        for s in samples:
+            s.text = codec.decode(s.completion_ids)
+        group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=epoch)
+        if not scorer.score_group(group):
+            await buffer.drop(group, "reward_error")
+            stats.reward_failures_in_row += 1
+            if stats.reward_failures_in_row >= max_reward_failures:
+                raise NoLearningSignal(
+                    f"the reward function failed on {stats.reward_failures_in_row} groups in a row "
+                    f"(task.max_consecutive_reward_failures); last: {scorer.last_error}"
+                )
             return
-        for d in draws:
-            ledger.draw(d)
-        examples = [d.example for d in draws]
-        requests = [GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, params) for ex in examples]
-        t0 = time.perf_counter()
-        results = await engine.call("generate", requests)
-        clock.add("generation", time.perf_counter() - t0)
-        stats.prompts += len(examples)
-        for draw, samples in zip(draws, results):
-            ex = draw.example
-            stats.samples += len(samples)
-            for s in samples:
-                s.text = codec.decode(s.completion_ids)
-            group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=draw.epoch)
-            if not scorer.score_group(group):
-                await buffer.drop(group, "reward_error")
-                stats.reward_failures_in_row += 1
-                if stats.reward_failures_in_row >= max_reward_failures:
-                    raise NoLearningSignal(
-                        f"the reward function failed on {stats.reward_failures_in_row} groups in a row "
-                        f"(task.max_consecutive_reward_failures); last: {scorer.last_error}"
-                    )
-                continue
-            stats.reward_failures_in_row = 0
-            if cfg.filter_uniform_reward and len({s.reward for s in samples}) == 1:
-                await buffer.drop(group, "uniform_reward")
-                stats.uniform_in_row += 1
-                if stats.uniform_in_row >= cfg.max_consecutive_uniform:
-                    raise NoLearningSignal(
-                        f"{stats.uniform_in_row} groups in a row had all-equal rewards "
-                        "(rollout.max_consecutive_uniform): the policy gets no learning signal on this task; "
-                        "start from a stronger base, use a graded reward, or set rollout.filter_uniform_reward=false"
-                    )
-                continue
-            stats.uniform_in_row = 0
-            stats.groups_delivered += 1
-            await buffer.put(group)
+        stats.reward_failures_in_row = 0
+        if cfg.filter_uniform_reward and len({s.reward for s in samples}) == 1:
+            await buffer.drop(group, "uniform_reward")
+            stats.uniform_in_row += 1
+            if stats.uniform_in_row >= cfg.max_consecutive_uniform:
+                raise NoLearningSignal(
+                    f"{stats.uniform_in_row} groups in a row had all-equal rewards "
+                    "(rollout.max_consecutive_uniform): the policy gets no learning signal on this task; "
+                    "start from a stronger base, use a graded reward, or set rollout.filter_uniform_reward=false"
+                )
+            return
+        stats.uniform_in_row = 0
+        stats.groups_delivered += 1
+        await buffer.put(group)
+
+    try:
+        async with asyncio.TaskGroup() as groups:
+            while True:
+                k = await buffer.admit(cfg.prompts_per_step)
+                draws = [d for d in (stream.next() for _ in range(k)) if d is not None]
+                if len(draws) < k:
+                    await buffer.refund(k - len(draws))
+                if not draws:
+                    break  # the stream is exhausted: the groups in flight finish, then the buffer closes
+                for d in draws:
+                    ledger.draw(d)
+                    stats.prompts += 1
+                    groups.create_task(one_group(d), name=f"group-{d.example.index}")
+    except BaseExceptionGroup as eg:  # the first failure of a group task ends the producer
+        raise eg.exceptions[0] from None
+    await buffer.close()
 
 
 def greedy_requests(examples: list[Example], codec: Codec, max_new_tokens: int) -> list[GenerationRequest]:

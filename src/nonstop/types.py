@@ -14,6 +14,8 @@ normalised over exactly that set.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,10 +35,94 @@ class SamplingParams:
     """Keep the smallest set of tokens whose probability reaches top_p (1.0: off)."""
     min_p: float = 0.0
     """Keep tokens with probability >= min_p x the most likely token's (0.0: off)."""
+    stop: list[str] = field(default_factory=list)
+    """Finish (reason 'stop') once the completion's text contains one of these strings; needs an
+    engine with a tokenizer. The completing token is kept; servers cut the text at the string."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Finish (reason 'stop') after sampling one of these tokens (the model's EOS always stops)."""
 
     @property
     def truncates(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+class KeptIds(Sequence[list[int]]):
+    """Keep Sampling Mask in compact form: per completion position, the kept token ids stored as
+    whichever is smaller of a sorted id array (2 bytes per id below 65,536 ids, else 4) or a
+    bitmask over the vocabulary (vocab / 8 bytes), in one byte buffer with one offset per position.
+
+    Reads like a list of sorted id lists (`len`, indexing, iteration) and pickles as a few byte
+    strings, so top-k with a small k costs 2k bytes a token and a wide top-p set at most vocab/8."""
+
+    __slots__ = ("vocab_size", "data", "offsets", "kinds")
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.data = bytearray()
+        self.offsets = array("I", [0])
+        self.kinds = bytearray()  # 0: id array, 1: bitmask
+
+    @property
+    def _code(self) -> str:
+        return "H" if self.vocab_size <= 65536 else "I"
+
+    def id_bytes(self, count: int) -> int:
+        return count * (2 if self._code == "H" else 4)
+
+    def bitmask_bytes(self) -> int:
+        return (self.vocab_size + 7) // 8
+
+    def append(self, kept: Sequence[int]) -> None:
+        """Store a sorted list of kept ids (callers with a bitmask at hand use append_bitmask)."""
+        self.data += array(self._code, kept).tobytes()
+        self.offsets.append(len(self.data))
+        self.kinds.append(0)
+
+    def append_bitmask(self, bits: bytes) -> None:
+        """Store a little-endian bitmask of vocab_size bits (bit i set: id i kept)."""
+        self.data += bits
+        self.offsets.append(len(self.data))
+        self.kinds.append(1)
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def __getitem__(self, t):  # type: ignore[override]
+        if isinstance(t, slice):
+            return [self[i] for i in range(*t.indices(len(self)))]
+        if t < 0:
+            t += len(self)
+        if not 0 <= t < len(self):
+            raise IndexError(t)
+        raw = self.data[self.offsets[t]: self.offsets[t + 1]]
+        if self.kinds[t] == 0:
+            return array(self._code, bytes(raw)).tolist()
+        bits = format(int.from_bytes(raw, "little"), "b")[::-1]
+        return [i for i, c in enumerate(bits) if c == "1"]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[t] for t in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == [list(x) for x in other]
+
+    def __repr__(self) -> str:
+        return f"KeptIds({list(self)!r})"
+
+    def __reduce__(self):
+        return (_kept_ids, (self.vocab_size, bytes(self.data), self.offsets.tobytes(), bytes(self.kinds)))
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + len(self.offsets) * self.offsets.itemsize + len(self.kinds)
+
+
+def _kept_ids(vocab_size: int, data: bytes, offsets: bytes, kinds: bytes) -> KeptIds:
+    k = KeptIds(vocab_size)
+    k.data, k.kinds = bytearray(data), bytearray(kinds)
+    k.offsets = array("I")
+    k.offsets.frombytes(offsets)
+    return k
 
 
 @dataclass(slots=True)
@@ -59,7 +145,7 @@ class Sample:
     versions: list[int]
     finish_reason: FinishReason
     loss_mask: list[bool] = field(default_factory=list)
-    sampling_mask: list[list[int]] | None = None
+    sampling_mask: KeptIds | list[list[int]] | None = None
     """Keep Sampling Mask: when top-k/top-p/min-p truncated the distribution, the sorted ids of the
     tokens kept at each completion position (the support the behaviour logprob is normalised over)."""
     reward: float = 0.0

@@ -1,54 +1,61 @@
 """Engine actor: a TorchEngine in its own process, reached through the actor seam.
 
-The orchestrator calls `connect_transport(handle, rank)` once, then `generate(requests)`
-repeatedly. New weights arrive through the transport, never through these calls; the engine
-applies them between two forward passes (see engine/core.py).
+The orchestrator calls `connect_transport(handle, rank)` once, then `generate(requests)` as
+often and as concurrently as it likes: `generate` is a coroutine served on the actor's event
+loop, and all concurrent calls share one continuous-batching decode loop (engine/aio.py), so
+each call returns as soon as its own groups are done. New weights arrive through the
+transport, never through these calls; the engine applies them between two forward passes as
+`engine.update_mode` says.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from nonstop.config import EngineConfig
+from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model
 from nonstop.transport import WeightSource, open_source
 from nonstop.types import GenerationRequest, Sample, TransportHandle
 
 
+def load_detokenizer(model_path: str):
+    """The tokenizer's decode for stop strings, or None when the model folder has no tokenizer."""
+    from nonstop.hf import load_tokenizer
+
+    try:
+        tok = load_tokenizer(model_path)
+    except (OSError, ValueError):
+        return None
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)
+
+
 class EngineWorker:
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0,
-                 initial_version: int = 0) -> None:
+                 initial_version: int = 0, settings: EngineConfig | None = None) -> None:
         """`initial_version` is the policy_version of the weights at `model_path` (a checkpoint's on resume)."""
         torch.manual_seed(seed)
-        self.engine = TorchEngine(load_model(model_path), eos_token_ids, pad_token_id, policy_version=initial_version)
+        self.engine = TorchEngine(load_model(model_path), eos_token_ids, pad_token_id, policy_version=initial_version,
+                                  settings=settings, detokenize=load_detokenizer(model_path))
+        self.aio = AsyncEngine(self.engine)
         self.source: WeightSource | None = None
-        self.busy_s = 0.0
 
     def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None:
-        self.source = open_source(handle, self.engine.model, rank)
+        self.source = open_source(handle, self.engine.weight_model, rank)
         self.engine.weights = self.source
 
-    def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        t0 = time.perf_counter()
-        try:
-            return self.engine.generate(requests)
-        finally:
-            self.busy_s += time.perf_counter() - t0
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        return await self.aio.generate(requests)
 
     async def ping(self) -> int:
-        """Heartbeat: answered on the actor's loop even while `generate` decodes on its thread."""
+        """Heartbeat: answered on the actor's loop between two decode steps."""
         return self.engine.policy_version
 
-    def stats(self) -> dict[str, float | int]:
-        return {
-            "policy_version": self.engine.policy_version,
-            "forward_passes": self.engine.forward_passes,
-            "tokens_generated": self.engine.tokens_generated,
-            "busy_s": self.busy_s,
-        }
+    async def stats(self) -> dict[str, float | int]:
+        return {"policy_version": self.engine.policy_version, **self.engine.scheduler.stats}
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await self.aio.close()
         if self.source is not None:
             self.source.close()

@@ -1,0 +1,107 @@
+"""The asynchronous driver: one decode loop on the event loop, shared by every caller.
+
+Contract of `AsyncEngine`:
+- `submit(request, on_token)` returns an asyncio future of the request's n samples; any
+  number of callers may submit concurrently, and all their sequences are decoded together by
+  one task (`engine-decode-loop`) that runs `TorchEngine.step()` while there is work and
+  sleeps on an event (no polling) while there is none; between two steps it yields to the
+  loop, so requests and weight updates are taken between two forward passes;
+- cancelling a future aborts its request in the engine (its slots are freed at once);
+- a bad request raises `RequestError` from `submit` and never reaches the loop; if a step
+  itself raises, every in-flight request fails with that error and the loop goes on serving;
+- `stream(request)` yields `TokenEvent`s as tokens are sampled, then the final samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from nonstop.engine.core import TorchEngine
+from nonstop.types import GenerationRequest, Sample
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    index: int  # which of the request's n completions
+    token_id: int
+    logprob: float
+    policy_version: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine = engine
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-decode-loop")
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_work():
+                self._work.clear()
+                await self._work.wait()
+                continue
+            try:
+                self.engine.step()
+            except Exception as e:  # fail the requests, keep serving
+                self.engine.scheduler.fail_all(e)
+            await asyncio.sleep(0)  # let callers and the transport in between two forward passes
+
+    def submit(self, request: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Future:
+        """Queue a request; `queue` (bounded by the caller) receives a TokenEvent per token."""
+        self._ensure_loop()
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def done(samples: list[Sample]) -> None:
+            if not fut.done():
+                fut.set_result(samples)
+
+        def fail(error: BaseException) -> None:
+            if not fut.done():
+                fut.set_exception(error)
+
+        on_token = None
+        if queue is not None:
+            def on_token(index: int, tok: int, lp: float, version: int) -> None:
+                queue.put_nowait(TokenEvent(index, tok, lp, version))
+
+        group = self.engine.submit(request, done, fail, on_token)
+        fut.add_done_callback(lambda f: self.engine.scheduler.abort(group) if f.cancelled() else None)
+        self._work.set()
+        return fut
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        for r in requests:
+            self.engine.scheduler.check(r)  # all or nothing: reject before queueing any
+        return list(await asyncio.gather(*(self.submit(r) for r in requests)))
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | list[Sample]]:
+        """Token events as they are sampled, then the request's samples as the last item."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=request.n * request.params.max_new_tokens + 1)
+        fut = self.submit(request, queue)
+        try:
+            while True:
+                getter = asyncio.create_task(queue.get(), name=f"engine-stream-{request.request_id}")
+                await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not queue.empty():
+                    yield queue.get_nowait()
+                yield fut.result()
+                return
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

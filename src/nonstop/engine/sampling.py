@@ -1,0 +1,82 @@
+"""Per-row sampling over one batch of logits, with behaviour logprobs and the Keep Sampling Mask.
+
+Contract of `sample(logits, rows)`:
+- every row has its own temperature, top_k, top_p, min_p (as (B,) tensors in `RowParams`);
+  temperature 0 is greedy (argmax of the raw logits, logprob of the untempered distribution);
+- truncation is applied to the tempered distribution in the order top-k, then top-p over the
+  top-k renormalised, then min-p against the most likely token; the most likely token is always
+  kept, so the kept set is never empty;
+- the behaviour logprob of the chosen token is taken from the processed distribution (tempered,
+  renormalised over the kept set): exactly the distribution the token was drawn from;
+- sampling is an exponential race (argmax of p / E with E ~ Exp(1)), equivalent to a
+  categorical draw; rows with their own torch.Generator draw their noise from it, so a seeded
+  request produces the same tokens whatever else shares its batch;
+- `kept` is a (B, V) bool tensor when any row truncates, else None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RowParams:
+    """Sampling settings of the B rows of a step, as tensors built once per batch composition."""
+
+    temperature: torch.Tensor  # (B,) float, 0 = greedy
+    top_k: torch.Tensor  # (B,) long, 0 = off
+    top_p: torch.Tensor  # (B,) float, 1 = off
+    min_p: torch.Tensor  # (B,) float, 0 = off
+    generators: list[torch.Generator | None]
+    any_sampled: bool
+    any_greedy: bool
+    any_truncates: bool
+
+
+def row_params(settings: list[tuple[float, int, float, float]], generators: list[torch.Generator | None]) -> RowParams:
+    temp, k, p, mp = zip(*settings) if settings else ((), (), (), ())
+    t = torch.tensor(temp, dtype=torch.float32)
+    return RowParams(
+        t, torch.tensor(k, dtype=torch.long), torch.tensor(p, dtype=torch.float32), torch.tensor(mp, dtype=torch.float32),
+        generators, any_sampled=bool((t > 0).any()), any_greedy=bool((t == 0).any()),
+        any_truncates=any(tt > 0 and (kk > 0 or pp < 1.0 or mm > 0.0) for tt, kk, pp, mm in settings),
+    )
+
+
+def keep_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Tokens kept by top-k, top-p and min-p together: (B, V) tempered logits -> (B, V) bool."""
+    B, V = scaled.shape
+    sorted_s, order = scaled.sort(dim=-1, descending=True)  # (B, V)
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)
+    kth = sorted_s.gather(-1, (k - 1)[:, None])  # (B, 1)
+    keep_sorted = sorted_s >= kth
+    probs = torch.softmax(sorted_s.masked_fill(~keep_sorted, float("-inf")), dim=-1)  # top-p sees top-k renormalised
+    before = probs.cumsum(-1) - probs  # probability mass strictly ahead of each token
+    keep_sorted &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep_sorted &= probs >= min_p[:, None] * probs[:, :1]
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(B, V) float logits -> tokens (B,), behaviour logprobs (B,), kept (B, V) bool or None."""
+    greedy = rows.temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, rows.temperature)[:, None] if rows.any_sampled else logits
+    kept = None
+    if rows.any_truncates:
+        truncating = ~greedy & ((rows.top_k > 0) | (rows.top_p < 1.0) | (rows.min_p > 0.0))
+        kept = keep_mask(scaled, rows.top_k, rows.top_p, rows.min_p) | ~truncating[:, None]
+        scaled = scaled.masked_fill(~kept, float("-inf"))
+    logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
+    if rows.any_sampled:
+        noise = torch.empty_like(logp).exponential_()
+        for i, g in enumerate(rows.generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        tokens = (logp.exp() / noise).argmax(-1)
+        if rows.any_greedy:
+            tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    else:
+        tokens = logits.argmax(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), kept

@@ -1,0 +1,330 @@
+"""Continuous batching: admission, prefill, decode steps, finishing, and the weight-update modes.
+
+Contract:
+- `submit(request, on_done, on_token)` validates the request (a prompt longer than the engine's
+  limits is a `RequestError` naming the limit, raised before anything is queued) and queues it;
+  its group of `n` completions finishes independently of every other request: `on_done` gets
+  the n samples (or `on_fail` the exception) as soon as the last one ends;
+- `step()` runs exactly one forward pass: one decode step of every live sequence with the
+  prompts of newly admitted groups prefilled in the same pass (after an abort: the prefill of
+  every aborted sequence's prompt + prefix, alone). A request joins as soon as `n` slots and
+  its token reservation (prompt + max_new_tokens per sequence) fit, so no sequence waits for
+  the slowest one of some batch;
+- the n completions of a prompt share one prefill: the prompt's KV is computed once and copied
+  into its siblings' slots;
+- the weight gate is polled before every forward pass; what a waiting version does depends on
+  `update_mode` (see docs/engine.md): never_stop and save_resume keep in-flight KV, abort_retry
+  recomputes it under the new weights, drain holds admissions until in-flight sequences finish,
+  blocking admits static batches and swaps only between them. A token's version is the version
+  live during the forward pass that produced its logits, and tokens sampled before a swap keep
+  their version and behaviour logprob in every mode;
+- with `group_cancel`, a swap cancels every in-flight group whose oldest token is more than
+  `max_lag` versions behind; the group restarts from its prompt (counted in `groups_cancelled`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from nonstop.config import EngineConfig
+from nonstop.engine.runner import Runner
+from nonstop.engine.sampling import row_params, sample
+from nonstop.engine.sequence import Group, Seq
+from nonstop.engine.updates import WeightGate
+from nonstop.types import GenerationRequest, Sample
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the field or limit."""
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, eos_token_ids: list[int], cfg: EngineConfig, gate: WeightGate | None,
+                 detokenize: Callable[[list[int]], str] | None = None, policy_version: int = 0) -> None:
+        self.runner = runner
+        self.eos = frozenset(eos_token_ids)
+        self.cfg = cfg
+        self.gate = gate
+        self.detokenize = detokenize
+        self.policy_version = policy_version
+        self.max_seq_len = runner.max_seq_len
+        self.max_cached_tokens = cfg.max_cached_tokens or runner.num_slots * runner.max_seq_len
+        self.waiting: deque[Group] = deque()
+        self.rows: list[Seq] = []  # rows[i] lives in cache slot i
+        self.reprefill: list[Seq] = []
+        self.reserved_tokens = 0
+        self.draining = False
+        self._row_params = None
+        self.stats = {"forward_passes": 0, "prefills": 0, "decode_steps": 0, "tokens_generated": 0,
+                      "prefill_tokens": 0, "swaps": 0, "swap_s": 0.0, "max_swap_s": 0.0, "aborted_seqs": 0,
+                      "paused_seqs": 0, "groups_cancelled": 0, "groups_done": 0, "busy_s": 0.0}
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        p, n = request.params, request.n
+        if not request.prompt_ids:
+            raise RequestError("prompt_ids: empty prompt")
+        if n < 1:
+            raise RequestError(f"n: must be at least 1 (got {n})")
+        if n > self.runner.num_slots:
+            raise RequestError(f"n: {n} completions exceed engine.max_concurrent_seqs ({self.runner.num_slots})")
+        if p.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens: must be at least 1 (got {p.max_new_tokens})")
+        need = len(request.prompt_ids) + p.max_new_tokens
+        if need > self.max_seq_len:
+            raise RequestError(f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens {p.max_new_tokens} "
+                               f"exceeds the engine's max_seq_len of {self.max_seq_len} tokens")
+        if n * need > self.max_cached_tokens:
+            raise RequestError(f"{n} x ({len(request.prompt_ids)} prompt + {p.max_new_tokens} new) tokens exceed "
+                               f"engine.max_cached_tokens ({self.max_cached_tokens})")
+        if p.temperature < 0 or p.top_k < 0 or not 0.0 < p.top_p <= 1.0 or not 0.0 <= p.min_p < 1.0:
+            raise RequestError(f"sampling parameters out of range: temperature {p.temperature} (>= 0), top_k {p.top_k} "
+                               f"(>= 0), top_p {p.top_p} (0, 1], min_p {p.min_p} [0, 1)")
+        if p.stop and self.detokenize is None:
+            raise RequestError("stop: stop strings need an engine with a tokenizer")
+
+    def submit(self, request: GenerationRequest, on_done: Callable[[list[Sample]], None],
+               on_fail: Callable[[BaseException], None] | None = None,
+               on_token: Callable[[int, int, float, int], None] | None = None) -> Group:
+        self.check(request)
+        group = Group(request, on_done, on_fail, on_token, self.runner.vocab_size)
+        self.waiting.append(group)
+        return group
+
+    def abort(self, group: Group) -> None:
+        """Forget a group (its caller went away): no callback fires."""
+        if group in self.waiting:
+            self.waiting.remove(group)
+            return
+        self._evict(group)
+
+    def fail_all(self, error: BaseException) -> None:
+        """A step raised: every queued and in-flight group fails with the error; the engine stays usable."""
+        groups = list(self.waiting) + list({id(s.group): s.group for s in self.rows}.values())
+        self.waiting.clear()
+        self.rows, self.reprefill, self.reserved_tokens, self._row_params = [], [], 0, None
+        for g in groups:
+            if g.on_fail is not None:
+                g.on_fail(error)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    # -- one forward pass -------------------------------------------------------------------
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        self._poll_weights()
+        if self.reprefill:
+            self._forward([])
+        else:
+            admitted = self._admit()
+            if admitted or self.rows:
+                self._forward(admitted)
+        self.stats["busy_s"] += time.perf_counter() - t0
+
+    def _admit(self) -> list[Group]:
+        if self.draining or (self.cfg.update_mode == "blocking" and self.rows):
+            return []
+        admitted, used = [], len(self.rows)
+        while self.waiting:
+            g = self.waiting[0]
+            if used + g.n > self.runner.num_slots or self.reserved_tokens + g.reserve > self.max_cached_tokens:
+                break
+            self.waiting.popleft()
+            admitted.append(g)
+            used += g.n
+            self.reserved_tokens += g.reserve
+        return admitted
+
+    def _forward(self, groups: list[Group]) -> None:
+        """One forward pass. Normally: a decode step of every live row, with the prompts of newly
+        admitted groups prefilled in the same pass (one prompt per group, its KV copied to the
+        siblings). After an abort: a prefill of prompt + prefix of every aborted row, alone."""
+        decoding = [] if self.reprefill else list(self.rows)
+        heads, members, prefixes = [], [], []
+        for g in groups:
+            g.start()
+            for s in g.seqs:
+                s.row = len(self.rows)
+                s.length = len(g.request.prompt_ids)
+                self.rows.append(s)
+            heads.append(g.seqs[0].row)
+            members.append(g.seqs)
+            prefixes.append(g.request.prompt_ids)
+        for s in self.reprefill:
+            heads.append(s.row)
+            members.append([s])
+            prefixes.append(s.group.request.prompt_ids + s.ids)
+            s.length = len(prefixes[-1])
+        self.reprefill = []
+        if decoding:
+            tokens = torch.tensor([s.pending for s in decoding])
+            positions = torch.tensor([s.length for s in decoding])
+            if heads:
+                logits = self.runner.mixed(tokens, positions, torch.tensor(heads), prefixes)
+            else:
+                logits = self.runner.decode(tokens, positions)
+            for s in decoding:
+                s.length += 1
+            self.stats["decode_steps"] += 1
+        else:
+            logits = self.runner.prefill(torch.tensor(heads), prefixes)  # (P, V)
+        if heads:
+            for head, seqs in zip(heads, members):
+                for s in seqs[1:]:
+                    self.runner.move(head, s.row, s.length)
+            self.stats["prefills"] += 1
+            self.stats["prefill_tokens"] += sum(len(p) for p in prefixes)
+            repeat = torch.tensor([1] * len(decoding) + [len(m) for m in members])
+            logits = logits.repeat_interleave(repeat, dim=0)
+        seqs = decoding + [s for m in members for s in m]
+        if heads:  # the batch changed: its parameters are rebuilt (and cached only for plain decode steps)
+            self._row_params = None
+            params = self._params_of(seqs)
+        else:
+            if self._row_params is None:
+                self._row_params = self._params_of(seqs)
+            params = self._row_params
+        self._emit(seqs, logits, params)
+
+    def _params_of(self, seqs: list[Seq]):
+        return row_params([s.group.settings for s in seqs], [s.generator for s in seqs])
+
+    def _emit(self, seqs: list[Seq], logits: torch.Tensor, params) -> None:
+        self.stats["forward_passes"] += 1
+        tokens, logprobs, kept = sample(logits, params)
+        kept_rows = self._kept_rows(seqs, kept) if kept is not None else {}
+        version, finished = self.policy_version, []
+        for i, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+            s.ids.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(version)
+            if s.kept is not None:
+                ids, bits = kept_rows[i]
+                s.kept.append(ids) if bits is None else s.kept.append_bitmask(bits)
+            s.pending = tok
+            g = s.group
+            if g.on_token is not None:
+                g.on_token(s.index, tok, lp, version)
+            reason = self._finish_reason(s, tok)
+            if reason is not None:
+                s.finish = reason
+                finished.append(s)
+        self.stats["tokens_generated"] += len(seqs)
+        if finished:
+            self._release(finished)
+
+    @staticmethod
+    def _kept_rows(seqs: list[Seq], kept: torch.Tensor) -> dict[int, tuple[list[int] | None, bytes | None]]:
+        """Per truncating row, its kept ids (sorted) or, when smaller, its packed bitmask."""
+        idx = [i for i, s in enumerate(seqs) if s.kept is not None]
+        if not idx:
+            return {}
+        sub = kept[idx]  # (R, V) bool
+        counts = sub.sum(-1).tolist()
+        store = seqs[idx[0]].kept
+        as_bits = [store.id_bytes(c) > store.bitmask_bytes() for c in counts]  # type: ignore[union-attr]
+        out: dict[int, tuple[list[int] | None, bytes | None]] = {}
+        packed = None
+        if any(as_bits):
+            packed = np.packbits(sub.numpy(), axis=-1, bitorder="little")  # (R, ceil(V / 8))
+        listed = [r for r, b in enumerate(as_bits) if not b]
+        if listed:
+            rows = sub[listed]
+            flat = rows.nonzero()[:, 1].tolist()
+            ends = rows.sum(-1).cumsum(0).tolist()
+            for r, a, b in zip(listed, [0] + ends[:-1], ends):
+                out[idx[r]] = (flat[a:b], None)
+        for r, b in enumerate(as_bits):
+            if b:
+                out[idx[r]] = (None, packed[r].tobytes())  # type: ignore[index]
+        return out
+
+    def _finish_reason(self, s: Seq, tok: int) -> str | None:
+        g = s.group
+        if tok in self.eos or tok in g.stop_ids:
+            return "stop"
+        if g.stop_strings and self.detokenize is not None:
+            tail = self.detokenize(s.ids[-g.stop_window:])
+            if any(x in tail for x in g.stop_strings):
+                return "stop"
+        if len(s.ids) >= g.request.params.max_new_tokens:
+            return "length"
+        return None
+
+    def _release(self, seqs: list[Seq]) -> None:
+        """Free the rows of finished (or evicted) sequences, keeping live rows packed at the front."""
+        gone = {id(s) for s in seqs}
+        for row in sorted((s.row for s in seqs), reverse=True):
+            last = self.rows.pop()
+            if row < len(self.rows):
+                self.runner.move(last.row, row, last.length)
+                last.row = row
+                self.rows[row] = last
+        for s in seqs:
+            s.row = -1
+        self.reprefill = [s for s in self.reprefill if id(s) not in gone]
+        self._row_params = None
+        for g in {id(s.group): s.group for s in seqs if s.finish is not None}.values():
+            if g.all_finished:
+                self.reserved_tokens -= g.reserve
+                self.stats["groups_done"] += 1
+                g.on_done([s.to_sample() for s in g.seqs])
+
+    def _evict(self, group: Group) -> None:
+        live = [s for s in group.seqs if s.row >= 0]
+        for s in live:
+            s.finish = None
+        if live:
+            self._release(live)
+        if group.started:
+            self.reserved_tokens -= group.reserve
+        group.started = False
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def _poll_weights(self) -> None:
+        if self.gate is None or (self.cfg.update_mode == "blocking" and self.rows):
+            return
+        t0 = time.perf_counter()  # in never_stop the transport's copy into the model happens in poll()
+        if self.gate.poll() is None:
+            return
+        if self.cfg.update_mode == "drain" and self.rows:
+            self.draining = True  # admissions wait; the swap happens once in-flight rows finish
+            return
+        self._swap(t0)
+
+    def _swap(self, t0: float) -> None:
+        mode, paused = self.cfg.update_mode, []
+        if mode == "save_resume" and self.rows:
+            paused = [(s, self.runner.save(s.row, s.length)) for s in self.rows]
+            self.stats["paused_seqs"] += len(paused)
+        self.policy_version = self.gate.apply()  # type: ignore[union-attr]
+        for s, saved in paused:
+            self.runner.restore(s.row, saved)
+        if mode == "abort_retry" and self.rows:
+            self.reprefill = list(self.rows)
+            self.stats["aborted_seqs"] += len(self.rows)
+        self.draining = False
+        dt = time.perf_counter() - t0
+        self.stats["swaps"] += 1
+        self.stats["swap_s"] += dt
+        self.stats["max_swap_s"] = max(self.stats["max_swap_s"], dt)
+        if self.cfg.group_cancel and self.cfg.max_lag is not None:
+            self._cancel_lagging(self.cfg.max_lag)
+
+    def _cancel_lagging(self, max_lag: int) -> None:
+        groups = {id(s.group): s.group for s in self.rows}.values()
+        lagging = [g for g in groups if self.policy_version - g.min_version > max_lag]
+        for g in lagging:
+            self._evict(g)
+            g.reset()
+            self.stats["groups_cancelled"] += 1
+        self.waiting.extendleft(reversed(lagging))

@@ -1,0 +1,75 @@
+"""In-flight state of one request (a group of n completions) and of each completion.
+
+A `Seq` owns the growing completion and its per-token metadata: token ids, behaviour logprobs,
+policy versions and (when the request truncates) the Keep Sampling Mask. Invariants: the four
+lists have equal length; `pending` is the last sampled token, not yet in the KV cache;
+`length` is the number of tokens in the cache; `row` is the cache slot (-1 when not in the
+batch). A `Group` finishes when all its sequences have a finish reason; `reset()` clears it
+for a restart from the prompt (group_cancel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nonstop.types import GenerationRequest, KeptIds, Sample
+
+
+class Seq:
+    __slots__ = ("group", "index", "ids", "logprobs", "versions", "kept", "pending", "length", "row",
+                 "finish", "generator")
+
+    def __init__(self, group: "Group", index: int) -> None:
+        self.group, self.index = group, index
+        self.row = -1
+        self.clear()
+
+    def clear(self) -> None:
+        p = self.group.request.params
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.kept = KeptIds(self.group.vocab_size) if p.truncates and p.temperature > 0 else None
+        self.pending = -1
+        self.length = 0
+        self.finish: str | None = None
+        self.generator = torch.Generator().manual_seed(p.seed + self.index) if p.seed is not None else None
+
+    def to_sample(self) -> Sample:
+        return Sample(prompt_ids=list(self.group.request.prompt_ids), completion_ids=self.ids, logprobs=self.logprobs,
+                      versions=self.versions, finish_reason=self.finish,  # type: ignore[arg-type]
+                      sampling_mask=self.kept)
+
+
+class Group:
+    def __init__(self, request: GenerationRequest, on_done: Callable[[list[Sample]], None],
+                 on_fail: Callable[[BaseException], None] | None,
+                 on_token: Callable[[int, int, float, int], None] | None, vocab_size: int) -> None:
+        p = request.params
+        self.request, self.on_done, self.on_fail, self.on_token = request, on_done, on_fail, on_token
+        self.n = request.n
+        self.reserve = request.n * (len(request.prompt_ids) + p.max_new_tokens)
+        self.settings = (float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p))
+        self.stop_ids = frozenset(p.stop_token_ids)
+        self.stop_strings = tuple(p.stop)
+        self.stop_window = max((len(x) for x in p.stop), default=0) + 1
+        self.vocab_size = vocab_size
+        self.started = False
+        self.seqs = [Seq(self, i) for i in range(request.n)]
+
+    def start(self) -> None:
+        self.started = True
+
+    def reset(self) -> None:
+        for s in self.seqs:
+            s.clear()
+
+    @property
+    def all_finished(self) -> bool:
+        return all(s.finish is not None for s in self.seqs)
+
+    @property
+    def min_version(self) -> int:
+        return min((s.versions[0] for s in self.seqs if s.versions), default=10**18)

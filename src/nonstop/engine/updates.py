@@ -1,0 +1,66 @@
+"""Weight updates on the engine side: the gate between a transport and the live model.
+
+A `WeightGate` holds the engine's end of a weight transport and separates *receiving* a new
+version from *applying* it:
+- `poll()` asks the source for a newer complete version and returns the version waiting to
+  be applied (None when there is none); it never blocks on the trainer;
+- `apply()` makes the waiting version live and returns it.
+
+In `never_stop` mode the source writes straight into the live model (transports already
+receive into a private shadow in the background and copy a complete version in one go), so
+`poll()` applies at once and `apply()` only hands the version over. Every other mode needs to
+know that weights are waiting without letting them touch the model decoding right now, so the
+source writes into a staging copy of the model and `apply()` copies the staging parameters
+into the live ones (one foreach copy: the stall of a swap). The staging copy costs one more
+copy of the parameters in memory; the mode's docs say so.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal, Protocol
+
+import torch
+
+UpdateMode = Literal["never_stop", "abort_retry", "save_resume", "drain", "blocking"]
+UPDATE_MODES: tuple[UpdateMode, ...] = ("never_stop", "abort_retry", "save_resume", "drain", "blocking")
+
+
+class WeightSource(Protocol):
+    """Engine-side end of a weight transport."""
+
+    def maybe_update(self, model: torch.nn.Module) -> int | None:
+        """If a newer complete version is available, load it into `model` and return it.
+
+        Never blocks on the trainer; returns None when there is nothing new."""
+        ...
+
+
+class WeightGate:
+    def __init__(self, live: torch.nn.Module, staged: bool) -> None:
+        self.live = live
+        self.target = copy.deepcopy(live) if staged else live
+        self.source: WeightSource | None = None
+        self.waiting: int | None = None
+        self._live_params = list(live.parameters())
+        self._staged_params = list(self.target.parameters())
+
+    @property
+    def staged(self) -> bool:
+        return self.target is not self.live
+
+    def poll(self) -> int | None:
+        if self.source is not None:
+            version = self.source.maybe_update(self.target)
+            if version is not None:
+                self.waiting = version
+        return self.waiting
+
+    @torch.no_grad()
+    def apply(self) -> int:
+        if self.waiting is None:
+            raise RuntimeError("WeightGate.apply: no version is waiting")
+        if self.staged:
+            torch._foreach_copy_(self._live_params, self._staged_params)
+        version, self.waiting = self.waiting, None
+        return version

@@ -1,0 +1,191 @@
+"""OpenAI-compatible HTTP server over the engine (aiohttp): token-in, token-out.
+
+Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions` (prompt as text or token ids),
+`POST /v1/chat/completions` (messages through the tokenizer's chat template, or a plain
+built-in one when the tokenizer has none); both stream as server-sent events with
+`"stream": true`. Every choice carries the `nonstop` extension (engine token ids, behaviour
+logprobs, policy versions, Keep Sampling Mask; serve/protocol.py).
+
+Contract: binds 127.0.0.1 unless told otherwise; with an API key, `/v1/*` needs
+`Authorization: Bearer <key>` (401 otherwise). Malformed JSON or a bad field -> 400 naming it;
+a prompt over the engine's limits -> 400 naming the limit; an unknown model or route -> 404;
+anything unexpected -> 500 for that request only. Errors are JSON `{"error": {...}}`. A request
+never reaches the engine before it is fully validated, and a client that disconnects mid-stream
+has its sequences aborted, so no bad or abandoned request can take the engine down.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from nonstop.engine.aio import AsyncEngine, TokenEvent
+from nonstop.engine.scheduler import RequestError
+from nonstop.serve.protocol import BadRequest, Call, TextCutter, extension, parse_chat, parse_completion
+from nonstop.types import GenerationRequest, Sample
+
+log = logging.getLogger("nonstop.serve")
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(status, "server_error")
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status)
+
+
+class EngineServer:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, api_key: str | None = None,
+                 max_tokens_default: int = 16) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.api_key, self.max_tokens_default = api_key, max_tokens_default
+        self.chat_template = None if tokenizer.chat_template else DEFAULT_CHAT_TEMPLATE
+        self._ids = itertools.count()
+        self._runner: web.AppRunner | None = None
+        self.requests_served = 0
+        self.requests_failed = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._guard], client_max_size=8 * 2**20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve in the running loop; returns the bound port (port 0 picks a free one)."""
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.api_key is not None and request.path.startswith("/v1/"):
+            if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+                return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            self.requests_failed += 1
+            return _error(e.status, str(e), e.param)
+        except RequestError as e:
+            self.requests_failed += 1
+            return _error(400, str(e))
+        except web.HTTPException as e:
+            return _error(e.status, f"{request.method} {request.path}: {e.reason}")
+        except Exception as e:  # one request fails, the server and the engine go on
+            self.requests_failed += 1
+            log.exception("request %s %s failed", request.method, request.path)
+            return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+    async def health(self, request: web.Request) -> web.Response:
+        sched = self.engine.engine.scheduler
+        return web.json_response({"status": "ok", "model": self.model_name, "policy_version": sched.policy_version,
+                                  "running": len(sched.rows), "waiting": len(sched.waiting)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "nonstop"}]})
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"request body is not valid JSON: {e}") from None
+
+    def _check_model(self, call: Call) -> None:
+        if call.model is not None and call.model != self.model_name:
+            raise BadRequest(f"model '{call.model}' not found; this server serves '{self.model_name}'", "model", 404)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        call = parse_completion(await self._body(request), self.max_tokens_default)
+        self._check_model(call)
+        ids = call.prompt_ids if call.prompt_ids is not None else self.tokenizer(call.prompt_text)["input_ids"]
+        return await self._serve(request, call, ids, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        call = parse_chat(await self._body(request), self.max_tokens_default)
+        self._check_model(call)
+        enc = self.tokenizer.apply_chat_template(call.messages, add_generation_prompt=True, tokenize=True,
+                                                 chat_template=self.chat_template)
+        ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else list(enc)
+        return await self._serve(request, call, ids, chat=True)
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def _serve(self, request: web.Request, call: Call, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
+        vocab = self.engine.engine.runner.vocab_size
+        if any(t >= vocab for t in prompt_ids):
+            raise BadRequest(f"prompt: token ids must be below the vocabulary size {vocab}", "prompt")
+        req = GenerationRequest(next(self._ids), list(prompt_ids), call.n, call.params)
+        self.engine.engine.scheduler.check(req)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if call.stream:
+            return await self._stream(request, call, req, rid, chat)
+        samples = await self.engine.submit(req)
+        self.requests_served += 1
+        choices = [self._choice(i, s, call, chat) for i, s in enumerate(samples)]
+        completion_tokens = sum(len(s.completion_ids) for s in samples)
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt_ids) + completion_tokens},
+        })
+
+    def _choice(self, i: int, s: Sample, call: Call, chat: bool) -> dict[str, Any]:
+        text = TextCutter(call.params.stop).final(self._text(s.completion_ids))
+        choice: dict[str, Any] = {"index": i, "finish_reason": s.finish_reason, "nonstop": extension(s)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if call.want_logprobs:
+            choice["logprobs"] = {"tokens": [self._text([t]) for t in s.completion_ids], "token_logprobs": s.logprobs}
+        return choice
+
+    async def _stream(self, request: web.Request, call: Call, req: GenerationRequest, rid: str, chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        ids: list[list[int]] = [[] for _ in range(req.n)]
+        cutters = [TextCutter(call.params.stop) for _ in range(req.n)]
+
+        async def send(index: int, text: str, finish: str | None, ext: dict[str, Any]) -> None:
+            piece = {"delta": {"content": text}} if chat else {"text": text}
+            chunk = {"id": rid, "object": kind, "created": created, "model": self.model_name,
+                     "choices": [{"index": index, **piece, "finish_reason": finish, "nonstop": ext}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        async for item in self.engine.stream(req):
+            if isinstance(item, TokenEvent):
+                ids[item.index].append(item.token_id)
+                text = cutters[item.index].delta(self._text(ids[item.index]), finished=False)
+                await send(item.index, text, None, {"token_ids": [item.token_id], "logprobs": [item.logprob],
+                                                    "policy_versions": [item.policy_version]})
+                continue
+            for i, s in enumerate(item):
+                text = cutters[i].delta(self._text(s.completion_ids), finished=True)
+                await send(i, text, s.finish_reason, extension(s))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self.requests_served += 1
+        return resp
