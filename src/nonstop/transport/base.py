@@ -163,19 +163,25 @@ class FlatSender:
     """Trainer side: the sent tensors, re-homed once into one flat buffer in layout order, so a
     publish reads one contiguous block (one copy, or none: broadcast sends slices of it).
 
-    If anything re-homes a tensor later (its storage moved), the next `flat()` binds again."""
+    The tensor list is looked up once per model object; each publish only checks that every
+    tensor still lives at its place in the buffer, and binds again if anything re-homed one."""
 
     def __init__(self, handle: TransportHandle) -> None:
         self.handle = handle
         self.lora: LoraConfig | None = handle.options.get("lora")
         self.buffer: torch.Tensor | None = None
+        self.model: torch.nn.Module | None = None
+        self.tensors: list[torch.Tensor] = []
         self.expected_ptrs: list[int] = []
 
     def flat(self, model: torch.nn.Module) -> torch.Tensor:
-        tensors = in_layout_order(sent_tensors(model, self.lora), self.handle.layout)
-        if self.buffer is None or [t.data_ptr() for t in tensors] != self.expected_ptrs:
-            self.buffer = bind_flat(tensors, self.handle.layout, self.handle.total_bytes)
-            self.expected_ptrs = [t.data_ptr() for t in tensors]
+        if model is not self.model:
+            self.model = model
+            self.tensors = in_layout_order(sent_tensors(model, self.lora), self.handle.layout)
+            self.buffer = None
+        if self.buffer is None or [t.data_ptr() for t in self.tensors] != self.expected_ptrs:
+            self.buffer = bind_flat(self.tensors, self.handle.layout, self.handle.total_bytes)
+            self.expected_ptrs = [t.data_ptr() for t in self.tensors]
         return self.buffer
 
 

@@ -8,7 +8,8 @@ the file notification: an engine stats it before each forward pass (cheap), and 
 changed, reads the version, loads that file into a new buffer and points its tensors at it
 (no copy). With `notify="http"` the trainer also serves a long-poll notification (notify.py):
 an engine thread waits on it, loads each announced version off the decode path, and
-`maybe_update` only re-points the tensors. Because the marker is renamed into place only
+`maybe_update` only re-points the tensors; if the notification fails (recorded in
+`notify_error`) or ends, the engine falls back to the marker, so weights keep arriving. Because the marker is renamed into place only
 after the weights file is complete, a half-written update is never applied. The trainer
 keeps the newest `keep` versions.
 """
@@ -95,6 +96,7 @@ class FilesSource:
         self.lock = threading.Lock()
         self.ready: tuple[int, torch.Tensor] | None = None  # loaded by the watcher, guarded by lock
         self.error: TransportError | None = None
+        self.notify_error: str | None = None  # why the HTTP notification ended, if it failed
         self.closing = threading.Event()
         self.thread: threading.Thread | None = None
         if handle.options.get("notify") == "http":
@@ -124,12 +126,15 @@ class FilesSource:
         while not self.closing.is_set():
             try:
                 version = self.watcher.wait_newer(seen)
-                if version is None:  # the trainer closed: nothing more will come
-                    return
+            except TransportError as e:  # the trainer is gone or unreachable: fall back to the marker
+                self.notify_error = str(e)
+                return
+            if version is None:  # the trainer closed: nothing more will come
+                return
+            try:
                 flat = self._load(version) if version > seen else None
-            except TransportError as e:
-                if not self.closing.is_set():
-                    self.error = e
+            except TransportError as e:  # a damaged file: raised from maybe_update, never applied
+                self.error = e
                 return
             if flat is not None:
                 with self.lock:
@@ -148,7 +153,12 @@ class FilesSource:
                 raise self.error
             with self.lock:
                 ready, self.ready = self.ready, None
-            return self._apply(*ready) if ready is not None and ready[0] > self.applied else None
+            if ready is not None and ready[0] > self.applied:
+                return self._apply(*ready)
+            if self.thread.is_alive():
+                return None
+            # The notification ended (trainer closed, or lost: see notify_error); the marker,
+            # the source of truth, still names the newest complete version.
         try:
             st = os.stat(self.dir / MARKER)
         except FileNotFoundError:
