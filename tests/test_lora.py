@@ -152,7 +152,10 @@ def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
     adapter_bytes = sum(4 * LoraConfig().rank * (m.in_features + m.out_features) for _, m in targeted_modules(model, LoraConfig()))
     for r in recs:
-        assert abs(r["ratio_min"] - 1) < 1e-4 and abs(r["ratio_max"] - 1) < 1e-4, r
+        # The engine decodes with merged weights W0 + s*B@A, the trainer with peft's x@W0 + s*(x@A)@B: the same
+        # function rounded differently in float32 (measured up to 1.2e-4 in the ratio); a stale adapter would be
+        # off by far more at lr 1e-2.
+        assert abs(r["ratio_min"] - 1) < 1e-3 and abs(r["ratio_max"] - 1) < 1e-3, r
         assert adapter_bytes <= r["publish_bytes"] < adapter_bytes + 64 * 4 * len(targeted_modules(model, LoraConfig()))
     assert adapter_bytes < 0.2 * full_bytes
     first, last = (sum(r["reward_mean"] for r in part) / len(part) for part in (recs[:10], recs[-10:]))
