@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from nonstop.config import EngineConfig, TinyModelConfig, TransportConfig
+from nonstop.config import EngineConfig, ShmTransportConfig, TinyModelConfig
 from nonstop.engine.core import TorchEngine
 from nonstop.engine.updates import UPDATE_MODES
 from nonstop.tasks.tiny import make_tiny_model
@@ -215,7 +215,7 @@ def main() -> None:
     rows = [("none (no updates)", run_engine(make_engine(model_copy(model), args.batch), reqs, backlog=args.batch))]
     for mode in UPDATE_MODES:
         engine = make_engine(model_copy(model), args.batch, mode)
-        handle = plan_transport(TransportConfig(kind="shm"), trainer, 1)
+        handle = plan_transport(ShmTransportConfig(), trainer, 1)
         sink = open_sink(handle)
         source = open_source(handle, engine.weight_model)
         engine.weights = source

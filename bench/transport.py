@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from nonstop.config import LoraConfig, TransportConfig
+from nonstop.config import BroadcastTransportConfig, FilesTransportConfig, LoraConfig, ShmTransportConfig
 from nonstop.transport import open_sink, open_source, plan_transport
 
 LAYOUTS = {
@@ -102,7 +102,7 @@ def _same_process(kind, trainer, engine, repeats, lora=None):
     """Best publish + apply time of shm or files, both ends in this process; with LoRA also the
     best time of the same calls without the engine's merge (the merge is timed inside them)."""
     with tempfile.TemporaryDirectory() as d:
-        handle = plan_transport(TransportConfig(kind=kind, files_dir=d), trainer, 1, lora)
+        handle = plan_transport(FilesTransportConfig(dir=d) if kind == "files" else ShmTransportConfig(), trainer, 1, lora)
         sink = open_sink(handle)
         source = open_source(handle, engine)
         version, without_merge = [0], []
@@ -146,7 +146,7 @@ def bench_layout(name, shapes, repeats):
     if name.startswith("200M"):
         sweep += [(f"broadcast {mb}MiB", {"bucket_mb": mb}) for mb in (1, 4, 16, 64, 256)]
     for label, kw in sweep:
-        out[label] = _broadcast(TransportConfig(kind="broadcast", timeout_s=300, **kw), trainer, shapes, repeats)
+        out[label] = _broadcast(BroadcastTransportConfig(timeout_s=300, **kw), trainer, shapes, repeats)
     return flat_bytes, out
 
 
@@ -162,8 +162,8 @@ def bench_lora(repeats):
         full = _same_process(kind, trainer, LinearStack(seed=1), repeats)[0]
         lora, lora_sync, nbytes = _same_process(kind, peft_trainer, LinearStack(seed=1), repeats, LORA)
         rows[kind] = (full, lora_sync, lora)
-    full = _broadcast(TransportConfig(kind="broadcast", timeout_s=300), trainer, "stack", repeats)
-    lora = _broadcast(TransportConfig(kind="broadcast", timeout_s=300), peft_trainer, "stack", repeats, LORA)
+    full = _broadcast(BroadcastTransportConfig(timeout_s=300), trainer, "stack", repeats)
+    lora = _broadcast(BroadcastTransportConfig(timeout_s=300), peft_trainer, "stack", repeats, LORA)
     rows["broadcast (until acked)"] = (full, lora, None)
     merged = MergedAdapters(LinearStack(seed=1), LORA)
     merge_s = _best(merged.applied, repeats)

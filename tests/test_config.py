@@ -1,6 +1,22 @@
-import pytest
+from pathlib import Path
 
-from nonstop.config import Config, ConfigError, dump_config, load_config
+import pytest
+from pydantic import ValidationError
+
+from nonstop.config import (
+    BroadcastTransportConfig,
+    Config,
+    ConfigError,
+    FilesTransportConfig,
+    LocalRuntimeConfig,
+    RayRuntimeConfig,
+    ShmTransportConfig,
+    config_reference,
+    dump_config,
+    load_config,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_validate_and_round_trip(tmp_path):
@@ -50,7 +66,7 @@ def test_bad_override_syntax():
 
 def test_config_is_frozen():
     cfg = Config()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.trainer.lr = 1.0  # type: ignore[misc]
 
 
@@ -72,9 +88,111 @@ def test_yaml11_words_stay_strings_for_enums_and_work_for_booleans(tmp_path):
 
 
 def test_example_configs_validate():
-    from pathlib import Path
-
-    examples = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
     assert examples
     for path in examples:
         load_config(path, ["model.path=x"] if "own_model" in path.name else [])
+
+
+# Tagged sections: `transport.kind` and `runtime.backend` select a model with only its own fields.
+
+def test_kind_selects_the_transport_model_and_defaults_to_shm(tmp_path):
+    assert isinstance(load_config(overrides=["transport.checksum=true"]).transport, ShmTransportConfig)
+    cfg = load_config(overrides=["transport.kind=broadcast", "transport.bucket_mb=4"])
+    assert cfg.transport == BroadcastTransportConfig(bucket_mb=4)
+    cfg = load_config(overrides=["transport.kind=files", "transport.dir=/w", "transport.notify=http"])
+    assert isinstance(cfg.transport, FilesTransportConfig) and (cfg.transport.dir, cfg.transport.notify) == ("/w", "http")
+    assert "bucket_mb" not in dump_config(load_config())  # only the chosen kind's fields are written
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+    ray = load_config(overrides=["runtime.backend=ray", "runtime.ray_engine.num_cpus=0.5"])
+    assert isinstance(ray.runtime, RayRuntimeConfig) and ray.runtime.ray_engine.num_cpus == 0.5
+    assert isinstance(load_config().runtime, LocalRuntimeConfig)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["transport.bucket_mb=4"], "transport.bucket_mb: only for transport.kind 'broadcast' (kind is 'shm')"),
+    (["transport.kind=files", "transport.per_tensor=true"],
+     "transport.per_tensor: only for transport.kind 'broadcast' (kind is 'files')"),
+    (["transport.kind=broadcast", "transport.dir=/w"], "transport.dir: only for transport.kind 'files' (kind is 'broadcast')"),
+    (["runtime.ray_address=auto"], "runtime.ray_address: only for runtime.backend 'ray' (backend is 'local')"),
+    (["runtime.ray_trainer.num_gpus=1"], "runtime.ray_trainer: only for runtime.backend 'ray' (backend is 'local')"),
+    (["transport.bukcet_mb=4"], "transport.bukcet_mb: unknown field (did you mean 'bucket_mb'?)"),
+    (["transport.kind=nccl"], "transport.kind: expected one of 'shm', 'broadcast', 'files' (got 'nccl')"),
+    (["runtime.backend=slurm"], "runtime.backend: expected one of 'local', 'ray' (got 'slurm')"),
+    (["transport=shm"], "transport: expected a section (a mapping of fields) (got 'shm')"),
+    (["transport.kind=broadcast", "transport.bucket_mb=0"], "transport.bucket_mb: Input should be greater than 0"),
+    (["runtime.backend=ray", "runtime.ray_engine.num_cpus=-1"], "runtime.ray_engine.num_cpus: Input should be greater"),
+])
+def test_field_of_another_kind_or_bad_kind_is_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert str(e.value).count("\n") == 1, str(e.value)  # one problem, one line
+    assert message in str(e.value)
+
+
+# Every rule across fields: it fails with a message naming the fields, and the change the message
+# suggests makes the config valid.
+RULES = [
+    (["buffer.depth=3", "buffer.max_lag=1"], r"buffer\.max_lag \(1\) < buffer\.depth \(3\)", ["buffer.reject=token"]),
+    (["trainer.ranks=2", "trainer.data_parallel=fsdp2"], r"checkpoint\.every_steps: checkpoints of fsdp2",
+     ["checkpoint.every_steps=null"]),
+    (["trainer.ranks=2", "model.lora.enabled=true"], r"trainer\.ranks: data-parallel ranks with model\.lora",
+     ["trainer.ranks=1"]),
+    (["trainer.ranks=5", "rollout.prompts_per_step=4"], r"trainer\.ranks \(5\) > rollout\.prompts_per_step \(4\)",
+     ["trainer.ranks=4"]),
+    (["model.path=/m", "warmup.enabled=true"], r"warmup\.enabled: the warm-up trains the built-in tiny model",
+     ["warmup.enabled=false"]),
+    (["transport.kind=broadcast", "runtime.max_engine_restarts=2"],
+     r"runtime\.max_engine_restarts \(2\) > 0 with transport\.kind 'broadcast'", ["runtime.max_engine_restarts=0"]),
+    (["task.name=jsonl"], r"task: .*task 'jsonl' needs dataset_path", ["task.dataset_path=d.jsonl"]),
+    (["model.tiny.num_heads=3"], r"model\.tiny: .*hidden_size must be divisible by num_heads", ["model.tiny.num_heads=8"]),
+    (["model.tiny.num_kv_heads=3"], r"model\.tiny: .*num_heads must be divisible by num_kv_heads",
+     ["model.tiny.num_kv_heads=4"]),
+    (["trainer.is_lo=1.0", "trainer.is_hi=1.0"], r"trainer: .*is_lo \(1\.0\) must be below is_hi \(1\.0\)",
+     ["trainer.is_hi=1.5"]),
+]
+
+
+@pytest.mark.parametrize("overrides,message,fix", RULES, ids=[
+    "lag_below_depth", "fsdp2_checkpoints", "ranks_with_lora", "ranks_above_prompts", "warmup_with_model_path",
+    "broadcast_restarts", "jsonl_needs_dataset", "heads_divide_width", "kv_heads_divide_heads", "is_bounds"])
+def test_each_rule_across_fields_names_them_and_its_fix_works(overrides, message, fix):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+    load_config(overrides=overrides + fix)
+
+
+def test_defaults_that_depend_on_other_fields_resolve_in_the_config():
+    cfg = load_config()
+    assert cfg.engine.max_lag is None and cfg.engine_settings.max_lag == cfg.buffer.max_lag == 2
+    assert load_config(overrides=["engine.max_lag=5"]).engine_settings.max_lag == 5
+    assert cfg.runtime.max_engine_restarts is None and cfg.engine_restarts == 3
+    assert load_config(overrides=["transport.kind=files"]).engine_restarts == 3
+    assert load_config(overrides=["transport.kind=broadcast"]).engine_restarts == 0
+    assert load_config(overrides=["runtime.max_engine_restarts=7"]).engine_restarts == 7
+    assert cfg.warmup.enabled is None and cfg.warmup_enabled is True
+    assert load_config(overrides=["model.path=/m"]).warmup_enabled is False
+    assert load_config(overrides=["warmup.enabled=false"]).warmup_enabled is False
+
+
+def test_a_written_config_keeps_defaults_that_depend_on_other_fields(tmp_path):
+    """A run's config.yaml leaves those defaults unset, so `--resume --set transport.kind=broadcast`
+    or a changed buffer.max_lag still resolves them from the new values."""
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(load_config()))
+    cfg = load_config(path, ["transport.kind=broadcast", "buffer.max_lag=5", "model.path=/m"])
+    assert (cfg.engine_restarts, cfg.engine_settings.max_lag, cfg.warmup_enabled) == (0, 5, False)
+
+
+def test_reference_has_one_table_per_kind_and_docs_are_current():
+    ref = config_reference()
+    shm, broadcast, files = (ref.index(f"## transport (kind: {k})") for k in ("shm", "broadcast", "files"))
+    common = ref.index("## transport\n")
+    assert common < shm < broadcast < files
+    assert "`transport.checksum`" in ref[common:shm] and "`transport.bucket_mb`" in ref[broadcast:files]
+    assert "`transport.bucket_mb`" not in ref[:broadcast] + ref[files:]
+    assert "| `transport.kind` | 'shm' or 'broadcast' or 'files' | `'shm'` |" in ref
+    assert "## runtime.ray_engine (backend: ray)" in ref and "`runtime.ray_address`" in ref[ref.index("(backend: ray)"):]
+    assert (ROOT / "docs" / "config.md").read_text() == ref + "\n", "regenerate: nonstop config --markdown > docs/config.md"

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from conftest import SMALL
-from nonstop.config import LoraConfig, TinyModelConfig, TrainerConfig, TransportConfig
+from nonstop.config import (
+    BroadcastTransportConfig,
+    FilesTransportConfig,
+    LoraConfig,
+    ShmTransportConfig,
+    TinyModelConfig,
+    TrainerConfig,
+)
 from nonstop.hf import load_model
 from nonstop.lora import MergedAdapters, adapter_tensors, targeted_modules, wrap_with_peft
 from nonstop.tasks.tiny import make_tiny_model
@@ -65,9 +72,8 @@ def test_engine_merge_equals_peft_and_leaves_other_weights_alone(tiny_dir):
 
 def test_only_adapters_travel_and_the_engine_ends_up_with_the_merged_model(tiny_dir):
     """Across processes over broadcast; the same target is filled by shm and files (see below)."""
-    kind = "broadcast"
     trainer_model = _trained_peft(tiny_dir, seed=2)
-    handle = plan_transport(TransportConfig(kind=kind, bucket_mb=0.01, timeout_s=60, checksum=True), trainer_model, 1, LORA)
+    handle = plan_transport(BroadcastTransportConfig(bucket_mb=0.01, timeout_s=60, checksum=True), trainer_model, 1, LORA)
     full = sum(p.numel() * 4 for p in load_model(str(tiny_dir)).parameters())
     assert all(".lora_A." in s.name or ".lora_B." in s.name for s in handle.layout)
     assert handle.total_bytes < 0.25 * full
@@ -97,7 +103,8 @@ def test_only_adapters_travel_and_the_engine_ends_up_with_the_merged_model(tiny_
 def test_adapter_updates_through_shm_and_files_merge_like_peft(tiny_dir, tmp_path, kind):
     from nonstop.transport import open_source
 
-    handle = plan_transport(TransportConfig(kind=kind, files_dir=str(tmp_path / "w"), checksum=True),
+    cfg = FilesTransportConfig(dir=str(tmp_path / "w"), checksum=True) if kind == "files" else ShmTransportConfig(checksum=True)
+    handle = plan_transport(cfg,
                             _trained_peft(tiny_dir, seed=0), 1, LORA)
     sink, engine = open_sink(handle), load_model(str(tiny_dir))
     source = open_source(handle, engine)
@@ -200,8 +207,8 @@ def test_resumed_lora_trainer_continues_exactly_and_hands_its_adapters_to_a_base
     assert (tmp_path / "model" / "adapter_model.safetensors").is_file()
     resumed = TrainerWorker(str(tiny_dir), cfg, 1.0, tok.pad_token_id, lora=LORA, adapter_path=str(tmp_path / "model"))
     assert resumed.load_checkpoint(str(tmp_path)) == 2
-    handle = resumed.plan_transport(TransportConfig(kind="broadcast", timeout_s=60), 1)
-    assert handle.options["next_version"] == 2
+    handle = resumed.plan_transport(BroadcastTransportConfig(timeout_s=60), 1)
+    assert handle.next_version == 2
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     child = ctx.Process(target=receive_weights, args=(handle, str(tiny_dir), 1, 3, q))

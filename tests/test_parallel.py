@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from nonstop.config import ConfigError, RuntimeConfig, TrainerConfig, load_config
+from nonstop.config import ConfigError, LocalRuntimeConfig, TrainerConfig, load_config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.runtime import make_backend
@@ -60,7 +60,7 @@ def test_two_gloo_ranks_take_the_one_rank_step_with_ddp_and_fsdp2(tiny_dir):
     groups, pad = _groups(tiny_dir)
 
     async def two_ranks() -> dict[tuple[str, str], dict]:
-        backend = make_backend(RuntimeConfig())
+        backend = make_backend(LocalRuntimeConfig())
         try:
             ranks = await asyncio.gather(*(backend.spawn(f"trainer-{r}", DataParallelRank, str(tiny_dir), pad)
                                            for r in range(2)))

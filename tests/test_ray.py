@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from nonstop.config import RuntimeConfig
+from nonstop.config import RayRuntimeConfig
 from nonstop.runtime import ActorCallError, ActorDied, make_backend
 
 from helpers import Echo
@@ -24,12 +24,12 @@ def test_missing_ray_is_one_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if it were not installed
     monkeypatch.delitem(sys.modules, "nonstop.runtime.ray", raising=False)
     with pytest.raises(ImportError, match=r"runtime.backend=ray needs Ray: install the extra with `pip install nonstop\[ray\]`"):
-        make_backend(RuntimeConfig(backend="ray"))
+        make_backend(RayRuntimeConfig())
 
 
 @contextlib.asynccontextmanager
 async def ray_backend(run_dir, **cfg):
-    backend = make_backend(RuntimeConfig(backend="ray", ray_num_cpus=2, **cfg), run_dir)
+    backend = make_backend(RayRuntimeConfig(ray_num_cpus=2, **cfg), run_dir)
     try:
         yield backend
     finally:

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from nonstop.config import RuntimeConfig
+from nonstop.config import LocalRuntimeConfig
 from nonstop.runtime import ActorDied, Supervisor, make_backend
 from nonstop.runtime.restart import RestartingActor
 
@@ -29,7 +29,7 @@ async def _restarting(backend, max_restarts=2, interval_s=0.2, timeout_s=1.0):
 
 def test_a_killed_actor_is_replaced_and_the_pending_call_made_again():
     async def go():
-        backend = make_backend(RuntimeConfig())
+        backend = make_backend(LocalRuntimeConfig())
         try:
             actor = await _restarting(backend)
             first_pid = actor.actor.process.pid
@@ -49,7 +49,7 @@ def test_a_killed_actor_is_replaced_and_the_pending_call_made_again():
 
 def test_a_hung_actor_is_detected_by_the_heartbeat_within_its_timeout():
     async def go():
-        backend = make_backend(RuntimeConfig())
+        backend = make_backend(LocalRuntimeConfig())
         supervisor = Supervisor()
         try:
             actor = await _restarting(backend, interval_s=0.2, timeout_s=1.0)
@@ -71,7 +71,7 @@ def test_a_hung_actor_is_detected_by_the_heartbeat_within_its_timeout():
 
 def test_deaths_beyond_the_budget_end_with_actor_died():
     async def go():
-        backend = make_backend(RuntimeConfig())
+        backend = make_backend(LocalRuntimeConfig())
         try:
             actor = await _restarting(backend, max_restarts=1)
             with pytest.raises(ActorDied, match=r"no restart left \(runtime.max_engine_restarts=1\)"):

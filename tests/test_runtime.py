@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from nonstop.config import RuntimeConfig
+from nonstop.config import LocalRuntimeConfig
 from nonstop.runtime import ActorCallError, ActorDied, Supervisor, make_backend
 
 from helpers import Echo
@@ -18,7 +18,7 @@ def _run(coro):
 
 @contextlib.asynccontextmanager
 async def local_backend(**cfg):
-    backend = make_backend(RuntimeConfig(**cfg))
+    backend = make_backend(LocalRuntimeConfig(**cfg))
     try:
         yield backend
     finally:

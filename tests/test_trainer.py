@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from nonstop.config import TrainerConfig, TransportConfig
+from nonstop.config import ShmTransportConfig, TrainerConfig
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.trainer.core import Trainer
@@ -41,7 +41,7 @@ def test_on_policy_first_step_has_ratio_one_and_publishes_new_weights(tiny_dir):
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
     # the engine picks the new weights up through a real transport and stamps version 1
-    handle = plan_transport(TransportConfig(kind="shm"), trainer.model, 1)
+    handle = plan_transport(ShmTransportConfig(), trainer.model, 1)
     sink = open_sink(handle)
     source = open_source(handle, engine.model)
     engine.weights = source

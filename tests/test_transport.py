@@ -4,9 +4,11 @@ import time
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 
-from nonstop.config import TransportConfig
+from nonstop.config import BroadcastTransportConfig, FilesTransportConfig, ShmTransportConfig, TransportConfig
 from nonstop.hf import load_model
+from nonstop.types import FilesOptions
 from nonstop.transport import TransportError, check_layout, model_layout, open_sink, open_source, plan_transport
 
 from helpers import connect_then_hang, receive_weights
@@ -21,6 +23,11 @@ def _perturbed(model_dir, seed):
     return model
 
 
+def transport(**fields) -> TransportConfig:
+    """The transport section `kind` selects, from its fields (as a config file gives them)."""
+    return TypeAdapter(TransportConfig).validate_python(fields)
+
+
 def _get(q, kind, timeout=120):
     tag, value = q.get(timeout=timeout)
     assert tag == kind, (tag, value)
@@ -30,11 +37,11 @@ def _get(q, kind, timeout=120):
 @pytest.mark.parametrize("kind,extra", [
     ("shm", {}), ("broadcast", {}), ("files", {}),
     ("shm", {"checksum": True}), ("broadcast", {"per_tensor": True, "checksum": True}), ("files", {"checksum": True}),
-    ("files", {"files_notify": "http"}),
+    ("files", {"notify": "http"}),
 ])
 def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra):
     trainer_model = load_model(str(tiny_dir))
-    cfg = TransportConfig(kind=kind, bucket_mb=0.01, timeout_s=60, **extra)
+    cfg = transport(kind=kind, timeout_s=60, **({"bucket_mb": 0.01} if kind == "broadcast" else {}), **extra)
     handle = plan_transport(cfg, trainer_model, num_engines=1)
     sink = open_sink(handle)
     ctx = mp.get_context("spawn")
@@ -62,7 +69,7 @@ def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra):
 
 def test_shm_never_applies_a_slot_being_written_nor_overwrites_a_slot_in_use(tiny_dir):
     first, second = _perturbed(tiny_dir, seed=2), _perturbed(tiny_dir, seed=3)
-    handle = plan_transport(TransportConfig(kind="shm"), first, 1)
+    handle = plan_transport(ShmTransportConfig(), first, 1)
     sink = open_sink(handle)
     engine_model = load_model(str(tiny_dir))
     before = {k: v.clone() for k, v in engine_model.state_dict().items()}
@@ -92,7 +99,7 @@ def test_shm_never_applies_a_slot_being_written_nor_overwrites_a_slot_in_use(tin
 
 def test_shm_two_engines_on_different_versions_keep_their_slots_while_the_trainer_moves_on(tiny_dir):
     models = [_perturbed(tiny_dir, seed=s) for s in range(4)]
-    handle = plan_transport(TransportConfig(kind="shm"), models[0], num_engines=2)
+    handle = plan_transport(ShmTransportConfig(), models[0], num_engines=2)
     sink = open_sink(handle)
     engines = [load_model(str(tiny_dir)) for _ in range(2)]
     sources = [open_source(handle, m, rank) for rank, m in ((1, engines[0]), (2, engines[1]))]
@@ -128,7 +135,7 @@ def test_layout_mismatch_is_reported_by_name(tiny_dir):
 
 def test_silent_broadcast_peer_times_out_with_a_clear_error(tiny_dir):
     model = load_model(str(tiny_dir))
-    handle = plan_transport(TransportConfig(kind="broadcast", timeout_s=3), model, 1)
+    handle = plan_transport(BroadcastTransportConfig(timeout_s=3), model, 1)
     sink = open_sink(handle)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -150,7 +157,7 @@ def test_files_transport_applies_only_complete_versions_and_keeps_the_newest(tin
     from nonstop.transport.files import MARKER
 
     trainer_model = _perturbed(tiny_dir, seed=4)
-    handle = plan_transport(TransportConfig(kind="files", files_dir=str(tmp_path / "w"), files_keep=2), trainer_model, 1)
+    handle = plan_transport(FilesTransportConfig(dir=str(tmp_path / "w"), keep=2), trainer_model, 1)
     sink = open_sink(handle)
     engine_model = load_model(str(tiny_dir))
     source = open_source(handle, engine_model)
@@ -169,8 +176,8 @@ def test_files_transport_applies_only_complete_versions_and_keeps_the_newest(tin
 
 def test_corrupted_shm_slot_and_weights_file_are_rejected(tiny_dir, tmp_path):
     trainer_model = _perturbed(tiny_dir, seed=5)
-    for kind, extra in (("shm", {}), ("files", {"files_dir": str(tmp_path / "w")})):
-        handle = plan_transport(TransportConfig(kind=kind, checksum=True, **extra), trainer_model, 1)
+    for kind, extra in (("shm", {}), ("files", {"dir": str(tmp_path / "w")})):
+        handle = plan_transport(transport(kind=kind, checksum=True, **extra), trainer_model, 1)
         sink = open_sink(handle)
         engine_model = load_model(str(tiny_dir))
         before = engine_model.model.norm.weight.detach().clone()
@@ -222,7 +229,8 @@ def test_fused_moe_experts_reach_a_per_expert_engine_as_stored_on_disk(tmp_path,
     engine_model = _tiny_moe()
     for layer in engine_model.model.layers:
         layer.mlp.experts = torch.nn.ModuleList([_PerExpert(32, 16) for _ in range(4)])
-    handle = plan_transport(TransportConfig(kind=kind, files_dir=str(tmp_path / "w")), trainer_model, 1)
+    handle = plan_transport(transport(kind=kind, **({"dir": str(tmp_path / "w")} if kind == "files" else {})),
+                            trainer_model, 1)
     assert "model.layers.0.mlp.experts.gate_up_proj" in {s.name for s in handle.layout}
     assert len(handle.layout) == len(list(trainer_model.parameters()))  # tied lm_head sent once
     sink, source = open_sink(handle), open_source(handle, engine_model)
@@ -245,7 +253,7 @@ def test_fused_moe_experts_reach_a_per_expert_engine_as_stored_on_disk(tmp_path,
 def test_per_expert_engine_with_wrong_expert_shape_is_reported(tmp_path):
     trainer_model, engine_model = _tiny_moe(), _tiny_moe()
     engine_model.model.layers[0].mlp.experts = torch.nn.ModuleList([_PerExpert(32, 8) for _ in range(4)])
-    handle = plan_transport(TransportConfig(kind="shm"), trainer_model, 1)
+    handle = plan_transport(ShmTransportConfig(), trainer_model, 1)
     sink = open_sink(handle)
     try:
         with pytest.raises(TransportError, match=r"experts.0.gate_proj.weight: engine \[8, 32\] vs \[16, 32\] sliced from"):
@@ -256,7 +264,7 @@ def test_per_expert_engine_with_wrong_expert_shape_is_reported(tmp_path):
 
 def test_files_http_notification_loads_off_the_decode_path_and_survives_a_lost_trainer(tiny_dir, tmp_path):
     trainer_model = _perturbed(tiny_dir, seed=6)
-    cfg = TransportConfig(kind="files", files_dir=str(tmp_path / "w"), files_notify="http", timeout_s=5)
+    cfg = FilesTransportConfig(dir=str(tmp_path / "w"), notify="http", timeout_s=5)
     handle = plan_transport(cfg, trainer_model, 1)
     sink = open_sink(handle)
     engine_model = load_model(str(tiny_dir))
@@ -279,7 +287,9 @@ def test_files_http_notification_loads_off_the_decode_path_and_survives_a_lost_t
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as dead:
         dead.bind(("127.0.0.1", 0))
-        gone = dataclasses.replace(handle, options={**handle.options, "port": dead.getsockname()[1]})
+        assert isinstance(handle.options, FilesOptions) and handle.options.notify_at is not None
+        notify_at = (handle.options.notify_at[0], dead.getsockname()[1])
+        gone = dataclasses.replace(handle, options=dataclasses.replace(handle.options, notify_at=notify_at))
         orphan_model = load_model(str(tiny_dir))
         orphan = open_source(gone, orphan_model)
         orphan.thread.join(timeout=30)

@@ -7,12 +7,22 @@ whose message names the dotted field, e.g. `buffer.depht: unknown field (did you
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from nonstop.config_schema import TagOf, explain, reference
 
 
 class ConfigError(ValueError):
@@ -111,8 +121,9 @@ class TaskConfig(_Section):
 
 
 class WarmupConfig(_Section):
-    enabled: bool = True
-    """Run a short supervised warm-up to get a weak (not blank) base policy; cached on disk."""
+    enabled: bool | None = None
+    """Train the built-in tiny model briefly (supervised) into a weak, not blank, base policy; cached on
+    disk. None: on for the built-in tiny model, off with model.path (see Config.warmup_enabled)."""
     target_accuracy: float = Field(0.25, gt=0.0, le=1.0)
     """Stop the warm-up once held-out accuracy reaches this."""
     max_steps: int = Field(4000, ge=1)
@@ -236,29 +247,61 @@ class TrainerConfig(_Section):
         return self
 
 
-class TransportConfig(_Section):
-    kind: Literal["shm", "broadcast", "files"] = "shm"
-    """'shm': shared-memory flat buffer, double-buffered; 'broadcast': torch.distributed broadcast in buckets;
+class BaseTransportConfig(_Section):
+    """Fields every weight transport has; `kind` selects the model that adds its own."""
+
+    kind: str = "shm"
+    """'shm': one shared-memory segment with N + 2 slots (N engines), engines point their weights at the
+    newest complete slot (no copy); 'broadcast': torch.distributed broadcast in buckets (crosses hosts);
     'files': safetensors files and an atomically replaced version marker in a shared folder."""
-    files_dir: str | None = None
-    """Folder of the files transport (shared by trainer and engines); None: a new temp folder."""
-    files_keep: int = Field(2, ge=1)
-    """Versions the files transport keeps on disk."""
-    files_notify: Literal["marker", "http"] = "marker"
-    """How engines learn of a new version: 'marker' stats the LATEST file before each forward pass;
-    'http' long-polls the trainer's notification server and loads the file off the decode path."""
-    files_notify_host: str = "127.0.0.1"
-    """Address the trainer's notification server binds to and engines connect to (files_notify 'http')."""
-    bucket_mb: float = Field(25.0, gt=0.0)
-    """Bucket size of the broadcast transport in MiB."""
-    per_tensor: bool = False
-    """Broadcast one parameter at a time instead of fixed-size buckets (for comparison)."""
     checksum: bool = False
     """The receiver verifies a CRC32 of every bucket (broadcast), slot (shm) or file (files); a mismatch is never applied."""
     timeout_s: float = Field(120.0, gt=0.0)
     """Longest a weight send or receive may take before the run fails naming the peer."""
     connect_timeout_s: float = Field(300.0, gt=0.0)
     """Longest the trainer and the engines may take to meet when the transport is set up."""
+
+
+class ShmTransportConfig(BaseTransportConfig):
+    """Shared memory: trainer and engines on one host."""
+
+    kind: Literal["shm"] = "shm"
+
+
+class BroadcastTransportConfig(BaseTransportConfig):
+    """torch.distributed broadcast from trainer rank 0 to every engine; an engine cannot rejoin the group."""
+
+    kind: Literal["broadcast"] = "broadcast"
+    bucket_mb: float = Field(25.0, gt=0.0)
+    """Size of each broadcast slice in MiB."""
+    per_tensor: bool = False
+    """Broadcast one parameter at a time instead of fixed-size buckets (for comparison)."""
+
+
+class FilesTransportConfig(BaseTransportConfig):
+    """A folder shared by trainer and engines (a shared filesystem across hosts)."""
+
+    kind: Literal["files"] = "files"
+    dir: str | None = None
+    """Folder shared by trainer and engines; None: a new temp folder, removed at the end."""
+    keep: int = Field(2, ge=1)
+    """Versions kept on disk."""
+    notify: Literal["marker", "http"] = "marker"
+    """How engines learn of a new version: 'marker' stats the LATEST file before each forward pass;
+    'http' long-polls the trainer's notification server and loads the file off the decode path."""
+    notify_host: str = "127.0.0.1"
+    """Address the trainer's notification server binds to and engines connect to (notify 'http')."""
+
+
+TransportConfig = Annotated[
+    Union[
+        Annotated[ShmTransportConfig, Tag("shm")],
+        Annotated[BroadcastTransportConfig, Tag("broadcast")],
+        Annotated[FilesTransportConfig, Tag("files")],
+    ],
+    Discriminator(TagOf("kind", "shm")),
+]
+"""The transport section: one model per `kind`, each holding only its own fields."""
 
 
 class RayActorResources(_Section):
@@ -289,14 +332,40 @@ class EngineConfig(_Section):
     """Cancel (and re-queue from scratch) groups whose oldest token falls more than max_lag versions
     behind the engine's weights at a swap; counted as groups_cancelled."""
     max_lag: int | None = Field(None, ge=0)
-    """Lag bound of group_cancel, in policy versions; None: buffer.max_lag (and no cancelling in `nonstop serve`)."""
+    """Lag bound of group_cancel, in policy versions; None: buffer.max_lag in training (see
+    Config.engine_settings) and no cancelling in `nonstop serve`."""
 
 
-class RuntimeConfig(_Section):
-    backend: Literal["local", "ray"] = "local"
+class BaseRuntimeConfig(_Section):
+    """Fields every actor backend has; `backend` selects the model that adds its own."""
+
+    backend: str = "local"
     """Actor backend: 'local' spawns one OS process per actor; 'ray' makes every actor a Ray actor (extra `nonstop[ray]`)."""
     num_engines: int = Field(1, ge=1)
     """Engine actors; a least-loaded dispatcher spreads the prompts over them and every one receives each published version."""
+    start_timeout_s: float = Field(180.0, gt=0.0)
+    """Longest an actor may take to start (imports and model load)."""
+    call_timeout_s: float = Field(600.0, gt=0.0)
+    """Longest one actor call may take before the run fails with a clear message."""
+    heartbeat_interval_s: float = Field(5.0, gt=0.0)
+    """How often the orchestrator pings each engine."""
+    heartbeat_timeout_s: float = Field(30.0, gt=0.0)
+    """An engine that does not answer a ping within this time is declared hung, killed and restarted."""
+    max_engine_restarts: int | None = Field(None, ge=0)
+    """Engine crashes or hangs survived per run (each restart re-queues the prompts it held); one more ends
+    the run. None: 3, or 0 with transport.kind 'broadcast' (its group cannot take a new engine)."""
+
+
+class LocalRuntimeConfig(BaseRuntimeConfig):
+    """One OS process per actor on this machine."""
+
+    backend: Literal["local"] = "local"
+
+
+class RayRuntimeConfig(BaseRuntimeConfig):
+    """Every actor a Ray actor, on a private local cluster or a running one."""
+
+    backend: Literal["ray"] = "ray"
     ray_address: str | None = None
     """Address of a running Ray cluster ('auto', 'host:port' or 'ray://host:port'); None starts a private local cluster."""
     ray_num_cpus: int | None = Field(None, ge=1)
@@ -307,16 +376,13 @@ class RuntimeConfig(_Section):
     """Ray resources of each engine actor."""
     ray_trainer: RayActorResources = RayActorResources()
     """Ray resources of each trainer rank actor."""
-    start_timeout_s: float = Field(180.0, gt=0.0)
-    """Longest an actor may take to start (imports and model load)."""
-    call_timeout_s: float = Field(600.0, gt=0.0)
-    """Longest one actor call may take before the run fails with a clear message."""
-    heartbeat_interval_s: float = Field(5.0, gt=0.0)
-    """How often the orchestrator pings each engine."""
-    heartbeat_timeout_s: float = Field(30.0, gt=0.0)
-    """An engine that does not answer a ping within this time is declared hung, killed and restarted."""
-    max_engine_restarts: int = Field(3, ge=0)
-    """Engine crashes or hangs survived per run (each restart re-queues the prompts it held); one more ends the run."""
+
+
+RuntimeConfig = Annotated[
+    Union[Annotated[LocalRuntimeConfig, Tag("local")], Annotated[RayRuntimeConfig, Tag("ray")]],
+    Discriminator(TagOf("backend", "local")),
+]
+"""The runtime section: one model per `backend`, each holding only its own fields."""
 
 
 class CheckpointConfig(_Section):
@@ -357,14 +423,34 @@ class Config(_Section):
     rollout: RolloutConfig = RolloutConfig()
     buffer: BufferConfig = BufferConfig()
     trainer: TrainerConfig = TrainerConfig()
-    transport: TransportConfig = TransportConfig()
+    transport: TransportConfig = ShmTransportConfig()
     engine: EngineConfig = EngineConfig()
-    runtime: RuntimeConfig = RuntimeConfig()
+    runtime: RuntimeConfig = LocalRuntimeConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
 
+    @property
+    def engine_settings(self) -> EngineConfig:
+        """The engine section as training engines get it: engine.max_lag None becomes buffer.max_lag."""
+        if self.engine.max_lag is not None:
+            return self.engine
+        return self.engine.model_copy(update={"max_lag": self.buffer.max_lag})
+
+    @property
+    def engine_restarts(self) -> int:
+        """runtime.max_engine_restarts resolved: None is 3, or 0 with the broadcast transport."""
+        if self.runtime.max_engine_restarts is not None:
+            return self.runtime.max_engine_restarts
+        return 0 if self.transport.kind == "broadcast" else 3
+
+    @property
+    def warmup_enabled(self) -> bool:
+        """warmup.enabled resolved: None is on for the built-in tiny model, off with model.path."""
+        return self.warmup.enabled if self.warmup.enabled is not None else self.model.path is None
+
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
+        """Rules across sections; each message names the fields to change."""
         if self.buffer.depth is not None and self.buffer.max_lag < self.buffer.depth and self.buffer.reject == "group":
             raise ValueError(
                 f"buffer.max_lag ({self.buffer.max_lag}) < buffer.depth ({self.buffer.depth}): "
@@ -382,8 +468,17 @@ class Config(_Section):
                 f"trainer.ranks ({self.trainer.ranks}) > rollout.prompts_per_step ({self.rollout.prompts_per_step}): "
                 "every rank needs at least one group per step"
             )
-        if self.warmup.enabled and self.model.path is not None and self.task.name != "addition":
-            raise ValueError("warmup.enabled: the built-in warm-up only supports task 'addition'")
+        if self.warmup.enabled and self.model.path is not None:
+            raise ValueError(
+                "warmup.enabled: the warm-up trains the built-in tiny model; with model.path set the base policy is "
+                "that model as it is: leave warmup.enabled unset or set it to false"
+            )
+        restarts = self.runtime.max_engine_restarts
+        if self.transport.kind == "broadcast" and restarts:
+            raise ValueError(
+                f"runtime.max_engine_restarts ({restarts}) > 0 with transport.kind 'broadcast': a broadcast group "
+                "cannot take a restarted engine; use transport.kind 'shm' or 'files', or runtime.max_engine_restarts=0"
+            )
         return self
 
 
@@ -398,30 +493,8 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _suggest(loc: tuple[Any, ...]) -> str:
-    """'did you mean' hint for an unknown key, from the fields of its parent section."""
-    model: type[BaseModel] = Config
-    for key in loc[:-1]:
-        field = model.model_fields.get(str(key))
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return ""
-        model = annotation
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(model.model_fields)})"
-
-
 def format_validation_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        field = ".".join(str(p) for p in loc) or "config"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"{field}: unknown field{_suggest(loc)}")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{field}: {msg} (got {e.get('input')!r})" if e["type"] != "value_error" else f"{field}: {msg}")
-    return "invalid config:\n  " + "\n  ".join(lines)
+    return explain(err, Config)
 
 
 _YAML11_WORDS = {"on", "off", "yes", "no", "y", "n"}
@@ -467,21 +540,4 @@ def dump_config(cfg: Config) -> str:
 
 def config_reference() -> str:
     """Markdown reference of every config field: type, default and its docstring."""
-    lines = ["# Configuration reference", "", "Generated by `nonstop config --markdown`.", ""]
-
-    def section(model: type[BaseModel], prefix: str) -> None:
-        rows = []
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                section(ann, f"{prefix}{name}.")
-                continue
-            type_name = str(ann).replace("typing.", "") if getattr(ann, "__args__", None) else ann.__name__
-            type_name = type_name.replace("<class '", "").replace("'>", "").replace("|", "or")
-            desc = (field.description or "").replace("\n", " ").replace("|", "\\|")
-            rows.append(f"| `{prefix}{name}` | {type_name} | `{field.default!r}` | {' '.join(desc.split())} |")
-        if rows:
-            lines.extend([f"## {prefix.rstrip('.')}", "", "| field | type | default | meaning |", "|---|---|---|---|", *rows, ""])
-
-    section(Config, "")
-    return "\n".join(lines)
+    return reference(Config, "Configuration reference")

@@ -23,7 +23,7 @@ from typing import Any
 
 from nonstop.buffer import RolloutBuffer
 from nonstop.checkpoint import Checkpoint
-from nonstop.config import Config
+from nonstop.config import Config, RayRuntimeConfig
 from nonstop.dispatch import EnginePool, RankGroup
 from nonstop.engine.worker import EngineWorker
 from nonstop.ledger import Ledger
@@ -102,13 +102,6 @@ async def learn(run: Run) -> dict[str, Any]:
     return record
 
 
-def engine_settings(cfg: Config):
-    """The engine section with group_cancel's lag bound defaulting to the buffer's."""
-    if cfg.engine.max_lag is not None:
-        return cfg.engine
-    return cfg.engine.model_copy(update={"max_lag": cfg.buffer.max_lag})
-
-
 def step_record(run: Run, step: int, version: int, groups: list, metrics: dict[str, Any]) -> dict[str, Any]:
     wall = run.clock.wall()
     rewards = [s.reward for g in groups for s in g.samples]
@@ -137,13 +130,14 @@ def _names(role: str, count: int) -> list[str]:
 def reachable_host(cfg: Config) -> str | None:
     """Where trainer rank 0 serves its group and the transport: loopback on one machine; on a
     running Ray cluster None, i.e. its node's IP, so actors on other machines reach it."""
-    return None if cfg.runtime.backend == "ray" and cfg.runtime.ray_address is not None else "127.0.0.1"
+    on_cluster = isinstance(cfg.runtime, RayRuntimeConfig) and cfg.runtime.ray_address is not None
+    return None if on_cluster else "127.0.0.1"
 
 
 async def spawn_engine(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int, version0: int = 0) -> ActorHandle:
     return await backend.spawn(_names("engine", cfg.runtime.num_engines)[i], EngineWorker, str(weights),
                                [tok.eos_token_id], tok.pad_token_id, cfg.run.seed + i, initial_version=version0,
-                               settings=engine_settings(cfg))
+                               settings=cfg.engine_settings)
 
 
 async def spawn_trainers(backend: ActorBackend, cfg: Config, weights: Path, tok: Any,
@@ -208,17 +202,14 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         def restarter(i: int) -> Callable[[], Awaitable[ActorHandle]]:
             async def restart_engine() -> ActorHandle:
                 # A fresh engine starts from `weights` and applies the newest published version at its
-                # first forward pass; a broadcast group cannot take a new member.
-                if handle.kind == "broadcast":
-                    raise ActorDied("the engine cannot be restarted with transport.kind 'broadcast' (use 'shm' or "
-                                    f"'files'); resume with `nonstop train --resume {run_dir}`")
+                # first forward pass (the config allows no restart with broadcast: its group is closed).
                 actor = await spawn_engine(backend, cfg, model_weights, tok, i, version0)
                 await actor.call("connect_transport", handle, i + 1)
                 return actor
             return restart_engine
 
         engine = EnginePool([
-            RestartingActor(a.name, restarter(i), cfg.runtime.max_engine_restarts,
+            RestartingActor(a.name, restarter(i), cfg.engine_restarts,
                             cfg.runtime.heartbeat_interval_s, cfg.runtime.heartbeat_timeout_s,
                             count_items=lambda m, args: len(args[0]) if m == "generate" else 0,  # prompts
                             log=progress.log, actor=a)

@@ -17,7 +17,10 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from nonstop.config import LoraConfig
 
 FinishReason = Literal["stop", "length"]
 
@@ -192,14 +195,69 @@ class TensorSpec:
     nbytes: int
 
 
-@dataclass(slots=True)
-class TransportHandle:
-    """Everything an engine needs to attach to a trainer's weight transport (picklable)."""
+@dataclass(frozen=True, slots=True)
+class ShmOptions:
+    """Options of the shared-memory transport."""
 
-    kind: str
+    name: str
+    """Name of the segment the trainer creates and engines attach to."""
+    kind: ClassVar[Literal["shm"]] = "shm"
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastOptions:
+    """Options of the broadcast transport."""
+
+    host: str
+    """Address of trainer rank 0's store and process group."""
+    port: int
+    bucket_bytes: int
+    """Size of each broadcast slice."""
+    per_tensor: bool = False
+    """One broadcast per parameter instead of fixed-size slices."""
+    kind: ClassVar[Literal["broadcast"]] = "broadcast"
+
+
+@dataclass(frozen=True, slots=True)
+class FilesOptions:
+    """Options of the files transport."""
+
+    dir: str
+    """Folder shared by trainer and engines."""
+    keep: int
+    """Versions the trainer keeps on disk."""
+    owned: bool = False
+    """The trainer made the folder and removes it when it closes."""
+    notify_at: tuple[str, int] | None = None
+    """(host, port) of the trainer's HTTP version notification; None: engines watch the marker only."""
+    kind: ClassVar[Literal["files"]] = "files"
+
+
+TransportOptions = ShmOptions | BroadcastOptions | FilesOptions
+
+
+@dataclass(frozen=True, slots=True)
+class TransportHandle:
+    """Everything an engine needs to attach to a trainer's weight transport (picklable).
+
+    `options` holds the fields of one transport kind; the rest applies to every kind."""
+
     layout: list[TensorSpec]
     total_bytes: int
-    options: dict[str, Any] = field(default_factory=dict)
+    options: TransportOptions
+    num_engines: int
+    """Engine ranks 1..num_engines the trainer planned for (the trainer is rank 0)."""
+    timeout_s: float
+    connect_timeout_s: float
+    checksum: bool = False
+    lora: LoraConfig | None = None
+    """With LoRA only the adapters travel, and the engine merges them into its base."""
+    next_version: int = 1
+    """The first version the trainer will publish (above 1 after a resume)."""
+
+    @property
+    def kind(self) -> Literal["shm", "broadcast", "files"]:
+        return self.options.kind
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from nonstop.config import RuntimeConfig
+from nonstop.config import RayRuntimeConfig, RuntimeConfig
 
 
 class ActorDied(RuntimeError):
@@ -42,12 +42,10 @@ class ActorBackend(Protocol):
 
 def make_backend(cfg: RuntimeConfig, run_dir: Path | None = None) -> ActorBackend:
     """The backend `runtime.backend` names; `run_dir` receives the Ray cluster's logs."""
-    if cfg.backend == "local":
-        from nonstop.runtime.local import LocalBackend
-
-        return LocalBackend(cfg)
-    if cfg.backend == "ray":
+    if isinstance(cfg, RayRuntimeConfig):
         from nonstop.runtime.ray import RayBackend
 
         return RayBackend(cfg, run_dir)
-    raise ValueError(f"runtime.backend: unknown backend {cfg.backend!r}")
+    from nonstop.runtime.local import LocalBackend
+
+    return LocalBackend(cfg)

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nonstop.config import RuntimeConfig
+from nonstop.config import BaseRuntimeConfig
 from nonstop.runtime.base import ActorCallError, ActorDied
 
 _READY = -1
@@ -192,7 +192,7 @@ class LocalActor:
 
 
 class LocalBackend:
-    def __init__(self, cfg: RuntimeConfig) -> None:
+    def __init__(self, cfg: BaseRuntimeConfig) -> None:
         self.cfg = cfg
         self.ctx = mp.get_context("spawn")
         self.actors: list[LocalActor] = []

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from nonstop.config import RayActorResources, RuntimeConfig
+from nonstop.config import RayActorResources, RayRuntimeConfig
 from nonstop.runtime.base import ActorCallError, ActorDied
 
 try:
@@ -157,7 +157,7 @@ class RayActor:
             await asyncio.gather(self._watch, return_exceptions=True)
 
 
-def _resources(cfg: RuntimeConfig, role: str, cluster_gpus: float) -> dict[str, float]:
+def _resources(cfg: RayRuntimeConfig, role: str, cluster_gpus: float) -> dict[str, float]:
     spec: RayActorResources | None = {"engine": cfg.ray_engine, "trainer": cfg.ray_trainer}.get(role)
     if spec is None:
         return {"num_cpus": 1.0, "num_gpus": 0.0}
@@ -166,7 +166,7 @@ def _resources(cfg: RuntimeConfig, role: str, cluster_gpus: float) -> dict[str, 
 
 
 class RayBackend:
-    def __init__(self, cfg: RuntimeConfig, run_dir: Path | None = None) -> None:
+    def __init__(self, cfg: RayRuntimeConfig, run_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.actors: list[RayActor] = []

@@ -38,7 +38,7 @@ def greedy_accuracy(engine: TorchEngine, tokenizer, examples: list[Example], max
 def _cache_key(cfg: Config) -> str:
     shaping = {
         "tiny": cfg.model.tiny.model_dump(), "task": cfg.task.model_dump(exclude={"reward"}),
-        "warmup": cfg.warmup.model_dump(exclude={"cache_dir"}), "seed": cfg.run.seed,
+        "warmup": {**cfg.warmup.model_dump(exclude={"cache_dir"}), "enabled": cfg.warmup_enabled}, "seed": cfg.run.seed,
         "max_new_tokens": cfg.rollout.max_new_tokens, "format": 1,
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
@@ -85,7 +85,7 @@ def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] =
     if cfg.model.path is not None:
         return Path(cfg.model.path)
     root = Path(cfg.warmup.cache_dir)
-    folder = root / (f"base-{_cache_key(cfg)}" if cfg.warmup.enabled else f"init-{_cache_key(cfg)}")
+    folder = root / (f"base-{_cache_key(cfg)}" if cfg.warmup_enabled else f"init-{_cache_key(cfg)}")
     if (folder / "nonstop_base.json").is_file():
         log(f"base policy: cached at {folder}")
         return folder
@@ -93,7 +93,7 @@ def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] =
     tokenizer = make_char_tokenizer()
     model = make_tiny_model(cfg.model.tiny, cfg.run.seed)
     info: dict = {"warmup": False}
-    if cfg.warmup.enabled:
+    if cfg.warmup_enabled:
         threads = torch.get_num_threads()
         torch.set_num_threads(2)  # nothing else runs yet: use both cores
         try:

@@ -18,8 +18,8 @@ from typing import Protocol
 
 import torch
 
-from nonstop.config import LoraConfig, TransportConfig
-from nonstop.types import TensorSpec, TransportHandle
+from nonstop.config import FilesTransportConfig, LoraConfig, ShmTransportConfig, TransportConfig
+from nonstop.types import BroadcastOptions, FilesOptions, ShmOptions, TensorSpec, TransportHandle, TransportOptions
 
 ALIGN = 64
 
@@ -168,7 +168,7 @@ class FlatSender:
 
     def __init__(self, handle: TransportHandle) -> None:
         self.handle = handle
-        self.lora: LoraConfig | None = handle.options.get("lora")
+        self.lora = handle.lora
         self.buffer: torch.Tensor | None = None
         self.model: torch.nn.Module | None = None
         self.tensors: list[torch.Tensor] = []
@@ -203,59 +203,59 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
     `host`: the trainer's address the engines reach (broadcast's store and group)."""
     lora = lora if lora is not None and lora.enabled else None
     layout, total = layout_of(sent_tensors(model, lora))
-    options: dict = {"timeout_s": cfg.timeout_s, "connect_timeout_s": cfg.connect_timeout_s,
-                     "num_engines": num_engines, "checksum": cfg.checksum, "per_tensor": cfg.per_tensor,
-                     "lora": lora, "next_version": next_version}
-    if cfg.kind == "shm":
+    options: TransportOptions
+    if isinstance(cfg, ShmTransportConfig):
         from nonstop.transport.shm import new_segment_name
 
-        options["name"] = new_segment_name()
-    elif cfg.kind == "files":
+        options = ShmOptions(name=new_segment_name())
+    elif isinstance(cfg, FilesTransportConfig):
         import tempfile
 
-        options["dir"] = cfg.files_dir or tempfile.mkdtemp(prefix="nonstop-weights-")
-        options["owned"] = cfg.files_dir is None  # the sink removes a folder it created
-        options["keep"] = cfg.files_keep
-        options["notify"] = cfg.files_notify
-        if cfg.files_notify == "http":
-            options.update(host=cfg.files_notify_host, port=free_port(cfg.files_notify_host))
+        notify_at = (cfg.notify_host, free_port(cfg.notify_host)) if cfg.notify == "http" else None
+        options = FilesOptions(dir=cfg.dir or tempfile.mkdtemp(prefix="nonstop-weights-"), keep=cfg.keep,
+                               owned=cfg.dir is None, notify_at=notify_at)  # the sink removes a folder it made
     else:
-        options.update(host=host, port=free_port(host), bucket_bytes=int(cfg.bucket_mb * 2**20))
-    return TransportHandle(kind=cfg.kind, layout=layout, total_bytes=total, options=options)
+        options = BroadcastOptions(host=host, port=free_port(host), bucket_bytes=int(cfg.bucket_mb * 2**20),
+                                   per_tensor=cfg.per_tensor)
+    return TransportHandle(layout=layout, total_bytes=total, options=options, num_engines=num_engines,
+                           timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s, checksum=cfg.checksum,
+                           lora=lora, next_version=next_version)
 
 
 def open_sink(handle: TransportHandle) -> WeightSink:
     """Trainer side: allocate the sink's buffers; call `connect()` (with the engines) next."""
-    if handle.kind == "shm":
+    opts = handle.options
+    if isinstance(opts, ShmOptions):
         from nonstop.transport.shm import ShmSink
 
-        return ShmSink(handle)
-    if handle.kind == "files":
+        return ShmSink(handle, opts)
+    if isinstance(opts, FilesOptions):
         from nonstop.transport.files import FilesSink
 
-        return FilesSink(handle)
+        return FilesSink(handle, opts)
     from nonstop.transport.broadcast import BroadcastSink
 
-    return BroadcastSink(handle)
+    return BroadcastSink(handle, opts)
 
 
 def open_source(handle: TransportHandle, model: torch.nn.Module, rank: int = 1) -> WeightSource:
     """Engine side; `rank` is this engine's rank in the transport (trainer is 0, engines 1..N).
 
     With a LoRA handle the engine receives adapters only and merges them into `model`."""
-    if not 1 <= rank <= handle.options["num_engines"]:
-        raise TransportError(f"engine rank {rank} outside 1..{handle.options['num_engines']} (the trainer planned for "
-                             f"{handle.options['num_engines']} engine(s))")
-    target = engine_target(model, handle.options.get("lora"), handle.layout)
+    if not 1 <= rank <= handle.num_engines:
+        raise TransportError(f"engine rank {rank} outside 1..{handle.num_engines} (the trainer planned for "
+                             f"{handle.num_engines} engine(s))")
+    target = engine_target(model, handle.lora, handle.layout)
     check_layout(handle.layout, target.tensors())
-    if handle.kind == "shm":
+    opts = handle.options
+    if isinstance(opts, ShmOptions):
         from nonstop.transport.shm import ShmSource
 
-        return ShmSource(handle, target, rank)
-    if handle.kind == "files":
+        return ShmSource(handle, opts, target, rank)
+    if isinstance(opts, FilesOptions):
         from nonstop.transport.files import FilesSource
 
-        return FilesSource(handle, target)
+        return FilesSource(handle, opts, target)
     from nonstop.transport.broadcast import BroadcastSource
 
-    return BroadcastSource(handle, target, rank)
+    return BroadcastSource(handle, opts, target, rank)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nonstop.transport.base import FlatSender, TransportError, WeightTarget, crc32, in_layout_order, repoint, views
-from nonstop.types import TransportHandle
+from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = b"stop"
 # How long one store wait for the next version lasts before it is renewed. The trainer's close()
@@ -31,42 +31,41 @@ STOP = b"stop"
 _WAIT_SLICE = timedelta(seconds=30)
 
 
-def _group(handle: TransportHandle, rank: int) -> tuple[dist.TCPStore, dist.ProcessGroup]:
-    opts = handle.options
-    world = 1 + opts["num_engines"]
-    connect = timedelta(seconds=opts["connect_timeout_s"])
-    store = dist.TCPStore(opts["host"], opts["port"], world, is_master=rank == 0, timeout=connect)
+def _group(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> tuple[dist.TCPStore, dist.ProcessGroup]:
+    world = 1 + handle.num_engines
+    connect = timedelta(seconds=handle.connect_timeout_s)
+    store = dist.TCPStore(opts.host, opts.port, world, is_master=rank == 0, timeout=connect)
     pg = dist.ProcessGroupGloo(store, rank, world, connect)
-    pg.set_timeout(timedelta(seconds=opts["timeout_s"]))  # every later collective
+    pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
     return store, pg
 
 
-def _buckets(flat: torch.Tensor, handle: TransportHandle) -> list[torch.Tensor]:
+def _buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions) -> list[torch.Tensor]:
     """Fixed-size byte slices of the flat layout, or one slice per parameter (per_tensor)."""
-    if handle.options.get("per_tensor"):
+    if opts.per_tensor:
         return [flat[s.offset:s.offset + s.nbytes] for s in handle.layout]
-    size = handle.options["bucket_bytes"]
+    size = opts.bucket_bytes
     return [flat[i:i + size] for i in range(0, flat.numel(), size)]
 
 
 class BroadcastSink:
-    def __init__(self, handle: TransportHandle) -> None:
-        self.handle = handle
+    def __init__(self, handle: TransportHandle, opts: BroadcastOptions) -> None:
+        self.handle, self.opts = handle, opts
         self.sender = FlatSender(handle)
         self.store: dist.TCPStore | None = None
         self.pg: dist.ProcessGroup | None = None
-        self.last_version = handle.options["next_version"] - 1
+        self.last_version = handle.next_version - 1
 
     def connect(self) -> None:
-        self.store, self.pg = _group(self.handle, rank=0)
+        self.store, self.pg = _group(self.handle, self.opts, rank=0)
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.pg is None or self.store is None:
             raise TransportError("broadcast transport used before connect()")
-        buckets = _buckets(self.sender.flat(model), self.handle)
+        buckets = _buckets(self.sender.flat(model), self.handle, self.opts)
         self.store.set(f"v{version}", b"1")
-        sums = [torch.tensor([crc32(b) for b in buckets], dtype=torch.int64)] if self.handle.options.get("checksum") else []
+        sums = [torch.tensor([crc32(b) for b in buckets], dtype=torch.int64)] if self.handle.checksum else []
         # Issue every bucket before waiting on any: gloo sends them back to back, without a
         # round trip through Python between two buckets.
         works = []
@@ -78,7 +77,7 @@ class BroadcastSink:
             done = sum(w.is_completed() for w in works)
             raise TransportError(
                 f"broadcast of version {version} (bucket {done + 1}/{len(buckets)}) to engine ranks "
-                f"1..{self.handle.options['num_engines']} failed within {self.handle.options['timeout_s']:g} s: {e}"
+                f"1..{self.handle.num_engines} failed within {self.handle.timeout_s:g} s: {e}"
             ) from e
         self._await_acks(version)
         self.last_version = version
@@ -86,14 +85,14 @@ class BroadcastSink:
     def _await_acks(self, version: int) -> None:
         """Every engine confirms it holds `version`; a silent or dead engine is named."""
         assert self.store is not None
-        keys = [f"ack{rank}/v{version}" for rank in range(1, 1 + self.handle.options["num_engines"])]
+        keys = [f"ack{rank}/v{version}" for rank in range(1, 1 + self.handle.num_engines)]
         try:
-            self.store.wait(keys, timedelta(seconds=self.handle.options["timeout_s"]))
+            self.store.wait(keys, timedelta(seconds=self.handle.timeout_s))
         except Exception as e:  # the store raises DistStoreError on timeout
             missing = [k.split("/")[0].removeprefix("ack") for k in keys if not self.store.check([k])]
             raise TransportError(
                 f"engine rank(s) {', '.join(missing)} did not confirm version {version} "
-                f"within {self.handle.options['timeout_s']:g} s (dead or stalled): {e}"
+                f"within {self.handle.timeout_s:g} s (dead or stalled): {e}"
             ) from e
         for key in [*keys, f"v{version}"]:
             self.store.delete_key(key)
@@ -108,15 +107,15 @@ class BroadcastSink:
 class _Buffer:
     """One flat receive buffer with its typed views (made once, outside inference_mode)."""
 
-    def __init__(self, handle: TransportHandle) -> None:
+    def __init__(self, handle: TransportHandle, opts: BroadcastOptions) -> None:
         self.flat = torch.empty(handle.total_bytes, dtype=torch.uint8)
         self.views = views(self.flat, handle.layout)
-        self.buckets = _buckets(self.flat, handle)
+        self.buckets = _buckets(self.flat, handle, opts)
 
 
 class BroadcastSource:
-    def __init__(self, handle: TransportHandle, target: WeightTarget, rank: int) -> None:
-        self.handle, self.target, self.rank = handle, target, rank
+    def __init__(self, handle: TransportHandle, opts: BroadcastOptions, target: WeightTarget, rank: int) -> None:
+        self.handle, self.opts, self.target, self.rank = handle, opts, target, rank
         self.tensors = in_layout_order(target.tensors(), handle.layout)
         self.lock = threading.Lock()
         self.spare: list[_Buffer] = []  # guarded by lock, like ready and live
@@ -125,18 +124,18 @@ class BroadcastSource:
         self.applied = -1
         self.error: TransportError | None = None
         self.closing = threading.Event()
-        self.store, self.pg = _group(handle, rank)
+        self.store, self.pg = _group(handle, opts, rank)
         self.thread = threading.Thread(target=self._receive_loop, name=f"weights-rx-{rank}", daemon=True)
         self.thread.start()
 
     def _take_spare(self) -> _Buffer:
         with self.lock:
-            return self.spare.pop() if self.spare else _Buffer(self.handle)
+            return self.spare.pop() if self.spare else _Buffer(self.handle, self.opts)
 
     def _receive_loop(self) -> None:
-        version = self.handle.options["next_version"]
+        version = self.handle.next_version
         back = self._take_spare()
-        checksum = self.handle.options.get("checksum")
+        checksum = self.handle.checksum
         sums = torch.zeros(len(back.buckets), dtype=torch.int64)
         while not self.closing.is_set():
             try:
@@ -158,7 +157,7 @@ class BroadcastSource:
             except Exception as e:
                 self.error = TransportError(
                     f"engine rank {self.rank}: receiving version {version} from the trainer failed "
-                    f"within {self.handle.options['timeout_s']:g} s: {e}"
+                    f"within {self.handle.timeout_s:g} s: {e}"
                 )
                 return
             bad = [i for i, b in enumerate(back.buckets) if checksum and crc32(b) != int(sums[i])]

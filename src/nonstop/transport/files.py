@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from nonstop.transport.base import FlatSender, TransportError, WeightTarget, crc32, in_layout_order, repoint, views
 from nonstop.transport.notify import VersionServer, VersionWatcher
-from nonstop.types import TransportHandle
+from nonstop.types import FilesOptions, TransportHandle
 
 MARKER = "LATEST"
 
@@ -40,20 +40,18 @@ def _atomic_write(path: Path, write) -> None:
 
 
 class FilesSink:
-    def __init__(self, handle: TransportHandle) -> None:
-        self.handle = handle
-        self.dir = Path(handle.options["dir"])
+    def __init__(self, handle: TransportHandle, opts: FilesOptions) -> None:
+        self.handle, self.opts = handle, opts
+        self.dir = Path(opts.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         # Versions left by an earlier run (or by the run before a resume) belong to another
         # timeline: an engine must never apply them, so the folder starts empty.
         for stale in [*self.dir.glob("v*.safetensors"), self.dir / MARKER]:
             stale.unlink(missing_ok=True)
-        self.keep = int(handle.options.get("keep", 2))
+        self.keep = opts.keep
         self.sender = FlatSender(handle)
         self.written: list[int] = []
-        self.server = None
-        if handle.options.get("notify") == "http":
-            self.server = VersionServer(handle.options["host"], handle.options["port"])
+        self.server = VersionServer(*opts.notify_at) if opts.notify_at is not None else None
 
     def connect(self) -> None:
         """Nothing to rendezvous: engines watch the folder."""
@@ -63,7 +61,7 @@ class FilesSink:
         flat = self.sender.flat(model)
         try:
             meta = {"version": str(version)}
-            if self.handle.options.get("checksum"):
+            if self.handle.checksum:
                 meta["crc32"] = str(crc32(flat))
             _atomic_write(self.dir / f"v{version}.safetensors",
                           lambda tmp: save_file({"flat": flat}, str(tmp), metadata=meta))
@@ -80,16 +78,16 @@ class FilesSink:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
-        if self.handle.options.get("owned"):
+        if self.opts.owned:
             import shutil
 
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class FilesSource:
-    def __init__(self, handle: TransportHandle, target: WeightTarget) -> None:
+    def __init__(self, handle: TransportHandle, opts: FilesOptions, target: WeightTarget) -> None:
         self.handle, self.target = handle, target
-        self.dir = Path(handle.options["dir"])
+        self.dir = Path(opts.dir)
         self.tensors = in_layout_order(target.tensors(), handle.layout)
         self.applied = -1
         self._seen_stat: tuple[int, int] | None = None
@@ -99,8 +97,8 @@ class FilesSource:
         self.notify_error: str | None = None  # why the HTTP notification ended, if it failed
         self.closing = threading.Event()
         self.thread: threading.Thread | None = None
-        if handle.options.get("notify") == "http":
-            self.watcher = VersionWatcher(handle.options["host"], handle.options["port"], handle.options["timeout_s"])
+        if opts.notify_at is not None:
+            self.watcher = VersionWatcher(*opts.notify_at, handle.timeout_s)
             self.thread = threading.Thread(target=self._watch_loop, name="weights-files-watch", daemon=True)
             self.thread.start()
 

@@ -40,7 +40,7 @@ from nonstop.transport.base import (
     repoint,
     views,
 )
-from nonstop.types import TransportHandle
+from nonstop.types import ShmOptions, TransportHandle
 
 WRITING = -1
 EMPTY = -2
@@ -58,14 +58,14 @@ def new_segment_name() -> str:
 
 
 class _Segment:
-    def __init__(self, handle: TransportHandle, create: bool) -> None:
-        engines = handle.options["num_engines"]
+    def __init__(self, handle: TransportHandle, opts: ShmOptions, create: bool) -> None:
+        engines = handle.num_engines
         self.num_slots = engines + 2
         words = 2 * self.num_slots + engines
         header = (words * 8 + 63) // 64 * 64
         total = handle.total_bytes
         self.shm = shared_memory.SharedMemory(
-            name=handle.options["name"], create=create, size=header + self.num_slots * total)
+            name=opts.name, create=create, size=header + self.num_slots * total)
         raw = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         words_view = raw[:header].view(torch.int64)
         self.stamps = words_view[:self.num_slots]
@@ -95,9 +95,9 @@ class _Segment:
 
 
 class ShmSink:
-    def __init__(self, handle: TransportHandle) -> None:
-        self.handle = handle
-        self.segment = _Segment(handle, create=True)
+    def __init__(self, handle: TransportHandle, opts: ShmOptions) -> None:
+        self.handle, self.opts = handle, opts
+        self.segment = _Segment(handle, opts, create=True)
         self.sender = FlatSender(handle)
 
     def connect(self) -> None:
@@ -109,7 +109,7 @@ class ShmSink:
         busy = set(seg.claims.tolist()) | {newest} | exclude
         free = [i for i in range(seg.num_slots) if i not in busy]
         if not free:  # impossible with N + 2 slots unless the header was damaged
-            raise TransportError(f"shared-memory segment {self.handle.options['name']}: no free slot "
+            raise TransportError(f"shared-memory segment {self.opts.name}: no free slot "
                                  f"(claims {seg.claims.tolist()}, stamps {seg.stamps.tolist()})")
         stamps = seg.stamps.tolist()
         return min(free, key=lambda i: stamps[i])  # overwrite the oldest
@@ -127,7 +127,7 @@ class ShmSink:
             seg.stamps[slot] = previous  # an engine claimed it just now: it keeps reading it
             tried.add(slot)
         seg.slots[slot].copy_(self.sender.flat(model))
-        if self.handle.options.get("checksum"):
+        if self.handle.checksum:
             seg.crcs[slot] = crc32(seg.slots[slot])
         seg.stamps[slot] = version
 
@@ -136,10 +136,10 @@ class ShmSink:
 
 
 class ShmSource:
-    def __init__(self, handle: TransportHandle, target: WeightTarget, rank: int) -> None:
+    def __init__(self, handle: TransportHandle, opts: ShmOptions, target: WeightTarget, rank: int) -> None:
         self.handle, self.target = handle, target
         self.index = rank - 1  # this engine's claim word
-        self.segment = _Segment(handle, create=False)
+        self.segment = _Segment(handle, opts, create=False)
         self.tensors = in_layout_order(target.tensors(), handle.layout)
         # Views are made once, outside any inference_mode, so they are ordinary tensors.
         self.slot_views = [views(slot, handle.layout) for slot in self.segment.slots]
@@ -158,7 +158,7 @@ class ShmSource:
             seg.claims[self.index] = self.current
             self.torn_reads += 1
             return None
-        if self.handle.options.get("checksum") and crc32(seg.slots[slot]) != int(seg.crcs[slot]):
+        if self.handle.checksum and crc32(seg.slots[slot]) != int(seg.crcs[slot]):
             seg.claims[self.index] = self.current
             raise TransportError(f"shared-memory slot {slot} of version {version} failed its checksum; not applied")
         repoint(self.tensors, self.slot_views[slot])
