@@ -219,8 +219,12 @@ class TrainerConfig(_Section):
     parameters, gradients and optimizer state across ranks (torch fully_shard). Gloo on CPU, NCCL on GPU."""
 
     @property
-    def advantage_mode(self) -> str:
-        return self.advantage or {"dr_grpo": "group_mean", "reinforce_pp": "batch"}.get(self.loss, "group_std")
+    def advantage_mode(self) -> Literal["group_std", "group_mean", "batch"]:
+        if self.advantage is not None:
+            return self.advantage
+        if self.loss == "dr_grpo":
+            return "group_mean"
+        return "batch" if self.loss == "reinforce_pp" else "group_std"
 
     @property
     def clip_low(self) -> float:
@@ -233,8 +237,10 @@ class TrainerConfig(_Section):
         return {"dapo": 0.28, "gspo": 4e-4}.get(self.loss, self.clip_low)
 
     @property
-    def norm(self) -> str:
-        return {"grpo": "sequence", "dr_grpo": "constant"}.get(self.loss, "token")
+    def norm(self) -> Literal["sequence", "constant", "token"]:
+        if self.loss == "grpo":
+            return "sequence"
+        return "constant" if self.loss == "dr_grpo" else "token"
 
     @property
     def filter_overlong(self) -> bool:

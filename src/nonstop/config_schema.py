@@ -46,7 +46,7 @@ class Variants:
         """The key as the variants' shared base declares it (its docstring; the default tag)."""
         first = next(iter(self.models.values()))
         declared = [c.model_fields[self.key] for c in first.__mro__
-                    if isinstance(c, type) and issubclass(c, BaseModel) and self.key in c.model_fields]
+                    if issubclass(c, BaseModel) and self.key in c.model_fields]
         described = next((f for f in declared if f.description), declared[0])
         return FieldInfo.merge_field_infos(described, default=self.default)
 

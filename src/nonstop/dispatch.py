@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from nonstop.runtime import ActorHandle
 from nonstop.types import GenerationRequest, Sample
+
+H = TypeVar("H", bound=ActorHandle)
 
 # Engine methods whose first argument is a list of requests to spread over the pool.
 DISPATCHED = frozenset({"generate"})
@@ -48,8 +50,9 @@ async def all_or_first_error(parts: list[tuple[str, Coroutine[Any, Any, Any]]]) 
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for t in tasks:
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+            exc = t.exception() if t.done() and not t.cancelled() else None
+            if exc is not None:
+                raise exc
         return [t.result() for t in tasks]
     finally:
         for t in tasks:
@@ -57,8 +60,10 @@ async def all_or_first_error(parts: list[tuple[str, Coroutine[Any, Any, Any]]]) 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class EnginePool:
-    def __init__(self, engines: list[ActorHandle]) -> None:
+class EnginePool(Generic[H]):
+    """An ActorHandle over engines of type H (e.g. restartable ones, whose stats the run reads)."""
+
+    def __init__(self, engines: list[H]) -> None:
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.engines = engines
@@ -91,7 +96,7 @@ class EnginePool:
              for k, idx in parts])
         results: list[list[Sample]] = [[] for _ in requests]
         for (_, idx), part in zip(parts, answers):
-            for i, samples in zip(idx, part):  # type: ignore[arg-type]
+            for i, samples in zip(idx, part):
                 results[i] = samples
         return results
 
@@ -100,6 +105,9 @@ class EnginePool:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         await asyncio.gather(*(e.stop(timeout_s) for e in self.engines), return_exceptions=True)
+
+    async def kill(self) -> None:
+        await asyncio.gather(*(e.kill() for e in self.engines), return_exceptions=True)
 
 
 class RankGroup:
@@ -120,3 +128,6 @@ class RankGroup:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         await asyncio.gather(*(r.stop(timeout_s) for r in self.ranks), return_exceptions=True)
+
+    async def kill(self) -> None:
+        await asyncio.gather(*(r.kill() for r in self.ranks), return_exceptions=True)

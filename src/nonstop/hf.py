@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+CausalLM: TypeAlias = "PreTrainedModel | PeftModel"
+"""A causal language model as trainers hold it: a transformers model, or a peft model around one."""
 
 
 def quiet_transformers() -> None:
@@ -21,7 +29,7 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     quiet_transformers()
     from transformers import AutoModelForCausalLM
 

@@ -18,10 +18,15 @@ unchanged speed and the base weights never travel again.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nonstop.config import LoraConfig
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 ADAPTER = "default"  # peft's adapter name; it never appears in our tensor names
 
@@ -90,7 +95,7 @@ class MergedAdapters:
         self.merge_s += time.perf_counter() - t0
 
 
-def wrap_with_peft(model: torch.nn.Module, cfg: LoraConfig, adapter_dir: str | None = None) -> torch.nn.Module:
+def wrap_with_peft(model: PreTrainedModel, cfg: LoraConfig, adapter_dir: str | None = None) -> PeftModel:
     """Trainer side: a peft model whose only trainable parameters are the adapters, freshly
     initialised or loaded from a peft adapter folder (a checkpoint's `model/`)."""
     from peft import LoraConfig as PeftLoraConfig
@@ -99,7 +104,8 @@ def wrap_with_peft(model: torch.nn.Module, cfg: LoraConfig, adapter_dir: str | N
     targeted_modules(model, cfg)  # the same matching rule as the engine, with its errors
     if adapter_dir is not None:
         return PeftModel.from_pretrained(model, adapter_dir, adapter_name=ADAPTER, is_trainable=True)
-    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+    # peft annotates lora_alpha as int, yet scales by lora_alpha / r in floating point: a fractional alpha works.
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
                               target_modules=list(cfg.target_modules), bias="none", init_lora_weights=True)
     return get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
 
@@ -108,9 +114,16 @@ def adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.Tensor
     """Trainer side: (name, parameter) of every adapter tensor, named as `MergedAdapters` names them."""
     from peft.tuners.lora import LoraLayer
 
-    out = []
-    for name, module in peft_model.base_model.model.named_modules():
+    tuner: Any = peft_model.base_model  # a peft model's tuner, found by name (nn.Module types it Tensor | Module)
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, module in tuner.model.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-            out += [(f"{name}.lora_A.weight", module.lora_A[ADAPTER].weight),
-                    (f"{name}.lora_B.weight", module.lora_B[ADAPTER].weight)]
+            out += [(f"{name}.lora_A.weight", _linear_weight(module.lora_A[ADAPTER])),
+                    (f"{name}.lora_B.weight", _linear_weight(module.lora_B[ADAPTER]))]
     return out
+
+
+def _linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)  # peft's lora_A / lora_B of a Linear target are Linear layers
+    return weight

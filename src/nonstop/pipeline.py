@@ -44,7 +44,7 @@ class Run:
     cfg: Config
     data: TaskData
     codec: Codec
-    engine: EnginePool  # of RestartingActor
+    engine: EnginePool[RestartingActor]
     trainer: RankGroup
     buffer: RolloutBuffer
     scorer: FunctionScorer

@@ -35,7 +35,7 @@ async def write_checkpoint(run: "Run", step: int) -> None:
     root = run.run_dir / "checkpoints"
     tmp = staging_dir(root, step)
     version = await run.trainer.call("save_checkpoint", str(tmp))
-    run.codec.tokenizer.save_pretrained(tmp / "model")  # type: ignore[attr-defined]
+    run.codec.tokenizer.save_pretrained(tmp / "model")
     state = {
         "step": step, "policy_version": version, "base_model": str(run.base_model),
         "base_accuracy": run.base_accuracy, "train_size": len(run.data.train),

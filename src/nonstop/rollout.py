@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nonstop.buffer import RolloutBuffer
 from nonstop.config import RolloutConfig
@@ -23,18 +24,23 @@ from nonstop.scorer import Scorer, exact_match
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
 class Codec:
     """Text <-> token ids at the orchestrator (engines work token-in, token-out)."""
 
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]  # type: ignore[operator]
+        return self.tokenizer(text)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
 
 class NoLearningSignal(RuntimeError):

@@ -58,6 +58,9 @@ def resolve_reward(spec: str) -> RewardFn:
 
 
 class Scorer(Protocol):
+    last_error: str | None
+    """Why the latest failing sample failed (None while none has); quoted when the run stops."""
+
     def score_group(self, group: Group) -> bool:
         """Fill `sample.reward` for every sample; return False if the group must be skipped."""
         ...

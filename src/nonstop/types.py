@@ -90,7 +90,7 @@ class KeptIds(Sequence[list[int]]):
     def __len__(self) -> int:
         return len(self.kinds)
 
-    def __getitem__(self, t):  # type: ignore[override]
+    def __getitem__(self, t):
         if isinstance(t, slice):
             return [self[i] for i in range(*t.indices(len(self)))]
         if t < 0:

@@ -17,8 +17,9 @@ Contract of `TorchEngine`:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -29,13 +30,17 @@ from nonstop.engine.scheduler import RequestError, Scheduler
 from nonstop.engine.updates import WeightGate, WeightSource
 from nonstop.types import GenerationRequest, Sample
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["Engine", "RequestError", "TorchEngine", "WeightSource", "keep_mask"]
 
 DEFAULT_MAX_SEQ_LEN = 4096  # the cache is dense: slots x max_seq_len tokens are allocated at start
 
 
 class Engine(Protocol):
-    policy_version: int
+    @property
+    def policy_version(self) -> int: ...
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
 
@@ -43,7 +48,7 @@ class Engine(Protocol):
 class TorchEngine:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         eos_token_ids: list[int],
         pad_token_id: int,
         weights: WeightSource | None = None,
@@ -79,11 +84,11 @@ class TorchEngine:
 
     @property
     def forward_passes(self) -> int:
-        return self.scheduler.stats["forward_passes"]
+        return int(self.scheduler.stats["forward_passes"])
 
     @property
     def tokens_generated(self) -> int:
-        return self.scheduler.stats["tokens_generated"]
+        return int(self.scheduler.stats["tokens_generated"])
 
     def submit(self, request: GenerationRequest, on_done: Callable[[list[Sample]], None],
                on_fail: Callable[[BaseException], None] | None = None,
@@ -102,7 +107,7 @@ class TorchEngine:
         results: list[list[Sample] | None] = [None] * len(requests)
         errors: list[BaseException] = []
         for i, r in enumerate(requests):
-            self.submit(r, lambda samples, i=i: results.__setitem__(i, samples), errors.append)
+            self.submit(r, functools.partial(results.__setitem__, i), errors.append)
         while any(r is None for r in results) and not errors:
             try:
                 self.step()
@@ -111,4 +116,6 @@ class TorchEngine:
                 raise
         if errors:
             raise errors[0]
-        return results  # type: ignore[return-value]
+        done = [r for r in results if r is not None]
+        assert len(done) == len(results)  # the loop runs until every request finished or one failed
+        return done

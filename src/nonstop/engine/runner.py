@@ -22,7 +22,7 @@ Anything else is refused at construction with a message naming what differs.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class _Layer:
     """Parameter objects of one decoder block (references, so updates are seen)."""
 
-    def __init__(self, block: torch.nn.Module) -> None:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps1: float
+    eps2: float
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    bo: torch.Tensor | None
+    wg: torch.Tensor
+    wu: torch.Tensor
+    wd: torch.Tensor
+
+    def __init__(self, block: Any) -> None:
+        """`block`: a Llama-family decoder layer, its submodules found by name (nn.Module types
+        attribute lookups only as Tensor | Module; _check_supported vouches for the names)."""
         attn, mlp = block.self_attn, block.mlp
         self.ln1, self.ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
         self.eps1 = block.input_layernorm.variance_epsilon
@@ -92,25 +110,27 @@ def _check_supported(model: torch.nn.Module) -> None:
 class KVRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, max_seq_len: int) -> None:
         _check_supported(model)
-        cfg = model.config
+        hf: Any = model  # a transformers causal LM: modules found by name, as in _Layer
+        cfg = hf.config
         self.model = model
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.hidden = cfg.hidden_size
-        self.embed = model.model.embed_tokens.weight
-        self.norm, self.norm_eps = model.model.norm.weight, model.model.norm.variance_epsilon
-        self.lm_head = model.lm_head.weight
-        self.vocab_size = self.lm_head.shape[0]
-        self.layers = [_Layer(b) for b in model.model.layers]
+        self.embed: torch.Tensor = hf.model.embed_tokens.weight
+        self.norm: torch.Tensor = hf.model.norm.weight
+        self.norm_eps: float = hf.model.norm.variance_epsilon
+        self.lm_head: torch.Tensor = hf.lm_head.weight
+        self.vocab_size: int = self.lm_head.shape[0]
+        self.layers = [_Layer(b) for b in hf.model.layers]
         dtype = self.embed.dtype
         shape = (num_slots, self.n_kv, max_seq_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         with torch.no_grad():  # rotary tables for every position, from the model's own rotary module
             pos = torch.arange(max_seq_len)[None]
-            cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=dtype), pos)
+            cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=dtype), pos)
         self.cos, self.sin = cos[0], sin[0]  # (T, D)
         self.arange = torch.arange(max_seq_len)
         self.rows = torch.arange(num_slots)

@@ -36,7 +36,7 @@ from nonstop.engine.runner import Runner
 from nonstop.engine.sampling import row_params, sample
 from nonstop.engine.sequence import Group, Seq
 from nonstop.engine.updates import WeightGate
-from nonstop.types import GenerationRequest, Sample
+from nonstop.types import FinishReason, GenerationRequest, Sample
 
 
 class RequestError(ValueError):
@@ -208,7 +208,11 @@ class Scheduler:
             s.versions.append(version)
             if s.kept is not None:
                 ids, bits = kept_rows[i]
-                s.kept.append(ids) if bits is None else s.kept.append_bitmask(bits)
+                if bits is not None:
+                    s.kept.append_bitmask(bits)
+                else:
+                    assert ids is not None  # _kept_rows gives a row its ids or its bitmask
+                    s.kept.append(ids)
             s.pending = tok
             g = s.group
             if g.on_token is not None:
@@ -230,7 +234,8 @@ class Scheduler:
         sub = kept[idx]  # (R, V) bool
         counts = sub.sum(-1).tolist()
         store = seqs[idx[0]].kept
-        as_bits = [store.id_bytes(c) > store.bitmask_bytes() for c in counts]  # type: ignore[union-attr]
+        assert store is not None  # idx holds the rows that keep their sets
+        as_bits = [store.id_bytes(c) > store.bitmask_bytes() for c in counts]
         out: dict[int, tuple[list[int] | None, bytes | None]] = {}
         packed = None
         if any(as_bits):
@@ -244,10 +249,11 @@ class Scheduler:
                 out[idx[r]] = (flat[a:b], None)
         for r, b in enumerate(as_bits):
             if b:
-                out[idx[r]] = (None, packed[r].tobytes())  # type: ignore[index]
+                assert packed is not None  # packed above whenever any row is a bitmask
+                out[idx[r]] = (None, packed[r].tobytes())
         return out
 
-    def _finish_reason(self, s: Seq, tok: int) -> str | None:
+    def _finish_reason(self, s: Seq, tok: int) -> FinishReason | None:
         g = s.group
         if tok in self.eos or tok in g.stop_ids:
             return "stop"
@@ -306,7 +312,8 @@ class Scheduler:
         if mode == "save_resume" and self.rows:
             paused = [(s, self.runner.save(s.row, s.length)) for s in self.rows]
             self.stats["paused_seqs"] += len(paused)
-        self.policy_version = self.gate.apply()  # type: ignore[union-attr]
+        assert self.gate is not None  # _poll_weights swaps only with a gate
+        self.policy_version = self.gate.apply()
         for s, saved in paused:
             self.runner.restore(s.row, saved)
         if mode == "abort_retry" and self.rows:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from nonstop.types import GenerationRequest, KeptIds, Sample
+from nonstop.types import FinishReason, GenerationRequest, KeptIds, Sample
 
 
 class Seq:
@@ -34,13 +34,13 @@ class Seq:
         self.kept = KeptIds(self.group.vocab_size) if p.truncates and p.temperature > 0 else None
         self.pending = -1
         self.length = 0
-        self.finish: str | None = None
+        self.finish: FinishReason | None = None
         self.generator = torch.Generator().manual_seed(p.seed + self.index) if p.seed is not None else None
 
     def to_sample(self) -> Sample:
+        assert self.finish is not None, "to_sample before the sequence finished"
         return Sample(prompt_ids=list(self.group.request.prompt_ids), completion_ids=self.ids, logprobs=self.logprobs,
-                      versions=self.versions, finish_reason=self.finish,  # type: ignore[arg-type]
-                      sampling_mask=self.kept)
+                      versions=self.versions, finish_reason=self.finish, sampling_mask=self.kept)
 
 
 class Group:

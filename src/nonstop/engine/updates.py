@@ -42,8 +42,8 @@ class WeightGate:
         self.target = copy.deepcopy(live) if staged else live
         self.source: WeightSource | None = None
         self.waiting: int | None = None
-        self._live_params = list(live.parameters())
-        self._staged_params = list(self.target.parameters())
+        self._live_params: list[torch.Tensor] = list(live.parameters())
+        self._staged_params: list[torch.Tensor] = list(self.target.parameters())
 
     @property
     def staged(self) -> bool:

@@ -94,7 +94,8 @@ def _reload_auth_settings() -> None:
     """Ray caches RAY_AUTH_MODE / RAY_AUTH_TOKEN when it is imported; re-read them as Ray's own
     `ray.init` does when it turns token auth on."""
     from ray._private.authentication.authentication_token_setup import _enable_token_auth  # noqa: F401
-    from ray._raylet import AuthenticationTokenLoader, Config
+    # Private names of Ray's compiled module, absent from its type stubs.
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
@@ -110,6 +111,12 @@ class RayActor:
         self._dead: str | None = None
         self._watch: asyncio.Task | None = None
 
+    def _died(self, reason: str) -> str:
+        """Record the first reason the actor is gone (later ones do not replace it); return it."""
+        if self._dead is None:
+            self._dead = reason
+        return self._dead
+
     def start_watch(self) -> None:
         self._watch = asyncio.get_running_loop().create_task(self._watch_death(), name=f"watch-{self.name}")
 
@@ -117,8 +124,7 @@ class RayActor:
         try:
             await self.actor.watch.remote()
         except rex.RayActorError as e:
-            if self._dead is None:
-                self._dead = f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}"
+            self._died(f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}")
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         if self._dead is not None:
@@ -131,8 +137,7 @@ class RayActor:
         except TimeoutError:  # not cancelled remotely: a numbered call that never ran would block later ones
             raise TimeoutError(f"actor '{self.name}': call '{method}' did not answer within {limit_s:g} s") from None
         except rex.RayActorError as e:
-            self._dead = self._dead or f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}"
-            raise ActorDied(self._dead) from None
+            raise ActorDied(self._died(f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}")) from None
         except rex.RayTaskError as e:
             raise ActorCallError(f"{self.name}.{method} raised:\n{e}") from None
 
@@ -141,7 +146,7 @@ class RayActor:
 
     async def kill(self) -> None:
         """End the actor now (a hung one too); its pending calls fail with ActorDied."""
-        self._dead = self._dead or f"actor '{self.name}' (pid {self.pid}) was killed"
+        self._died(f"actor '{self.name}' (pid {self.pid}) was killed")
         ray.kill(self.actor, no_restart=True)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
@@ -150,7 +155,7 @@ class RayActor:
                 await asyncio.wait_for(self.actor.close.remote(), timeout_s)
             except (TimeoutError, rex.RayError):
                 pass
-        self._dead = self._dead or f"actor '{self.name}' was stopped"
+        self._died(f"actor '{self.name}' was stopped")
         ray.kill(self.actor, no_restart=True)
         if self._watch is not None:
             self._watch.cancel()
@@ -200,7 +205,8 @@ class RayBackend:
     async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> RayActor:
         self._init()  # blocking once per run; ray.init wants the main thread
         res = _resources(self.cfg, name.split("-")[0], ray.cluster_resources().get("GPU", 0.0))
-        handle = self._cls.options(name=None, max_restarts=0, max_concurrency=1000, **res).remote(name, cls, args, kwargs)
+        # Any: Ray's stubs type an actor's methods as plain coroutines, without `.remote`.
+        handle: Any = self._cls.options(name=None, max_restarts=0, max_concurrency=1000, **res).remote(name, cls, args, kwargs)
         actor = RayActor(name, handle, self.cfg.call_timeout_s)
         self.actors.append(actor)
         try:

@@ -29,16 +29,18 @@ class Supervisor:
         return task
 
     def _on_done(self, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is None:
+        exc = None if task.cancelled() else task.exception()
+        if exc is None:
             return
         if self._failed is not None and not self._failed.done():
-            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+            self._failed.set_exception(exc)
 
     async def run(self, main: Coroutine[Any, Any, T]) -> T:
         self._failed = asyncio.get_running_loop().create_future()
         for task in self.tasks.values():  # a task may have failed before run() started
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+            exc = task.exception() if task.done() and not task.cancelled() else None
+            if exc is not None:
+                self._failed.set_exception(exc)
                 break
         main_task = asyncio.get_running_loop().create_task(main, name="main")
         try:

@@ -154,5 +154,6 @@ def extension(sample: Sample) -> dict[str, Any]:
 
 def sample_from_extension(ext: dict[str, Any], finish_reason: str) -> Sample:
     return Sample(prompt_ids=ext["prompt_token_ids"], completion_ids=ext["token_ids"], logprobs=ext["logprobs"],
+                  # a str from JSON: nonstop's server only ever sends 'stop' or 'length'
                   versions=ext["policy_versions"], finish_reason=finish_reason,  # type: ignore[arg-type]
                   sampling_mask=ext.get("sampling_mask"))

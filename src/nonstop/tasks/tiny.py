@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
 from nonstop.config import TinyModelConfig
 
@@ -40,7 +40,7 @@ def make_char_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_tiny_model(cfg: TinyModelConfig, seed: int = 0) -> torch.nn.Module:
+def make_tiny_model(cfg: TinyModelConfig, seed: int = 0) -> PreTrainedModel:
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE,
         hidden_size=cfg.hidden_size,

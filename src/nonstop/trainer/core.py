@@ -21,9 +21,11 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
+from typing import TypedDict
 
 import torch
 
+from nonstop.hf import CausalLM
 from nonstop.config import TrainerConfig
 from nonstop.trainer.correction import is_weights
 from nonstop.trainer.losses import clipped_policy_loss, group_advantages, gspo_loss, kl_penalty, masked_mean, token_logprobs
@@ -44,9 +46,24 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int) -> 
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class Batch(TypedDict):
+    """The tensors of one training batch: B samples, L prompt + completion tokens, T completion tokens."""
+
+    ids: torch.Tensor  # (B, L) token ids, right-padded
+    attn: torch.Tensor  # (B, L) attention mask
+    gather_pos: torch.Tensor  # (B, T) position whose hidden state predicts completion token t
+    targets: torch.Tensor  # (B, T) completion token ids
+    behaviour: torch.Tensor  # (B, T) behaviour logprobs
+    mask: torch.Tensor  # (B, T) bool, tokens in the loss
+    versions: torch.Tensor  # (B, T) policy_version of each token
+    advantages: torch.Tensor  # (B,)
+    truncated: torch.Tensor  # (B,) bool, cut at max_new_tokens
+    keep: torch.Tensor | None  # (B, T, V) bool, the engine's kept sets (None: no truncated sampling)
+
+
 class Trainer:
     def __init__(
-        self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float, pad_token_id: int,
+        self, model: CausalLM, cfg: TrainerConfig, temperature: float, pad_token_id: int,
         max_lag: int | None = None, reject: str = "group", total_steps: int = 1000,
     ) -> None:
         self.model = model.train()
@@ -87,7 +104,7 @@ class Trainer:
         """What the weight transport packs: an object whose named_parameters() are full tensors."""
         return self.model
 
-    def _batch(self, groups: list[Group]) -> dict[str, torch.Tensor]:
+    def _batch(self, groups: list[Group]) -> Batch:
         samples = [s for g in groups for s in g.samples]
         widths = {len(g.samples) for g in groups}
         if len(widths) != 1:
@@ -123,10 +140,10 @@ class Trainer:
                     keep[b, t] = False
                     keep[b, t, kept] = True
         adv = group_advantages(rewards, self.cfg.advantage_mode).reshape(-1)  # (B,)
-        return dict(ids=ids, attn=attn, gather_pos=gather_pos, targets=targets, behaviour=behaviour,
-                    mask=mask, versions=versions, advantages=adv, truncated=truncated, keep=keep)
+        return Batch(ids=ids, attn=attn, gather_pos=gather_pos, targets=targets, behaviour=behaviour,
+                     mask=mask, versions=versions, advantages=adv, truncated=truncated, keep=keep)
 
-    def logprobs(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None, with_entropy: bool = False):
+    def logprobs(self, batch: Batch, model: CausalLM | None = None, with_entropy: bool = False):
         """Logprobs (B, T) of the completion tokens under `model` (default: the policy)."""
         model = model or self.model
         hidden = model.get_decoder()(
@@ -136,7 +153,7 @@ class Trainer:
         return token_logprobs(hidden.gather(1, idx), model.get_output_embeddings(), batch["targets"],
                               self.temperature, self.cfg.logprob_chunk_rows, with_entropy, batch["keep"])
 
-    def _loss_mask(self, batch: dict[str, torch.Tensor], lag: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+    def _loss_mask(self, batch: Batch, lag: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
         mask = batch["mask"].clone()
         counts = {"overlong_samples": 0, "rejected_samples": 0, "rejected_tokens": 0}
         if self.cfg.filter_overlong:
@@ -169,16 +186,16 @@ class Trainer:
                                     den["gspo"] if den else None)
         else:
             loss, stats = clipped_policy_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high,
-                                              cfg.norm, weights, norm_den)  # type: ignore[arg-type]
+                                              cfg.norm, weights, norm_den)
         extra: dict[str, float] = {}
         if self.reference is not None:
             with torch.no_grad():
                 ref = self.logprobs(batch, self.reference)
-            kl = masked_mean(kl_penalty(logp, ref, cfg.kl_estimator), mask, cfg.norm, norm_den)  # type: ignore[arg-type]
+            kl = masked_mean(kl_penalty(logp, ref, cfg.kl_estimator), mask, cfg.norm, norm_den)
             loss = loss + cfg.kl_coef * kl
             extra["kl_ref"] = float(kl.detach())
         if entropy is not None:
-            ent = masked_mean(entropy, mask, cfg.norm, norm_den)  # type: ignore[arg-type]
+            ent = masked_mean(entropy, mask, cfg.norm, norm_den)
             loss = loss - cfg.entropy_coef * ent
             extra["entropy"] = float(ent.detach())
         self.optimizer.zero_grad(set_to_none=True)

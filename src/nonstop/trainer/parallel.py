@@ -27,7 +27,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from nonstop.trainer.core import Trainer
+from nonstop.config import TrainerConfig
+from nonstop.hf import CausalLM
+from nonstop.trainer.core import Batch, Trainer
 from nonstop.trainer.losses import group_advantages
 from nonstop.transport.base import free_port
 from nonstop.types import Group
@@ -73,7 +75,7 @@ class _Policy(torch.nn.Module):
         self.model = trainer.model
         self._trainer = [trainer]  # a list: not a submodule, no parameter registration
 
-    def forward(self, batch: dict[str, torch.Tensor], with_entropy: bool):
+    def forward(self, batch: Batch, with_entropy: bool):
         return Trainer.logprobs(self._trainer[0], batch, self.model, with_entropy)
 
 
@@ -89,7 +91,7 @@ class _FullParameters:
 
 
 class ParallelTrainer(Trainer):
-    def __init__(self, model: torch.nn.Module, cfg, temperature: float, pad_token_id: int,
+    def __init__(self, model: CausalLM, cfg: TrainerConfig, temperature: float, pad_token_id: int,
                  max_lag: int | None = None, reject: str = "group", mode: Mode = "ddp", total_steps: int = 1000) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParallelTrainer needs the trainer process group: call join_group first")
@@ -101,10 +103,10 @@ class ParallelTrainer(Trainer):
 
             device = "cuda" if next(model.parameters()).is_cuda else "cpu"
             mesh = init_device_mesh(device, (self.world,))
-            policy = _Policy(self)
+            self.policy: torch.nn.Module = _Policy(self)
             for layer in getattr(model.get_decoder(), "layers", []):
                 fully_shard(layer, mesh=mesh)
-            self.policy = fully_shard(policy, mesh=mesh)
+            fully_shard(self.policy, mesh=mesh)  # in place: the module becomes an FSDP module
         else:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -112,7 +114,7 @@ class ParallelTrainer(Trainer):
         self.make_optimizer()  # over the sharded / wrapped parameters
         self._global: dict[str, int] = {}
 
-    def _batch(self, groups: list[Group]) -> dict[str, torch.Tensor]:
+    def _batch(self, groups: list[Group]) -> Batch:
         lo, hi = shard_bounds(len(groups), self.rank, self.world)
         batch = super()._batch(groups[lo:hi])
         rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)  # (G, n)
@@ -152,13 +154,14 @@ class ParallelTrainer(Trainer):
         return metrics
 
     def publishable(self) -> torch.nn.Module:
+        # The transport reads only named_parameters(), which _FullParameters provides without being a Module.
         return _FullParameters(self.model) if self.mode == "fsdp2" else self.model  # type: ignore[return-value]
 
     def save_full(self, out: Path) -> None:
         """Every rank calls this; rank 0 writes the whole model with save_pretrained."""
         state = {name: t.detach().cpu().clone() for name, t in _FullParameters(self.model).named_parameters()}
         if self.rank == 0:
-            self.model.save_pretrained(out, state_dict=state)
+            self.model.save_pretrained(str(out), state_dict=state)
         dist.barrier()
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from nonstop.config import LoraConfig, TrainerConfig, TransportConfig
-from nonstop.hf import load_model
+from nonstop.hf import CausalLM, load_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
@@ -42,11 +42,12 @@ class TrainerWorker:
         torch.manual_seed(seed)
         self.model_path = model_path
         self.lora = lora if lora is not None and lora.enabled else None
-        model = load_model(model_path)
+        base = load_model(model_path)
+        model: CausalLM = base
         if self.lora is not None:
             from nonstop.lora import wrap_with_peft
 
-            model = wrap_with_peft(model, self.lora, adapter_path)
+            model = wrap_with_peft(base, self.lora, adapter_path)
             reference_path = model_path  # the plain base, not a copy of the peft model
         self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps)
         if reference_path is not None and self.trainer.reference is not None:
@@ -109,7 +110,7 @@ class TrainerWorker:
         if isinstance(self.trainer, ParallelTrainer):
             self.trainer.save_full(out)  # every rank takes part; rank 0 writes
         else:
-            self.trainer.model.save_pretrained(out)  # with LoRA, peft records the base's path in adapter_config.json
+            self.trainer.model.save_pretrained(str(out))  # with LoRA, peft records the base's path in adapter_config.json
         return str(out)
 
     def save_checkpoint(self, path: str) -> int:

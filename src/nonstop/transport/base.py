@@ -60,7 +60,7 @@ class ModelParameters:
     """Full-weight sync: the target is every parameter of the model (tied weights once)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.named = list(model.named_parameters())
+        self.named: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self.named
@@ -114,7 +114,8 @@ def model_layout(model: torch.nn.Module) -> tuple[list[TensorSpec], int]:
 
 def check_layout(expected: list[TensorSpec], target: torch.nn.Module | list[tuple[str, torch.Tensor]]) -> None:
     """Fail clearly if the engine's tensors are not exactly the ones the trainer sends."""
-    named = list(target.named_parameters()) if isinstance(target, torch.nn.Module) else target
+    named: list[tuple[str, torch.Tensor]] = (
+        list(target.named_parameters()) if isinstance(target, torch.nn.Module) else target)
     ours = {s.name: s for s in layout_of(named)[0]}
     theirs = {s.name: s for s in expected}
     problems = [f"missing on engine: {n}" for n in theirs.keys() - ours.keys()]
@@ -187,7 +188,7 @@ class FlatSender:
 
 def crc32(buf: torch.Tensor) -> int:
     """CRC32 of a contiguous uint8 tensor's bytes."""
-    return zlib.crc32(memoryview(buf.numpy()))
+    return zlib.crc32(buf.numpy().data)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

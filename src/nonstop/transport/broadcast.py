@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -25,19 +26,25 @@ import torch.distributed as dist
 from nonstop.transport.base import FlatSender, TransportError, WeightTarget, crc32, in_layout_order, repoint, views
 from nonstop.types import BroadcastOptions, TransportHandle
 
-STOP = b"stop"
+STOP = "stop"
 # How long one store wait for the next version lasts before it is renewed. The trainer's close()
 # wakes the waiter at once (it sets the next key to STOP), so this only bounds log noise.
 _WAIT_SLICE = timedelta(seconds=30)
 
 
-def _group(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> tuple[dist.TCPStore, dist.ProcessGroup]:
+class _Group(Protocol):
+    """What this transport uses of its gloo backend (torch's stubs leave out Backend's collectives)."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
+
+
+def _group(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> tuple[dist.TCPStore, _Group]:
     world = 1 + handle.num_engines
     connect = timedelta(seconds=handle.connect_timeout_s)
     store = dist.TCPStore(opts.host, opts.port, world, is_master=rank == 0, timeout=connect)
     pg = dist.ProcessGroupGloo(store, rank, world, connect)
     pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
-    return store, pg
+    return store, cast(_Group, pg)
 
 
 def _buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions) -> list[torch.Tensor]:
@@ -53,7 +60,7 @@ class BroadcastSink:
         self.handle, self.opts = handle, opts
         self.sender = FlatSender(handle)
         self.store: dist.TCPStore | None = None
-        self.pg: dist.ProcessGroup | None = None
+        self.pg: _Group | None = None
         self.last_version = handle.next_version - 1
 
     def connect(self) -> None:
@@ -64,7 +71,7 @@ class BroadcastSink:
         if self.pg is None or self.store is None:
             raise TransportError("broadcast transport used before connect()")
         buckets = _buckets(self.sender.flat(model), self.handle, self.opts)
-        self.store.set(f"v{version}", b"1")
+        self.store.set(f"v{version}", "1")
         sums = [torch.tensor([crc32(b) for b in buckets], dtype=torch.int64)] if self.handle.checksum else []
         # Issue every bucket before waiting on any: gloo sends them back to back, without a
         # round trip through Python between two buckets.
@@ -148,7 +155,7 @@ class BroadcastSource:
                 self.error = TransportError(
                     f"engine rank {self.rank}: lost the trainer's store while waiting for version {version}: {e}")
                 return
-            if self.closing.is_set() or self.store.get(f"v{version}") == STOP:
+            if self.closing.is_set() or self.store.get(f"v{version}") == STOP.encode():
                 return
             try:
                 works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
@@ -169,7 +176,7 @@ class BroadcastSource:
                 if self.ready is not None:  # superseded before it was applied
                     self.spare.append(self.ready[1])
                 self.ready = (version, back)
-            self.store.set(f"ack{self.rank}/v{version}", b"1")
+            self.store.set(f"ack{self.rank}/v{version}", "1")
             back = self._take_spare()
             version += 1
 

@@ -116,7 +116,7 @@ class ShmSink:
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        seg, tried = self.segment, set()
+        seg, tried = self.segment, set[int]()
         while True:
             slot = self._free_slot(tried)
             previous = int(seg.stamps[slot])
