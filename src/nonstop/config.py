@@ -3,34 +3,47 @@
 `load_config(path, overrides)` reads an optional YAML file, applies `a.b=c` overrides (values
 parsed as YAML scalars) and validates the whole tree. Every problem becomes one `ConfigError`
 whose message names the dotted field, e.g. `buffer.depht: unknown field (did you mean 'depth'?)`.
+
+The transport and runtime sections hold one model per kind (config_kinds.py). Every rule across
+fields is checked in `Config._combinations`; a default that depends on another field stays None
+in the file and resolves in one `Config` property (`engine_settings`, `engine_restarts`,
+`warmup_enabled`), so a written config.yaml resolves again from whatever is changed on resume.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from nonstop.config_schema import TagOf, explain, reference
+from nonstop.config_kinds import (
+    BaseRuntimeConfig,
+    BaseTransportConfig,
+    BroadcastTransportConfig,
+    FilesTransportConfig,
+    LocalRuntimeConfig,
+    RayActorResources,
+    RayRuntimeConfig,
+    RuntimeConfig,
+    ShmTransportConfig,
+    TransportConfig,
+)
+from nonstop.config_schema import Section as _Section
+from nonstop.config_schema import explain, reference
+
+__all__ = [
+    "BaseRuntimeConfig", "BaseTransportConfig", "BroadcastTransportConfig", "BufferConfig", "CheckpointConfig",
+    "Config", "ConfigError", "EngineConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
+    "ModelConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
+    "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TrainerConfig", "TransportConfig", "WarmupConfig",
+    "config_reference", "dump_config", "format_validation_error", "load_config",
+]
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending field."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class TinyModelConfig(_Section):
@@ -253,70 +266,6 @@ class TrainerConfig(_Section):
         return self
 
 
-class BaseTransportConfig(_Section):
-    """Fields every weight transport has; `kind` selects the model that adds its own."""
-
-    kind: str = "shm"
-    """'shm': one shared-memory segment with N + 2 slots (N engines), engines point their weights at the
-    newest complete slot (no copy); 'broadcast': torch.distributed broadcast in buckets (crosses hosts);
-    'files': safetensors files and an atomically replaced version marker in a shared folder."""
-    checksum: bool = False
-    """The receiver verifies a CRC32 of every bucket (broadcast), slot (shm) or file (files); a mismatch is never applied."""
-    timeout_s: float = Field(120.0, gt=0.0)
-    """Longest a weight send or receive may take before the run fails naming the peer."""
-    connect_timeout_s: float = Field(300.0, gt=0.0)
-    """Longest the trainer and the engines may take to meet when the transport is set up."""
-
-
-class ShmTransportConfig(BaseTransportConfig):
-    """Shared memory: trainer and engines on one host."""
-
-    kind: Literal["shm"] = "shm"
-
-
-class BroadcastTransportConfig(BaseTransportConfig):
-    """torch.distributed broadcast from trainer rank 0 to every engine; an engine cannot rejoin the group."""
-
-    kind: Literal["broadcast"] = "broadcast"
-    bucket_mb: float = Field(25.0, gt=0.0)
-    """Size of each broadcast slice in MiB."""
-    per_tensor: bool = False
-    """Broadcast one parameter at a time instead of fixed-size buckets (for comparison)."""
-
-
-class FilesTransportConfig(BaseTransportConfig):
-    """A folder shared by trainer and engines (a shared filesystem across hosts)."""
-
-    kind: Literal["files"] = "files"
-    dir: str | None = None
-    """Folder shared by trainer and engines; None: a new temp folder, removed at the end."""
-    keep: int = Field(2, ge=1)
-    """Versions kept on disk."""
-    notify: Literal["marker", "http"] = "marker"
-    """How engines learn of a new version: 'marker' stats the LATEST file before each forward pass;
-    'http' long-polls the trainer's notification server and loads the file off the decode path."""
-    notify_host: str = "127.0.0.1"
-    """Address the trainer's notification server binds to and engines connect to (notify 'http')."""
-
-
-TransportConfig = Annotated[
-    Union[
-        Annotated[ShmTransportConfig, Tag("shm")],
-        Annotated[BroadcastTransportConfig, Tag("broadcast")],
-        Annotated[FilesTransportConfig, Tag("files")],
-    ],
-    Discriminator(TagOf("kind", "shm")),
-]
-"""The transport section: one model per `kind`, each holding only its own fields."""
-
-
-class RayActorResources(_Section):
-    num_cpus: float = Field(1.0, ge=0.0)
-    """CPUs Ray reserves for each actor of this role."""
-    num_gpus: float | None = Field(None, ge=0.0)
-    """GPUs Ray reserves for each actor of this role; None: 1 when the cluster has GPUs, else 0."""
-
-
 class EngineConfig(_Section):
     """The built-in engine: continuous batching limits and how weight updates meet in-flight requests."""
 
@@ -340,55 +289,6 @@ class EngineConfig(_Section):
     max_lag: int | None = Field(None, ge=0)
     """Lag bound of group_cancel, in policy versions; None: buffer.max_lag in training (see
     Config.engine_settings) and no cancelling in `nonstop serve`."""
-
-
-class BaseRuntimeConfig(_Section):
-    """Fields every actor backend has; `backend` selects the model that adds its own."""
-
-    backend: str = "local"
-    """Actor backend: 'local' spawns one OS process per actor; 'ray' makes every actor a Ray actor (extra `nonstop[ray]`)."""
-    num_engines: int = Field(1, ge=1)
-    """Engine actors; a least-loaded dispatcher spreads the prompts over them and every one receives each published version."""
-    start_timeout_s: float = Field(180.0, gt=0.0)
-    """Longest an actor may take to start (imports and model load)."""
-    call_timeout_s: float = Field(600.0, gt=0.0)
-    """Longest one actor call may take before the run fails with a clear message."""
-    heartbeat_interval_s: float = Field(5.0, gt=0.0)
-    """How often the orchestrator pings each engine."""
-    heartbeat_timeout_s: float = Field(30.0, gt=0.0)
-    """An engine that does not answer a ping within this time is declared hung, killed and restarted."""
-    max_engine_restarts: int | None = Field(None, ge=0)
-    """Engine crashes or hangs survived per run (each restart re-queues the prompts it held); one more ends
-    the run. None: 3, or 0 with transport.kind 'broadcast' (its group cannot take a new engine)."""
-
-
-class LocalRuntimeConfig(BaseRuntimeConfig):
-    """One OS process per actor on this machine."""
-
-    backend: Literal["local"] = "local"
-
-
-class RayRuntimeConfig(BaseRuntimeConfig):
-    """Every actor a Ray actor, on a private local cluster or a running one."""
-
-    backend: Literal["ray"] = "ray"
-    ray_address: str | None = None
-    """Address of a running Ray cluster ('auto', 'host:port' or 'ray://host:port'); None starts a private local cluster."""
-    ray_num_cpus: int | None = Field(None, ge=1)
-    """CPUs of the private local Ray cluster; None: all of this machine's."""
-    ray_num_gpus: int | None = Field(None, ge=0)
-    """GPUs of the private local Ray cluster; None: Ray detects them."""
-    ray_engine: RayActorResources = RayActorResources()
-    """Ray resources of each engine actor."""
-    ray_trainer: RayActorResources = RayActorResources()
-    """Ray resources of each trainer rank actor."""
-
-
-RuntimeConfig = Annotated[
-    Union[Annotated[LocalRuntimeConfig, Tag("local")], Annotated[RayRuntimeConfig, Tag("ray")]],
-    Discriminator(TagOf("backend", "local")),
-]
-"""The runtime section: one model per `backend`, each holding only its own fields."""
 
 
 class CheckpointConfig(_Section):

@@ -17,8 +17,14 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from pydantic import BaseModel, Discriminator, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
 from pydantic.fields import FieldInfo
+
+
+class Section(BaseModel):
+    """A config section: unknown fields are errors, values are frozen, attribute docstrings document fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class TagOf:
