@@ -152,7 +152,8 @@ async def spawn_trainers(backend: ActorBackend, cfg: Config, weights: Path, tok:
     ranks = await asyncio.gather(*(
         backend.spawn(n, TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature, tok.pad_token_id,
                       cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject, reference_path=reference_path,
-                      total_steps=cfg.run.max_steps, lora=cfg.model.lora, adapter_path=adapter_path)
+                      total_steps=cfg.run.max_steps, lora=cfg.model.lora, adapter_path=adapter_path,
+                      max_new_tokens=cfg.rollout.max_new_tokens)
         for n in _names("trainer", cfg.trainer.ranks)))
     group = RankGroup(list(ranks))
     if len(ranks) > 1:

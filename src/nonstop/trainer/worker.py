@@ -36,8 +36,10 @@ from nonstop.types import Group, StepResult, TransportHandle
 class TrainerWorker:
     def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0,
                  max_lag: int | None = None, reject: str = "group", reference_path: str | None = None,
-                 total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None):
+                 total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None,
+                 max_new_tokens: int | None = None):
         """`reference_path`: the KL reference weights when they differ from `model_path` (on resume).
+        `max_new_tokens`: rollout.max_new_tokens, the constant divisor of dr_grpo's normalisation.
         `lora`: train adapters on the base `model_path`, starting from `adapter_path` if given."""
         torch.manual_seed(seed)
         self.model_path = model_path
@@ -48,7 +50,7 @@ class TrainerWorker:
 
             model = wrap_with_peft(model, self.lora, adapter_path)
             reference_path = model_path  # the plain base, not a copy of the peft model
-        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps)
+        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps, max_new_tokens)
         if reference_path is not None and self.trainer.reference is not None:
             self.trainer.reference = load_model(reference_path).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
@@ -63,7 +65,7 @@ class TrainerWorker:
         t = self.trainer
         join_group(host, port, rank, world, timeout_s, cuda=next(t.model.parameters()).is_cuda)
         self.trainer = ParallelTrainer(t.model, t.cfg, t.temperature, t.pad_token_id, t.max_lag, t.reject,
-                                       t.cfg.data_parallel, t.total_steps)
+                                       t.cfg.data_parallel, t.total_steps, t.max_new_tokens)
         self.trainer.reference = t.reference  # the worker may have loaded it from elsewhere (resume)
 
     def _publishes_on_connect(self) -> bool:
