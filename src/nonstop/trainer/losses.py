@@ -52,8 +52,8 @@ def group_advantages(
         return centred
     if mode == "batch":
         return centred / (centred.std(unbiased=False) + eps)
-    # n = 1 has no unbiased std (nan); its centred reward is 0, and so is its advantage
-    sd = rewards.std(dim=-1, keepdim=True, unbiased=std == "unbiased").nan_to_num(0.0)  # (G, 1)
+    # n = 1 has no unbiased std; its centred reward is 0, and so is its advantage with either
+    sd = rewards.std(dim=-1, keepdim=True, unbiased=std == "unbiased" and rewards.shape[-1] > 1)  # (G, 1)
     return centred / (sd + eps)
 
 
