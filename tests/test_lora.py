@@ -211,6 +211,7 @@ def test_resumed_lora_trainer_continues_exactly_and_hands_its_adapters_to_a_base
         assert q.get(timeout=120)[0] == "attached"
         a, b = original.step(_stale_groups(tok, [[2, 2]] * 4)), resumed.step(_stale_groups(tok, [[2, 2]] * 4))
         assert a.policy_version == b.policy_version == 3
+        assert resumed.publish().policy_version == 3  # step trains only; publishing sends version 3
         for (name, p), (_, q_) in zip(adapter_tensors(original.trainer.model), adapter_tensors(resumed.trainer.model)):
             assert torch.equal(p, q_), name
         tag, (seen, state) = q.get(timeout=120)
