@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from nonstop.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.types import Group, Sample
 
 

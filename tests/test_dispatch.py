@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nonstop.config import Config
-from nonstop.dispatch import EnginePool, place
+from nonstop.orchestrator.dispatch import EnginePool, place
 from nonstop.hf import load_tokenizer
-from nonstop.pipeline import connect_transport, spawn_engine, spawn_trainers
+from nonstop.orchestrator.pipeline import connect_transport, spawn_engine, spawn_trainers
 from nonstop.runtime import make_backend
 from nonstop.types import GenerationRequest, Group, SamplingParams
 

@@ -55,7 +55,7 @@ def _summary_table(s: dict) -> Table:
 def run_training(cfg: Config, console: Console, resume_dir: Path | None = None) -> dict:
     """Everything `nonstop train` does after parsing: data, base policy, pipeline, summary."""
     from nonstop.checkpoint import latest_valid
-    from nonstop.pipeline import train
+    from nonstop.orchestrator.pipeline import train
     from nonstop.progress import Progress
     from nonstop.tasks.data import load_task
     from nonstop.tasks.warmup import prepare_base_model
@@ -113,10 +113,10 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
         sys.exit(130)
     except Exception as e:  # one clear line for the user; the cause chain stays in the traceback
         from nonstop.checkpoint import CheckpointError
-        from nonstop.recovery import RunFailed
-        from nonstop.rollout import NoLearningSignal
+        from nonstop.orchestrator.recovery import RunFailed
+        from nonstop.orchestrator.generate import NoLearningSignal
         from nonstop.runtime import ActorCallError, ActorDied
-        from nonstop.scorer import RewardError
+        from nonstop.orchestrator.score import RewardError
         from nonstop.tasks.data import DatasetError
         from nonstop.transport import TransportError
 

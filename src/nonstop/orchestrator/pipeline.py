@@ -21,19 +21,19 @@ from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nonstop.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
-from nonstop.dispatch import EnginePool, RankGroup
+from nonstop.orchestrator.dispatch import EnginePool, RankGroup
 from nonstop.engine.worker import EngineWorker
-from nonstop.ledger import Ledger
+from nonstop.orchestrator.ledger import Ledger
 from nonstop.metrics import Clock, JsonlSink
 from nonstop.progress import Progress
-from nonstop.recovery import RunFailed, restore, write_checkpoint
-from nonstop.rollout import Codec, RolloutStats, evaluate, produce
+from nonstop.orchestrator.recovery import RunFailed, restore, write_checkpoint
+from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate, produce
 from nonstop.runtime import ActorBackend, ActorCallError, ActorDied, ActorHandle, Supervisor, make_backend
 from nonstop.runtime.restart import RestartingActor, RestartStats
-from nonstop.scorer import FunctionScorer, resolve_reward
+from nonstop.orchestrator.score import FunctionScorer, resolve_reward
 from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 from nonstop.trainer.worker import TrainerWorker
 from nonstop.types import TransportHandle

@@ -14,12 +14,12 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from nonstop.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.config import RolloutConfig
-from nonstop.ledger import Ledger
+from nonstop.orchestrator.ledger import Ledger
 from nonstop.metrics import Clock
 from nonstop.runtime import ActorHandle
-from nonstop.scorer import Scorer, exact_match
+from nonstop.orchestrator.score import Scorer, exact_match
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 

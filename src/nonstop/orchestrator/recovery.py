@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 from nonstop.checkpoint import Checkpoint, commit, staging_dir
 from nonstop.metrics import Clock
-from nonstop.rollout import RolloutStats
+from nonstop.orchestrator.generate import RolloutStats
 from nonstop.tasks.data import Draw
 
 if TYPE_CHECKING:
-    from nonstop.pipeline import Run
+    from nonstop.orchestrator.pipeline import Run
 
 
 class RunFailed(RuntimeError):
