@@ -109,7 +109,8 @@ async def connect_transport(cfg: Config, trainer: TrainerClient, engines: list[E
                             host: str | None) -> TransportHandle:
     """Trainer rank 0 is transport rank 0; engine i is rank i + 1."""
     handle = await trainer.plan_transport(cfg.transport, len(engines), host)
-    await asyncio.gather(trainer.connect_transport(), *(e.connect_transport(handle, i + 1) for i, e in enumerate(engines)))
+    await asyncio.gather(trainer.connect_transport(),
+                         *(e.connect_transport(handle, i + 1) for i, e in enumerate(engines)))
     return handle
 
 
@@ -163,7 +164,8 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     if resume is not None:
         await trainer.load_checkpoint(str(resume.path))
     handle = await connect_transport(cfg, trainer, list(first_engines), backend.host)
-    engines = [RestartingEngine(e.name, engine_restarter(backend, cfg, model_weights, tok, i, version0, handle, run_dir),
+    engines = [RestartingEngine(e.name, engine_restarter(backend, cfg, model_weights, tok, i, version0, handle,
+                                                         run_dir),
                                 cfg.runtime.max_engine_restarts, cfg.runtime.heartbeat_interval_s,
                                 cfg.runtime.heartbeat_timeout_s, log=progress.log, engine=e)
                for i, e in enumerate(first_engines)]

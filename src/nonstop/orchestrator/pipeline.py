@@ -65,7 +65,8 @@ async def begin(run: Run, resume: Checkpoint | None) -> None:
         restore(run, resume)
     else:
         run.state.base_accuracy = await run.eval()
-        run.progress.log(f"base policy held-out accuracy: {run.state.base_accuracy:.1%} on {len(run.data.eval)} prompts")
+        run.progress.log(f"base policy held-out accuracy: {run.state.base_accuracy:.1%} "
+                         f"on {len(run.data.eval)} prompts")
         run.state.clock = Clock()
     run.progress.base_eval = run.state.base_accuracy
 

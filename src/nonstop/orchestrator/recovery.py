@@ -6,9 +6,10 @@ and commits it atomically (checkpoint.py). The snapshot is taken between two tra
 every group of step <= `step` is settled in the ledger, and every prompt drawn but not yet
 settled (generating, or waiting in the buffer) is listed as in flight.
 
-`restore(run, ckpt)` puts that state back into the run's stages and its RunState: the stream continues from the saved cursor, the
-in-flight prompts are re-queued ahead of it (so nothing drawn is lost, and nothing settled is
-drawn again), counters and the RL clock continue, and the learning loop starts at step + 1.
+`restore(run, ckpt)` puts that state back into the run's stages and its RunState: the stream
+continues from the saved cursor, the in-flight prompts are re-queued ahead of it (so nothing
+drawn is lost, and nothing settled is drawn again), counters and the RL clock continue, and the
+learning loop starts at step + 1.
 """
 
 from __future__ import annotations
