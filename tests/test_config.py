@@ -1,3 +1,4 @@
+import pydantic
 import pytest
 
 from nonstop.config import Config, ConfigError, dump_config, load_config
@@ -63,8 +64,9 @@ def test_bad_override_syntax():
 
 def test_config_is_frozen():
     cfg = Config()
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match=r"lr\n  Instance is frozen"):
         cfg.trainer.lr = 1.0  # type: ignore[misc]
+    assert cfg.trainer.lr == Config().trainer.lr
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

@@ -1,7 +1,9 @@
 """Trainer actor: a Trainer in its own process; owns the sending end of the weight transport.
 
-`step(groups)` trains on one batch and publishes the new weights as policy_version + 1 before
-it returns, so when the orchestrator sees version v every engine can load v.
+`step(groups)` trains on one batch (policy_version + 1 unless the step was skipped);
+`publish()` then sends the new weights through the transport, so when the orchestrator sees
+`publish()` return version v every engine can load v. Both go to every rank: with FSDP2 each
+rank takes part in the gathers that assemble the published weights.
 `save_checkpoint(dir)` writes the weights (`dir/model`) and everything else a resume needs
 (`dir/trainer.pt`: optimizer, RNG states, policy_version, skip counters); a trainer built from
 `dir/model` and given `load_checkpoint(dir)` continues exactly where the saved one stood.
@@ -30,7 +32,7 @@ from nonstop.hf import load_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
-from nonstop.types import Group, StepResult, TransportHandle
+from nonstop.types import Group, PublishResult, StepResult, TransportHandle
 
 
 class TrainerWorker:
@@ -55,6 +57,7 @@ class TrainerWorker:
             self.trainer.reference = load_model(reference_path).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
         self.publish_bytes = 0
+        self.published_version = self.trainer.policy_version  # what the engines hold (they start from it)
         self.busy_s = 0.0
 
     def rendezvous(self, host: str | None) -> tuple[str, int]:
@@ -90,18 +93,26 @@ class TrainerWorker:
     def step(self, groups: list[Group]) -> StepResult:
         t0 = time.perf_counter()
         metrics = self.trainer.step(groups)
-        t1 = time.perf_counter()
-        if not metrics["skipped"]:
+        train_s = time.perf_counter() - t0
+        self.busy_s += train_s
+        metrics.update(train_s=train_s)
+        return StepResult(self.trainer.policy_version, metrics)
+
+    def publish(self) -> PublishResult:
+        """Send the weights of the current policy_version unless the engines already have them."""
+        t0 = time.perf_counter()
+        version = self.trainer.policy_version
+        if version != self.published_version:
             weights = self.trainer.publishable()
             if self.sink is not None:
-                self.sink.publish(weights, self.trainer.policy_version)
+                self.sink.publish(weights, version)
             else:  # a rank without the sink still takes part in every gather (FSDP2)
                 for _ in weights.named_parameters():
                     pass
-        t2 = time.perf_counter()
-        self.busy_s += t2 - t0
-        metrics.update(train_s=t1 - t0, publish_s=t2 - t1, publish_bytes=self.publish_bytes)
-        return StepResult(self.trainer.policy_version, metrics)
+            self.published_version = version
+        publish_s = time.perf_counter() - t0
+        self.busy_s += publish_s
+        return PublishResult(version, publish_s, self.publish_bytes)
 
     def save(self, path: str) -> str:
         """Write the current weights with save_pretrained (safetensors): the full model, loadable
@@ -135,6 +146,7 @@ class TrainerWorker:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         t.policy_version, t.skipped_steps, t.skips_in_row = state["policy_version"], state["skipped_steps"], state["skips_in_row"]
+        self.published_version = t.policy_version  # engines start from these weights (LoRA: connect publishes them)
         return t.policy_version
 
     def close(self) -> None:
