@@ -39,7 +39,7 @@ def run_cell(name: str, extra: list[str], steps: int, out: str) -> dict:
         "warmup.enabled=false", "rollout.filter_uniform_reward=false", f"run.max_steps={steps}", "run.max_time_s=null", f"run.eval_every={steps}",
         "task.eval_size=50", f"run.out_dir={out}", f"run.name={name}", "run.progress=off", *extra,
     ])
-    return run_training(cfg, Console(quiet=True))
+    return run_training(cfg, Console(quiet=True)).to_dict()
 
 
 def main() -> None:

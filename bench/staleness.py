@@ -28,7 +28,7 @@ def run_cell(depth: str, correction: str, seconds: float, out: str, eval_every: 
         f"trainer.correction={correction}", f"run.max_time_s={seconds}", f"run.eval_every={eval_every}",
         f"run.out_dir={out}", f"run.name=d{depth}-{correction}", "run.progress=off",
     ])
-    summary = run_training(cfg, Console(quiet=True))
+    summary = run_training(cfg, Console(quiet=True)).to_dict()
     recs = [json.loads(x) for x in (Path(out) / f"d{depth}-{correction}" / "metrics.jsonl").read_text().splitlines()]
     lags = [(int(k), v) for r in recs for k, v in r["lag_hist"].items()]
     tokens = sum(v for _, v in lags) or 1

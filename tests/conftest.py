@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import sys
 from pathlib import Path
@@ -26,3 +27,40 @@ SMALL = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=
 def tiny_dir(tmp_path_factory) -> Path:
     """A small random Qwen2 model and char tokenizer written with save_pretrained."""
     return save_tiny(tmp_path_factory.mktemp("tiny"), SMALL, seed=0)
+
+
+class ChildProcess:
+    """An engine-side process for transport tests (a target from helpers.py, which reports on the
+    queue passed as its last argument)."""
+
+    def __init__(self, target, args: tuple, daemon: bool) -> None:
+        ctx = mp.get_context("spawn")
+        self.queue = ctx.Queue()
+        self.process = ctx.Process(target=target, args=(*args, self.queue), daemon=daemon)
+        self.process.start()
+
+    def get(self, kind: str, timeout_s: float = 120):
+        """The value of the next report, which must be of `kind`."""
+        tag, value = self.queue.get(timeout=timeout_s)
+        assert tag == kind, (tag, value)
+        return value
+
+    def join(self, timeout_s: float = 30) -> int | None:
+        self.process.join(timeout=timeout_s)
+        return self.process.exitcode
+
+
+@pytest.fixture
+def spawn_child():
+    """Start child processes with `spawn_child(target, *args)`; any still alive at the end is killed."""
+    children: list[ChildProcess] = []
+
+    def spawn(target, *args, daemon: bool = False) -> ChildProcess:
+        children.append(ChildProcess(target, args, daemon))
+        return children[-1]
+
+    yield spawn
+    for child in children:
+        if child.process.is_alive():
+            child.process.kill()
+            child.process.join()

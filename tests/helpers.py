@@ -184,12 +184,13 @@ class DataParallelRank:
 
         join_group(host, port, rank, world, timeout_s=120)
 
-    def step(self, cfg, groups, temperature: float) -> dict:
+    def step(self, cfg, groups, temperature: float, max_new_tokens: int | None = None) -> dict:
         """Train one step; every rank returns the full parameters (numpy) and the metrics."""
         from nonstop.hf import load_model
         from nonstop.trainer.parallel import ParallelTrainer
 
-        trainer = ParallelTrainer(load_model(self.model_dir), cfg, temperature, self.pad_token_id, mode=cfg.data_parallel)
+        trainer = ParallelTrainer(load_model(self.model_dir), cfg, temperature, self.pad_token_id, mode=cfg.data_parallel,
+                                  max_new_tokens=max_new_tokens)
         metrics = trainer.step(groups)
         params = {n: t.detach().numpy().copy() for n, t in trainer.publishable().named_parameters()}
         return {"params": params, "metrics": metrics, "version": trainer.policy_version}

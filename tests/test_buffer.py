@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from nonstop.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.types import Group, Sample
 
 
@@ -11,20 +11,28 @@ def _group(version, idx=0):
 
 
 async def _admit_nowait(buf, k):
-    """Admit if possible without waiting; None if admission would block."""
-    try:
-        return await asyncio.wait_for(buf.admit(k), timeout=0.05)
-    except TimeoutError:
-        return None
+    """Admit if admission is open now; None if it would wait (that waiting call is withdrawn).
+
+    Decided by the event loop's order, not by a clock: the admit task runs its first step before
+    this coroutine resumes, and an open admission returns within that step without suspending."""
+    task = asyncio.ensure_future(buf.admit(k))
+    await asyncio.sleep(0)
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
 
 
 def test_depth0_is_synchronous():
     async def go():
         buf = RolloutBuffer(groups_per_step=2, depth=0, max_lag=0, max_queued=100)
         assert await _admit_nowait(buf, 2) == 2
-        assert await _admit_nowait(buf, 2) is None  # next batch waits for the trainer
+        waiting = asyncio.ensure_future(buf.admit(5))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # the next batch waits for the trainer ...
         await buf.step_done(1)
-        assert await _admit_nowait(buf, 5) == 2
+        assert await waiting == 2  # ... and starts once it published
     asyncio.run(go())
 
 

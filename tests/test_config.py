@@ -49,6 +49,19 @@ def test_out_of_range_names_field():
         load_config(overrides=["rollout.group_size=1"])
 
 
+def test_loss_options_are_validated_by_name():
+    with pytest.raises(ConfigError, match=r"trainer\.clip_ratio_c: .*greater than 1"):
+        load_config(overrides=["trainer.clip_ratio_c=1.0"])
+    with pytest.raises(ConfigError, match=r"trainer\.kl_clamp: .*greater than 0"):
+        load_config(overrides=["trainer.kl_clamp=0"])
+    with pytest.raises(ConfigError, match=r"trainer\.group_std: .*'population' or 'unbiased'"):
+        load_config(overrides=["trainer.group_std=sample"])
+    cfg = load_config(overrides=["trainer.clip_ratio_c=3", "trainer.kl_clamp=10", "trainer.group_std=unbiased"])
+    assert (cfg.trainer.clip_ratio_c, cfg.trainer.kl_clamp, cfg.trainer.group_std) == (3.0, 10.0, "unbiased")
+    default = load_config().trainer
+    assert (default.clip_ratio_c, default.kl_clamp, default.group_std) == (None, None, "population")
+
+
 def test_impossible_combination_is_one_clear_error():
     with pytest.raises(ConfigError, match=r"buffer\.max_lag \(1\) < buffer\.depth \(3\)"):
         load_config(overrides=["buffer.depth=3", "buffer.max_lag=1"])
@@ -66,8 +79,9 @@ def test_bad_override_syntax():
 
 def test_config_is_frozen():
     cfg = Config()
-    with pytest.raises(ValidationError, match="frozen"):
+    with pytest.raises(ValidationError, match=r"lr\n  Instance is frozen"):
         cfg.trainer.lr = 1.0  # type: ignore[misc]
+    assert cfg.trainer.lr == Config().trainer.lr
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

@@ -90,6 +90,7 @@ def test_kl_estimators_hand_computed():
 def test_masked_mean_constant_normalisation():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, False, False]])
-    assert masked_mean(x, mask, "constant").item() == pytest.approx(10 / 6)
+    # sum 10 over B x max_new_tokens = 2 x 5, whatever the padded width T = 3
+    assert masked_mean(x, mask, "constant", max_new_tokens=5).item() == pytest.approx(10 / 10)
     assert masked_mean(x, mask, "token").item() == pytest.approx(10 / 4)
     assert masked_mean(x, mask, "sequence").item() == pytest.approx((2 + 4) / 2)

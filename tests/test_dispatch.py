@@ -1,5 +1,5 @@
-"""Several engines behind the least-loaded pool, several trainer ranks in lockstep: real actors,
-a real broadcast transport group (trainer rank 0 + engines 1..2)."""
+"""Several engines behind the least-loaded pool, several trainer ranks in lockstep, through the
+typed clients: real actors, a real broadcast transport group (trainer rank 0 + engines 1..2)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nonstop.config import Config
-from nonstop.dispatch import EnginePool, place
 from nonstop.hf import load_tokenizer
-from nonstop.pipeline import connect_transport, spawn_engine, spawn_trainers
+from nonstop.orchestrator.build import connect_transport, spawn_engine, spawn_trainers
+from nonstop.orchestrator.dispatch import EnginePool, place
 from nonstop.runtime import make_backend
 from nonstop.types import GenerationRequest, Group, SamplingParams
 
@@ -35,7 +35,7 @@ def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each
             engines, ranks = await asyncio.gather(
                 asyncio.gather(*(spawn_engine(backend, cfg, tiny_dir, tok, i) for i in range(2))),
                 spawn_trainers(backend, cfg, tiny_dir, tok))
-            await connect_transport(cfg, ranks, list(engines))
+            await connect_transport(cfg, ranks, list(engines), backend.host)
             pool = EnginePool(list(engines))
             assert [e.name for e in pool.engines] == ["engine-0", "engine-1"]
             assert [r.name for r in ranks.ranks] == ["trainer-0", "trainer-1"]
@@ -43,13 +43,13 @@ def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each
             # one large call and two concurrent small ones: every request answered once, in order
             reqs = _requests(tok, 10, 3)
             extra_a, extra_b = _requests(tok, 1, 3, first=100), _requests(tok, 1, 3, first=200)
-            big, a, b = await asyncio.gather(pool.call("generate", reqs), pool.call("generate", extra_a),
-                                             pool.call("generate", extra_b))
+            big, a, b = await asyncio.gather(pool.generate(reqs), pool.generate(extra_a),
+                                             pool.generate(extra_b))
             for req, samples in zip(reqs + extra_a + extra_b, big + a + b):
                 assert len(samples) == req.n and all(s.prompt_ids == req.prompt_ids for s in samples)
             assert pool.served[0] > 0 and pool.served[1] > 0 and sum(pool.served) == 36
             assert pool.in_flight == [0, 0]
-            stats = await pool.call("stats")
+            stats = await pool.stats()
             tokens = sum(len(s.completion_ids) for samples in big + a + b for s in samples)
             assert sum(st["tokens_generated"] for st in stats) == tokens  # nothing generated twice
 
@@ -59,16 +59,19 @@ def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each
                     for j, s in enumerate(samples):
                         s.reward = float(j == i % 3)
                     groups.append(Group(i, "p", "a", samples))
-                result = await ranks.call("step", groups)
+                result = await ranks.step(groups)
                 assert result.policy_version == version and result.metrics["samples"] == 12
+                published = await ranks.publish()  # both FSDP2 ranks gather; rank 0 sends
+                assert published.policy_version == version and published.publish_bytes > 0
                 # the next samples of both engines carry the published version
-                after = await pool.call("generate", _requests(tok, 4, 2, first=300))
+                after = await pool.generate(_requests(tok, 4, 2, first=300))
                 assert {v for samples in after for s in samples for v in s.versions} == {version}
                 assert pool.versions == [version, version]
-                assert [st["policy_version"] for st in await pool.call("stats")] == [version, version]
+                assert [st["policy_version"] for st in await pool.stats()] == [version, version]
+                assert await pool.ping() == version
 
             # the gathered FSDP2 save is the model the engines sample from
-            await ranks.call("save", str(tmp_path / "final"))
+            await ranks.save(str(tmp_path / "final"))
             saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
             for samples in after:
                 s = samples[0]

@@ -51,8 +51,10 @@ def test_eos_stops_a_row_and_sets_finish_reason(engine, tiny_dir):
     stopper = TorchEngine(load_model(str(tiny_dir)), [first], tok.pad_token_id)
     out = stopper.generate([GenerationRequest(0, prompt, 2, SamplingParams(5, 0.0))])
     assert all(s.finish_reason == "stop" and s.completion_ids == [first] for s in out[0])
-    long = eng.generate([GenerationRequest(0, prompt, 1, SamplingParams(3, 0.0))])[0][0]
-    assert long.finish_reason in ("stop", "length") and len(long.completion_ids) <= 3
+    # the same greedy completion without an end-of-sequence token runs to max_new_tokens
+    endless = TorchEngine(load_model(str(tiny_dir)), [], tok.pad_token_id)
+    long = endless.generate([GenerationRequest(0, prompt, 1, SamplingParams(3, 0.0))])[0][0]
+    assert long.finish_reason == "length" and len(long.completion_ids) == 3 and long.completion_ids[0] == first
 
 
 class _SwapAfter:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from nonstop.ledger import Ledger
+from nonstop.orchestrator.ledger import Ledger
 from nonstop.tasks.data import Draw, Example
 
 

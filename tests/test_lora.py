@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing as mp
 
 import pytest
 import torch
@@ -70,7 +69,7 @@ def test_engine_merge_equals_peft_and_leaves_other_weights_alone(tiny_dir):
     assert changed == {f"{n}.weight" for n, _ in targeted_modules(engine, LORA)}
 
 
-def test_only_adapters_travel_and_the_engine_ends_up_with_the_merged_model(tiny_dir):
+def test_only_adapters_travel_and_the_engine_ends_up_with_the_merged_model(tiny_dir, spawn_child):
     """Across processes over broadcast; the same target is filled by shm and files (see below)."""
     trainer_model = _trained_peft(tiny_dir, seed=2)
     handle = plan_transport(BroadcastTransportConfig(bucket_mb=0.01, timeout_s=60, checksum=True), trainer_model, 1, LORA)
@@ -78,25 +77,22 @@ def test_only_adapters_travel_and_the_engine_ends_up_with_the_merged_model(tiny_
     assert all(".lora_A." in s.name or ".lora_B." in s.name for s in handle.layout)
     assert handle.total_bytes < 0.25 * full
     sink = open_sink(handle)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    child = ctx.Process(target=receive_weights, args=(handle, str(tiny_dir), 1, 2, q))
-    child.start()
+    child = spawn_child(receive_weights, handle, str(tiny_dir), 1, 2)
     try:
         sink.connect()
-        assert q.get(timeout=120)[0] == "attached"
+        child.get("attached")
         sink.publish(_trained_peft(tiny_dir, seed=3), 1)
         sink.publish(trainer_model, 2)
-        tag, (seen, state) = q.get(timeout=120)
-        assert tag == "weights" and seen[-1] == 2
+        seen, state = child.get("weights")
+        assert seen[-1] == 2
         expected = copy.deepcopy(trainer_model).merge_and_unload().state_dict()
         assert state.keys() == expected.keys()
         for name, value in expected.items():
             assert torch.allclose(torch.from_numpy(state[name]), value, atol=1e-6), name
     finally:
-        child.join(timeout=30)
+        exitcode = child.join()
         sink.close()
-    assert child.exitcode == 0
+    assert exitcode == 0
 
 
 @pytest.mark.parametrize("kind", ["shm", "files"])
@@ -189,7 +185,7 @@ def test_lora_run_on_the_warmed_up_base_improves_held_out_accuracy(tmp_path):
     assert (run_dir / "final" / "adapter_config.json").is_file()
 
 
-def test_resumed_lora_trainer_continues_exactly_and_hands_its_adapters_to_a_base_only_engine(tiny_dir, tmp_path):
+def test_resumed_lora_trainer_continues_exactly_and_hands_its_adapters_to_a_base_only_engine(tiny_dir, tmp_path, spawn_child):
     """A checkpoint of a LoRA run holds the adapters; the resumed trainer (base + adapters + state)
     steps exactly like the original, and publishes its current version on connect, so an engine
     that loaded only the base gets it — over broadcast, whose receiver starts at that version."""
@@ -209,22 +205,20 @@ def test_resumed_lora_trainer_continues_exactly_and_hands_its_adapters_to_a_base
     assert resumed.load_checkpoint(str(tmp_path)) == 2
     handle = resumed.plan_transport(BroadcastTransportConfig(timeout_s=60), 1)
     assert handle.next_version == 2
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    child = ctx.Process(target=receive_weights, args=(handle, str(tiny_dir), 1, 3, q))
-    child.start()
+    child = spawn_child(receive_weights, handle, str(tiny_dir), 1, 3)
     try:
         resumed.connect_transport()  # rendezvous, then publishes version 2 (the adapters it resumed with)
-        assert q.get(timeout=120)[0] == "attached"
+        child.get("attached")
         a, b = original.step(_stale_groups(tok, [[2, 2]] * 4)), resumed.step(_stale_groups(tok, [[2, 2]] * 4))
         assert a.policy_version == b.policy_version == 3
+        assert resumed.publish().policy_version == 3  # step trains only; publishing sends version 3
         for (name, p), (_, q_) in zip(adapter_tensors(original.trainer.model), adapter_tensors(resumed.trainer.model)):
             assert torch.equal(p, q_), name
-        tag, (seen, state) = q.get(timeout=120)
-        assert tag == "weights" and seen[-1] == 3 and seen[0] in (2, 3), seen
+        seen, state = child.get("weights")
+        assert seen[-1] == 3 and seen[0] in (2, 3), seen
         expected = copy.deepcopy(original.trainer.model).merge_and_unload().state_dict()
         for name, value in expected.items():
             assert torch.allclose(torch.from_numpy(state[name]), value, atol=1e-6), name
     finally:
-        child.join(timeout=30)
+        child.join()
         resumed.close()

@@ -18,21 +18,26 @@ from nonstop.types import GenerationRequest, Group, SamplingParams
 from helpers import DataParallelRank
 
 TEMPERATURE = 1.0
-# One config per way the losses normalise: per-sample mean, token mean (with
-# clip-higher), the Dr.GRPO constant B x T_max, GSPO's per-sequence mean, batch-normalised
-# advantages, and the KL / entropy terms that share the loss's divisor.
+MAX_NEW_TOKENS = 10  # the longest request of _groups: the generation budget of dr_grpo's divisor
+# One config per way the losses normalise: per-sample mean over samples with loss tokens, token
+# mean (with clip-higher), the Dr.GRPO constant B x max_new_tokens, GSPO's per-sequence mean
+# (with the unbiased group std), batch-normalised advantages, and the KL (clamped) / entropy
+# terms that share the loss's divisor.
 CONFIGS = {
-    "grpo": TrainerConfig(lr=1e-2),
+    "grpo": TrainerConfig(lr=1e-2, clip_ratio_c=3.0),
     "dapo": TrainerConfig(lr=1e-2, loss="dapo", overlong_filter=False),  # random tiny models rarely stop
     "dr_grpo": TrainerConfig(lr=1e-2, loss="dr_grpo"),
-    "gspo": TrainerConfig(lr=1e-2, loss="gspo", clip_eps=0.2, clip_eps_high=0.2),
-    "reinforce_pp_kl_entropy": TrainerConfig(lr=1e-2, loss="reinforce_pp", kl_coef=0.1, entropy_coef=0.01),
+    "gspo": TrainerConfig(lr=1e-2, loss="gspo", clip_eps=0.2, clip_eps_high=0.2, group_std="unbiased"),
+    "reinforce_pp_kl_entropy": TrainerConfig(lr=1e-2, loss="reinforce_pp", kl_coef=0.1, kl_clamp=10.0,
+                                             entropy_coef=0.01),
 }
 
 
 def _groups(model_dir) -> tuple[list[Group], int]:
     """Five groups of four with mixed rewards and completions of different lengths (odd count:
-    the ranks get unequal shares)."""
+    the ranks get unequal shares). Two samples have no loss token (as if environment-written),
+    one on each rank's share of two ranks (groups 0-2 | 3-4): the 'sequence' and GSPO divisors
+    must leave them out globally, not per rank."""
     tok = load_tokenizer(str(model_dir))
     engine = TorchEngine(load_model(str(model_dir)), [tok.eos_token_id], tok.pad_token_id)
     prompts = ["1+2=", "33+44=", "7+0=", "12+9=", "50+50="]
@@ -43,6 +48,9 @@ def _groups(model_dir) -> tuple[list[Group], int]:
         for j, s in enumerate(samples):
             s.reward = float((j + i) % 3 == 0) + 0.1 * j
         groups.append(Group(i, p, "x", samples))
+    for g, j in ((1, 0), (3, 2)):
+        s = groups[g].samples[j]
+        s.loss_mask = [False] * len(s.completion_ids)
     assert len({len(s.completion_ids) for g in groups for s in g.samples}) > 1
     return groups, tok.pad_token_id
 
@@ -70,7 +78,8 @@ def test_two_gloo_ranks_take_the_one_rank_step_with_ddp_and_fsdp2(tiny_dir):
             for mode in ("ddp", "fsdp2"):
                 for name, cfg in CONFIGS.items():
                     cfg = cfg.model_copy(update={"data_parallel": mode, "ranks": 2})
-                    r0, r1 = await asyncio.gather(*(a.call("step", cfg, groups, TEMPERATURE) for a in ranks))
+                    r0, r1 = await asyncio.gather(*(a.call("step", cfg, groups, TEMPERATURE, MAX_NEW_TOKENS)
+                                                    for a in ranks))
                     out[mode, name] = r0
                     for k in r0["params"]:  # both ranks hold (or gather) the same full parameters
                         assert (r0["params"][k] == r1["params"][k]).all(), (mode, name, k)
@@ -81,7 +90,7 @@ def test_two_gloo_ranks_take_the_one_rank_step_with_ddp_and_fsdp2(tiny_dir):
     parallel = asyncio.run(two_ranks())
     for name, cfg in CONFIGS.items():
         torch.manual_seed(0)
-        single = Trainer(load_model(str(tiny_dir)), cfg, TEMPERATURE, pad)
+        single = Trainer(load_model(str(tiny_dir)), cfg, TEMPERATURE, pad, max_new_tokens=MAX_NEW_TOKENS)
         initial = {n: p.detach().clone() for n, p in single.model.named_parameters()}
         metrics = single.step(groups)
         for mode in ("ddp", "fsdp2"):
@@ -95,14 +104,20 @@ def _same_step(got: dict, metrics: dict, single: Trainer, initial: dict, name: s
     # AdamW's first step hardly depends on the gradient's scale, so the global gradient norm
     # is what shows a wrong divisor; the parameters show a wrong direction.
     assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), name
-    moved = 0.0
+    moved, checked, total = 0.0, 0, 0
     for n, p in single.model.named_parameters():
         theirs = torch.from_numpy(got["params"][n])
-        # first-step Adam updates are ~lr (1e-2) per element; float noise on near-zero
-        # gradients moves a few of them by ~1e-5
-        assert torch.allclose(theirs, p.detach(), rtol=0, atol=5e-5), (name, n, (theirs - p).abs().max())
+        # A first Adam step moves element i by lr g_i / (|g_i| + 1e-8): ~lr (1e-2) wherever the
+        # gradient is not ~0. Where |g_i| is at Adam's eps or below (float cancellation, ~1e-10),
+        # summation-order noise decides a step of up to ~1e-4, so those elements are left out.
+        # (The key bias has such gradients everywhere: attention is invariant to it.)
+        live = p.grad.abs() > 1e-6
+        dev = (theirs - p.detach()).abs()[live]
+        assert bool((dev <= 5e-5).all()), (name, n, dev.max())
+        checked, total = checked + dev.numel(), total + p.numel()
         moved = max(moved, float((p.detach() - initial[n]).abs().max()))
     assert moved > 5e-3, name  # the step changed the weights, so the comparison means something
+    assert checked > 0.9 * total, (name, checked, total)
 
 
 def test_more_ranks_than_groups_per_step_is_a_config_error():

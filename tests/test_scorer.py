@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from nonstop.scorer import FunctionScorer, RewardError, exact_match, partial_credit, resolve_reward
+from nonstop.orchestrator.score import FunctionScorer, RewardError, exact_match, partial_credit, resolve_reward
 from nonstop.types import Group, Sample
 
 
@@ -20,11 +20,11 @@ def test_builtin_rewards():
 
 def test_resolve_reward_by_import_path_and_errors():
     assert resolve_reward("exact_match") is exact_match
-    assert resolve_reward("nonstop.scorer:partial_credit") is partial_credit
+    assert resolve_reward("nonstop.orchestrator.score:partial_credit") is partial_credit
     with pytest.raises(RewardError, match="task.reward: unknown reward"):
         resolve_reward("nope")
     with pytest.raises(RewardError, match="cannot import"):
-        resolve_reward("nonstop.scorer:missing")
+        resolve_reward("nonstop.orchestrator.score:missing")
 
 
 def test_raising_reward_is_counted_and_group_skipped():

@@ -107,12 +107,78 @@ def test_every_loss_trains_with_kl_and_entropy(tiny_dir, loss):
     # overlong filtering off: a random tiny model rarely ends before max_new_tokens, and with every
     # sample filtered dapo would (correctly) not move at all
     cfg = TrainerConfig(loss=loss, kl_coef=0.1, entropy_coef=0.01, correction="tis", overlong_filter=False)
-    trainer = Trainer(load_model(str(tiny_dir)), cfg, 1.0, tok.pad_token_id)
+    trainer = Trainer(load_model(str(tiny_dir)), cfg, 1.0, tok.pad_token_id, max_new_tokens=5)
     groups = _rollouts(engine, tok, ["1+2=", "3+4="], temperature=1.0)
     m1 = trainer.step(groups)
     m2 = trainer.step(groups)
     assert m1["kl_ref"] == pytest.approx(0.0, abs=1e-6) and m2["kl_ref"] > 0  # moved away from the reference
     assert m1["entropy"] > 0 and math.isfinite(m2["loss"])
+
+
+def _far_behind_groups(tok):
+    """One group of four two-token samples, rewards 0, 1, 0, 1, whose behaviour logprobs (-20) lie
+    far below any the trainer computes, so every ratio exceeds e^10."""
+    from nonstop.types import Sample
+
+    comp = tok("12")["input_ids"][:2]
+    samples = [Sample(tok("1+1=")["input_ids"], comp, [-20.0] * 2, [0, 0], "stop", reward=float(j % 2)) for j in range(4)]
+    return [Group(0, "1+1=", "2", samples)]
+
+
+def test_dual_clip_and_group_std_in_the_trainer(tiny_dir):
+    tok = load_tokenizer(str(tiny_dir))
+    groups = _far_behind_groups(tok)
+    # rewards 0, 1, 0, 1: advantages -1, +1, -1, +1 (population std 0.5), or +-sqrt(3)/2 (unbiased, 1/sqrt(1/3) x 0.5)
+    unbiased = Trainer(load_model(str(tiny_dir)), TrainerConfig(group_std="unbiased"), 1.0, tok.pad_token_id)
+    h = 3 ** 0.5 / 2
+    assert torch.allclose(unbiased._batch(groups)["advantages"], torch.tensor([-h, h, -h, h]), atol=1e-5)
+    trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(clip_ratio_c=3.0), 1.0, tok.pad_token_id)
+    assert torch.allclose(trainer._batch(groups)["advantages"], torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-5)
+    m = trainer.step(groups)
+    # every ratio > 3: A = -1 tokens are capped at 3, A = +1 tokens clipped at 1.2; per sample
+    # 3, -1.2, 3, -1.2 -> mean 0.9; half the tokens dual-clipped, and every token's gradient is 0
+    assert m["loss"] == pytest.approx(0.9, rel=1e-5)  # A = +-0.5 / (0.5 + 1e-6)
+    assert m["dual_clip_frac"] == 0.5 and m["clip_frac"] == 0.5
+    assert m["grad_norm"] == 0.0
+    plain = Trainer(load_model(str(tiny_dir)), TrainerConfig(), 1.0, tok.pad_token_id).step(groups)
+    assert plain["dual_clip_frac"] == 0.0 and plain["loss"] > 1e3  # uncapped: |A| x ratio, ratio > e^10
+
+
+def test_dr_grpo_needs_the_generation_budget(tiny_dir):
+    tok = load_tokenizer(str(tiny_dir))
+    with pytest.raises(ValueError, match=r"trainer.loss 'dr_grpo' divides by samples x rollout.max_new_tokens"):
+        Trainer(load_model(str(tiny_dir)), TrainerConfig(loss="dr_grpo"), 1.0, tok.pad_token_id)
+    trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(loss="dr_grpo"), 1.0, tok.pad_token_id, max_new_tokens=8)
+    groups = _far_behind_groups(tok)
+    for s in groups[0].samples:
+        s.logprobs = [-1.0, -1.0]
+    batch = trainer._batch(groups)
+    with torch.no_grad():
+        logp = trainer.logprobs(batch)
+    m = trainer.step(groups)
+    # dr_grpo: advantages r - mean = -0.5, +0.5, ...; per token -clip-min(ratio A); sum / (4 samples x 8)
+    ratio = torch.exp(logp - batch["behaviour"])
+    adv = batch["advantages"].unsqueeze(-1)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    assert m["loss"] == pytest.approx(float(per_token.sum() / 32), rel=1e-5)
+
+
+def test_kl_clamp_is_counted(tiny_dir):
+    tok = load_tokenizer(str(tiny_dir))
+    cfg = TrainerConfig(lr=1e-2, kl_coef=0.1, kl_clamp=1e-6)
+    trainer = Trainer(load_model(str(tiny_dir)), cfg, 1.0, tok.pad_token_id)
+    groups = _far_behind_groups(tok)
+    first = trainer.step(groups)  # the policy is the reference: log-ratio 0 everywhere
+    assert first["kl_clamped_frac"] == 0.0 and first["kl_ref"] == 0.0
+    second = trainer.step(groups)  # moved by lr 1e-2: every log-ratio is beyond 1e-6
+    assert second["kl_clamped_frac"] == 1.0
+    # k3 of a log-ratio clamped to +-1e-6 is ~5e-13 (float32 rounding of exp(-d) + d - 1: ~1e-7);
+    # the same two steps without the clamp move the policy measurably away from the reference
+    assert abs(second["kl_ref"]) < 1e-6
+    free = Trainer(load_model(str(tiny_dir)), cfg.model_copy(update={"kl_clamp": None}), 1.0, tok.pad_token_id)
+    free.step(groups)
+    unclamped = free.step(groups)
+    assert unclamped["kl_ref"] > 1e-4 and "kl_clamped_frac" not in unclamped
 
 
 def test_keep_sampling_mask_replays_the_engine_support(tiny_dir):

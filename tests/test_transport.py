@@ -1,4 +1,3 @@
-import multiprocessing as mp
 import re
 import time
 
@@ -28,33 +27,24 @@ def transport(**fields) -> TransportConfig:
     return TypeAdapter(TransportConfig).validate_python(fields)
 
 
-def _get(q, kind, timeout=120):
-    tag, value = q.get(timeout=timeout)
-    assert tag == kind, (tag, value)
-    return value
-
-
 @pytest.mark.parametrize("kind,extra", [
     ("shm", {}), ("broadcast", {}), ("files", {}),
     ("shm", {"checksum": True}), ("broadcast", {"per_tensor": True, "checksum": True}), ("files", {"checksum": True}),
     ("files", {"notify": "http"}),
 ])
-def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra):
+def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra, spawn_child):
     trainer_model = load_model(str(tiny_dir))
     cfg = transport(kind=kind, timeout_s=60, **({"bucket_mb": 0.01} if kind == "broadcast" else {}), **extra)
     handle = plan_transport(cfg, trainer_model, num_engines=1)
     sink = open_sink(handle)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    child = ctx.Process(target=receive_weights, args=(handle, str(tiny_dir), 1, 2, q))
-    child.start()
+    child = spawn_child(receive_weights, handle, str(tiny_dir), 1, 2)
     try:
         sink.connect()  # broadcast: rendezvous with the child; shm: nothing to do
-        _get(q, "attached")
+        child.get("attached")
         published = _perturbed(tiny_dir, seed=1)
         sink.publish(_perturbed(tiny_dir, seed=9), 1)
         sink.publish(published, 2)
-        seen, state = _get(q, "weights")
+        seen, state = child.get("weights")
         assert seen[-1] == 2 and seen == sorted(seen)
         expected = published.state_dict()
         assert state.keys() == expected.keys()
@@ -62,9 +52,9 @@ def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra):
             assert torch.equal(torch.from_numpy(state[name]), expected[name]), name
         assert len(handle.layout) == len(list(published.named_parameters()))  # tied weights sent once
     finally:
-        child.join(timeout=30)
+        exitcode = child.join()
         sink.close()
-    assert child.exitcode == 0
+    assert exitcode == 0
 
 
 def test_shm_never_applies_a_slot_being_written_nor_overwrites_a_slot_in_use(tiny_dir):
@@ -133,24 +123,20 @@ def test_layout_mismatch_is_reported_by_name(tiny_dir):
         check_layout(layout, wider)
 
 
-def test_silent_broadcast_peer_times_out_with_a_clear_error(tiny_dir):
+def test_silent_broadcast_peer_times_out_with_a_clear_error(tiny_dir, spawn_child):
     model = load_model(str(tiny_dir))
     handle = plan_transport(BroadcastTransportConfig(timeout_s=3), model, 1)
     sink = open_sink(handle)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    child = ctx.Process(target=connect_then_hang, args=(handle, str(tiny_dir), 1, q), daemon=True)
-    child.start()
+    child = spawn_child(connect_then_hang, handle, str(tiny_dir), 1, daemon=True)
     try:
         sink.connect()
-        _get(q, "attached")
+        child.get("attached")
         t0 = time.monotonic()
         with pytest.raises(TransportError, match=r"(engine rank\(s\) 1 did not confirm version 1 within 3 s)|(version 1 .*failed within 3 s)"):
             sink.publish(model, 1)
         assert time.monotonic() - t0 < 3 + 10
     finally:
-        child.kill()
-        child.join()
+        child.process.kill()
 
 
 def test_files_transport_applies_only_complete_versions_and_keeps_the_newest(tiny_dir, tmp_path):

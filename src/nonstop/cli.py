@@ -12,14 +12,19 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from nonstop.config import Config, ConfigError, dump_config, load_config
+
+if TYPE_CHECKING:
+    from nonstop.orchestrator.records import RunSummary
 
 
 def _run_dir(cfg: Config) -> Path:
@@ -31,31 +36,31 @@ def _run_dir(cfg: Config) -> Path:
     return path
 
 
-def _summary_table(s: dict) -> Table:
+def _summary_table(s: RunSummary) -> Table:
     t = Table(title="nonstop: end of run", show_header=False)
-    base, final = s["base_accuracy"], s["final_accuracy"]
+    base, final = s.base_accuracy, s.final_accuracy or 0.0
     t.add_row("held-out accuracy", f"base {base:.1%} -> final {final:.1%} ({100 * (final - base):+.1f} points)")
-    t.add_row("wall time", f"{s['wall_s']:.1f} s total ({s['warmup_s']:.1f} s base policy, {s['rl_wall_s']:.1f} s RL)")
-    t.add_row("steps", f"{s['steps']} (policy_version {s['policy_version']})")
-    t.add_row("samples/s", f"{s['samples_per_s']:.0f} ({s['samples_generated']} generated)")
-    t.add_row("idle", f"trainer {s['trainer_idle_frac']:.0%}, engine {s['engine_idle_frac']:.0%}")
-    t.add_row("dropped groups", json.dumps(s["drops"]) if s["drops"] else "none")
-    p, faults = s["prompts"], s["engine_faults"]
+    t.add_row("wall time", f"{s.wall_s:.1f} s total ({s.warmup_s:.1f} s base policy, {s.rl_wall_s:.1f} s RL)")
+    t.add_row("steps", f"{s.steps} (policy_version {s.policy_version})")
+    t.add_row("samples/s", f"{s.samples_per_s:.0f} ({s.samples_generated} generated)")
+    t.add_row("idle", f"trainer {s.trainer_idle_frac:.0%}, engine {s.engine_idle_frac:.0%}")
+    t.add_row("dropped groups", json.dumps(s.drops) if s.drops else "none")
+    p, faults = s.prompts, s.engine_faults
     t.add_row("prompts", f"{p['settled']} settled, {p['in_flight']} in flight, {p['duplicated']} duplicated, "
                          f"{p['requeued'] + faults['requeued']} re-queued")
     if faults["restarts"]:
         t.add_row("engine restarts", f"{faults['restarts']} (detect <= {faults['max_detect_s']:.1f} s, "
                                      f"recover <= {faults['max_recover_s']:.1f} s)")
-    if s["reward_errors"]:
-        t.add_row("reward errors", f"{json.dumps(s['reward_errors'])}; last: {s['last_reward_error']}")
-    t.add_row("run folder", s["run_dir"])
+    if s.reward_errors:
+        t.add_row("reward errors", f"{json.dumps(s.reward_errors)}; last: {s.last_reward_error}")
+    t.add_row("run folder", s.run_dir)
     return t
 
 
-def run_training(cfg: Config, console: Console, resume_dir: Path | None = None) -> dict:
+def run_training(cfg: Config, console: Console, resume_dir: Path | None = None) -> RunSummary:
     """Everything `nonstop train` does after parsing: data, base policy, pipeline, summary."""
     from nonstop.checkpoint import latest_valid
-    from nonstop.pipeline import train
+    from nonstop.orchestrator.pipeline import train
     from nonstop.progress import Progress
     from nonstop.tasks.data import load_task
     from nonstop.tasks.warmup import prepare_base_model
@@ -81,9 +86,9 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None) 
             base = Path(ckpt.state["base_model"])
         warmup_s = time.perf_counter() - t0
         summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt))
-    summary.update(wall_s=time.perf_counter() - t0, warmup_s=warmup_s, run_dir=str(run_dir),
-                   dataset_rows_skipped=data.report.rows_skipped)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary = replace(summary, wall_s=time.perf_counter() - t0, warmup_s=warmup_s,
+                      dataset_rows_skipped=data.report.rows_skipped)
+    (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
     return summary
 
 
@@ -113,10 +118,10 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
         sys.exit(130)
     except Exception as e:  # one clear line for the user; the cause chain stays in the traceback
         from nonstop.checkpoint import CheckpointError
-        from nonstop.recovery import RunFailed
-        from nonstop.rollout import NoLearningSignal
+        from nonstop.orchestrator.recovery import RunFailed
+        from nonstop.orchestrator.generate import NoLearningSignal
         from nonstop.runtime import ActorCallError, ActorDied
-        from nonstop.scorer import RewardError
+        from nonstop.orchestrator.score import RewardError
         from nonstop.tasks.data import DatasetError
         from nonstop.transport import TransportError
 

@@ -191,14 +191,21 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
     loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"] = "grpo"
-    """Objective: grpo (per-sample mean), dr_grpo (no length/std normalisation), dapo (token mean,
-    clip-higher, overlong filter), gspo (sequence ratio), reinforce_pp (batch-normalised advantages)."""
+    """Objective: grpo (per-sample mean), dr_grpo (no length/std normalisation: token sum / (samples x
+    rollout.max_new_tokens)), dapo (token mean, clip-higher, overlong filter), gspo (sequence ratio),
+    reinforce_pp (batch-normalised advantages)."""
     advantage: Literal["group_std", "group_mean", "batch"] | None = None
     """Advantage normalisation; None picks the loss's own (group_mean for dr_grpo, batch for reinforce_pp, else group_std)."""
+    group_std: Literal["population", "unbiased"] = "population"
+    """Std estimator of the group_std advantage: 'population' (divide by n) or 'unbiased' (n - 1, as
+    verl and TRL); for a fixed group size they differ by the constant factor sqrt(n / (n - 1))."""
     clip_eps: float | None = Field(None, gt=0.0)
     """Lower clip range of the ratio (1 - clip_eps); None: 0.2, or 3e-4 for gspo."""
     clip_eps_high: float | None = Field(None, gt=0.0)
     """Upper clip range (1 + clip_eps_high); None: clip_eps, or 0.28 for dapo and 4e-4 for gspo."""
+    clip_ratio_c: float | None = Field(None, gt=1.0)
+    """Dual clip: for a negative advantage A the per-token (gspo: per-sequence) loss is capped at
+    -clip_ratio_c x A, so a large ratio on a bad sample cannot grow it without bound (None: off; > 1)."""
     correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "geo_tis", "geo_mis", "decoupled"] = "none"
     """Off-policy importance-sampling correction against the behaviour logprobs (see trainer/correction.py)."""
     is_cap: float = Field(2.0, ge=1.0)
@@ -213,6 +220,9 @@ class TrainerConfig(_Section):
     """Weight of a KL penalty to the initial (reference) policy; 0 loads no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Sample estimator of the KL penalty."""
+    kl_clamp: float | None = Field(None, gt=0.0)
+    """Clamp the log-ratio log pi - log ref to [-kl_clamp, kl_clamp] before the KL estimator: bounds the
+    k3 gradient (unbounded when log pi << log ref) by exp(kl_clamp) - 1; None: no clamp."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Weight of an entropy bonus."""
     max_grad_norm: float = Field(1.0, gt=0.0)

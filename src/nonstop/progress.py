@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from nonstop.orchestrator.records import StepRecord
 
 
 def _lag_text(hist: dict[str, int]) -> str:
@@ -42,7 +44,7 @@ class Progress:
         else:
             self.console.print(message, highlight=False, soft_wrap=True)
 
-    def _table(self, r: dict[str, Any]) -> Table:
+    def _table(self, r: "StepRecord") -> Table:
         t = Table(title="nonstop train", show_header=True, header_style="bold")
         for col in ("step", "version", "reward", "held-out acc", "samples/s", "trainer idle", "engine idle", "lag", "drops"):
             t.add_column(col)
@@ -50,15 +52,15 @@ class Progress:
         if self.base_eval is not None and self.last_eval is not None:
             acc += f" (base {self.base_eval:.1%})"
         t.add_row(
-            f"{r['step']}/{self.total_steps}", str(r["policy_version"]), f"{r['reward_mean']:.3f}", acc,
-            f"{r['samples_per_s']:.0f}", f"{r['trainer_idle_frac']:.0%}", f"{r['engine_idle_frac']:.0%}",
-            _lag_text(r["lag_hist"]), str(sum(r["drops"].values())),
+            f"{r.step}/{self.total_steps}", str(r.policy_version), f"{r.reward_mean:.3f}", acc,
+            f"{r.samples_per_s:.0f}", f"{r.trainer_idle_frac:.0%}", f"{r.engine_idle_frac:.0%}",
+            _lag_text(r.lag_hist), str(sum(r.drops.values())),
         )
         return t
 
-    def update(self, record: dict[str, Any]) -> None:
-        if "eval_accuracy" in record:
-            self.last_eval = record["eval_accuracy"]
+    def update(self, record: "StepRecord") -> None:
+        if record.eval_accuracy is not None:
+            self.last_eval = record.eval_accuracy
         if self.mode == "rich":
             if self.live is None:
                 self.live = Live(self._table(record), console=self.console, refresh_per_second=4)
@@ -67,13 +69,13 @@ class Progress:
                 self.live.update(self._table(record))
         elif self.mode == "plain":
             now = time.monotonic()
-            if "eval_accuracy" in record or now - self._last_plain >= 10.0:
+            if record.eval_accuracy is not None or now - self._last_plain >= 10.0:
                 self._last_plain = now
-                acc = "" if "eval_accuracy" not in record else f" held-out {record['eval_accuracy']:.1%}"
+                acc = "" if record.eval_accuracy is None else f" held-out {record.eval_accuracy:.1%}"
                 self.log(
-                    f"step {record['step']:>4} v{record['policy_version']} reward {record['reward_mean']:.3f}{acc} "
-                    f"{record['samples_per_s']:.0f} samples/s trainer idle {record['trainer_idle_frac']:.0%} "
-                    f"lag {_lag_text(record['lag_hist'])}"
+                    f"step {record.step:>4} v{record.policy_version} reward {record.reward_mean:.3f}{acc} "
+                    f"{record.samples_per_s:.0f} samples/s trainer idle {record.trainer_idle_frac:.0%} "
+                    f"lag {_lag_text(record.lag_hist)}"
                 )
 
     def stop(self) -> None:

@@ -13,15 +13,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nonstop import runtime, scorer
-    from nonstop.dispatch import EnginePool, RankGroup
+    from nonstop import roles, runtime
     from nonstop.engine.core import Engine, TorchEngine
     from nonstop.engine.runner import KVRunner, Runner
-    from nonstop.engine.updates import WeightSource as EngineWeightSource
     from nonstop.lora import MergedAdapters
+    from nonstop.orchestrator.dispatch import EnginePool, RankGroup
+    from nonstop.orchestrator.score import FunctionScorer, Scorer
+    from nonstop.runtime.clients import EngineActor, TrainerActor
     from nonstop.runtime.local import LocalActor, LocalBackend
     from nonstop.runtime.ray import RayActor, RayBackend
-    from nonstop.runtime.restart import RestartingActor
+    from nonstop.runtime.restart import RestartingEngine
     from nonstop.serve.client import GenerationClient, HttpClient, InProcessClient
     from nonstop.transport.base import ModelParameters, WeightSink, WeightSource, WeightTarget
     from nonstop.transport.broadcast import BroadcastSink, BroadcastSource
@@ -29,14 +30,17 @@ if TYPE_CHECKING:
     from nonstop.transport.names import PerExpertParameters
     from nonstop.transport.shm import ShmSink, ShmSource
 
-    # Actor runtime: backends, and every handle the orchestrator calls through.
+    # Actor runtime: the backends and the single-actor handles they return.
     backends: list[type[runtime.ActorBackend]] = [LocalBackend, RayBackend]
-    handles: list[type[runtime.ActorHandle]] = [LocalActor, RayActor, RestartingActor, EnginePool, RankGroup]
+    handles: list[type[runtime.ActorHandle]] = [LocalActor, RayActor]
 
-    # Weight transport: trainer end, engine end (the transport's and the engine's own view), target.
+    # Role clients: one actor, a replaceable actor, several actors.
+    engine_clients: list[type[roles.EngineClient]] = [EngineActor, RestartingEngine, EnginePool]
+    trainer_clients: list[type[roles.TrainerClient]] = [TrainerActor, RankGroup]
+
+    # Weight transport: trainer end, engine end, and what a version is written into.
     sinks: list[type[WeightSink]] = [ShmSink, BroadcastSink, FilesSink]
     sources: list[type[WeightSource]] = [ShmSource, BroadcastSource, FilesSource]
-    engine_sources: list[type[EngineWeightSource]] = [ShmSource, BroadcastSource, FilesSource]
     targets: list[type[WeightTarget]] = [ModelParameters, MergedAdapters, PerExpertParameters]
 
     # Engine: the in-process engine and the model runner its scheduler drives.
@@ -44,5 +48,5 @@ if TYPE_CHECKING:
     runners: list[type[Runner]] = [KVRunner]
 
     # Scoring, and the clients of a served engine.
-    scorers: list[type[scorer.Scorer]] = [scorer.FunctionScorer]
+    scorers: list[type[Scorer]] = [FunctionScorer]
     clients: list[type[GenerationClient]] = [InProcessClient, HttpClient]

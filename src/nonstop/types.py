@@ -266,3 +266,12 @@ class StepResult:
 
     policy_version: int
     metrics: dict[str, Any]
+
+
+@dataclass(slots=True)
+class PublishResult:
+    """What a trainer's publish reports: the version the engines can now load, and its cost."""
+
+    policy_version: int
+    publish_s: float
+    publish_bytes: int

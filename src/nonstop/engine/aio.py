@@ -1,7 +1,8 @@
 """The asynchronous driver: one decode loop on the event loop, shared by every caller.
 
 Contract of `AsyncEngine`:
-- `submit(request, on_token)` returns an asyncio future of the request's n samples; any
+- `submit(request, queue=None)` returns an asyncio future of the request's n samples (with a
+  `queue`, it also receives a TokenEvent per sampled token); any
   number of callers may submit concurrently, and all their sequences are decoded together by
   one task (`engine-decode-loop`) that runs `TorchEngine.step()` while there is work and
   sleeps on an event (no polling) while there is none; between two steps it yields to the

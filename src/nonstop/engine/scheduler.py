@@ -1,7 +1,7 @@
 """Continuous batching: admission, prefill, decode steps, finishing, and the weight-update modes.
 
 Contract:
-- `submit(request, on_done, on_token)` validates the request (a prompt longer than the engine's
+- `submit(request, on_done, on_fail=None, on_token=None)` validates the request (a prompt longer than the engine's
   limits is a `RequestError` naming the limit, raised before anything is queued) and queues it;
   its group of `n` completions finishes independently of every other request: `on_done` gets
   the n samples (or `on_fail` the exception) as soon as the last one ends;
@@ -299,7 +299,7 @@ class Scheduler:
     def _poll_weights(self) -> None:
         if self.gate is None or (self.cfg.update_mode == "blocking" and self.rows):
             return
-        t0 = time.perf_counter()  # in never_stop the transport's copy into the model happens in poll()
+        t0 = time.perf_counter()  # in never_stop the transport re-points the live model's tensors in poll()
         if self.gate.poll() is None:
             return
         if self.cfg.update_mode == "drain" and self.rows:

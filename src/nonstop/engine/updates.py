@@ -6,11 +6,11 @@ version from *applying* it:
   be applied (None when there is none); it never blocks on the trainer;
 - `apply()` makes the waiting version live and returns it.
 
-In `never_stop` mode the source writes straight into the live model (transports already
-receive into a private shadow in the background and copy a complete version in one go), so
-`poll()` applies at once and `apply()` only hands the version over. Every other mode needs to
+In `never_stop` mode the source updates the live model directly (transports receive in the
+background and then re-point the model's tensors at a complete version, no copy), so `poll()`
+applies at once and `apply()` only hands the version over. Every other mode needs to
 know that weights are waiting without letting them touch the model decoding right now, so the
-source writes into a staging copy of the model and `apply()` copies the staging parameters
+source updates a staging copy of the model and `apply()` copies the staging parameters
 into the live ones (one foreach copy: the stall of a swap). The staging copy costs one more
 copy of the parameters in memory; the mode's docs say so.
 """
@@ -18,22 +18,14 @@ copy of the parameters in memory; the mode's docs say so.
 from __future__ import annotations
 
 import copy
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
+from nonstop.transport.base import WeightSource
+
 UpdateMode = Literal["never_stop", "abort_retry", "save_resume", "drain", "blocking"]
 UPDATE_MODES: tuple[UpdateMode, ...] = ("never_stop", "abort_retry", "save_resume", "drain", "blocking")
-
-
-class WeightSource(Protocol):
-    """Engine-side end of a weight transport."""
-
-    def maybe_update(self, model: torch.nn.Module) -> int | None:
-        """If a newer complete version is available, load it into `model` and return it.
-
-        Never blocks on the trainer; returns None when there is nothing new."""
-        ...
 
 
 class WeightGate:

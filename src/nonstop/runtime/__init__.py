@@ -1,7 +1,9 @@
 """Actor runtime seam: spawn an actor, call it, await it, check its health.
 
-The pipeline only sees `ActorBackend` and `ActorHandle`; the local backend runs each actor
-in its own OS process. A Ray backend implements the same two protocols.
+The orchestrator spawns actors through `ActorBackend` and talks to them through the typed
+role clients of runtime/clients.py (nonstop.roles), never through `ActorHandle.call` itself.
+The local backend runs each actor in its own OS process; the Ray backend implements the same
+two protocols. runtime/restart.py replaces an engine that crashes or hangs.
 """
 
 from nonstop.runtime.base import ActorBackend, ActorCallError, ActorDied, ActorHandle, make_backend

@@ -33,6 +33,13 @@ class ActorHandle(Protocol):
 
 
 class ActorBackend(Protocol):
+    @property
+    def host(self) -> str | None:
+        """Where a service that an actor opens for the others (the trainer group's store, the weight
+        transport) must listen so every actor reaches it: an address, or None for the address of
+        the node the actor runs on."""
+        ...
+
     async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorHandle:
         """Start an actor running `cls(*args, **kwargs)`; returns once it is constructed."""
         ...

@@ -104,6 +104,7 @@ class LocalActor:
     def __init__(self, name: str, process: mp.process.BaseProcess, conn: Connection, call_timeout_s: float):
         self.name = name
         self.process = process
+        self.pid = process.pid
         self.conn = conn
         self.call_timeout_s = call_timeout_s
         self._ids = itertools.count()
@@ -192,6 +193,8 @@ class LocalActor:
 
 
 class LocalBackend:
+    host = "127.0.0.1"  # every actor runs on this machine
+
     def __init__(self, cfg: BaseRuntimeConfig) -> None:
         self.cfg = cfg
         self.ctx = mp.get_context("spawn")

@@ -202,6 +202,12 @@ class RayBackend:
                  _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
         self._started = True
 
+    @property
+    def host(self) -> str | None:
+        """Loopback for the private cluster; on a running cluster each node's own address, so
+        actors on other machines reach it."""
+        return None if self.cfg.ray_address is not None else "127.0.0.1"
+
     async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> RayActor:
         self._init()  # blocking once per run; ray.init wants the main thread
         res = _resources(self.cfg, name.split("-")[0], ray.cluster_resources().get("GPU", 0.0))

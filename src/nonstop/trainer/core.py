@@ -65,7 +65,14 @@ class Trainer:
     def __init__(
         self, model: CausalLM, cfg: TrainerConfig, temperature: float, pad_token_id: int,
         max_lag: int | None = None, reject: str = "group", total_steps: int = 1000,
+        max_new_tokens: int | None = None,
     ) -> None:
+        """`max_new_tokens`: the generation budget (rollout.max_new_tokens), the constant per-sample
+        divisor of the 'constant' normalisation (dr_grpo); needed by that loss only."""
+        if cfg.norm == "constant" and max_new_tokens is None:
+            raise ValueError(f"trainer.loss {cfg.loss!r} divides by samples x rollout.max_new_tokens: "
+                             "pass max_new_tokens to the Trainer")
+        self.max_new_tokens = max_new_tokens
         self.model = model.train()
         self.cfg = cfg
         self.temperature = temperature
@@ -91,7 +98,9 @@ class Trainer:
     # Data-parallel seam: one rank holding the whole batch needs none of this; trainer/parallel.py
     # overrides these four so that M ranks take exactly the step one rank would.
     def denominators(self, mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        """Global divisors of the loss reductions by norm (and 'gspo'); None: this batch is all."""
+        """Global divisors of the loss reductions by norm (and 'gspo'); None: this batch is all.
+        Keys: 'sequence' and 'gspo' (samples with loss tokens), 'token' (loss tokens),
+        'constant' (samples x max_new_tokens)."""
         return None
 
     def all_finite(self, loss: torch.Tensor) -> bool:
@@ -139,7 +148,7 @@ class Trainer:
                 for t, kept in enumerate(s.sampling_mask or []):
                     keep[b, t] = False
                     keep[b, t, kept] = True
-        adv = group_advantages(rewards, self.cfg.advantage_mode).reshape(-1)  # (B,)
+        adv = group_advantages(rewards, self.cfg.advantage_mode, self.cfg.group_std).reshape(-1)  # (B,)
         return Batch(ids=ids, attn=attn, gather_pos=gather_pos, targets=targets, behaviour=behaviour,
                      mask=mask, versions=versions, advantages=adv, truncated=truncated, keep=keep)
 
@@ -183,19 +192,24 @@ class Trainer:
         norm_den = den[cfg.norm] if den else None
         if cfg.loss == "gspo":
             loss, stats = gspo_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high, weights,
-                                    den["gspo"] if den else None)
+                                    den["gspo"] if den else None, cfg.clip_ratio_c)
         else:
             loss, stats = clipped_policy_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high,
-                                              cfg.norm, weights, norm_den)
+                                              cfg.norm, weights, norm_den, cfg.clip_ratio_c,
+                                              self.max_new_tokens)
         extra: dict[str, float] = {}
         if self.reference is not None:
             with torch.no_grad():
                 ref = self.logprobs(batch, self.reference)
-            kl = masked_mean(kl_penalty(logp, ref, cfg.kl_estimator), mask, cfg.norm, norm_den)
+            kl = masked_mean(kl_penalty(logp, ref, cfg.kl_estimator, cfg.kl_clamp), mask, cfg.norm,
+                             norm_den, self.max_new_tokens)
             loss = loss + cfg.kl_coef * kl
             extra["kl_ref"] = float(kl.detach())
+            if cfg.kl_clamp is not None:
+                far = ((logp.detach() - ref).abs() > cfg.kl_clamp)[mask]
+                extra["kl_clamped_frac"] = float(far.float().mean()) if far.numel() else 0.0
         if entropy is not None:
-            ent = masked_mean(entropy, mask, cfg.norm, norm_den)
+            ent = masked_mean(entropy, mask, cfg.norm, norm_den, self.max_new_tokens)
             loss = loss - cfg.entropy_coef * ent
             extra["entropy"] = float(ent.detach())
         self.optimizer.zero_grad(set_to_none=True)

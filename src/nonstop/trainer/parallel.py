@@ -3,8 +3,8 @@
 Contract of `ParallelTrainer.step(groups)` (every rank is given the same, whole list of groups):
 - rank r trains on its contiguous share of the groups (`shard_bounds`); advantages come from the
   whole batch's rewards, so 'batch' normalisation sees every group;
-- every loss reduction divides by the global count (samples for 'sequence', loss tokens for
-  'token', B x T_max for 'constant', samples with tokens for GSPO), one all-reduce per step,
+- every loss reduction divides by the global count (samples with loss tokens for 'sequence' and
+  GSPO, loss tokens for 'token', B x max_new_tokens for 'constant'), one all-reduce per step,
   then by M because DDP and FSDP2 average gradients over ranks: the summed gradient is the
   one-rank gradient, clipping sees the same global norm, AdamW takes the same step;
 - a step is skipped on all ranks or on none (the finiteness of the loss is all-reduced);
@@ -92,11 +92,13 @@ class _FullParameters:
 
 class ParallelTrainer(Trainer):
     def __init__(self, model: CausalLM, cfg: TrainerConfig, temperature: float, pad_token_id: int,
-                 max_lag: int | None = None, reject: str = "group", mode: Mode = "ddp", total_steps: int = 1000) -> None:
+                 max_lag: int | None = None, reject: str = "group", mode: Mode = "ddp", total_steps: int = 1000,
+                 max_new_tokens: int | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParallelTrainer needs the trainer process group: call join_group first")
         self.rank, self.world, self.mode = dist.get_rank(), dist.get_world_size(), mode
-        super().__init__(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps)  # the reference stays whole
+        super().__init__(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps,  # the reference stays whole
+                         max_new_tokens)
         if mode == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -112,15 +114,14 @@ class ParallelTrainer(Trainer):
 
             self.policy = DistributedDataParallel(_Policy(self))
         self.make_optimizer()  # over the sharded / wrapped parameters
-        self._global: dict[str, int] = {}
+        self._samples = 0
 
     def _batch(self, groups: list[Group]) -> Batch:
         lo, hi = shard_bounds(len(groups), self.rank, self.world)
         batch = super()._batch(groups[lo:hi])
         rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)  # (G, n)
-        batch["advantages"] = group_advantages(rewards, self.cfg.advantage_mode)[lo:hi].reshape(-1)  # (B_r,)
-        self._global = {"samples": rewards.numel(),
-                        "width": max(len(s.completion_ids) for g in groups for s in g.samples)}
+        batch["advantages"] = group_advantages(rewards, self.cfg.advantage_mode, self.cfg.group_std)[lo:hi].reshape(-1)  # (B_r,)
+        self._samples = rewards.numel()
         return batch
 
     def logprobs(self, batch, model=None, with_entropy: bool = False):
@@ -131,11 +132,12 @@ class ParallelTrainer(Trainer):
     def denominators(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         counts = torch.tensor([mask.sum(), mask.any(-1).sum()], dtype=torch.float64)
         dist.all_reduce(counts)
-        samples, width = self._global["samples"], self._global["width"]
+        rows = max(float(counts[1]), 1.0)
+        divisors = {"sequence": rows, "token": max(float(counts[0]), 1.0), "gspo": rows}
+        if self.max_new_tokens is not None:  # Trainer.__init__ demands it for the 'constant' norm
+            divisors["constant"] = float(self._samples * self.max_new_tokens)
         # / world: DDP and FSDP2 average the ranks' gradients, and we want their sum
-        return {k: torch.tensor(v / self.world) for k, v in {
-            "sequence": float(samples), "constant": float(samples * width),
-            "token": max(float(counts[0]), 1.0), "gspo": max(float(counts[1]), 1.0)}.items()}
+        return {k: torch.tensor(v / self.world) for k, v in divisors.items()}
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0])

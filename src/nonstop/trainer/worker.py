@@ -1,7 +1,9 @@
 """Trainer actor: a Trainer in its own process; owns the sending end of the weight transport.
 
-`step(groups)` trains on one batch and publishes the new weights as policy_version + 1 before
-it returns, so when the orchestrator sees version v every engine can load v.
+`step(groups)` trains on one batch (policy_version + 1 unless the step was skipped);
+`publish()` then sends the new weights through the transport, so when the orchestrator sees
+`publish()` return version v every engine can load v. Both go to every rank: with FSDP2 each
+rank takes part in the gathers that assemble the published weights.
 `save_checkpoint(dir)` writes the weights (`dir/model`) and everything else a resume needs
 (`dir/trainer.pt`: optimizer, RNG states, policy_version, skip counters); a trainer built from
 `dir/model` and given `load_checkpoint(dir)` continues exactly where the saved one stood.
@@ -30,14 +32,16 @@ from nonstop.hf import CausalLM, load_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
-from nonstop.types import Group, StepResult, TransportHandle
+from nonstop.types import Group, PublishResult, StepResult, TransportHandle
 
 
 class TrainerWorker:
     def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0,
                  max_lag: int | None = None, reject: str = "group", reference_path: str | None = None,
-                 total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None):
+                 total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None,
+                 max_new_tokens: int | None = None):
         """`reference_path`: the KL reference weights when they differ from `model_path` (on resume).
+        `max_new_tokens`: rollout.max_new_tokens, the constant divisor of dr_grpo's normalisation.
         `lora`: train adapters on the base `model_path`, starting from `adapter_path` if given."""
         torch.manual_seed(seed)
         self.model_path = model_path
@@ -49,11 +53,12 @@ class TrainerWorker:
 
             model = wrap_with_peft(base, self.lora, adapter_path)
             reference_path = model_path  # the plain base, not a copy of the peft model
-        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps)
+        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps, max_new_tokens)
         if reference_path is not None and self.trainer.reference is not None:
             self.trainer.reference = load_model(reference_path).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
         self.publish_bytes = 0
+        self.published_version = self.trainer.policy_version  # what the engines hold (they start from it)
         self.busy_s = 0.0
 
     def rendezvous(self, host: str | None) -> tuple[str, int]:
@@ -64,7 +69,7 @@ class TrainerWorker:
         t = self.trainer
         join_group(host, port, rank, world, timeout_s, cuda=next(t.model.parameters()).is_cuda)
         self.trainer = ParallelTrainer(t.model, t.cfg, t.temperature, t.pad_token_id, t.max_lag, t.reject,
-                                       t.cfg.data_parallel, t.total_steps)
+                                       t.cfg.data_parallel, t.total_steps, t.max_new_tokens)
         self.trainer.reference = t.reference  # the worker may have loaded it from elsewhere (resume)
 
     def _publishes_on_connect(self) -> bool:
@@ -89,18 +94,26 @@ class TrainerWorker:
     def step(self, groups: list[Group]) -> StepResult:
         t0 = time.perf_counter()
         metrics = self.trainer.step(groups)
-        t1 = time.perf_counter()
-        if not metrics["skipped"]:
+        train_s = time.perf_counter() - t0
+        self.busy_s += train_s
+        metrics.update(train_s=train_s)
+        return StepResult(self.trainer.policy_version, metrics)
+
+    def publish(self) -> PublishResult:
+        """Send the weights of the current policy_version unless the engines already have them."""
+        t0 = time.perf_counter()
+        version = self.trainer.policy_version
+        if version != self.published_version:
             weights = self.trainer.publishable()
             if self.sink is not None:
-                self.sink.publish(weights, self.trainer.policy_version)
+                self.sink.publish(weights, version)
             else:  # a rank without the sink still takes part in every gather (FSDP2)
                 for _ in weights.named_parameters():
                     pass
-        t2 = time.perf_counter()
-        self.busy_s += t2 - t0
-        metrics.update(train_s=t1 - t0, publish_s=t2 - t1, publish_bytes=self.publish_bytes)
-        return StepResult(self.trainer.policy_version, metrics)
+            self.published_version = version
+        publish_s = time.perf_counter() - t0
+        self.busy_s += publish_s
+        return PublishResult(version, publish_s, self.publish_bytes)
 
     def save(self, path: str) -> str:
         """Write the current weights with save_pretrained (safetensors): the full model, loadable
@@ -134,6 +147,7 @@ class TrainerWorker:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         t.policy_version, t.skipped_steps, t.skips_in_row = state["policy_version"], state["skipped_steps"], state["skips_in_row"]
+        self.published_version = t.policy_version  # engines start from these weights (LoRA: connect publishes them)
         return t.policy_version
 
     def close(self) -> None:

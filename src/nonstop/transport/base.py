@@ -39,7 +39,13 @@ class WeightSink(Protocol):
 
 
 class WeightSource(Protocol):
-    def maybe_update(self, model: torch.nn.Module) -> int | None: ...
+    """Engine-side end of a weight transport."""
+
+    def maybe_update(self, model: torch.nn.Module) -> int | None:
+        """If a newer complete version is available, make `model` hold it and return it.
+
+        Never blocks on the trainer; returns None when there is nothing new."""
+        ...
 
     def close(self) -> None: ...
 

@@ -6,9 +6,10 @@ and commits it atomically (checkpoint.py). The snapshot is taken between two tra
 every group of step <= `step` is settled in the ledger, and every prompt drawn but not yet
 settled (generating, or waiting in the buffer) is listed as in flight.
 
-`restore(run, ckpt)` puts that state back: the stream continues from the saved cursor, the
-in-flight prompts are re-queued ahead of it (so nothing drawn is lost, and nothing settled is
-drawn again), counters and the RL clock continue, and the learning loop starts at step + 1.
+`restore(run, ckpt)` puts that state back into the run's stages and its RunState: the stream
+continues from the saved cursor, the in-flight prompts are re-queued ahead of it (so nothing
+drawn is lost, and nothing settled is drawn again), counters and the RL clock continue, and the
+learning loop starts at step + 1.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from typing import TYPE_CHECKING
 
 from nonstop.checkpoint import Checkpoint, commit, staging_dir
 from nonstop.metrics import Clock
-from nonstop.rollout import RolloutStats
 from nonstop.tasks.data import Draw
 
 if TYPE_CHECKING:
-    from nonstop.pipeline import Run
+    from nonstop.orchestrator.build import Run
 
 
 class RunFailed(RuntimeError):
@@ -34,17 +34,17 @@ class RunFailed(RuntimeError):
 async def write_checkpoint(run: "Run", step: int) -> None:
     root = run.run_dir / "checkpoints"
     tmp = staging_dir(root, step)
-    version = await run.trainer.call("save_checkpoint", str(tmp))
+    version = await run.trainer.save_checkpoint(str(tmp))
     run.codec.tokenizer.save_pretrained(tmp / "model")
     state = {
         "step": step, "policy_version": version, "base_model": str(run.base_model),
-        "base_accuracy": run.base_accuracy, "train_size": len(run.data.train),
+        "base_accuracy": run.state.base_accuracy, "train_size": len(run.data.train),
         "stream": run.stream.state_dict(), "ledger": run.ledger.state_dict(),
         "stats": asdict(run.stats), "drops": dict(run.buffer.drops), "reward_errors": dict(run.scorer.errors),
-        "clock": {"wall_s": run.clock.wall(), "busy_s": dict(run.clock.busy_s)},
+        "clock": {"wall_s": run.state.clock.wall(), "busy_s": dict(run.state.clock.busy_s)},
     }
     await asyncio.to_thread(commit, root, tmp, step, state, run.cfg.checkpoint.keep)
-    run.last_checkpoint = step
+    run.state.last_checkpoint = step
 
 
 def restore(run: "Run", ckpt: Checkpoint) -> None:
@@ -58,13 +58,14 @@ def restore(run: "Run", ckpt: Checkpoint) -> None:
     run.ledger.load_state_dict(state["ledger"])
     run.stream.requeue(pending)
     run.ledger.requeued += len(pending)
-    run.stats = RolloutStats(**state["stats"])
+    for name, value in state["stats"].items():
+        setattr(run.stats, name, value)
     run.buffer.drops.update(state["drops"])
     run.buffer.policy_version = state["policy_version"]
     run.scorer.errors.update(state["reward_errors"])
-    run.clock = Clock(start=time.perf_counter() - state["clock"]["wall_s"], busy_s=dict(state["clock"]["busy_s"]))
-    run.base_accuracy = state["base_accuracy"]
-    run.first_step = state["step"] + 1
-    run.last_checkpoint = state["step"]
+    run.state.clock = Clock(start=time.perf_counter() - state["clock"]["wall_s"], busy_s=dict(state["clock"]["busy_s"]))
+    run.state.base_accuracy = state["base_accuracy"]
+    run.state.first_step = state["step"] + 1
+    run.state.last_checkpoint = state["step"]
     run.progress.log(f"resumed from {ckpt.path} (step {state['step']}, policy_version {state['policy_version']}); "
                      f"{len(pending)} in-flight prompts re-queued")

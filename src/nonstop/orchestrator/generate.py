@@ -1,4 +1,4 @@
-"""Rollout production and evaluation, in the orchestrator, over an engine actor.
+"""The generate stage: rollout production and evaluation, in the orchestrator, over an EngineClient.
 
 `produce(...)` loops until the stream runs out: wait for admission from the buffer, take the
 next prompts from the stream (recording each draw in the ledger), have the engine complete
@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nonstop.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.config import RolloutConfig
-from nonstop.ledger import Ledger
+from nonstop.orchestrator.ledger import Ledger
 from nonstop.metrics import Clock
-from nonstop.runtime import ActorHandle
-from nonstop.scorer import Scorer, exact_match
+from nonstop.roles import EngineClient
+from nonstop.orchestrator.score import Scorer, exact_match
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 
@@ -74,7 +74,7 @@ class _BusyClock:
 
 
 async def produce(
-    engine: ActorHandle, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
+    engine: EngineClient, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
     codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int, ledger: Ledger,
 ) -> None:
     """Each admitted prompt becomes its own engine call, so a group is scored and handed to the
@@ -87,7 +87,7 @@ async def produce(
         ex = draw.example
         busy.enter()
         try:
-            results = await engine.call("generate", [GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, params)])
+            results = await engine.generate([GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, params)])
         finally:
             busy.leave()
         await deliver(ex, draw.epoch, results[0])
@@ -149,6 +149,6 @@ def exact_match_accuracy(results: list[list[Sample]], examples: list[Example], c
     return right / max(len(examples), 1)
 
 
-async def evaluate(engine: ActorHandle, examples: list[Example], codec: Codec, max_new_tokens: int) -> float:
-    results = await engine.call("generate", greedy_requests(examples, codec, max_new_tokens))
+async def evaluate(engine: EngineClient, examples: list[Example], codec: Codec, max_new_tokens: int) -> float:
+    results = await engine.generate(greedy_requests(examples, codec, max_new_tokens))
     return exact_match_accuracy(results, examples, codec)

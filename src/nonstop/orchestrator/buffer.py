@@ -28,7 +28,7 @@ import asyncio
 import math
 from collections import Counter
 
-from nonstop.ledger import Ledger
+from nonstop.orchestrator.ledger import Ledger
 from nonstop.types import Group
 
 

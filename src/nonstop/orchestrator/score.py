@@ -1,4 +1,4 @@
-"""Scorers turn completions into rewards.
+"""Scoring: the stage between generation and the buffer turns completions into rewards.
 
 A reward function maps (completion_text, answer) to a float. Built-ins: `exact_match` (1.0 when
 the completion, stripped of whitespace, equals the answer) and `partial_credit` (exact match
@@ -58,8 +58,10 @@ def resolve_reward(spec: str) -> RewardFn:
 
 
 class Scorer(Protocol):
+    errors: Counter[str]
+    """Failing samples by kind (e.g. reward_raised); reported per step and in the summary."""
     last_error: str | None
-    """Why the latest failing sample failed (None while none has); quoted when the run stops."""
+    """The newest failure, in words, for the message that ends a run without learning signal."""
 
     def score_group(self, group: Group) -> bool:
         """Fill `sample.reward` for every sample; return False if the group must be skipped."""

@@ -1,0 +1,169 @@
+"""Building a run: spawn the actors, connect the weight transport, wire the stages together.
+
+`build_run(...)` returns a `Run`: the fixed wiring of one training run (config, data, the
+engine pool and the trainer rank group as typed clients, buffer, scorer, prompt stream and
+ledger, metrics sink) and its small mutable `RunState` (clock, base accuracy, first step, last
+checkpoint), which resume (recovery.py) and the learning loop (learn.py) update.
+
+Wiring: `runtime.num_engines` engine actors, each behind a RestartingEngine whose replacement
+starts from the same weights and attaches to the same transport, behind one least-loaded
+EnginePool; `trainer.ranks` trainer actors in one RankGroup (with several, they form their
+process group before anything else). Trainer rank 0 is transport rank 0; engine i is rank i + 1.
+Services the actors open for each other listen where the backend says (`ActorBackend.host`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nonstop.checkpoint import Checkpoint
+from nonstop.config import Config
+from nonstop.engine.worker import EngineWorker
+from nonstop.metrics import Clock, JsonlSink
+from nonstop.orchestrator.buffer import RolloutBuffer
+from nonstop.orchestrator.dispatch import EnginePool, RankGroup
+from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate
+from nonstop.orchestrator.ledger import Ledger
+from nonstop.orchestrator.score import FunctionScorer, Scorer, resolve_reward
+from nonstop.progress import Progress
+from nonstop.roles import EngineClient, TrainerClient
+from nonstop.runtime import ActorBackend
+from nonstop.runtime.clients import EngineActor, TrainerActor
+from nonstop.runtime.restart import RestartingEngine
+from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
+from nonstop.trainer.worker import TrainerWorker
+from nonstop.types import TransportHandle
+
+
+@dataclass
+class RunState:
+    """What changes during a run besides the stages' own counters; a checkpoint saves it."""
+
+    clock: Clock = field(default_factory=Clock)  # RL wall time and busy seconds per side
+    base_accuracy: float = 0.0
+    first_step: int = 1
+    last_checkpoint: int | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    cfg: Config
+    data: TaskData
+    codec: Codec
+    engine: EnginePool  # of RestartingEngine
+    engines: list[RestartingEngine]  # the pool's members, for their fault counters
+    trainer: TrainerClient
+    buffer: RolloutBuffer
+    scorer: Scorer
+    stats: RolloutStats
+    stream: PromptStream
+    ledger: Ledger
+    sink: JsonlSink
+    progress: Progress
+    run_dir: Path
+    base_model: Path
+    state: RunState
+
+    async def eval(self) -> float:
+        return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens)
+
+
+def _names(role: str, count: int) -> list[str]:
+    return [role] if count == 1 else [f"{role}-{i}" for i in range(count)]
+
+
+async def spawn_engine(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int,
+                       version0: int = 0) -> EngineActor:
+    return EngineActor(await backend.spawn(
+        _names("engine", cfg.runtime.num_engines)[i], EngineWorker, str(weights), [tok.eos_token_id],
+        tok.pad_token_id, cfg.run.seed + i, initial_version=version0, settings=cfg.engine_settings))
+
+
+async def spawn_trainers(backend: ActorBackend, cfg: Config, weights: Path, tok: Any,
+                         reference_path: str | None = None, adapter_path: str | None = None) -> RankGroup:
+    """The trainer rank actors; with several, they form their process group before returning."""
+    ranks = [TrainerActor(a) for a in await asyncio.gather(*(
+        backend.spawn(n, TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature, tok.pad_token_id,
+                      cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject, reference_path=reference_path,
+                      total_steps=cfg.run.max_steps, lora=cfg.model.lora, adapter_path=adapter_path,
+                      max_new_tokens=cfg.rollout.max_new_tokens)
+        for n in _names("trainer", cfg.trainer.ranks)))]
+    if len(ranks) > 1:
+        addr, port = await ranks[0].rendezvous(backend.host)
+        await asyncio.gather(*(t.join_group(addr, port, r, len(ranks), cfg.transport.connect_timeout_s)
+                               for r, t in enumerate(ranks)))
+    return RankGroup(list(ranks))
+
+
+async def connect_transport(cfg: Config, trainer: TrainerClient, engines: list[EngineClient],
+                            host: str | None) -> TransportHandle:
+    """Trainer rank 0 is transport rank 0; engine i is rank i + 1."""
+    handle = await trainer.plan_transport(cfg.transport, len(engines), host)
+    await asyncio.gather(trainer.connect_transport(),
+                         *(e.connect_transport(handle, i + 1) for i, e in enumerate(engines)))
+    return handle
+
+
+def engine_restarter(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int, version0: int,
+                     handle: TransportHandle) -> Callable[[], Awaitable[EngineClient]]:
+    """A fresh engine i: it starts from `weights` and applies the newest published version at
+    its first forward pass (the config allows no restart with broadcast: its group is closed)."""
+    async def restart_engine() -> EngineClient:
+        engine = await spawn_engine(backend, cfg, weights, tok, i, version0)
+        await engine.connect_transport(handle, i + 1)
+        return engine
+    return restart_engine
+
+
+def screen(cfg: Config, data: TaskData, codec: Codec, model_weights: Path, progress: Progress) -> None:
+    """Skip prompts too long for the model's context with room for the completion."""
+    from nonstop.hf import max_positions
+
+    limit = cfg.task.max_prompt_tokens or max_positions(model_weights) - cfg.rollout.max_new_tokens
+    long_prompts = screen_prompts(data, codec.encode, limit, cfg.task.on_bad_row)
+    for problem in long_prompts[:10]:
+        progress.log(f"[yellow]dataset:[/] {problem}; skipped")
+    if len(long_prompts) > 10:
+        progress.log(f"dataset: {len(long_prompts)} over-long prompts skipped in all")
+
+
+async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: TaskData, run_dir: Path,
+                    progress: Progress, resume: Checkpoint | None = None) -> Run:
+    """Spawn and connect the actors and wire the stages. With `resume`, actors start from the
+    checkpoint's weights and trainer state (the orchestrator's state comes back in recovery.py)."""
+    from nonstop.hf import load_tokenizer
+
+    weights = resume.model_dir if resume is not None else base_model
+    lora = cfg.model.lora.enabled  # LoRA: engines always hold the base; adapters come by transport
+    model_weights = base_model if lora else weights
+    version0 = resume.state["policy_version"] if resume is not None else 0
+    codec = Codec(load_tokenizer(str(weights)))
+    tok = codec.tokenizer
+    screen(cfg, data, codec, model_weights, progress)
+    num_engines = cfg.runtime.num_engines
+    progress.log(f"starting {num_engines} engine and {cfg.trainer.ranks} trainer actor(s) "
+                 f"({cfg.runtime.backend} backend) ...")
+    first_engines, trainer = await asyncio.gather(
+        asyncio.gather(*(spawn_engine(backend, cfg, model_weights, tok, i, version0) for i in range(num_engines))),
+        spawn_trainers(backend, cfg, model_weights, tok, str(base_model) if resume is not None else None,
+                       adapter_path=str(weights) if resume is not None and lora else None),
+    )
+    if resume is not None:
+        await trainer.load_checkpoint(str(resume.path))
+    handle = await connect_transport(cfg, trainer, list(first_engines), backend.host)
+    engines = [RestartingEngine(e.name, engine_restarter(backend, cfg, model_weights, tok, i, version0, handle),
+                                cfg.engine_restarts, cfg.runtime.heartbeat_interval_s,
+                                cfg.runtime.heartbeat_timeout_s, log=progress.log, engine=e)
+               for i, e in enumerate(first_engines)]
+    ledger = Ledger()
+    buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
+                           cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups,
+                           ledger)
+    return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer,
+               FunctionScorer(resolve_reward(cfg.task.reward), cfg.task.reward_fail_fast), RolloutStats(),
+               PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
+               JsonlSink(run_dir / "metrics.jsonl"), progress, run_dir, base_model, RunState())

@@ -1,0 +1,91 @@
+"""One training run, start to end: build it, run the producer beside the learning loop, summarize.
+
+Processes: this orchestrator (asyncio), `runtime.num_engines` engine actors behind a
+least-loaded pool, `trainer.ranks` trainer actors in lockstep (dispatch.py), all reached through
+typed clients (nonstop.roles). Rollouts flow engines -> orchestrator (generate.py, score.py) ->
+buffer (buffer.py) -> trainer ranks (learn.py) as small messages; weights flow trainer rank 0 ->
+every engine through the weight transport only, when the learning loop publishes. The producer
+task runs beside the learning loop; the supervisor re-raises its failure, and a dead actor
+fails every pending call at once, so the run ends with a message instead of a hang.
+
+Faults: each engine sits behind a RestartingEngine (heartbeat, restart, its prompts
+re-submitted); a trainer failure ends the run with a message naming the last checkpoint,
+from which `nonstop train --resume RUN_DIR` continues (see checkpoint.py and recovery.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nonstop.checkpoint import Checkpoint
+from nonstop.config import Config
+from nonstop.metrics import Clock
+from nonstop.orchestrator.build import Run, build_run
+from nonstop.orchestrator.generate import produce
+from nonstop.orchestrator.learn import learn
+from nonstop.orchestrator.records import RunSummary, StepRecord
+from nonstop.orchestrator.recovery import restore
+from nonstop.progress import Progress
+from nonstop.runtime import Supervisor, make_backend
+from nonstop.runtime.restart import RestartStats
+from nonstop.tasks.data import TaskData
+
+
+async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, progress: Progress,
+                resume: Checkpoint | None = None) -> RunSummary:
+    """Spawn the actors, connect the transport, run the producer beside `learn`, save the result.
+
+    With `resume`, actors start from the checkpoint's weights and state, and the data cursor and
+    ledger continue from it (prompts in flight at the checkpoint are generated again first)."""
+    backend, supervisor = make_backend(cfg.runtime, run_dir), Supervisor()
+    try:
+        run = await build_run(cfg, backend, base_model, data, run_dir, progress, resume)
+        await begin(run, resume)
+        for e in run.engines:
+            supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
+        supervisor.spawn(produce(run.engine, run.buffer, run.stream, run.scorer, run.codec, cfg.rollout,
+                                 run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures, run.ledger),
+                         name="producer")
+        last = await supervisor.run(learn(run))
+        run.sink.close()
+        final_dir = run_dir / "final"
+        await run.trainer.save(str(final_dir))
+        run.codec.tokenizer.save_pretrained(final_dir)
+        progress.stop()
+        return await summarize(run, last, final_dir, resume)
+    finally:
+        progress.stop()
+        await supervisor.close()
+        await backend.shutdown()
+
+
+async def begin(run: Run, resume: Checkpoint | None) -> None:
+    """Resume the orchestrator's state, or measure the base policy and start the RL clock."""
+    if resume is not None:
+        restore(run, resume)
+    else:
+        run.state.base_accuracy = await run.eval()
+        run.progress.log(f"base policy held-out accuracy: {run.state.base_accuracy:.1%} "
+                         f"on {len(run.data.eval)} prompts")
+        run.state.clock = Clock()
+    run.progress.base_eval = run.state.base_accuracy
+
+
+async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: Checkpoint | None) -> RunSummary:
+    clock = run.state.clock
+    return RunSummary(
+        base_accuracy=run.state.base_accuracy, final_accuracy=last.eval_accuracy if last else None,
+        steps=last.step if last else 0, policy_version=last.policy_version if last else 0,
+        rl_wall_s=clock.wall(), samples_generated=run.stats.samples,
+        samples_per_s=last.samples_per_s if last else 0.0,
+        engine_idle_frac=clock.idle_fraction("generation"), trainer_idle_frac=clock.idle_fraction("training"),
+        drops=dict(run.buffer.drops), reward_errors=dict(run.scorer.errors),
+        skipped_steps=last.skipped_steps if last else 0,
+        engines=await run.engine.stats(),
+        last_reward_error=run.scorer.last_error, final_dir=str(final_dir),
+        prompts=run.ledger.report(),
+        engine_faults=RestartStats([r for e in run.engines for r in e.faults.restarts],
+                                   sum(e.faults.requeued for e in run.engines)).summary(),
+        resumed_from=str(resume.path) if resume is not None else None,
+        last_checkpoint=run.state.last_checkpoint, run_dir=str(run.run_dir),
+    )

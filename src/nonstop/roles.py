@@ -1,0 +1,96 @@
+"""The role clients: what the orchestrator may ask of engines and of trainers.
+
+`EngineClient` and `TrainerClient` are the typed seam between the flow (nonstop.orchestrator)
+and the processes that generate and learn. Every implementation answers the same way whatever
+stands behind it:
+
+- one actor: `runtime.clients.EngineActor` / `TrainerActor` over an ActorHandle of either
+  backend (local processes or Ray); the only place besides the runtime internals where a
+  method is named by a string;
+- several actors: `orchestrator.dispatch.EnginePool` (least-loaded placement of requests over
+  engines) and `RankGroup` (the same call on every trainer rank, in lockstep);
+- a replaceable actor: `runtime.restart.RestartingEngine` (heartbeat, restart, re-submission).
+
+Failures: a dead actor raises ActorDied naming it, a remote exception ActorCallError, a call
+past its timeout TimeoutError (runtime/base.py). `kill()` ends the processes at once without
+their cooperation; `stop()` asks them to close first.
+
+This module imports only neutral types, so neither side has to import the other.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from nonstop.config import TransportConfig
+from nonstop.types import GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
+
+EngineStats = dict[str, float | int]  # one engine's counters: policy_version and the scheduler's stats
+
+
+class Client(Protocol):
+    """What every client of actors offers: a name for messages, health, and an end."""
+
+    name: str
+
+    def is_alive(self) -> bool: ...
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Close the actors (they release their transports), then end their processes."""
+        ...
+
+    async def kill(self) -> None:
+        """End the processes now; pending calls fail with ActorDied."""
+        ...
+
+
+class EngineClient(Client, Protocol):
+    async def generate(self, requests: list[GenerationRequest], timeout_s: float | None = None) -> list[list[Sample]]:
+        """One list of `request.n` samples per request, in request order; each request is
+        generated exactly once. Concurrent calls share the engines' continuous batches."""
+        ...
+
+    async def stats(self) -> list[EngineStats]:
+        """The counters of every engine behind this client, in engine order."""
+        ...
+
+    async def ping(self, timeout_s: float | None = None) -> int:
+        """Answered between two decode steps: the oldest policy_version the engines hold."""
+        ...
+
+    async def connect_transport(self, handle: TransportHandle, rank: int) -> None:
+        """Attach to the trainer's weight transport; the engines behind this client take the
+        transport ranks `rank`, `rank + 1`, ... in engine order."""
+        ...
+
+
+class TrainerClient(Client, Protocol):
+    async def step(self, groups: list[Group]) -> StepResult:
+        """Train on one batch. The new weights stay with the trainer until `publish()`."""
+        ...
+
+    async def publish(self) -> PublishResult:
+        """Send the current weights through the transport as their policy_version (nothing is
+        sent when the last step was skipped); once it returns, every engine can load it."""
+        ...
+
+    async def save(self, path: str) -> str:
+        """Write the weights loadable by transformers (with LoRA: the peft adapter folder)."""
+        ...
+
+    async def save_checkpoint(self, path: str) -> int:
+        """Write weights and optimizer/RNG state under `path`; returns their policy_version."""
+        ...
+
+    async def load_checkpoint(self, path: str) -> int:
+        """Restore the state `save_checkpoint` wrote; returns its policy_version."""
+        ...
+
+    async def plan_transport(self, cfg: TransportConfig, num_engines: int, host: str | None) -> TransportHandle:
+        """Open the sending end of the weight transport (transport rank 0) for `num_engines`
+        engines; `host` is where its services listen (None: this node's address)."""
+        ...
+
+    async def connect_transport(self) -> None:
+        """Rendezvous with the engines that attached to the planned transport."""
+        ...

@@ -1,0 +1,78 @@
+"""Typed clients of one actor: the role Protocols (nonstop.roles) over an ActorHandle.
+
+These adapters and the runtime internals are the only code that names an actor method by a
+string. They add nothing to a call: errors, timeouts and ordering are the backend's (a dead
+actor raises ActorDied naming it, a remote exception ActorCallError, a late answer
+TimeoutError), so an `EngineActor` behaves the same on the local and the Ray backend.
+"""
+
+from __future__ import annotations
+
+from nonstop.config import TransportConfig
+from nonstop.roles import EngineStats
+from nonstop.runtime.base import ActorHandle
+from nonstop.types import GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
+
+
+class _OneActor:
+    def __init__(self, actor: ActorHandle) -> None:
+        self.actor = actor
+        self.name = actor.name
+
+    def is_alive(self) -> bool:
+        return self.actor.is_alive()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        await self.actor.stop(timeout_s)
+
+    async def kill(self) -> None:
+        await self.actor.kill()
+
+
+class EngineActor(_OneActor):
+    """An EngineClient over one engine actor (engine/worker.py EngineWorker)."""
+
+    async def generate(self, requests: list[GenerationRequest], timeout_s: float | None = None) -> list[list[Sample]]:
+        return await self.actor.call("generate", requests, timeout_s=timeout_s)
+
+    async def stats(self) -> list[EngineStats]:
+        return [await self.actor.call("stats")]
+
+    async def ping(self, timeout_s: float | None = None) -> int:
+        return await self.actor.call("ping", timeout_s=timeout_s)
+
+    async def connect_transport(self, handle: TransportHandle, rank: int) -> None:
+        await self.actor.call("connect_transport", handle, rank)
+
+
+class TrainerActor(_OneActor):
+    """A TrainerClient over one trainer rank actor (trainer/worker.py TrainerWorker), plus the
+    calls that form a group of ranks (trainer/parallel.py)."""
+
+    async def step(self, groups: list[Group]) -> StepResult:
+        return await self.actor.call("step", groups)
+
+    async def publish(self) -> PublishResult:
+        return await self.actor.call("publish")
+
+    async def save(self, path: str) -> str:
+        return await self.actor.call("save", path)
+
+    async def save_checkpoint(self, path: str) -> int:
+        return await self.actor.call("save_checkpoint", path)
+
+    async def load_checkpoint(self, path: str) -> int:
+        return await self.actor.call("load_checkpoint", path)
+
+    async def plan_transport(self, cfg: TransportConfig, num_engines: int, host: str | None) -> TransportHandle:
+        return await self.actor.call("plan_transport", cfg, num_engines, host)
+
+    async def connect_transport(self) -> None:
+        await self.actor.call("connect_transport")
+
+    async def rendezvous(self, host: str | None) -> tuple[str, int]:
+        """Rank 0 only: open the group's store; returns its address and port."""
+        return await self.actor.call("rendezvous", host)
+
+    async def join_group(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+        await self.actor.call("join_group", host, port, rank, world, timeout_s)
