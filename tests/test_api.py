@@ -52,37 +52,30 @@ def test_list_of_dicts_with_a_lambda_reward_scored_in_this_process(tiny_dir, tmp
     assert recorded.startswith("python:") and recorded.endswith("<locals>.<lambda>")
 
 
-def test_datasets_dataset_with_a_column_mapping_eval_rows_and_summed_rewards(tiny_dir, tmp_path):
+def test_yaml_path_and_overrides_with_a_datasets_dataset_a_column_mapping_and_summed_rewards(tiny_dir, tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"lr": 1e-3}, "run": {"max_steps": 50, "name": "from-yaml"}}))
     train = datasets.Dataset.from_list(sums(80, "question", "solution"))
     held = datasets.Dataset.from_list(sums(100, "question", "solution")[80:])
 
     def flaky(completion: str, answer: str) -> float:
-        if answer == "9":
+        if int(answer) % 2 == 0:
             raise RuntimeError("judge unavailable")
         return 0.0
 
     summary = nonstop.train(
-        overrides=fast(tiny_dir, tmp_path), dataset=train, eval_dataset=held, progress="off",
-        columns={"prompt": "question", "answer": "solution"},
+        path, overrides=[*fast(tiny_dir, tmp_path), "trainer.lr=3e-4"], progress="off",
+        dataset=train, eval_dataset=held, columns={"prompt": "question", "answer": "solution"},
         reward=["helpers:length_reward", flaky], reward_weights=[0.5, 1.0],
     )
-    assert summary.steps == 3
+    assert summary.steps == 3 and summary.run_dir == str(tmp_path / "from-yaml")
     assert summary.reward_errors["reward_raised"] > 0 and summary.drops["reward_error"] > 0  # counted, survived
     assert "judge unavailable" in (summary.last_reward_error or "")
-    recorded = yaml.safe_load((Path(summary.run_dir) / "config.yaml").read_text())["task"]["reward"]
-    assert recorded == ("0.5*helpers:length_reward + 1*python:"
-                        "test_datasets_dataset_with_a_column_mapping_eval_rows_and_summed_rewards.<locals>.flaky")
-
-
-def test_yaml_path_and_overrides_with_the_config_task(tiny_dir, tmp_path):
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump({"task": {"max_operand": 9, "eval_size": 10, "reward": "helpers:length_reward"},
-                                    "run": {"max_steps": 50, "name": "from-yaml"}}))
-    summary = nonstop.train(path, overrides=[*fast(tiny_dir, tmp_path, steps=2), "trainer.lr=3e-4"], progress="off")
-    assert summary.steps == 2 and summary.run_dir == str(tmp_path / "from-yaml")
     recorded = yaml.safe_load((tmp_path / "from-yaml" / "config.yaml").read_text())
-    assert recorded["trainer"]["lr"] == 3e-4 and recorded["task"]["max_operand"] == 9
-    assert recorded["task"]["reward"] == "helpers:length_reward"
+    assert recorded["trainer"]["lr"] == 3e-4 and recorded["run"]["max_steps"] == 3
+    assert recorded["task"]["reward"] == (
+        "0.5*helpers:length_reward + 1*python:"
+        "test_yaml_path_and_overrides_with_a_datasets_dataset_a_column_mapping_and_summed_rewards.<locals>.flaky")
 
 
 def test_missing_columns_and_bad_rows_fail_before_any_process_starts(tmp_path):
