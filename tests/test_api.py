@@ -35,10 +35,13 @@ def test_list_of_dicts_with_a_lambda_reward_scored_in_this_process(tiny_dir, tmp
     rows = sums()
     rows.insert(7, {"prompt": "1+1="})  # no answer: reported and skipped, as in a JSONL file
     seen: list[tuple[str, str]] = []
-    summary = nonstop.train(
-        overrides=fast(tiny_dir, tmp_path), dataset=rows, eval_fraction=0.1, progress="plain",
-        reward=lambda completion, answer: seen.append((completion, answer)) or float(len(completion)),
-    )
+
+    def length(completion: str, answer: str) -> float:
+        seen.append((completion, answer))
+        return float(len(completion))
+
+    summary = nonstop.train(overrides=fast(tiny_dir, tmp_path), dataset=rows, eval_fraction=0.1, progress="plain",
+                            reward=lambda completion, answer: length(completion, answer))
     assert isinstance(summary, nonstop.RunSummary)
     assert summary.steps == 3 and summary.policy_version == 3
     assert seen and {a for _, a in seen} <= {r["answer"] for r in sums()}  # the closure ran here, on our answers
@@ -107,7 +110,7 @@ def test_bad_reward_and_config_arguments_name_the_argument(tmp_path):
     with pytest.raises(RewardError, match=r"reward\[1\]: cannot import 'no_such_module:fn'"):
         nonstop.train(overrides=out, dataset=sums(20), reward=["exact_match", "no_such_module:fn"])
     with pytest.raises(RewardError, match=r"reward: .* cannot be called as fn\(completion, answer\)"):
-        nonstop.train(overrides=out, dataset=sums(20), reward=lambda completion: 1.0)  # type: ignore[arg-type, misc]
+        nonstop.train(overrides=out, dataset=sums(20), reward=lambda completion: 1.0)  # type: ignore[arg-type]
     with pytest.raises(RewardError, match="reward_weights: 1 weights for 2 rewards"):
         nonstop.train(overrides=out, dataset=sums(20), reward=["exact_match", "partial_credit"], reward_weights=[1.0])
     with pytest.raises(ConfigError, match="trainer.lrr: unknown field"):
