@@ -129,3 +129,25 @@ def test_the_example_script_runs(tiny_dir, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 steps: held-out accuracy" in result.stdout
     assert "80 train / 20 held-out prompts" in result.stdout
+
+
+def test_a_config_object_takes_overrides_and_round_trips():
+    cfg = nonstop.load_config(None, ["trainer.lr=1e-4", "buffer.depth=2", "run.progress=off"])
+    assert nonstop.load_config(cfg) == cfg
+    changed = nonstop.load_config(cfg, ["trainer.lr=3e-4"])
+    assert changed.trainer.lr == 3e-4 and changed.buffer.depth == 2 and changed.run.progress == "off"
+    with pytest.raises(ConfigError, match="buffer.depht: unknown field"):
+        nonstop.load_config(cfg, ["buffer.depht=1"])
+
+
+def test_the_warm_up_cache_of_python_rows_is_keyed_by_their_content():
+    from nonstop.api import rows_hash
+    from nonstop.tasks.data import DatasetReport, TaskData, split_examples
+
+    def data(rows: list[dict[str, str]]) -> TaskData:
+        return split_examples([(r["prompt"], r["answer"]) for r in rows], 5, 0, DatasetReport())
+
+    assert rows_hash(data(sums(20))) == rows_hash(data(sums(20)))
+    other = sums(20)
+    other[3] = {"prompt": other[3]["prompt"], "answer": "x"}
+    assert rows_hash(data(other)) != rows_hash(data(sums(20)))

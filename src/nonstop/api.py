@@ -164,7 +164,8 @@ def resolve(reward: RewardSpec | Sequence[RewardSpec], weights: Sequence[float] 
     return WeightedSum(fns, ws), name
 
 
-def _data_hash(data: TaskData) -> str:
+def rows_hash(data: TaskData) -> str:
+    """A short hash of every prompt and answer of both splits: the warm-up cache key of rows given here."""
     h = hashlib.sha256()
     for split in (data.train, data.eval):
         for ex in split:
@@ -207,7 +208,7 @@ def train(config: Config | str | Path | None = None, *, overrides: Sequence[str]
             raise DatasetError(f"eval_size: must be at least 1 (got {eval_size})")
         data = task_data(cfg, dataset, eval_dataset, columns, eval_size, eval_fraction)
         if cfg.model.path is None:  # the tiny model's warm-up cache is keyed by these rows
-            cache = str(Path(cfg.warmup.cache_dir) / f"data-{_data_hash(data)}")
+            cache = str(Path(cfg.warmup.cache_dir) / f"data-{rows_hash(data)}")
             cfg = cfg.model_copy(update={"warmup": cfg.warmup.model_copy(update={"cache_dir": cache})})
     elif eval_dataset is not None or columns is not None or eval_size is not None or eval_fraction is not None:
         raise DatasetError("dataset: eval_dataset, columns, eval_size and eval_fraction need dataset=")
