@@ -11,9 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
-from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,19 +18,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from nonstop.config import Config, ConfigError, dump_config, load_config
+from nonstop.config import ConfigError, dump_config, load_config
+from nonstop.orchestrator.launch import run_training  # shared with nonstop.train(); benches import it from here
 
 if TYPE_CHECKING:
     from nonstop.orchestrator.records import RunSummary
-
-
-def _run_dir(cfg: Config) -> Path:
-    name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = Path(cfg.run.out_dir) / name
-    if path.exists() and any(path.iterdir()):
-        raise ConfigError(f"run.name: run folder {path} already exists and is not empty; pick another name")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _summary_table(s: RunSummary) -> Table:
@@ -55,41 +44,6 @@ def _summary_table(s: RunSummary) -> Table:
         t.add_row("reward errors", f"{json.dumps(s.reward_errors)}; last: {s.last_reward_error}")
     t.add_row("run folder", s.run_dir)
     return t
-
-
-def run_training(cfg: Config, console: Console, resume_dir: Path | None = None) -> RunSummary:
-    """Everything `nonstop train` does after parsing: data, base policy, pipeline, summary."""
-    from nonstop.checkpoint import latest_valid
-    from nonstop.orchestrator.pipeline import train
-    from nonstop.progress import Progress
-    from nonstop.tasks.data import load_task
-    from nonstop.tasks.warmup import prepare_base_model
-
-    t0 = time.perf_counter()
-    if resume_dir is None:
-        run_dir = _run_dir(cfg)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-    else:
-        run_dir = resume_dir
-    data = load_task(cfg.task, cfg.run.seed)
-    with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
-        for problem in data.report.problems:
-            progress.log(f"[yellow]dataset:[/] {problem}")
-        if data.report.rows_skipped:
-            progress.log(f"dataset: {data.report.rows_skipped} of {data.report.rows_read} rows skipped")
-        progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
-        ckpt = None
-        if resume_dir is None:
-            base = prepare_base_model(cfg, data, progress.log)
-        else:
-            ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
-            base = Path(ckpt.state["base_model"])
-        warmup_s = time.perf_counter() - t0
-        summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt))
-    summary = replace(summary, wall_s=time.perf_counter() - t0, warmup_s=warmup_s,
-                      dataset_rows_skipped=data.report.rows_skipped)
-    (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-    return summary
 
 
 @click.group()

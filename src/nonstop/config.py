@@ -426,10 +426,12 @@ def _parse_value(raw: str) -> Any:
     return yaml.safe_load(raw)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read YAML (optional), apply `a.b=c` overrides, validate. Raises ConfigError."""
+def load_config(path: str | Path | Config | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML (optional; or start from a Config), apply `a.b=c` overrides, validate. Raises ConfigError."""
     tree: dict[str, Any] = {}
-    if path is not None:
+    if isinstance(path, Config):
+        tree = path.model_dump(mode="json")
+    elif path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:

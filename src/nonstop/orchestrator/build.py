@@ -28,7 +28,7 @@ from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.dispatch import EnginePool, RankGroup
 from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.score import FunctionScorer, Scorer, resolve_reward
+from nonstop.orchestrator.score import FunctionScorer, RewardFn, Scorer, resolve_reward
 from nonstop.progress import Progress
 from nonstop.roles import EngineClient, TrainerClient
 from nonstop.runtime import ActorBackend
@@ -132,9 +132,11 @@ def screen(cfg: Config, data: TaskData, codec: Codec, model_weights: Path, progr
 
 
 async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: TaskData, run_dir: Path,
-                    progress: Progress, resume: Checkpoint | None = None) -> Run:
+                    progress: Progress, resume: Checkpoint | None = None, reward: RewardFn | None = None) -> Run:
     """Spawn and connect the actors and wire the stages. With `resume`, actors start from the
-    checkpoint's weights and trainer state (the orchestrator's state comes back in recovery.py)."""
+    checkpoint's weights and trainer state (the orchestrator's state comes back in recovery.py).
+    `reward` (a Python callable, from nonstop.api) replaces task.reward; scoring runs in this
+    process whatever the backend, so it is never pickled."""
     from nonstop.hf import load_tokenizer
 
     weights = resume.model_dir if resume is not None else base_model
@@ -164,6 +166,7 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
                            cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups,
                            ledger)
     return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer,
-               FunctionScorer(resolve_reward(cfg.task.reward), cfg.task.reward_fail_fast), RolloutStats(),
+               FunctionScorer(reward if reward is not None else resolve_reward(cfg.task.reward),
+                              cfg.task.reward_fail_fast), RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
                JsonlSink(run_dir / "metrics.jsonl"), progress, run_dir, base_model, RunState())

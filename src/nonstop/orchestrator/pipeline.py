@@ -24,6 +24,7 @@ from nonstop.orchestrator.build import Run, build_run
 from nonstop.orchestrator.generate import produce
 from nonstop.orchestrator.learn import learn
 from nonstop.orchestrator.records import RunSummary, StepRecord
+from nonstop.orchestrator.score import RewardFn
 from nonstop.orchestrator.recovery import restore
 from nonstop.progress import Progress
 from nonstop.runtime import Supervisor, make_backend
@@ -32,14 +33,15 @@ from nonstop.tasks.data import TaskData
 
 
 async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, progress: Progress,
-                resume: Checkpoint | None = None) -> RunSummary:
+                resume: Checkpoint | None = None, reward: RewardFn | None = None) -> RunSummary:
     """Spawn the actors, connect the transport, run the producer beside `learn`, save the result.
 
     With `resume`, actors start from the checkpoint's weights and state, and the data cursor and
-    ledger continue from it (prompts in flight at the checkpoint are generated again first)."""
+    ledger continue from it (prompts in flight at the checkpoint are generated again first).
+    `reward`, when given, is the reward function instead of task.reward."""
     backend, supervisor = make_backend(cfg.runtime, run_dir), Supervisor()
     try:
-        run = await build_run(cfg, backend, base_model, data, run_dir, progress, resume)
+        run = await build_run(cfg, backend, base_model, data, run_dir, progress, resume, reward)
         await begin(run, resume)
         for e in run.engines:
             supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")

@@ -40,20 +40,21 @@ def partial_credit(completion: str, answer: str) -> float:
 BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "partial_credit": partial_credit}
 
 
-def resolve_reward(spec: str) -> RewardFn:
+def resolve_reward(spec: str, field: str = "task.reward") -> RewardFn:
+    """A built-in name or 'package.module:function' as a function; errors name `field`."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep:
         raise RewardError(
-            f"task.reward: unknown reward {spec!r}; use one of {sorted(BUILTIN_REWARDS)} or 'package.module:function'"
+            f"{field}: unknown reward {spec!r}; use one of {sorted(BUILTIN_REWARDS)} or 'package.module:function'"
         )
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise RewardError(f"task.reward: cannot import {spec!r}: {e}") from None
+        raise RewardError(f"{field}: cannot import {spec!r}: {e}") from None
     if not callable(fn):
-        raise RewardError(f"task.reward: {spec!r} is not callable")
+        raise RewardError(f"{field}: {spec!r} is not callable")
     return fn
 
 

@@ -6,7 +6,8 @@ all prompts share one length ("07+45=" -> "52"; with `pad_answer` answers share 
 "052"), shuffles with the seed and holds out the first
 `eval_size` pairs. A JSONL dataset is validated row by row: a row that is not an object, lacks
 `prompt` or `answer`, or holds non-string values is reported with its line number and skipped;
-the skips are counted in `DatasetReport`, never silent.
+the skips are counted in `DatasetReport`, never silent. Rows handed over in Python (nonstop.api)
+go through the same `check_row` and `split_examples`, so they become the same `Example`s.
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def addition_examples(max_operand: int, pad_answer: bool = False) -> list[tuple[
     ]
 
 
+def check_row(row: object) -> tuple[str, str] | str:
+    """A row's (prompt, answer), or what is wrong with it in words."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    missing = [k for k in ("prompt", "answer") if k not in row]
+    if missing:
+        return f"missing field(s) {', '.join(missing)}"
+    if not isinstance(row["prompt"], str) or not isinstance(row["answer"], str):
+        return "'prompt' and 'answer' must be strings"
+    return row["prompt"], row["answer"]
+
+
 def read_jsonl(path: str | Path) -> tuple[list[tuple[str, str]], DatasetReport]:
     path = Path(path)
     if not path.is_file():
@@ -63,27 +76,35 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[str, str]], DatasetReport]:
         if not line.strip():
             continue
         report.rows_read += 1
-        problem = None
         try:
-            row = json.loads(line)
+            checked = check_row(json.loads(line))
         except json.JSONDecodeError as e:
-            row, problem = None, f"not valid JSON ({e.msg})"
-        if problem is None and not isinstance(row, dict):
-            problem = "not a JSON object"
-        if problem is None:
-            missing = [k for k in ("prompt", "answer") if k not in row]
-            if missing:
-                problem = f"missing field(s) {', '.join(missing)}"
-            elif not isinstance(row["prompt"], str) or not isinstance(row["answer"], str):
-                problem = "'prompt' and 'answer' must be strings"
-        if problem is not None:
+            checked = f"not valid JSON ({e.msg})"
+        if isinstance(checked, str):
             report.rows_skipped += 1
-            report.problems.append(f"{path}:{lineno}: {problem}; row skipped")
+            report.problems.append(f"{path}:{lineno}: {checked}; row skipped")
             continue
-        rows.append((row["prompt"], row["answer"]))
+        rows.append(checked)
     if not rows:
         raise DatasetError(f"dataset {path} has no valid row ({report.rows_skipped} skipped)")
     return rows, report
+
+
+def split_examples(pairs: list[tuple[str, str]], eval_size: int, seed: int,
+                   report: DatasetReport) -> TaskData:
+    """Shuffle with `seed` and hold out the first `eval_size` (at most half) as the eval split."""
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(eval_size, len(pairs) // 2)
+    examples = [Example(i, *pairs[i]) for i in order]
+    return TaskData(train=examples[n_eval:], eval=examples[:n_eval], report=report)
+
+
+def refuse_bad_rows(report: DatasetReport, source: str, on_bad_row: str) -> None:
+    """With task.on_bad_row=error, any skipped row stops the run before training, listing them all."""
+    if on_bad_row == "error" and report.rows_skipped:
+        raise DatasetError(f"{report.rows_skipped} bad row(s) in {source} (task.on_bad_row=error):\n  "
+                           + "\n  ".join(report.problems))
 
 
 def load_task(cfg: TaskConfig, seed: int) -> TaskData:
@@ -93,14 +114,8 @@ def load_task(cfg: TaskConfig, seed: int) -> TaskData:
     else:
         assert cfg.dataset_path is not None  # guaranteed by TaskConfig validation
         pairs, report = read_jsonl(cfg.dataset_path)
-        if cfg.on_bad_row == "error" and report.rows_skipped:
-            raise DatasetError(f"{report.rows_skipped} bad row(s) in {cfg.dataset_path} (task.on_bad_row=error):\n  "
-                               + "\n  ".join(report.problems))
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    n_eval = min(cfg.eval_size, len(pairs) // 2)
-    examples = [Example(i, *pairs[i]) for i in order]
-    return TaskData(train=examples[n_eval:], eval=examples[:n_eval], report=report)
+        refuse_bad_rows(report, cfg.dataset_path, cfg.on_bad_row)
+    return split_examples(pairs, cfg.eval_size, seed, report)
 
 
 def screen_prompts(data: TaskData, encode, limit: int, on_bad_row: str) -> list[str]:
