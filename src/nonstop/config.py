@@ -154,8 +154,11 @@ class RolloutConfig(_Section):
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     """Keep tokens with probability >= min_p x the top token's (0.0: off)."""
     filter_uniform_reward: bool = True
-    """Drop (and count) groups whose samples all scored the same: they carry no GRPO signal. The
-    engine generates more prompts to fill the step (DAPO's dynamic sampling)."""
+    """Drop (and count) groups whose samples all scored the same: they carry no GRPO signal."""
+    refill: bool = True
+    """With filter_uniform_reward: generate more prompts to replace the dropped groups, so every step
+    trains on prompts_per_step groups (DAPO's dynamic sampling). false: a step trains on the groups
+    with signal among its prompts_per_step prompts, as a plain synchronous loop does."""
     max_consecutive_uniform: int = Field(4096, ge=1)
     """Filtered groups in a row before the run stops: the policy never produces a learning signal."""
 
