@@ -79,6 +79,21 @@ def accuracy(model, tok, examples, max_new: int) -> float:
     return sum(exact_match(t, ex.answer) for t, ex in zip(texts, examples)) / max(len(examples), 1)
 
 
+def grpo_loss(model, ids, mask, completions, behaviour, loss_mask, advantages, cfg: Config) -> torch.Tensor:
+    """The clipped policy loss of completions (B, T) after left-padded prompts ids (B, P): one
+    forward over prompt + completion, logprobs of the completion tokens, ratio to the behaviour."""
+    full = torch.cat([ids, completions], 1)  # (B, P + T)
+    full_mask = torch.cat([mask, loss_mask.long()], 1)
+    hidden = model.get_decoder()(input_ids=full, attention_mask=full_mask, position_ids=positions(full_mask),
+                                 use_cache=False).last_hidden_state  # (B, P + T, H)
+    P, T = ids.shape[1], completions.shape[1]  # hidden at P - 1 + t predicts completion token t
+    logp = token_logprobs(hidden[:, P - 1: P - 1 + T], model.get_output_embeddings(), completions,
+                          cfg.rollout.temperature, cfg.trainer.logprob_chunk_rows)  # (B, T)
+    loss, _ = clipped_policy_loss(logp, behaviour, advantages, loss_mask, cfg.trainer.clip_low,
+                                  cfg.trainer.clip_high, cfg.trainer.norm)
+    return loss
+
+
 def run_reference(cfg: Config, base_dir: str, steps: int, seed: int | None = None, eval_every: int | None = None,
                   threads: int = 2, log=None) -> list[dict]:
     """Train the model at `base_dir` for `steps` GRPO steps with cfg's task, rollout and trainer
@@ -113,18 +128,10 @@ def run_reference(cfg: Config, base_dir: str, steps: int, seed: int | None = Non
         keep = (rewards.max(-1).values > rewards.min(-1).values) if R.filter_uniform_reward \
             else torch.ones(R.prompts_per_step, dtype=torch.bool)
         record = {"step": step, "reward_mean": float(rewards.mean()), "groups_trained": int(keep.sum())}
-        if keep.any():
+        if keep.any():  # 5. one optimizer step on the kept groups
             rows = keep.repeat_interleave(R.group_size)  # (B,)
-            # 5. the policy's logprobs of the same tokens, the clipped loss, one optimizer step
-            full = torch.cat([ids[rows], completions[rows]], 1)  # (b, P + T)
-            full_mask = torch.cat([mask[rows], loss_mask[rows].long()], 1)
-            hidden = model.get_decoder()(input_ids=full, attention_mask=full_mask, position_ids=positions(full_mask),
-                                         use_cache=False).last_hidden_state  # (b, P + T, H)
-            P = ids.shape[1]
-            logp = token_logprobs(hidden[:, P - 1: P - 1 + completions.shape[1]], model.get_output_embeddings(),
-                                  completions[rows], R.temperature, T.logprob_chunk_rows)  # (b, T)
-            loss, _ = clipped_policy_loss(logp, behaviour[rows], advantages[keep].reshape(-1), loss_mask[rows],
-                                          T.clip_low, T.clip_high, T.norm)
+            loss = grpo_loss(model, ids[rows], mask[rows], completions[rows], behaviour[rows], loss_mask[rows],
+                             advantages[keep].reshape(-1), cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), T.max_grad_norm)
