@@ -36,8 +36,8 @@ def records(run_dir: Path) -> list[dict]:
 
 def test_short_run_learns(tmp_path):
     """The default job, step-bound: the shipped base (the same bytes on every CPU), 60 steps of
-    async GRPO at depth 1. Over seeds 0-2 the gain at steps 50, 60 and 70 was +6.8 to +12.8
-    points (calibration in docs/recipe.md); the bar is +4."""
+    async GRPO at depth 1. Over run seeds 0-2 the gain was +15.2 (step 50), +13.4 and +13.4
+    (step 60) points (calibration in docs/recipe.md); the bar is +6."""
     result = nonstop(
         ["train", "--set", "run.name=learn", "--set", "run.max_steps=60", "--set", "run.max_time_s=null",
          "--set", "run.eval_every=60", "--set", "run.progress=plain"],
@@ -49,7 +49,7 @@ def test_short_run_learns(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["base_accuracy"] == read_provenance(shipped_dir())["heldout_accuracy"], summary
     assert summary["steps"] == 60
-    assert summary["final_accuracy"] >= summary["base_accuracy"] + 0.04, summary
+    assert summary["final_accuracy"] >= summary["base_accuracy"] + 0.06, summary
     recs = records(run_dir)
     for key in ("step", "policy_version", "reward_mean", "loss", "ratio_mean", "ratio_max", "lag_hist",
                 "generation_busy_s", "generation_idle_s", "training_busy_s", "training_idle_s", "samples_per_s"):

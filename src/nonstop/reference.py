@@ -1,9 +1,8 @@
 """The reference loop: plain synchronous GRPO in one process, readable top to bottom.
 
-It is the algorithm nonstop distributes, written without engines, buffers or transports, and
-the oracle the pipeline is tested against (at buffer depth 0 the two must learn alike). It
-uses the same model and tokenizer folder, task data, reward functions and pure loss functions
-(trainer/losses.py) as the pipeline. One step:
+The algorithm nonstop distributes, without engines, buffers or transports, and the oracle the
+pipeline is tested against (at buffer depth 0 without refill the two must learn alike). Same
+model folder, task data, rewards and pure loss functions (trainer/losses.py). One step:
 
 1. draw `rollout.prompts_per_step` prompts from the train split (seeded PromptStream);
 2. sample `rollout.group_size` completions of each, the whole batch at once, with an HF forward
@@ -15,7 +14,6 @@ uses the same model and tokenizer folder, task data, reward functions and pure l
    logprobs, backward, gradient-norm clip, one AdamW step.
 
 Greedy held-out accuracy is measured before the first step and every `eval_every` steps.
-`run_reference(...)` returns one record per step; `python -m nonstop.reference` prints them.
 """
 
 from __future__ import annotations
@@ -149,16 +147,16 @@ def run_reference(cfg: Config, base_dir: str, steps: int, seed: int | None = Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Plain synchronous GRPO (the reference loop).")
-    parser.add_argument("config", nargs="?", help="YAML config (default: the built-in defaults)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--base", required=True, help="Folder of the base model and tokenizer")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--eval-every", type=int, default=None)
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    run_reference(cfg, args.base, args.steps, args.seed, args.eval_every, log=lambda r: print(json.dumps(r), flush=True))
+    ap = argparse.ArgumentParser(description="Plain synchronous GRPO (the reference loop); prints one JSON line a step.")
+    ap.add_argument("config", nargs="?", help="YAML config (default: the built-in defaults)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--base", required=True, help="folder of the base model and tokenizer")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--eval-every", type=int, default=None)
+    a = ap.parse_args()
+    run_reference(load_config(a.config, a.overrides), a.base, a.steps, a.seed, a.eval_every,
+                  log=lambda r: print(json.dumps(r), flush=True))
 
 
 if __name__ == "__main__":
