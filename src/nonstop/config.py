@@ -76,8 +76,8 @@ class ModelConfig(_Section):
     tiny: TinyModelConfig = TinyModelConfig()
     """Used only when path is None."""
     base: Literal["auto", "builtin", "builtin_weak", "warmup", "init"] = "auto"
-    """Base policy of the tiny model (path None). 'builtin': the base shipped with nonstop (~27% on
-    addition; identical on every machine); 'builtin_weak': the shipped weak base (~10%), for
+    """Base policy of the tiny model (path None). 'builtin': the base shipped with nonstop (26% on
+    addition; identical on every machine); 'builtin_weak': the shipped weak base (9%), for
     experiments; 'warmup': a supervised warm-up on the task (cached); 'init': freshly initialised
     weights. 'auto': model.path if set; else 'init' if warmup.enabled is false; else 'builtin'
     when the tiny shape and the task match the shipped base; else 'warmup'."""
