@@ -68,14 +68,15 @@ def test_trainer_step_makes_the_reference_update_on_the_same_batch():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_pipeline_depth0_learns_like_the_reference_loop(tmp_path):
-    """Held-out gain after STEPS steps from the shipped base, 3 seeds per arm, same batch semantics
+    """Held-out gain after 30 steps from the shipped base, 3 seeds per arm, same batch semantics
     (depth 0, no refill). Passes when the mean gains differ by less than 3 pooled standard errors
     (plus 1 point) and both arms gained; a pipeline that learned wrongly (sign, scale, stale
     weights) falls outside."""
     from test_e2e import nonstop
 
-    steps, seeds = 40, (0, 1, 2)
+    steps, seeds = 30, (0, 1, 2)
     over = ["rollout.refill=false", "buffer.depth=0", "buffer.max_lag=0"]
     cfg = load_config(overrides=over)
     ref = [run_reference(cfg, str(shipped_dir()), steps, seed, eval_every=steps, threads=1) for seed in seeds]
@@ -93,5 +94,6 @@ def test_pipeline_depth0_learns_like_the_reference_loop(tmp_path):
     spread = statistics.pstdev(ref_gain + pipe_gain) or 0.01
     se = spread * (2 / len(seeds)) ** 0.5
     diff = statistics.mean(pipe_gain) - statistics.mean(ref_gain)
+    print(f"held-out gain after {steps} steps: reference {ref_gain}, pipeline depth 0 {pipe_gain}")
     assert min(ref_gain) > 0 and min(pipe_gain) > 0, (ref_gain, pipe_gain)
     assert abs(diff) < 3 * se + 0.01, (ref_gain, pipe_gain)
