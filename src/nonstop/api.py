@@ -10,7 +10,7 @@ Contract:
   string is reported, counted and skipped, or stops the run with task.on_bad_row=error, through
   the same checks as a JSONL file (tasks/data.py). Held-out rows come from `eval_dataset`, or are
   split off the train rows (`eval_size` rows, or `eval_fraction` of them; default task.eval_size;
-  at most half), shuffled with run.seed. Without `dataset`, the config's task is used.
+  at most half), shuffled with task.split_seed. Without `dataset`, the config's task is used.
 - `reward`: a callable (completion, answer) -> float, a built-in name or 'package.module:function',
   or a list of these, whose values are summed, each times its entry of `reward_weights` (default
   1.0). Scoring runs in this process on either backend, so lambdas and closures work and are never
@@ -110,7 +110,7 @@ def task_data(cfg: Config, dataset: Any, eval_dataset: Any, columns: Mapping[str
     if eval_dataset is None:
         if eval_fraction is not None:
             eval_size = max(1, round(eval_fraction * len(pairs)))
-        return split_examples(pairs, cfg.task.eval_size if eval_size is None else eval_size, cfg.run.seed, report)
+        return split_examples(pairs, cfg.task.eval_size if eval_size is None else eval_size, cfg.task.split_seed, report)
     if eval_size is not None or eval_fraction is not None:
         raise DatasetError("eval_dataset: give held-out rows, or eval_size / eval_fraction to split them off, not both")
     held, held_report = read_rows(eval_dataset, mapping, "eval_dataset")
@@ -210,6 +210,9 @@ def train(config: Config | str | Path | None = None, *, overrides: Sequence[str]
         if cfg.model.path is None:  # the tiny model's warm-up cache is keyed by these rows
             cache = str(Path(cfg.warmup.cache_dir) / f"data-{rows_hash(data)}")
             cfg = cfg.model_copy(update={"warmup": cfg.warmup.model_copy(update={"cache_dir": cache})})
+            if cfg.model.base == "auto" and cfg.warmup.enabled is not False:
+                # the shipped bases know only the built-in addition task, not these rows
+                cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"base": "warmup"})})
     elif eval_dataset is not None or columns is not None or eval_size is not None or eval_fraction is not None:
         raise DatasetError("dataset: eval_dataset, columns, eval_size and eval_fraction need dataset=")
     return run_training(cfg, Console(), data=data, reward=fn)

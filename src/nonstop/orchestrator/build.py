@@ -164,7 +164,7 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     ledger = Ledger()
     buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
                            cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups,
-                           ledger)
+                           ledger, refill=cfg.rollout.refill)
     return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer,
                FunctionScorer(reward if reward is not None else resolve_reward(cfg.task.reward),
                               cfg.task.reward_fail_fast), RolloutStats(),

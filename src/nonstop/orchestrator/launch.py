@@ -50,7 +50,7 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     from nonstop.orchestrator.pipeline import train
     from nonstop.progress import Progress
     from nonstop.tasks.data import load_task
-    from nonstop.tasks.warmup import prepare_base_model
+    from nonstop.tasks.base import prepare_base_model
 
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
@@ -61,7 +61,7 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     else:
         run_dir = resume_dir
     if data is None:
-        data = load_task(cfg.task, cfg.run.seed)
+        data = load_task(cfg.task)
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
         for problem in data.report.problems:
             progress.log(f"[yellow]dataset:[/] {problem}")

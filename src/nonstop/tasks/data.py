@@ -3,7 +3,8 @@
 A task yields `Example(index, prompt, answer)` rows split into train and held-out (eval) sets.
 The addition task enumerates every pair (a, b) in 0..max_operand, zero-pads operands so that
 all prompts share one length ("07+45=" -> "52"; with `pad_answer` answers share one length too:
-"052"), shuffles with the seed and holds out the first
+"052"), shuffles with `task.split_seed` (not the run's seed: every run measures the same
+held-out prompts) and holds out the first
 `eval_size` pairs. A JSONL dataset is validated row by row: a row that is not an object, lacks
 `prompt` or `answer`, or holds non-string values is reported with its line number and skipped;
 the skips are counted in `DatasetReport`, never silent. Rows handed over in Python (nonstop.api)
@@ -107,7 +108,8 @@ def refuse_bad_rows(report: DatasetReport, source: str, on_bad_row: str) -> None
                            + "\n  ".join(report.problems))
 
 
-def load_task(cfg: TaskConfig, seed: int) -> TaskData:
+def load_task(cfg: TaskConfig, seed: int | None = None) -> TaskData:
+    """The task's train and held-out splits, shuffled with `seed` (None: cfg.split_seed)."""
     if cfg.name == "addition":
         pairs, report = addition_examples(cfg.max_operand, cfg.pad_answer), DatasetReport()
         report.rows_read = len(pairs)
@@ -115,7 +117,7 @@ def load_task(cfg: TaskConfig, seed: int) -> TaskData:
         assert cfg.dataset_path is not None  # guaranteed by TaskConfig validation
         pairs, report = read_jsonl(cfg.dataset_path)
         refuse_bad_rows(report, cfg.dataset_path, cfg.on_bad_row)
-    return split_examples(pairs, cfg.eval_size, seed, report)
+    return split_examples(pairs, cfg.eval_size, cfg.split_seed if seed is None else seed, report)
 
 
 def screen_prompts(data: TaskData, encode, limit: int, on_bad_row: str) -> list[str]:
