@@ -96,6 +96,7 @@ class ParallelTrainer(Trainer):
         self.rank, self.world, self.mode = dist.get_rank(), dist.get_world_size(), mode
         super().__init__(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps)  # the reference stays whole
         if mode == "fsdp2":
+            self.shared_prompts = False  # FSDP2 gathers a layer's parameters in that layer's forward: call it
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
