@@ -79,3 +79,35 @@ def test_unbounded_stream_enforces_max_lag():
         lag = buf.policy_version - taken[0].min_version
         assert lag <= 2 and buf.drops["max_lag"] == 6  # versions 0..5 are more than 2 behind 8
     asyncio.run(go())
+
+
+def test_without_refill_a_batch_trains_on_the_groups_with_signal_among_its_prompts():
+    async def go():
+        buf = RolloutBuffer(groups_per_step=3, depth=0, max_lag=0, max_queued=100, refill=False)
+        assert await _admit_nowait(buf, 3) == 3
+        await buf.put(_group(0, idx=1))
+        await buf.drop(_group(0, idx=2), "uniform_reward")  # no signal: an empty slot, not a refund
+        await buf.put(_group(0, idx=3))
+        assert await _admit_nowait(buf, 3) is None  # nothing refunded: no extra prompt is generated
+        assert [g.prompt_index for g in await buf.take()] == [1, 3]
+        assert buf.drops == {"uniform_reward": 1} and buf.refunded == 0
+        await buf.step_done(1)
+        assert await _admit_nowait(buf, 3) == 3
+    asyncio.run(go())
+
+
+def test_without_refill_a_batch_without_any_signal_is_generated_again():
+    async def go():
+        buf = RolloutBuffer(groups_per_step=2, depth=0, max_lag=0, max_queued=100, refill=False)
+        assert await _admit_nowait(buf, 2) == 2
+        take = asyncio.create_task(buf.take())
+        for i in range(2):
+            await buf.drop(_group(0, idx=i), "uniform_reward")
+        assert await _admit_nowait(buf, 2) == 2  # the whole batch's admission came back
+        assert not take.done()
+        await buf.put(_group(0, idx=7))
+        await buf.drop(_group(0, idx=8), "lag_or_error_reasons_refund")  # other drops still refill
+        assert await _admit_nowait(buf, 2) == 1
+        await buf.put(_group(0, idx=9))
+        assert [g.prompt_index for g in await take] == [7, 9]
+    asyncio.run(go())

@@ -12,7 +12,13 @@ max-lag rule. A group that never reaches the trainer (dropped for lag, a reward 
 learning signal) refunds its admission, so a short batch is topped up instead of starving
 the trainer.
 
-`take()` returns the next `groups_per_step` groups whose oldest token is at most `max_lag`
+With `refill=False`, a group dropped for having no learning signal ("uniform_reward") is not
+refunded: it keeps its place in its batch as an empty slot, so a step trains on the groups with
+signal among its `groups_per_step` prompts (fewer groups, the same generation per step, as a
+plain synchronous loop does). A batch whose every slot is empty is not handed to the trainer:
+its admission is refunded and the next prompts fill it.
+
+`take()` returns the next `groups_per_step` groups (slots) whose oldest token is at most `max_lag`
 versions behind the trainer; every group dropped on the way is counted by reason in `drops`.
 With `max_lag=None` the buffer rejects nothing (rejection per sample or token is then the
 trainer's, which masks and counts). Every drop is also settled in the prompt ledger when one is
@@ -31,15 +37,18 @@ from collections import Counter
 from nonstop.ledger import Ledger
 from nonstop.types import Group
 
+_EMPTY_SLOT = object()  # a group without learning signal, holding its place in a batch (refill=False)
+
 
 class RolloutBuffer:
     def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int,
-                 ledger: Ledger | None = None) -> None:
+                 ledger: Ledger | None = None, refill: bool = True) -> None:
         self.groups_per_step = groups_per_step
         self.ledger = ledger
+        self.refill = refill
         self.depth = depth
         self.max_lag = max_lag
-        self.queue: asyncio.Queue[Group | None] = asyncio.Queue(maxsize=max_queued)  # None: closed
+        self.queue: asyncio.Queue[Group | object | None] = asyncio.Queue(maxsize=max_queued)  # None: closed
         self.policy_version = 0
         self.steps_trained = 0
         self.admitted = 0
@@ -68,6 +77,9 @@ class RolloutBuffer:
         self.drops[reason] += 1
         if self.ledger is not None:
             self.ledger.settle(group.epoch, group.prompt_index, reason)
+        if not self.refill and reason == "uniform_reward":
+            await self.queue.put(_EMPTY_SLOT)
+            return
         await self.refund(1)
 
     async def refund(self, n: int) -> None:
@@ -83,12 +95,21 @@ class RolloutBuffer:
     async def take(self) -> list[Group]:
         """The next batch for the trainer at the current policy_version."""
         batch: list[Group] = []
-        while len(batch) < self.groups_per_step:
+        slots = 0
+        while slots < self.groups_per_step:
             group = await self.queue.get()
             if group is None:
                 self.queue.put_nowait(None)  # stays closed for later takes; the slot just freed
                 return batch
+            slots += 1
+            if group is _EMPTY_SLOT:
+                if slots == self.groups_per_step and not batch:  # no signal at all: generate this batch again
+                    await self.refund(self.groups_per_step)
+                    slots = 0
+                continue
+            assert isinstance(group, Group)
             if self.max_lag is not None and self.policy_version - group.min_version > self.max_lag:
+                slots -= 1
                 await self.drop(group, "max_lag")
                 continue
             batch.append(group)

@@ -1,9 +1,11 @@
 """Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop train --resume RUN_DIR`,
-`nonstop config`.
+`nonstop warmup --out DIR`, `nonstop config`.
 
 `nonstop train` with no arguments runs the built-in default: the tiny model on two-operand
-addition, a cached supervised warm-up to a weak base, then asynchronous GRPO. `--resume`
-continues a run from its newest intact checkpoint, with the run's own config (plus --set).
+addition, starting from the base policy shipped with the package, then asynchronous GRPO.
+`--resume` continues a run from its newest intact checkpoint, with the run's own config (plus
+--set). `nonstop warmup --out DIR` runs the supervised warm-up and writes the base with its
+provenance (how the shipped bases are made).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None) 
     from nonstop.pipeline import train
     from nonstop.progress import Progress
     from nonstop.tasks.data import load_task
-    from nonstop.tasks.warmup import prepare_base_model
+    from nonstop.tasks.base import prepare_base_model
 
     t0 = time.perf_counter()
     if resume_dir is None:
@@ -66,7 +68,7 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None) 
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     else:
         run_dir = resume_dir
-    data = load_task(cfg.task, cfg.run.seed)
+    data = load_task(cfg.task)
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
         for problem in data.report.problems:
             progress.log(f"[yellow]dataset:[/] {problem}")
@@ -161,6 +163,41 @@ def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | 
         console.print(f"serving '{name}' on http://{host}:{bound} (/v1/completions, /v1/chat/completions, /health)", highlight=False)
 
     asyncio.run(serve(cfg, path, host, port, api_key, name, ready))
+
+
+@main.command("warmup")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set warmup.seed=3")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder to write the base policy and its provenance.json to (replaced if it exists).")
+@click.option("--threads", default=2, show_default=True, type=int, help="torch threads of the warm-up.")
+def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, threads: int) -> None:
+    """Warm the tiny model up on the task and save it as a base policy, with its provenance."""
+    console = Console()
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/]", highlight=False)
+        sys.exit(2)
+    import torch
+
+    from nonstop.engine.core import TorchEngine
+    from nonstop.tasks.base import PROVENANCE, build_provenance
+    from nonstop.tasks.data import load_task
+    from nonstop.tasks.warmup import greedy_accuracy, save_atomically, warm_up
+
+    data = load_task(cfg.task)
+    model, tok, info = warm_up(cfg, data, lambda m: console.print(m, highlight=False), threads)
+    torch.set_num_threads(threads)
+    heldout = greedy_accuracy(TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval,
+                              cfg.rollout.max_new_tokens)
+    command = " ".join(["nonstop warmup", *([config] if config else []), *(f"--set {o}" for o in overrides),
+                        f"--threads {threads}", f"--out {out_dir}"])
+    save_atomically(out_dir, model, tok, {})
+    prov = build_provenance(cfg, info, heldout, out_dir / "model.safetensors", command, threads)
+    (out_dir / PROVENANCE).write_text(json.dumps(prov, indent=1) + "\n")
+    console.print(f"base policy written to {out_dir}: held-out accuracy {heldout:.1%} on {len(data.eval)} prompts, "
+                  f"sha256 {prov['sha256'][:12]}", highlight=False)
 
 
 @main.command("config")

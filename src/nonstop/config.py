@@ -75,6 +75,12 @@ class ModelConfig(_Section):
     """A local folder or hub id loaded with AutoModelForCausalLM.from_pretrained; None builds the tiny model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Used only when path is None."""
+    base: Literal["auto", "builtin", "builtin_weak", "warmup", "init"] = "auto"
+    """Base policy of the tiny model (path None). 'builtin': the base shipped with nonstop (~27% on
+    addition; identical on every machine); 'builtin_weak': the shipped weak base (~10%), for
+    experiments; 'warmup': a supervised warm-up on the task (cached); 'init': freshly initialised
+    weights. 'auto': model.path if set; else 'init' if warmup.enabled is false; else 'builtin'
+    when the tiny shape and the task match the shipped base; else 'warmup'."""
     lora: LoraConfig = LoraConfig()
     """LoRA adapters (off by default: full fine-tuning)."""
 
@@ -88,6 +94,9 @@ class TaskConfig(_Section):
     """Zero-pad addition answers to one width ('07+45=' -> '052'), so every answer has the same length."""
     eval_size: int = Field(500, ge=1)
     """Number of held-out prompts (never trained on) used to measure accuracy."""
+    split_seed: int = 0
+    """Seeds the shuffle that splits train and held-out prompts. Independent of run.seed, so every
+    run seed measures the same held-out prompts, which the shipped base never trained on."""
     dataset_path: str | None = None
     """JSONL file with one {"prompt": ..., "answer": ...} object per line (task 'jsonl')."""
     reward: str = "exact_match"
@@ -125,6 +134,8 @@ class WarmupConfig(_Section):
     """Check the accuracy gate every this many steps."""
     cache_dir: str = ".nonstop_cache"
     """Where warmed-up base models are cached, keyed by a hash of everything that shapes them."""
+    seed: int | None = None
+    """Seeds the warm-up's initial weights and batch order; None: run.seed."""
 
 
 class RolloutConfig(_Section):
@@ -143,8 +154,11 @@ class RolloutConfig(_Section):
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     """Keep tokens with probability >= min_p x the top token's (0.0: off)."""
     filter_uniform_reward: bool = True
-    """Drop (and count) groups whose samples all scored the same: they carry no GRPO signal. The
-    engine generates more prompts to fill the step (DAPO's dynamic sampling)."""
+    """Drop (and count) groups whose samples all scored the same: they carry no GRPO signal."""
+    refill: bool = True
+    """With filter_uniform_reward: generate more prompts to replace the dropped groups, so every step
+    trains on prompts_per_step groups (DAPO's dynamic sampling). false: a step trains on the groups
+    with signal among its prompts_per_step prompts, as a plain synchronous loop does."""
     max_consecutive_uniform: int = Field(4096, ge=1)
     """Filtered groups in a row before the run stops: the policy never produces a learning signal."""
 
@@ -384,6 +398,14 @@ class Config(_Section):
             )
         if self.warmup.enabled and self.model.path is not None and self.task.name != "addition":
             raise ValueError("warmup.enabled: the built-in warm-up only supports task 'addition'")
+        return self
+
+    @model_validator(mode="after")
+    def _base_choice(self) -> "Config":
+        if self.model.base != "auto" and self.model.path is not None:
+            raise ValueError(f"model.base: '{self.model.base}' applies to the tiny model only, but model.path is set")
+        if self.model.base == "warmup" and self.warmup.enabled is False:
+            raise ValueError("model.base: 'warmup' contradicts warmup.enabled=false")
         return self
 
 

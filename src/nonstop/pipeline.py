@@ -226,7 +226,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         ledger = Ledger()
         buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
                                cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups,
-                               ledger)
+                               ledger, refill=cfg.rollout.refill)
         run = Run(cfg, data, codec, engine, trainer, buffer,
                   FunctionScorer(resolve_reward(cfg.task.reward), cfg.task.reward_fail_fast), Clock(),
                   RolloutStats(), JsonlSink(run_dir / "metrics.jsonl"), progress,

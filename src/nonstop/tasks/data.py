@@ -3,7 +3,8 @@
 A task yields `Example(index, prompt, answer)` rows split into train and held-out (eval) sets.
 The addition task enumerates every pair (a, b) in 0..max_operand, zero-pads operands so that
 all prompts share one length ("07+45=" -> "52"; with `pad_answer` answers share one length too:
-"052"), shuffles with the seed and holds out the first
+"052"), shuffles with `task.split_seed` (not the run's seed: every run measures the same
+held-out prompts) and holds out the first
 `eval_size` pairs. A JSONL dataset is validated row by row: a row that is not an object, lacks
 `prompt` or `answer`, or holds non-string values is reported with its line number and skipped;
 the skips are counted in `DatasetReport`, never silent.
@@ -86,7 +87,8 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[str, str]], DatasetReport]:
     return rows, report
 
 
-def load_task(cfg: TaskConfig, seed: int) -> TaskData:
+def load_task(cfg: TaskConfig, seed: int | None = None) -> TaskData:
+    """The task's train and held-out splits, shuffled with `seed` (None: cfg.split_seed)."""
     if cfg.name == "addition":
         pairs, report = addition_examples(cfg.max_operand, cfg.pad_answer), DatasetReport()
         report.rows_read = len(pairs)
@@ -97,7 +99,7 @@ def load_task(cfg: TaskConfig, seed: int) -> TaskData:
             raise DatasetError(f"{report.rows_skipped} bad row(s) in {cfg.dataset_path} (task.on_bad_row=error):\n  "
                                + "\n  ".join(report.problems))
     order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
+    random.Random(cfg.split_seed if seed is None else seed).shuffle(order)
     n_eval = min(cfg.eval_size, len(pairs) // 2)
     examples = [Example(i, *pairs[i]) for i in order]
     return TaskData(train=examples[n_eval:], eval=examples[:n_eval], report=report)

@@ -1,12 +1,17 @@
-"""Base policy: the tiny model, optionally after a short supervised warm-up, cached on disk.
+"""The supervised warm-up: from a fresh tiny model to a weak (not blank) base policy.
 
 RL sharpens what a policy half knows; a blank model gets no reward to learn from. The warm-up
 trains the tiny model on the train split (prompt -> answer + EOS, loss on the answer only)
-and stops as soon as greedy held-out accuracy reaches `target_accuracy` (checked every
-`eval_every` steps; a fixed step count gives bases of very different strength, because the
-accuracy jumps at a seed-dependent step). The result is saved with `save_pretrained` under
-`cache_dir/base-<hash>`, the hash covering everything that shapes it, and written atomically
-(temp folder, then rename), so a later run loads it in a second.
+and stops as soon as greedy held-out accuracy on a gate of up to 200 held-out prompts reaches
+`target_accuracy` (checked every `eval_every` steps; a fixed step count gives bases of very
+different strength, because the accuracy jumps at a seed-dependent step).
+
+The warm-up is chaotic: float results differ between CPU instruction sets (AVX2, AVX-512), so
+the same seed ends in different places on different machines. The default job therefore starts
+from a base shipped with the package (tasks/base.py); the warm-up serves users' own tasks and
+shapes, and rebuilds the shipped base (`nonstop warmup --out DIR`). `cached_warmup` saves its
+result under `cache_dir/base-<hash>`, the hash covering everything that shapes it, written
+atomically (temp folder, then rename), so a later run loads it in a second.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from nonstop.rollout import Codec, exact_match_accuracy, greedy_requests
 from nonstop.tasks.data import Example, TaskData
 from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
 
+GATE_SIZE = 200  # held-out prompts of the accuracy gate
+
 
 def greedy_accuracy(engine: TorchEngine, tokenizer, examples: list[Example], max_new_tokens: int) -> float:
     """Held-out accuracy on an in-process engine, scored exactly like the pipeline's evaluation."""
@@ -35,26 +42,30 @@ def greedy_accuracy(engine: TorchEngine, tokenizer, examples: list[Example], max
     return exact_match_accuracy(engine.generate(greedy_requests(examples, codec, max_new_tokens)), examples, codec)
 
 
+def warmup_seed(cfg: Config) -> int:
+    return cfg.run.seed if cfg.warmup.seed is None else cfg.warmup.seed
+
+
 def _cache_key(cfg: Config) -> str:
     shaping = {
         "tiny": cfg.model.tiny.model_dump(), "task": cfg.task.model_dump(exclude={"reward"}),
-        "warmup": cfg.warmup.model_dump(exclude={"cache_dir"}), "seed": cfg.run.seed,
-        "max_new_tokens": cfg.rollout.max_new_tokens, "format": 1,
+        "warmup": cfg.warmup.model_dump(exclude={"cache_dir", "seed"}), "seed": warmup_seed(cfg),
+        "max_new_tokens": cfg.rollout.max_new_tokens, "format": 2,
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], None]) -> dict:
     w = cfg.warmup
-    rng = random.Random(cfg.run.seed)
+    rng = random.Random(warmup_seed(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
     engine = TorchEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    gate = data.eval[: min(len(data.eval), 200)]
+    gate = data.eval[: min(len(data.eval), GATE_SIZE)]
     encoded = [
         (tokenizer(ex.prompt)["input_ids"], tokenizer(ex.answer)["input_ids"] + [tokenizer.eos_token_id])
         for ex in data.train
     ]
-    acc, step, t0 = 0.0, 0, time.perf_counter()
+    acc, step, t0, curve = 0.0, 0, time.perf_counter(), []
     while step < w.max_steps:
         model.train()
         batch = rng.sample(encoded, min(w.batch_size, len(encoded)))
@@ -74,37 +85,53 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
         if step % w.eval_every == 0:
             model.eval()
             acc = greedy_accuracy(engine, tokenizer, gate, cfg.rollout.max_new_tokens)
+            curve.append([step, acc])
             log(f"warm-up step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%}")
             if acc >= w.target_accuracy:
                 break
-    return {"steps": step, "gate_accuracy": acc, "seconds": time.perf_counter() - t0}
+    return {"steps": step, "gate_accuracy": acc, "gate_size": len(gate), "gate_curve": curve,
+            "seconds": time.perf_counter() - t0}
 
 
-def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] = print) -> Path:
-    """Return the folder of the base policy, building (and caching) it when needed."""
-    if cfg.model.path is not None:
-        return Path(cfg.model.path)
-    root = Path(cfg.warmup.cache_dir)
-    folder = root / (f"base-{_cache_key(cfg)}" if cfg.warmup.enabled else f"init-{_cache_key(cfg)}")
-    if (folder / "nonstop_base.json").is_file():
-        log(f"base policy: cached at {folder}")
-        return folder
+def warm_up(cfg: Config, data: TaskData, log: Callable[[str], None] = print, threads: int = 2):
+    """A fresh tiny model (seeded by warmup.seed, else run.seed) trained to the accuracy gate.
+    Returns (model, tokenizer, info) with info = {steps, gate_accuracy, gate_size, gate_curve, seconds}."""
     quiet_transformers()
     tokenizer = make_char_tokenizer()
-    model = make_tiny_model(cfg.model.tiny, cfg.run.seed)
-    info: dict = {"warmup": False}
-    if cfg.warmup.enabled:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)  # nothing else runs yet: use both cores
-        try:
-            info = {"warmup": True, **_sft(model, tokenizer, data, cfg, log)}
-        finally:
-            torch.set_num_threads(threads)
-        log(f"warm-up done in {info['seconds']:.1f} s ({info['steps']} steps, gate accuracy {info['gate_accuracy']:.1%})")
-    tmp = root / f".tmp-{folder.name}-{time.time_ns()}"
+    model = make_tiny_model(cfg.model.tiny, warmup_seed(cfg))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # nothing else runs yet: use both cores
+    try:
+        info = _sft(model, tokenizer, data, cfg, log)
+    finally:
+        torch.set_num_threads(previous)
+    log(f"warm-up done in {info['seconds']:.1f} s ({info['steps']} steps, gate accuracy {info['gate_accuracy']:.1%})")
+    return model.eval(), tokenizer, info
+
+
+def save_atomically(folder: Path, model, tokenizer, files: dict[str, dict]) -> Path:
+    """Write model, tokenizer and the given JSON files to a temp folder beside `folder`, then rename."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-{folder.name}-{time.time_ns()}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "nonstop_base.json").write_text(json.dumps(info))
+    for name, content in files.items():
+        (tmp / name).write_text(json.dumps(content, indent=1) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
+
+
+def cached_base(cfg: Config, data: TaskData, warmup: bool, log: Callable[[str], None] = print) -> Path:
+    """The tiny model after the warm-up (`warmup`) or freshly initialised, cached in warmup.cache_dir."""
+    folder = Path(cfg.warmup.cache_dir) / (f"base-{_cache_key(cfg)}" if warmup else f"init-{_cache_key(cfg)}")
+    if (folder / "nonstop_base.json").is_file():
+        log(f"base policy: cached at {folder}")
+        return folder
+    if warmup:
+        model, tokenizer, info = warm_up(cfg, data, log)
+        info["warmup"] = True
+    else:
+        quiet_transformers()
+        model, tokenizer, info = make_tiny_model(cfg.model.tiny, warmup_seed(cfg)), make_char_tokenizer(), {"warmup": False}
+    return save_atomically(folder, model, tokenizer, {"nonstop_base.json": info})

@@ -1,0 +1,122 @@
+"""The base policy a run starts from, and the bases shipped with the package.
+
+`choose_base(cfg)` resolves `model.base`:
+- model.path set               -> 'path' (the user's model; model.base must stay 'auto');
+- 'auto', warmup.enabled false -> 'init' (freshly initialised tiny model);
+- 'auto', otherwise            -> 'builtin' when the tiny shape and the task match the shipped
+                                  base, else 'warmup';
+- 'builtin', 'builtin_weak', 'warmup', 'init' -> that, where 'builtin*' with a shape or task
+  the shipped base was not built for is a ConfigError naming the fields that differ.
+
+A shipped base is a folder under nonstop/assets/ written by `nonstop warmup --out DIR`:
+model.safetensors, config.json, the tokenizer files and provenance.json (command, warm-up seed
+and settings, tiny shape, task, gate and held-out accuracy, sha256 of model.safetensors, torch
+and transformers versions, CPU capability). Its weights are the same bytes on every machine,
+so the default job starts from the same policy whatever the CPU, and whatever run.seed: the
+seed changes data order and sampling only. `verify(folder)` checks the weights' hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from nonstop.config import Config, ConfigError
+from nonstop.tasks.data import TaskData
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SHIPPED = {"builtin": "addition-base", "builtin_weak": "addition-weak"}
+PROVENANCE = "provenance.json"
+_TASK_FIELDS = ("name", "max_operand", "pad_answer", "split_seed")
+
+
+def shipped_dir(kind: str = "builtin") -> Path:
+    return ASSETS / SHIPPED[kind]
+
+
+def read_provenance(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / PROVENANCE).read_text())
+
+
+def sha256_file(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def verify(folder: str | Path) -> dict:
+    """The provenance of a shipped base, after checking that its weights are the recorded bytes."""
+    prov = read_provenance(folder)
+    got = sha256_file(Path(folder) / "model.safetensors")
+    if got != prov["sha256"]:
+        raise ValueError(f"{folder}/model.safetensors: sha256 {got} differs from provenance {prov['sha256']}")
+    return prov
+
+
+def mismatches(cfg: Config, prov: dict) -> list[str]:
+    """Config fields for which the shipped base (its provenance) was not built; [] if it fits."""
+    out = [f"model.tiny.{k} is {v} (the shipped base has {prov['tiny'][k]})"
+           for k, v in cfg.model.tiny.model_dump().items() if prov["tiny"].get(k) != v]
+    out += [f"task.{k} is {getattr(cfg.task, k)!r} (the shipped base has {prov['task'][k]!r})"
+            for k in _TASK_FIELDS if prov["task"].get(k) != getattr(cfg.task, k)]
+    if cfg.task.eval_size > prov["task"]["eval_size"]:
+        out.append(f"task.eval_size is {cfg.task.eval_size}: over the shipped base's {prov['task']['eval_size']} "
+                   "held-out prompts, so some would have been trained on")
+    return out
+
+
+def choose_base(cfg: Config) -> str:
+    """'path', 'builtin', 'builtin_weak', 'warmup' or 'init' (see the module docstring)."""
+    kind = cfg.model.base
+    if cfg.model.path is not None:
+        if kind != "auto":
+            raise ConfigError(f"model.base: '{kind}' applies to the tiny model only, but model.path is set")
+        return "path"
+    if kind == "auto":
+        if cfg.warmup.enabled is False:
+            return "init"
+        return "builtin" if not mismatches(cfg, read_provenance(shipped_dir())) else "warmup"
+    if kind in SHIPPED:
+        problems = mismatches(cfg, read_provenance(shipped_dir(kind)))
+        if problems:
+            raise ConfigError(f"model.base: the shipped base '{kind}' was built for another shape or task: "
+                              + "; ".join(problems) + ". Use model.base=warmup (or auto) for this one")
+    return kind
+
+
+def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] = print) -> Path:
+    """Return the folder of the base policy, building (and caching) it when needed."""
+    from nonstop.tasks.warmup import cached_base
+
+    kind = choose_base(cfg)
+    if kind == "path":
+        return Path(cfg.model.path)  # type: ignore[arg-type]
+    if kind in SHIPPED:
+        folder = shipped_dir(kind)
+        prov = verify(folder)
+        log(f"base policy: shipped '{kind}' ({prov['heldout_accuracy']:.1%} held-out when built; sha256 "
+            f"{prov['sha256'][:12]}); model.base=warmup builds one on this machine instead")
+        return folder
+    return cached_base(cfg, data, warmup=kind == "warmup", log=log)
+
+
+def build_provenance(cfg: Config, info: dict, heldout_accuracy: float, weights: Path, command: str,
+                     threads: int) -> dict:
+    """Everything needed to rebuild a base and to check it is the one recorded."""
+    import transformers
+
+    from nonstop.tasks.warmup import warmup_seed
+
+    return {
+        "command": command, "warmup_seed": warmup_seed(cfg), "warmup": cfg.warmup.model_dump(exclude={"cache_dir"}),
+        "tiny": cfg.model.tiny.model_dump(), "task": cfg.task.model_dump(exclude={"reward", "dataset_path"}),
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "steps": info["steps"], "gate_accuracy": info["gate_accuracy"], "gate_size": info["gate_size"],
+        "gate_curve": info["gate_curve"], "heldout_accuracy": heldout_accuracy,
+        "sha256": sha256_file(weights), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+        "threads": threads, "seconds": round(info["seconds"], 1),
+    }
