@@ -138,20 +138,3 @@ def test_no_truncation_records_no_mask(engine):
     eng, tok = engine
     s = eng.generate([GenerationRequest(0, tok("1+1=")["input_ids"], 1, SamplingParams(3, 1.0))])[0][0]
     assert s.sampling_mask is None
-
-
-def test_draw_follows_the_distribution_and_never_picks_a_zero_probability_token():
-    from nonstop.engine.sampling import draw
-
-    torch.manual_seed(0)
-    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 2.0]])  # row 2 unnormalised
-    n = 20000
-    tokens = draw(probs.repeat(n, 1), [None] * (2 * n)).view(n, 2)
-    assert (tokens[:, 1] == 5).all()
-    counts = torch.bincount(tokens[:, 0], minlength=6).double() / n
-    assert counts[[0, 2, 5]].sum() == 0
-    sigma = (probs[0] * (1 - probs[0]) / n).sqrt()
-    assert ((counts - probs[0].double()).abs() <= 5 * sigma + 1e-12).all(), counts
-    seeded = [torch.Generator().manual_seed(7), None]
-    again = [torch.Generator().manual_seed(7), None]
-    assert draw(probs, seeded)[0] == draw(probs, again)[0]  # a row's generator alone decides its token

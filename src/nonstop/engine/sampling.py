@@ -8,11 +8,9 @@ Contract of `sample(logits, rows)`:
   kept, so the kept set is never empty;
 - the behaviour logprob of the chosen token is taken from the processed distribution (tempered,
   renormalised over the kept set): exactly the distribution the token was drawn from;
-- sampling is by inverse CDF: one uniform u per row, the token is the first whose cumulative
-  probability (float64) exceeds u times the total, so a token of probability 0 is never drawn;
-  one random number per row instead of one per vocabulary entry. Rows with their own
-  torch.Generator draw their u from it, so a seeded request produces the same tokens whatever
-  else shares its batch;
+- sampling is an exponential race (argmax of p / E with E ~ Exp(1)), equivalent to a
+  categorical draw; rows with their own torch.Generator draw their noise from it, so a seeded
+  request produces the same tokens whatever else shares its batch;
 - `kept` is a (B, V) bool tensor when any row truncates, else None.
 """
 
@@ -61,17 +59,6 @@ def keep_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mi
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One categorical draw per row of (B, V) probabilities (rows need not sum exactly to 1) -> (B,)."""
-    u = torch.rand(probs.shape[0], dtype=torch.float64)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand((), generator=g, dtype=torch.float64)
-    cdf = probs.double().cumsum(-1)  # (B, V)
-    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # first cdf > u x total
-    return torch.where(tokens < probs.shape[1], tokens, probs.argmax(-1))  # u x total rounded up to the total
-
-
 def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(B, V) float logits -> tokens (B,), behaviour logprobs (B,), kept (B, V) bool or None."""
     greedy = rows.temperature == 0
@@ -83,7 +70,11 @@ def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.T
         scaled = scaled.masked_fill(~kept, float("-inf"))
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
     if rows.any_sampled:
-        tokens = draw(logp.exp(), rows.generators)
+        noise = torch.empty_like(logp).exponential_()
+        for i, g in enumerate(rows.generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        tokens = (logp.exp() / noise).argmax(-1)
         if rows.any_greedy:
             tokens = torch.where(greedy, logits.argmax(-1), tokens)
     else:
