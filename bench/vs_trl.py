@@ -5,7 +5,9 @@ on the fly and saved once), same task (two-operand addition) and exact-match rew
 completions (2 prompts x 8) of at most 64 new tokens per step. Arms:
 
 - trl:      trl.GRPOTrainer (bf16=False, use_cpu=True, gradient_checkpointing=False), one
-            process with torch's default threads (both cores);
+            process with torch's default threads (both cores); trl1: the same with one thread
+            (on a busy machine two threads spin and can be several times slower); the better
+            TRL arm is the baseline;
 - nonstop:  depth 0 (synchronous), depth 1 and depth 2, engine and trainer processes with one
             thread each, filter_uniform_reward off so every generated sample is trained on.
 
@@ -14,6 +16,8 @@ second in steady state (from the end of the first step to the end of the last). 
 is the fraction of that wall time the trainer was not computing (for TRL: time in generation).
 
     python bench/vs_trl.py [--steps 40]        # needs the bench extra: pip install -e .[bench]
+
+The last line is `RESULT best_ratio_vs_trl=<best nonstop arm's samples/s / the best TRL arm's>`.
 """
 
 from __future__ import annotations
@@ -42,8 +46,11 @@ def make_model(path: Path) -> int:
     return count_parameters(model)
 
 
-def run_trl(model_dir: str, steps: int, out: str) -> dict:
+def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None) -> dict:
     import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -116,13 +123,16 @@ def run_nonstop(model_dir: str, steps: int, depth: int, out: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--arms", default="trl,depth0,depth1,depth2", help="comma-separated subset of arms")
+    ap.add_argument("--arms", default="trl,trl1,depth0,depth1,depth2", help="comma-separated subset of arms")
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.arm:  # child: run one arm, print its JSON on the last line
         with tempfile.TemporaryDirectory() as out:
-            res = run_trl(ns.model, ns.steps, out) if ns.arm == "trl" else run_nonstop(ns.model, ns.steps, int(ns.arm[-1]), out)
+            if ns.arm.startswith("trl"):
+                res = run_trl(ns.model, ns.steps, out, 1 if ns.arm == "trl1" else None)
+            else:
+                res = run_nonstop(ns.model, ns.steps, int(ns.arm[-1]), out)
         print(json.dumps(res))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,12 +150,16 @@ def main() -> None:
                 continue
             results[arm] = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"  {arm}: {results[arm]}", flush=True)
-    base = results.get("trl", {}).get("samples_per_s")
-    print(f"\n{'arm':<18}{'samples/s':>10}{'trainer idle':>14}{'vs TRL':>9}")
-    names = {"trl": "TRL GRPOTrainer", "depth0": "nonstop depth 0", "depth1": "nonstop depth 1", "depth2": "nonstop depth 2"}
+    trl = [r["samples_per_s"] for a, r in results.items() if a.startswith("trl")]
+    base = max(trl) if trl else None
+    print(f"\n{'arm':<22}{'samples/s':>10}{'trainer idle':>14}{'vs TRL':>9}")
+    names = {"trl": "TRL GRPOTrainer", "trl1": "TRL, 1 thread", "depth0": "nonstop depth 0", "depth1": "nonstop depth 1",
+             "depth2": "nonstop depth 2"}
     for arm, r in results.items():
         ratio = f"{r['samples_per_s'] / base:.2f}x" if base else "-"
-        print(f"{names[arm]:<18}{r['samples_per_s']:>10.1f}{r['trainer_idle']:>13.0%}{ratio:>9}")
+        print(f"{names[arm]:<22}{r['samples_per_s']:>10.1f}{r['trainer_idle']:>13.0%}{ratio:>9}")
+    ours = [r["samples_per_s"] for a, r in results.items() if a.startswith("depth")]
+    print(f"RESULT best_ratio_vs_trl={max(ours) / base:.2f}" if base and ours else "RESULT best_ratio_vs_trl=nan")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Contract:
   (layers x 2 x num_slots x kv_heads x max_seq_len x head_dim floats); nothing is allocated
   per step beyond the step's activations;
 - the rows of a decode step are slots 0..B-1 (the scheduler keeps live sequences packed at the
-  front with `move`), so attention reads a view of the cache, never a gathered copy;
+  front with `move`, which copies any number of slots at once), so attention reads a view of the
+  cache, never a gathered copy;
 - `prefill(slots, prompts)` computes the KV of whole prompts into the given slots and returns
   the logits after each prompt's last token; `decode(tokens, positions)` appends one token per
   row at its position and returns the next-token logits; `mixed(...)` does both in one forward
@@ -47,7 +48,7 @@ class Runner(Protocol):
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               prompts: list[list[int]]) -> torch.Tensor: ...
 
-    def move(self, src: int, dst: int, length: int) -> None: ...
+    def move(self, src: list[int], dst: list[int], length: int) -> None: ...
 
     def save(self, slot: int, length: int) -> list[torch.Tensor]: ...
 
@@ -253,13 +254,14 @@ class KVRunner:
             x = self._mlp(x, layer)
         return self._logits(x[torch.cat([torch.arange(B), last])])
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` cached positions of slot `src` into slot `dst`."""
-        if src == dst:
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first `length` cached positions of slot src[i] into slot dst[i], for every i in
+        one indexed copy per cache tensor (no slot may be both a source and a destination)."""
+        if not src:
             return
-        for kc, vc in zip(self.k, self.v):
-            kc[dst, :, :length] = kc[src, :, :length]
-            vc[dst, :, :length] = vc[src, :, :length]
+        s, d = torch.tensor(src), torch.tensor(dst)
+        for c in self.k + self.v:
+            c[d, :, :length] = c[s, :, :length]
 
     def save(self, slot: int, length: int) -> list[torch.Tensor]:
         """A private copy of one slot's cache (for pausing a sequence across a weight update)."""

@@ -176,10 +176,11 @@ class Scheduler:
             self.stats["decode_steps"] += 1
         else:
             logits = self.runner.prefill(torch.tensor(heads), prefixes)  # (P, V)
-        if heads:
-            for head, seqs in zip(heads, members):
-                for s in seqs[1:]:
-                    self.runner.move(head, s.row, s.length)
+        if heads:  # siblings get their prompt's KV (positions past a row's length are never read)
+            pairs = [(head, s.row, s.length) for head, seqs in zip(heads, members) for s in seqs[1:]]
+            if pairs:
+                src, dst, lengths = zip(*pairs)
+                self.runner.move(list(src), list(dst), max(lengths))
             self.stats["prefills"] += 1
             self.stats["prefill_tokens"] += sum(len(p) for p in prefixes)
             repeat = torch.tensor([1] * len(decoding) + [len(m) for m in members])
@@ -268,12 +269,18 @@ class Scheduler:
     def _release(self, seqs: list[Seq]) -> None:
         """Free the rows of finished (or evicted) sequences, keeping live rows packed at the front."""
         gone = {id(s) for s in seqs}
+        origin: dict[int, tuple[Seq, int]] = {}  # moved sequence -> (it, the slot its cache is in now)
         for row in sorted((s.row for s in seqs), reverse=True):
             last = self.rows.pop()
             if row < len(self.rows):
-                self.runner.move(last.row, row, last.length)
+                origin.setdefault(id(last), (last, last.row))
                 last.row = row
                 self.rows[row] = last
+        # Every source slot was popped from the end, so it lies past every destination: one copy.
+        moves = [(slot, s.row, s.length) for s, slot in origin.values()]
+        if moves:
+            src, dst, lengths = zip(*moves)
+            self.runner.move(list(src), list(dst), max(lengths))
         for s in seqs:
             s.row = -1
         self.reprefill = [s for s in self.reprefill if id(s) not in gone]

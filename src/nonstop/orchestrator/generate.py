@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nonstop.orchestrator.buffer import RolloutBuffer
@@ -28,14 +28,25 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+MEMO_SIZE = 1 << 16
+
+
 @dataclass
 class Codec:
-    """Text <-> token ids at the orchestrator (engines work token-in, token-out)."""
+    """Text <-> token ids at the orchestrator (engines work token-in, token-out). Encodings are
+    memoised (up to MEMO_SIZE texts, then the memo starts over): the prompts of a task are encoded
+    when they are screened and again at every draw."""
 
     tokenizer: PreTrainedTokenizerBase
+    _encoded: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= MEMO_SIZE:
+                self._encoded.clear()
+            ids = self._encoded[text] = self.tokenizer(text)["input_ids"]
+        return list(ids)  # a copy: callers own their lists
 
     def decode(self, ids: list[int]) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

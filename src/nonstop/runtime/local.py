@@ -70,19 +70,24 @@ async def _serve(conn: Connection, name: str, cls: type, args: tuple, kwargs: di
         conn.send(reply)
 
     def on_readable() -> None:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            msg = "eof"  # the orchestrator went away
-        if msg is None or msg == "eof":
-            loop.remove_reader(conn.fileno())
-            if not stop.done():
-                stop.set_result(msg)
-            return
-        call_id, method, a, kw = msg
-        task = loop.create_task(answer(call_id, method, a, kw), name=f"{name}.{method}#{call_id}")
-        calls.add(task)
-        task.add_done_callback(calls.discard)
+        # Every call already waiting is taken in one go: calls that arrive together (a step's groups)
+        # then reach the engine before its next forward pass, not one per pass.
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                msg = "eof"  # the orchestrator went away
+            if msg is None or msg == "eof":
+                loop.remove_reader(conn.fileno())
+                if not stop.done():
+                    stop.set_result(msg)
+                return
+            call_id, method, a, kw = msg
+            task = loop.create_task(answer(call_id, method, a, kw), name=f"{name}.{method}#{call_id}")
+            calls.add(task)
+            task.add_done_callback(calls.discard)
+            if not conn.poll():
+                return
 
     conn.send((_READY, True, os.getpid()))
     loop.add_reader(conn.fileno(), on_readable)
@@ -120,18 +125,24 @@ class LocalActor:
         return f"actor '{self.name}' (pid {self.process.pid}) died ({how})"
 
     def _on_readable(self) -> None:
-        try:
-            call_id, ok, value = self.conn.recv()
-        except (EOFError, OSError):
-            self._mark_dead(self._death_reason())
-            return
-        fut = self._pending.pop(call_id, None)
-        if fut is None or fut.done():
-            return
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(ActorDied(value) if call_id == _READY else ActorCallError(value))
+        while self._dead is None:  # every answer already waiting, in one go
+            try:
+                call_id, ok, value = self.conn.recv()
+            except (EOFError, OSError):
+                self._mark_dead(self._death_reason())
+                return
+            fut = self._pending.pop(call_id, None)
+            if fut is not None and not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(ActorDied(value) if call_id == _READY else ActorCallError(value))
+            try:
+                if not self.conn.poll():
+                    return
+            except (EOFError, OSError):
+                self._mark_dead(self._death_reason())
+                return
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is None:

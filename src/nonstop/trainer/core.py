@@ -4,8 +4,10 @@
 1. advantages per group from the rewards (`trainer.advantage`, defaulting per loss);
 2. the loss mask: completion tokens, minus truncated samples under the overlong filter, minus
    samples or tokens older than `max_lag` when rejection is per sample or per token (counted);
-3. one forward pass over prompt + completion (right padding, attention mask, no cache), token
-   logprobs of the completion tokens under the engine's sampling temperature;
+3. one forward pass, token logprobs of the completion tokens under the engine's sampling
+   temperature: each distinct prompt computed once and its completions attending to its keys
+   (trainer/forward.py) for Qwen2/Llama-shaped models, else prompt + completion per row (right
+   padding, attention mask, no cache) through the model's own forward;
 4. importance weights of the off-policy correction against the behaviour logprobs, the loss of
    `trainer.loss`, optional KL to the reference (initial) policy and entropy bonus;
 5. backward, global grad-norm clip, AdamW; policy_version += 1. A non-finite loss or gradient
@@ -21,13 +23,14 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import torch
 
 from nonstop.hf import CausalLM
 from nonstop.config import TrainerConfig
 from nonstop.trainer.correction import is_weights
+from nonstop.trainer.forward import prompt_shared_hidden, unsupported
 from nonstop.trainer.losses import clipped_policy_loss, group_advantages, gspo_loss, kl_penalty, masked_mean, token_logprobs
 from nonstop.types import Group
 
@@ -47,11 +50,10 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int) -> 
 
 
 class Batch(TypedDict):
-    """The tensors of one training batch: B samples, L prompt + completion tokens, T completion tokens."""
+    """The tensors of one training batch: B samples, T completion tokens; the model inputs are
+    either the distinct prompts plus completions (shared-prompt forward, trainer/forward.py) or
+    prompt + completion right-padded to L tokens."""
 
-    ids: torch.Tensor  # (B, L) token ids, right-padded
-    attn: torch.Tensor  # (B, L) attention mask
-    gather_pos: torch.Tensor  # (B, T) position whose hidden state predicts completion token t
     targets: torch.Tensor  # (B, T) completion token ids
     behaviour: torch.Tensor  # (B, T) behaviour logprobs
     mask: torch.Tensor  # (B, T) bool, tokens in the loss
@@ -59,6 +61,13 @@ class Batch(TypedDict):
     advantages: torch.Tensor  # (B,)
     truncated: torch.Tensor  # (B,) bool, cut at max_new_tokens
     keep: torch.Tensor | None  # (B, T, V) bool, the engine's kept sets (None: no truncated sampling)
+    ids: NotRequired[torch.Tensor]  # (B, L) token ids, right-padded
+    attn: NotRequired[torch.Tensor]  # (B, L) attention mask
+    gather_pos: NotRequired[torch.Tensor]  # (B, T) position whose hidden state predicts completion token t
+    prompt_ids: NotRequired[torch.Tensor]  # (Q, Lp) the distinct prompts, right-padded
+    prompt_len: NotRequired[torch.Tensor]  # (Q,)
+    row_prompt: NotRequired[torch.Tensor]  # (B,) index of each row's prompt
+    completion_in: NotRequired[torch.Tensor]  # (B, T - 1) completion inputs after the prompt
 
 
 class Trainer:
@@ -84,6 +93,8 @@ class Trainer:
         self.skips_in_row = 0
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         self.total_steps = total_steps
+        # Each distinct prompt computed once per batch (trainer/forward.py) where the model allows it.
+        self.shared_prompts = unsupported(model) is None
         self.make_optimizer()
 
     def make_optimizer(self) -> None:
@@ -114,33 +125,55 @@ class Trainer:
         return self.model
 
     def _batch(self, groups: list[Group]) -> Batch:
+        """Tensors of one batch, built from flat per-token lists (no per-sample tensor calls).
+
+        Per row b and completion position t (B, T): targets, behaviour, mask, versions; with the
+        shared-prompt forward, the distinct prompts (Q, Lp), each row's prompt and its completion
+        inputs (trainer/forward.py); otherwise prompt + completion right-padded (B, L) with the
+        positions that predict each completion token."""
         samples = [s for g in groups for s in g.samples]
         widths = {len(g.samples) for g in groups}
         if len(widths) != 1:
             raise ValueError(f"groups of different sizes in one batch: {sorted(widths)}")
         rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)  # (G, n)
-        seqs = [s.prompt_ids + s.completion_ids for s in samples]
-        B, L = len(seqs), max(len(x) for x in seqs)
-        T = max(len(s.completion_ids) for s in samples)
-        ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        # Completion token t of row b sits at input position P_b + t and is predicted at P_b + t - 1.
-        gather_pos = torch.zeros((B, T), dtype=torch.long)
-        targets = torch.zeros((B, T), dtype=torch.long)
-        behaviour = torch.zeros((B, T), dtype=torch.float32)
-        mask = torch.zeros((B, T), dtype=torch.bool)
-        versions = torch.zeros((B, T), dtype=torch.long)
-        for b, (s, seq) in enumerate(zip(samples, seqs)):
-            P, C = len(s.prompt_ids), len(s.completion_ids)
-            ids[b, : len(seq)] = torch.tensor(seq)
-            attn[b, : len(seq)] = 1
-            gather_pos[b, :C] = torch.arange(P - 1, P - 1 + C)
-            targets[b, :C] = torch.tensor(s.completion_ids)
-            behaviour[b, :C] = torch.tensor(s.logprobs)
-            mask[b, :C] = torch.tensor(s.loss_mask, dtype=torch.bool)
-            versions[b, :C] = torch.tensor(s.versions)
-        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
-        keep = None
+        clen = torch.tensor([len(s.completion_ids) for s in samples])  # (B,)
+        B, T = len(samples), int(clen.max())
+        in_completion = torch.arange(T)[None, :] < clen[:, None]  # (B, T); row-major order = concatenation order
+
+        def per_token(values: list, dtype: torch.dtype) -> torch.Tensor:  # flat per-token values -> (B, T), 0-padded
+            out = torch.zeros((B, T), dtype=dtype)
+            out[in_completion] = torch.tensor(values, dtype=dtype)
+            return out
+
+        targets = per_token([t for s in samples for t in s.completion_ids], torch.long)
+        batch = Batch(
+            targets=targets,
+            behaviour=per_token([x for s in samples for x in s.logprobs], torch.float32),
+            mask=per_token([x for s in samples for x in s.loss_mask], torch.bool),
+            versions=per_token([x for s in samples for x in s.versions], torch.long),
+            advantages=group_advantages(rewards, self.cfg.advantage_mode, self.cfg.group_std).reshape(-1),  # (B,)
+            truncated=torch.tensor([s.finish_reason == "length" for s in samples]),
+            keep=None,
+        )
+        if self.shared_prompts:
+            distinct: dict[tuple[int, ...], int] = {}
+            row_prompt = torch.tensor([distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in samples])
+            plen = torch.tensor([len(p) for p in distinct])  # (Q,)
+            prompt_ids = torch.full((len(distinct), int(plen.max())), self.pad_token_id, dtype=torch.long)
+            prompt_ids[torch.arange(prompt_ids.shape[1])[None, :] < plen[:, None]] = torch.tensor(
+                [t for p in distinct for t in p], dtype=torch.long)
+            # Padded completion inputs hold token 0: causal attention keeps them from every real position.
+            batch["prompt_ids"], batch["prompt_len"], batch["row_prompt"] = prompt_ids, plen, row_prompt
+            batch["completion_in"] = targets[:, :-1]
+        else:
+            plen_rows = torch.tensor([len(s.prompt_ids) for s in samples])  # (B,)
+            seq_len = plen_rows + clen
+            in_seq = torch.arange(int(seq_len.max()))[None, :] < seq_len[:, None]  # (B, L)
+            ids = torch.full(in_seq.shape, self.pad_token_id, dtype=torch.long)
+            ids[in_seq] = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.completion_ids)], dtype=torch.long)
+            # Completion token t of row b sits at input position P_b + t and is predicted at P_b + t - 1.
+            gather_pos = torch.where(in_completion, plen_rows[:, None] - 1 + torch.arange(T)[None, :], 0)
+            batch["ids"], batch["attn"], batch["gather_pos"] = ids, in_seq.long(), gather_pos
         if any(s.sampling_mask for s in samples):  # Keep Sampling Mask: replay the engine's support
             vocab = self.model.get_output_embeddings().weight.shape[0]
             keep = torch.ones((B, T, vocab), dtype=torch.bool)
@@ -148,18 +181,20 @@ class Trainer:
                 for t, kept in enumerate(s.sampling_mask or []):
                     keep[b, t] = False
                     keep[b, t, kept] = True
-        adv = group_advantages(rewards, self.cfg.advantage_mode, self.cfg.group_std).reshape(-1)  # (B,)
-        return Batch(ids=ids, attn=attn, gather_pos=gather_pos, targets=targets, behaviour=behaviour,
-                     mask=mask, versions=versions, advantages=adv, truncated=truncated, keep=keep)
+            batch["keep"] = keep
+        return batch
 
     def logprobs(self, batch: Batch, model: CausalLM | None = None, with_entropy: bool = False):
         """Logprobs (B, T) of the completion tokens under `model` (default: the policy)."""
         model = model or self.model
-        hidden = model.get_decoder()(
-            input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False
-        ).last_hidden_state  # (B, L, H)
-        idx = batch["gather_pos"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (B, T, H)
-        return token_logprobs(hidden.gather(1, idx), model.get_output_embeddings(), batch["targets"],
+        if "prompt_ids" in batch:
+            hidden = prompt_shared_hidden(model, batch)  # (B, T, H)
+        else:
+            states = model.get_decoder()(
+                input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False
+            ).last_hidden_state  # (B, L, H)
+            hidden = states.gather(1, batch["gather_pos"].unsqueeze(-1).expand(-1, -1, states.shape[-1]))  # (B, T, H)
+        return token_logprobs(hidden, model.get_output_embeddings(), batch["targets"],
                               self.temperature, self.cfg.logprob_chunk_rows, with_entropy, batch["keep"])
 
     def _loss_mask(self, batch: Batch, lag: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
@@ -245,6 +280,6 @@ class Trainer:
             **extra, **counts,
             "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
             "lag_hist": {str(k): v for k, v in sorted(Counter(lag[sel].tolist()).items())},
-            "samples": int(batch["ids"].shape[0]),
+            "samples": int(batch["targets"].shape[0]),
             "tokens": int(mask.sum()),
         }

@@ -100,6 +100,7 @@ class ParallelTrainer(Trainer):
         super().__init__(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps,  # the reference stays whole
                          max_new_tokens)
         if mode == "fsdp2":
+            self.shared_prompts = False  # FSDP2 gathers a layer's parameters in that layer's forward: call it
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 

@@ -1,0 +1,94 @@
+"""The shared-prompt training forward computes what the model's own forward computes, in fewer tokens."""
+
+import random
+
+import pytest
+import torch
+
+from nonstop.config import LoraConfig, TinyModelConfig, TrainerConfig
+from nonstop.tasks.tiny import make_tiny_model
+from nonstop.trainer.core import Trainer
+from nonstop.trainer.forward import unsupported
+from nonstop.types import Group, Sample
+
+GQA = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48)
+MHA = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=48)
+
+
+def _groups(seed: int, G: int, n: int, max_prompt: int, max_completion: int, shared: bool = True) -> list[Group]:
+    """Random token groups: prompts of 2..max_prompt+1 tokens, completions of 1..max_completion."""
+    rng = random.Random(seed)
+
+    def prompt() -> list[int]:
+        return [1] + [rng.randrange(3, 128) for _ in range(rng.randint(1, max_prompt))]
+
+    groups = []
+    for g in range(G):
+        p = prompt()
+        samples = []
+        for j in range(n):
+            c = [rng.randrange(3, 128) for _ in range(rng.randint(1, max_completion))]
+            samples.append(Sample(p if shared else prompt(), c, [-1.0] * len(c), [0] * len(c), "stop", reward=float(j % 2)))
+        groups.append(Group(g, "", "", samples))
+    return groups
+
+
+def _both(trainer: Trainer, groups: list[Group]):
+    """Logprobs and gradients of the same batch through the shared-prompt and the plain forward."""
+    out = []
+    for shared in (True, False):
+        trainer.shared_prompts = shared
+        batch = trainer._batch(groups)
+        assert ("prompt_ids" in batch) == shared
+        logp = trainer.logprobs(batch)
+        trainer.model.zero_grad(set_to_none=True)
+        logp[batch["mask"]].sum().backward()
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
+        out.append((batch, logp.detach(), grads))
+    return out
+
+
+@pytest.mark.parametrize("tiny", [GQA, MHA], ids=["gqa", "mha"])
+@pytest.mark.parametrize("shape", [(4, 8, 6, 5, True), (3, 4, 8, 1, True), (5, 3, 5, 6, False)],
+                         ids=["groups", "one-token-completions", "distinct-prompts"])
+def test_shared_prompt_forward_matches_the_models_own_forward(tiny, shape):
+    G, n, max_prompt, max_completion, shared = shape
+    trainer = Trainer(make_tiny_model(tiny, seed=1), TrainerConfig(), temperature=0.9, pad_token_id=0)
+    assert trainer.shared_prompts
+    groups = _groups(0, G, n, max_prompt, max_completion, shared)
+    (b_sh, lp_sh, g_sh), (b_hf, lp_hf, g_hf) = _both(trainer, groups)
+    distinct = len({tuple(s.prompt_ids) for g in groups for s in g.samples})
+    assert b_sh["prompt_ids"].shape[0] == distinct  # each distinct prompt computed once
+    for key in ("targets", "behaviour", "mask", "versions", "advantages", "truncated"):
+        assert torch.equal(b_sh[key], b_hf[key]), key
+    m = b_hf["mask"]
+    assert torch.allclose(lp_sh[m], lp_hf[m], atol=1e-5)
+    for a, b in zip(g_sh, g_hf):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompt_forward_applies_lora_adapters():
+    from nonstop.lora import wrap_with_peft
+
+    model = wrap_with_peft(make_tiny_model(GQA, seed=1), LoraConfig(enabled=True, rank=4), None)
+    for module in model.modules():  # non-zero adapters, so an ignored adapter would show
+        for b in getattr(module, "lora_B", {}).values():
+            torch.nn.init.normal_(b.weight, std=0.2)
+    trainer = Trainer(model, TrainerConfig(), temperature=1.0, pad_token_id=0)
+    assert trainer.shared_prompts
+    (b_sh, lp_sh, g_sh), (_, lp_hf, g_hf) = _both(trainer, _groups(1, 3, 4, 5, 4))
+    assert len(g_sh) == len(g_hf) > 0  # only adapters train
+    assert torch.allclose(lp_sh[b_sh["mask"]], lp_hf[b_sh["mask"]], atol=1e-5)
+    for a, b in zip(g_sh, g_hf):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_models_outside_the_supported_family_keep_the_plain_forward():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=128, n_positions=32))
+    assert "model_type 'gpt2'" in unsupported(gpt2)
+    assert not Trainer(gpt2, TrainerConfig(), 1.0, 0).shared_prompts
+    qwen = make_tiny_model(MHA, seed=0)
+    qwen.config.attention_dropout = 0.1
+    assert unsupported(qwen) == "attention dropout"
