@@ -64,7 +64,12 @@ def test_trainer_step_makes_the_reference_update_on_the_same_batch():
     grads = [(p.grad, q.grad) for p, q in zip(policy.parameters(), reference.parameters())]
     largest = max(float(g.abs().max()) for g, _ in grads)
     assert largest > 1e-3 and max(float((g - h).abs().max()) for g, h in grads) < 1e-4 * largest
-    assert max(float((p - q).abs().max()) for p, q in zip(policy.parameters(), reference.parameters())) < 1e-5
+    # Where a gradient is float noise (|g| ~ 1e-10), Adam's first step still moves the weight by
+    # ~lr in the noise's sign: compare the weights where the gradient is well above rounding.
+    firm = [(p, q, h.abs() > 1e-3 * largest) for (p, q), (_, h) in
+            zip(zip(policy.parameters(), reference.parameters()), grads)]
+    assert sum(int(m.sum()) for _, _, m in firm) > 0.2 * sum(p.numel() for p, _, _ in firm)
+    assert max(float((p - q)[m].abs().max()) if m.any() else 0.0 for p, q, m in firm) < 1e-5
 
 
 @pytest.mark.slow
