@@ -42,20 +42,22 @@ async def learn(run: Run) -> StepRecord | None:
         run.sink.write(record.to_dict())
         run.progress.update(record)
         if cfg.checkpoint.every_steps is not None and step % cfg.checkpoint.every_steps == 0:
-            await write_checkpoint(run, step)
+            with trainer_failure(run, step):  # the trainer may die while idle: its next call is this one
+                await write_checkpoint(run, step)
         if out_of_time:
             break
     if record is not None and record.eval_accuracy is None:  # the stream ran out between two evaluations
         record.eval_accuracy = await run.eval()
         run.sink.write(record.final_eval())
     if record is not None and cfg.checkpoint.every_steps is not None and state.last_checkpoint != record.step:
-        await write_checkpoint(run, record.step)
+        with trainer_failure(run, record.step):
+            await write_checkpoint(run, record.step)
     return record
 
 
 @contextlib.contextmanager
 def trainer_failure(run: Run, step: int) -> Iterator[None]:
-    """A failing trainer ends the run with how to resume it."""
+    """A failing trainer (in a step, a publish or a checkpoint) ends the run with how to resume it."""
     try:
         yield
     except (ActorDied, ActorCallError) as e:
