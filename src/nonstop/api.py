@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from nonstop.config import Config, ConfigError, load_config
 from nonstop.orchestrator.score import RewardError, RewardFn, resolve_reward
-from nonstop.tasks.data import DatasetError, DatasetReport, Example, TaskData, check_row, refuse_bad_rows, split_examples
+from nonstop.tasks.data import DatasetError, DatasetReport, Example, TaskData, check_row, collect_rows, refuse_bad_rows, split_examples
 
 if TYPE_CHECKING:
     from nonstop.orchestrator.records import RunSummary
@@ -85,20 +85,11 @@ def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[tuple[
     if missing:
         raise DatasetError(f"{arg}: column(s) {', '.join(map(repr, missing))} not found (columns: "
                            f"{_mapping_text(mapping)}); the dataset has {names}")
-    pairs: list[tuple[str, str]] = []
-    report = DatasetReport()
-    for i, row in enumerate(rows):
-        report.rows_read += 1
-        renamed = ({f: row[c] for f, c in mapping.items() if c in row} if isinstance(row, Mapping) else row)
-        checked = check_row(renamed)
-        if isinstance(checked, str):
-            report.rows_skipped += 1
-            report.problems.append(f"{arg} row {i}: {checked} (columns: {_mapping_text(mapping)}); row skipped")
-            continue
-        pairs.append(checked)
-    if not pairs:
-        raise DatasetError(f"{arg} has no valid row ({report.rows_skipped} skipped)")
-    return pairs, report
+    def renamed(row: object) -> object:
+        return {f: row[c] for f, c in mapping.items() if c in row} if isinstance(row, Mapping) else row
+
+    return collect_rows(((f"{arg} row {i}", check_row(renamed(row))) for i, row in enumerate(rows)), arg,
+                        hint=f" (columns: {_mapping_text(mapping)})")
 
 
 def task_data(cfg: Config, dataset: Any, eval_dataset: Any, columns: Mapping[str, str] | None,

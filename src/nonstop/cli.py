@@ -20,7 +20,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from nonstop.config import ConfigError, dump_config, load_config
+from nonstop.config import Config, ConfigError, dump_config, load_config
 from nonstop.orchestrator.launch import run_training  # shared with nonstop.train(); benches import it from here
 
 if TYPE_CHECKING:
@@ -46,6 +46,15 @@ def _summary_table(s: RunSummary) -> Table:
         t.add_row("reward errors", f"{json.dumps(s.reward_errors)}; last: {s.last_reward_error}")
     t.add_row("run folder", s.run_dir)
     return t
+
+
+def config_or_exit(config: str | None, overrides: tuple[str, ...], console: Console) -> Config:
+    """The validated config, or the error naming the field and exit status 2."""
+    try:
+        return load_config(config, overrides)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/]", highlight=False)
+        sys.exit(2)
 
 
 @click.group()
@@ -101,11 +110,7 @@ def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | 
               api_key: str | None, served_model_name: str | None) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (token ids, logprobs and versions included)."""
     console = Console()
-    try:
-        cfg = load_config(config, overrides)
-    except ConfigError as e:
-        console.print(f"[red]{e}[/]", highlight=False)
-        sys.exit(2)
+    cfg = config_or_exit(config, overrides, console)
     from nonstop.serve import serve
 
     path = model_path or cfg.model.path
@@ -133,11 +138,7 @@ def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | 
 def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, threads: int) -> None:
     """Warm the tiny model up on the task and save it as a base policy, with its provenance."""
     console = Console()
-    try:
-        cfg = load_config(config, overrides)
-    except ConfigError as e:
-        console.print(f"[red]{e}[/]", highlight=False)
-        sys.exit(2)
+    cfg = config_or_exit(config, overrides, console)
     import torch
 
     from nonstop.engine.core import TorchEngine

@@ -13,6 +13,8 @@ go through the same `check_row` and `split_examples`, so they become the same `E
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import json
 import random
 from dataclasses import dataclass, field
@@ -71,24 +73,35 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[str, str]], DatasetReport]:
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
-    rows: list[tuple[str, str]] = []
+    def checked_lines() -> Iterator[tuple[str, tuple[str, str] | str]]:
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", check_row(json.loads(line))
+            except json.JSONDecodeError as e:
+                yield f"{path}:{lineno}", f"not valid JSON ({e.msg})"
+
+    return collect_rows(checked_lines(), f"dataset {path}")
+
+
+def collect_rows(checked: Iterable[tuple[str, tuple[str, str] | str]], source: str,
+                 hint: str = "") -> tuple[list[tuple[str, str]], DatasetReport]:
+    """Keep the valid (prompt, answer) pairs of `check_row` results labelled by where each row came
+    from; every bad row is counted and reported with its label (`hint` appended), never dropped
+    silently. A source with no valid row at all is a DatasetError."""
+    pairs: list[tuple[str, str]] = []
     report = DatasetReport()
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for where, result in checked:
         report.rows_read += 1
-        try:
-            checked = check_row(json.loads(line))
-        except json.JSONDecodeError as e:
-            checked = f"not valid JSON ({e.msg})"
-        if isinstance(checked, str):
+        if isinstance(result, str):
             report.rows_skipped += 1
-            report.problems.append(f"{path}:{lineno}: {checked}; row skipped")
+            report.problems.append(f"{where}: {result}{hint}; row skipped")
             continue
-        rows.append(checked)
-    if not rows:
-        raise DatasetError(f"dataset {path} has no valid row ({report.rows_skipped} skipped)")
-    return rows, report
+        pairs.append(result)
+    if not pairs:
+        raise DatasetError(f"{source} has no valid row ({report.rows_skipped} skipped)")
+    return pairs, report
 
 
 def split_examples(pairs: list[tuple[str, str]], eval_size: int, seed: int,
