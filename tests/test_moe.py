@@ -1,0 +1,166 @@
+"""Keep Routing: the engine records MoE routes, the trainer compares and replays them."""
+
+import copy
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from nonstop.config import EngineConfig, TinyModelConfig, TinyMoeConfig, TrainerConfig
+from nonstop.engine.core import TorchEngine
+from nonstop.tasks.tiny import make_tiny_model
+from nonstop.trainer.core import Trainer
+from nonstop.trainer.routing import RouteShapeError
+from nonstop.types import GenerationRequest, Group, Routes, SamplingParams
+
+
+def _moe(kind: str = "qwen3_moe", num_experts: int = 8, seed: int = 0):
+    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                          moe=TinyMoeConfig(kind=kind, num_experts=num_experts,
+                                            expert_intermediate_size=64 if num_experts <= 8 else 4))
+    return make_tiny_model(cfg, seed=seed)
+
+
+def _generate(model, groups: int = 6, n: int = 4, slots: int = 12):
+    """Groups of n over fewer slots than they need together: later groups join running batches."""
+    engine = TorchEngine(copy.deepcopy(model), [2], 0, settings=EngineConfig(max_concurrent_seqs=slots, max_seq_len=64))
+    requests = [GenerationRequest(i, [1, 5 + i, 7, 9, 11 + i][: 3 + i % 3], n,
+                                  SamplingParams(max_new_tokens=6, temperature=1.0, seed=i)) for i in range(groups)]
+    out = engine.generate(requests)
+    if groups * n > slots:  # later groups were admitted into running batches
+        assert engine.scheduler.stats["prefills"] > 1 and engine.scheduler.stats["decode_steps"] > 6
+    return out
+
+
+def _routes_array(r: Routes) -> np.ndarray:
+    data = np.frombuffer(r.prompt + bytes(r.completion), dtype=np.uint8 if r.itemsize == 1 else "<u2")
+    return data.reshape(-1, r.num_layers, r.top_k)
+
+
+@pytest.mark.parametrize("kind,num_experts", [("qwen3_moe", 8), ("qwen2_moe", 8), ("qwen3_moe", 300)])
+def test_recorded_routes_equal_an_independent_hf_forward(kind, num_experts):
+    model = _moe(kind, num_experts)
+    out = _generate(model)
+    caught: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: caught.append(o[2])) for layer in model.model.layers]
+    checked = 0
+    try:
+        for samples in out:
+            assert samples[0].routes is not None and samples[0].routes.prompt is samples[1].routes.prompt  # prefill shared
+            for s in samples:
+                r = s.routes
+                assert (r.num_layers, r.top_k, r.num_experts) == (2, 2, num_experts)
+                assert r.itemsize == (1 if num_experts <= 256 else 2)
+                assert r.num_prompt_tokens == len(s.prompt_ids)
+                assert r.num_completion_tokens == len(s.completion_ids) - 1
+                assert r.nbytes == (len(s.prompt_ids) + len(s.completion_ids) - 1) * 2 * 2 * r.itemsize
+                caught.clear()
+                with torch.no_grad():
+                    logits = model(torch.tensor([s.prompt_ids + s.completion_ids[:-1]])).logits[0]
+                hf = torch.stack(caught, dim=1).numpy()  # (tokens, layers, k)
+                np.testing.assert_array_equal(np.sort(_routes_array(r), -1), np.sort(hf, -1))
+                lp = torch.log_softmax(logits[len(s.prompt_ids) - 1:], -1).gather(-1, torch.tensor(s.completion_ids)[:, None])
+                torch.testing.assert_close(lp[:, 0], torch.tensor(s.logprobs), atol=1e-5, rtol=0)
+                checked += 1
+    finally:
+        for h in hooks:
+            h.remove()
+    assert checked == 24
+
+
+def _groups(out) -> list[Group]:
+    groups = []
+    for i, samples in enumerate(out):
+        for j, s in enumerate(samples):
+            s.reward = float(j % 2)
+        groups.append(Group(i, "p", "a", samples))
+    return groups
+
+
+def _perturbed_router(model, noise: float):
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.add_(noise * torch.randn(layer.mlp.gate.weight.shape, generator=g))
+    return model
+
+
+def _log_ratios(trainer: Trainer, groups: list[Group]) -> torch.Tensor:
+    """log pi - log mu of every completion token in the trainer's forward, routes as configured."""
+    batch = trainer._batch(groups)
+    routes = batch["routes"]
+    trainer.routing.arm(routes.reshape(-1, *routes.shape[2:]))
+    try:
+        with torch.no_grad():
+            logp = trainer.logprobs(batch)
+    finally:
+        trainer.routing.disarm()
+    return (logp - batch["behaviour"])[batch["mask"]]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_replay_keeps_the_depth0_ratio_at_one_under_a_perturbed_router(kind):
+    model = _moe(kind)
+    groups = _groups(_generate(model))
+    exact = Trainer(copy.deepcopy(model), TrainerConfig(routing_replay="r3"), 1.0, 0)
+    assert _log_ratios(exact, groups).abs().max() < 1e-5  # same router, routes replayed: ratio 1
+
+    free = Trainer(_perturbed_router(model, 1e-3), TrainerConfig(routing_replay="none"), 1.0, 0)
+    kept = Trainer(_perturbed_router(model, 1e-3), TrainerConfig(routing_replay="r3"), 1.0, 0)
+    free_ratio, kept_ratio = _log_ratios(free, groups), _log_ratios(kept, groups)
+    assert free_ratio.abs().max() > 10 * kept_ratio.abs().max()
+    assert kept_ratio.abs().max() < 2e-3  # what is left is the perturbation of the router weights itself
+
+    m_free, m_kept = free.step(groups), kept.step(groups)
+    assert m_free["routing_mismatch_frac"] > 0.02
+    assert m_kept["routing_mismatch_frac"] == 0.0
+    assert m_kept["routing_free_mismatch_frac"] == pytest.approx(m_free["routing_mismatch_frac"])
+    assert m_kept["log_ratio_std"] < m_free["log_ratio_std"] / 10
+    # replayed experts still train the router: its gradient flows through the gathered scores
+    assert all(float(layer.mlp.gate.weight.grad.abs().sum()) > 0 for layer in kept.model.model.layers)
+
+
+def test_routes_that_do_not_fit_are_refused_by_name():
+    model = _moe()
+    groups = _groups(_generate(model, groups=2))
+    trainer = Trainer(copy.deepcopy(model), TrainerConfig(routing_replay="r3"), 1.0, 0)
+    s = groups[0].samples[0]
+    good = s.routes
+    s.routes = Routes(3, 2, 8, good.prompt, good.completion)
+    with pytest.raises(RouteShapeError, match=re.escape("sample.routes has 3 layers x top-2 of 8 experts, but the trainer's "
+                                                        "model has 2 routers (model.layers.0.mlp.gate ...)")):
+        trainer.step(groups)
+    s.routes = Routes(2, 2, 8, good.prompt, good.completion[:-4])
+    with pytest.raises(RouteShapeError, match="sample.routes covers"):
+        trainer.step(groups)
+    s.routes = None
+    with pytest.raises(RouteShapeError, match="no routes recorded"):
+        trainer.step(groups)
+    assert trainer.policy_version == 0
+    s.routes = good
+    with pytest.raises(RouteShapeError, match=r"routes \[5, 2, 3\]: expected \(tokens, 2 layers, top-2\)"):
+        trainer.routing.arm(torch.zeros((5, 2, 3), dtype=torch.long))  # k = 3 against top-2 routers
+    with pytest.raises(ValueError, match="trainer.routing_replay: 'r3' replays MoE routes, but the model has no top-k router"):
+        Trainer(make_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                                intermediate_size=64)), TrainerConfig(routing_replay="r3"), 1.0, 0)
+
+
+def test_each_layer_uses_its_routes_exactly_once():
+    model = _moe()
+    trainer = Trainer(copy.deepcopy(model), TrainerConfig(routing_replay="r3"), 1.0, 0)
+    ids = torch.tensor([[1, 5, 7, 9]])
+    routes = torch.full((4, 2, 2), -1, dtype=torch.long)
+    trainer.routing.arm(routes)
+    with torch.no_grad():
+        trainer.model(ids)
+        with pytest.raises(RuntimeError, match=r"model.layers.0.mlp.gate: recorded routes used twice"):
+            trainer.model(ids)
+    trainer.routing.arm(routes)
+    with pytest.raises(RuntimeError, match=r"used \[0, 0\] times instead of once by model.layers.0.mlp.gate"):
+        trainer.routing.disarm()
+    trainer.routing.arm(torch.full((3, 2, 2), -1, dtype=torch.long))
+    with torch.no_grad(), pytest.raises(RouteShapeError, match=r"model.layers.0.mlp.gate: recorded routes \[3, 2\] for a router "
+                                                               r"that chose \[4, 2\]"):
+        trainer.model(ids)
