@@ -164,3 +164,91 @@ def test_each_layer_uses_its_routes_exactly_once():
     with torch.no_grad(), pytest.raises(RouteShapeError, match=r"model.layers.0.mlp.gate: recorded routes \[3, 2\] for a router "
                                                                r"that chose \[4, 2\]"):
         trainer.model(ids)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from nonstop.tasks.tiny import save_tiny
+
+    cfg = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                          moe=TinyMoeConfig(kind="qwen2_moe", num_experts=4, expert_intermediate_size=16,
+                                            shared_expert_intermediate_size=32))
+    return save_tiny(tmp_path_factory.mktemp("moe"), cfg, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["shm", "files", pytest.param("broadcast", marks=pytest.mark.slow)])
+def test_moe_weights_cross_every_transport(moe_dir, kind, spawn_child, tmp_path):
+    """Fused experts, routers and the shared expert arrive bit-exact (broadcast: in an engine process)."""
+    from pydantic import TypeAdapter
+
+    from helpers import receive_weights
+    from nonstop.config import TransportConfig
+    from nonstop.hf import load_model
+    from nonstop.transport import open_sink, open_source, plan_transport
+
+    trainer_model = load_model(str(moe_dir))
+    fields = {"kind": kind, "timeout_s": 60, **({"bucket_mb": 0.01} if kind == "broadcast" else {}),
+              **({"dir": str(tmp_path / "w")} if kind == "files" else {})}
+    handle = plan_transport(TypeAdapter(TransportConfig).validate_python(fields), trainer_model, num_engines=1)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in {s.name for s in handle.layout}
+    sink = open_sink(handle)
+    with torch.no_grad():
+        for p in trainer_model.parameters():
+            p.add_(torch.randn(p.shape))
+    try:
+        if kind == "broadcast":  # a process group needs a second process
+            child = spawn_child(receive_weights, handle, str(moe_dir), 1, 1)
+            sink.connect()
+            child.get("attached")
+            sink.publish(trainer_model, 1)
+            seen, state = child.get("weights")
+            assert seen == [1] and child.join() == 0
+            received = {k: torch.from_numpy(v) for k, v in state.items()}
+        else:
+            engine_model = load_model(str(moe_dir))
+            source = open_source(handle, engine_model)
+            sink.publish(trainer_model, 1)
+            with torch.inference_mode():
+                assert source.maybe_update(engine_model) == 1
+            received = {k: v.clone() for k, v in engine_model.state_dict().items()}  # shm: views of the segment
+            source.close()
+        for name, t in trainer_model.state_dict().items():
+            assert torch.equal(received[name], t), name
+    finally:
+        sink.close()
+
+
+def test_engine_routes_with_the_experts_it_received(moe_dir):
+    from nonstop.config import ShmTransportConfig
+    from nonstop.hf import load_model
+    from nonstop.transport import open_sink, open_source, plan_transport
+
+    trainer_model, engine_model = load_model(str(moe_dir)), load_model(str(moe_dir))
+    engine = TorchEngine(engine_model, [2], 0, settings=EngineConfig(max_concurrent_seqs=8, max_seq_len=32))
+    handle = plan_transport(ShmTransportConfig(), trainer_model, 1)
+    sink = open_sink(handle)
+    engine.weights = open_source(handle, engine.weight_model)
+    try:
+        with torch.no_grad():
+            for layer in trainer_model.model.layers:  # new experts and router: different routes, different tokens
+                layer.mlp.gate.weight.mul_(-3.0)
+                layer.mlp.experts.gate_up_proj.add_(torch.randn(layer.mlp.experts.gate_up_proj.shape))
+        sink.publish(trainer_model, 1)
+        [samples] = engine.generate([GenerationRequest(0, [1, 5, 7], 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3))])
+        assert all(v == 1 for s in samples for v in s.versions)
+        caught: list[torch.Tensor] = []
+        hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: caught.append(o[2]))
+                 for layer in trainer_model.model.layers]
+        try:
+            for s in samples:
+                caught.clear()
+                with torch.no_grad():
+                    trainer_model(torch.tensor([s.prompt_ids + s.completion_ids[:-1]]))
+                np.testing.assert_array_equal(np.sort(_routes_array(s.routes), -1),
+                                              np.sort(torch.stack(caught, 1).numpy(), -1))
+        finally:
+            for h in hooks:
+                h.remove()
+    finally:
+        engine.weights.close()
+        sink.close()
