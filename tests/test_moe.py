@@ -22,6 +22,17 @@ def _moe(kind: str = "qwen3_moe", num_experts: int = 8, seed: int = 0):
     return make_tiny_model(cfg, seed=seed)
 
 
+def _mixed_dense_moe():
+    """A Qwen3-MoE whose middle layer is a dense MLP (mlp_only_layers)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[1],
+        norm_topk_prob=False, max_position_embeddings=128, tie_word_embeddings=True))
+
+
 def _generate(model, groups: int = 6, n: int = 4, slots: int = 12):
     """Groups of n over fewer slots than they need together: later groups join running batches."""
     engine = TorchEngine(copy.deepcopy(model), [2], 0, settings=EngineConfig(max_concurrent_seqs=slots, max_seq_len=64))
@@ -38,23 +49,25 @@ def _routes_array(r: Routes) -> np.ndarray:
     return data.reshape(-1, r.num_layers, r.top_k)
 
 
-@pytest.mark.parametrize("kind,num_experts", [("qwen3_moe", 8), ("qwen2_moe", 8), ("qwen3_moe", 300)])
+@pytest.mark.parametrize("kind,num_experts", [("qwen3_moe", 8), ("qwen2_moe", 8), ("qwen3_moe", 300), ("mixed", 6)])
 def test_recorded_routes_equal_an_independent_hf_forward(kind, num_experts):
-    model = _moe(kind, num_experts)
+    model = _mixed_dense_moe() if kind == "mixed" else _moe(kind, num_experts)
+    moe_layers = [layer for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     out = _generate(model)
     caught: list[torch.Tensor] = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: caught.append(o[2])) for layer in model.model.layers]
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: caught.append(o[2])) for layer in moe_layers]
     checked = 0
     try:
         for samples in out:
             assert samples[0].routes is not None and samples[0].routes.prompt is samples[1].routes.prompt  # prefill shared
             for s in samples:
                 r = s.routes
-                assert (r.num_layers, r.top_k, r.num_experts) == (2, 2, num_experts)
+                k = moe_layers[0].mlp.gate.top_k
+                assert (r.num_layers, r.top_k, r.num_experts) == (2, k, num_experts)
                 assert r.itemsize == (1 if num_experts <= 256 else 2)
                 assert r.num_prompt_tokens == len(s.prompt_ids)
                 assert r.num_completion_tokens == len(s.completion_ids) - 1
-                assert r.nbytes == (len(s.prompt_ids) + len(s.completion_ids) - 1) * 2 * 2 * r.itemsize
+                assert r.nbytes == (len(s.prompt_ids) + len(s.completion_ids) - 1) * 2 * k * r.itemsize
                 caught.clear()
                 with torch.no_grad():
                     logits = model(torch.tensor([s.prompt_ids + s.completion_ids[:-1]])).logits[0]

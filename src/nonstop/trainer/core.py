@@ -73,7 +73,7 @@ class Batch(TypedDict):
     prompt_len: NotRequired[torch.Tensor]  # (Q,)
     row_prompt: NotRequired[torch.Tensor]  # (B,) index of each row's prompt
     completion_in: NotRequired[torch.Tensor]  # (B, T - 1) completion inputs after the prompt
-    routes: NotRequired[torch.Tensor]  # (B, L, moe_layers, k) the engine's experts per input token, -1: none
+    routes: NotRequired[torch.Tensor]  # (B, L, moe_layers, k) int16, the engine's experts per input token, -1: none
 
 
 class Trainer:

@@ -9,7 +9,7 @@ Contract:
 - `moe_routers(model)`: the (name, module) of every top-k router (`...mlp.gate` with `top_k`,
   `num_experts`, `norm_topk_prob`, returning (router logits, top-k weights, top-k indices) as
   transformers' Qwen3-MoE / Qwen2-MoE routers do), in layer order; [] for a dense model;
-- `route_tensor(samples, L, routers)`: the recorded routes as (B, L, layers, k) long, aligned
+- `route_tensor(samples, L, routers)`: the recorded routes as (B, L, layers, k) int16, aligned
   with the plain forward's right-padded prompt + completion rows (position p of row b: prompt
   token p, then completion token p - P_b); -1 where nothing was recorded (the last completion
   token, which predicts nothing in the loss, and padding). Every sample's routes are checked
@@ -48,7 +48,7 @@ def moe_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def route_tensor(samples: Sequence[Sample], length: int, routers: list[tuple[str, torch.nn.Module]]) -> torch.Tensor:
     layers, k, experts = len(routers), int(routers[0][1].top_k), int(routers[0][1].num_experts)  # type: ignore[arg-type]
-    out = torch.full((len(samples), length, layers, k), -1, dtype=torch.long)
+    out = torch.full((len(samples), length, layers, k), -1, dtype=torch.int16)  # 2 bytes: -1 marks "none"
     for b, s in enumerate(samples):
         r = s.routes
         if r is None:
@@ -65,7 +65,7 @@ def route_tensor(samples: Sequence[Sample], length: int, routers: list[tuple[str
                 f"tokens, expected {len(s.prompt_ids)} + {want_c} (every input token but the last completion token)")
         data = np.frombuffer(r.prompt + bytes(r.completion), dtype=np.uint8 if r.itemsize == 1 else "<u2")
         n = r.num_prompt_tokens + r.num_completion_tokens
-        out[b, :n] = torch.from_numpy(data.astype(np.int64).reshape(n, layers, k))
+        out[b, :n] = torch.from_numpy(data.astype(np.int16).reshape(n, layers, k))
     return out
 
 
@@ -79,7 +79,7 @@ class RouterHooks:
         self.handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(routers)]
 
     def arm(self, routes: torch.Tensor) -> None:
-        """routes: (N, layers, k) long, -1 where nothing was recorded."""
+        """routes: (N, layers, k) integers, -1 where nothing was recorded."""
         if routes.shape[1:] != (len(self.routers), int(self.routers[0][1].top_k)):  # type: ignore[arg-type]
             raise RouteShapeError(f"routes {list(routes.shape)}: expected (tokens, {len(self.routers)} layers, "
                                   f"top-{self.routers[0][1].top_k})")
@@ -116,7 +116,7 @@ class RouterHooks:
                 raise RuntimeError(f"{name}: recorded routes used twice in one forward")
             self.used[layer] += 1
             logits, _, free = output  # (N, E), (N, k), (N, k)
-            recorded = self.routes[:, layer]  # (N, k)
+            recorded = self.routes[:, layer].long()  # (N, k)
             if recorded.shape != free.shape:
                 raise RouteShapeError(f"{name}: recorded routes {list(recorded.shape)} for a router that chose "
                                       f"{list(free.shape)} (tokens x k): the batch and its routes disagree")
