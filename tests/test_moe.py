@@ -265,3 +265,27 @@ def test_engine_routes_with_the_experts_it_received(moe_dir):
     finally:
         engine.weights.close()
         sink.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replay", ["none", "r3"])
+def test_pipeline_carries_routes_from_the_engine_process_to_the_trainer(moe_dir, tmp_path, replay):
+    """`nonstop train` at depth 0 on a MoE: routes cross processes, metrics.jsonl has the MoE metrics."""
+    import json
+
+    from test_e2e import nonstop
+
+    result = nonstop(
+        ["train", "--set", f"model.path={moe_dir}", "--set", "warmup.enabled=false", "--set", "run.progress=plain",
+         "--set", "buffer.depth=0", "--set", "buffer.max_lag=0", "--set", "run.max_steps=3", "--set", "run.name=moe",
+         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.max_new_tokens=6",
+         "--set", "rollout.prompts_per_step=8", "--set", "task.max_operand=9", "--set", "task.eval_size=20",
+         "--set", "task.reward=helpers:length_reward", "--set", f"trainer.routing_replay={replay}"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    recs = [json.loads(line) for line in (tmp_path / "runs" / "moe" / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 3
+    for r in recs:  # depth 0, one precision: the trainer routes as the engine did, ratio 1
+        assert r["routing_mismatch_frac"] == 0.0 and r["log_ratio_std"] < 1e-4, r
+        assert ("routing_free_mismatch_frac" in r) == (replay == "r3")
