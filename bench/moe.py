@@ -10,7 +10,10 @@ trainer used (tokens whose expert set differs from the engine's in at least one 
 of the per-token log importance ratio log pi - log mu, and the held-out greedy accuracy (engine,
 bf16) before and after. Timings are of whatever else runs on the machine.
 
-    python bench/moe.py [--quick] [--steps N] [--seed S]
+    python bench/moe.py [--quick] [--steps N] [--seed S] [--base DIR]
+
+`--base DIR` starts from a base already written by `nonstop warmup examples/moe_r3.yaml --out DIR`
+instead of the cached warm-up.
 
 Last line: RESULT mismatch_none=.. mismatch_r3=.. ratio_std_none=.. ratio_std_r3=.. gain_r3=.. (points)
 """
@@ -88,13 +91,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", default=str(ROOT / "examples" / "moe_r3.yaml"))
+    ap.add_argument("--base", default=None, help="a base policy folder (nonstop warmup --out DIR)")
     ns = ap.parse_args()
     torch.set_num_threads(1)
     steps = ns.steps or (30 if ns.quick else 120)
     eval_size = 200 if ns.quick else 500
     cfg = load_config(ns.config, [f"run.seed={ns.seed}", f"warmup.cache_dir={ROOT / '.nonstop_cache'}"])
     t0 = time.perf_counter()
-    base = cached_base(cfg, load_task(cfg.task, cfg.task.split_seed), warmup=True)
+    base = Path(ns.base) if ns.base else cached_base(cfg, load_task(cfg.task, cfg.task.split_seed), warmup=True)
     print(f"base: {base} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"{'routing_replay':>14} {'mismatch':>9} {'ratio std':>10} {'before':>7} {'after':>7} {'gain':>7} {'steps':>6} "
           f"{'train s':>8}")

@@ -46,8 +46,14 @@ def moe_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             if name.endswith("mlp.gate") and all(hasattr(m, a) for a in ("top_k", "num_experts", "norm_topk_prob"))]
 
 
+def router_shape(routers: list[tuple[str, torch.nn.Module]]) -> tuple[int, int, int]:
+    """(layers, top_k, num_experts); moe_routers vouches for the attributes (Module typing cannot)."""
+    first = routers[0][1]
+    return len(routers), int(getattr(first, "top_k")), int(getattr(first, "num_experts"))
+
+
 def route_tensor(samples: Sequence[Sample], length: int, routers: list[tuple[str, torch.nn.Module]]) -> torch.Tensor:
-    layers, k, experts = len(routers), int(routers[0][1].top_k), int(routers[0][1].num_experts)  # type: ignore[arg-type]
+    layers, k, experts = router_shape(routers)
     out = torch.full((len(samples), length, layers, k), -1, dtype=torch.int16)  # 2 bytes: -1 marks "none"
     for b, s in enumerate(samples):
         r = s.routes
@@ -80,9 +86,9 @@ class RouterHooks:
 
     def arm(self, routes: torch.Tensor) -> None:
         """routes: (N, layers, k) integers, -1 where nothing was recorded."""
-        if routes.shape[1:] != (len(self.routers), int(self.routers[0][1].top_k)):  # type: ignore[arg-type]
-            raise RouteShapeError(f"routes {list(routes.shape)}: expected (tokens, {len(self.routers)} layers, "
-                                  f"top-{self.routers[0][1].top_k})")
+        layers, k, _ = router_shape(self.routers)
+        if routes.shape[1:] != (layers, k):
+            raise RouteShapeError(f"routes {list(routes.shape)}: expected (tokens, {layers} layers, top-{k})")
         self.routes, self.used = routes, [0] * len(self.routers)
         self.differs = self.free_differs = None
 
