@@ -289,3 +289,48 @@ def test_pipeline_carries_routes_from_the_engine_process_to_the_trainer(moe_dir,
     for r in recs:  # depth 0, one precision: the trainer routes as the engine did, ratio 1
         assert r["routing_mismatch_frac"] == 0.0 and r["log_ratio_std"] < 1e-4, r
         assert ("routing_free_mismatch_frac" in r) == (replay == "r3")
+
+
+class _Publisher:
+    """A weight source the test drives: the engine loads `state` at its first poll after `publish()`."""
+
+    def __init__(self, state):
+        self.state, self.ready = state, False
+
+    def maybe_update(self, model):
+        if not self.ready:
+            return None
+        self.ready = False
+        model.load_state_dict(self.state)
+        return 1
+
+
+def test_abort_retry_records_the_routes_recomputed_under_the_new_weights():
+    model = _moe()
+    new = _perturbed_router(model, 0.5)  # a router far enough from the old one to route differently
+    engine = TorchEngine(copy.deepcopy(model), [2], 0,
+                         settings=EngineConfig(max_concurrent_seqs=8, max_seq_len=32, update_mode="abort_retry"))
+    source = engine.weights = _Publisher(new.state_dict())
+    done: list = []
+    engine.submit(GenerationRequest(0, [1, 5, 7, 9], 4, SamplingParams(max_new_tokens=8, temperature=1.0, seed=0)),
+                  done.append)
+    for _ in range(4):
+        engine.step()
+    source.ready = True
+    while engine.has_work():
+        engine.step()
+    [samples] = done
+    assert engine.scheduler.stats["aborted_seqs"] == 4
+    caught: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: caught.append(o[2])) for layer in new.model.layers]
+    try:
+        for s in samples:
+            assert s.versions[:4] == [0] * 4 and set(s.versions[4:]) == {1}
+            caught.clear()
+            with torch.no_grad():
+                new(torch.tensor([s.prompt_ids + s.completion_ids[:-1]]))
+            # prompt and prefix were re-prefilled under the new weights: every route is theirs
+            np.testing.assert_array_equal(np.sort(_routes_array(s.routes), -1), np.sort(torch.stack(caught, 1).numpy(), -1))
+    finally:
+        for h in hooks:
+            h.remove()
