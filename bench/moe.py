@@ -10,7 +10,7 @@ trainer used (tokens whose expert set differs from the engine's in at least one 
 of the per-token log importance ratio log pi - log mu, and the held-out greedy accuracy (engine,
 bf16) before and after. Timings are of whatever else runs on the machine.
 
-    python bench/moe.py [--quick] [--steps N] [--seed S] [--base DIR]
+    python bench/moe.py [--quick] [--steps N] [--seed S] [--base DIR] [--set KEY=VALUE ...]
 
 `--base DIR` starts from a base already written by `nonstop warmup examples/moe_r3.yaml --out DIR`
 instead of the cached warm-up.
@@ -92,11 +92,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", default=str(ROOT / "examples" / "moe_r3.yaml"))
     ap.add_argument("--base", default=None, help="a base policy folder (nonstop warmup --out DIR)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config overrides on top of --config, e.g. model.tiny.moe.num_experts=32")
     ns = ap.parse_args()
     torch.set_num_threads(1)
     steps = ns.steps or (30 if ns.quick else 120)
     eval_size = 200 if ns.quick else 500
-    cfg = load_config(ns.config, [f"run.seed={ns.seed}", f"warmup.cache_dir={ROOT / '.nonstop_cache'}"])
+    cfg = load_config(ns.config, [f"run.seed={ns.seed}", f"warmup.cache_dir={ROOT / '.nonstop_cache'}", *ns.overrides])
     t0 = time.perf_counter()
     base = Path(ns.base) if ns.base else cached_base(cfg, load_task(cfg.task, cfg.task.split_seed), warmup=True)
     print(f"base: {base} ({time.perf_counter() - t0:.0f} s)", flush=True)
