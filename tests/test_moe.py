@@ -334,3 +334,25 @@ def test_abort_retry_records_the_routes_recomputed_under_the_new_weights():
     finally:
         for h in hooks:
             h.remove()
+
+
+def test_engine_applies_qwen3_per_head_qk_norm():
+    """Qwen3 (dense, and the attention of Qwen3-MoE) normalises queries and keys per head."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True))
+    with torch.no_grad():  # norms away from 1, so skipping them would show
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.2, 3.0)
+            layer.self_attn.k_norm.weight.uniform_(0.2, 3.0)
+    [samples] = TorchEngine(copy.deepcopy(model), [2], 0, settings=EngineConfig(max_concurrent_seqs=4, max_seq_len=32)).generate(
+        [GenerationRequest(0, [1, 5, 7, 9], 3, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))])
+    for s in samples:
+        assert s.routes is None
+        with torch.no_grad():
+            logits = model(torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, len(s.prompt_ids) - 1: -1]
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        torch.testing.assert_close(lp, torch.tensor(s.logprobs), atol=1e-5, rtol=0)

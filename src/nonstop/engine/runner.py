@@ -284,6 +284,7 @@ class KVRunner:
         last = torch.tensor([len(p) - 1 for p in prompts])
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         cos, sin = self.cos[:L], self.sin[:L]  # (L, D), broadcast over (P, heads, L, D)
+        self._routes = []  # a pass that raised may have left some layers' routes
         x = F.embedding(ids, self.embed)  # (P, L, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
             h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
@@ -307,6 +308,7 @@ class KVRunner:
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]  # (B, 1, 1, D)
         plan = self._plan(positions)
         rows = self.rows[:B]
+        self._routes = []
         x = F.embedding(tokens, self.embed)  # (B, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
             h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
@@ -342,6 +344,7 @@ class KVRunner:
             out[pad_index] = t
             return out.view(P, L, heads, D).transpose(1, 2)
 
+        self._routes = []
         x = F.embedding(ids, self.embed)  # (N, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
             h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
