@@ -238,8 +238,10 @@ class Trainer:
             self.routing.arm(routes.reshape(-1, *routes.shape[2:]))  # router rows are (b, position) flattened
             try:
                 out = self.logprobs(batch, with_entropy=cfg.entropy_coef > 0)
-            finally:
-                routing = self.routing.disarm()
+            except BaseException:
+                self.routing.reset()  # the forward's own error, not an unused-routes one
+                raise
+            routing = self.routing.disarm()
         else:
             out = self.logprobs(batch, with_entropy=cfg.entropy_coef > 0)
         logp, entropy = out if cfg.entropy_coef > 0 else (out, None)

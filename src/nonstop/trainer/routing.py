@@ -92,6 +92,10 @@ class RouterHooks:
         self.routes, self.used = routes, [0] * len(self.routers)
         self.differs = self.free_differs = None
 
+    def reset(self) -> None:
+        """Disarm without checks (after a forward that raised)."""
+        self.routes = None
+
     def disarm(self) -> dict[str, float]:
         routes, used = self.routes, self.used
         self.routes = None
