@@ -1,5 +1,5 @@
 """Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop train --resume RUN_DIR`,
-`nonstop warmup --out DIR`, `nonstop config`.
+`nonstop warmup --out DIR`, `nonstop config`, `nonstop report RUN_DIR`, `nonstop simulate RUN_DIR`.
 
 `nonstop train` with no arguments runs the built-in default: the tiny model on two-operand
 addition, starting from the base policy shipped with the package, then asynchronous GRPO.
@@ -158,6 +158,22 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
     (out_dir / PROVENANCE).write_text(json.dumps(prov, indent=1) + "\n")
     console.print(f"base policy written to {out_dir}: held-out accuracy {heldout:.1%} on {len(data.eval)} prompts, "
                   f"sha256 {prov['sha256'][:12]}", highlight=False)
+
+
+@main.command("report")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the HTML page (default RUN_DIR/report.html; PNGs go beside it in report/).")
+def report_cmd(run_dir: Path, out: Path | None) -> None:
+    """Render a run's report: one self-contained HTML page with its figures (needs the `report` extra)."""
+    from nonstop.report import ReportError, render
+
+    try:
+        page = render(run_dir, out)
+    except ReportError as e:
+        click.echo(f"report: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"report written to {page}")
 
 
 @main.command("config")

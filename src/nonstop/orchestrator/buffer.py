@@ -22,7 +22,7 @@ its admission is refunded and the next prompts fill it.
 versions behind the trainer; every group dropped on the way is counted by reason in `drops`.
 With `max_lag=None` the buffer rejects nothing (rejection per sample or token is then the
 trainer's, which masks and counts). Every drop is also settled in the prompt ledger when one is
-given. Nothing is dropped silently.
+given, and recorded in the span log when one is given. Nothing is dropped silently.
 
 When the prompt stream runs out (`run.max_epochs`), the producer calls `close()`; `take()` then
 returns the last, possibly short, batch and after it an empty one.
@@ -35,6 +35,7 @@ import math
 from collections import Counter
 
 from nonstop.orchestrator.ledger import Ledger
+from nonstop.spans import SpanLog, now
 from nonstop.types import Group
 
 _EMPTY_SLOT = object()  # a group without learning signal, holding its place in a batch (refill=False)
@@ -42,8 +43,9 @@ _EMPTY_SLOT = object()  # a group without learning signal, holding its place in 
 
 class RolloutBuffer:
     def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int,
-                 ledger: Ledger | None = None, refill: bool = True) -> None:
+                 ledger: Ledger | None = None, refill: bool = True, spans: SpanLog | None = None) -> None:
         self.groups_per_step = groups_per_step
+        self.spans = spans if spans is not None else SpanLog(None)
         self.ledger = ledger
         self.refill = refill
         self.depth = depth
@@ -75,6 +77,7 @@ class RolloutBuffer:
     async def drop(self, group: Group, reason: str) -> None:
         """Count a group that will not be trained on and refund its admission."""
         self.drops[reason] += 1
+        self.spans.emit("drop", id=[group.epoch, group.prompt_index], reason=reason, t=round(now(), 6))
         if self.ledger is not None:
             self.ledger.settle(group.epoch, group.prompt_index, reason)
         if not self.refill and reason == "uniform_reward":
