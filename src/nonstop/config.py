@@ -361,6 +361,10 @@ class Config(_Section):
     runtime: RuntimeConfig = LocalRuntimeConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
+    tracking: tuple[Literal["tensorboard", "wandb", "trackio", "mlflow"], ...] = ()
+    """Experiment trackers that receive every step's metrics besides metrics.jsonl, each an optional
+    extra (pip install 'nonstop[tensorboard]' etc.); they write inside the run folder, wandb offline,
+    unless their own environment variables say otherwise (docs/observability.md)."""
 
     @property
     def engine_settings(self) -> EngineConfig:

@@ -16,9 +16,12 @@ Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
   (step, t0, t1, groups, queued), `publish` (step, version, t0, t1), `eval` and `checkpoint`
   (t0, t1);
 - engine: `busy` (t0, t1, passes, rows, busy_s: consecutive forward passes coalesced into one
-  chunk of at most `CHUNK_S`; rows = decode + prefill rows summed over the passes), `apply`
-  (t0, t1, version: a new policy_version made live);
-- trainer rank: `step` (t0, t1, version, tokens, samples), `publish` (t0, t1, version, bytes).
+  chunk of about `CHUNK_S`; rows = tokens emitted, summed over the passes; busy_s = the passes'
+  own time, t1 - t0 = that plus the engine's work between them: taking requests, returning
+  results; a chunk cut for length ends where the next begins), `apply` (t0, t1, version: a new
+  policy_version made live);
+- trainer rank: `step` (t0, t1, version, tokens, samples, update_s: the part of the step that
+  does not grow with its tokens, gradient clip and optimizer step), `publish` (t0, t1, version, bytes).
 
 Cost: one `json.dumps` and a buffered write per event (a few microseconds); engines coalesce
 their forward passes, so a busy engine writes about 1 / CHUNK_S lines a second. Files are
@@ -36,8 +39,8 @@ from pathlib import Path
 from typing import IO, Any
 
 SPANS_DIR = "spans"
-CHUNK_S = 0.05  # longest busy chunk an engine writes
-GAP_S = 0.002  # forward passes closer than this belong to the same busy chunk
+CHUNK_S = 0.05  # an engine's busy chunk is cut once it would grow longer than this
+GAP_S = 0.25  # a longer pause between two passes ends a chunk (the engine also flushes when it runs out of work)
 FLUSH_S = 1.0
 
 
@@ -85,8 +88,10 @@ class SpanLog:
 
 
 class PassRecorder:
-    """Coalesces an engine's forward passes into `busy` chunks (at most CHUNK_S long, split at
-    gaps over GAP_S), so the log stays small while keeping the rate per batch size."""
+    """Coalesces an engine's forward passes into `busy` chunks (cut once longer than CHUNK_S, at
+    pauses over GAP_S, and by `flush()` when the engine runs out of work), so the log stays small
+    while keeping the rate per batch size. A chunk cut for length ends where the next one
+    begins, so the chunks of a busy stretch tile it, the work between passes included."""
 
     def __init__(self, log: SpanLog) -> None:
         self.log = log
@@ -95,8 +100,10 @@ class PassRecorder:
         self.busy_s = 0.0
 
     def record(self, t0: float, t1: float, rows: int) -> None:
-        if self.passes and (t0 - self.t1 > GAP_S or t1 - self.t0 > CHUNK_S):
+        if self.passes and t0 - self.t1 > GAP_S:
             self.flush()
+        elif self.passes and t1 - self.t0 > CHUNK_S:
+            self.flush(end=t0)
         if not self.passes:
             self.t0 = t0
         self.t1 = t1
@@ -104,9 +111,11 @@ class PassRecorder:
         self.rows += rows
         self.busy_s += t1 - t0
 
-    def flush(self) -> None:
+    def flush(self, end: float | None = None) -> None:
+        """Write the open chunk, ending at `end` (default: its last pass's end)."""
         if self.passes:
-            self.log.emit("busy", t0=round(self.t0, 6), t1=round(self.t1, 6), passes=self.passes, rows=self.rows,
+            t1 = self.t1 if end is None else end
+            self.log.emit("busy", t0=round(self.t0, 6), t1=round(t1, 6), passes=self.passes, rows=self.rows,
                           busy_s=round(self.busy_s, 6))
         self.passes = self.rows = 0
         self.busy_s = 0.0

@@ -7,8 +7,9 @@ asks `admit(k)` before generating k groups; admission holds
 
 so depth 0 is synchronous (the next batch is generated only after the trainer published the
 weights of the previous step: lag 0), depth 1 is a double buffer (lag <= 1), depth K a bounded
-queue (lag <= K), and depth None an unbounded stream held back only by `max_queued` and the
-max-lag rule. A group that never reaches the trainer (dropped for lag, a reward fault, or no
+queue (lag <= K), and depth None an unbounded stream held back only by `max_queued` (at most
+that many groups admitted and not yet trained, so admission still waits and the producer
+yields) and the max-lag rule. A group that never reaches the trainer (dropped for lag, a reward fault, or no
 learning signal) refunds its admission, so a short batch is topped up instead of starving
 the trainer.
 
@@ -31,7 +32,6 @@ returns the last, possibly short, batch and after it an empty one.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import Counter
 
 from nonstop.orchestrator.ledger import Ledger
@@ -59,8 +59,8 @@ class RolloutBuffer:
         self._changed = asyncio.Condition()
 
     def _limit(self) -> float:
-        if self.depth is None:
-            return math.inf
+        if self.depth is None:  # groups admitted and not yet trained stay within max_queued
+            return self.steps_trained * self.groups_per_step + self.queue.maxsize + self.refunded
         return (self.steps_trained + self.depth + 1) * self.groups_per_step + self.refunded
 
     async def admit(self, max_groups: int) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.engine.worker import EngineWorker
-from nonstop.metrics import Clock, JsonlSink
+from nonstop.metrics import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.dispatch import EnginePool, RankGroup
 from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate
@@ -35,6 +35,7 @@ from nonstop.runtime import ActorBackend
 from nonstop.runtime.clients import EngineActor, TrainerActor
 from nonstop.runtime.restart import RestartingEngine
 from nonstop.spans import SpanLog, span_path
+from nonstop.tracking import MetricsSink, open_sinks
 from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 from nonstop.trainer.worker import TrainerWorker
 from nonstop.types import TransportHandle
@@ -63,7 +64,7 @@ class Run:
     stats: RolloutStats
     stream: PromptStream
     ledger: Ledger
-    sink: JsonlSink
+    sink: MetricsSink  # metrics.jsonl and the trackers of cfg.tracking
     progress: Progress
     run_dir: Path
     base_model: Path
@@ -180,4 +181,4 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
                FunctionScorer(reward if reward is not None else resolve_reward(cfg.task.reward),
                               cfg.task.reward_fail_fast), RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
-               JsonlSink(run_dir / "metrics.jsonl"), progress, run_dir, base_model, RunState(), spans)
+               open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans)

@@ -101,7 +101,8 @@ class TrainerWorker:
         self.busy_s += train_s
         metrics.update(train_s=train_s)
         self.spans.emit("step", t0=round(t0, 6), t1=round(t1, 6), version=self.trainer.policy_version,
-                        tokens=sum(g.num_tokens for g in groups), samples=sum(len(g.samples) for g in groups))
+                        tokens=sum(g.num_tokens for g in groups), samples=sum(len(g.samples) for g in groups),
+                        update_s=round(metrics["update_s"], 6))
         return StepResult(self.trainer.policy_version, metrics)
 
     def publish(self) -> PublishResult:
