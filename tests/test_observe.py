@@ -125,3 +125,25 @@ def test_report_renders_and_loads_in_headless_chromium(run_dir, tmp_path):
 def test_report_of_a_folder_without_spans_says_so(tmp_path):
     r = nonstop(["report", str(tmp_path)], cwd=tmp_path)
     assert r.returncode == 2 and "no span log" in r.stderr
+
+
+def test_simulate_calibrates_on_the_run_and_recommends(run_dir, tmp_path):
+    """`nonstop simulate RUN_DIR` fits its costs to the run's span log, predicts the run's own
+    pipeline near what the span log measured, and sweeps to a recommendation."""
+    from nonstop.planner.model import simulate
+    from nonstop.planner.params import PlanParams, Shape, calibrate
+
+    tl = Timeline.load(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    p = calibrate(tl, cfg)
+    assert p.pass_s >= 0 and p.pass_row_s >= 0 and p.step_token_s >= 0 and p.pass_s + p.pass_row_s > 0
+    assert sum(len(g) for g in p.groups_lens) == sum(len(g.lens) for g in tl.groups)
+    pred = simulate(p, Shape.of(cfg))
+    assert 0.5 < pred.samples_per_s / tl.samples_per_s() < 2.0  # a loose bar: this machine is shared
+    r = nonstop(["simulate", str(run_dir), "--sweep", "buffer.depth=0,1", "--sweep", "runtime.num_engines=1,2",
+                 "--write-params", str(tmp_path / "costs.json"), "--seeds", "1"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "recommended: --set buffer.depth=" in r.stdout
+    assert PlanParams.load(tmp_path / "costs.json") == p
+    bad = nonstop(["simulate", str(run_dir), "--sweep", "buffer.depht=1"], cwd=tmp_path)
+    assert bad.returncode == 2 and "buffer.depht" in bad.stdout

@@ -114,7 +114,7 @@ class MlflowTracker:
             self.mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         self.mlflow.set_experiment(PROJECT)
         self.run = self.mlflow.start_run(run_name=name)
-        self.mlflow.log_params({**scalars(config), **_strings(config)})
+        self.mlflow.log_params(_leaves(config))
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.mlflow.log_metrics(values, step=step)
@@ -123,13 +123,14 @@ class MlflowTracker:
         self.mlflow.end_run()
 
 
-def _strings(record: dict[str, Any], prefix: str = "") -> dict[str, str]:
+def _leaves(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Every leaf of a nested config as text, keyed by its path ('rollout/group_size': '8')."""
     out: dict[str, str] = {}
-    for k, v in record.items():
+    for k, v in config.items():
         if isinstance(v, dict):
-            out.update(_strings(v, f"{prefix}{k}/"))
-        elif isinstance(v, str):
-            out[f"{prefix}{k}"] = v[:250]
+            out.update(_leaves(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = str(v)[:250]
     return out
 
 
@@ -147,6 +148,7 @@ class FanOut:
         self.jsonl.write(record)
         if self.trackers:
             values = scalars(record)
+            values.pop("step", None)  # given as each tracker's step instead
             for t in self.trackers:
                 t.log(int(record["step"]), values)
 

@@ -64,6 +64,7 @@ class _Group:
 class _Engine:
     index: int
     waiting: deque[_Group] = field(default_factory=deque)
+    arriving: list[_Group] = field(default_factory=list)  # reached the engine, not yet seen by its loop
     rows: list[tuple[int, int, int, _Group]] = field(default_factory=list)  # heap of (end pass, id, start pass, group)
     passes: int = 0  # passes completed
     version: int = 0
@@ -127,7 +128,8 @@ class Simulation:
             k = int(min(self.s.prompts_per_step, self.limit() - self.admitted))
             self.admitted += k
             for _ in range(k):
-                self.at(self.t + self.p.admit_delay_s, "dispatch", _Group(self.sample_lens()))
+                delay = self.rng.choice(self.p.admit_delays) if self.p.admit_delays else self.p.admit_delay_s
+                self.at(self.t + delay, "dispatch", _Group(self.sample_lens()))
 
     def sample_lens(self) -> list[int]:
         g = self.s.group_size
@@ -140,7 +142,10 @@ class Simulation:
     def on_dispatch(self, g: _Group) -> None:
         e = min(self.engines, key=lambda x: (x.in_flight, x.index))
         e.in_flight += len(g.lens)
-        e.waiting.append(g)
+        if self.p.pickup_passes and e.end is not None:
+            e.arriving.append(g)  # taken at the next boundary, admitted at the one after
+        else:
+            e.waiting.append(g)
         self.interrupt(e)
 
     def on_deliver(self, g: _Group) -> None:
@@ -190,22 +195,53 @@ class Simulation:
             e.marks.append(e.passes)
             e.marks_v.append(e.version)
             t += self.p.apply_s
+        self.join(e)
+        e.waiting.extend(e.arriving)  # seen by the loop now: they join at the next boundary
+        e.arriving.clear()
+        if not e.rows:
+            self.join(e)  # an engine with nothing to decode takes them at once
+        if not e.rows:
+            e.busy_s += t - self.t
+            if e.end is not None:
+                e.end = None
+                self.busy_changed(e)
+            return
+        was_idle = e.end is None
+        e.end = t  # busy from here on, so sharing() counts it
+        b = len(e.rows)
+        e.tau = ((self.p.pass_s + self.p.pass_row_s * b) * (1 + self.p.engine_slowdown * self.trainer_busy)
+                 * self.sharing())
+        e.busy_s += t - self.t  # the apply
+        e.t_start = t
+        e.gen += 1
+        stop = e.rows[0][0] if not e.waiting or self.p.pickup_passes == 0 else min(e.rows[0][0], e.passes + 1)
+        e.end = t + (stop - e.passes) * e.tau
+        self.at(e.end, "engine", (e, e.gen, stop))
+        if was_idle:
+            self.busy_changed(e)
+
+    def join(self, e: _Engine) -> None:
+        """Waiting groups whose rows fit join the batch at this pass boundary."""
         while e.waiting and len(e.rows) + len(e.waiting[0].lens) <= self.s.slots:
             g = e.waiting.popleft()
             g.remaining, g.min_version = len(g.lens), e.version
             for n in g.lens:
                 heapq.heappush(e.rows, (e.passes + max(n, 1), next(self.order), e.passes, g))
-        if not e.rows:
-            e.busy_s += t - self.t
-            e.end = None
+
+    def sharing(self) -> float:
+        """How much slower every actor runs because busy actors outnumber the cores (1: not at all)."""
+        if self.p.cores is None:
+            return 1.0
+        busy = sum(e.end is not None for e in self.engines) + self.s.trainer_ranks * self.trainer_busy
+        return max(1.0, busy / self.p.cores)
+
+    def busy_changed(self, source: _Engine | None = None) -> None:
+        """An actor started or stopped: with shared cores every busy engine's pace changes."""
+        if self.p.cores is None:
             return
-        b = len(e.rows)
-        e.tau = (self.p.pass_s + self.p.pass_row_s * b) * (1 + self.p.engine_slowdown * self.trainer_busy)
-        e.busy_s += t - self.t  # the apply
-        e.t_start = t
-        e.gen += 1
-        e.end = t + (e.rows[0][0] - e.passes) * e.tau
-        self.at(e.end, "engine", (e, e.gen, e.rows[0][0]))
+        for e in self.engines:
+            if e is not source and e.end is not None:
+                self.interrupt(e)
 
     @staticmethod
     def count_tokens(e: _Engine, g: _Group, start: int, end: int) -> None:
@@ -235,13 +271,14 @@ class Simulation:
             self.trainer_waiting = False
             tokens = sum(sum(g.versions.values()) for g in self.batch)
             busy = sum(e.end is not None for e in self.engines) / len(self.engines)
-            dt = (self.p.step_s + self.p.step_token_s * tokens / self.s.trainer_ranks) * (1 + self.p.trainer_slowdown * busy)
             self.set_trainer_busy(True)
+            dt = ((self.p.step_s + self.p.step_token_s * tokens / self.s.trainer_ranks)
+                  * (1 + self.p.trainer_slowdown * busy) * self.sharing())
             self.at(self.t + dt, "step_end", dt)
 
     def set_trainer_busy(self, busy: bool) -> None:
         self.trainer_busy = busy
-        if self.p.engine_slowdown:
+        if self.p.engine_slowdown or self.p.cores is not None:
             for e in self.engines:
                 if e.end is not None:
                     self.interrupt(e)

@@ -8,6 +8,11 @@
   (1 + trainer_slowdown x engines-busy fraction at the step's start);
 - publish_s per weight publish (trainer side), apply_s per version made live (engine side);
 - admit_delay_s (admission -> engine call) and deliver_delay_s (engine done -> group buffered);
+  `admit_delays`, when measured, are resampled instead of the mean: the producer sends the groups
+  of one admission one call at a time, so they reach an engine spread over several passes;
+- pickup_passes: 1 when a request that reaches a busy engine is seen by its loop at the next
+  pass boundary and joins the batch at the one after (nonstop's engine: its actor reads calls
+  between passes and submits them on the following loop turn), 0 when it joins at the next;
 - loop_s: the learning loop's own time per step besides the trainer's work and waiting for a
   batch (calls' round trips, records, admission);
 - completion lengths: `groups_lens`, the completion lengths of real groups, resampled whole; or,
@@ -16,14 +21,18 @@
 - drop_frac: the share of groups dropped without learning signal (refunded and replaced);
 - eval_s: one held-out evaluation.
 
-The slowdown terms model processes that share CPUs (or a GPU): on this 2-core machine an
-engine's pass is slower while the trainer computes. Separate devices have both at 0.
+Processes that share processors (on this 2-core machine every engine and trainer rank is a
+CPU process) slow each other down: with `cores` set, an actor runs at min(1, cores / busy
+actors) of its speed, so a second engine on the same cores is no free capacity. `cores` None
+means each actor has its own device; the two slowdown terms then describe any other coupling.
 
 `calibrate(timeline, cfg)` fits them to a run's span log (nonstop.timeline): tau by weighted
 least squares over the engines' busy chunks (a chunk's mean pass time against its mean rows and
 its overlap with trainer steps: a linear model's mean is the model at the mean, so chunks
 average without bias; a chunk's time includes the engine's work between its passes), the step
-time likewise over trainer steps, the rest as means.
+time likewise over trainer steps, the rest as means. When the fitted slowdowns show the two sides competing,
+they become `cores`: with n actors busy at once in the calibration run slowed by a factor 1 + s,
+cores = n / (1 + s).
 `Shape` is what the planner may change: engines, trainer ranks, depth, max_lag, batch.
 """
 
@@ -80,12 +89,15 @@ class PlanParams:
     len_sigma: float = 1.0
     len_max: int = 0
     admit_delay_s: float = 0.0
+    admit_delays: list[float] = field(default_factory=list)
     deliver_delay_s: float = 0.0
     loop_s: float = 0.0
+    pickup_passes: int = 0
     engine_slowdown: float = 0.0
     trainer_slowdown: float = 0.0
     drop_frac: float = 0.0
     eval_s: float = 0.0
+    cores: float | None = None
     calibrated_on: Shape | None = None
 
     def to_json(self) -> str:
@@ -169,7 +181,8 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         for e in tl.events[actor]:
             if e["ev"] == "busy" and e["passes"] and e["t1"] > e["t0"]:
                 overlap = union_length(trainers, e["t0"], e["t1"]) / (e["t1"] - e["t0"])
-                chunks += [(e["rows"] / e["passes"], overlap, (e["t1"] - e["t0"]) / e["passes"])] * min(e["passes"], 8)
+                # weighted by passes: the fit then reproduces the total time of all passes
+                chunks += [(e["rows"] / e["passes"], overlap, (e["t1"] - e["t0"]) / e["passes"])] * e["passes"]
     if not chunks:
         raise ValueError(f"{tl.run_dir}: the span log holds no engine forward passes")
     pass_s, pass_row_s, engine_slowdown = _fit_with_slowdown(chunks)
@@ -181,6 +194,11 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     overlaps = [sum(union_length(tl.engine_busy(a), e["t0"], e["t1"]) for a in engines)
                 / max(len(engines) * (e["t1"] - e["t0"]), 1e-9) for e in steps]
     step_s, step_token_s, trainer_slowdown = _fit_steps(steps, overlaps)
+    cores = None
+    seen = [x for x in (engine_slowdown, trainer_slowdown) if x > 0]
+    if seen and fmean(seen) > 0.05:  # the two sides slowed each other: they share processors
+        cores = (len(engines) + ranks) / (1 + fmean(seen))
+        engine_slowdown = trainer_slowdown = 0.0
     pubs = [e["t1"] - e["t0"] for e in tl.events.get("trainer-0", []) if e["ev"] == "publish"]
     applies = [e["t1"] - e["t0"] for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "apply"]
     orch = tl.events.get("orchestrator", [])
@@ -192,10 +210,11 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         publish_s=fmean(pubs) if pubs else 0.0, apply_s=fmean(applies) if applies else 0.0,
         groups_lens=[g.lens for g in groups],
         admit_delay_s=fmean(g.t_gen0 - g.t_admit for g in groups),
+        admit_delays=[round(g.t_gen0 - g.t_admit, 6) for g in groups[:: max(1, len(groups) // 4000)]],
         deliver_delay_s=fmean(g.t_done - g.t_gen1 for g in groups),
         engine_slowdown=engine_slowdown, trainer_slowdown=trainer_slowdown,
         drop_frac=uniform / len(groups) if groups and cfg.rollout.filter_uniform_reward and cfg.rollout.refill else 0.0,
-        loop_s=_loop_s(tl), eval_s=fmean(evals) if evals else 0.0, calibrated_on=Shape.of(cfg),
+        loop_s=_loop_s(tl), pickup_passes=1, eval_s=fmean(evals) if evals else 0.0, cores=cores, calibrated_on=Shape.of(cfg),
     )
 
 

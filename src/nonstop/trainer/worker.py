@@ -100,9 +100,11 @@ class TrainerWorker:
         train_s = t1 - t0
         self.busy_s += train_s
         metrics.update(train_s=train_s)
+        update_s = metrics["update_s"]
+        assert isinstance(update_s, float)  # Trainer.step reports it in seconds
         self.spans.emit("step", t0=round(t0, 6), t1=round(t1, 6), version=self.trainer.policy_version,
                         tokens=sum(g.num_tokens for g in groups), samples=sum(len(g.samples) for g in groups),
-                        update_s=round(metrics["update_s"], 6))
+                        update_s=round(update_s, 6))
         return StepResult(self.trainer.policy_version, metrics)
 
     def publish(self) -> PublishResult:
