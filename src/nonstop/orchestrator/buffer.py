@@ -9,9 +9,11 @@ so depth 0 is synchronous (the next batch is generated only after the trainer pu
 weights of the previous step: lag 0), depth 1 is a double buffer (lag <= 1), depth K a bounded
 queue (lag <= K), and depth None an unbounded stream held back only by `max_queued` (at most
 that many groups admitted and not yet trained, so admission still waits and the producer
-yields) and the max-lag rule. A group that never reaches the trainer (dropped for lag, a reward fault, or no
-learning signal) refunds its admission, so a short batch is topped up instead of starving
-the trainer.
+yields) and the max-lag rule. The depth bounds the lag of groups trained in the order they
+were admitted; batches are formed in arrival order, so a slow group overtaken by later ones can
+lag more (the capacity planner shows it with long-tailed lengths), and the max-lag rule bounds
+it. A group that never reaches the trainer (dropped for lag, a reward fault, or no learning
+signal) refunds its admission, so a short batch is topped up instead of starving the trainer.
 
 With `refill=False`, a group dropped for having no learning signal ("uniform_reward") is not
 refunded: it keeps its place in its batch as an empty slot, so a step trains on the groups with
