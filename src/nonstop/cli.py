@@ -1,5 +1,5 @@
 """Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop train --resume RUN_DIR`,
-`nonstop warmup --out DIR`, `nonstop config`.
+`nonstop warmup --out DIR`, `nonstop config`, `nonstop report RUN_DIR`, `nonstop simulate RUN_DIR`.
 
 `nonstop train` with no arguments runs the built-in default: the tiny model on two-operand
 addition, starting from the base policy shipped with the package, then asynchronous GRPO.
@@ -158,6 +158,54 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
     (out_dir / PROVENANCE).write_text(json.dumps(prov, indent=1) + "\n")
     console.print(f"base policy written to {out_dir}: held-out accuracy {heldout:.1%} on {len(data.eval)} prompts, "
                   f"sha256 {prov['sha256'][:12]}", highlight=False)
+
+
+@main.command("report")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the HTML page (default RUN_DIR/report.html; PNGs go beside it in report/).")
+def report_cmd(run_dir: Path, out: Path | None) -> None:
+    """Render a run's report: one self-contained HTML page with its figures (needs the `report` extra)."""
+    from nonstop.report import ReportError, render
+
+    try:
+        page = render(run_dir, out)
+    except ReportError as e:
+        click.echo(f"report: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"report written to {page}")
+
+
+@main.command("simulate")
+@click.argument("run_dir", required=False, type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--params", "params_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="Stated costs (JSON/YAML, as --write-params writes) instead of a run's span log.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="The pipeline to predict (default: RUN_DIR's config.yaml, or the built-in default).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Change the pipeline, e.g. --set buffer.depth=2")
+@click.option("--sweep", "axes", multiple=True, metavar="KEY=V1,V2,...",
+              help="Predict every combination, e.g. --sweep runtime.num_engines=1,2 --sweep buffer.depth=0,1,2,null")
+@click.option("--max-mean-lag", type=float, default=None, help="Recommend only pipelines whose mean token lag is within this.")
+@click.option("--seeds", default=3, show_default=True, type=int, help="Simulations averaged per prediction.")
+@click.option("--write-params", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the calibrated costs to this file (edit them to plan for other hardware).")
+def simulate_cmd(run_dir: Path | None, params_path: Path | None, config_path: str | None, overrides: tuple[str, ...],
+                 axes: tuple[str, ...], max_mean_lag: float | None, seeds: int, write_params: Path | None) -> None:
+    """Predict samples/s, idle fractions and token lag of a pipeline from a run's span log (or stated costs)."""
+    console = Console()
+    from nonstop.planner.cli import run_planner
+
+    if (run_dir is None) == (params_path is None):
+        console.print("[red]simulate: give a RUN_DIR to calibrate on, or --params FILE[/]", highlight=False)
+        sys.exit(2)
+    if config_path is None and run_dir is not None:
+        config_path = str(run_dir / "config.yaml")
+    cfg = config_or_exit(config_path, overrides, console)
+    try:
+        run_planner(console, cfg, run_dir, params_path, axes, max_mean_lag, seeds, write_params)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        console.print(f"[red]simulate: {e}[/]", highlight=False)
+        sys.exit(2)
 
 
 @main.command("config")

@@ -367,6 +367,9 @@ class RunConfig(_Section):
     """Run folder name; default is a timestamp."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live display: rich on a terminal, plain lines otherwise."""
+    spans: bool = True
+    """Write the span log (RUN_DIR/spans/*.jsonl: every group's life, every actor's busy intervals),
+    which `nonstop report` and `nonstop simulate` read; costs well under 1% of samples/s (docs/observability.md)."""
 
     @field_validator("progress", mode="before")
     @classmethod
@@ -386,6 +389,10 @@ class Config(_Section):
     runtime: RuntimeConfig = LocalRuntimeConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
+    tracking: tuple[Literal["tensorboard", "wandb", "trackio", "mlflow"], ...] = ()
+    """Experiment trackers that receive every step's metrics besides metrics.jsonl, each an optional
+    extra (pip install 'nonstop[tensorboard]' etc.); they write inside the run folder, wandb offline,
+    unless their own environment variables say otherwise (docs/observability.md)."""
 
     @property
     def engine_settings(self) -> EngineConfig:

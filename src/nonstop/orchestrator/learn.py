@@ -9,28 +9,35 @@ A trainer failure ends the run with RunFailed naming the last checkpoint to resu
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 
 from nonstop.orchestrator.build import Run
 from nonstop.orchestrator.records import StepRecord
 from nonstop.orchestrator.recovery import RunFailed, write_checkpoint
 from nonstop.runtime import ActorCallError, ActorDied
+from nonstop.spans import now
 from nonstop.types import Group, PublishResult, StepResult
 
 
 async def learn(run: Run) -> StepRecord | None:
     """Returns the last step's record (None when no step ran)."""
-    cfg, state, record = run.cfg, run.state, None
+    cfg, state, record, spans = run.cfg, run.state, None, run.spans
     for step in range(state.first_step, cfg.run.max_steps + 1):
+        t_wait = now()
         groups = await run.buffer.take()
         if not groups:
             break  # the stream ran out (run.max_epochs) and every group was trained
-        t0 = time.perf_counter()
+        t0 = now()
         with trainer_failure(run, step):
             result = await run.trainer.step(groups)
+            t1 = now()
             published = await run.trainer.publish()
-        state.clock.add("training", time.perf_counter() - t0)
+        t2 = now()
+        state.clock.add("training", t2 - t0)
+        spans.emit("wait", step=step, t0=round(t_wait, 6), t1=round(t0, 6))
+        spans.emit("train", step=step, t0=round(t0, 6), t1=round(t1, 6), queued=run.buffer.queued,
+                   groups=[[g.epoch, g.prompt_index] for g in groups])
+        spans.emit("publish", step=step, version=published.policy_version, t0=round(t1, 6), t1=round(t2, 6))
         outcome = "skipped_step" if result.metrics["skipped"] else "trained"
         for g in groups:
             run.ledger.settle(g.epoch, g.prompt_index, outcome)
@@ -38,12 +45,16 @@ async def learn(run: Run) -> StepRecord | None:
         out_of_time = cfg.run.max_time_s is not None and state.clock.wall() >= cfg.run.max_time_s
         record = step_record(run, step, groups, result, published)
         if step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time:
+            t_eval = now()
             record.eval_accuracy = await run.eval()
+            spans.emit("eval", step=step, t0=round(t_eval, 6), t1=round(now(), 6), accuracy=record.eval_accuracy)
         run.sink.write(record.to_dict())
         run.progress.update(record)
         if cfg.checkpoint.every_steps is not None and step % cfg.checkpoint.every_steps == 0:
+            t_ckpt = now()
             with trainer_failure(run, step):  # the trainer may die while idle: its next call is this one
                 await write_checkpoint(run, step)
+            spans.emit("checkpoint", step=step, t0=round(t_ckpt, 6), t1=round(now(), 6))
         if out_of_time:
             break
     if record is not None and record.eval_accuracy is None:  # the stream ran out between two evaluations

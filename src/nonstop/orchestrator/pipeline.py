@@ -29,6 +29,7 @@ from nonstop.orchestrator.recovery import restore
 from nonstop.progress import Progress
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
+from nonstop.spans import now
 from nonstop.tasks.data import TaskData
 
 
@@ -46,10 +47,12 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         for e in run.engines:
             supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
         supervisor.spawn(produce(run.engine, run.buffer, run.stream, run.scorer, run.codec, cfg.rollout,
-                                 run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures, run.ledger),
+                                 run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures, run.ledger,
+                                 run.spans),
                          name="producer")
         last = await supervisor.run(learn(run))
         run.sink.close()
+        run.spans.close()
         final_dir = run_dir / "final"
         await run.trainer.save(str(final_dir))
         run.codec.tokenizer.save_pretrained(final_dir)
@@ -70,6 +73,7 @@ async def begin(run: Run, resume: Checkpoint | None) -> None:
         run.progress.log(f"base policy held-out accuracy: {run.state.base_accuracy:.1%} "
                          f"on {len(run.data.eval)} prompts")
         run.state.clock = Clock()
+    run.spans.emit("rl_start", t=round(now(), 6), resumed=resume is not None)
     run.progress.base_eval = run.state.base_accuracy
 
 
