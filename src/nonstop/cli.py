@@ -103,15 +103,20 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set engine.max_concurrent_seqs=32")
 @click.option("--model", "model_path", default=None, help="Model folder (default: model.path; none: a fresh tiny model).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; keep 127.0.0.1 unless you mean to expose it.")
-@click.option("--port", default=8000, show_default=True, type=int, help="Port (0: any free port).")
-@click.option("--api-key", default=None, envvar="NONSTOP_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free port).")
+@click.option("--api-key", default=None, envvar="NONSTOP_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1/* (prefer the environment variable: arguments show in ps).")
 @click.option("--served-model-name", default=None, help="Model id clients must use (default: the folder name).")
 def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | None, host: str, port: int,
               api_key: str | None, served_model_name: str | None) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (token ids, logprobs and versions included)."""
     console = Console()
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("empty key: give a non-empty key, or leave --api-key and NONSTOP_API_KEY unset "
+                                 "to serve without one", param_hint="--api-key")
     cfg = config_or_exit(config, overrides, console)
     from nonstop.serve import serve
+    from nonstop.serve.server import ServeError
 
     path = model_path or cfg.model.path
     if path is None:
@@ -126,7 +131,11 @@ def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | 
     def ready(bound: int) -> None:
         console.print(f"serving '{name}' on http://{host}:{bound} (/v1/completions, /v1/chat/completions, /health)", highlight=False)
 
-    asyncio.run(serve(cfg, path, host, port, api_key, name, ready))
+    try:
+        asyncio.run(serve(cfg, path, host, port, api_key, name, ready))
+    except ServeError as e:
+        console.print(f"[red]serve failed:[/] {e}", highlight=False)
+        sys.exit(1)
 
 
 @main.command("warmup")
