@@ -67,6 +67,7 @@ class Run:
     run_dir: Path
     base_model: Path
     state: RunState
+    transport: TransportHandle | None = None
 
     async def eval(self) -> float:
         return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens)
@@ -169,4 +170,4 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
                FunctionScorer(reward if reward is not None else resolve_reward(cfg.task.reward),
                               cfg.task.reward_fail_fast), RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
-               JsonlSink(run_dir / "metrics.jsonl"), progress, run_dir, base_model, RunState())
+               JsonlSink(run_dir / "metrics.jsonl"), progress, run_dir, base_model, RunState(), handle)

@@ -30,6 +30,7 @@ from nonstop.progress import Progress
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
 from nonstop.tasks.data import TaskData
+from nonstop.transport import release
 
 
 async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, progress: Progress,
@@ -40,6 +41,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
     ledger continue from it (prompts in flight at the checkpoint are generated again first).
     `reward`, when given, is the reward function instead of task.reward."""
     backend, supervisor = make_backend(cfg.runtime, run_dir), Supervisor()
+    run: Run | None = None
     try:
         run = await build_run(cfg, backend, base_model, data, run_dir, progress, resume, reward)
         await begin(run, resume)
@@ -59,6 +61,8 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         progress.stop()
         await supervisor.close()
         await backend.shutdown()
+        if run is not None and run.transport is not None and release(run.transport):
+            progress.log("[yellow]released the shared-memory weight segment of a trainer that died[/]")
 
 
 async def begin(run: Run, resume: Checkpoint | None) -> None:
