@@ -215,3 +215,38 @@ def test_killed_trainer_leaves_no_segment_and_a_failed_marker(tiny_dir, tmp_path
     assert segments and proc.returncode == 1 and "the trainer failed" in out, out
     assert "leaked shared_memory" not in out and _gone(segments), out
     assert "no checkpoint was written" in (tmp_path / "runs" / "tk" / "FAILED").read_text()
+
+
+def test_ctrl_c_writes_a_checkpoint_that_resumes_and_a_second_stops_at_once(tiny_dir, tmp_path):
+    proc = _start_run(tiny_dir, tmp_path, "cc", "--set", "checkpoint.every_steps=100000")
+    try:
+        _wait_for_line(proc, "step    1")  # plain progress prints the first step at once
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted: stopped at step" in out and "checkpoint step" in out, out
+    step = int(out.split("interrupted: stopped at step ")[1].split()[0])
+    run_dir = tmp_path / "runs" / "cc"
+    assert (run_dir / "checkpoints").is_dir() and "resume with" in (run_dir / "FAILED").read_text()
+    result = nonstop(["train", "--resume", str(run_dir), "--set", f"run.max_steps={step + 2}"], cwd=tmp_path, timeout_s=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == step + 2 and summary["prompts"]["duplicated"] == 0, summary
+    assert not (run_dir / "FAILED").exists()
+    assert "this session (resumed" in result.stdout and "over all sessions" in result.stdout, result.stdout
+
+    proc = _start_run(tiny_dir, tmp_path, "cc2")
+    try:
+        _wait_for_line(proc, "step    1")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        t0 = time.perf_counter()
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert time.perf_counter() - t0 < 60, out

@@ -102,7 +102,11 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
         sys.exit(130)
     except Exception as e:  # one clear line for the user; the cause chain stays in the traceback
         from nonstop.checkpoint import CheckpointError
-        from nonstop.orchestrator.recovery import RunFailed
+        from nonstop.orchestrator.recovery import RunFailed, RunInterrupted
+
+        if isinstance(e, RunInterrupted):
+            console.print(f"[yellow]interrupted:[/] {e}", highlight=False)
+            sys.exit(130)
         from nonstop.orchestrator.generate import NoLearningSignal
         from nonstop.runtime import ActorCallError, ActorDied
         from nonstop.orchestrator.score import RewardError

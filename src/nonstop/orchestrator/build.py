@@ -47,6 +47,9 @@ class RunState:
     base_accuracy: float = 0.0
     first_step: int = 1
     last_checkpoint: int | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by the first Ctrl-C (or SIGTERM): the learning loop ends after the current step and
+    writes a checkpoint."""
 
 
 @dataclass(frozen=True)

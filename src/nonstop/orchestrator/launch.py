@@ -58,7 +58,10 @@ def preflight(cfg: Config, reward: RewardFn | None) -> None:
 
 def record_failure(run_dir: Path, error: BaseException) -> None:
     """Say in the run folder why the run stopped and whether it can be resumed."""
-    what = "was interrupted" if isinstance(error, KeyboardInterrupt) else f"failed: {type(error).__name__}: {error}"
+    from nonstop.orchestrator.recovery import RunInterrupted
+
+    what = ("was interrupted" if isinstance(error, (KeyboardInterrupt, RunInterrupted))
+            else f"failed: {type(error).__name__}: {error}")
     has_ckpt = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     hint = f"resume with `nonstop train --resume {run_dir}`" if has_ckpt else "no checkpoint was written: start it again"
     (run_dir / FAILED).write_text(f"this run {what}\n{hint}\n")
@@ -116,7 +119,10 @@ def _run(cfg: Config, console: Console, run_dir: Path, resume_dir: Path | None, 
             ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
             base = Path(ckpt.state["base_model"])
         warmup_s = time.perf_counter() - t0
-        summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward))
+        try:
+            summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward))
+        except asyncio.CancelledError:  # a second Ctrl-C cancelled the run's task
+            raise KeyboardInterrupt from None
     summary = replace(summary, wall_s=time.perf_counter() - t0, warmup_s=warmup_s,
                       dataset_rows_skipped=data.report.rows_skipped)
     (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
