@@ -466,6 +466,8 @@ def load_config(path: str | Path | Config | None = None, overrides: list[str] | 
             loaded = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} cannot be read: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -475,7 +477,11 @@ def load_config(path: str | Path | Config | None = None, overrides: list[str] | 
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-4")
-        _set_dotted(tree, key.strip(), _parse_value(raw))
+        try:
+            value = _parse_value(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key.strip()}: {raw!r} is not a valid value ({getattr(e, 'problem', None) or e})") from None
+        _set_dotted(tree, key.strip(), value)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
