@@ -155,6 +155,7 @@ def _gone(segments: set[str]) -> bool:
     return not any((Path("/dev/shm") / name).exists() for name in segments)
 
 
+@pytest.mark.slow  # a real training run (1-4 min on a loaded 2-core machine)
 def test_sigterm_stops_every_actor_and_actors_are_named_by_role(tiny_dir, tmp_path):
     proc = _start_run(tiny_dir, tmp_path, "term")
     try:
@@ -185,6 +186,7 @@ def test_sigterm_stops_every_actor_and_actors_are_named_by_role(tiny_dir, tmp_pa
     assert "was interrupted" in (tmp_path / "runs" / "term" / "FAILED").read_text()
 
 
+@pytest.mark.slow  # a real training run (1-4 min on a loaded 2-core machine)
 def test_killed_orchestrator_takes_its_actors_along(tiny_dir, tmp_path):
     proc = _start_run(tiny_dir, tmp_path, "kill9")
     try:
@@ -202,6 +204,7 @@ def test_killed_orchestrator_takes_its_actors_along(tiny_dir, tmp_path):
     assert not [p for p in kids if _alive(p)], "actors outlived a SIGKILLed orchestrator"
 
 
+@pytest.mark.slow  # a real training run (1-4 min on a loaded 2-core machine)
 def test_killed_trainer_leaves_no_segment_and_a_failed_marker(tiny_dir, tmp_path):
     proc = _start_run(tiny_dir, tmp_path, "tk", "--set", "task.reward=helpers:kill_trainer_reward",
                       "--set", "checkpoint.every_steps=null")
@@ -217,6 +220,7 @@ def test_killed_trainer_leaves_no_segment_and_a_failed_marker(tiny_dir, tmp_path
     assert "no checkpoint was written" in (tmp_path / "runs" / "tk" / "FAILED").read_text()
 
 
+@pytest.mark.slow  # a real training run (1-4 min on a loaded 2-core machine)
 def test_ctrl_c_writes_a_checkpoint_that_resumes_and_a_second_stops_at_once(tiny_dir, tmp_path):
     proc = _start_run(tiny_dir, tmp_path, "cc", "--set", "checkpoint.every_steps=100000")
     try:
