@@ -217,3 +217,26 @@ def interrupt_once_reward(completion: str, answer: str) -> float:
     if _calls["n"] == 300 and _once("interrupted"):
         os.kill(os.getpid(), signal.SIGINT)
     return float(len(completion))
+
+
+_soak = {"last_kill": None, "next": 0}
+
+
+def kill_an_engine_every_reward(completion: str, answer: str) -> float:
+    """Soak test: SIGKILLs one engine (in turn) every NONSTOP_SOAK_KILL_EVERY_S seconds."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    now = time.monotonic()
+    every_s = float(os.environ.get("NONSTOP_SOAK_KILL_EVERY_S", "60"))
+    if _soak["last_kill"] is None:
+        _soak["last_kill"] = now
+    elif now - _soak["last_kill"] >= every_s:
+        _soak["last_kill"] = now
+        engines = sorted((c for c in mp.active_children() if c.name.startswith("nonstop-engine")), key=lambda c: c.name)
+        if engines:
+            victim = engines[_soak["next"] % len(engines)]
+            _soak["next"] += 1
+            os.kill(victim.pid, signal.SIGKILL)
+    return float(len(completion))
