@@ -49,6 +49,9 @@ class RunState:
     base_accuracy: float = 0.0
     first_step: int = 1
     last_checkpoint: int | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by the first Ctrl-C (or SIGTERM): the learning loop ends after the current step and
+    writes a checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Run:
     base_model: Path
     state: RunState
     spans: SpanLog = field(default_factory=lambda: SpanLog(None))  # the orchestrator's span file
+    transport: TransportHandle | None = None
 
     async def eval(self) -> float:
         return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens)
@@ -181,4 +185,4 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
                FunctionScorer(reward if reward is not None else resolve_reward(cfg.task.reward),
                               cfg.task.reward_fail_fast), RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
-               open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans)
+               open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans, handle)

@@ -3,13 +3,19 @@
 It runs beside the producer (generate.py), which fills the buffer. Each step settles its
 groups in the prompt ledger, and tells the buffer the published version only once `publish()`
 returned, i.e. once every engine can load it: admission and the max-lag rule count from there.
-A trainer failure ends the run with RunFailed naming the last checkpoint to resume from.
+A trainer failure ends the run with RunFailed naming the last checkpoint to resume from. When
+`run.state.stop` is set (the first Ctrl-C), the loop ends after the step under way, or at once
+if it is waiting for a batch, and writes a checkpoint of the last finished step (when
+checkpoints are on): the taken-but-untrained groups are in flight in the ledger, so a resume
+generates them again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 from nonstop.orchestrator.build import Run
 from nonstop.orchestrator.records import StepRecord
@@ -24,9 +30,9 @@ async def learn(run: Run) -> StepRecord | None:
     cfg, state, record, spans = run.cfg, run.state, None, run.spans
     for step in range(state.first_step, cfg.run.max_steps + 1):
         t_wait = now()
-        groups = await run.buffer.take()
+        groups = await until_stopped(run.buffer.take(), state.stop)
         if not groups:
-            break  # the stream ran out (run.max_epochs) and every group was trained
+            break  # stopped, or the stream ran out (run.max_epochs) and every group was trained
         t0 = now()
         with trainer_failure(run, step):
             result = await run.trainer.step(groups)
@@ -55,8 +61,13 @@ async def learn(run: Run) -> StepRecord | None:
             with trainer_failure(run, step):  # the trainer may die while idle: its next call is this one
                 await write_checkpoint(run, step)
             spans.emit("checkpoint", step=step, t0=round(t_ckpt, 6), t1=round(now(), 6))
-        if out_of_time:
+        if out_of_time or state.stop.is_set():
             break
+    if state.stop.is_set():
+        if record is not None and cfg.checkpoint.every_steps is not None and state.last_checkpoint != record.step:
+            with trainer_failure(run, record.step):
+                await write_checkpoint(run, record.step)
+        return record
     if record is not None and record.eval_accuracy is None:  # the stream ran out between two evaluations
         record.eval_accuracy = await run.eval()
         run.sink.write(record.final_eval())
@@ -64,6 +75,23 @@ async def learn(run: Run) -> StepRecord | None:
         with trainer_failure(run, record.step):
             await write_checkpoint(run, record.step)
     return record
+
+
+async def until_stopped(take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event) -> list[Group]:
+    """The batch `take` returns, or [] as soon as `stop` is set."""
+    if stop.is_set():
+        take.close()
+        return []
+    taking = asyncio.create_task(take, name="learn-take")
+    stopping = asyncio.create_task(stop.wait(), name="learn-stop-wait")
+    try:
+        await asyncio.wait({taking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (taking, stopping):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(taking, stopping, return_exceptions=True)
+    return taking.result() if taking.done() and not taking.cancelled() else []
 
 
 @contextlib.contextmanager
