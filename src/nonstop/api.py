@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from nonstop.config import Config, ConfigError, load_config
 from nonstop.orchestrator.score import RewardError, RewardFn, resolve_reward
-from nonstop.tasks.data import DatasetError, DatasetReport, Example, TaskData, check_row, collect_rows, refuse_bad_rows, split_examples
+from nonstop.tasks.data import DatasetError, DatasetReport, Example, Row, TaskData, check_row, collect_rows, refuse_bad_rows, split_examples
 
 if TYPE_CHECKING:
     from nonstop.orchestrator.records import RunSummary
@@ -71,7 +71,7 @@ def _mapping_text(mapping: dict[str, str]) -> str:
     return ", ".join(f"{f} <- {c!r}" for f, c in mapping.items())
 
 
-def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[tuple[str, str]], DatasetReport]:
+def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[Row], DatasetReport]:
     """(prompt, answer) pairs of a datasets.Dataset or a list of dicts, checked like JSONL rows."""
     names = getattr(rows, "column_names", None)
     if isinstance(names, dict):  # a DatasetDict: one list of columns per split

@@ -40,6 +40,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
     ledger continue from it (prompts in flight at the checkpoint are generated again first).
     `reward`, when given, is the reward function instead of task.reward."""
     backend, supervisor = make_backend(cfg.runtime, run_dir), Supervisor()
+    run: Run | None = None
     try:
         run = await build_run(cfg, backend, base_model, data, run_dir, progress, resume, reward)
         await begin(run, resume)
@@ -58,6 +59,8 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
     finally:
         progress.stop()
         await supervisor.close()
+        if run is not None:
+            await run.scorer.close()
         await backend.shutdown()
 
 

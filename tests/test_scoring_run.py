@@ -1,0 +1,69 @@
+"""Runs of the real CLI with faulty rewards: every fault counted, the run goes on, and the prompt
+ledger settles every prompt exactly once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_e2e import nonstop, records, small_model_args
+
+
+def _dataset(tmp_path, n=10):
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "difficulty": a % 3} for a in range(n) for b in range(4)]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return rows
+
+
+def _run(tmp_path, tiny_dir, name, *overrides):
+    result = nonstop(
+        ["train", *small_model_args(tiny_dir), "--set", "task.name=jsonl", "--set", "task.dataset_path=data.jsonl",
+         "--set", "task.eval_size=8", "--set", "run.max_epochs=1", "--set", "run.max_steps=100",
+         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.prompts_per_step=4",
+         "--set", "rollout.group_size=2", "--set", "checkpoint.every_steps=null", "--set", f"run.name={name}",
+         *[a for o in overrides for a in ("--set", o)]],
+        cwd=tmp_path, timeout_s=400,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / name
+    return json.loads((run_dir / "summary.json").read_text()), records(run_dir)
+
+
+def _settled_once(summary, train_size, dropped):
+    prompts = summary["prompts"]
+    assert prompts["settled"] == train_size and prompts["in_flight"] == 0, prompts
+    assert prompts["duplicated"] == 0 and prompts["unknown"] == 0, prompts
+    assert prompts["outcomes"].get("reward_error", 0) == dropped, prompts
+    assert prompts["outcomes"]["trained"] + dropped == train_size, prompts
+
+
+def test_sleeping_raising_and_hanging_rewards_in_a_run(tiny_dir, tmp_path):
+    """scoring_helpers:faulty sleeps 20 ms, raises on answers ending in 1, hangs on those ending in 2."""
+    rows = _dataset(tmp_path)
+    summary, recs = _run(tmp_path, tiny_dir, "faulty", "task.reward=scoring_helpers:faulty",
+                         "scoring.timeout_s=0.5", "scoring.retries=0", "task.max_consecutive_reward_failures=1000")
+    train = len(rows) - 8
+    errors = summary["reward_errors"]
+    assert errors["reward_raised"] > 0 and errors["reward_timeout"] > 0, errors
+    # raising groups count every sample (2 each); a timed-out call counts once per group
+    dropped = errors["reward_raised"] // 2 + errors["reward_timeout"]
+    assert summary["drops"]["reward_error"] == dropped
+    _settled_once(summary, train, dropped)
+    last = recs[-2] if recs[-1].get("final_eval") else recs[-1]
+    for key in ("reward_latency_p50_s", "reward_latency_p99_s", "scoring_pending", "scoring_pending_peak"):
+        assert key in last, key
+    assert any(r.get("reward_latency_p50_s", 0) >= 0.02 for r in recs)
+
+
+@pytest.mark.slow
+def test_faults_in_worker_processes_during_a_run(tiny_dir, tmp_path, monkeypatch):
+    """scoring.pool=process: hung workers are killed and replaced, the run trains on everything else."""
+    rows = _dataset(tmp_path)
+    summary, _ = _run(tmp_path, tiny_dir, "faulty-procs", "task.reward=scoring_helpers:faulty",
+                      "scoring.pool=process", "scoring.timeout_s=1", "scoring.retries=0",
+                      "task.max_consecutive_reward_failures=1000")
+    errors = summary["reward_errors"]
+    assert errors["reward_raised"] > 0 and errors["reward_timeout"] > 0, errors
+    dropped = errors["reward_raised"] // 2 + errors["reward_timeout"] + errors.get("reward_worker_died", 0)
+    _settled_once(summary, len(rows) - 8, dropped)
