@@ -92,7 +92,8 @@ async def spawn_trainers(backend: ActorBackend, cfg: Config, weights: Path, tok:
         backend.spawn(n, TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature, tok.pad_token_id,
                       cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject, reference_path=reference_path,
                       total_steps=cfg.run.max_steps, lora=cfg.model.lora, adapter_path=adapter_path,
-                      max_new_tokens=cfg.rollout.max_new_tokens)
+                      max_new_tokens=cfg.rollout.max_new_tokens,
+                      distill=cfg.distill if cfg.distill.teacher is not None else None)
         for n in _names("trainer", cfg.trainer.ranks)))]
     if len(ranks) > 1:
         addr, port = await ranks[0].rendezvous(backend.host)

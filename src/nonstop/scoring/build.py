@@ -71,5 +71,5 @@ def build_scorer(cfg: Config, backend: ActorBackend | None, decode: Callable[[li
         from nonstop.scoring.teacher import TeacherComponent, check_tokenizers
 
         check_tokenizers(tokenizer_dir, cfg.distill.teacher)
-        components.append(TeacherComponent(cfg.distill, cfg.rollout.temperature, backend, log))
+        components.append(TeacherComponent(cfg.distill, cfg.rollout.temperature, backend, log, sc.timeout_s))
     return ScoringStage(components, sc, runner, cfg.task.reward_fail_fast)

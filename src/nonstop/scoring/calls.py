@@ -101,27 +101,42 @@ def _raised(e: BaseException) -> Failure:
     return Failure("raised", f"{type(e).__name__}: {e}{where}")
 
 
-async def _one(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None,
-               executor: Executor | None) -> Outcome:
-    def call() -> Any:
-        return group_call(fn, rows) if row is None else sample_call(fn, row)
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
+
+def _call_sync(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None) -> Outcome:
     try:
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-            value = await call()
-        elif executor is None:
-            value = call()
-        else:
-            value = await asyncio.get_running_loop().run_in_executor(executor, call)
+        value = group_call(fn, rows) if row is None else sample_call(fn, row)
     except Exception as e:  # a user's reward function may raise anything
         return _raised(e)
     return check(kind, value, rows, row)
 
 
+async def _call_async(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None) -> Outcome:
+    try:
+        value = await (group_call(fn, rows) if row is None else sample_call(fn, row))
+    except Exception as e:  # a user's reward function may raise anything
+        return _raised(e)
+    return check(kind, value, rows, row)
+
+
+def _sync_group(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+    if kind == "group":
+        return [_call_sync(kind, fn, rows, None)]
+    return [_call_sync(kind, fn, rows, row) for row in rows]
+
+
 async def evaluate(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow],
                    executor: Executor | None = None) -> list[Outcome]:
-    """Outcomes of one group: one per row, or one for the whole group (kind 'group'). Sync
-    functions run in `executor` (None: right here, blocking the loop); async ones on the loop."""
-    if kind == "group":
-        return [await _one(kind, fn, rows, None, executor)]
-    return list(await asyncio.gather(*(_one(kind, fn, rows, row, executor) for row in rows)))
+    """Outcomes of one group: one per row, or one for the whole group (kind 'group'). A sync
+    function scores the group's rows one after another as one job of `executor` (None: right
+    here, blocking the loop), so a group costs the loop one hand-over whatever its size; an
+    async function's calls run concurrently on the loop."""
+    if _is_async(fn):
+        if kind == "group":
+            return [await _call_async(kind, fn, rows, None)]
+        return list(await asyncio.gather(*(_call_async(kind, fn, rows, row) for row in rows)))
+    if executor is None:
+        return _sync_group(kind, fn, rows)
+    return await asyncio.get_running_loop().run_in_executor(executor, _sync_group, kind, fn, rows)

@@ -19,6 +19,7 @@ serves several calls at once.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -132,3 +133,61 @@ class RewardWorker:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class Batcher:
+    """Requests of concurrent groups merged into calls of at most `batch_size` items.
+
+    One call is in flight at a time; the requests that arrive meanwhile wait and go together in
+    the next (whole: a request larger than `batch_size` goes alone). A failed call fails every
+    request it carried with the same error."""
+
+    def __init__(self, name: str, send: Callable[[list[Any]], Any], batch_size: int) -> None:
+        self.name, self.send, self.batch_size = name, send, batch_size
+        self.waiting: deque[tuple[list[Any], asyncio.Future]] = deque()
+        self.arrived = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.calls = 0
+
+    async def submit(self, items: list[Any]) -> list[Any]:
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._serve(), name=f"{self.name}-batcher")
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.waiting.append((items, fut))
+        self.arrived.set()
+        return await fut
+
+    def _next_batch(self) -> list[tuple[list[Any], asyncio.Future]]:
+        batch = [self.waiting.popleft()]
+        size = len(batch[0][0])
+        while self.waiting and size + len(self.waiting[0][0]) <= self.batch_size:
+            batch.append(self.waiting.popleft())
+            size += len(batch[-1][0])
+        return batch
+
+    async def _serve(self) -> None:
+        while True:
+            if not self.waiting:
+                self.arrived.clear()
+                await self.arrived.wait()
+            batch = [(items, fut) for items, fut in self._next_batch() if not fut.done()]
+            if not batch:
+                continue
+            self.calls += 1
+            try:
+                results = await self.send([x for items, _ in batch for x in items])
+            except Exception as e:  # handed to every request of this call
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            at = 0
+            for items, fut in batch:
+                if not fut.done():
+                    fut.set_result(results[at: at + len(items)])
+                at += len(items)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
