@@ -56,3 +56,8 @@ def rank_reward(completions: list[str], answers: list[str]) -> list[float]:
 
 def wrong_count(completions, answers):
     return [1.0]
+
+
+def step_scores(steps: list[str], answer: str) -> list[float]:
+    """A process reward: 1.0 for a step that contains the answer's first digit, else -0.5."""
+    return [1.0 if answer[0] in step else -0.5 for step in steps]

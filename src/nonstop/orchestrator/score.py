@@ -35,14 +35,22 @@ def partial_credit(completion: str, answer: str) -> float:
 BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "partial_credit": partial_credit}
 
 
+OPTIONAL_REWARDS = {"math_verify": "nonstop.scoring.math"}  # built-ins whose package is an optional extra
+
+
 def resolve_reward(spec: str, field: str = "task.reward") -> RewardFn:
     """A built-in name or 'package.module:function' as a function; errors name `field`."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    if spec in OPTIONAL_REWARDS:
+        module = importlib.import_module(OPTIONAL_REWARDS[spec])
+        module._package()  # a clear RewardError when the extra is not installed
+        return getattr(module, spec)
     module_name, sep, attr = spec.partition(":")
     if not sep:
         raise RewardError(
-            f"{field}: unknown reward {spec!r}; use one of {sorted(BUILTIN_REWARDS)} or 'package.module:function'"
+            f"{field}: unknown reward {spec!r}; use one of {sorted([*BUILTIN_REWARDS, *OPTIONAL_REWARDS])} "
+            "or 'package.module:function'"
         )
     try:
         fn = getattr(importlib.import_module(module_name), attr)

@@ -60,7 +60,7 @@ def build_scorer(cfg: Config, backend: ActorBackend | None, decode: Callable[[li
             raise RewardError("scoring.reward_model: needs an actor backend")
         from nonstop.scoring.reward_model import RewardModelComponent
 
-        components.append(RewardModelComponent(sc.reward_model, backend, log))
+        components.append(RewardModelComponent(sc.reward_model, backend, log, sc.timeout_s))
     if sc.judge is not None:
         from nonstop.scoring.judge import JudgeComponent
 

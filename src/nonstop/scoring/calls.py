@@ -5,8 +5,9 @@ A reward function may be sync or async. Its parameters decide what it gets:
   those of `prompt`, `completion`, `answer`, `extra` (the row's other fields as one dict) and each
   extra field by its own name that it declares (all of them with **kwargs);
 - any other function is called as `fn(completion, answer)` (the original contract).
-Process-reward functions also get `steps` (the completion cut at the delimiter) and return one
-float per step; group functions get the lists `prompts`, `completions`, `answers`, `extras` and
+Process-reward functions get `steps` (the completion cut at the delimiter) first: one with a
+parameter named `steps` (or **kwargs) is called by keyword like the above plus `steps`, any other
+as `fn(steps, answer)`; they return one float per step; group functions get the lists `prompts`, `completions`, `answers`, `extras` and
 return one float per sample. `evaluate(kind, fn, rows)` runs one group's rows and returns one
 `Outcome` per sample (for a group function: one for the group): a value, or a `Failure` saying
 why (raised, not_finite, bad_output) in words. It never raises for a fault of the function.
@@ -62,9 +63,11 @@ def _arguments(fn: Callable[..., Any], named: dict[str, Any], extra: dict[str, A
 
 def sample_call(fn: Callable[..., Any], row: RewardRow) -> Any:
     named: dict[str, Any] = {"completion": row.completion, "prompt": row.prompt, "answer": row.answer}
-    if row.steps is not None:
-        named["steps"] = row.steps
-    args, kwargs = _arguments(fn, named, row.extra, (row.completion, row.answer))
+    if row.steps is not None:  # a process reward: keyed by `steps`, else called as fn(steps, answer)
+        named = {"steps": row.steps, **named}
+        args, kwargs = _arguments(fn, named, row.extra, (row.steps, row.answer))
+    else:
+        args, kwargs = _arguments(fn, named, row.extra, (row.completion, row.answer))
     return fn(*args, **kwargs)
 
 
