@@ -67,3 +67,16 @@ def test_faults_in_worker_processes_during_a_run(tiny_dir, tmp_path, monkeypatch
     assert errors["reward_raised"] > 0 and errors["reward_timeout"] > 0, errors
     dropped = errors["reward_raised"] // 2 + errors["reward_timeout"] + errors.get("reward_worker_died", 0)
     _settled_once(summary, len(rows) - 8, dropped)
+
+
+def test_distillation_run_records_teacher_kl_and_identity(tiny_dir, tmp_path):
+    """A short run whose teacher is the base itself: the KL term starts at zero and the teacher's
+    identity@version reaches the trainer with every sample."""
+    _dataset(tmp_path)
+    summary, recs = _run(tmp_path, tiny_dir, "distill", f"distill.teacher={tiny_dir}", "distill.version=v1",
+                         "distill.coef=0.5", "run.max_steps=3")
+    steps = [r for r in recs if not r.get("final_eval")]
+    assert len(steps) == 3 and summary["steps"] == 3
+    assert abs(steps[0]["teacher_kl"]) < 1e-3  # the student is the teacher at step 1
+    assert all(r["teacher_samples"] == {f"{tiny_dir}@v1": r["samples_trained"]} for r in steps)
+    assert "teacher_latency_p50_s" in steps[0]

@@ -263,7 +263,10 @@ class Trainer:
             loss, stats = clipped_policy_loss(logp, old, advantages, mask, cfg.clip_low, cfg.clip_high,
                                               cfg.norm, weights, norm_den, cfg.clip_ratio_c,
                                               self.max_new_tokens)
-        extra: dict[str, float] = dict(token_stats)
+        extra: dict[str, float | dict[str, int]] = dict(token_stats)
+        teachers = Counter(s.teacher for g in groups for s in g.samples if s.teacher is not None)
+        if teachers:
+            extra["teacher_samples"] = dict(teachers)  # samples by the teacher identity@version that scored them
         if self.reference is not None:
             with torch.no_grad():
                 ref = self.logprobs(batch, self.reference)
