@@ -61,3 +61,16 @@ def wrong_count(completions, answers):
 def step_scores(steps: list[str], answer: str) -> list[float]:
     """A process reward: 1.0 for a step that contains the answer's first digit, else -0.5."""
     return [1.0 if answer[0] in step else -0.5 for step in steps]
+
+
+def kill_reward_model_once(completion: str, answer: str) -> float:
+    """SIGKILLs the reward-model actor the first time it runs in a run folder (flag file in the cwd)."""
+    import multiprocessing as mp
+    import signal
+
+    if not os.path.exists("reward-model-killed"):
+        open("reward-model-killed", "w").close()
+        for child in mp.active_children():
+            if child.name.startswith("nonstop-reward-model"):
+                os.kill(child.pid, signal.SIGKILL)
+    return float(len(completion) % 2)

@@ -69,6 +69,7 @@ def test_faults_in_worker_processes_during_a_run(tiny_dir, tmp_path, monkeypatch
     _settled_once(summary, len(rows) - 8, dropped)
 
 
+@pytest.mark.slow
 def test_distillation_run_records_teacher_kl_and_identity(tiny_dir, tmp_path):
     """A short run whose teacher is the base itself: the KL term starts at zero and the teacher's
     identity@version reaches the trainer with every sample."""
@@ -80,3 +81,26 @@ def test_distillation_run_records_teacher_kl_and_identity(tiny_dir, tmp_path):
     assert abs(steps[0]["teacher_kl"]) < 1e-3  # the student is the teacher at step 1
     assert all(r["teacher_samples"] == {f"{tiny_dir}@v1": r["samples_trained"]} for r in steps)
     assert "teacher_latency_p50_s" in steps[0]
+
+
+@pytest.mark.slow
+def test_reward_model_killed_mid_run(tiny_dir, tmp_path):
+    """The reward-model actor is SIGKILLed during the run: restarted, its calls retried, the run
+    finishes and every prompt is settled once."""
+    from transformers import AutoModelForSequenceClassification, Qwen2Config
+
+    from nonstop.tasks.tiny import make_char_tokenizer
+
+    rm = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=0)).save_pretrained(rm)
+    make_char_tokenizer().save_pretrained(rm)
+    rows = _dataset(tmp_path)
+    summary, recs = _run(tmp_path, tiny_dir, "rm-killed", "task.reward=scoring_helpers:kill_reward_model_once",
+                         f"scoring.reward_model.path={rm}", "scoring.retries=2")
+    assert (tmp_path / "reward-model-killed").exists()
+    _settled_once(summary, len(rows) - 8, summary["drops"].get("reward_error", 0))
+    last = recs[-2] if recs[-1].get("final_eval") else recs[-1]
+    assert last["scoring_retries"].get("reward_model_worker_died", 0) >= 1, last
+    assert not any(k.startswith("reward_model") for k in summary["reward_errors"]), summary["reward_errors"]

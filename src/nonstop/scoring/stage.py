@@ -9,8 +9,9 @@ rewards are the sum of the contributions. `ready()` holds admission while
 
 Reward functions run in a `Runner`: `LoopRunner` calls them on the event loop (blocking it:
 what nonstop did before this stage existed; kept for comparison, and the only runner without a
-timeout for sync functions), `ThreadRunner` in a thread pool of the orchestrator (a call past
-its timeout is abandoned and counted, its thread left to finish), `ProcessRunner` in an
+timeout for sync functions), `ThreadRunner` in a pool of daemon threads of the orchestrator (a
+call past its timeout is abandoned and counted, its thread left to finish; a call that never
+returns cannot keep the process alive at exit), `ProcessRunner` in an
 ActorPool of RewardWorker processes (a call past its timeout kills its worker, which is
 replaced). `FunctionComponent` scores each sample with task.reward; `GroupComponent` the whole
 group with scoring.group_reward.
@@ -19,11 +20,14 @@ group with scoring.group_reward.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
+import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any, Protocol
 
 from nonstop.config_scoring import ScoringConfig
@@ -64,9 +68,38 @@ class LoopRunner:
         pass
 
 
+class DaemonThreads(Executor):
+    """A fixed pool of daemon threads: a reward call that never returns cannot keep the process
+    alive at exit (ThreadPoolExecutor joins its threads at interpreter shutdown)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            fut, fn, args = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:
+                    fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        fut: Future = Future()
+        self.jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for _ in self.threads:
+            self.jobs.put(None)
+
+
 class ThreadRunner:
     def __init__(self, threads: int) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nonstop-reward")
+        self.executor = DaemonThreads(threads, "nonstop-reward")
 
     async def start(self) -> None:
         pass
@@ -79,7 +112,7 @@ class ThreadRunner:
             raise CallFailed("timeout", f"the reward function did not return within {timeout_s:g} s") from None
 
     async def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown(wait=False)
 
 
 class ProcessRunner:
