@@ -88,6 +88,7 @@ def reward_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_reward_model_actor_batches_and_survives_being_killed(reward_model_dir):
     from transformers import AutoModelForSequenceClassification
 
