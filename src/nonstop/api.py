@@ -13,8 +13,9 @@ Contract:
   at most half), shuffled with task.split_seed. Without `dataset`, the config's task is used.
 - `reward`: a callable (completion, answer) -> float, a built-in name or 'package.module:function',
   or a list of these, whose values are summed, each times its entry of `reward_weights` (default
-  1.0). Scoring runs in this process on either backend, so lambdas and closures work and are never
-  pickled. Rewards that raise or return a non-finite value are counted like task.reward's.
+  1.0). With scoring.pool 'thread' (the default) or 'loop', scoring runs in this process on either
+  backend, so lambdas and closures work and are never pickled; 'process' needs a callable that
+  pickles (a module-level function). Rewards that raise or return a non-finite value are counted like task.reward's.
   Without `reward`, task.reward is used. config.yaml records a callable as 'module:qualname'
   when importable, else as 'python:<qualname>' (such a run cannot be resumed from the CLI).
 - The base policy: with model.path set, that model (no warm-up, as in the CLI). With the built-in
@@ -36,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from nonstop.config import Config, ConfigError, load_config
 from nonstop.orchestrator.score import RewardError, RewardFn, resolve_reward
-from nonstop.tasks.data import (DatasetError, DatasetReport, TaskData, check_row, collect_rows, joined_splits,
-                                refuse_bad_rows, split_examples)
+from nonstop.tasks.data import (DatasetError, DatasetReport, Example, Row, TaskData, check_row, collect_rows,
+                                joined_splits, refuse_bad_rows, split_examples)
 
 if TYPE_CHECKING:
     from nonstop.orchestrator.records import RunSummary
@@ -72,7 +73,7 @@ def _mapping_text(mapping: dict[str, str]) -> str:
     return ", ".join(f"{f} <- {c!r}" for f, c in mapping.items())
 
 
-def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[tuple[str, str]], DatasetReport]:
+def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[Row], DatasetReport]:
     """(prompt, answer) pairs of a datasets.Dataset or a list of dicts, checked like JSONL rows."""
     names = getattr(rows, "column_names", None)
     if isinstance(names, dict):  # a DatasetDict: one list of columns per split

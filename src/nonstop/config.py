@@ -31,11 +31,12 @@ from nonstop.config_kinds import (
     TransportConfig,
 )
 from nonstop.config_schema import Section as _Section
+from nonstop.config_scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
 from nonstop.config_schema import explain, reference
 
 __all__ = [
     "BaseRuntimeConfig", "BaseTransportConfig", "BroadcastTransportConfig", "BufferConfig", "CheckpointConfig",
-    "Config", "ConfigError", "EngineConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
+    "Config", "ConfigError", "DistillConfig", "JudgeConfig", "ProcessRewardConfig", "RewardModelConfig", "ScoringConfig", "EngineConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
     "ModelConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
     "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TinyMoeConfig", "TrainerConfig", "TransportConfig", "WarmupConfig",
     "config_reference", "dump_config", "format_validation_error", "load_config",
@@ -401,6 +402,8 @@ class Config(_Section):
     """Experiment trackers that receive every step's metrics besides metrics.jsonl, each an optional
     extra (pip install 'nonstop[tensorboard]' etc.); they write inside the run folder, wandb offline,
     unless their own environment variables say otherwise (docs/observability.md)."""
+    scoring: ScoringConfig = ScoringConfig()
+    distill: DistillConfig = DistillConfig()
 
     @property
     def engine_settings(self) -> EngineConfig:
@@ -451,6 +454,22 @@ class Config(_Section):
             raise ValueError(
                 f"runtime.max_engine_restarts ({restarts}) > 0 with transport.kind 'broadcast': a broadcast group "
                 "cannot take a restarted engine; use transport.kind 'shm' or 'files', or runtime.max_engine_restarts=0"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _scoring_rules(self) -> "Config":
+        """Per-token advantages (distillation, process rewards) against the rest of the config."""
+        if self.distill.teacher is not None and not self.distill.task_reward and self.rollout.filter_uniform_reward:
+            raise ValueError(
+                "distill.task_reward: false trains on the teacher's signal alone, but rollout.filter_uniform_reward "
+                "would drop every group whose task rewards are equal; set rollout.filter_uniform_reward=false"
+            )
+        per_token = self.distill.teacher is not None or self.scoring.process_reward is not None
+        if per_token and self.trainer.loss == "gspo":
+            raise ValueError(
+                "trainer.loss: 'gspo' takes one advantage per sequence, but distill.teacher / scoring.process_reward "
+                "give one per token; use another loss"
             )
         return self
 

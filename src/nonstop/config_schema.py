@@ -78,6 +78,12 @@ def _section(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
+def _optional_section(annotation: Any) -> type[BaseModel] | None:
+    """The section of a `Section | None` field (off unless given), else None."""
+    members = [a for a in get_args(annotation) if a is not type(None)]
+    return _section(members[0]) if len(members) == 1 and type(None) in get_args(annotation) else None
+
+
 @dataclass
 class _Place:
     """Where an error location points: its dotted path without tags, and the section that holds its last key."""
@@ -155,7 +161,8 @@ def _type_name(annotation: Any) -> str:
 
 def _row(path: str, field: FieldInfo, type_name: str | None = None) -> str:
     desc = " ".join((field.description or "").replace("|", "\\|").split())
-    return f"| `{path}` | {type_name or _type_name(field.annotation)} | `{field.default!r}` | {desc} |"
+    default = "required" if field.is_required() else f"`{field.default!r}`"
+    return f"| `{path}` | {type_name or _type_name(field.annotation)} | {default} | {desc} |"
 
 
 def reference(root: type[BaseModel], title: str) -> str:
@@ -179,13 +186,17 @@ def reference(root: type[BaseModel], title: str) -> str:
                 nested.append((name, field, tagged))
             else:
                 rows.append(_row(prefix + name, field))
+                if _optional_section(field.annotation) is not None:
+                    nested.append((name, field, None))
         if rows or intro:
             table(heading + suffix, intro, rows)
         for name, field, tagged in nested:
             path = prefix + name
-            sub = _section(field.annotation)
+            sub = _section(field.annotation) or _optional_section(field.annotation)
             if sub is not None:
-                section(sub, f"{path}.", list(sub.model_fields), path, suffix=suffix)
+                optional = _section(field.annotation) is None
+                section(sub, f"{path}.", list(sub.model_fields), path,
+                        " ".join((sub.__doc__ or "").split()) if optional else "", suffix=suffix)
                 continue
             assert tagged is not None
             common = tagged.common()

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from nonstop.engine.runner import KVRunner, Runner
     from nonstop.lora import MergedAdapters
     from nonstop.orchestrator.dispatch import EnginePool, RankGroup
-    from nonstop.orchestrator.score import FunctionScorer, Scorer
+    from nonstop.scoring.base import ScoreComponent, Scorer
+    from nonstop.scoring.stage import FunctionComponent, LoopRunner, ProcessRunner, ScoringStage, ThreadRunner
+    from nonstop.scoring.stage import Runner as RewardRunner
     from nonstop.runtime.clients import EngineActor, TrainerActor
     from nonstop.runtime.local import LocalActor, LocalBackend
     from nonstop.runtime.ray import RayActor, RayBackend
@@ -48,5 +50,7 @@ if TYPE_CHECKING:
     runners: list[type[Runner]] = [KVRunner]
 
     # Scoring, and the clients of a served engine.
-    scorers: list[type[Scorer]] = [FunctionScorer]
+    scorers: list[type[Scorer]] = [ScoringStage]
+    components: list[type[ScoreComponent]] = [FunctionComponent]
+    reward_runners: list[type[RewardRunner]] = [LoopRunner, ThreadRunner, ProcessRunner]
     clients: list[type[GenerationClient]] = [InProcessClient, HttpClient]

@@ -195,6 +195,13 @@ class Sample:
     """Keep Routing: the experts the engine routed each input token to (MoE models only)."""
     reward: float = 0.0
     text: str = ""
+    token_rewards: list[float] | None = None
+    """Per completion token, rewards of process steps (at the last token of each step, 0 elsewhere);
+    the trainer turns them into token-level advantages (trainer/token_advantages.py)."""
+    teacher_logprobs: list[float] | None = None
+    """Per completion token, log pi_teacher(a_t) of the distillation teacher at the sampling temperature."""
+    teacher: str | None = None
+    """Identity and version of the teacher that scored `teacher_logprobs` ('path@version')."""
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -214,6 +221,8 @@ class Group:
     answer: str
     samples: list[Sample]
     epoch: int = 0  # which pass over the train split drew this prompt (the ledger's key with prompt_index)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The dataset row's fields besides prompt and answer, handed to reward functions."""
 
     @property
     def min_version(self) -> int:

@@ -28,7 +28,7 @@ from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.dispatch import EnginePool, RankGroup
 from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.score import FunctionScorer, RewardFn, Scorer, resolve_reward
+from nonstop.orchestrator.score import RewardFn
 from nonstop.progress import Progress
 from nonstop.roles import EngineClient, TrainerClient
 from nonstop.runtime import ActorBackend
@@ -36,6 +36,8 @@ from nonstop.runtime.clients import EngineActor, TrainerActor
 from nonstop.runtime.restart import RestartingEngine
 from nonstop.spans import SpanLog, span_path
 from nonstop.tracking import MetricsSink, open_sinks
+from nonstop.scoring.base import Scorer
+from nonstop.scoring.build import build_scorer
 from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 from nonstop.trainer.worker import TrainerWorker
 from nonstop.types import TransportHandle
@@ -104,7 +106,8 @@ async def spawn_trainers(backend: ActorBackend, cfg: Config, weights: Path, tok:
         backend.spawn(n, TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature, tok.pad_token_id,
                       cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject, reference_path=reference_path,
                       total_steps=cfg.run.max_steps, lora=cfg.model.lora, adapter_path=adapter_path,
-                      max_new_tokens=cfg.rollout.max_new_tokens, span_path=_span_file(cfg, run_dir, f"trainer-{r}"))
+                      max_new_tokens=cfg.rollout.max_new_tokens, span_path=_span_file(cfg, run_dir, f"trainer-{r}"),
+                      distill=cfg.distill if cfg.distill.teacher is not None else None)
         for r, n in enumerate(_names("trainer", cfg.trainer.ranks))))]
     if len(ranks) > 1:
         addr, port = await ranks[0].rendezvous(backend.host)
@@ -149,8 +152,9 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
                     progress: Progress, resume: Checkpoint | None = None, reward: RewardFn | None = None) -> Run:
     """Spawn and connect the actors and wire the stages. With `resume`, actors start from the
     checkpoint's weights and trainer state (the orchestrator's state comes back in recovery.py).
-    `reward` (a Python callable, from nonstop.api) replaces task.reward; scoring runs in this
-    process whatever the backend, so it is never pickled."""
+    `reward` (a Python callable, from nonstop.api) replaces task.reward; with scoring.pool
+    'thread' or 'loop' it runs in this process and is never pickled. The scoring stage's workers
+    and actors (scoring/build.py) start beside the engines and trainers."""
     from nonstop.hf import load_tokenizer
 
     weights = resume.model_dir if resume is not None else base_model
@@ -160,14 +164,16 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     codec = Codec(load_tokenizer(str(weights)))
     tok = codec.tokenizer
     screen(cfg, data, codec, model_weights, progress)
+    scorer = build_scorer(cfg, backend, codec.decode, reward, progress.log, str(weights))  # bad names fail here
     num_engines = cfg.runtime.num_engines
     progress.log(f"starting {num_engines} engine and {cfg.trainer.ranks} trainer actor(s) "
                  f"({cfg.runtime.backend} backend) ...")
-    first_engines, trainer = await asyncio.gather(
+    first_engines, trainer, _ = await asyncio.gather(
         asyncio.gather(*(spawn_engine(backend, cfg, model_weights, tok, i, version0, run_dir)
                          for i in range(num_engines))),
         spawn_trainers(backend, cfg, model_weights, tok, str(base_model) if resume is not None else None,
                        adapter_path=str(weights) if resume is not None and lora else None, run_dir=run_dir),
+        scorer.start(),
     )
     if resume is not None:
         await trainer.load_checkpoint(str(resume.path))
@@ -181,8 +187,6 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
                            cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups,
                            ledger, refill=cfg.rollout.refill, spans=spans)
-    return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer,
-               FunctionScorer(reward if reward is not None else resolve_reward(cfg.task.reward),
-                              cfg.task.reward_fail_fast), RolloutStats(),
+    return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer, scorer, RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
                open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans, handle)

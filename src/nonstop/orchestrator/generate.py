@@ -2,7 +2,8 @@
 
 `produce(...)` loops until the stream runs out: wait for admission from the buffer, take the
 next prompts from the stream (recording each draw in the ledger), have the engine complete
-each one `group_size` times, decode and score the groups, and hand each group to the buffer
+each one `group_size` times, decode and score the groups (the scoring stage runs many groups at
+once and holds admission while too many wait for it), and hand each group to the buffer
 (or drop it, counted and settled, when its reward failed or when all its samples scored the
 same and the run filters such groups). When the stream is exhausted it closes the buffer. `evaluate(...)` measures
 greedy exact-match accuracy on held-out prompts with the engine's current weights.
@@ -20,7 +21,8 @@ from nonstop.config import RolloutConfig
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.metrics import Clock
 from nonstop.roles import EngineClient
-from nonstop.orchestrator.score import Scorer, exact_match
+from nonstop.orchestrator.score import exact_match
+from nonstop.scoring.base import Scorer
 from nonstop.spans import SpanLog, now
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
@@ -118,8 +120,8 @@ async def produce(
         stats.samples += len(samples)
         for s in samples:
             s.text = codec.decode(s.completion_ids)
-        group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=epoch)
-        if not scorer.score_group(group):
+        group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=epoch, extra=ex.extra)
+        if not await scorer.score(group):
             await buffer.drop(group, "reward_error")
             stats.reward_failures_in_row += 1
             if stats.reward_failures_in_row >= max_reward_failures:
@@ -146,6 +148,7 @@ async def produce(
     try:
         async with asyncio.TaskGroup() as groups:
             while True:
+                await scorer.ready()  # a scorer that falls behind slows admission
                 k = await buffer.admit(cfg.prompts_per_step)
                 t_admit = now()
                 draws = [d for d in (stream.next() for _ in range(k)) if d is not None]

@@ -123,5 +123,5 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
         drops=dict(run.buffer.drops), reward_errors=dict(run.scorer.errors), buffer_queued=run.buffer.queued,
         engine_restarts=sum(len(e.faults.restarts) for e in run.engines),
         prompts_requeued=run.ledger.requeued + sum(e.faults.requeued for e in run.engines),
-        engine_versions=list(run.engine.versions),
+        engine_versions=list(run.engine.versions), scoring=run.scorer.metrics(),
     )

@@ -76,6 +76,8 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         restore_signals()
         progress.stop()
         await supervisor.close()
+        if run is not None:
+            await run.scorer.close()
         await backend.shutdown()
         if run is not None and run.transport is not None and release(run.transport):
             progress.log("[yellow]released the shared-memory weight segment of a trainer that died[/]")

@@ -9,7 +9,7 @@ into the record, because the loss family decides which ones exist.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nonstop.roles import EngineStats
@@ -39,6 +39,7 @@ class StepRecord:
     prompts_requeued: int
     engine_versions: list[int]  # newest policy_version seen in each engine's tokens
     eval_accuracy: float | None = None  # held-out accuracy, on the steps that evaluate
+    scoring: dict[str, Any] = field(default_factory=dict)  # the scoring stage's metrics of this step (latency, queue)
 
     @property
     def lag_hist(self) -> dict[str, int]:
@@ -52,10 +53,11 @@ class StepRecord:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         trainer = d.pop("trainer")
+        scoring = d.pop("scoring")
         head = {k: d.pop(k) for k in ("step", "policy_version", "time_s", "reward_mean", "prompts")}
         if d["eval_accuracy"] is None:
             del d["eval_accuracy"]
-        return {**head, **trainer, **d}
+        return {**head, **trainer, **scoring, **d}
 
     def final_eval(self) -> dict[str, Any]:
         """The extra line written when the run ended between two evaluations."""

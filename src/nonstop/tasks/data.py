@@ -19,6 +19,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nonstop.config import TaskConfig
 
@@ -32,6 +33,11 @@ class Example:
     index: int
     prompt: str
     answer: str
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    """The row's other fields (a JSONL object's keys besides prompt and answer), for reward functions."""
+
+
+Row = tuple[str, str] | tuple[str, str, dict[str, Any]]  # (prompt, answer[, extra fields])
 
 
 @dataclass
@@ -50,7 +56,7 @@ class TaskData:
     report: DatasetReport
 
 
-def addition_examples(max_operand: int, pad_answer: bool = False) -> list[tuple[str, str]]:
+def addition_examples(max_operand: int, pad_answer: bool = False) -> list[Row]:
     width, out_width = len(str(max_operand)), len(str(2 * max_operand))
     return [
         (f"{a:0{width}d}+{b:0{width}d}=", f"{a + b:0{out_width if pad_answer else 1}d}")
@@ -59,7 +65,7 @@ def addition_examples(max_operand: int, pad_answer: bool = False) -> list[tuple[
     ]
 
 
-def check_row(row: object) -> tuple[str, str] | str:
+def check_row(row: object) -> Row | str:
     """A row's (prompt, answer), or what is wrong with it in words."""
     if not isinstance(row, dict):
         return "not a JSON object"
@@ -68,14 +74,15 @@ def check_row(row: object) -> tuple[str, str] | str:
         return f"missing field(s) {', '.join(missing)}"
     if not isinstance(row["prompt"], str) or not isinstance(row["answer"], str):
         return "'prompt' and 'answer' must be strings"
-    return row["prompt"], row["answer"]
+    extra = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+    return (row["prompt"], row["answer"], extra) if extra else (row["prompt"], row["answer"])
 
 
-def read_jsonl(path: str | Path) -> tuple[list[tuple[str, str]], DatasetReport]:
+def read_jsonl(path: str | Path) -> tuple[list[Row], DatasetReport]:
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
-    def checked_lines() -> Iterator[tuple[str, tuple[str, str] | str]]:
+    def checked_lines() -> Iterator[tuple[str, Row | str]]:
         for lineno, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
                 continue
@@ -87,12 +94,12 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[str, str]], DatasetReport]:
     return collect_rows(checked_lines(), f"dataset {path}")
 
 
-def collect_rows(checked: Iterable[tuple[str, tuple[str, str] | str]], source: str,
-                 hint: str = "") -> tuple[list[tuple[str, str]], DatasetReport]:
+def collect_rows(checked: Iterable[tuple[str, Row | str]], source: str,
+                 hint: str = "") -> tuple[list[Row], DatasetReport]:
     """Keep the valid (prompt, answer) pairs of `check_row` results labelled by where each row came
     from; every bad row is counted and reported with its label (`hint` appended), never dropped
     silently. A source with no valid row at all is a DatasetError."""
-    pairs: list[tuple[str, str]] = []
+    pairs: list[Row] = []
     report = DatasetReport()
     for where, result in checked:
         report.rows_read += 1
@@ -106,7 +113,7 @@ def collect_rows(checked: Iterable[tuple[str, tuple[str, str] | str]], source: s
     return pairs, report
 
 
-def split_examples(pairs: list[tuple[str, str]], eval_size: int, seed: int,
+def split_examples(pairs: list[Row], eval_size: int, seed: int,
                    report: DatasetReport, eval_fraction: float | None = None) -> TaskData:
     """Shuffle with `seed` and hold out the first `eval_size` (at most half), or `eval_fraction`
     of the rows, as the eval split; `report.held_out` says what was taken and why."""
@@ -147,7 +154,7 @@ def load_task(cfg: TaskConfig, seed: int | None = None) -> TaskData:
     return split_examples(pairs, cfg.eval_size, cfg.split_seed if seed is None else seed, report, cfg.eval_fraction)
 
 
-def joined_splits(pairs: list[tuple[str, str]], report: DatasetReport, held: list[tuple[str, str]],
+def joined_splits(pairs: list[Row], report: DatasetReport, held: list[Row],
                   held_report: DatasetReport, source: str) -> TaskData:
     """Train on every row of `pairs`, hold out every row of `held` (a separate file or dataset)."""
     report.rows_read += held_report.rows_read

@@ -33,11 +33,12 @@ from typing import NotRequired, TypedDict
 import torch
 
 from nonstop.hf import CausalLM
-from nonstop.config import TrainerConfig
+from nonstop.config import DistillConfig, TrainerConfig
 from nonstop.trainer.correction import is_weights
 from nonstop.trainer.forward import prompt_shared_hidden, unsupported
 from nonstop.trainer.routing import RouterHooks, moe_routers, route_tensor
 from nonstop.trainer.losses import clipped_policy_loss, group_advantages, gspo_loss, kl_penalty, masked_mean, token_logprobs
+from nonstop.trainer.token_advantages import distill_advantages, distill_term, process_advantages
 from nonstop.types import Group
 
 
@@ -65,6 +66,7 @@ class Batch(TypedDict):
     mask: torch.Tensor  # (B, T) bool, tokens in the loss
     versions: torch.Tensor  # (B, T) policy_version of each token
     advantages: torch.Tensor  # (B,)
+    group_of: torch.Tensor  # (B,) index of each row's group
     truncated: torch.Tensor  # (B,) bool, cut at max_new_tokens
     keep: torch.Tensor | None  # (B, T, V) bool, the engine's kept sets (None: no truncated sampling)
     ids: NotRequired[torch.Tensor]  # (B, L) token ids, right-padded
@@ -74,6 +76,8 @@ class Batch(TypedDict):
     prompt_len: NotRequired[torch.Tensor]  # (Q,)
     row_prompt: NotRequired[torch.Tensor]  # (B,) index of each row's prompt
     completion_in: NotRequired[torch.Tensor]  # (B, T - 1) completion inputs after the prompt
+    token_rewards: NotRequired[torch.Tensor]  # (B, T) process-step rewards at step ends
+    teacher: NotRequired[torch.Tensor]  # (B, T) distillation teacher's logprobs of the completion tokens
     routes: NotRequired[torch.Tensor]  # (B, L, moe_layers, k) int16, the engine's experts per input token, -1: none
 
 
@@ -81,10 +85,12 @@ class Trainer:
     def __init__(
         self, model: CausalLM, cfg: TrainerConfig, temperature: float, pad_token_id: int,
         max_lag: int | None = None, reject: str = "group", total_steps: int = 1000,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int | None = None, distill: DistillConfig | None = None,
     ) -> None:
         """`max_new_tokens`: the generation budget (rollout.max_new_tokens), the constant per-sample
-        divisor of the 'constant' normalisation (dr_grpo); needed by that loss only."""
+        divisor of the 'constant' normalisation (dr_grpo); needed by that loss only. `distill`:
+        the weight of the teacher term when samples carry teacher logprobs."""
+        self.distill = distill
         if cfg.norm == "constant" and max_new_tokens is None:
             raise ValueError(f"trainer.loss {cfg.loss!r} divides by samples x rollout.max_new_tokens: "
                              "pass max_new_tokens to the Trainer")
@@ -167,7 +173,15 @@ class Trainer:
             advantages=group_advantages(rewards, self.cfg.advantage_mode, self.cfg.group_std).reshape(-1),  # (B,)
             truncated=torch.tensor([s.finish_reason == "length" for s in samples]),
             keep=None,
+            group_of=torch.tensor([i for i, g in enumerate(groups) for _ in g.samples]),
         )
+        for key, values in (("token_rewards", [s.token_rewards for s in samples]),
+                            ("teacher", [s.teacher_logprobs for s in samples])):
+            given = [v is not None for v in values]
+            if any(given):
+                if not all(given):
+                    raise ValueError(f"{key}: given for {sum(given)} of {len(given)} samples of one batch")
+                batch[key] = per_token([x for v in values for x in v or ()], torch.float32)  # type: ignore[literal-required]
         if self.shared_prompts:
             distinct: dict[tuple[int, ...], int] = {}
             row_prompt = torch.tensor([distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in samples])
@@ -228,6 +242,22 @@ class Trainer:
             mask &= ~stale
         return mask, counts
 
+    def _token_advantages(self, batch: Batch, student: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The advantages of the loss: (B,) from the rewards, or (B, T) with process rewards or a
+        distillation teacher (trainer/token_advantages.py); `student` (B, T) are the detached
+        logprobs of the policy at the start of the step."""
+        adv, stats = batch["advantages"], {}
+        inside = batch["mask"]
+        if "token_rewards" in batch:
+            adv = process_advantages(adv, batch["token_rewards"], inside, batch["group_of"])
+        if "teacher" in batch:
+            if self.distill is None:
+                raise ValueError("samples carry teacher logprobs but the trainer has no distill settings")
+            adv = distill_advantages(adv, student, batch["teacher"], inside, self.distill.coef, self.distill.task_reward)
+            k = distill_term(student, batch["teacher"], inside)[inside]
+            stats["teacher_kl"] = float(k.mean()) if k.numel() else 0.0
+        return adv, stats
+
     def step(self, groups: list[Group]) -> dict[str, float | int | dict]:
         cfg = self.cfg
         batch = self._batch(groups)
@@ -249,16 +279,20 @@ class Trainer:
         prox = logp.detach()  # proximal policy: one optimizer step per batch, so pi_prox = pi_theta now
         weights, is_stats = is_weights(prox, batch["behaviour"], mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
         old = batch["behaviour"] if cfg.correction == "none" else prox
+        advantages, token_stats = self._token_advantages(batch, prox)
         den = self.denominators(mask)
         norm_den = den[cfg.norm] if den else None
         if cfg.loss == "gspo":
-            loss, stats = gspo_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high, weights,
+            loss, stats = gspo_loss(logp, old, advantages, mask, cfg.clip_low, cfg.clip_high, weights,
                                     den["gspo"] if den else None, cfg.clip_ratio_c)
         else:
-            loss, stats = clipped_policy_loss(logp, old, batch["advantages"], mask, cfg.clip_low, cfg.clip_high,
+            loss, stats = clipped_policy_loss(logp, old, advantages, mask, cfg.clip_low, cfg.clip_high,
                                               cfg.norm, weights, norm_den, cfg.clip_ratio_c,
                                               self.max_new_tokens)
-        extra: dict[str, float] = {}
+        extra: dict[str, float | dict[str, int]] = dict(token_stats)
+        teachers = Counter(s.teacher for g in groups for s in g.samples if s.teacher is not None)
+        if teachers:
+            extra["teacher_samples"] = dict(teachers)  # samples by the teacher identity@version that scored them
         if self.reference is not None:
             with torch.no_grad():
                 ref = self.logprobs(batch, self.reference)

@@ -125,14 +125,15 @@ def clipped_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped surrogate with a per-token ratio.
 
-    logp, old_logp: (B, T); advantages: (B,); mask: (B, T) bool; weights: (B, T) or None.
+    logp, old_logp: (B, T); advantages: (B,), or (B, T) per token (process rewards, distillation);
+    mask: (B, T) bool; weights: (B, T) or None.
     ratio_t = exp(logp_t - old_logp_t); per token: l_t = -min(ratio_t A, clip(ratio_t, 1-eps, 1+eps_high) A);
     with dual clip c, l_t = min(l_t, -c A) where A < 0; then l_t w_t, reduced by `norm`.
     Returns the scalar loss and detached statistics over masked tokens.
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logp - old_logp)  # (B, T)
-    adv = advantages.unsqueeze(-1)  # (B, 1)
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
     unclipped = ratio * adv  # (B, T)
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * adv  # (B, T)
     per_token = -torch.minimum(unclipped, clipped)  # (B, T)

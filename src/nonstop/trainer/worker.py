@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from nonstop.config import LoraConfig, TrainerConfig, TransportConfig
+from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
 from nonstop.hf import CausalLM, load_model
 from nonstop.spans import SpanLog, now
 from nonstop.trainer.core import Trainer
@@ -39,11 +39,13 @@ class TrainerWorker:
     def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0,
                  max_lag: int | None = None, reject: str = "group", reference_path: str | None = None,
                  total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None,
-                 max_new_tokens: int | None = None, span_path: str | None = None):
+                 max_new_tokens: int | None = None, span_path: str | None = None,
+                 distill: DistillConfig | None = None):
         """`span_path`: this rank's span file (nonstop.spans), None records nothing.
         `reference_path`: the KL reference weights when they differ from `model_path` (on resume).
         `max_new_tokens`: rollout.max_new_tokens, the constant divisor of dr_grpo's normalisation.
-        `lora`: train adapters on the base `model_path`, starting from `adapter_path` if given."""
+        `lora`: train adapters on the base `model_path`, starting from `adapter_path` if given.
+        `distill`: the teacher term's weight, for samples that carry teacher logprobs."""
         torch.manual_seed(seed)
         self.model_path = model_path
         self.lora = lora if lora is not None and lora.enabled else None
@@ -54,7 +56,8 @@ class TrainerWorker:
 
             model = wrap_with_peft(base, self.lora, adapter_path)
             reference_path = model_path  # the plain base, not a copy of the peft model
-        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps, max_new_tokens)
+        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps, max_new_tokens,
+                               distill)
         if reference_path is not None and self.trainer.reference is not None:
             self.trainer.reference = load_model(reference_path).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
@@ -75,6 +78,7 @@ class TrainerWorker:
         self.trainer = ParallelTrainer(t.model, t.cfg, t.temperature, t.pad_token_id, t.max_lag, t.reject,
                                        t.cfg.data_parallel, t.total_steps, t.max_new_tokens)
         self.trainer.reference = t.reference  # the worker may have loaded it from elsewhere (resume)
+        self.trainer.distill = t.distill
 
     def _publishes_on_connect(self) -> bool:
         """A resumed LoRA trainer's engines hold only the base: they need the adapters at once."""

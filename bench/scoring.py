@@ -1,0 +1,78 @@
+"""Scoring stage: what a slow reward costs the trainer, scored on the event loop vs by the stage.
+
+Four runs of the default job (shipped base, depth 1, same seed, same RL wall-time budget),
+side by side: reward exact_match as it is ("fast") or with 20 ms of waiting per sample added
+("slow", like a remote verifier or an API call), scored on the orchestrator's event loop
+(`scoring.pool=loop`, how nonstop scored before the stage existed) or by the concurrent stage
+(`scoring.pool=thread`, the default). Printed per run: trainer idle %, samples/s, steps,
+reward-call latency p50/p99 and final held-out accuracy. The RESULT line gives the trainer idle
+added by the slow reward, in percentage points, for each way of scoring.
+
+    python bench/scoring.py [--quick] [--seconds 60] [--delay-ms 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from nonstop.cli import run_training
+from nonstop.config import load_config
+from nonstop.orchestrator.score import exact_match
+
+DELAY_S = 0.02
+
+
+def slow_exact_match(completion: str, answer: str) -> float:
+    time.sleep(DELAY_S)
+    return exact_match(completion, answer)
+
+
+def run_cell(pool: str, slow: bool, seconds: float, out: str) -> dict:
+    name = f"{pool}-{'slow' if slow else 'fast'}"
+    cfg = load_config(overrides=[
+        f"scoring.pool={pool}", f"run.max_time_s={seconds}", "run.max_steps=100000", "run.eval_every=100000",
+        "checkpoint.every_steps=null", f"run.out_dir={out}", f"run.name={name}", "run.progress=off",
+    ])
+    summary = run_training(cfg, Console(quiet=True), reward=slow_exact_match if slow else exact_match).to_dict()
+    recs = [json.loads(x) for x in (Path(out) / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "reward_latency_p50_s" in r]
+    p50 = sorted(r["reward_latency_p50_s"] for r in steps)[len(steps) // 2] if steps else 0.0
+    p99 = max((r["reward_latency_p99_s"] for r in steps), default=0.0)
+    return {"idle": summary["trainer_idle_frac"], "sps": summary["samples_per_s"], "steps": summary["steps"],
+            "p50": p50, "p99": p99, "acc": summary["final_accuracy"], "base": summary["base_accuracy"]}
+
+
+def main() -> None:
+    global DELAY_S
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="30 s of RL per run (about 4 minutes in all)")
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--delay-ms", type=float, default=20.0)
+    ns = ap.parse_args()
+    seconds = 30.0 if ns.quick else ns.seconds
+    DELAY_S = ns.delay_ms / 1000
+    cells = {}
+    with tempfile.TemporaryDirectory() as out:
+        for pool in ("loop", "thread"):
+            for slow in (False, True):
+                r = cells[(pool, slow)] = run_cell(pool, slow, seconds, out)
+                print(f"{pool:>6} {'slow' if slow else 'fast'}: trainer idle {r['idle']:.1%} "
+                      f"{r['sps']:.0f} samples/s, {r['steps']} steps", flush=True)
+    print(f"\nDefault job, {seconds:g} s of RL per run; slow = exact_match + {ns.delay_ms:g} ms per sample")
+    print(f"{'scoring':>8} {'reward':>6} {'trainer idle':>13} {'samples/s':>10} {'steps':>6} "
+          f"{'call p50':>9} {'call p99':>9} {'final acc':>10}")
+    for (pool, slow), r in cells.items():
+        print(f"{pool:>8} {'slow' if slow else 'fast':>6} {r['idle']:>13.1%} {r['sps']:>10.0f} {r['steps']:>6} "
+              f"{r['p50'] * 1e3:>7.1f}ms {r['p99'] * 1e3:>7.1f}ms {r['acc']:>10.1%}")
+    added = {p: 100 * (cells[(p, True)]["idle"] - cells[(p, False)]["idle"]) for p in ("loop", "thread")}
+    print(f"RESULT idle_added_pts={added['thread']:.1f} blocking_idle_added_pts={added['loop']:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""Scoring as a stage of its own, concurrent with generation and training.
+
+- base.py          the `Scorer` seam (what the orchestrator calls), `ScoreComponent`, `Contribution`;
+- stage.py         `ScoringStage`: components at once, concurrency cap, retries, backpressure,
+                   latency and error accounting; the reward-function runners (loop, thread, process);
+- calls.py         how a reward function is called (sync/async, which arguments) and checked;
+- pool.py          `ActorPool` (replaceable actor processes) and the `RewardWorker` actor;
+- build.py         the stage of a config;
+- process.py       process rewards (steps -> per-token rewards);
+- reward_model.py  a sequence-classification reward model in its own actor;
+- judge.py         a generative judge over an OpenAI-compatible HTTP endpoint;
+- teacher.py       the on-policy distillation teacher (logprobs of the student's tokens);
+- math.py          `math_verify` (optional extra).
+"""

@@ -1,0 +1,149 @@
+"""How reward functions are called, wherever they run (the event loop, a thread, a worker process).
+
+A reward function may be sync or async. Its parameters decide what it gets:
+- a function with a parameter named `completion` (or taking **kwargs) is called by keyword with
+  those of `prompt`, `completion`, `answer`, `extra` (the row's other fields as one dict) and each
+  extra field by its own name that it declares (all of them with **kwargs);
+- any other function is called as `fn(completion, answer)` (the original contract).
+Process-reward functions get `steps` (the completion cut at the delimiter) first: one with a
+parameter named `steps` (or **kwargs) is called by keyword like the above plus `steps`, any other
+as `fn(steps, answer)`; they return one float per step; group functions get the lists `prompts`, `completions`, `answers`, `extras` and
+return one float per sample. `evaluate(kind, fn, rows)` runs one group's rows and returns one
+`Outcome` per sample (for a group function: one for the group): a value, or a `Failure` saying
+why (raised, not_finite, bad_output) in words. It never raises for a fault of the function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["sample", "group", "steps"]
+
+
+@dataclass(slots=True)
+class Failure:
+    reason: str  # raised | not_finite | bad_output
+    message: str
+
+
+Outcome = float | list[float] | Failure  # list: one float per step (process rewards)
+
+
+@dataclass(slots=True)
+class RewardRow:
+    """What a reward function may read about one sample (picklable: it travels to worker processes)."""
+
+    prompt: str
+    completion: str
+    answer: str
+    extra: dict[str, Any]
+    steps: list[str] | None = None
+
+
+def _arguments(fn: Callable[..., Any], named: dict[str, Any], extra: dict[str, Any],
+               legacy: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some builtins have no signature: the original contract
+        return legacy, {}
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    first = next(iter(named))
+    if first not in params and not var_kw:
+        return legacy, {}
+    offered = {**extra, **named, "extra": extra} if "extras" not in named else named
+    return (), {k: v for k, v in offered.items() if var_kw or k in params}
+
+
+def sample_call(fn: Callable[..., Any], row: RewardRow) -> Any:
+    named: dict[str, Any] = {"completion": row.completion, "prompt": row.prompt, "answer": row.answer}
+    if row.steps is not None:  # a process reward: keyed by `steps`, else called as fn(steps, answer)
+        named = {"steps": row.steps, **named}
+        args, kwargs = _arguments(fn, named, row.extra, (row.steps, row.answer))
+    else:
+        args, kwargs = _arguments(fn, named, row.extra, (row.completion, row.answer))
+    return fn(*args, **kwargs)
+
+
+def group_call(fn: Callable[..., Any], rows: list[RewardRow]) -> Any:
+    named = {"completions": [r.completion for r in rows], "prompts": [r.prompt for r in rows],
+             "answers": [r.answer for r in rows], "extras": [r.extra for r in rows]}
+    args, kwargs = _arguments(fn, named, {}, (named["completions"], named["answers"]))
+    return fn(*args, **kwargs)
+
+
+def check(kind: Kind, value: Any, rows: list[RewardRow], row: RewardRow | None) -> Outcome:
+    """A returned value as an Outcome: finite floats of the expected count, else a Failure."""
+    if kind == "sample":
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            return Failure("bad_output", f"returned {value!r}, not a number")
+        return x if math.isfinite(x) else Failure("not_finite", f"returned {x}")
+    want = len(rows) if kind == "group" else len(row.steps or []) if row is not None else 0
+    try:
+        xs = [float(v) for v in value]
+    except (TypeError, ValueError):
+        return Failure("bad_output", f"returned {value!r}, not a list of numbers")
+    if len(xs) != want:
+        what = "samples" if kind == "group" else "steps"
+        return Failure("bad_output", f"returned {len(xs)} values for {want} {what}")
+    bad = [x for x in xs if not math.isfinite(x)]
+    return xs if not bad else Failure("not_finite", f"returned {bad[0]}")
+
+
+def _raised(e: BaseException) -> Failure:
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    return Failure("raised", f"{type(e).__name__}: {e}{where}")
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _call_sync(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None) -> Outcome:
+    try:
+        value = group_call(fn, rows) if row is None else sample_call(fn, row)
+    except Exception as e:  # a user's reward function may raise anything
+        return _raised(e)
+    return check(kind, value, rows, row)
+
+
+async def _call_async(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None) -> Outcome:
+    try:
+        value = await (group_call(fn, rows) if row is None else sample_call(fn, row))
+    except Exception as e:  # a user's reward function may raise anything
+        return _raised(e)
+    return check(kind, value, rows, row)
+
+
+def _sync_group(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+    if kind == "group":
+        return [_call_sync(kind, fn, rows, None)]
+    return [_call_sync(kind, fn, rows, row) for row in rows]
+
+
+async def evaluate(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow],
+                   executor: Executor | None = None) -> list[Outcome]:
+    """Outcomes of one group: one per row, or one for the whole group (kind 'group'). A sync
+    function's calls run as jobs of `executor`, one per row, so a group waits for its slowest
+    sample, not for the sum (None: one after another right here, blocking the loop); an async
+    function's calls run concurrently on the loop."""
+    if _is_async(fn):
+        if kind == "group":
+            return [await _call_async(kind, fn, rows, None)]
+        return list(await asyncio.gather(*(_call_async(kind, fn, rows, row) for row in rows)))
+    if executor is None:
+        return _sync_group(kind, fn, rows)
+    loop = asyncio.get_running_loop()
+    if kind == "group":
+        return [await loop.run_in_executor(executor, _call_sync, kind, fn, rows, None)]
+    return list(await asyncio.gather(*(loop.run_in_executor(executor, _call_sync, kind, fn, rows, row)
+                                       for row in rows)))

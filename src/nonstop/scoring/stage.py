@@ -1,0 +1,262 @@
+"""The scoring stage: components scored concurrently, with a cap, timeouts, retries and backpressure.
+
+`ScoringStage(components, cfg)` is the `Scorer` of a run (scoring/base.py). For each group it
+runs every component at once; each attempt holds one of `scoring.concurrency` slots, and an
+attempt that fails for a retryable reason (a timeout, a dead worker) is tried again up to
+`scoring.retries` times. The group is kept only if every component contributed: its samples'
+rewards are the sum of the contributions. `ready()` holds admission while
+`scoring.max_pending_groups` groups wait for or are under scoring.
+
+Reward functions run in a `Runner`: `LoopRunner` calls them on the event loop (blocking it:
+what nonstop did before this stage existed; kept for comparison, and the only runner without a
+timeout for sync functions), `ThreadRunner` in a pool of daemon threads of the orchestrator (a
+call past its timeout is abandoned and counted, its thread left to finish; a call that never
+returns cannot keep the process alive at exit), `ProcessRunner` in an
+ActorPool of RewardWorker processes (a call past its timeout kills its worker, which is
+replaced). `FunctionComponent` scores each sample with task.reward; `GroupComponent` the whole
+group with scoring.group_reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, Protocol
+
+from nonstop.config_scoring import ScoringConfig
+from nonstop.orchestrator.score import RewardError
+from nonstop.scoring.base import Contribution, ScoreComponent
+from nonstop.scoring.calls import Failure, Kind, Outcome, RewardRow, evaluate
+from nonstop.scoring.pool import ActorPool, CallFailed, RewardWorker
+from nonstop.runtime.base import ActorBackend
+from nonstop.types import Group
+
+TRANSIENT = frozenset({"timeout", "worker_died"})
+
+
+def rows_of(group: Group) -> list[RewardRow]:
+    return [RewardRow(group.prompt, s.text, group.answer, group.extra) for s in group.samples]
+
+
+class Runner(Protocol):
+    async def start(self) -> None: ...
+
+    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
+                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
+        """One group's outcomes; CallFailed when the call itself failed (timeout, dead worker)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class LoopRunner:
+    async def start(self) -> None:
+        pass
+
+    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
+                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
+        return await evaluate(kind, fn, rows)
+
+    async def close(self) -> None:
+        pass
+
+
+class DaemonThreads(Executor):
+    """A fixed pool of daemon threads: a reward call that never returns cannot keep the process
+    alive at exit (ThreadPoolExecutor joins its threads at interpreter shutdown)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            fut, fn, args = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:
+                    fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        fut: Future = Future()
+        self.jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for _ in self.threads:
+            self.jobs.put(None)
+
+
+class ThreadRunner:
+    def __init__(self, threads: int) -> None:
+        self.executor = DaemonThreads(threads, "nonstop-reward")
+
+    async def start(self) -> None:
+        pass
+
+    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
+                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
+        try:
+            return await asyncio.wait_for(evaluate(kind, fn, rows, self.executor), timeout_s)
+        except TimeoutError:
+            raise CallFailed("timeout", f"the reward function did not return within {timeout_s:g} s") from None
+
+    async def close(self) -> None:
+        self.executor.shutdown(wait=False)
+
+
+class ProcessRunner:
+    def __init__(self, backend: ActorBackend, workers: int, threads: int, log: Callable[[str], None]) -> None:
+        self.pool = ActorPool(backend, "reward-worker", RewardWorker, (threads,), size=workers, log=log)
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
+                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
+        return await self.pool.call("evaluate", kind, spec, rows, timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        await self.pool.stop()
+
+
+def make_runner(cfg: ScoringConfig, backend: ActorBackend | None, log: Callable[[str], None]) -> Runner:
+    threads = max(1, cfg.concurrency // cfg.workers) if cfg.pool == "process" else cfg.concurrency
+    if cfg.pool == "process":
+        if backend is None:
+            raise RewardError("scoring.pool: 'process' needs an actor backend")
+        return ProcessRunner(backend, cfg.workers, threads, log)
+    return LoopRunner() if cfg.pool == "loop" else ThreadRunner(threads)
+
+
+def _failed(outcomes: list[Outcome]) -> list[Failure]:
+    return [o for o in outcomes if isinstance(o, Failure)]
+
+
+class FunctionComponent:
+    """A reward function per sample (task.reward), in the stage's runner."""
+
+    retryable = TRANSIENT
+
+    def __init__(self, name: str, spec: str | Callable[..., Any], fn: Callable[..., Any], runner: Runner,
+                 timeout_s: float, weight: float = 1.0, kind: Kind = "sample") -> None:
+        self.name, self.spec, self.fn, self.runner = name, spec, fn, runner
+        self.timeout_s, self.weight, self.kind = timeout_s, weight, kind
+
+    async def start(self) -> None:
+        pass
+
+    async def contribute(self, group: Group) -> Contribution:
+        rows = rows_of(group)
+        outcomes = await self.runner.run(self.kind, self.spec, self.fn, rows, self.timeout_s)
+        bad = _failed(outcomes)
+        if bad:
+            reasons = Counter(f.reason for f in bad)
+            reason, _ = reasons.most_common(1)[0]
+            raise CallFailed(reason, f"on prompt {group.prompt!r}: {bad[0].message}", dict(reasons))
+        values = outcomes[0] if self.kind == "group" else outcomes
+        assert isinstance(values, list)
+        return Contribution(rewards=[self.weight * float(v) for v in values])  # type: ignore[arg-type]
+
+    async def close(self) -> None:
+        pass
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) by the nearest-rank rule; 0.0 for no values."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+class ScoringStage:
+    def __init__(self, components: list[ScoreComponent], cfg: ScoringConfig, runner: Runner | None = None,
+                 fail_fast: bool = False) -> None:
+        self.components, self.cfg, self.runner, self.fail_fast = components, cfg, runner, fail_fast
+        self.errors: Counter[str] = Counter()
+        self.retried: Counter[str] = Counter()
+        self.last_error: str | None = None
+        self.pending = 0  # groups waiting for or under scoring
+        self.pending_peak = 0
+        self.latencies: dict[str, list[float]] = {c.name: [] for c in components}
+        self._slots = asyncio.Semaphore(cfg.concurrency)
+        self._changed = asyncio.Condition()
+
+    async def start(self) -> None:
+        if self.runner is not None:
+            await self.runner.start()
+        await asyncio.gather(*(c.start() for c in self.components))
+
+    async def ready(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.pending < self.cfg.max_pending_groups)
+
+    async def _attempts(self, comp: ScoreComponent, group: Group) -> Contribution | None:
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                async with self._slots:
+                    t0 = time.perf_counter()
+                    out = await comp.contribute(group)
+                self.latencies[comp.name].append(time.perf_counter() - t0)
+                return out
+            except CallFailed as e:
+                if e.reason in comp.retryable and attempt < self.cfg.retries:
+                    self.retried[f"{comp.name}_{e.reason}"] += 1
+                    continue
+                for reason, n in (e.counts or {e.reason: 1}).items():
+                    self.errors[f"{comp.name}_{reason}"] += n
+                self.last_error = f"{comp.name} failed ({e.reason}): {e}"
+                return None
+        return None  # unreachable: the last attempt returns or records its failure
+
+    async def score(self, group: Group) -> bool:
+        async with self._changed:
+            self.pending += 1
+            self.pending_peak = max(self.pending_peak, self.pending)
+        try:
+            parts = await asyncio.gather(*(self._attempts(c, group) for c in self.components))
+        finally:
+            async with self._changed:
+                self.pending -= 1
+                self._changed.notify_all()
+        if any(p is None for p in parts):
+            if self.fail_fast:
+                raise RewardError(f"{self.last_error} (task.reward_fail_fast is set)")
+            return False
+        for i, s in enumerate(group.samples):
+            s.reward = 0.0
+            for p in parts:
+                assert p is not None
+                if p.rewards is not None:
+                    s.reward += p.rewards[i]
+                if p.token_rewards is not None:
+                    s.token_rewards = p.token_rewards[i]
+                if p.teacher_logprobs is not None:
+                    s.teacher_logprobs, s.teacher = p.teacher_logprobs[i], p.teacher
+        return True
+
+    def metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"scoring_pending": self.pending, "scoring_pending_peak": self.pending_peak,
+                               "scoring_retries": dict(self.retried)}
+        for name, xs in self.latencies.items():
+            out[f"{name}_latency_p50_s"] = round(percentile(xs, 0.5), 6)
+            out[f"{name}_latency_p99_s"] = round(percentile(xs, 0.99), 6)
+            xs.clear()
+        self.pending_peak = self.pending
+        return out
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.components), return_exceptions=True)
+        if self.runner is not None:
+            await self.runner.close()
