@@ -52,6 +52,10 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     from nonstop.tasks.data import load_task
     from nonstop.tasks.base import prepare_base_model
 
+    if cfg.engine.kind == "vllm":
+        from nonstop.engine.vllm_setup import preflight
+
+        preflight(cfg.model.path, cfg.engine.vllm)  # before the warm-up, not after it
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
     t0 = time.perf_counter()
