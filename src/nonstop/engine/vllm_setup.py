@@ -81,15 +81,26 @@ def check_architecture(model_path: str) -> None:
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return  # a hub id: vLLM resolves and checks it itself
-    archs = json.loads(config.read_text()).get("architectures") or []
-    supported = ModelRegistry.get_supported_archs()
-    if not any(a in supported for a in archs):
-        import vllm
+    import vllm
 
+    fields = json.loads(config.read_text())
+    archs = fields.get("architectures") or []
+    if not any(a in ModelRegistry.get_supported_archs() for a in archs):
         raise VllmSetupError(
             f"model {model_path}: architecture {archs or '(none in config.json)'} is not supported by vLLM "
             f"{vllm.__version__}; use engine.kind: builtin, or a model whose architecture vLLM lists "
             "(vllm.ModelRegistry.get_supported_archs())")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and "num_attention_heads" in fields and "hidden_size" in fields:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:  # vLLM itself fails only at the first forward pass
+            raise VllmSetupError(
+                f"model {model_path}: head size {head_dim} is not supported by vLLM's CPU attention (it supports "
+                f"{sizes}); use engine.kind: builtin, or a model with one of those head sizes")
 
 
 def engine_args(model_path: str, settings: VllmConfig, seed: int) -> Any:
@@ -138,4 +149,21 @@ class NonstopWorkerExtension:
     def nonstop_reload_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Load checkpoint-named tensors in place; returns how many were given."""
         self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
+        refresh_tied(self.model_runner.get_model())  # type: ignore[attr-defined]
         return len(named)
+
+
+def refresh_tied(model: torch.nn.Module) -> None:
+    """Redo the after-loading step of modules whose weight is another module's (a tied lm_head).
+
+    The checkpoint has no tensor for a tied lm_head, so the in-place reload leaves that module
+    as it was: its weight tensor holds the new values (it is the embedding's), but a kernel
+    prepared from it after the first load (the CPU backend's packed GEMM) still holds the old."""
+    owners: set[int] = set()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is None or weight.numel() == 0:
+            continue
+        if id(weight) in owners:
+            module.quant_method.process_weights_after_loading(module)
+        owners.add(id(weight))
