@@ -62,7 +62,7 @@ venv-vllm: $(VLLM_VENV)/.installed
 
 # The real vLLM tests (marker `vllm`), run in .venv-vllm; `make test` deselects them.
 test-vllm: $(VLLM_VENV)/.installed
-	$(VPY) -m pytest -q -m vllm -p no:cacheprovider
+	$(VPY) -m pytest -q -m vllm -p no:cacheprovider tests/test_vllm*.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .nonstop_cache

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from nonstop.config import Config, ConfigError, dump_config, load_config
@@ -53,7 +54,7 @@ def config_or_exit(config: str | None, overrides: tuple[str, ...], console: Cons
     try:
         return load_config(config, overrides)
     except ConfigError as e:
-        console.print(f"[red]{e}[/]", highlight=False)
+        console.print(f"[red]{escape(str(e))}[/]", highlight=False)
         sys.exit(2)
 
 
@@ -76,7 +77,7 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
         cfg = load_config(str(resume_dir / "config.yaml") if resume_dir is not None else config, overrides)
         summary = run_training(cfg, console, resume_dir)
     except ConfigError as e:
-        console.print(f"[red]{e}[/]", highlight=False)
+        console.print(f"[red]{escape(str(e))}[/]", highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]")
