@@ -297,7 +297,8 @@ class VllmConfig(_Section):
     """vLLM's gpu_memory_utilization: the fraction of GPU memory it may take (on a CPU build, of RAM;
     vLLM's default 0.92 refuses to start on a shared machine)."""
     kv_cache_gib: float | None = Field(None, gt=0.0)
-    """CPU build only: GiB of RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE); None: vLLM's default."""
+    """GiB for the KV cache (vLLM's kv_cache_memory_bytes; it takes precedence over memory_fraction);
+    None: what memory_fraction leaves after the model."""
     max_model_len: int | None = Field(None, ge=2)
     """Longest prompt + completion in tokens; None: the model's max_position_embeddings."""
     max_num_seqs: int = Field(256, ge=1)
