@@ -200,6 +200,9 @@ class BufferConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the trainer runs (float32 weights and optimizer state): auto (a GPU when torch sees one,
+    else the CPU), cpu, cuda or cuda:i (under Ray: the GPU Ray gave the actor)."""
     lr: float = Field(6e-4, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -318,6 +321,12 @@ class EngineConfig(_Section):
     max_cached_tokens apply to builtin only; vllm has its own section."""
     vllm: VllmConfig = VllmConfig()
     """Settings of engine.kind vllm."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the built-in engine runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:i
+    (under Ray: the GPU Ray gave the actor, see runtime.ray_engine.num_gpus)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The built-in engine's weights and KV cache: auto is bfloat16 on a GPU, float32 on the CPU. Other
+    than float32, behaviour logprobs differ from the (float32) trainer's: use an IS correction."""
     max_concurrent_seqs: int = Field(256, ge=1)
     """Sequences decoded together (KV-cache slots, allocated once: the cache holds
     max_concurrent_seqs x max_seq_len tokens); a group of n needs n free slots."""

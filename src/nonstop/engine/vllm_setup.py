@@ -165,5 +165,6 @@ def refresh_tied(model: torch.nn.Module) -> None:
         if weight is None or weight.numel() == 0:
             continue
         if id(weight) in owners:
-            module.quant_method.process_weights_after_loading(module)
+            method: Any = module.quant_method  # vLLM's layers carry their quant method
+            method.process_weights_after_loading(module)
         owners.add(id(weight))

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from nonstop.config import LoraConfig, TrainerConfig, TransportConfig
+from nonstop.device import on, place, resolve_device
 from nonstop.hf import CausalLM, load_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
@@ -46,7 +47,8 @@ class TrainerWorker:
         torch.manual_seed(seed)
         self.model_path = model_path
         self.lora = lora if lora is not None and lora.enabled else None
-        base = load_model(model_path)
+        self.device = resolve_device(cfg.device, "trainer.device")
+        base = place(load_model(model_path), self.device)
         model: CausalLM = base
         if self.lora is not None:
             from nonstop.lora import wrap_with_peft
@@ -55,7 +57,7 @@ class TrainerWorker:
             reference_path = model_path  # the plain base, not a copy of the peft model
         self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps, max_new_tokens)
         if reference_path is not None and self.trainer.reference is not None:
-            self.trainer.reference = load_model(reference_path).eval().requires_grad_(False)
+            self.trainer.reference = place(load_model(reference_path), self.device).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
         self.publish_bytes = 0
         self.published_version = self.trainer.policy_version  # what the engines hold (they start from it)
@@ -93,7 +95,8 @@ class TrainerWorker:
 
     def step(self, groups: list[Group]) -> StepResult:
         t0 = time.perf_counter()
-        metrics = self.trainer.step(groups)
+        with on(self.device):
+            metrics = self.trainer.step(groups)
         train_s = time.perf_counter() - t0
         self.busy_s += train_s
         metrics.update(train_s=train_s)
