@@ -22,23 +22,24 @@ VLLM = ["--set", "engine.kind=vllm", "--set", "engine.vllm.kv_cache_gib=0.5", "-
 
 
 def test_a_vllm_run_learns(tmp_path):
-    """The default job (shipped base, addition 0-99, 32 prompts x 8 per step) for 40 steps with
-    vLLM generating. Measured under load: the mean reward of steps 31-40 is above that of steps
-    1-10 by 0.1-0.2 (built-in engine: the same size); the bar is any rise of at least 0.03."""
-    result = nonstop(["train", *VLLM, "--set", "run.name=learn", "--set", "run.max_steps=40",
-                      "--set", "run.max_time_s=null", "--set", "run.eval_every=40"], cwd=tmp_path, timeout_s=900)
+    """The default job (shipped base, addition 0-99, 32 prompts x 8 per step) for 50 steps with
+    vLLM generating. Measured (run seed 0, under load): mean reward 0.302 over steps 1-10 and 0.351
+    over steps 31-40 in a 40-step run; 0.292 and 0.366 over steps 1-10 and 31-50 in the time-bound
+    default job (built-in engine: 0.288 and 0.361). The bar is a rise of 0.03."""
+    result = nonstop(["train", *VLLM, "--set", "run.name=learn", "--set", "run.max_steps=50",
+                      "--set", "run.max_time_s=null", "--set", "run.eval_every=50"], cwd=tmp_path, timeout_s=900)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "learn"
     recs = [r for r in records(run_dir) if "reward_mean" in r]
-    assert len(recs) == 40
+    assert len(recs) == 50
     early = sum(r["reward_mean"] for r in recs[:10]) / 10
-    late = sum(r["reward_mean"] for r in recs[-10:]) / 10
-    print(f"reward mean: steps 1-10 {early:.3f}, steps 31-40 {late:.3f}; first step ratio "
+    late = sum(r["reward_mean"] for r in recs[-20:]) / 20
+    print(f"reward mean: steps 1-10 {early:.3f}, steps 31-50 {late:.3f}; first step ratio "
           f"[{recs[0]['ratio_min']:.6f}, {recs[0]['ratio_max']:.6f}], mismatch_kl {recs[0]['mismatch_kl']:.2e}")
     assert late >= early + 0.03, (early, late)
     assert abs(recs[0]["mismatch_kl"]) < 1e-4  # behaviour vs trainer logprobs on the first step
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["engines"][0]["swaps"] >= 30, summary["engines"]  # weights went in place, many times
+    assert summary["engines"][0]["swaps"] >= 40, summary["engines"]  # weights went in place, many times
 
 
 def test_a_killed_vllm_engine_is_restarted_and_no_prompt_is_lost(tmp_path):
