@@ -64,8 +64,14 @@ def test_shared_prompt_forward_matches_the_models_own_forward(tiny, shape):
     m = b_hf["mask"]
     assert torch.allclose(lp_sh[m], lp_hf[m], atol=1e-5)
     for a, b in zip(g_sh, g_hf):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+        assert _close(a, b)
 
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Gradients agree to 1e-5 of the tensor's largest entry: the two forwards sum in different
+    orders, so an entry near zero can differ by more than an element-wise rtol allows (how much
+    depends on the CPU's instruction set), while an ignored adapter or a wrong mask differs by O(1)."""
+    return float((a - b).abs().max()) <= 1e-5 * (1.0 + float(b.abs().max()))
 
 def test_shared_prompt_forward_applies_lora_adapters():
     from nonstop.lora import wrap_with_peft
@@ -80,7 +86,7 @@ def test_shared_prompt_forward_applies_lora_adapters():
     assert len(g_sh) == len(g_hf) > 0  # only adapters train
     assert torch.allclose(lp_sh[b_sh["mask"]], lp_hf[b_sh["mask"]], atol=1e-5)
     for a, b in zip(g_sh, g_hf):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+        assert _close(a, b)
 
 
 def test_models_outside_the_supported_family_keep_the_plain_forward():

@@ -37,13 +37,37 @@ __all__ = [
     "BaseRuntimeConfig", "BaseTransportConfig", "BroadcastTransportConfig", "BufferConfig", "CheckpointConfig",
     "Config", "ConfigError", "EngineConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
     "ModelConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
-    "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TrainerConfig", "TransportConfig", "VllmConfig", "WarmupConfig",
+    "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TinyMoeConfig", "TrainerConfig", "TransportConfig",
+    "VllmConfig", "WarmupConfig",
     "config_reference", "dump_config", "format_validation_error", "load_config",
 ]
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending field."""
+
+
+class TinyMoeConfig(_Section):
+    """Mixture-of-experts blocks for the built-in tiny model (docs/moe.md)."""
+
+    kind: Literal["qwen3_moe", "qwen2_moe"] = "qwen3_moe"
+    """'qwen3_moe': routed experts only (Qwen3-MoE); 'qwen2_moe': plus a gated shared expert (Qwen2-MoE)."""
+    num_experts: int = Field(8, ge=2)
+    """Routed experts per MoE block."""
+    experts_per_token: int = Field(2, ge=1)
+    """Top-k experts each token is routed to."""
+    expert_intermediate_size: int = Field(64, ge=4)
+    """Width of each expert's MLP."""
+    shared_expert_intermediate_size: int = Field(128, ge=4)
+    """Width of the shared expert (qwen2_moe only)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1."""
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> "TinyMoeConfig":
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
+        return self
 
 
 class TinyModelConfig(_Section):
@@ -61,6 +85,8 @@ class TinyModelConfig(_Section):
     """Width of the MLP."""
     max_position_embeddings: int = Field(128, ge=16)
     """Longest sequence (prompt + completion) the model supports."""
+    moe: TinyMoeConfig | None = None
+    """Mixture-of-experts MLPs in every block (None: the dense Qwen2 model)."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "TinyModelConfig":
@@ -254,6 +280,9 @@ class TrainerConfig(_Section):
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
     ranks: int = Field(1, ge=1)
     """Data-parallel trainer ranks (actors); each trains on its share of the groups of a step."""
+    routing_replay: Literal["none", "r3"] = "none"
+    """MoE Keep Routing: 'r3' forces the experts the engine recorded for every token into the
+    trainer's forward (rollout routing replay); 'none' lets the trainer's router choose (docs/moe.md)."""
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
     """With ranks > 1: 'ddp' keeps a full model per rank and all-reduces gradients; 'fsdp2' shards
     parameters, gradients and optimizer state across ranks (torch fully_shard). Gloo on CPU, NCCL on GPU."""

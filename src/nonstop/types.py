@@ -9,7 +9,8 @@ entry per completion token; `logprobs[t]` is the behaviour logprob log mu(a_t) o
 distribution the engine actually sampled from (after temperature); `versions[t]` is the
 policy_version of the weights that produced token t. When the engine truncated the distribution
 (top-k / top-p / min-p), `sampling_mask[t]` lists the token ids it kept, and `logprobs[t]` is
-normalised over exactly that set.
+normalised over exactly that set. When the model is a mixture of experts, `routes` holds the
+experts the engine's router chose for every input token (Keep Routing, see `Routes`).
 """
 
 from __future__ import annotations
@@ -129,6 +130,45 @@ def _kept_ids(vocab_size: int, data: bytes, offsets: bytes, kinds: bytes) -> Kep
 
 
 @dataclass(slots=True)
+class Routes:
+    """Keep Routing: the top-k experts the engine's router chose, per MoE layer, for every token
+    the engine fed as input: the prompt's P tokens (computed once per group at prefill, shared by
+    the group's samples) and completion tokens 0..T-2 (the last sampled token is never an input).
+
+    Stored row-major as (tokens, num_layers, top_k) unsigned integers, 1 byte each when there are
+    at most 256 experts (2 bytes, little-endian, otherwise): `prompt` (P rows) and `completion`
+    (T - 1 rows once the sample is finished). Expert order within a row is the router's (most
+    probable first); only the set matters to the trainer."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+    prompt: bytes = b""
+    completion: bytearray = field(default_factory=bytearray)
+
+    @property
+    def itemsize(self) -> int:
+        return 1 if self.num_experts <= 256 else 2
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes per routed token: num_layers x top_k x itemsize."""
+        return self.num_layers * self.top_k * self.itemsize
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt) // self.token_bytes
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.completion) // self.token_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.prompt) + len(self.completion)
+
+
+@dataclass(slots=True)
 class GenerationRequest:
     """One prompt to complete `n` times (a GRPO group when n > 1)."""
 
@@ -151,6 +191,8 @@ class Sample:
     sampling_mask: KeptIds | list[list[int]] | None = None
     """Keep Sampling Mask: when top-k/top-p/min-p truncated the distribution, the sorted ids of the
     tokens kept at each completion position (the support the behaviour logprob is normalised over)."""
+    routes: Routes | None = None
+    """Keep Routing: the experts the engine routed each input token to (MoE models only)."""
     reward: float = 0.0
     text: str = ""
 

@@ -14,11 +14,17 @@ Contract:
   one matrix for every linear layer and split only for attention, so a step that admits new
   requests costs one forward, not two; all return float32 (rows, V);
 - weights are read from the model's own Parameter objects on every call, so a weight update
-  that copies into them (or rebinds their storage) is picked up by the next forward pass.
+  that copies into them (or rebinds their storage) is picked up by the next forward pass;
+- mixture-of-experts blocks (Qwen3-MoE, Qwen2-MoE with its gated shared expert) route as
+  transformers does (softmax in float32 over the router logits, top-k, optional renormalisation);
+  after every forward `routes` holds the experts chosen for each input token of that pass,
+  (N, moe_layers, k) uint8 (int16 above 256 experts), rows in the order of the tokens: decode
+  rows 0..B-1, then each prompt's real tokens in turn (None for a dense model).
 
-Supported: decoder-only models shaped like Qwen2/Llama/Mistral (`model.model.layers` with
-`self_attn.{q,k,v,o}_proj`, a gated SiLU MLP, RMSNorm, rotary embeddings, full attention).
-Anything else is refused at construction with a message naming what differs.
+Supported: decoder-only models shaped like Qwen2/Llama/Mistral/Qwen3 (`model.model.layers` with
+`self_attn.{q,k,v,o}_proj`, optional per-head q/k RMSNorm, a gated SiLU MLP or a MoE block of
+fused SiLU experts, RMSNorm, rotary embeddings, full attention). Anything else is refused at
+construction with a message naming what differs.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ class Runner(Protocol):
     num_slots: int
     max_seq_len: int
     vocab_size: int
+    moe_layers: int
+    top_k: int
+    num_experts: int
+    routes: torch.Tensor | None
 
     def prefill(self, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor: ...
 
@@ -61,6 +71,51 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+class _Moe:
+    """Parameter objects of one mixture-of-experts block: router, fused experts, shared expert."""
+
+    def __init__(self, mlp: Any) -> None:
+        self.router: torch.Tensor = mlp.gate.weight  # (E, hidden)
+        self.top_k: int = mlp.gate.top_k
+        self.num_experts: int = mlp.gate.num_experts
+        self.norm_topk: bool = bool(mlp.gate.norm_topk_prob)
+        self.gate_up: torch.Tensor = mlp.experts.gate_up_proj  # (E, 2I, hidden): gate rows, then up rows
+        self.down: torch.Tensor = mlp.experts.down_proj  # (E, hidden, I)
+        shared = getattr(mlp, "shared_expert", None)
+        self.shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if shared is not None:  # Qwen2-MoE: sigmoid(shared_expert_gate(h)) x a gated MLP, added to the experts
+            self.shared = (mlp.shared_expert_gate.weight, shared.gate_proj.weight, shared.up_proj.weight,
+                           shared.down_proj.weight)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (N, hidden) -> top-k expert ids (N, k) long and their weights (N, k) in h's dtype."""
+        probs = torch.softmax(F.linear(h, self.router), dim=-1, dtype=torch.float32)  # (N, E)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return experts, weights.to(h.dtype)
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (N, hidden) -> the block's output (N, hidden) and the chosen experts (N, k)."""
+        experts, weights = self.route(h)
+        out = torch.zeros_like(h)
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # token slots grouped by expert: one gather per expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens, w = order // self.top_k, weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start:start + n]
+                gate, up = F.linear(h[rows], self.gate_up[e]).chunk(2, dim=-1)
+                out.index_add_(0, rows, F.linear(F.silu(gate) * up, self.down[e]) * w[start:start + n, None])
+                start += n
+        if self.shared is not None:
+            ws, wg, wu, wd = self.shared
+            out = out + torch.sigmoid(F.linear(h, ws)) * F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+        return out, experts
+
+
 class _Layer:
     """Parameter objects of one decoder block (references, so updates are seen)."""
 
@@ -79,6 +134,10 @@ class _Layer:
     wg: torch.Tensor
     wu: torch.Tensor
     wd: torch.Tensor
+    qn: torch.Tensor | None
+    kn: torch.Tensor | None
+    qk_eps: float
+    moe: _Moe | None
 
     def __init__(self, block: Any) -> None:
         """`block`: a Llama-family decoder layer, its submodules found by name (nn.Module types
@@ -91,7 +150,20 @@ class _Layer:
         self.wk, self.bk = attn.k_proj.weight, attn.k_proj.bias
         self.wv, self.bv = attn.v_proj.weight, attn.v_proj.bias
         self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
-        self.wg, self.wu, self.wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.qn = None if q_norm is None else q_norm.weight
+        self.kn = None if k_norm is None else k_norm.weight
+        self.qk_eps = q_norm.variance_epsilon if q_norm is not None else 0.0
+        self.moe = _Moe(mlp) if hasattr(mlp, "experts") else None
+        if self.moe is None:
+            self.wg, self.wu, self.wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
+    def qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of queries and keys (..., heads, D), before rotation."""
+        if self.qn is None or self.kn is None:
+            return q, k
+        D = q.shape[-1]
+        return F.rms_norm(q, (D,), self.qn, self.qk_eps), F.rms_norm(k, (D,), self.kn, self.qk_eps)
 
 
 def _check_supported(model: torch.nn.Module) -> None:
@@ -103,6 +175,18 @@ def _check_supported(model: torch.nn.Module) -> None:
         problems.append(f"hidden_act {getattr(cfg, 'hidden_act', None)!r} (needs silu)")
     if getattr(cfg, "use_sliding_window", False):
         problems.append("sliding-window attention")
+    for i, block in enumerate(getattr(getattr(model, "model", None), "layers", [])):
+        mlp = block.mlp
+        if hasattr(mlp, "experts"):
+            gate, experts = getattr(mlp, "gate", None), mlp.experts
+            if not all(hasattr(gate, a) for a in ("weight", "top_k", "num_experts", "norm_topk_prob")) or not all(
+                    hasattr(experts, a) for a in ("gate_up_proj", "down_proj")):
+                problems.append(f"layers.{i}.mlp: a {type(mlp).__name__} without a top-k router (gate) and fused "
+                                "experts (gate_up_proj, down_proj)")
+            elif getattr(mlp, "shared_expert", None) is not None and not hasattr(mlp, "shared_expert_gate"):
+                problems.append(f"layers.{i}.mlp: a shared expert without shared_expert_gate")
+        elif not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
+            problems.append(f"layers.{i}.mlp: {type(mlp).__name__} is neither a gated MLP nor a MoE block")
     if problems:
         raise UnsupportedModel(f"{type(model).__name__}: the engine's runner supports Llama-family decoders; "
                                f"this model has {', '.join(problems)}")
@@ -135,6 +219,13 @@ class KVRunner:
         self.cos, self.sin = cos[0], sin[0]  # (T, D)
         self.arange = torch.arange(max_seq_len)
         self.rows = torch.arange(num_slots)
+        moe = [layer.moe for layer in self.layers if layer.moe is not None]
+        self.moe_layers = len(moe)
+        self.top_k = moe[0].top_k if moe else 0
+        self.num_experts = moe[0].num_experts if moe else 0
+        self.route_dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
+        self.routes: torch.Tensor | None = None
+        self._routes: list[torch.Tensor] = []
 
     def _plan(self, positions: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
         """Attention blocks of a decode step: (first row, end row, keys T, mask (rows, 1, 1, T)).
@@ -163,7 +254,21 @@ class KVRunner:
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         h = F.rms_norm(x, (self.hidden,), layer.ln2, layer.eps2)
-        return x + F.linear(F.silu(F.linear(h, layer.wg)) * F.linear(h, layer.wu), layer.wd)
+        if layer.moe is None:
+            return x + F.linear(F.silu(F.linear(h, layer.wg)) * F.linear(h, layer.wu), layer.wd)
+        shape = h.shape
+        out, experts = layer.moe(h.reshape(-1, self.hidden))
+        self._routes.append(experts.to(self.route_dtype))
+        return x + out.view(shape)
+
+    def _keep_routes(self, order: torch.Tensor | None = None) -> None:
+        """Stack the pass's per-layer routes into `routes` (N, moe_layers, k), rows picked by `order`."""
+        if not self._routes:
+            self.routes = None
+            return
+        routes = torch.stack(self._routes, dim=1)  # (rows of the pass, moe_layers, k)
+        self._routes = []
+        self.routes = routes if order is None else routes[order]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.norm_eps), self.lm_head).float()
@@ -179,11 +284,12 @@ class KVRunner:
         last = torch.tensor([len(p) - 1 for p in prompts])
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         cos, sin = self.cos[:L], self.sin[:L]  # (L, D), broadcast over (P, heads, L, D)
+        self._routes = []  # a pass that raised may have left some layers' routes
         x = F.embedding(ids, self.embed)  # (P, L, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
             h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
-            q = F.linear(h, layer.wq, layer.bq).view(P, L, H, D).transpose(1, 2)
-            k = F.linear(h, layer.wk, layer.bk).view(P, L, KV, D).transpose(1, 2)
+            q, k = layer.qk(F.linear(h, layer.wq, layer.bq).view(P, L, H, D), F.linear(h, layer.wk, layer.bk).view(P, L, KV, D))
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = F.linear(h, layer.wv, layer.bv).view(P, L, KV, D).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             kc[slots, :, :L] = k
@@ -191,6 +297,7 @@ class KVRunner:
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)  # (P, H, L, D)
             x = x + F.linear(a.transpose(1, 2).reshape(P, L, H * D), layer.wo, layer.bo)
             x = self._mlp(x, layer)
+        self._keep_routes(torch.cat([torch.arange(len(p)) + j * L for j, p in enumerate(prompts)]))  # real tokens only
         return self._logits(x[torch.arange(P), last])  # (P, V)
 
     @torch.inference_mode()
@@ -201,17 +308,18 @@ class KVRunner:
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]  # (B, 1, 1, D)
         plan = self._plan(positions)
         rows = self.rows[:B]
+        self._routes = []
         x = F.embedding(tokens, self.embed)  # (B, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
             h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
-            q = F.linear(h, layer.wq, layer.bq).view(B, H, 1, D)
-            k = F.linear(h, layer.wk, layer.bk).view(B, KV, 1, D)
+            q, k = layer.qk(F.linear(h, layer.wq, layer.bq).view(B, H, 1, D), F.linear(h, layer.wk, layer.bk).view(B, KV, 1, D))
             v = F.linear(h, layer.wv, layer.bv).view(B, KV, D)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             kc[rows, :, positions] = k[:, :, 0]
             vc[rows, :, positions] = v
             x = x + F.linear(self._attend(q, kc, vc, plan), layer.wo, layer.bo)
             x = self._mlp(x, layer)
+        self._keep_routes()
         return self._logits(x)  # (B, V)
 
     @torch.inference_mode()
@@ -236,11 +344,12 @@ class KVRunner:
             out[pad_index] = t
             return out.view(P, L, heads, D).transpose(1, 2)
 
+        self._routes = []
         x = F.embedding(ids, self.embed)  # (N, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
             h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
-            q = _rotate(F.linear(h, layer.wq, layer.bq).view(-1, H, D), cos, sin)
-            k = _rotate(F.linear(h, layer.wk, layer.bk).view(-1, KV, D), cos, sin)
+            q, k = layer.qk(F.linear(h, layer.wq, layer.bq).view(-1, H, D), F.linear(h, layer.wk, layer.bk).view(-1, KV, D))
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = F.linear(h, layer.wv, layer.bv).view(-1, KV, D)
             kc[rows, :, positions] = k[:B]
             vc[rows, :, positions] = v[:B]
@@ -252,6 +361,7 @@ class KVRunner:
             ap = ap.transpose(1, 2).reshape(P * L, H * D)[pad_index]
             x = x + F.linear(torch.cat([ad, ap]), layer.wo, layer.bo)
             x = self._mlp(x, layer)
+        self._keep_routes()
         return self._logits(x[torch.cat([torch.arange(B), last])])
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:

@@ -18,6 +18,10 @@ Contract:
   blocking admits static batches and swaps only between them. A token's version is the version
   live during the forward pass that produced its logits, and tokens sampled before a swap keep
   their version and behaviour logprob in every mode;
+- with a mixture-of-experts model every sequence records the experts its input tokens were routed
+  to (types.Routes): the prompt's at its prefill (shared by the group), each completion token's
+  when it is fed back; a re-prefill after an abort replaces the prefix's routes with the ones
+  recomputed under the new weights, since later tokens attend to that recomputed KV;
 - with `group_cancel`, a swap cancels every in-flight group whose oldest token is more than
   `max_lag` versions behind; the group restarts from its prompt (counted in `groups_cancelled`).
 """
@@ -93,7 +97,9 @@ class Scheduler:
                on_fail: Callable[[BaseException], None] | None = None,
                on_token: Callable[[int, int, float, int], None] | None = None) -> Group:
         self.check(request)
-        group = Group(request, on_done, on_fail, on_token, self.runner.vocab_size)
+        r = self.runner
+        shape = (r.moe_layers, r.top_k, r.num_experts) if r.moe_layers else None
+        group = Group(request, on_done, on_fail, on_token, r.vocab_size, shape)
         self.waiting.append(group)
         return group
 
@@ -185,6 +191,8 @@ class Scheduler:
             self.stats["prefill_tokens"] += sum(len(p) for p in prefixes)
             repeat = torch.tensor([1] * len(decoding) + [len(m) for m in members])
             logits = logits.repeat_interleave(repeat, dim=0)
+        if self.runner.routes is not None:
+            self._record_routes(decoding, members, prefixes)
         seqs = decoding + [s for m in members for s in m]
         if heads:  # the batch changed: its parameters are rebuilt (and cached only for plain decode steps)
             self._row_params = None
@@ -194,6 +202,25 @@ class Scheduler:
                 self._row_params = self._params_of(seqs)
             params = self._row_params
         self._emit(seqs, logits, params)
+
+    def _record_routes(self, decoding: list[Seq], members: list[list[Seq]], prefixes: list[list[int]]) -> None:
+        """Hand the pass's routes (decode rows, then each prefilled prefix's tokens) to their sequences."""
+        assert self.runner.routes is not None
+        data = self.runner.routes.numpy()  # (N, moe_layers, k)
+        if data.dtype != np.uint8:
+            data = data.astype("<u2")
+        for i, s in enumerate(decoding):
+            assert s.routes is not None  # a MoE runner gives every sequence its routes
+            s.routes.completion += data[i].tobytes()
+        at = len(decoding)
+        for seqs, prefix in zip(members, prefixes):
+            block, at = data[at:at + len(prefix)], at + len(prefix)
+            P = len(seqs[0].group.request.prompt_ids)
+            prompt = block[:P].tobytes()
+            for s in seqs:
+                assert s.routes is not None
+                s.routes.prompt = prompt
+                s.routes.completion = bytearray(block[P:].tobytes())
 
     def _params_of(self, seqs: list[Seq]):
         return row_params([s.group.settings for s in seqs], [s.generator for s in seqs])

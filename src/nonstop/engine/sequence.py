@@ -1,8 +1,9 @@
 """In-flight state of one request (a group of n completions) and of each completion.
 
 A `Seq` owns the growing completion and its per-token metadata: token ids, behaviour logprobs,
-policy versions and (when the request truncates) the Keep Sampling Mask. Invariants: the four
-lists have equal length; `pending` is the last sampled token, not yet in the KV cache;
+policy versions, (when the request truncates) the Keep Sampling Mask and (for a MoE model) the
+routes of its input tokens. Invariants: the four lists have equal length; the routes cover the
+prompt and every completion token but the pending one; `pending` is the last sampled token, not yet in the KV cache;
 `length` is the number of tokens in the cache; `row` is the cache slot (-1 when not in the
 batch). A `Group` finishes when all its sequences have a finish reason; `reset()` clears it
 for a restart from the prompt (group_cancel).
@@ -14,11 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from nonstop.types import FinishReason, GenerationRequest, KeptIds, Sample
+from nonstop.types import FinishReason, GenerationRequest, KeptIds, Routes, Sample
 
 
 class Seq:
-    __slots__ = ("group", "index", "ids", "logprobs", "versions", "kept", "pending", "length", "row",
+    __slots__ = ("group", "index", "ids", "logprobs", "versions", "kept", "routes", "pending", "length", "row",
                  "finish", "generator")
 
     def __init__(self, group: "Group", index: int) -> None:
@@ -32,6 +33,8 @@ class Seq:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.kept = KeptIds(self.group.vocab_size) if p.truncates and p.temperature > 0 else None
+        shape = self.group.route_shape
+        self.routes = Routes(*shape) if shape is not None else None
         self.pending = -1
         self.length = 0
         self.finish: FinishReason | None = None
@@ -40,13 +43,15 @@ class Seq:
     def to_sample(self) -> Sample:
         assert self.finish is not None, "to_sample before the sequence finished"
         return Sample(prompt_ids=list(self.group.request.prompt_ids), completion_ids=self.ids, logprobs=self.logprobs,
-                      versions=self.versions, finish_reason=self.finish, sampling_mask=self.kept)
+                      versions=self.versions, finish_reason=self.finish, sampling_mask=self.kept, routes=self.routes)
 
 
 class Group:
     def __init__(self, request: GenerationRequest, on_done: Callable[[list[Sample]], None],
                  on_fail: Callable[[BaseException], None] | None,
-                 on_token: Callable[[int, int, float, int], None] | None, vocab_size: int) -> None:
+                 on_token: Callable[[int, int, float, int], None] | None, vocab_size: int,
+                 route_shape: tuple[int, int, int] | None = None) -> None:
+        """`route_shape`: (moe_layers, top_k, num_experts) of a MoE model, whose routes are recorded."""
         p = request.params
         self.request, self.on_done, self.on_fail, self.on_token = request, on_done, on_fail, on_token
         self.n = request.n
@@ -56,6 +61,7 @@ class Group:
         self.stop_strings = tuple(p.stop)
         self.stop_window = max((len(x) for x in p.stop), default=0) + 1
         self.vocab_size = vocab_size
+        self.route_shape = route_shape
         self.started = False
         self.seqs = [Seq(self, i) for i in range(request.n)]
 

@@ -3,7 +3,8 @@
 `make_char_tokenizer()` builds a 128-entry character-level tokenizer with the `tokenizers`
 library: ids 0-2 are <pad>, <bos>, <eos>; then the 95 printable ASCII characters; the rest are
 reserved tokens, so model vocab and tokenizer vocab always agree. `make_tiny_model()` builds a
-Qwen2-architecture causal LM from a transformers config. `save_tiny(dir)` writes both with
+Qwen2-architecture causal LM from a transformers config, or with `tiny.moe` a Qwen3-MoE (routed
+experts) or Qwen2-MoE (routed experts plus a gated shared expert) of the same shape. `save_tiny(dir)` writes both with
 `save_pretrained`, so the single loading path, `AutoModelForCausalLM.from_pretrained(path)` and
 `AutoTokenizer.from_pretrained(path)`, serves the tiny model and users' real models alike.
 """
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3MoeConfig)
 
 from nonstop.config import TinyModelConfig
 
@@ -40,8 +43,9 @@ def make_char_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_tiny_model(cfg: TinyModelConfig, seed: int = 0) -> PreTrainedModel:
-    config = Qwen2Config(
+def tiny_config(cfg: TinyModelConfig) -> PretrainedConfig:
+    """The transformers config of the tiny model `cfg` describes."""
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -54,6 +58,18 @@ def make_tiny_model(cfg: TinyModelConfig, seed: int = 0) -> PreTrainedModel:
         bos_token_id=1,
         eos_token_id=2,
     )
+    moe = cfg.moe
+    if moe is None:
+        return Qwen2Config(**common)
+    experts: dict[str, Any] = dict(num_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
+                   moe_intermediate_size=moe.expert_intermediate_size, norm_topk_prob=moe.norm_topk_prob)
+    if moe.kind == "qwen2_moe":
+        return Qwen2MoeConfig(**common, **experts, shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
+    return Qwen3MoeConfig(**common, **experts)  # head_dim: hidden_size // num_heads
+
+
+def make_tiny_model(cfg: TinyModelConfig, seed: int = 0) -> PreTrainedModel:
+    config = tiny_config(cfg)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

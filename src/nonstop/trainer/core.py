@@ -13,8 +13,12 @@
 5. backward, global grad-norm clip, AdamW; policy_version += 1. A non-finite loss or gradient
    skips the step instead (weights and version unchanged, counted); `max_consecutive_skips`
    in a row raise NumericalError.
+With a mixture-of-experts model whose samples carry the engine's routes, the forward of step 3
+compares the trainer's routing with them and, with `trainer.routing_replay: r3`, uses the
+recorded experts (trainer/routing.py).
 Reported: loss, ratio and correction statistics, the mismatch KL between behaviour and trainer
-logprobs, the per-token lag histogram (lag = version before the step - token version), and
+logprobs and the spread (std) of their log ratio, the routing mismatch fractions (MoE), the
+per-token lag histogram (lag = version before the step - token version), and
 rejections. Publishing the weights is the worker's job.
 """
 
@@ -31,6 +35,7 @@ from nonstop.hf import CausalLM
 from nonstop.config import TrainerConfig
 from nonstop.trainer.correction import is_weights
 from nonstop.trainer.forward import prompt_shared_hidden, unsupported
+from nonstop.trainer.routing import RouterHooks, moe_routers, route_tensor
 from nonstop.trainer.losses import clipped_policy_loss, group_advantages, gspo_loss, kl_penalty, masked_mean, token_logprobs
 from nonstop.types import Group
 
@@ -68,6 +73,7 @@ class Batch(TypedDict):
     prompt_len: NotRequired[torch.Tensor]  # (Q,)
     row_prompt: NotRequired[torch.Tensor]  # (B,) index of each row's prompt
     completion_in: NotRequired[torch.Tensor]  # (B, T - 1) completion inputs after the prompt
+    routes: NotRequired[torch.Tensor]  # (B, L, moe_layers, k) int16, the engine's experts per input token, -1: none
 
 
 class Trainer:
@@ -95,6 +101,12 @@ class Trainer:
         self.total_steps = total_steps
         # Each distinct prompt computed once per batch (trainer/forward.py) where the model allows it.
         self.shared_prompts = unsupported(model) is None
+        routers = moe_routers(model)
+        if cfg.routing_replay == "r3" and not routers:
+            raise ValueError("trainer.routing_replay: 'r3' replays MoE routes, but the model has no top-k router "
+                             "(model.layers.{i}.mlp.gate); set trainer.routing_replay none")
+        # after the reference copy, which must route freely
+        self.routing = RouterHooks(routers, cfg.routing_replay == "r3") if routers else None
         self.make_optimizer()
 
     def make_optimizer(self) -> None:
@@ -174,6 +186,8 @@ class Trainer:
             # Completion token t of row b sits at input position P_b + t and is predicted at P_b + t - 1.
             gather_pos = torch.where(in_completion, plen_rows[:, None] - 1 + torch.arange(T)[None, :], 0)
             batch["ids"], batch["attn"], batch["gather_pos"] = ids, in_seq.long(), gather_pos
+            if self.routing is not None and (self.routing.replay or all(s.routes is not None for s in samples)):
+                batch["routes"] = route_tensor(samples, ids.shape[1], self.routing.routers)
         if any(s.sampling_mask for s in samples):  # Keep Sampling Mask: replay the engine's support
             vocab = self.model.get_output_embeddings().weight.shape[0]
             keep = torch.ones((B, T, vocab), dtype=torch.bool)
@@ -218,7 +232,18 @@ class Trainer:
         batch = self._batch(groups)
         lag = self.policy_version - batch["versions"]  # (B, T), against the version before the step
         mask, counts = self._loss_mask(batch, lag)
-        out = self.logprobs(batch, with_entropy=cfg.entropy_coef > 0)
+        routing: dict[str, float] = {}
+        if self.routing is not None and "routes" in batch:
+            routes = batch["routes"]
+            self.routing.arm(routes.reshape(-1, *routes.shape[2:]))  # router rows are (b, position) flattened
+            try:
+                out = self.logprobs(batch, with_entropy=cfg.entropy_coef > 0)
+            except BaseException:
+                self.routing.reset()  # the forward's own error, not an unused-routes one
+                raise
+            routing = self.routing.disarm()
+        else:
+            out = self.logprobs(batch, with_entropy=cfg.entropy_coef > 0)
         logp, entropy = out if cfg.entropy_coef > 0 else (out, None)
         prox = logp.detach()  # proximal policy: one optimizer step per batch, so pi_prox = pi_theta now
         weights, is_stats = is_weights(prox, batch["behaviour"], mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
@@ -277,6 +302,8 @@ class Trainer:
             **{k: float(v) for k, v in is_stats.items()},
             "mismatch_kl": float(d.mean()) if d.numel() else 0.0,  # k1 estimate of KL(mu || pi)
             "mismatch_kl_k3": float((torch.exp(-d) + d - 1).mean()) if d.numel() else 0.0,
+            "log_ratio_std": float(d.std()) if d.numel() > 1 else 0.0,  # spread of log pi - log mu
+            **routing,
             **extra, **counts,
             "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
             "lag_hist": {str(k): v for k, v in sorted(Counter(lag[sel].tolist()).items())},

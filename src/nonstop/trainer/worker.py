@@ -70,6 +70,8 @@ class TrainerWorker:
         """Become rank `rank` of `world` data-parallel trainer ranks (blocks until all joined)."""
         t = self.trainer
         join_group(host, port, rank, world, timeout_s, cuda=next(t.model.parameters()).is_cuda)
+        if t.routing is not None:
+            t.routing.close()  # the parallel trainer hooks the same routers again
         self.trainer = ParallelTrainer(t.model, t.cfg, t.temperature, t.pad_token_id, t.max_lag, t.reject,
                                        t.cfg.data_parallel, t.total_steps, t.max_new_tokens)
         self.trainer.reference = t.reference  # the worker may have loaded it from elsewhere (resume)
