@@ -10,10 +10,15 @@ injected from inside the orchestrator by a test reward function (tests/helpers.p
     trainer_kill SIGKILL of the trainer; the run stops, then `nonstop train --resume` finishes it
     corrupt_ckpt a bit flipped in the newest checkpoint before the resume (previous one used)
     nan_loss    rewards whose group statistics overflow: non-finite loss, step skipped
+    engines_kill two engines, engine-0 SIGKILLed while generating; engine-1 keeps serving
+    ctrl_c      Ctrl-C (SIGINT to the orchestrator): checkpoint after the step, exit 130, then
+                `nonstop train --resume` finishes it
 
 Columns: whether the epoch completed, prompts lost (drawn or due but never settled) and
 duplicated (settled twice) from the run's ledger, engine restarts, time to detect and to
 recover, and wall time relative to the fault-free run (all invocations of the row summed).
+The last line: `RESULT scenarios=<n> survived=<n> lost=<total> duplicated=<total>`, where a
+scenario survived if its epoch completed with no prompt lost or duplicated.
 
     python bench/faults.py
 """
@@ -37,7 +42,7 @@ TRAIN = 80
 
 
 def cli(args: list[str], cwd: Path) -> tuple[int, float, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]), "COLUMNS": "200"}
     t0 = time.perf_counter()
     p = subprocess.run([NONSTOP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     return p.returncode, time.perf_counter() - t0, p.stdout + p.stderr
@@ -72,6 +77,8 @@ def scenario(name: str, model: Path, work: Path) -> dict:
         "trainer_kill": [epoch(model, name, "kill_trainer_reward"), resume],
         "corrupt_ckpt": [epoch(model, name, "kill_trainer_reward"), "flip", resume],
         "nan_loss": [epoch(model, name, "overflow_reward", "--set", "trainer.max_consecutive_skips=50")],
+        "engines_kill": [epoch(model, name, "kill_engine_0_once_reward", "--set", "runtime.num_engines=2")],
+        "ctrl_c": [epoch(model, name, "interrupt_once_reward"), resume],
     }[name]
     for args in steps:
         if args == "flip":
@@ -96,7 +103,7 @@ def scenario(name: str, model: Path, work: Path) -> dict:
     }
 
 
-SCENARIOS = ("none", "engine_kill", "engine_hang", "trainer_kill", "corrupt_ckpt", "nan_loss")
+SCENARIOS = ("none", "engine_kill", "engine_hang", "trainer_kill", "corrupt_ckpt", "nan_loss", "engines_kill", "ctrl_c")
 
 
 def main() -> None:
@@ -134,6 +141,9 @@ def main() -> None:
     for name, r in rows.items():
         if r["output_tail"]:
             console.print(f"[red]{name} did not complete[/]; its output ended with:\n{r['output_tail']}")
+    survived = sum(r["completed"] and r["lost"] == 0 and r["duplicated"] == 0 for r in rows.values())
+    print(f"RESULT scenarios={len(rows)} survived={survived} lost={sum(r['lost'] for r in rows.values())} "
+          f"duplicated={sum(max(r['duplicated'], 0) for r in rows.values())}")
 
 
 if __name__ == "__main__":

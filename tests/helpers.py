@@ -194,3 +194,49 @@ class DataParallelRank:
         metrics = trainer.step(groups)
         params = {n: t.detach().numpy().copy() for n, t in trainer.publishable().named_parameters()}
         return {"params": params, "metrics": metrics, "version": trainer.policy_version}
+
+
+def kill_engine_0_once_reward(completion: str, answer: str) -> float:
+    """With several engines, SIGKILLs engine-0 once, 50 ms later; the others go on serving."""
+    import multiprocessing as mp
+    import signal
+    import threading
+
+    if _once("engine_0_killed"):
+        pids = [c.pid for c in mp.active_children() if c.name == "nonstop-engine-0"]
+        threading.Timer(0.05, lambda: [os.kill(p, signal.SIGKILL) for p in pids]).start()
+    return float(len(completion))
+
+
+def interrupt_once_reward(completion: str, answer: str) -> float:
+    """Presses Ctrl-C (SIGINT to the orchestrator, where rewards run) at the 300th scored sample
+    of the first run in this folder: the run checkpoints and stops; a resume finishes it."""
+    import signal
+
+    _calls["n"] += 1
+    if _calls["n"] == 300 and _once("interrupted"):
+        os.kill(os.getpid(), signal.SIGINT)
+    return float(len(completion))
+
+
+_soak = {"last_kill": None, "next": 0}
+
+
+def kill_an_engine_every_reward(completion: str, answer: str) -> float:
+    """Soak test: SIGKILLs one engine (in turn) every NONSTOP_SOAK_KILL_EVERY_S seconds."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    now = time.monotonic()
+    every_s = float(os.environ.get("NONSTOP_SOAK_KILL_EVERY_S", "60"))
+    if _soak["last_kill"] is None:
+        _soak["last_kill"] = now
+    elif now - _soak["last_kill"] >= every_s:
+        _soak["last_kill"] = now
+        engines = sorted((c for c in mp.active_children() if c.name.startswith("nonstop-engine")), key=lambda c: c.name)
+        if engines:
+            victim = engines[_soak["next"] % len(engines)]
+            _soak["next"] += 1
+            os.kill(victim.pid, signal.SIGKILL)
+    return float(len(completion))

@@ -89,6 +89,19 @@ def test_unbounded_stream_enforces_max_lag():
     asyncio.run(go())
 
 
+def test_unbounded_stream_admits_at_most_max_queued_groups_ahead_of_the_trainer():
+    """depth None still waits for admission once max_queued groups are admitted and untrained
+    (otherwise the producer never yields and admits without end)."""
+    async def go():
+        buf = RolloutBuffer(groups_per_step=2, depth=None, max_lag=8, max_queued=5)
+        assert await _admit_nowait(buf, 4) == 4
+        assert await _admit_nowait(buf, 4) == 1
+        assert await _admit_nowait(buf, 4) is None
+        await buf.step_done(1)  # two groups trained: two more may be admitted
+        assert await _admit_nowait(buf, 4) == 2
+    asyncio.run(go())
+
+
 def test_without_refill_a_batch_trains_on_the_groups_with_signal_among_its_prompts():
     async def go():
         buf = RolloutBuffer(groups_per_step=3, depth=0, max_lag=0, max_queued=100, refill=False)
@@ -101,6 +114,19 @@ def test_without_refill_a_batch_trains_on_the_groups_with_signal_among_its_promp
         assert buf.drops == {"uniform_reward": 1} and buf.refunded == 0
         await buf.step_done(1)
         assert await _admit_nowait(buf, 3) == 3
+    asyncio.run(go())
+
+
+def test_unbounded_stream_admits_at_most_max_queued_groups_ahead_of_the_trainer():
+    """depth None still waits for admission once max_queued groups are admitted and untrained
+    (otherwise the producer never yields and admits without end)."""
+    async def go():
+        buf = RolloutBuffer(groups_per_step=2, depth=None, max_lag=8, max_queued=5)
+        assert await _admit_nowait(buf, 4) == 4
+        assert await _admit_nowait(buf, 4) == 1
+        assert await _admit_nowait(buf, 4) is None
+        await buf.step_done(1)  # two groups trained: two more may be admitted
+        assert await _admit_nowait(buf, 4) == 2
     asyncio.run(go())
 
 

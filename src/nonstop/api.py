@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from nonstop.config import Config, ConfigError, load_config
 from nonstop.orchestrator.score import RewardError, RewardFn, resolve_reward
-from nonstop.tasks.data import DatasetError, DatasetReport, Example, TaskData, check_row, collect_rows, refuse_bad_rows, split_examples
+from nonstop.tasks.data import (DatasetError, DatasetReport, TaskData, check_row, collect_rows, joined_splits,
+                                refuse_bad_rows, split_examples)
 
 if TYPE_CHECKING:
     from nonstop.orchestrator.records import RunSummary
@@ -106,11 +107,7 @@ def task_data(cfg: Config, dataset: Any, eval_dataset: Any, columns: Mapping[str
         raise DatasetError("eval_dataset: give held-out rows, or eval_size / eval_fraction to split them off, not both")
     held, held_report = read_rows(eval_dataset, mapping, "eval_dataset")
     refuse_bad_rows(held_report, "eval_dataset", cfg.task.on_bad_row)
-    report.rows_read += held_report.rows_read
-    report.rows_skipped += held_report.rows_skipped
-    report.problems += held_report.problems
-    return TaskData(train=[Example(i, *p) for i, p in enumerate(pairs)],
-                    eval=[Example(len(pairs) + j, *p) for j, p in enumerate(held)], report=report)
+    return joined_splits(pairs, report, held, held_report, "eval_dataset")
 
 
 def _callable_reward(fn: Any, arg: str) -> RewardFn:

@@ -1,5 +1,5 @@
 """Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop train --resume RUN_DIR`,
-`nonstop warmup --out DIR`, `nonstop config`.
+`nonstop warmup --out DIR`, `nonstop config`, `nonstop report RUN_DIR`, `nonstop simulate RUN_DIR`.
 
 `nonstop train` with no arguments runs the built-in default: the tiny model on two-operand
 addition, starting from the base policy shipped with the package, then asynchronous GRPO.
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import click
@@ -21,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from nonstop import __version__
 from nonstop.config import Config, ConfigError, dump_config, load_config
 from nonstop.orchestrator.launch import run_training  # shared with nonstop.train(); benches import it from here
 
@@ -32,7 +35,11 @@ def _summary_table(s: RunSummary) -> Table:
     t = Table(title="nonstop: end of run", show_header=False)
     base, final = s.base_accuracy, s.final_accuracy or 0.0
     t.add_row("held-out accuracy", f"base {base:.1%} -> final {final:.1%} ({100 * (final - base):+.1f} points)")
-    t.add_row("wall time", f"{s.wall_s:.1f} s total ({s.warmup_s:.1f} s base policy, {s.rl_wall_s:.1f} s RL)")
+    if s.resumed_from:  # the RL clock continues across resumes; this command's wall time does not
+        t.add_row("wall time", f"{s.wall_s:.1f} s this session (resumed; {s.warmup_s:.1f} s loading the checkpoint); "
+                               f"RL {s.rl_wall_s:.1f} s over all sessions")
+    else:
+        t.add_row("wall time", f"{s.wall_s:.1f} s total ({s.warmup_s:.1f} s base policy, {s.rl_wall_s:.1f} s RL)")
     t.add_row("steps", f"{s.steps} (policy_version {s.policy_version})")
     t.add_row("samples/s", f"{s.samples_per_s:.0f} ({s.samples_generated} generated)")
     t.add_row("idle", f"trainer {s.trainer_idle_frac:.0%}, engine {s.engine_idle_frac:.0%}")
@@ -59,8 +66,19 @@ def config_or_exit(config: str | None, overrides: tuple[str, ...], console: Cons
 
 
 @click.group()
+@click.version_option(__version__, "--version", "-V", message="nonstop %(version)s", prog_name="nonstop")
 def main() -> None:
     """nonstop: asynchronous RL post-training of LLMs."""
+
+
+def _sigterm_as_ctrl_c(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (kill, a scheduler) takes the Ctrl-C path, which stops the actors and frees what the
+    run holds, whether or not SIGINT is ignored (a background job's is)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and handler is not signal.default_int_handler:
+        handler(signal.SIGINT, frame)  # asyncio.run's: cancel the run's task, its cleanup runs
+    else:
+        raise KeyboardInterrupt
 
 
 @main.command("train")
@@ -71,6 +89,7 @@ def main() -> None:
 def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path | None) -> None:
     """Run asynchronous GRPO. With no CONFIG, the built-in default job."""
     console = Console()
+    signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
     try:
         if resume_dir is not None and config is not None:
             raise ConfigError("--resume uses the run's own config.yaml; pass changes with --set, not a CONFIG file")
@@ -84,7 +103,11 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
         sys.exit(130)
     except Exception as e:  # one clear line for the user; the cause chain stays in the traceback
         from nonstop.checkpoint import CheckpointError
-        from nonstop.orchestrator.recovery import RunFailed
+        from nonstop.orchestrator.recovery import RunFailed, RunInterrupted
+
+        if isinstance(e, RunInterrupted):
+            console.print(f"[yellow]interrupted:[/] {e}", highlight=False)
+            sys.exit(130)
         from nonstop.orchestrator.generate import NoLearningSignal
         from nonstop.runtime import ActorCallError, ActorDied
         from nonstop.orchestrator.score import RewardError
@@ -104,15 +127,20 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set engine.max_concurrent_seqs=32")
 @click.option("--model", "model_path", default=None, help="Model folder (default: model.path; none: a fresh tiny model).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; keep 127.0.0.1 unless you mean to expose it.")
-@click.option("--port", default=8000, show_default=True, type=int, help="Port (0: any free port).")
-@click.option("--api-key", default=None, envvar="NONSTOP_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free port).")
+@click.option("--api-key", default=None, envvar="NONSTOP_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1/* (prefer the environment variable: arguments show in ps).")
 @click.option("--served-model-name", default=None, help="Model id clients must use (default: the folder name).")
 def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | None, host: str, port: int,
               api_key: str | None, served_model_name: str | None) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (token ids, logprobs and versions included)."""
     console = Console()
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("empty key: give a non-empty key, or leave --api-key and NONSTOP_API_KEY unset "
+                                 "to serve without one", param_hint="--api-key")
     cfg = config_or_exit(config, overrides, console)
     from nonstop.serve import serve
+    from nonstop.serve.server import ServeError
 
     path = model_path or cfg.model.path
     if path is None:
@@ -127,7 +155,11 @@ def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | 
     def ready(bound: int) -> None:
         console.print(f"serving '{name}' on http://{host}:{bound} (/v1/completions, /v1/chat/completions, /health)", highlight=False)
 
-    asyncio.run(serve(cfg, path, host, port, api_key, name, ready))
+    try:
+        asyncio.run(serve(cfg, path, host, port, api_key, name, ready))
+    except ServeError as e:
+        console.print(f"[red]serve failed:[/] {e}", highlight=False)
+        sys.exit(1)
 
 
 @main.command("warmup")
@@ -159,6 +191,54 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
     (out_dir / PROVENANCE).write_text(json.dumps(prov, indent=1) + "\n")
     console.print(f"base policy written to {out_dir}: held-out accuracy {heldout:.1%} on {len(data.eval)} prompts, "
                   f"sha256 {prov['sha256'][:12]}", highlight=False)
+
+
+@main.command("report")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the HTML page (default RUN_DIR/report.html; PNGs go beside it in report/).")
+def report_cmd(run_dir: Path, out: Path | None) -> None:
+    """Render a run's report: one self-contained HTML page with its figures (needs the `report` extra)."""
+    from nonstop.report import ReportError, render
+
+    try:
+        page = render(run_dir, out)
+    except ReportError as e:
+        click.echo(f"report: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"report written to {page}")
+
+
+@main.command("simulate")
+@click.argument("run_dir", required=False, type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--params", "params_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="Stated costs (JSON/YAML, as --write-params writes) instead of a run's span log.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="The pipeline to predict (default: RUN_DIR's config.yaml, or the built-in default).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Change the pipeline, e.g. --set buffer.depth=2")
+@click.option("--sweep", "axes", multiple=True, metavar="KEY=V1,V2,...",
+              help="Predict every combination, e.g. --sweep runtime.num_engines=1,2 --sweep buffer.depth=0,1,2,null")
+@click.option("--max-mean-lag", type=float, default=None, help="Recommend only pipelines whose mean token lag is within this.")
+@click.option("--seeds", default=3, show_default=True, type=int, help="Simulations averaged per prediction.")
+@click.option("--write-params", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the calibrated costs to this file (edit them to plan for other hardware).")
+def simulate_cmd(run_dir: Path | None, params_path: Path | None, config_path: str | None, overrides: tuple[str, ...],
+                 axes: tuple[str, ...], max_mean_lag: float | None, seeds: int, write_params: Path | None) -> None:
+    """Predict samples/s, idle fractions and token lag of a pipeline from a run's span log (or stated costs)."""
+    console = Console()
+    from nonstop.planner.cli import run_planner
+
+    if (run_dir is None) == (params_path is None):
+        console.print("[red]simulate: give a RUN_DIR to calibrate on, or --params FILE[/]", highlight=False)
+        sys.exit(2)
+    if config_path is None and run_dir is not None:
+        config_path = str(run_dir / "config.yaml")
+    cfg = config_or_exit(config_path, overrides, console)
+    try:
+        run_planner(console, cfg, run_dir, params_path, axes, max_mean_lag, seeds, write_params)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        console.print(f"[red]simulate: {e}[/]", highlight=False)
+        sys.exit(2)
 
 
 @main.command("config")

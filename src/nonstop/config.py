@@ -142,7 +142,13 @@ class TaskConfig(_Section):
     pad_answer: bool = False
     """Zero-pad addition answers to one width ('07+45=' -> '052'), so every answer has the same length."""
     eval_size: int = Field(500, ge=1)
-    """Number of held-out prompts (never trained on) used to measure accuracy."""
+    """Number of held-out prompts (never trained on) used to measure accuracy; at most half the
+    rows (the run says how many it took)."""
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    """Hold out this fraction of the rows (rounded, at least 1) instead of eval_size."""
+    eval_path: str | None = None
+    """JSONL file of held-out rows (task 'jsonl'): every dataset row trains; eval_size and
+    eval_fraction are not used."""
     split_seed: int = 0
     """Seeds the shuffle that splits train and held-out prompts. Independent of run.seed, so every
     run seed measures the same held-out prompts, which the shipped base never trained on."""
@@ -165,6 +171,8 @@ class TaskConfig(_Section):
     def _dataset_needs_path(self) -> "TaskConfig":
         if self.name == "jsonl" and not self.dataset_path:
             raise ValueError("task 'jsonl' needs dataset_path")
+        if self.eval_path is not None and (self.name != "jsonl" or self.eval_fraction is not None):
+            raise ValueError("task.eval_path: held-out rows from a file need task 'jsonl', and no eval_fraction")
         return self
 
 
@@ -402,6 +410,9 @@ class RunConfig(_Section):
     """Run folder name; default is a timestamp."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live display: rich on a terminal, plain lines otherwise."""
+    spans: bool = True
+    """Write the span log (RUN_DIR/spans/*.jsonl: every group's life, every actor's busy intervals),
+    which `nonstop report` and `nonstop simulate` read; costs well under 1% of samples/s (docs/observability.md)."""
 
     @field_validator("progress", mode="before")
     @classmethod
@@ -421,6 +432,10 @@ class Config(_Section):
     runtime: RuntimeConfig = LocalRuntimeConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
+    tracking: tuple[Literal["tensorboard", "wandb", "trackio", "mlflow"], ...] = ()
+    """Experiment trackers that receive every step's metrics besides metrics.jsonl, each an optional
+    extra (pip install 'nonstop[tensorboard]' etc.); they write inside the run folder, wandb offline,
+    unless their own environment variables say otherwise (docs/observability.md)."""
 
     @property
     def engine_settings(self) -> EngineConfig:
@@ -537,6 +552,8 @@ def load_config(path: str | Path | Config | None = None, overrides: list[str] | 
             loaded = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} cannot be read: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -546,7 +563,11 @@ def load_config(path: str | Path | Config | None = None, overrides: list[str] | 
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-4")
-        _set_dotted(tree, key.strip(), _parse_value(raw))
+        try:
+            value = _parse_value(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key.strip()}: {raw!r} is not a valid value ({getattr(e, 'problem', None) or e})") from None
+        _set_dotted(tree, key.strip(), value)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

@@ -202,5 +202,5 @@ def reference(root: type[BaseModel], title: str) -> str:
                 intro = doc + ("" if own else " No fields of its own.")
                 section(variant, f"{path}.", own, path, intro.strip(), f" ({tagged.key}: {tag})")
 
-    section(root, "", list(root.model_fields), "")
+    section(root, "", list(root.model_fields), "top level")
     return "\n".join(lines)

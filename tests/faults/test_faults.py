@@ -113,3 +113,14 @@ def test_nan_loss_skips_the_step_and_the_epoch_still_completes(tiny_dir, tmp_pat
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "nan")
     assert summary["skipped_steps"] >= 1
     assert summary["prompts"]["outcomes"].get("skipped_step", 0) >= 1
+
+
+@pytest.mark.slow  # ~1 min: a real epoch with two engines
+def test_one_of_several_engines_killed_the_others_keep_serving(tiny_dir, tmp_path):
+    result = nonstop(epoch_args(tiny_dir, "two", "kill_engine_0_once_reward", "--set", "runtime.num_engines=2"),
+                     cwd=tmp_path, timeout_s=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "two")
+    faults = summary["engine_faults"]
+    assert faults["restarts"] == 1 and "'engine-0'" in faults["reasons"][0], faults
+    assert len(summary["engines"]) == 2 and all(e["tokens_generated"] > 0 for e in summary["engines"]), summary["engines"]

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from nonstop.engine.core import TorchEngine
+from nonstop.spans import PassRecorder, SpanLog, now
 from nonstop.types import GenerationRequest, Sample
 
 
@@ -32,10 +33,13 @@ class TokenEvent:
 
 
 class AsyncEngine:
-    def __init__(self, engine: TorchEngine) -> None:
+    def __init__(self, engine: TorchEngine, spans: SpanLog | None = None) -> None:
+        """`spans`: where forward passes (coalesced `busy` chunks) and weight applies are recorded."""
         self.engine = engine
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.spans = spans if spans is not None and spans.enabled else None
+        self._passes = PassRecorder(self.spans) if self.spans is not None else None
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -44,14 +48,30 @@ class AsyncEngine:
     async def _run(self) -> None:
         while True:
             if not self.engine.has_work():
+                if self._passes is not None:
+                    self._passes.flush()
                 self._work.clear()
                 await self._work.wait()
                 continue
             try:
-                self.engine.step()
+                self._step()
             except Exception as e:  # fail the requests, keep serving
                 self.engine.scheduler.fail_all(e)
             await asyncio.sleep(0)  # let callers and the transport in between two forward passes
+
+    def _step(self) -> None:
+        if self._passes is None:
+            self.engine.step()
+            return
+        stats = self.engine.scheduler.stats
+        t0, tokens, swaps, swap_s = now(), stats["tokens_generated"], stats["swaps"], stats["swap_s"]
+        self.engine.step()
+        t1 = now()
+        if stats["swaps"] != swaps:  # the pass began by making a new version live
+            assert self.spans is not None  # _passes exists only with spans
+            self.spans.emit("apply", t0=round(t0, 6), t1=round(t0 + stats["swap_s"] - swap_s, 6),
+                            version=self.engine.policy_version)
+        self._passes.record(t0, t1, int(stats["tokens_generated"] - tokens))
 
     def submit(self, request: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Future:
         """Queue a request; `queue` (bounded by the caller) receives a TokenEvent per token."""
@@ -102,6 +122,8 @@ class AsyncEngine:
                 fut.cancel()
 
     async def close(self) -> None:
+        if self._passes is not None:
+            self._passes.flush()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

@@ -73,8 +73,9 @@ class _Group:
 
 class VllmEngineWorker:
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0,
-                 initial_version: int = 0, settings: EngineConfig | None = None) -> None:
-        """The same arguments as EngineWorker; `settings.vllm` configures vLLM."""
+                 initial_version: int = 0, settings: EngineConfig | None = None, span_path: str | None = None) -> None:
+        """The same arguments as EngineWorker; `settings.vllm` configures vLLM. `span_path` is
+        accepted for the same spawn call, but this engine records no spans yet."""
         self.settings = settings or EngineConfig(kind="vllm")
         self.model_path = model_path
         self.eos_token_ids = list(eos_token_ids)

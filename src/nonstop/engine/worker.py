@@ -16,6 +16,7 @@ from nonstop.config import EngineConfig
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model
+from nonstop.spans import SpanLog
 from nonstop.transport import WeightSource, open_source
 from nonstop.types import GenerationRequest, Sample, TransportHandle
 
@@ -33,8 +34,9 @@ def load_detokenizer(model_path: str):
 
 class EngineWorker:
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0,
-                 initial_version: int = 0, settings: EngineConfig | None = None) -> None:
-        """`initial_version` is the policy_version of the weights at `model_path` (a checkpoint's on resume)."""
+                 initial_version: int = 0, settings: EngineConfig | None = None, span_path: str | None = None) -> None:
+        """`initial_version` is the policy_version of the weights at `model_path` (a checkpoint's on resume);
+        `span_path`: this engine's span file (nonstop.spans), None records nothing."""
         from nonstop.device import place, resolve_device, resolve_dtype
 
         torch.manual_seed(seed)
@@ -43,7 +45,8 @@ class EngineWorker:
         model = place(load_model(model_path, resolve_dtype(cfg.dtype, device, "engine.dtype")), device)
         self.engine = TorchEngine(model, eos_token_ids, pad_token_id, policy_version=initial_version,
                                   settings=settings, detokenize=load_detokenizer(model_path))
-        self.aio = AsyncEngine(self.engine)
+        self.spans = SpanLog(span_path)
+        self.aio = AsyncEngine(self.engine, self.spans)
         self.source: WeightSource | None = None
 
     def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None:
@@ -62,5 +65,6 @@ class EngineWorker:
 
     async def close(self) -> None:
         await self.aio.close()
+        self.spans.close()
         if self.source is not None:
             self.source.close()

@@ -7,10 +7,13 @@ asks `admit(k)` before generating k groups; admission holds
 
 so depth 0 is synchronous (the next batch is generated only after the trainer published the
 weights of the previous step: lag 0), depth 1 is a double buffer (lag <= 1), depth K a bounded
-queue (lag <= K), and depth None an unbounded stream held back only by `max_queued` and the
-max-lag rule. A group that never reaches the trainer (dropped for lag, a reward fault, or no
-learning signal) refunds its admission, so a short batch is topped up instead of starving
-the trainer.
+queue (lag <= K), and depth None an unbounded stream held back only by `max_queued` (at most
+that many groups admitted and not yet trained, so admission still waits and the producer
+yields) and the max-lag rule. The depth bounds the lag of groups trained in the order they
+were admitted; batches are formed in arrival order, so a slow group overtaken by later ones can
+lag more (the capacity planner shows it with long-tailed lengths), and the max-lag rule bounds
+it. A group that never reaches the trainer (dropped for lag, a reward fault, or no learning
+signal) refunds its admission, so a short batch is topped up instead of starving the trainer.
 
 With `refill=False`, a group dropped for having no learning signal ("uniform_reward") is not
 refunded: it keeps its place in its batch as an empty slot, so a step trains on the groups with
@@ -22,7 +25,7 @@ its admission is refunded and the next prompts fill it.
 versions behind the trainer; every group dropped on the way is counted by reason in `drops`.
 With `max_lag=None` the buffer rejects nothing (rejection per sample or token is then the
 trainer's, which masks and counts). Every drop is also settled in the prompt ledger when one is
-given. Nothing is dropped silently.
+given, and recorded in the span log when one is given. Nothing is dropped silently.
 
 When the prompt stream runs out (`run.max_epochs`), the producer calls `close()`; `take()` then
 returns the last, possibly short, batch and after it an empty one.
@@ -31,10 +34,10 @@ returns the last, possibly short, batch and after it an empty one.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import Counter
 
 from nonstop.orchestrator.ledger import Ledger
+from nonstop.spans import SpanLog, now
 from nonstop.types import Group
 
 _EMPTY_SLOT = object()  # a group without learning signal, holding its place in a batch (refill=False)
@@ -42,8 +45,9 @@ _EMPTY_SLOT = object()  # a group without learning signal, holding its place in 
 
 class RolloutBuffer:
     def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int,
-                 ledger: Ledger | None = None, refill: bool = True) -> None:
+                 ledger: Ledger | None = None, refill: bool = True, spans: SpanLog | None = None) -> None:
         self.groups_per_step = groups_per_step
+        self.spans = spans if spans is not None else SpanLog(None)
         self.ledger = ledger
         self.refill = refill
         self.depth = depth
@@ -57,8 +61,8 @@ class RolloutBuffer:
         self._changed = asyncio.Condition()
 
     def _limit(self) -> float:
-        if self.depth is None:
-            return math.inf
+        if self.depth is None:  # groups admitted and not yet trained stay within max_queued
+            return self.steps_trained * self.groups_per_step + self.queue.maxsize + self.refunded
         return (self.steps_trained + self.depth + 1) * self.groups_per_step + self.refunded
 
     async def admit(self, max_groups: int) -> int:
@@ -75,6 +79,7 @@ class RolloutBuffer:
     async def drop(self, group: Group, reason: str) -> None:
         """Count a group that will not be trained on and refund its admission."""
         self.drops[reason] += 1
+        self.spans.emit("drop", id=[group.epoch, group.prompt_index], reason=reason, t=round(now(), 6))
         if self.ledger is not None:
             self.ledger.settle(group.epoch, group.prompt_index, reason)
         if not self.refill and reason == "uniform_reward":

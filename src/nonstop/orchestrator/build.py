@@ -23,7 +23,7 @@ from typing import Any
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.engine.worker import EngineWorker
-from nonstop.metrics import Clock, JsonlSink
+from nonstop.metrics import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.dispatch import EnginePool, RankGroup
 from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate
@@ -34,6 +34,8 @@ from nonstop.roles import EngineClient, TrainerClient
 from nonstop.runtime import ActorBackend
 from nonstop.runtime.clients import EngineActor, TrainerActor
 from nonstop.runtime.restart import RestartingEngine
+from nonstop.spans import SpanLog, span_path
+from nonstop.tracking import MetricsSink, open_sinks
 from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 from nonstop.trainer.worker import TrainerWorker
 from nonstop.types import TransportHandle
@@ -47,6 +49,9 @@ class RunState:
     base_accuracy: float = 0.0
     first_step: int = 1
     last_checkpoint: int | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by the first Ctrl-C (or SIGTERM): the learning loop ends after the current step and
+    writes a checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,13 @@ class Run:
     stats: RolloutStats
     stream: PromptStream
     ledger: Ledger
-    sink: JsonlSink
+    sink: MetricsSink  # metrics.jsonl and the trackers of cfg.tracking
     progress: Progress
     run_dir: Path
     base_model: Path
     state: RunState
+    spans: SpanLog = field(default_factory=lambda: SpanLog(None))  # the orchestrator's span file
+    transport: TransportHandle | None = None
 
     async def eval(self) -> float:
         return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens)
@@ -76,8 +83,13 @@ def _names(role: str, count: int) -> list[str]:
     return [role] if count == 1 else [f"{role}-{i}" for i in range(count)]
 
 
+def _span_file(cfg: Config, run_dir: Path | None, actor: str) -> str | None:
+    """Where actor `actor` writes its span log (None: spans off); see nonstop/spans.py."""
+    return str(span_path(run_dir, actor)) if cfg.run.spans and run_dir is not None else None
+
+
 async def spawn_engine(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int,
-                       version0: int = 0) -> EngineActor:
+                       version0: int = 0, run_dir: Path | None = None) -> EngineActor:
     worker: type = EngineWorker
     if cfg.engine.kind == "vllm":
         from nonstop.engine.vllm_engine import VllmEngineWorker
@@ -85,18 +97,20 @@ async def spawn_engine(backend: ActorBackend, cfg: Config, weights: Path, tok: A
         worker = VllmEngineWorker
     return EngineActor(await backend.spawn(
         _names("engine", cfg.runtime.num_engines)[i], worker, str(weights), [tok.eos_token_id],
-        tok.pad_token_id, cfg.run.seed + i, initial_version=version0, settings=cfg.engine_settings))
+        tok.pad_token_id, cfg.run.seed + i, initial_version=version0, settings=cfg.engine_settings,
+        span_path=_span_file(cfg, run_dir, f"engine-{i}")))
 
 
 async def spawn_trainers(backend: ActorBackend, cfg: Config, weights: Path, tok: Any,
-                         reference_path: str | None = None, adapter_path: str | None = None) -> RankGroup:
+                         reference_path: str | None = None, adapter_path: str | None = None,
+                         run_dir: Path | None = None) -> RankGroup:
     """The trainer rank actors; with several, they form their process group before returning."""
     ranks = [TrainerActor(a) for a in await asyncio.gather(*(
         backend.spawn(n, TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature, tok.pad_token_id,
                       cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject, reference_path=reference_path,
                       total_steps=cfg.run.max_steps, lora=cfg.model.lora, adapter_path=adapter_path,
-                      max_new_tokens=cfg.rollout.max_new_tokens)
-        for n in _names("trainer", cfg.trainer.ranks)))]
+                      max_new_tokens=cfg.rollout.max_new_tokens, span_path=_span_file(cfg, run_dir, f"trainer-{r}"))
+        for r, n in enumerate(_names("trainer", cfg.trainer.ranks))))]
     if len(ranks) > 1:
         addr, port = await ranks[0].rendezvous(backend.host)
         await asyncio.gather(*(t.join_group(addr, port, r, len(ranks), cfg.transport.connect_timeout_s)
@@ -114,11 +128,11 @@ async def connect_transport(cfg: Config, trainer: TrainerClient, engines: list[E
 
 
 def engine_restarter(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int, version0: int,
-                     handle: TransportHandle) -> Callable[[], Awaitable[EngineClient]]:
+                     handle: TransportHandle, run_dir: Path | None = None) -> Callable[[], Awaitable[EngineClient]]:
     """A fresh engine i: it starts from `weights` and applies the newest published version at
     its first forward pass (the config allows no restart with broadcast: its group is closed)."""
     async def restart_engine() -> EngineClient:
-        engine = await spawn_engine(backend, cfg, weights, tok, i, version0)
+        engine = await spawn_engine(backend, cfg, weights, tok, i, version0, run_dir)
         await engine.connect_transport(handle, i + 1)
         return engine
     return restart_engine
@@ -155,23 +169,25 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     progress.log(f"starting {num_engines} engine and {cfg.trainer.ranks} trainer actor(s) "
                  f"({cfg.runtime.backend} backend) ...")
     first_engines, trainer = await asyncio.gather(
-        asyncio.gather(*(spawn_engine(backend, cfg, model_weights, tok, i, version0) for i in range(num_engines))),
+        asyncio.gather(*(spawn_engine(backend, cfg, model_weights, tok, i, version0, run_dir)
+                         for i in range(num_engines))),
         spawn_trainers(backend, cfg, model_weights, tok, str(base_model) if resume is not None else None,
-                       adapter_path=str(weights) if resume is not None and lora else None),
+                       adapter_path=str(weights) if resume is not None and lora else None, run_dir=run_dir),
     )
     if resume is not None:
         await trainer.load_checkpoint(str(resume.path))
     handle = await connect_transport(cfg, trainer, list(first_engines), backend.host)
-    engines = [RestartingEngine(e.name, engine_restarter(backend, cfg, model_weights, tok, i, version0, handle),
+    engines = [RestartingEngine(e.name, engine_restarter(backend, cfg, model_weights, tok, i, version0, handle, run_dir),
                                 cfg.engine_restarts, cfg.runtime.heartbeat_interval_s,
                                 cfg.runtime.heartbeat_timeout_s, log=progress.log, engine=e)
                for i, e in enumerate(first_engines)]
     ledger = Ledger()
+    spans = SpanLog(_span_file(cfg, run_dir, "orchestrator"))
     buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
                            cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups,
-                           ledger, refill=cfg.rollout.refill)
+                           ledger, refill=cfg.rollout.refill, spans=spans)
     return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer,
                FunctionScorer(reward if reward is not None else resolve_reward(cfg.task.reward),
                               cfg.task.reward_fail_fast), RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
-               JsonlSink(run_dir / "metrics.jsonl"), progress, run_dir, base_model, RunState())
+               open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans, handle)

@@ -21,6 +21,7 @@ from nonstop.orchestrator.ledger import Ledger
 from nonstop.metrics import Clock
 from nonstop.roles import EngineClient
 from nonstop.orchestrator.score import Scorer, exact_match
+from nonstop.spans import SpanLog, now
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 
@@ -87,21 +88,31 @@ class _BusyClock:
 async def produce(
     engine: EngineClient, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
     codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int, ledger: Ledger,
+    spans: SpanLog | None = None,
 ) -> None:
     """Each admitted prompt becomes its own engine call, so a group is scored and handed to the
     buffer as soon as its own completions are done, while the engine keeps decoding the others
-    in the same continuous batch. The buffer's admission bounds the groups in flight."""
+    in the same continuous batch. The buffer's admission bounds the groups in flight. Each
+    group's life (admitted, generated, delivered) is one `group` event in `spans`."""
+    log = spans if spans is not None else SpanLog(None)
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
     busy = _BusyClock(clock)
 
-    async def one_group(draw) -> None:
+    async def one_group(draw, t_admit: float) -> None:
         ex = draw.example
         busy.enter()
+        t_gen0 = now()
         try:
             results = await engine.generate([GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, params)])
         finally:
             busy.leave()
+        t_gen1 = now()
         await deliver(ex, draw.epoch, results[0])
+        if log.enabled:
+            versions = [v for s in results[0] for v in (s.versions[:1] + s.versions[-1:])]
+            log.emit("group", id=[draw.epoch, ex.index], t_admit=round(t_admit, 6), t_gen0=round(t_gen0, 6),
+                     t_gen1=round(t_gen1, 6), t_done=round(now(), 6), lens=[len(s.completion_ids) for s in results[0]],
+                     v=[min(versions), max(versions)] if versions else [])
 
     async def deliver(ex: Example, epoch: int, samples: list[Sample]) -> None:
         stats.samples += len(samples)
@@ -136,6 +147,7 @@ async def produce(
         async with asyncio.TaskGroup() as groups:
             while True:
                 k = await buffer.admit(cfg.prompts_per_step)
+                t_admit = now()
                 draws = [d for d in (stream.next() for _ in range(k)) if d is not None]
                 if len(draws) < k:
                     await buffer.refund(k - len(draws))
@@ -144,7 +156,7 @@ async def produce(
                 for d in draws:
                     ledger.draw(d)
                     stats.prompts += 1
-                    groups.create_task(one_group(d), name=f"group-{d.example.index}")
+                    groups.create_task(one_group(d, t_admit), name=f"group-{d.example.index}")
     except BaseExceptionGroup as eg:  # the first failure of a group task ends the producer
         raise eg.exceptions[0] from None
     await buffer.close()

@@ -7,6 +7,10 @@ run from its newest intact checkpoint instead. The Python API (nonstop/api.py) p
 `data` (rows given in Python, already split) and `reward` (a Python callable); the CLI passes
 neither and the task section of the config decides both. Errors propagate: the caller decides
 how to show them (the CLI prints one line and exits; the API raises).
+
+Before the run folder is made, `preflight` checks what can be checked cheaply (model.path,
+task.reward), so a mistake leaves nothing behind. A run that fails later leaves a FAILED file
+in its folder saying why and whether it can be resumed (removed when it is resumed).
 """
 
 from __future__ import annotations
@@ -39,6 +43,30 @@ def make_run_dir(cfg: Config) -> Path:
     return path
 
 
+FAILED = "FAILED"
+
+
+def preflight(cfg: Config, reward: RewardFn | None) -> None:
+    """ConfigError naming the field for a model path or a reward that cannot work."""
+    from nonstop.preflight import check_reward, resolve_model_path
+
+    if cfg.model.path is not None:
+        resolve_model_path(cfg.model.path)
+    if reward is None:
+        check_reward(cfg.task.reward)
+
+
+def record_failure(run_dir: Path, error: BaseException) -> None:
+    """Say in the run folder why the run stopped and whether it can be resumed."""
+    from nonstop.orchestrator.recovery import RunInterrupted
+
+    what = ("was interrupted" if isinstance(error, (KeyboardInterrupt, RunInterrupted))
+            else f"failed: {type(error).__name__}: {error}")
+    has_ckpt = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    hint = f"resume with `nonstop train --resume {run_dir}`" if has_ckpt else "no checkpoint was written: start it again"
+    (run_dir / FAILED).write_text(f"this run {what}\n{hint}\n")
+
+
 def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, *,
                  data: TaskData | None = None, reward: RewardFn | None = None) -> RunSummary:
     """Everything `nonstop train` does after parsing: data, base policy, pipeline, summary.
@@ -46,31 +74,47 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     `data` replaces the task the config names (its report's problems are shown like a JSONL
     file's); `reward` replaces task.reward. Neither may come with `resume_dir`: a resumed run
     reads its task from its own config.yaml."""
-    from nonstop.checkpoint import latest_valid
-    from nonstop.orchestrator.pipeline import train
-    from nonstop.progress import Progress
     from nonstop.tasks.data import load_task
-    from nonstop.tasks.base import prepare_base_model
 
     if cfg.engine.kind == "vllm":
-        from nonstop.engine.vllm_setup import preflight
+        from nonstop.engine.vllm_setup import preflight as vllm_preflight
 
-        preflight(cfg.model.path, cfg.engine.vllm)  # before the warm-up, not after it
+        vllm_preflight(cfg.model.path, cfg.engine.vllm)  # before the warm-up, not after it
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
     t0 = time.perf_counter()
     if resume_dir is None:
+        preflight(cfg, reward)
+        if data is None:
+            data = load_task(cfg.task)
         run_dir = make_run_dir(cfg)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     else:
         run_dir = resume_dir
+        (run_dir / FAILED).unlink(missing_ok=True)
     if data is None:
         data = load_task(cfg.task)
+    try:
+        return _run(cfg, console, run_dir, resume_dir, data, reward, t0)
+    except BaseException as e:
+        record_failure(run_dir, e)
+        raise
+
+
+def _run(cfg: Config, console: Console, run_dir: Path, resume_dir: Path | None, data: TaskData,
+         reward: RewardFn | None, t0: float) -> RunSummary:
+    from nonstop.checkpoint import latest_valid
+    from nonstop.orchestrator.pipeline import train
+    from nonstop.progress import Progress
+    from nonstop.tasks.base import prepare_base_model
+
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
         for problem in data.report.problems:
-            progress.log(f"[yellow]dataset:[/] {problem}")
+            progress.log(f"[yellow]dataset:[/] {problem}; row skipped")
         if data.report.rows_skipped:
             progress.log(f"dataset: {data.report.rows_skipped} of {data.report.rows_read} rows skipped")
+        if data.report.held_out:
+            progress.log(f"dataset: {data.report.held_out}")
         progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
         ckpt = None
         if resume_dir is None:
@@ -79,7 +123,10 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
             ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
             base = Path(ckpt.state["base_model"])
         warmup_s = time.perf_counter() - t0
-        summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward))
+        try:
+            summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward))
+        except asyncio.CancelledError:  # a second Ctrl-C cancelled the run's task
+            raise KeyboardInterrupt from None
     summary = replace(summary, wall_s=time.perf_counter() - t0, warmup_s=warmup_s,
                       dataset_rows_skipped=data.report.rows_skipped)
     (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))

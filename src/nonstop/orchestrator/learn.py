@@ -3,34 +3,47 @@
 It runs beside the producer (generate.py), which fills the buffer. Each step settles its
 groups in the prompt ledger, and tells the buffer the published version only once `publish()`
 returned, i.e. once every engine can load it: admission and the max-lag rule count from there.
-A trainer failure ends the run with RunFailed naming the last checkpoint to resume from.
+A trainer failure ends the run with RunFailed naming the last checkpoint to resume from. When
+`run.state.stop` is set (the first Ctrl-C), the loop ends after the step under way, or at once
+if it is waiting for a batch, and writes a checkpoint of the last finished step (when
+checkpoints are on): the taken-but-untrained groups are in flight in the ledger, so a resume
+generates them again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 from nonstop.orchestrator.build import Run
 from nonstop.orchestrator.records import StepRecord
 from nonstop.orchestrator.recovery import RunFailed, write_checkpoint
 from nonstop.runtime import ActorCallError, ActorDied
+from nonstop.spans import now
 from nonstop.types import Group, PublishResult, StepResult
 
 
 async def learn(run: Run) -> StepRecord | None:
     """Returns the last step's record (None when no step ran)."""
-    cfg, state, record = run.cfg, run.state, None
+    cfg, state, record, spans = run.cfg, run.state, None, run.spans
     for step in range(state.first_step, cfg.run.max_steps + 1):
-        groups = await run.buffer.take()
+        t_wait = now()
+        groups = await until_stopped(run.buffer.take(), state.stop)
         if not groups:
-            break  # the stream ran out (run.max_epochs) and every group was trained
-        t0 = time.perf_counter()
+            break  # stopped, or the stream ran out (run.max_epochs) and every group was trained
+        t0 = now()
         with trainer_failure(run, step):
             result = await run.trainer.step(groups)
+            t1 = now()
             published = await run.trainer.publish()
-        state.clock.add("training", time.perf_counter() - t0)
+        t2 = now()
+        state.clock.add("training", t2 - t0)
+        spans.emit("wait", step=step, t0=round(t_wait, 6), t1=round(t0, 6))
+        spans.emit("train", step=step, t0=round(t0, 6), t1=round(t1, 6), queued=run.buffer.queued,
+                   groups=[[g.epoch, g.prompt_index] for g in groups])
+        spans.emit("publish", step=step, version=published.policy_version, t0=round(t1, 6), t1=round(t2, 6))
         outcome = "skipped_step" if result.metrics["skipped"] else "trained"
         for g in groups:
             run.ledger.settle(g.epoch, g.prompt_index, outcome)
@@ -38,14 +51,23 @@ async def learn(run: Run) -> StepRecord | None:
         out_of_time = cfg.run.max_time_s is not None and state.clock.wall() >= cfg.run.max_time_s
         record = step_record(run, step, groups, result, published)
         if step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time:
+            t_eval = now()
             record.eval_accuracy = await run.eval()
+            spans.emit("eval", step=step, t0=round(t_eval, 6), t1=round(now(), 6), accuracy=record.eval_accuracy)
         run.sink.write(record.to_dict())
         run.progress.update(record)
         if cfg.checkpoint.every_steps is not None and step % cfg.checkpoint.every_steps == 0:
+            t_ckpt = now()
             with trainer_failure(run, step):  # the trainer may die while idle: its next call is this one
                 await write_checkpoint(run, step)
-        if out_of_time:
+            spans.emit("checkpoint", step=step, t0=round(t_ckpt, 6), t1=round(now(), 6))
+        if out_of_time or state.stop.is_set():
             break
+    if state.stop.is_set():
+        if record is not None and cfg.checkpoint.every_steps is not None and state.last_checkpoint != record.step:
+            with trainer_failure(run, record.step):
+                await write_checkpoint(run, record.step)
+        return record
     if record is not None and record.eval_accuracy is None:  # the stream ran out between two evaluations
         record.eval_accuracy = await run.eval()
         run.sink.write(record.final_eval())
@@ -53,6 +75,23 @@ async def learn(run: Run) -> StepRecord | None:
         with trainer_failure(run, record.step):
             await write_checkpoint(run, record.step)
     return record
+
+
+async def until_stopped(take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event) -> list[Group]:
+    """The batch `take` returns, or [] as soon as `stop` is set."""
+    if stop.is_set():
+        take.close()
+        return []
+    taking = asyncio.create_task(take, name="learn-take")
+    stopping = asyncio.create_task(stop.wait(), name="learn-stop-wait")
+    try:
+        await asyncio.wait({taking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (taking, stopping):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(taking, stopping, return_exceptions=True)
+    return taking.result() if taking.done() and not taking.cancelled() else []
 
 
 @contextlib.contextmanager

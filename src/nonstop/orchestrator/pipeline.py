@@ -11,10 +11,18 @@ fails every pending call at once, so the run ends with a message instead of a ha
 Faults: each engine sits behind a RestartingEngine (heartbeat, restart, its prompts
 re-submitted); a trainer failure ends the run with a message naming the last checkpoint,
 from which `nonstop train --resume RUN_DIR` continues (see checkpoint.py and recovery.py).
+
+Stopping: once the actors run, the first Ctrl-C (or SIGTERM) asks the learning loop to end
+after the step under way and write a checkpoint, then the run ends with RunInterrupted naming
+it; a second one stops at once (KeyboardInterrupt). Either way the actors are stopped and the
+transport released.
 """
 
 from __future__ import annotations
 
+import asyncio
+import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint
@@ -25,11 +33,13 @@ from nonstop.orchestrator.generate import produce
 from nonstop.orchestrator.learn import learn
 from nonstop.orchestrator.records import RunSummary, StepRecord
 from nonstop.orchestrator.score import RewardFn
-from nonstop.orchestrator.recovery import restore
+from nonstop.orchestrator.recovery import RunInterrupted, restore
 from nonstop.progress import Progress
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
+from nonstop.spans import now
 from nonstop.tasks.data import TaskData
+from nonstop.transport import release
 
 
 async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, progress: Progress,
@@ -40,25 +50,70 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
     ledger continue from it (prompts in flight at the checkpoint are generated again first).
     `reward`, when given, is the reward function instead of task.reward."""
     backend, supervisor = make_backend(cfg.runtime, run_dir), Supervisor()
+    run: Run | None = None
+    restore_signals: Callable[[], None] = lambda: None
     try:
         run = await build_run(cfg, backend, base_model, data, run_dir, progress, resume, reward)
+        restore_signals = stop_on_signals(run)
         await begin(run, resume)
         for e in run.engines:
             supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
         supervisor.spawn(produce(run.engine, run.buffer, run.stream, run.scorer, run.codec, cfg.rollout,
-                                 run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures, run.ledger),
+                                 run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures, run.ledger,
+                                 run.spans),
                          name="producer")
         last = await supervisor.run(learn(run))
+        if run.state.stop.is_set():
+            raise interrupted(run, last)
         run.sink.close()
+        run.spans.close()
         final_dir = run_dir / "final"
         await run.trainer.save(str(final_dir))
         run.codec.tokenizer.save_pretrained(final_dir)
         progress.stop()
         return await summarize(run, last, final_dir, resume)
     finally:
+        restore_signals()
         progress.stop()
         await supervisor.close()
         await backend.shutdown()
+        if run is not None and run.transport is not None and release(run.transport):
+            progress.log("[yellow]released the shared-memory weight segment of a trainer that died[/]")
+
+
+def stop_on_signals(run: Run) -> Callable[[], None]:
+    """First SIGINT/SIGTERM: set run.state.stop; second: cancel this task, which ends as a
+    KeyboardInterrupt. Returns the function that puts the previous handlers back (a no-op where
+    the loop cannot take signals: not the main thread)."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal() -> None:
+        if not run.state.stop.is_set():
+            run.state.stop.set()
+            run.progress.log("[yellow]stopping after this step and writing a checkpoint "
+                             "(Ctrl-C again to stop at once)[/]")
+        elif task is not None:
+            task.cancel("stop at once")
+
+    try:
+        for sig in previous:
+            loop.add_signal_handler(sig, on_signal)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return lambda: None
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
+    return restore
+
+
+def interrupted(run: Run, last: StepRecord | None) -> RunInterrupted:
+    ckpt = run.state.last_checkpoint
+    where = (f"checkpoint step {ckpt} written; resume with `nonstop train --resume {run.run_dir}`" if ckpt is not None
+             else "no checkpoint (checkpoint.every_steps is null, or no step had finished)")
+    return RunInterrupted(f"stopped at step {last.step if last else 0} on request; {where}")
 
 
 async def begin(run: Run, resume: Checkpoint | None) -> None:
@@ -70,6 +125,7 @@ async def begin(run: Run, resume: Checkpoint | None) -> None:
         run.progress.log(f"base policy held-out accuracy: {run.state.base_accuracy:.1%} "
                          f"on {len(run.data.eval)} prompts")
         run.state.clock = Clock()
+    run.spans.emit("rl_start", t=round(now(), 6), resumed=resume is not None)
     run.progress.base_eval = run.state.base_accuracy
 
 

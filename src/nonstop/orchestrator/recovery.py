@@ -31,6 +31,11 @@ class RunFailed(RuntimeError):
     """The run cannot go on; the message says why and how to resume."""
 
 
+class RunInterrupted(RuntimeError):
+    """The user stopped the run (Ctrl-C, SIGTERM); the message names the checkpoint written and
+    how to resume."""
+
+
 async def write_checkpoint(run: "Run", step: int) -> None:
     root = run.run_dir / "checkpoints"
     tmp = staging_dir(root, step)

@@ -3,7 +3,8 @@
 Wire protocol over a duplex `multiprocessing` pipe: the parent sends `(call_id, method, args,
 kwargs)`; the child answers `(call_id, ok, value)` where value is the result or a formatted
 remote traceback. The child sets `torch.set_num_threads(1)` before it builds its object, so
-actors never oversubscribe cores.
+actors never oversubscribe cores; it names itself by role (`nonstop: engine-0` in `ps`) and
+dies with the orchestrator (procinfo.py), so a killed orchestrator leaves no actor behind.
 
 Call semantics (the same on every backend): the child runs an asyncio loop. Methods declared
 `async def` run as tasks on that loop, concurrently with each other, so an engine can take new
@@ -33,12 +34,15 @@ from typing import Any
 
 from nonstop.config import BaseRuntimeConfig
 from nonstop.runtime.base import ActorCallError, ActorDied
+from nonstop.runtime.procinfo import die_with_parent, name_process
 
 _READY = -1
 
 
-def _child_main(conn: Connection, name: str, cls: type, args: tuple, kwargs: dict) -> None:
+def _child_main(conn: Connection, name: str, cls: type, args: tuple, kwargs: dict, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when actors stop
+    die_with_parent(parent_pid)
+    name_process(name)
     import torch
 
     torch.set_num_threads(1)
@@ -214,7 +218,7 @@ class LocalBackend:
     async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> LocalActor:
         parent, child = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
-            target=_child_main, args=(child, name, cls, args, kwargs), name=f"nonstop-{name}", daemon=True
+            target=_child_main, args=(child, name, cls, args, kwargs, os.getpid()), name=f"nonstop-{name}", daemon=True
         )
         process.start()
         child.close()

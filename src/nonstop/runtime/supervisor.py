@@ -3,7 +3,8 @@
 Every task is created through `Supervisor.spawn(coro, name)` and kept. `run(main)` runs the
 main coroutine and returns its result; if any background task fails first, the main coroutine
 is cancelled and that failure is re-raised, so a dead producer can never leave the trainer
-loop waiting forever. On exit every remaining task is cancelled and awaited.
+loop waiting forever. If `run` is cancelled, so is the main coroutine. On exit every remaining
+task is cancelled and awaited.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Supervisor:
                 self._failed.result()  # raises the background failure
             return main_task.result()
         finally:
+            if not main_task.done():  # run() itself was cancelled (a second Ctrl-C): main goes too
+                main_task.cancel()
+                await asyncio.gather(main_task, return_exceptions=True)
             if not self._failed.done():
                 self._failed.cancel()
             elif not self._failed.cancelled():

@@ -7,17 +7,24 @@ built-in one when the tokenizer has none); both stream as server-sent events wit
 logprobs, policy versions, Keep Sampling Mask; serve/protocol.py).
 
 Contract: binds 127.0.0.1 unless told otherwise; with an API key, `/v1/*` needs
-`Authorization: Bearer <key>` (401 otherwise). Malformed JSON or a bad field -> 400 naming it;
-a prompt over the engine's limits -> 400 naming the limit; an unknown model or route -> 404;
-anything unexpected -> 500 for that request only. Errors are JSON `{"error": {...}}`. A request
-never reaches the engine before it is fully validated, and a client that disconnects mid-stream
-has its sequences aborted, so no bad or abandoned request can take the engine down.
+`Authorization: Bearer <key>` (401 otherwise). Malformed or too deeply nested JSON or a bad
+field -> 400 naming it; a prompt over the engine's limits -> 400 naming the limit, decided from
+the text's length before tokenising when the text cannot fit, and tokenised off the event loop
+otherwise (so `/health` answers while a large prompt is read); a body over 8 MiB -> 413; a wrong
+method -> 405; an unknown model or route -> 404; anything unexpected -> 500 for that request
+only. Errors are JSON `{"error": {"message", "type", "param", "code"}}`, typed as OpenAI types
+them. A request never reaches the engine before it is fully validated, and a client that
+disconnects (streamed or not) has its sequences aborted and gets one log line, so no bad or
+abandoned request can take the engine down. `start()` raises `ServeError` with a plain message
+when the address cannot be bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import math
 import logging
 import time
 import uuid
@@ -38,8 +45,13 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+class ServeError(RuntimeError):
+    """The server cannot start (address in use, port out of range); the message says which."""
+
+
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(status, "server_error")
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status)
 
 
@@ -51,8 +63,12 @@ class EngineServer:
         self.chat_template = None if tokenizer.chat_template else DEFAULT_CHAT_TEMPLATE
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
+        # a text prompt of more characters than this cannot fit in max_seq_len tokens whatever the
+        # tokenizer does (its longest token, with a margin for Unicode normalisation)
+        self._chars_per_token = 4 * max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.requests_served = 0
         self.requests_failed = 0
+        self.requests_disconnected = 0
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard], client_max_size=8 * 2**20)
@@ -64,10 +80,18 @@ class EngineServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve in the running loop; returns the bound port (port 0 picks a free one)."""
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        if not 0 <= port <= 65535:
+            raise ServeError(f"port {port}: expected 0 (any free port) to 65535")
+        # handler_cancellation: a client that hangs up cancels its handler, which aborts its sequences
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            await self.stop()
+            raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e} "
+                             "(choose another --port, or 0 for any free one)") from None
         return self._runner.addresses[0][1]
 
     async def stop(self) -> None:
@@ -82,6 +106,10 @@ class EngineServer:
                 return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
         try:
             return await handler(request)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.requests_disconnected += 1
+            log.info("client disconnected from %s %s; its generation was aborted", request.method, request.path)
+            raise asyncio.CancelledError from None
         except BadRequest as e:
             self.requests_failed += 1
             return _error(e.status, str(e), e.param)
@@ -108,6 +136,8 @@ class EngineServer:
             return json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise BadRequest("request body: JSON nested too deeply") from None
 
     def _check_model(self, call: Call) -> None:
         if call.model is not None and call.model != self.model_name:
@@ -116,16 +146,29 @@ class EngineServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         call = parse_completion(await self._body(request), self.max_tokens_default)
         self._check_model(call)
-        ids = call.prompt_ids if call.prompt_ids is not None else self.tokenizer(call.prompt_text)["input_ids"]
+        if call.prompt_ids is not None:
+            return await self._serve(request, call, call.prompt_ids, chat=False)
+        text = call.prompt_text or ""
+        self._check_length(len(text), call)
+        ids = await asyncio.to_thread(lambda: self.tokenizer(text)["input_ids"])
         return await self._serve(request, call, ids, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         call = parse_chat(await self._body(request), self.max_tokens_default)
         self._check_model(call)
-        enc = self.tokenizer.apply_chat_template(call.messages, add_generation_prompt=True, tokenize=True,
-                                                 chat_template=self.chat_template)
+        self._check_length(sum(len(m["content"]) for m in call.messages or []), call)
+        enc = await asyncio.to_thread(self.tokenizer.apply_chat_template, call.messages, add_generation_prompt=True,
+                                      tokenize=True, chat_template=self.chat_template)
         ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else list(enc)
         return await self._serve(request, call, ids, chat=True)
+
+    def _check_length(self, chars: int, call: Call) -> None:
+        """Refuse, before tokenising, a text too long to fit in the engine's max_seq_len."""
+        limit = self.engine.engine.scheduler.max_seq_len
+        at_least = math.ceil(chars / self._chars_per_token)
+        if at_least + call.params.max_new_tokens > limit:
+            raise BadRequest(f"prompt: {chars} characters are at least {at_least} tokens, which with max_tokens "
+                             f"{call.params.max_new_tokens} exceeds the engine's max_seq_len of {limit} tokens", "prompt")
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -158,8 +201,16 @@ class EngineServer:
         else:
             choice["text"] = text
         if call.want_logprobs:
-            choice["logprobs"] = {"tokens": [self._text([t]) for t in s.completion_ids], "token_logprobs": s.logprobs}
+            choice["logprobs"] = self._logprobs(s.completion_ids, s.logprobs, chat)
         return choice
+
+    def _logprobs(self, ids: list[int], logprobs: list[float], chat: bool) -> dict[str, Any]:
+        """The sampled tokens' behaviour logprobs, in the chat or the legacy completions shape."""
+        tokens = [self.tokenizer.decode([t]) for t in ids]
+        if chat:
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")), "top_logprobs": []}
+                                for t, lp in zip(tokens, logprobs)]}
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
 
     async def _stream(self, request: web.Request, call: Call, req: GenerationRequest, rid: str, chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -170,11 +221,14 @@ class EngineServer:
         cutters = [TextCutter(call.params.stop) for _ in range(req.n)]
 
         async def send(index: int, text: str, finish: str | None, ext: dict[str, Any]) -> None:
-            piece = {"delta": {"content": text}} if chat else {"text": text}
+            piece: dict[str, Any] = {"delta": {"content": text}} if chat else {"text": text}
+            if call.want_logprobs and finish is None:
+                piece["logprobs"] = self._logprobs(ext["token_ids"], ext["logprobs"], chat)
             chunk = {"id": rid, "object": kind, "created": created, "model": self.model_name,
                      "choices": [{"index": index, **piece, "finish_reason": finish, "nonstop": ext}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
+        completion_tokens = 0
         async for item in self.engine.stream(req):
             if isinstance(item, TokenEvent):
                 ids[item.index].append(item.token_id)
@@ -183,8 +237,15 @@ class EngineServer:
                                                     "policy_versions": [item.policy_version]})
                 continue
             for i, s in enumerate(item):
+                completion_tokens += len(s.completion_ids)
                 text = cutters[i].delta(self._text(s.completion_ids), finished=True)
                 await send(i, text, s.finish_reason, extension(s))
+        if call.include_usage:
+            prompt_tokens = len(req.prompt_ids)
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens}
+            chunk = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], "usage": usage}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self.requests_served += 1

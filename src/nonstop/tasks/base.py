@@ -93,7 +93,9 @@ def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] =
 
     kind = choose_base(cfg)
     if kind == "path":
-        return Path(cfg.model.path)  # type: ignore[arg-type]
+        from nonstop.preflight import resolve_model_path
+
+        return resolve_model_path(cfg.model.path)  # type: ignore[arg-type]
     if kind in SHIPPED:
         folder = shipped_dir(kind)
         prov = verify(folder)

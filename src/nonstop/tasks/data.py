@@ -38,6 +38,8 @@ class Example:
 class DatasetReport:
     rows_read: int = 0
     rows_skipped: int = 0
+    held_out: str = ""
+    """How the held-out split was taken, in words (logged at the start of a run)."""
     problems: list[str] = field(default_factory=list)
 
 
@@ -96,7 +98,7 @@ def collect_rows(checked: Iterable[tuple[str, tuple[str, str] | str]], source: s
         report.rows_read += 1
         if isinstance(result, str):
             report.rows_skipped += 1
-            report.problems.append(f"{where}: {result}{hint}; row skipped")
+            report.problems.append(f"{where}: {result}{hint}")
             continue
         pairs.append(result)
     if not pairs:
@@ -105,11 +107,19 @@ def collect_rows(checked: Iterable[tuple[str, tuple[str, str] | str]], source: s
 
 
 def split_examples(pairs: list[tuple[str, str]], eval_size: int, seed: int,
-                   report: DatasetReport) -> TaskData:
-    """Shuffle with `seed` and hold out the first `eval_size` (at most half) as the eval split."""
+                   report: DatasetReport, eval_fraction: float | None = None) -> TaskData:
+    """Shuffle with `seed` and hold out the first `eval_size` (at most half), or `eval_fraction`
+    of the rows, as the eval split; `report.held_out` says what was taken and why."""
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
-    n_eval = min(eval_size, len(pairs) // 2)
+    if eval_fraction is not None:
+        n_eval = min(max(1, round(eval_fraction * len(pairs))), len(pairs) - 1)
+        how = f"task.eval_fraction={eval_fraction:g}"
+    else:
+        n_eval = min(eval_size, len(pairs) // 2)
+        how = f"task.eval_size={eval_size}" + (", capped at half the rows" if n_eval < eval_size else "")
+    report.held_out = (f"held out {n_eval} of {len(pairs)} rows ({how}; task.eval_size, task.eval_fraction "
+                       "or task.eval_path choose the split)")
     examples = [Example(i, *pairs[i]) for i in order]
     return TaskData(train=examples[n_eval:], eval=examples[:n_eval], report=report)
 
@@ -130,7 +140,22 @@ def load_task(cfg: TaskConfig, seed: int | None = None) -> TaskData:
         assert cfg.dataset_path is not None  # guaranteed by TaskConfig validation
         pairs, report = read_jsonl(cfg.dataset_path)
         refuse_bad_rows(report, cfg.dataset_path, cfg.on_bad_row)
-    return split_examples(pairs, cfg.eval_size, cfg.split_seed if seed is None else seed, report)
+        if cfg.eval_path is not None:
+            held, held_report = read_jsonl(cfg.eval_path)
+            refuse_bad_rows(held_report, cfg.eval_path, cfg.on_bad_row)
+            return joined_splits(pairs, report, held, held_report, f"task.eval_path={cfg.eval_path}")
+    return split_examples(pairs, cfg.eval_size, cfg.split_seed if seed is None else seed, report, cfg.eval_fraction)
+
+
+def joined_splits(pairs: list[tuple[str, str]], report: DatasetReport, held: list[tuple[str, str]],
+                  held_report: DatasetReport, source: str) -> TaskData:
+    """Train on every row of `pairs`, hold out every row of `held` (a separate file or dataset)."""
+    report.rows_read += held_report.rows_read
+    report.rows_skipped += held_report.rows_skipped
+    report.problems += held_report.problems
+    report.held_out = f"held out the {len(held)} rows of {source}; all {len(pairs)} dataset rows train"
+    return TaskData(train=[Example(i, *p) for i, p in enumerate(pairs)],
+                    eval=[Example(len(pairs) + j, *p) for j, p in enumerate(held)], report=report)
 
 
 def screen_prompts(data: TaskData, encode, limit: int, on_bad_row: str) -> list[str]:

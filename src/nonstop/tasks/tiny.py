@@ -1,10 +1,15 @@
 """Tiny models and character tokenizers made on the fly (no downloads).
 
-`make_char_tokenizer()` builds a 128-entry character-level tokenizer with the `tokenizers`
-library: ids 0-2 are <pad>, <bos>, <eos>; then the 95 printable ASCII characters; the rest are
-reserved tokens, so model vocab and tokenizer vocab always agree. `make_tiny_model()` builds a
-Qwen2-architecture causal LM from a transformers config, or with `tiny.moe` a Qwen3-MoE (routed
-experts) or Qwen2-MoE (routed experts plus a gated shared expert) of the same shape. `save_tiny(dir)` writes both with
+`make_char_tokenizer()` builds a 128-entry character-level tokenizer: ids 0-2 are <pad>, <bos>,
+<eos>; then the 95 printable ASCII characters (space is id 97), newline (98) and tab (99); the
+rest are reserved tokens, so model vocab and tokenizer vocab always agree. Other characters are
+dropped. It is a byte-level BPE without merges in the class transformers' AutoTokenizer picks for
+a Qwen2 model folder (`Qwen2Tokenizer`), so it encodes the same in memory and after
+`save_pretrained` + `AutoTokenizer.from_pretrained` from a folder that also holds the model's
+config.json: a generic tokenizer there is rebuilt as a Qwen2Tokenizer, which lost spaces.
+`make_tiny_model()` builds a Qwen2-architecture causal LM from a transformers config, or with
+`tiny.moe` a Qwen3-MoE (routed experts) or Qwen2-MoE (routed experts plus a gated shared
+expert) of the same shape. `save_tiny(dir)` writes both with
 `save_pretrained`, so the single loading path, `AutoModelForCausalLM.from_pretrained(path)` and
 `AutoTokenizer.from_pretrained(path)`, serves the tiny model and users' real models alike.
 """
@@ -16,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2MoeConfig, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, Qwen2Config, Qwen2MoeConfig,
+                          Qwen2Tokenizer, Qwen3MoeConfig)
 
 from nonstop.config import TinyModelConfig
 
@@ -26,21 +30,21 @@ VOCAB_SIZE = 128
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 
 
-def make_char_tokenizer() -> PreTrainedTokenizerFast:
-    chars = [c for c in string.printable if c.isprintable()]  # 95 printable ASCII, space included
+def _byte_level(c: str) -> str:
+    """The character byte-level BPE writes for an ASCII character (GPT-2's byte map): printable
+    non-space ASCII stands for itself, bytes 0-32 are shifted to U+0100-U+0120 (space is 'Ġ')."""
+    return c if 33 <= ord(c) <= 126 else chr(256 + ord(c))
+
+
+def make_char_tokenizer() -> Qwen2Tokenizer:
+    chars = [c for c in string.printable if c.isprintable()] + ["\n", "\t"]  # 95 printable ASCII, space included
     vocab = {PAD: 0, BOS: 1, EOS: 2}
     for c in chars:
-        vocab[c] = len(vocab)
+        vocab[_byte_level(c)] = len(vocab)
     while len(vocab) < VOCAB_SIZE:
         vocab[f"<reserved_{len(vocab)}>"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD
-    )
-    fast.add_special_tokens({"additional_special_tokens": [t for t in vocab if t.startswith("<reserved_")]})
-    return fast
+    return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=PAD, pad_token=PAD, bos_token=BOS, eos_token=EOS,
+                          extra_special_tokens=[t for t in vocab if t.startswith("<reserved_")])
 
 
 def tiny_config(cfg: TinyModelConfig) -> PretrainedConfig:

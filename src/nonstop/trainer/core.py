@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections import Counter
 from typing import NotRequired, TypedDict
 
@@ -277,6 +278,8 @@ class Trainer:
         loss_ok = self.all_finite(loss)  # on M ranks: all of them, or none, take the backward pass
         if loss_ok:
             loss.backward()
+        t_update = time.perf_counter()  # from here on the step's cost does not grow with its tokens
+        if loss_ok:
             grad_norm = self.clip_grads()
         skipped = not (loss_ok and torch.isfinite(grad_norm))
         if skipped:  # weights stay as they are; the version does not move
@@ -309,4 +312,5 @@ class Trainer:
             "lag_hist": {str(k): v for k, v in sorted(Counter(lag[sel].tolist()).items())},
             "samples": int(batch["targets"].shape[0]),
             "tokens": int(mask.sum()),
+            "update_s": time.perf_counter() - t_update,  # gradient clip and optimizer step
         }

@@ -22,7 +22,6 @@ the base, publishes its current adapters as soon as the transport is connected.
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from nonstop.config import LoraConfig, TrainerConfig, TransportConfig
 from nonstop.device import on, place, resolve_device
 from nonstop.hf import CausalLM, load_model
+from nonstop.spans import SpanLog, now
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
@@ -40,8 +40,9 @@ class TrainerWorker:
     def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0,
                  max_lag: int | None = None, reject: str = "group", reference_path: str | None = None,
                  total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None,
-                 max_new_tokens: int | None = None):
-        """`reference_path`: the KL reference weights when they differ from `model_path` (on resume).
+                 max_new_tokens: int | None = None, span_path: str | None = None):
+        """`span_path`: this rank's span file (nonstop.spans), None records nothing.
+        `reference_path`: the KL reference weights when they differ from `model_path` (on resume).
         `max_new_tokens`: rollout.max_new_tokens, the constant divisor of dr_grpo's normalisation.
         `lora`: train adapters on the base `model_path`, starting from `adapter_path` if given."""
         torch.manual_seed(seed)
@@ -62,6 +63,7 @@ class TrainerWorker:
         self.publish_bytes = 0
         self.published_version = self.trainer.policy_version  # what the engines hold (they start from it)
         self.busy_s = 0.0
+        self.spans = SpanLog(span_path)
 
     def rendezvous(self, host: str | None) -> tuple[str, int]:
         return rendezvous(host)
@@ -96,19 +98,26 @@ class TrainerWorker:
             self.sink.publish(self.trainer.model, self.trainer.policy_version)
 
     def step(self, groups: list[Group]) -> StepResult:
-        t0 = time.perf_counter()
+        t0 = now()
         with on(self.device):
             metrics = self.trainer.step(groups)
-        train_s = time.perf_counter() - t0
+        t1 = now()
+        train_s = t1 - t0
         self.busy_s += train_s
         metrics.update(train_s=train_s)
+        update_s = metrics["update_s"]
+        assert isinstance(update_s, float)  # Trainer.step reports it in seconds
+        self.spans.emit("step", t0=round(t0, 6), t1=round(t1, 6), version=self.trainer.policy_version,
+                        tokens=sum(g.num_tokens for g in groups), samples=sum(len(g.samples) for g in groups),
+                        update_s=round(update_s, 6))
         return StepResult(self.trainer.policy_version, metrics)
 
     def publish(self) -> PublishResult:
         """Send the weights of the current policy_version unless the engines already have them."""
-        t0 = time.perf_counter()
+        t0 = now()
         version = self.trainer.policy_version
-        if version != self.published_version:
+        sent = version != self.published_version
+        if sent:
             weights = self.trainer.publishable()
             if self.sink is not None:
                 self.sink.publish(weights, version)
@@ -116,8 +125,11 @@ class TrainerWorker:
                 for _ in weights.named_parameters():
                     pass
             self.published_version = version
-        publish_s = time.perf_counter() - t0
+        t1 = now()
+        publish_s = t1 - t0
         self.busy_s += publish_s
+        if sent:
+            self.spans.emit("publish", t0=round(t0, 6), t1=round(t1, 6), version=version, bytes=self.publish_bytes)
         return PublishResult(version, publish_s, self.publish_bytes)
 
     def save(self, path: str) -> str:
@@ -156,6 +168,7 @@ class TrainerWorker:
         return t.policy_version
 
     def close(self) -> None:
+        self.spans.close()
         if self.sink is not None:
             self.sink.close()
         if isinstance(self.trainer, ParallelTrainer):

@@ -7,8 +7,11 @@ The seam is one method on each side:
   loads the newest complete version, if newer than the one applied, between two forward passes.
 
 `plan_transport` (trainer side) describes the transport in a picklable `TransportHandle`;
-`open_sink(handle)` and `open_source(handle, rank)` open the two ends.
+`open_sink(handle)` and `open_source(handle, rank)` open the two ends; `release(handle)` (the
+orchestrator, at the end of a run) frees what a dead trainer could not (a shm segment).
 """
+
+from nonstop.types import TransportHandle
 
 from nonstop.transport.base import (
     TransportError,
@@ -23,5 +26,14 @@ from nonstop.transport.base import (
 
 __all__ = [
     "TransportError", "WeightSink", "WeightSource", "check_layout", "model_layout",
-    "open_sink", "open_source", "plan_transport",
+    "open_sink", "open_source", "plan_transport", "release",
 ]
+
+
+def release(handle: TransportHandle) -> bool:
+    """Free the transport's system resources if their owner died without freeing them."""
+    if handle.kind == "shm":
+        from nonstop.transport.shm import release_segment
+
+        return release_segment(handle.options.name)  # type: ignore[union-attr]
+    return False

@@ -57,6 +57,23 @@ def new_segment_name() -> str:
     return f"nonstop_{uuid.uuid4().hex[:16]}"
 
 
+def release_segment(name: str) -> bool:
+    """Unlink segment `name` if it still exists, i.e. its creator (the trainer) died without
+    closing it, and drop it from the resource tracker the run's processes share, so no exit path
+    leaves shared memory or a 'leaked shared_memory' warning behind. True if it had to."""
+    from multiprocessing import resource_tracker
+
+    import _posixshmem  # type: ignore[import-not-found]  # CPython's POSIX shm calls, as SharedMemory uses
+
+    path = "/" + name
+    try:
+        _posixshmem.shm_unlink(path)
+    except FileNotFoundError:
+        return False
+    resource_tracker.unregister(path, "shared_memory")
+    return True
+
+
 class _Segment:
     def __init__(self, handle: TransportHandle, opts: ShmOptions, create: bool) -> None:
         engines = handle.num_engines

@@ -1,0 +1,112 @@
+"""Capacity planner check: calibrate on one measured run, predict others, measure them for real.
+
+Runs the built-in job (step-bound, the same steps for every configuration) once to calibrate
+the planner from its span log, then predicts and runs each other configuration: buffer depth
+0/1/2/unbounded, 1 or 2 engines, two batch sizes. Every figure, predicted and measured, is
+taken over the same window (RL start to the last publish) from the span log. Printed: a table
+of predicted vs measured samples/s, trainer and engine idle fractions and mean token lag; last
+line:
+
+    RESULT max_rel_error=<largest |pred/meas - 1| of samples/s> median_rel_error=<...>
+           idle_abs_error=<largest |pred - meas| of the trainer idle fraction>
+
+    python bench/simulate.py --quick          # 20 steps per run, 7 runs
+    python bench/simulate.py --steps 40 --out runs/planner   # keep the run folders
+    python bench/simulate.py --quick --out runs/planner --reuse   # predict again, measure nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from nonstop.cli import run_training
+from nonstop.config import load_config
+from nonstop.planner.model import simulate
+from nonstop.planner.params import Shape, calibrate
+from nonstop.timeline import Timeline
+
+CALIBRATE = {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts_per_step": 32}
+PREDICT = [
+    {"buffer.depth": 0, "runtime.num_engines": 1, "rollout.prompts_per_step": 32},
+    {"buffer.depth": 2, "runtime.num_engines": 1, "rollout.prompts_per_step": 32},
+    {"buffer.depth": "null", "buffer.max_lag": 4, "buffer.max_queued_groups": 96, "runtime.num_engines": 1,
+     "rollout.prompts_per_step": 32},
+    {"buffer.depth": 1, "runtime.num_engines": 2, "rollout.prompts_per_step": 32},
+    {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts_per_step": 16},
+    {"buffer.depth": 0, "runtime.num_engines": 2, "rollout.prompts_per_step": 16},
+]
+
+
+def overrides(cell: dict, steps: int, out: str, name: str) -> list[str]:
+    return [*(f"{k}={v}" for k, v in cell.items()), f"run.max_steps={steps}", "run.max_time_s=null",
+            "run.eval_every=100000", "task.eval_size=50", "checkpoint.every_steps=null", f"run.out_dir={out}",
+            f"run.name={name}", "run.progress=off"]
+
+
+def measure(cell: dict, steps: int, out: str, name: str, reuse: bool):
+    cfg = load_config(overrides=overrides(cell, steps, out, name))
+    if not (reuse and (Path(out) / name / "summary.json").exists()):
+        run_training(cfg, Console(quiet=True))
+    return cfg, Timeline.load(Path(out) / name)
+
+
+def mean_lag(hist: dict[int, int]) -> float:
+    total = sum(hist.values())
+    return sum(k * v for k, v in hist.items()) / total if total else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="20 steps per run")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--seeds", type=int, default=3, help="simulation seeds averaged per prediction")
+    ap.add_argument("--out", default=None, help="keep the run folders here (default: a temporary folder)")
+    ap.add_argument("--reuse", action="store_true", help="with --out: take runs already there instead of running them")
+    ns = ap.parse_args()
+    steps = 20 if ns.quick else ns.steps
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = ns.out or tmp
+        cfg, tl = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
+        params = calibrate(tl, cfg)
+        print(f"calibrated on {Shape.of(cfg).label()}: pass {params.pass_s * 1e3:.2f} ms + "
+              f"{params.pass_row_s * 1e6:.1f} us/row (x{1 + params.engine_slowdown:.2f} while training), step "
+              f"{params.step_s * 1e3:.1f} ms + {params.step_token_s * 1e6:.1f} us/token "
+              f"(x{1 + params.trainer_slowdown:.2f} while generating), publish {params.publish_s * 1e3:.1f} ms, "
+              f"loop {params.loop_s * 1e3:.1f} ms, drop {params.drop_frac:.2f}, shared cores "
+              f"{'none' if params.cores is None else f'{params.cores:.2f}'}", flush=True)
+        print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
+              f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5}")
+        rel, idle = [], []
+        for i, cell in enumerate([CALIBRATE, *PREDICT]):
+            if i == 0:
+                cfg_i, tl_i = cfg, tl
+            else:
+                cfg_i, tl_i = measure(cell, steps, out, f"cell{i}", ns.reuse)
+            shape = Shape.of(cfg_i)
+            preds = [simulate(params, shape, seed) for seed in range(ns.seeds)]
+            sps = statistics.fmean(p.samples_per_s for p in preds)
+            t_idle = statistics.fmean(p.trainer_idle for p in preds)
+            e_idle = statistics.fmean(p.engine_idle for p in preds)
+            lag = statistics.fmean(p.mean_lag for p in preds)
+            m_sps, m_t, m_e = tl_i.samples_per_s(), tl_i.idle_fraction("trainer"), tl_i.idle_fraction("engine")
+            err = sps / m_sps - 1
+            if i > 0:
+                rel.append(abs(err))
+                idle.append(abs(t_idle - m_t))
+            label = shape.label() + (" (calibration)" if i == 0 else "")
+            print(f"{label:<44} {sps:14.1f} {m_sps:7.1f} {err:+6.1%} | {t_idle:17.2f} {m_t:5.2f} | "
+                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f}", flush=True)
+    print(f"wall {time.perf_counter() - t_start:.0f} s")
+    print(f"RESULT max_rel_error={max(rel):.3f} median_rel_error={statistics.median(rel):.3f} "
+          f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={steps}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""The discrete-event model of a run: engines, trainer ranks, the buffer and weight sync.
+
+`simulate(params, shape, seed)` plays a run of `shape.steps` trainer steps with the costs of
+`params` (planner/params.py) and returns a `Prediction`: samples/s generated, engine and
+trainer idle fractions and the per-token lag histogram, measured over the same window the real
+run is measured on (RL start to the last publish). docs/planning.md states the equations.
+
+What is modelled, as the code does it:
+- admission: groups_admitted <= (steps_trained + depth + 1) x batch + refunded (depth None:
+  steps_trained x batch + max_queued + refunded, as the buffer does); each admitted group reaches the engine
+  with the fewest samples in flight after `admit_delay_s`;
+- an engine is continuous batching over `slots` rows: a waiting group joins at a pass boundary
+  when its `group_size` rows fit; every pass emits one token per row, with the engine's current
+  policy_version; a row leaves after its completion length; a new published version is made
+  live at the next pass boundary (costing `apply_s`), as `never_stop` does;
+- a finished group is buffered after `deliver_delay_s`, or dropped with probability `drop_frac`
+  (no learning signal; its admission is refunded);
+- the trainer takes `batch` groups in arrival order, dropping those more than `max_lag` versions
+  behind the published version (refunded), steps, publishes, and only then raises admission.
+
+Engines advance in macro steps: between two changes (a row finishing, a group arriving, a new
+version, the trainer starting or stopping) every pass has the same rows and cost, so the model
+jumps to the next change instead of simulating each pass; a change that arrives mid-pass takes
+effect at the next pass boundary. A 32K-token completion therefore costs a few events, not 32K.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from nonstop.planner.params import PlanParams, Shape
+
+
+@dataclass
+class Prediction:
+    samples_per_s: float
+    engine_idle: float
+    trainer_idle: float
+    lag_hist: dict[int, int]
+    wall_s: float
+    dropped_for_lag: int = 0
+
+    @property
+    def mean_lag(self) -> float:
+        total = sum(self.lag_hist.values())
+        return sum(k * v for k, v in self.lag_hist.items()) / total if total else 0.0
+
+
+@dataclass
+class _Group:
+    lens: list[int]
+    remaining: int = 0
+    versions: Counter[int] = field(default_factory=Counter)
+    min_version: int = 0
+
+
+@dataclass
+class _Engine:
+    index: int
+    waiting: deque[_Group] = field(default_factory=deque)
+    arriving: list[_Group] = field(default_factory=list)  # reached the engine, not yet seen by its loop
+    rows: list[tuple[int, int, int, _Group]] = field(default_factory=list)  # heap of (end pass, id, start pass, group)
+    passes: int = 0  # passes completed
+    version: int = 0
+    marks: list[int] = field(default_factory=lambda: [0])  # pass index from which marks_v[i] holds
+    marks_v: list[int] = field(default_factory=lambda: [0])
+    in_flight: int = 0  # samples admitted to this engine and not yet finished
+    gen: int = 0  # plan generation: stale events are ignored
+    t_start: float = 0.0
+    tau: float = 0.0
+    end: float | None = None  # when the current plan ends (None: idle)
+    busy_s: float = 0.0
+
+
+class Simulation:
+    def __init__(self, p: PlanParams, shape: Shape, seed: int = 0) -> None:
+        if not p.groups_lens and not (p.len_median > 0 and p.len_max > 0):
+            raise ValueError("the planner needs completion lengths: groups_lens, or len_median and len_max")
+        self.p, self.s, self.rng = p, shape, random.Random(seed)
+        self.events: list[tuple[float, int, str, object]] = []
+        self.order = itertools.count()
+        self.t = 0.0
+        self.engines = [_Engine(i) for i in range(shape.engines)]
+        self.admitted = self.refunded = self.steps = self.trained_groups = 0
+        self.queue: deque[_Group] = deque()
+        self.batch: list[_Group] = []
+        self.trainer_version = self.published = 0
+        self.trainer_busy = False
+        self.trainer_waiting = True
+        self.trainer_busy_s = 0.0
+        self.samples_done: list[tuple[float, int]] = []
+        self.lag: Counter[int] = Counter()
+        self.dropped_for_lag = 0
+        self.last_publish = 0.0
+
+    # -- event plumbing -------------------------------------------------------------------
+
+    def at(self, t: float, kind: str, arg: object = None) -> None:
+        heapq.heappush(self.events, (t, next(self.order), kind, arg))
+
+    def run(self) -> Prediction:
+        self.admit()
+        while self.events and self.steps < self.s.steps:
+            self.t, _, kind, arg = heapq.heappop(self.events)
+            getattr(self, f"on_{kind}")(arg)
+        wall = self.last_publish
+        samples = sum(n for t, n in self.samples_done if t <= wall)
+        engines = sum(min(e.busy_s, wall) for e in self.engines) / max(len(self.engines), 1)
+        return Prediction(samples / wall if wall > 0 else 0.0, 1 - engines / wall if wall else 0.0,
+                          1 - self.trainer_busy_s / wall if wall else 0.0, dict(sorted(self.lag.items())), wall,
+                          self.dropped_for_lag)
+
+    # -- producer and buffer --------------------------------------------------------------
+
+    def limit(self) -> float:
+        if self.s.depth is None:
+            return self.steps * self.s.prompts_per_step + self.s.max_queued + self.refunded
+        return (self.steps + self.s.depth + 1) * self.s.prompts_per_step + self.refunded
+
+    def admit(self) -> None:
+        while self.limit() - self.admitted >= 1:
+            k = int(min(self.s.prompts_per_step, self.limit() - self.admitted))
+            self.admitted += k
+            for _ in range(k):
+                delay = self.rng.choice(self.p.admit_delays) if self.p.admit_delays else self.p.admit_delay_s
+                self.at(self.t + delay, "dispatch", _Group(self.sample_lens()))
+
+    def sample_lens(self) -> list[int]:
+        g = self.s.group_size
+        if not self.p.groups_lens:
+            mu = math.log(self.p.len_median)
+            return [min(self.p.len_max, max(1, round(self.rng.lognormvariate(mu, self.p.len_sigma)))) for _ in range(g)]
+        lens = self.rng.choice(self.p.groups_lens)
+        return list(lens) if len(lens) == g else [self.rng.choice(lens) for _ in range(g)]
+
+    def on_dispatch(self, g: _Group) -> None:
+        e = min(self.engines, key=lambda x: (x.in_flight, x.index))
+        e.in_flight += len(g.lens)
+        if self.p.pickup_passes and e.end is not None:
+            e.arriving.append(g)  # taken at the next boundary, admitted at the one after
+        else:
+            e.waiting.append(g)
+        self.interrupt(e)
+
+    def on_deliver(self, g: _Group) -> None:
+        if self.rng.random() < self.p.drop_frac:
+            self.refunded += 1
+            self.admit()
+            return
+        self.queue.append(g)
+        self.take()
+
+    # -- engines --------------------------------------------------------------------------
+
+    def interrupt(self, e: _Engine) -> None:
+        """Something changed for `e`: it re-plans at its next pass boundary (now, if idle)."""
+        if e.end is None:
+            self.plan(e)
+            return
+        # passes completed by the next boundary (none while a weight apply still runs before the plan)
+        done = max(0, math.ceil((self.t - e.t_start) / e.tau - 1e-9)) if e.tau > 0 else 0
+        boundary = e.t_start + done * e.tau
+        if boundary >= e.end - 1e-12:
+            return  # the plan already ends at the next boundary
+        e.gen += 1
+        e.end = boundary
+        self.at(boundary, "engine", (e, e.gen, e.passes + done))
+
+    def on_engine(self, arg) -> None:
+        e, gen, passes = arg
+        if gen != e.gen:
+            return
+        e.busy_s += self.t - e.t_start
+        e.passes = passes
+        self.plan(e)
+
+    def plan(self, e: _Engine) -> None:
+        while e.rows and e.rows[0][0] <= e.passes:
+            _, _, start, g = heapq.heappop(e.rows)
+            self.count_tokens(e, g, start, e.passes)
+            g.remaining -= 1
+            if g.remaining == 0:
+                e.in_flight -= len(g.lens)
+                self.samples_done.append((self.t, len(g.lens)))
+                self.at(self.t + self.p.deliver_delay_s, "deliver", g)
+        t = self.t
+        if self.published > e.version and (e.rows or e.waiting):
+            e.version = self.published
+            e.marks.append(e.passes)
+            e.marks_v.append(e.version)
+            t += self.p.apply_s
+        self.join(e)
+        e.waiting.extend(e.arriving)  # seen by the loop now: they join at the next boundary
+        e.arriving.clear()
+        if not e.rows:
+            self.join(e)  # an engine with nothing to decode takes them at once
+        if not e.rows:
+            e.busy_s += t - self.t
+            if e.end is not None:
+                e.end = None
+                self.busy_changed(e)
+            return
+        was_idle = e.end is None
+        e.end = t  # busy from here on, so sharing() counts it
+        b = len(e.rows)
+        e.tau = ((self.p.pass_s + self.p.pass_row_s * b) * (1 + self.p.engine_slowdown * self.trainer_busy)
+                 * self.sharing())
+        e.busy_s += t - self.t  # the apply
+        e.t_start = t
+        e.gen += 1
+        stop = e.rows[0][0] if not e.waiting or self.p.pickup_passes == 0 else min(e.rows[0][0], e.passes + 1)
+        e.end = t + (stop - e.passes) * e.tau
+        self.at(e.end, "engine", (e, e.gen, stop))
+        if was_idle:
+            self.busy_changed(e)
+
+    def join(self, e: _Engine) -> None:
+        """Waiting groups whose rows fit join the batch at this pass boundary."""
+        while e.waiting and len(e.rows) + len(e.waiting[0].lens) <= self.s.slots:
+            g = e.waiting.popleft()
+            g.remaining, g.min_version = len(g.lens), e.version
+            for n in g.lens:
+                heapq.heappush(e.rows, (e.passes + max(n, 1), next(self.order), e.passes, g))
+
+    def sharing(self) -> float:
+        """How much slower every actor runs because busy actors outnumber the cores (1: not at all)."""
+        if self.p.cores is None:
+            return 1.0
+        busy = sum(e.end is not None for e in self.engines) + self.s.trainer_ranks * self.trainer_busy
+        return max(1.0, busy / self.p.cores)
+
+    def busy_changed(self, source: _Engine | None = None) -> None:
+        """An actor started or stopped: with shared cores every busy engine's pace changes."""
+        if self.p.cores is None:
+            return
+        for e in self.engines:
+            if e is not source and e.end is not None:
+                self.interrupt(e)
+
+    @staticmethod
+    def count_tokens(e: _Engine, g: _Group, start: int, end: int) -> None:
+        """Tokens of one row, made at passes start..end-1, by the version live at each pass."""
+        i = bisect.bisect_right(e.marks, start) - 1
+        while start < end:
+            stop = e.marks[i + 1] if i + 1 < len(e.marks) else end
+            if min(stop, end) > start:
+                g.versions[e.marks_v[i]] += min(stop, end) - start
+            start = max(start, min(stop, end))
+            i += 1
+
+    # -- trainer --------------------------------------------------------------------------
+
+    def take(self) -> None:
+        if not self.trainer_waiting:
+            return
+        while self.queue and len(self.batch) < self.s.prompts_per_step:
+            g = self.queue.popleft()
+            if self.s.max_lag is not None and self.published - g.min_version > self.s.max_lag:
+                self.dropped_for_lag += 1
+                self.refunded += 1
+                self.admit()
+                continue
+            self.batch.append(g)
+        if len(self.batch) == self.s.prompts_per_step:
+            self.trainer_waiting = False
+            tokens = sum(sum(g.versions.values()) for g in self.batch)
+            busy = sum(e.end is not None for e in self.engines) / len(self.engines)
+            self.set_trainer_busy(True)
+            dt = ((self.p.step_s + self.p.step_token_s * tokens / self.s.trainer_ranks)
+                  * (1 + self.p.trainer_slowdown * busy) * self.sharing())
+            self.at(self.t + dt, "step_end", dt)
+
+    def set_trainer_busy(self, busy: bool) -> None:
+        self.trainer_busy = busy
+        if self.p.engine_slowdown or self.p.cores is not None:
+            for e in self.engines:
+                if e.end is not None:
+                    self.interrupt(e)
+
+    def on_step_end(self, dt: float) -> None:
+        for g in self.batch:
+            for v, n in g.versions.items():
+                self.lag[self.trainer_version - v] += n
+        self.trained_groups += len(self.batch)
+        self.batch = []
+        self.trainer_version += 1
+        self.trainer_busy_s += dt + self.p.publish_s
+        self.at(self.t + self.p.publish_s, "publish_end")
+
+    def on_publish_end(self, _: object) -> None:
+        self.published = self.trainer_version
+        self.steps += 1
+        self.last_publish = self.t
+        self.set_trainer_busy(False)
+        for e in self.engines:
+            if e.rows or e.waiting:
+                self.interrupt(e)
+        self.admit()
+        pause = self.p.loop_s + (self.p.eval_s if self.s.eval_every and self.steps % self.s.eval_every == 0 else 0.0)
+        self.at(self.t + pause, "trainer_ready")
+
+    def on_trainer_ready(self, _: object) -> None:
+        self.trainer_waiting = True
+        self.take()
+
+
+def simulate(params: PlanParams, shape: Shape, seed: int = 0) -> Prediction:
+    return Simulation(params, shape, seed).run()

@@ -1,0 +1,95 @@
+"""Checks that run before a run folder is written or an actor spawned, so a mistake costs a
+second and one line, not a traceback from inside an actor after its start-up.
+
+`resolve_model_path(path)` turns `model.path` into a local folder holding a model and its
+tokenizer, or raises ConfigError naming `model.path` and the fix:
+- a local folder must hold config.json and a tokenizer file (what `save_pretrained` writes);
+- a path that does not exist and does not look like a hub id ('owner/name') is a missing folder;
+- a hub id is looked up in the local Hugging Face cache first; with HF_HUB_OFFLINE=1 (or
+  TRANSFORMERS_OFFLINE=1) that is the only place looked; otherwise its files are fetched with a
+  bound of `hub_timeout_s`, in a daemon thread, so no retry loop can hold the command and
+  Ctrl-C always stops it.
+`check_reward(spec)` imports task.reward and raises ConfigError naming it if it cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+from nonstop.config import ConfigError
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.json", "*.model", "merges.txt"]
+
+
+def offline() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def check_folder(folder: Path, field: str = "model.path") -> Path:
+    if not (folder / "config.json").is_file():
+        held = sorted(p.name for p in folder.iterdir())[:8] if folder.is_dir() else []
+        raise ConfigError(f"{field}: {folder} holds no config.json ({'files: ' + ', '.join(held) if held else 'empty'}); "
+                          "expected a folder written by save_pretrained (model and tokenizer)")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"{field}: {folder} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); save the "
+                          "tokenizer into the model folder (tokenizer.save_pretrained(folder))")
+    return folder
+
+
+def _download(repo: str, local_only: bool) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo, allow_patterns=MODEL_FILES, local_files_only=local_only)
+
+
+def resolve_model_path(path: str, hub_timeout_s: float = 20.0, field: str = "model.path") -> Path:
+    """A local folder with the model and tokenizer `path` names (see the module docstring)."""
+    local = Path(path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ConfigError(f"{field}: {path} is a file; expected a model folder written by save_pretrained")
+        return check_folder(local, field)
+    if not HUB_ID.match(path):
+        raise ConfigError(f"{field}: no such folder: {path}")
+    try:
+        return check_folder(Path(_download(path, local_only=True)), field)
+    except ConfigError:
+        raise
+    except Exception:  # not in the cache
+        pass
+    if offline():
+        raise ConfigError(f"{field}: {path!r} is not a local folder and not in the Hugging Face cache, and offline "
+                          "mode is on (HF_HUB_OFFLINE): download it first or give a local folder")
+    result: dict[str, object] = {}
+
+    def fetch() -> None:
+        try:
+            result["path"] = _download(path, local_only=False)
+        except Exception as e:  # reported below, in the caller's thread
+            result["error"] = e
+
+    worker = threading.Thread(target=fetch, name="nonstop-hub-fetch", daemon=True)
+    worker.start()
+    worker.join(hub_timeout_s)
+    if "path" in result:
+        return check_folder(Path(str(result["path"])), field)
+    why = f"{type(result['error']).__name__}: {str(result['error']).splitlines()[0][:200]}" if "error" in result \
+        else f"no answer within {hub_timeout_s:g} s"
+    raise ConfigError(f"{field}: {path!r} is not a local folder and could not be fetched from the Hugging Face hub "
+                      f"({why}); check the name and the network, or download it and give the folder "
+                      "(set HF_HUB_OFFLINE=1 to use the local cache only)")
+
+
+def check_reward(spec: str, field: str = "task.reward") -> None:
+    from nonstop.orchestrator.score import RewardError, resolve_reward
+
+    try:
+        resolve_reward(spec, field)
+    except RewardError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,169 @@
+"""The span log: what every group went through and when every actor was busy, on one clock.
+
+Each process that records writes its own append-only JSONL file under `RUN_DIR/spans/`
+(`orchestrator.jsonl`, `engine-0.jsonl`, `trainer-0.jsonl`, ...), so no message between
+processes changes and no lock is shared. Times are `time.monotonic()` seconds; the first line of
+every file is a clock anchor `{"ev": "clock", "wall": time.time(), "mono": time.monotonic(), ...}`
+taken at the same instant, so a reader maps any file's times to wall-clock time
+(`wall + t - mono`) and lines files of different processes (or hosts) up on one timeline
+(`read_spans`). On one host the monotonic clock is shared by every process, so the mapping
+there is exact up to the anchor's microseconds.
+
+Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
+- orchestrator: `rl_start` (t), `group` (id [epoch, prompt], t_admit, t_gen0, t_gen1, t_done,
+  lens: completion tokens per sample, v: [oldest, newest] policy_version of its tokens),
+  `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step), `train`
+  (step, t0, t1, groups, queued), `publish` (step, version, t0, t1), `eval` and `checkpoint`
+  (t0, t1);
+- engine: `busy` (t0, t1, passes, rows, busy_s: consecutive forward passes coalesced into one
+  chunk of about `CHUNK_S`; rows = tokens emitted, summed over the passes; busy_s = the passes'
+  own time, t1 - t0 = that plus the engine's work between them: taking requests, returning
+  results; a chunk cut for length ends where the next begins), `apply` (t0, t1, version: a new
+  policy_version made live);
+- trainer rank: `step` (t0, t1, version, tokens, samples, update_s: the part of the step that
+  does not grow with its tokens, gradient clip and optimizer step), `publish` (t0, t1, version, bytes).
+
+Cost: one `json.dumps` and a buffered write per event (a few microseconds); engines coalesce
+their forward passes, so a busy engine writes about 1 / CHUNK_S lines a second. Files are
+flushed every FLUSH_S seconds and on close; a killed process loses at most that tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+SPANS_DIR = "spans"
+CHUNK_S = 0.05  # an engine's busy chunk is cut once it would grow longer than this
+GAP_S = 0.25  # a longer pause between two passes ends a chunk (the engine also flushes when it runs out of work)
+FLUSH_S = 1.0
+
+
+def now() -> float:
+    """The span log's clock."""
+    return time.monotonic()
+
+
+def span_path(run_dir: Path | str, actor: str) -> Path:
+    return Path(run_dir) / SPANS_DIR / f"{actor}.jsonl"
+
+
+class SpanLog:
+    """One process's span file; `SpanLog(None)` records nothing (spans off) at the cost of a call."""
+
+    def __init__(self, path: Path | str | None, actor: str = "") -> None:
+        self._f: IO[str] | None = None
+        self._flushed = now()
+        if path is None:
+            return
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self._f = p.open("a", buffering=1 << 16)
+        self.emit("clock", wall=time.time(), mono=now(), actor=actor or p.stem, pid=os.getpid())
+
+    @property
+    def enabled(self) -> bool:
+        return self._f is not None
+
+    def emit(self, ev: str, **fields: Any) -> None:
+        f = self._f
+        if f is None:
+            return
+        fields["ev"] = ev
+        f.write(json.dumps(fields, separators=(",", ":")) + "\n")
+        t = now()
+        if t - self._flushed >= FLUSH_S:
+            self._flushed = t
+            f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+class PassRecorder:
+    """Coalesces an engine's forward passes into `busy` chunks (cut once longer than CHUNK_S, at
+    pauses over GAP_S, and by `flush()` when the engine runs out of work), so the log stays small
+    while keeping the rate per batch size. A chunk cut for length ends where the next one
+    begins, so the chunks of a busy stretch tile it, the work between passes included."""
+
+    def __init__(self, log: SpanLog) -> None:
+        self.log = log
+        self.t0 = self.t1 = 0.0
+        self.passes = self.rows = 0
+        self.busy_s = 0.0
+
+    def record(self, t0: float, t1: float, rows: int) -> None:
+        if self.passes and t0 - self.t1 > GAP_S:
+            self.flush()
+        elif self.passes and t1 - self.t0 > CHUNK_S:
+            self.flush(end=t0)
+        if not self.passes:
+            self.t0 = t0
+        self.t1 = t1
+        self.passes += 1
+        self.rows += rows
+        self.busy_s += t1 - t0
+
+    def flush(self, end: float | None = None) -> None:
+        """Write the open chunk, ending at `end` (default: its last pass's end)."""
+        if self.passes:
+            t1 = self.t1 if end is None else end
+            self.log.emit("busy", t0=round(self.t0, 6), t1=round(t1, 6), passes=self.passes, rows=self.rows,
+                          busy_s=round(self.busy_s, 6))
+        self.passes = self.rows = 0
+        self.busy_s = 0.0
+
+
+def _lines(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open() as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:  # a killed process's last, partial line
+                continue
+
+
+TIME_KEYS = ("t", "t0", "t1", "t_admit", "t_gen0", "t_gen1", "t_done")
+
+
+def read_spans(run_dir: Path | str) -> dict[str, list[dict[str, Any]]]:
+    """Every actor's events, times converted to seconds since the run's RL start (the
+    orchestrator's `rl_start`, else the earliest clock anchor). Keys: actor names."""
+    folder = Path(run_dir) / SPANS_DIR
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no span log (was run.spans off?)")
+    raw: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    anchors: list[float] = []  # wall-clock time of every anchor; wall = mono + offset of the latest anchor
+    for path in sorted(folder.glob("*.jsonl")):
+        actor, offset = path.stem, None
+        for e in _lines(path):
+            if e["ev"] == "clock":
+                offset = e["wall"] - e["mono"]  # a restarted actor appends a new anchor
+                anchors.append(e["wall"])
+                continue
+            if offset is None:
+                continue
+            for k in TIME_KEYS:
+                if k in e:
+                    e[k] += offset
+            raw[actor].append(e)
+    if not anchors:
+        raise FileNotFoundError(f"{folder}: no span files")
+    starts = [e["t"] for e in raw.get("orchestrator", []) if e["ev"] == "rl_start"]
+    origin = starts[-1] if starts else min(anchors)
+    for events in raw.values():
+        for e in events:
+            for k in TIME_KEYS:
+                if k in e:
+                    e[k] = e[k] - origin
+    return dict(raw)
