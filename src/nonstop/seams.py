@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from nonstop.scoring.base import ScoreComponent, Scorer
     from nonstop.scoring.stage import FunctionComponent, LoopRunner, ProcessRunner, ScoringStage, ThreadRunner
     from nonstop.scoring.stage import Runner as RewardRunner
-    from nonstop.runtime.clients import EngineActor, TrainerActor
+    from nonstop.engine.vllm_engine import VllmEngineWorker
+    from nonstop.engine.worker import EngineWorker
+    from nonstop.runtime.clients import EngineActor, EngineService, TrainerActor
     from nonstop.runtime.local import LocalActor, LocalBackend
     from nonstop.runtime.ray import RayActor, RayBackend
     from nonstop.runtime.restart import RestartingEngine
@@ -44,6 +46,9 @@ if TYPE_CHECKING:
     sinks: list[type[WeightSink]] = [ShmSink, BroadcastSink, FilesSink]
     sources: list[type[WeightSource]] = [ShmSource, BroadcastSource, FilesSource]
     targets: list[type[WeightTarget]] = [ModelParameters, MergedAdapters, PerExpertParameters]
+
+    # Engine actors: the object each engine process serves (engine.kind builtin / vllm).
+    engine_services: list[type[EngineService]] = [EngineWorker, VllmEngineWorker]
 
     # Engine: the in-process engine and the model runner its scheduler drives.
     engines: list[type[Engine]] = [TorchEngine]

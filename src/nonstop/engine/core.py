@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from nonstop.config import EngineConfig
+from nonstop.device import on
 from nonstop.engine.runner import KVRunner
 from nonstop.engine.sampling import keep_mask
 from nonstop.engine.scheduler import RequestError, Scheduler
@@ -60,8 +61,12 @@ class TorchEngine:
         self.settings = settings or EngineConfig()
         self.pad_token_id = pad_token_id
         max_len = self.settings.max_seq_len or min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-        self.runner = KVRunner(self.model, self.settings.max_concurrent_seqs, max_len)
-        self.gate = WeightGate(self.model, staged=self.settings.update_mode != "never_stop")
+        self.device = next(model.parameters()).device
+        with on(self.device):
+            self.runner = KVRunner(self.model, self.settings.max_concurrent_seqs, max_len)
+        # transports fill host float32 tensors: a GPU or low-precision model takes them through a staging copy
+        host = self.device.type == "cpu" and next(model.parameters()).dtype == torch.float32
+        self.gate = WeightGate(self.model, staged=self.settings.update_mode != "never_stop" or not host)
         self.scheduler = Scheduler(self.runner, eos_token_ids, self.settings, self.gate, detokenize, policy_version)
         if weights is not None:
             self.weights = weights
@@ -96,7 +101,8 @@ class TorchEngine:
         return self.scheduler.submit(request, on_done, on_fail, on_token)
 
     def step(self) -> None:
-        self.scheduler.step()
+        with on(self.device):
+            self.scheduler.step()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -72,8 +72,12 @@ def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.T
     if rows.any_sampled:
         noise = torch.empty_like(logp).exponential_()
         for i, g in enumerate(rows.generators):
-            if g is not None:
+            if g is None:
+                continue
+            if noise.device.type == "cpu":
                 noise[i].exponential_(generator=g)
+            else:  # request generators live on the host: draw there, then move the row
+                noise[i].copy_(torch.empty(noise.shape[1], device="cpu").exponential_(generator=g))
         tokens = (logp.exp() / noise).argmax(-1)
         if rows.any_greedy:
             tokens = torch.where(greedy, logits.argmax(-1), tokens)

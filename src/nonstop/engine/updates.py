@@ -12,7 +12,9 @@ applies at once and `apply()` only hands the version over. Every other mode need
 know that weights are waiting without letting them touch the model decoding right now, so the
 source updates a staging copy of the model and `apply()` copies the staging parameters
 into the live ones (one foreach copy: the stall of a swap). The staging copy costs one more
-copy of the parameters in memory; the mode's docs say so.
+copy of the parameters in memory; the mode's docs say so. A model on a GPU or in a lower
+precision is always staged (on the host, in float32: what transports write), and `apply()`
+copies (and casts) the staging parameters onto the device.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ UPDATE_MODES: tuple[UpdateMode, ...] = ("never_stop", "abort_retry", "save_resum
 class WeightGate:
     def __init__(self, live: torch.nn.Module, staged: bool) -> None:
         self.live = live
-        self.target = copy.deepcopy(live) if staged else live
+        # the staging copy is what transports fill: host memory, float32 (the trainer's layout)
+        self.target = copy.deepcopy(live).to("cpu", torch.float32) if staged else live
         self.source: WeightSource | None = None
         self.waiting: int | None = None
         self._live_params: list[torch.Tensor] = list(live.parameters())
         self._staged_params: list[torch.Tensor] = list(self.target.parameters())
+        self._same_kind = all(a.device == b.device and a.dtype == b.dtype
+                              for a, b in zip(self._live_params, self._staged_params))
 
     @property
     def staged(self) -> bool:
@@ -52,7 +57,12 @@ class WeightGate:
     def apply(self) -> int:
         if self.waiting is None:
             raise RuntimeError("WeightGate.apply: no version is waiting")
-        if self.staged:
+        if self.staged and self._same_kind:
             torch._foreach_copy_(self._live_params, self._staged_params)
+        elif self.staged:  # host float32 -> the model's device and dtype
+            for live, staged in zip(self._live_params, self._staged_params):
+                live.copy_(staged, non_blocking=True)
+            if self._live_params[0].device.type == "cuda":
+                torch.cuda.current_stream(self._live_params[0].device).synchronize()
         version, self.waiting = self.waiting, None
         return version

@@ -37,8 +37,13 @@ class EngineWorker:
                  initial_version: int = 0, settings: EngineConfig | None = None, span_path: str | None = None) -> None:
         """`initial_version` is the policy_version of the weights at `model_path` (a checkpoint's on resume);
         `span_path`: this engine's span file (nonstop.spans), None records nothing."""
+        from nonstop.device import place, resolve_device, resolve_dtype
+
         torch.manual_seed(seed)
-        self.engine = TorchEngine(load_model(model_path), eos_token_ids, pad_token_id, policy_version=initial_version,
+        cfg = settings or EngineConfig()
+        device = resolve_device(cfg.device, "engine.device")
+        model = place(load_model(model_path, resolve_dtype(cfg.dtype, device, "engine.dtype")), device)
+        self.engine = TorchEngine(model, eos_token_ids, pad_token_id, policy_version=initial_version,
                                   settings=settings, detokenize=load_detokenizer(model_path))
         self.spans = SpanLog(span_path)
         self.aio = AsyncEngine(self.engine, self.spans)

@@ -92,8 +92,13 @@ def _span_file(cfg: Config, run_dir: Path | None, actor: str) -> str | None:
 
 async def spawn_engine(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int,
                        version0: int = 0, run_dir: Path | None = None) -> EngineActor:
+    worker: type = EngineWorker
+    if cfg.engine.kind == "vllm":
+        from nonstop.engine.vllm_engine import VllmEngineWorker
+
+        worker = VllmEngineWorker
     return EngineActor(await backend.spawn(
-        _names("engine", cfg.runtime.num_engines)[i], EngineWorker, str(weights), [tok.eos_token_id],
+        _names("engine", cfg.runtime.num_engines)[i], worker, str(weights), [tok.eos_token_id],
         tok.pad_token_id, cfg.run.seed + i, initial_version=version0, settings=cfg.engine_settings,
         span_path=_span_file(cfg, run_dir, f"engine-{i}")))
 

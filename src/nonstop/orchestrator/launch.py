@@ -76,6 +76,10 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     reads its task from its own config.yaml."""
     from nonstop.tasks.data import load_task
 
+    if cfg.engine.kind == "vllm":
+        from nonstop.engine.vllm_setup import preflight as vllm_preflight
+
+        vllm_preflight(cfg.model.path, cfg.engine.vllm)  # before the warm-up, not after it
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
     t0 = time.perf_counter()

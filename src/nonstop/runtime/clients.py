@@ -8,6 +8,8 @@ TimeoutError), so an `EngineActor` behaves the same on the local and the Ray bac
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from nonstop.config import TransportConfig
 from nonstop.roles import EngineStats
 from nonstop.runtime.base import ActorHandle
@@ -29,8 +31,23 @@ class _OneActor:
         await self.actor.kill()
 
 
+class EngineService(Protocol):
+    """The object inside an engine actor: what EngineActor calls by name. Implemented by
+    engine/worker.py EngineWorker (engine.kind builtin) and engine/vllm_engine.py VllmEngineWorker."""
+
+    def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None: ...
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
+
+    async def ping(self) -> int: ...
+
+    async def stats(self) -> dict[str, float | int]: ...
+
+    async def close(self) -> None: ...
+
+
 class EngineActor(_OneActor):
-    """An EngineClient over one engine actor (engine/worker.py EngineWorker)."""
+    """An EngineClient over one engine actor (an EngineService in its own process)."""
 
     async def generate(self, requests: list[GenerationRequest], timeout_s: float | None = None) -> list[list[Sample]]:
         return await self.actor.call("generate", requests, timeout_s=timeout_s)

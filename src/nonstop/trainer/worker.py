@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
+from nonstop.device import on, place, resolve_device
 from nonstop.hf import CausalLM, load_model
 from nonstop.spans import SpanLog, now
 from nonstop.trainer.core import Trainer
@@ -49,7 +50,8 @@ class TrainerWorker:
         torch.manual_seed(seed)
         self.model_path = model_path
         self.lora = lora if lora is not None and lora.enabled else None
-        base = load_model(model_path)
+        self.device = resolve_device(cfg.device, "trainer.device")
+        base = place(load_model(model_path), self.device)
         model: CausalLM = base
         if self.lora is not None:
             from nonstop.lora import wrap_with_peft
@@ -59,7 +61,7 @@ class TrainerWorker:
         self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps, max_new_tokens,
                                distill)
         if reference_path is not None and self.trainer.reference is not None:
-            self.trainer.reference = load_model(reference_path).eval().requires_grad_(False)
+            self.trainer.reference = place(load_model(reference_path), self.device).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
         self.publish_bytes = 0
         self.published_version = self.trainer.policy_version  # what the engines hold (they start from it)
@@ -101,7 +103,8 @@ class TrainerWorker:
 
     def step(self, groups: list[Group]) -> StepResult:
         t0 = now()
-        metrics = self.trainer.step(groups)
+        with on(self.device):
+            metrics = self.trainer.step(groups)
         t1 = now()
         train_s = t1 - t0
         self.busy_s += train_s

@@ -171,7 +171,8 @@ class FlatSender:
     publish reads one contiguous block (one copy, or none: broadcast sends slices of it).
 
     The tensor list is looked up once per model object; each publish only checks that every
-    tensor still lives at its place in the buffer, and binds again if anything re-homed one."""
+    tensor still lives at its place in the buffer, and binds again if anything re-homed one.
+    Tensors on a GPU are not re-homed: each publish copies them into a host buffer."""
 
     def __init__(self, handle: TransportHandle) -> None:
         self.handle = handle
@@ -186,6 +187,13 @@ class FlatSender:
             self.model = model
             self.tensors = in_layout_order(sent_tensors(model, self.lora), self.handle.layout)
             self.buffer = None
+        if any(t.device.type != "cpu" for t in self.tensors):  # GPU weights: copied to the host at each publish
+            if self.buffer is None:
+                self.buffer = torch.empty(self.handle.total_bytes, dtype=torch.uint8, device="cpu")
+            with torch.no_grad():
+                for t, view in zip(self.tensors, views(self.buffer, self.handle.layout)):
+                    view.copy_(t)
+            return self.buffer
         if self.buffer is None or [t.data_ptr() for t in self.tensors] != self.expected_ptrs:
             self.buffer = bind_flat(self.tensors, self.handle.layout, self.handle.total_bytes)
             self.expected_ptrs = [t.data_ptr() for t in self.tensors]

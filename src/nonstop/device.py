@@ -1,0 +1,73 @@
+"""Where a model runs: `device: auto | cpu | cuda | cuda:i` and its dtype, resolved in the actor.
+
+Contract:
+- `resolve_device(spec, field)` turns a config value into a torch.device inside the process that
+  will use it (so under Ray, `auto` and `cuda` mean the GPU Ray gave this actor): `auto` is
+  `cuda` when torch sees a GPU, else `cpu`; asking for a GPU that is not there raises
+  DeviceError naming the field;
+- `resolve_dtype(spec, device, field)`: `auto` is bfloat16 on a GPU, float32 on the CPU;
+- `on(device)` is the context in which a role computes: torch's factory functions
+  (`torch.zeros`, `torch.tensor`, `torch.arange`, ...) create on that device, so the engine's and
+  the trainer's code stays device-agnostic; on the CPU it changes nothing.
+
+Weights still travel through host memory (transports read and write CPU tensors): the trainer
+copies its GPU weights into the transport's host buffer at publish, and a GPU engine receives
+into a host staging copy and copies it to the device at the swap (engine/updates.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TypeVar
+
+import torch
+
+from nonstop.config import ConfigError
+
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+class DeviceError(ConfigError):
+    """A device this process does not have; the message names the field."""
+
+
+def resolve_device(spec: str, field: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"{field}: '{spec}' but torch sees no CUDA device here (torch {torch.__version__}); "
+                              f"use '{field.rsplit('.', 1)[0]}.device: cpu' or 'auto', or install a CUDA build of torch")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise DeviceError(f"{field}: '{spec}' but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device, field: str) -> torch.dtype:
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if spec not in DTYPES:
+        raise DeviceError(f"{field}: unknown dtype '{spec}' (auto, {', '.join(DTYPES)})")
+    return DTYPES[spec]
+
+
+def place(model: M, device: torch.device) -> M:
+    """Move a module's parameters and buffers to `device` in place; returns the same module."""
+    torch.nn.Module.to(model, device)
+    return model
+
+
+@contextlib.contextmanager
+def on(device: torch.device) -> Iterator[None]:
+    """Compute on `device`: factory functions without an explicit device create there."""
+    if device.type == "cpu":
+        yield
+        return
+    with torch.device(device):
+        yield
