@@ -60,6 +60,10 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     else:
         run_dir = resume_dir
+    if data is None and cfg.env is not None:
+        from nonstop.envs.registry import builtin_task
+
+        data = builtin_task(cfg.env)
     if data is None:
         data = load_task(cfg.task)
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
@@ -70,7 +74,12 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
         progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
         ckpt = None
         if resume_dir is None:
-            base = prepare_base_model(cfg, data, progress.log)
+            if cfg.env is not None and cfg.model.path is None:
+                from nonstop.envs.warmup import env_base
+
+                base = env_base(cfg, progress.log)
+            else:
+                base = prepare_base_model(cfg, data, progress.log)
         else:
             ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
             base = Path(ckpt.state["base_model"])

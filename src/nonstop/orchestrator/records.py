@@ -39,6 +39,7 @@ class StepRecord:
     prompts_requeued: int
     engine_versions: list[int]  # newest policy_version seen in each engine's tokens
     eval_accuracy: float | None = None  # held-out accuracy, on the steps that evaluate
+    episodes: dict[str, Any] | None = None  # environment runs: EpisodeStats.report() (episode_flow.py)
 
     @property
     def lag_hist(self) -> dict[str, int]:
@@ -53,8 +54,9 @@ class StepRecord:
         d = asdict(self)
         trainer = d.pop("trainer")
         head = {k: d.pop(k) for k in ("step", "policy_version", "time_s", "reward_mean", "prompts")}
-        if d["eval_accuracy"] is None:
-            del d["eval_accuracy"]
+        for optional in ("eval_accuracy", "episodes"):
+            if d[optional] is None:
+                del d[optional]
         return {**head, **trainer, **d}
 
     def final_eval(self) -> dict[str, Any]:
@@ -89,6 +91,7 @@ class RunSummary:
     wall_s: float = 0.0
     warmup_s: float = 0.0
     dataset_rows_skipped: int = 0
+    episodes: dict[str, Any] | None = None  # environment runs: the episode counters at the end
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
