@@ -14,10 +14,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from nonstop import roles, runtime
+    from nonstop.engine.aio import AsyncEngine
     from nonstop.engine.core import Engine, TorchEngine
     from nonstop.engine.runner import KVRunner, Runner
+    from nonstop.envs.base import Environment, MultiAgentEnvironment, SingleAgent
+    from nonstop.envs.calculator import Calculator
+    from nonstop.envs.guess import GuessNumber
+    from nonstop.envs.nim import Nim, NimVsScripted
     from nonstop.lora import MergedAdapters
     from nonstop.orchestrator.dispatch import EnginePool, RankGroup
+    from nonstop.orchestrator.episodes import TurnEngine
     from nonstop.orchestrator.score import FunctionScorer, Scorer
     from nonstop.runtime.clients import EngineActor, TrainerActor
     from nonstop.runtime.local import LocalActor, LocalBackend
@@ -50,3 +56,8 @@ if TYPE_CHECKING:
     # Scoring, and the clients of a served engine.
     scorers: list[type[Scorer]] = [FunctionScorer]
     clients: list[type[GenerationClient]] = [InProcessClient, HttpClient]
+
+    # Environments (one agent; several roles) and the engines an episode runs its turns on.
+    environments: list[type[Environment]] = [GuessNumber, Calculator, NimVsScripted]
+    multi_agent: list[type[MultiAgentEnvironment]] = [SingleAgent, Nim]
+    turn_engines: list[type[TurnEngine]] = [EnginePool, RestartingEngine, EngineActor, AsyncEngine]

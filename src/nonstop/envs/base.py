@@ -70,7 +70,10 @@ class Step:
 class Environment(Protocol):
     """One agent: reset from a task row, then one step per model turn."""
 
-    tools: Mapping[str, Tool]
+    @property
+    def tools(self) -> Mapping[str, Tool]:
+        """The tools this environment offers by name (may be empty)."""
+        ...
 
     async def reset(self, row: Example) -> str:
         """The first observation: the episode's prompt text."""
@@ -100,8 +103,11 @@ class Turn:
 class MultiAgentEnvironment(Protocol):
     """Several roles in one episode, taking turns; each role's first observation is its prompt."""
 
-    roles: tuple[str, ...]
-    tools: Mapping[str, Tool]
+    @property
+    def roles(self) -> tuple[str, ...]: ...
+
+    @property
+    def tools(self) -> Mapping[str, Tool]: ...
 
     async def reset(self, row: Example) -> Turn:
         """Every role's first observation (non-empty: it is that role's prompt) and the first actor."""
@@ -115,7 +121,7 @@ class MultiAgentEnvironment(Protocol):
 class SingleAgent:
     """An `Environment` as a multi-agent environment with one role, 'agent'."""
 
-    roles = ("agent",)
+    roles: tuple[str, ...] = ("agent",)
 
     def __init__(self, env: Environment) -> None:
         self.env = env

@@ -6,7 +6,7 @@ expression when there is none); the result comes back as the observation '[161]'
 is the final answer: reward 1 when it equals the product, else 0, and the episode ends.
 
 Text format: prompt '23*7='; tool turn 'c' + EOS, observation '[161]'; answer '161' + EOS.
-The warm-up imitates a player who calls the tool in 30% of episodes (and then copies its
+The warm-up imitates a player who calls the tool in half of the episodes (and then copies its
 result) and otherwise answers with a guess: a weak base that RL turns into "always call it".
 """
 
@@ -17,7 +17,7 @@ import random
 from nonstop.envs.base import Step, ToolStats, call_tool
 from nonstop.tasks.data import Example
 
-TOOL_PROB = 0.3
+TOOL_PROB = 0.5
 
 
 def calc(expression: str) -> str:

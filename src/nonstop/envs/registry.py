@@ -61,7 +61,7 @@ def as_multi_agent(env: object, field: str = "env.name") -> MultiAgentEnvironmen
     if not (inspect.iscoroutinefunction(getattr(env, "reset", None)) and inspect.iscoroutinefunction(getattr(env, "step", None))):
         raise ConfigError(f"{field}: {type(env).__name__} is no environment: it needs async reset() and step() "
                           "(nonstop.envs.base.Environment or MultiAgentEnvironment)")
-    return SingleAgent(env)  # type: ignore[arg-type]
+    return SingleAgent(env)  # type: ignore[arg-type]  # checked above: async reset and step
 
 
 def env_factory(name: str, field: str = "env.name") -> Callable[[], MultiAgentEnvironment]:

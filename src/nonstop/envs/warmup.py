@@ -2,7 +2,7 @@
 
 The shipped tiny base knows addition, not these games. `env_base(cfg)` starts from it and
 trains it on transcripts of a weak player (envs/*.py `demo`: random guesses, a calculator used
-in 30% of episodes, random Nim moves), with the loss on the player's tokens only and an EOS
+in half of the episodes, random Nim moves), with the loss on the player's tokens only and an EOS
 after each of its turns, as the engine writes turns. The result imitates that player: it plays
 the format and wins sometimes, by chance, which is the "weak, not blank" base RL needs. The
 base is cached under warmup.cache_dir (keyed by the environment, its limits and the seed), so
@@ -26,7 +26,10 @@ from nonstop.hf import load_model, load_tokenizer, quiet_transformers
 from nonstop.tasks.base import shipped_dir
 from nonstop.tasks.warmup import save_atomically
 
-STEPS, BATCH, LR = 400, 64, 3e-3
+BATCH, LR = 64, 3e-3
+STEPS = {"guess_number": 150, "nim": 150, "calculator": 600}
+"""Optimizer steps per environment: the random players' transcripts are learnt (loss flat) by about
+100 steps; the calculator's copying of the tool result takes longer."""
 
 
 def transcripts(cfg: Config, tokenizer, count: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -71,12 +74,13 @@ def _train(model, tokenizer, examples: list[tuple[list[int], list[int]]], seed: 
     return float(loss.detach())
 
 
-def env_base(cfg: Config, log: Callable[[str], None] = print, steps: int = STEPS) -> Path:
+def env_base(cfg: Config, log: Callable[[str], None] = print, steps: int | None = None) -> Path:
     """The folder of the warmed-up base of a built-in environment (cached)."""
     if cfg.env is None or cfg.env.name not in DEMOS:
         raise ConfigError(f"env.name: the environment warm-up covers the built-ins {sorted(DEMOS)}; "
                           "for another environment set model.path to your base policy")
-    shaping = {"env": cfg.env.name, "max_turns": cfg.env.max_turns, "seed": cfg.run.seed, "steps": steps, "format": 1}
+    steps = steps or STEPS[cfg.env.name]
+    shaping = {"env": cfg.env.name, "max_turns": cfg.env.max_turns, "seed": cfg.run.seed, "steps": steps, "format": 2}
     key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cfg.warmup.cache_dir) / f"env-{cfg.env.name}-{key}"
     if (folder / "nonstop_base.json").is_file():

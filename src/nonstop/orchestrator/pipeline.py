@@ -51,10 +51,10 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
                                      run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures,
                                      run.ledger), name="producer")
         else:
-            e = run.envs
-            supervisor.spawn(produce_episodes(run.engine, e.make_env, run.buffer, run.stream, run.codec, cfg.rollout,
-                                              e.cfg, e.limits, e.baselines, run.state.clock, run.stats, e.stats,
-                                              run.ledger), name="episode-producer")
+            env = run.envs
+            supervisor.spawn(produce_episodes(run.engine, env.make_env, run.buffer, run.stream, run.codec, cfg.rollout,
+                                              env.cfg, env.limits, env.baselines, run.state.clock, run.stats,
+                                              env.stats, run.ledger), name="episode-producer")
         last = await supervisor.run(learn(run))
         run.sink.close()
         final_dir = run_dir / "final"
