@@ -294,3 +294,14 @@ def test_trainer_recomputes_the_behaviour_logprobs_of_every_turn_and_ignores_env
     a, b = trainer.step(groups), twin.step(garbage)
     assert a["loss"] == b["loss"] and a["ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert a["lag_hist"] == {"0": a["tokens"]}  # environment tokens (version -1) are not in the histogram
+
+
+def test_environment_examples_validate_and_name_builtin_environments():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parent.parent / "examples" / "envs").glob("*.yaml"))
+    assert len(examples) == 3
+    for path in examples:
+        cfg = load_config(path)
+        assert cfg.env is not None
+        EnvRun.build(cfg.env)
