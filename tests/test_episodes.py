@@ -305,3 +305,31 @@ def test_environment_examples_validate_and_name_builtin_environments():
         cfg = load_config(path)
         assert cfg.env is not None
         EnvRun.build(cfg.env)
+
+
+def test_cli_run_on_selfplay_nim_settles_every_row_and_reports_episodes(tiny_dir, tmp_path):
+    """The real pipeline (engine and trainer processes, shm transport) on self-play Nim with
+    `reject: episode`: steps train on two-role groups, the ledger settles each drawn row once,
+    and the summary carries the episode counters, per-role metrics and per-episode lags."""
+    import json
+
+    from test_e2e import nonstop, small_model_args
+
+    out = nonstop(["train", "--set", "env.name=nim", "--set", "env.max_turns=5", "--set", "env.turn_max_tokens=2",
+                   "--set", "env.eval_rows=20", "--set", "buffer.reject=episode", "--set", "buffer.max_lag=1",
+                   "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=2",
+                   "--set", "rollout.filter_uniform_reward=false", "--set", "run.max_steps=4",
+                   "--set", "run.eval_every=2", "--set", "checkpoint.every_steps=null",
+                   "--set", f"run.out_dir={tmp_path}", "--set", "run.name=nim", *small_model_args(tiny_dir)],
+                  tmp_path, timeout_s=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    s = json.loads((tmp_path / "nim" / "summary.json").read_text())
+    ep, ledger = s["episodes"], s["prompts"]
+    assert s["steps"] == 4 and ep["episodes"] >= 4 * 4 * 2 and not ep["errors"]
+    assert ledger["duplicated"] == 0 and ledger["unknown"] == 0
+    assert ledger["outcomes"].get("trained", 0) == 16 and sum(ep["episode_lag_hist"].values()) > 0
+    assert set(int(k) for k in ep["episode_lag_hist"]) <= {0, 1}
+    lines = [json.loads(x) for x in (tmp_path / "nim" / "metrics.jsonl").read_text().splitlines()]
+    assert all(set(r["episodes"]["roles"]) <= {"first", "second"} for r in lines if "episodes" in r)
+    assert any(set(r["episodes"]["roles"]) == {"first", "second"} for r in lines if "episodes" in r)
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in lines if "eval_accuracy" in r)

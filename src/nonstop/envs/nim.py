@@ -1,8 +1,8 @@
 """Nim, a two-player zero-sum game: self-play with one shared policy, and a scripted opponent.
 
 One pile of stones (the task row's answer: 'pile'); players take 1 or 2 in turn; whoever takes
-the last stone wins (+1), the other loses (-1). A turn that is not '1' or '2', or takes more
-than the pile holds, loses at once. The winning strategy leaves the opponent a multiple of 3.
+the last stone wins (+1), the other loses (-1); taking 2 from a pile of 1 takes the last one. A
+turn that is not '1' or '2' loses at once. The winning strategy leaves the opponent a multiple of 3.
 
 Text format, the same for both roles: a role's prompt is 'n' (and, for the player who moves
 first, the pile it faces, '7:'); before each of its turns a role observes the pile it faces,
@@ -27,8 +27,9 @@ START = "n"
 
 
 def _move(action: str, pile: int) -> int | None:
+    """Stones taken: '1' or '2' (a 2 from a pile of 1 takes the last one); None for anything else."""
     text = action.strip()
-    return int(text) if text in ("1", "2") and int(text) <= pile else None
+    return min(int(text), pile) if text in ("1", "2") else None
 
 
 def _other(role: str) -> str:
