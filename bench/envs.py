@@ -10,7 +10,7 @@ lag histogram per episode, episodes whose tokens span several versions). The las
 
     RESULT multiturn_gain=<points> tool_gain=<points> selfplay_winrate_gain=<points>
 
-Targets: each at least +20 points. `--quick` gives each environment 80 s of RL (about 8 minutes
+Targets: each at least +20 points. `--quick` gives each environment 100 s of RL (about 8 minutes
 in all with the warm-ups cached; the first run also warms up, see docs/benchmarks.md).
 
     python bench/envs.py [--quick] [--seconds 120] [--envs guess_number,calculator,nim_selfplay] [--cache DIR]
@@ -57,11 +57,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--envs", default=",".join(KEYS))
     ap.add_argument("--seconds", type=float, default=120.0)
-    ap.add_argument("--quick", action="store_true", help="80 s of RL per environment")
+    ap.add_argument("--quick", action="store_true", help="100 s of RL per environment")
     ap.add_argument("--cache", type=Path, default=ROOT / ".nonstop_cache", help="warm-up cache folder")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ns = ap.parse_args()
-    seconds = 80.0 if ns.quick else ns.seconds
+    seconds = 100.0 if ns.quick else ns.seconds
     rows = []
     t0 = time.perf_counter()
     print(f"{'environment':>13} {'base':>7} {'final':>7} {'gain':>8} {'warm-up s':>9} {'RL s':>6} {'steps':>6}")
