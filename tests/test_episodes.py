@@ -307,6 +307,7 @@ def test_environment_examples_validate_and_name_builtin_environments():
         EnvRun.build(cfg.env)
 
 
+@pytest.mark.slow
 def test_cli_run_on_selfplay_nim_settles_every_row_and_reports_episodes(tiny_dir, tmp_path):
     """The real pipeline (engine and trainer processes, shm transport) on self-play Nim with
     `reject: episode`: steps train on two-role groups, the ledger settles each drawn row once,

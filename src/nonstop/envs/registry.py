@@ -9,6 +9,7 @@
 | `calculator`    | tool use (`calc`)      | product of the prompt       | success rate            |
 | `nim`           | self-play, 2 roles     | 'pile,side'                 | win rate vs `nim_vs_random` |
 | `nim_vs_random` | the policy vs a random mover | 'pile,side'           | win rate                |
+| `reasoning_gym/<dataset>` | a reasoning-gym generator (optional extra) | question, answer | score 1 |
 
 `builtin_task(cfg)` generates a built-in's train rows (seed 1) and held-out rows (seed 2);
 a custom environment reads its rows from the task section like single-turn prompts do.
@@ -23,7 +24,7 @@ import random
 from collections.abc import Callable
 
 from nonstop.config import ConfigError, EnvConfig
-from nonstop.envs import calculator, guess, nim
+from nonstop.envs import calculator, guess, nim, reasoning_gym
 from nonstop.envs.base import EnvLimits, MultiAgentEnvironment, SingleAgent
 from nonstop.tasks.data import DatasetReport, Example, TaskData
 
@@ -40,9 +41,12 @@ DEMOS: dict[str, Demo] = {"guess_number": guess.demo, "calculator": calculator.d
 """Built-in transcripts of a weak player, for the supervised warm-up (envs/warmup.py)."""
 
 
-def _resolve(name: str, field: str) -> Callable[[], object]:
+def _resolve(name: str, field: str, cfg: EnvConfig | None = None) -> Callable[[], object]:
     if name in _BUILTIN:
         return _BUILTIN[name]
+    if name.startswith(reasoning_gym.PREFIX):
+        task = _reasoning_gym_task(name, cfg)
+        return lambda: reasoning_gym.ReasoningGymEnv(task)
     module_name, sep, attr = name.partition(":")
     if not sep:
         raise ConfigError(f"{field}: unknown environment {name!r}; use one of {sorted(_BUILTIN)} or 'package.module:factory'")
@@ -64,8 +68,14 @@ def as_multi_agent(env: object, field: str = "env.name") -> MultiAgentEnvironmen
     return SingleAgent(env)  # type: ignore[arg-type]  # checked above: async reset and step
 
 
-def env_factory(name: str, field: str = "env.name") -> Callable[[], MultiAgentEnvironment]:
-    factory = _resolve(name, field)
+def _reasoning_gym_task(name: str, cfg: EnvConfig | None) -> reasoning_gym.ReasoningGymTask:
+    cfg = cfg or EnvConfig(name=name)
+    return reasoning_gym.ReasoningGymTask(name.removeprefix(reasoning_gym.PREFIX), cfg.train_rows, cfg.eval_rows)
+
+
+def env_factory(name: str, field: str = "env.name", cfg: EnvConfig | None = None) -> Callable[[], MultiAgentEnvironment]:
+    """`cfg` sizes the rows of a task source (reasoning_gym/...); built-ins ignore it."""
+    factory = _resolve(name, field, cfg)
     as_multi_agent(factory(), field)  # fail at start, naming the field, not in the first episode
     return lambda: as_multi_agent(factory(), field)
 
@@ -78,6 +88,9 @@ def eval_name(cfg: EnvConfig) -> str:
 
 def builtin_task(cfg: EnvConfig) -> TaskData | None:
     """Train and held-out rows of a built-in environment; None for a custom one."""
+    if cfg.name.startswith(reasoning_gym.PREFIX):
+        task = _reasoning_gym_task(cfg.name, cfg)
+        return TaskData(task.rows(0), task.rows(1), DatasetReport(rows_read=cfg.train_rows + cfg.eval_rows))
     rows = _ROWS.get(cfg.name)
     if rows is None:
         return None

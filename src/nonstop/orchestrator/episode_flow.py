@@ -133,8 +133,8 @@ class EnvRun:
     def build(cls, cfg: EnvConfig) -> EnvRun:
         from nonstop.envs.registry import env_factory, eval_name, limits
 
-        make_env = env_factory(cfg.name, "env.name")
-        return cls(cfg, make_env, env_factory(eval_name(cfg), "env.eval_name"), limits(cfg),
+        make_env = env_factory(cfg.name, "env.name", cfg)
+        return cls(cfg, make_env, env_factory(eval_name(cfg), "env.eval_name", cfg), limits(cfg),
                    RoleBaselines(baseline_mode(cfg, len(make_env().roles)), cfg.ema_decay), EpisodeStats())
 
     def report(self) -> dict:
