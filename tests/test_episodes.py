@@ -334,3 +334,26 @@ def test_cli_run_on_selfplay_nim_settles_every_row_and_reports_episodes(tiny_dir
     assert all(set(r["episodes"]["roles"]) <= {"first", "second"} for r in lines if "episodes" in r)
     assert any(set(r["episodes"]["roles"]) == {"first", "second"} for r in lines if "episodes" in r)
     assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in lines if "eval_accuracy" in r)
+
+
+def test_episodes_over_before_any_model_turn_are_dropped_and_settled(engine):
+    from nonstop.envs.base import Turn
+
+    class OverAtOnce:
+        roles, tools = ("agent",), {}
+
+        async def reset(self, row):
+            return Turn({"agent": "?"}, None, {"agent": 1.0})
+
+        async def step(self, role, action):
+            raise AssertionError("no turn is ever played")
+
+    eng, codec = engine
+    rows = [Example(i, "?", "1") for i in range(3)]
+    ledger, ep = Ledger(), EpisodeStats()
+    buffer = RolloutBuffer(3, None, None, 64, ledger)
+    asyncio.run(produce_episodes(eng, OverAtOnce, buffer, PromptStream(rows, seed=0, max_epochs=1), codec,
+                                 RolloutConfig(prompts_per_step=3, group_size=2), load_config(None, ["env.name=nim"]).env,
+                                 LIMITS, RoleBaselines("group", 0.9), Clock(), RolloutStats(), ep, ledger))
+    assert buffer.drops == Counter({"no_model_tokens": 3}) and ledger.report()["outcomes"] == {"no_model_tokens": 3}
+    assert buffer.queued == 1  # only the close marker

@@ -172,6 +172,9 @@ async def produce_episodes(
                                        f"(env.max_consecutive_errors); errors so far: {dict(episode_stats.errors)}")
             return
         episode_stats.errors_in_row = 0
+        if not group.samples:  # every episode ended before any model turn: nothing to train
+            await buffer.drop(group, "no_model_tokens")
+            return
         has_signal = baselines.assign(group.samples)
         if not has_signal and rollout.filter_uniform_reward:
             await buffer.drop(group, "uniform_reward")
