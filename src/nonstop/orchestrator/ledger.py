@@ -2,7 +2,9 @@
 
 Invariant: each (epoch, prompt index) is drawn once and settled once. A draw is in flight until
 it is settled with an outcome: `trained`, or the reason it was dropped (`uniform_reward`,
-`reward_error`, `max_lag`, `skipped_step`). Prompts held by a crashed engine stay in flight
+`reward_error`, `max_lag`, `skipped_step`; in environment runs also `env_error`,
+`no_model_tokens`). Episodes removed from a group that still trains (buffer.reject 'episode')
+are counted in `episodes_dropped`. Prompts held by a crashed engine stay in flight
 and are generated again; prompts in flight at a checkpoint are re-queued on resume. A second
 draw or a second settlement of the same prompt is counted as a duplicate, never hidden, and a
 settlement of a prompt that was never drawn is counted as unknown; the fault tests assert both
