@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from nonstop.engine.runner import KVRunner, Runner
     from nonstop.envs.base import Environment, MultiAgentEnvironment, SingleAgent
     from nonstop.envs.calculator import Calculator
+    from nonstop.envs.http import ClientEngine
     from nonstop.envs.guess import GuessNumber
     from nonstop.envs.nim import Nim, NimVsScripted
     from nonstop.lora import MergedAdapters
@@ -60,4 +61,4 @@ if TYPE_CHECKING:
     # Environments (one agent; several roles) and the engines an episode runs its turns on.
     environments: list[type[Environment]] = [GuessNumber, Calculator, NimVsScripted]
     multi_agent: list[type[MultiAgentEnvironment]] = [SingleAgent, Nim]
-    turn_engines: list[type[TurnEngine]] = [EnginePool, RestartingEngine, EngineActor, AsyncEngine]
+    turn_engines: list[type[TurnEngine]] = [EnginePool, RestartingEngine, EngineActor, AsyncEngine, ClientEngine]
