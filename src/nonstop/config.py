@@ -36,7 +36,7 @@ from nonstop.config_schema import explain, reference
 
 __all__ = [
     "BaseRuntimeConfig", "BaseTransportConfig", "BroadcastTransportConfig", "BufferConfig", "CheckpointConfig",
-    "Config", "ConfigError", "DistillConfig", "JudgeConfig", "ProcessRewardConfig", "RewardModelConfig", "ScoringConfig", "EngineConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
+    "Config", "ConfigError", "DistillConfig", "JudgeConfig", "ProcessRewardConfig", "RewardModelConfig", "ScoringConfig", "EngineConfig", "EnvConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
     "ModelConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
     "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TinyMoeConfig", "TrainerConfig", "TransportConfig",
     "VllmConfig", "WarmupConfig",
@@ -227,9 +227,10 @@ class BufferConfig(_Section):
     """Trainer steps of rollouts that may be generated ahead: 0 synchronous, 1 double buffer, K bounded, null unbounded stream."""
     max_lag: int = Field(2, ge=0)
     """Rollouts whose tokens are more than this many versions behind the trainer are rejected (counted)."""
-    reject: Literal["group", "sample", "token"] = "group"
+    reject: Literal["group", "sample", "token", "episode"] = "group"
     """Granularity of max-lag rejection: drop whole groups in the buffer, or mask lagging samples or
-    tokens out of the loss in the trainer (advantages still use the whole group)."""
+    tokens out of the loss in the trainer (advantages still use the whole group); 'episode' drops, in
+    the buffer, exactly the episodes of a group whose oldest model token lags (the rest trains)."""
     max_queued_groups: int = Field(4096, ge=1)
     """Hard bound on groups waiting in the buffer (back-pressure for the unbounded stream)."""
 
@@ -387,6 +388,39 @@ class EngineConfig(_Section):
     Config.engine_settings) and no cancelling in `nonstop serve`."""
 
 
+class EnvConfig(_Section):
+    """Multi-turn and multi-agent episodes from an environment instead of single-turn prompts
+    (docs/environments.md)."""
+
+    name: str = "guess_number"
+    """A built-in environment ('guess_number', 'calculator', 'nim') or 'package.module:factory', a
+    callable with no arguments returning an Environment or a MultiAgentEnvironment (envs/base.py),
+    whose task rows then come from the task section."""
+    eval_name: str | None = None
+    """Environment of the held-out evaluation (same forms as name); None: the same as name, except
+    that 'nim' is evaluated against its scripted opponent ('nim_vs_random')."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per role in one episode; an episode that reaches it ends (truncated)."""
+    max_episode_tokens: int = Field(96, ge=2)
+    """Tokens in one role's sequence, prompt included (keep it within the model's positions)."""
+    turn_max_tokens: int = Field(4, ge=1)
+    """Tokens the model may write in one turn; a turn also ends at EOS."""
+    step_timeout_s: float = Field(10.0, gt=0.0)
+    """Wall-clock bound of one reset or step of the environment; past it the episode fails (counted)."""
+    baseline: Literal["group", "ema"] | None = None
+    """Advantage baseline per role: 'group' (GRPO over the episodes of one task row) or 'ema' (an
+    exponential moving average of the role's rewards: for zero-sum self-play, where a group mean is
+    about 0); None: 'group' with one role, 'ema' with several."""
+    ema_decay: float = Field(0.9, ge=0.0, lt=1.0)
+    """Weight of the old value in the per-role EMA baseline."""
+    train_rows: int = Field(2048, ge=1)
+    """Task rows a built-in environment generates for training."""
+    eval_rows: int = Field(200, ge=1)
+    """Held-out rows of a built-in environment (another seed); one episode each per evaluation."""
+    max_consecutive_errors: int = Field(64, ge=1)
+    """Episode groups in a row failed by the environment (raised or timed out) before the run stops."""
+
+
 class CheckpointConfig(_Section):
     every_steps: int | None = Field(50, ge=1)
     """Write a checkpoint every this many trainer steps (and at the end); None: only the final weights."""
@@ -439,6 +473,8 @@ class Config(_Section):
     unless their own environment variables say otherwise (docs/observability.md)."""
     scoring: ScoringConfig = ScoringConfig()
     distill: DistillConfig = DistillConfig()
+    env: EnvConfig | None = None
+    """An environment: episodes instead of single-turn prompts (None: single-turn prompts of the task)."""
 
     @property
     def engine_settings(self) -> EngineConfig:
@@ -462,7 +498,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
         """Rules across sections; each message names the fields to change."""
-        if self.buffer.depth is not None and self.buffer.max_lag < self.buffer.depth and self.buffer.reject == "group":
+        if self.buffer.depth is not None and self.buffer.max_lag < self.buffer.depth and self.buffer.reject in ("group", "episode"):
             raise ValueError(
                 f"buffer.max_lag ({self.buffer.max_lag}) < buffer.depth ({self.buffer.depth}): "
                 "most groups would be generated only to be dropped; raise max_lag or lower depth"

@@ -75,6 +75,10 @@ def variants(field: FieldInfo) -> Variants | None:
 
 
 def _section(annotation: Any) -> type[BaseModel] | None:
+    """The section model of a field, also when the section is optional (`Section | None`)."""
+    members = get_args(annotation)
+    if len(members) == 2 and type(None) in members:
+        annotation = next(m for m in members if m is not type(None))
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 

@@ -14,8 +14,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from nonstop import roles, runtime
+    from nonstop.engine.aio import AsyncEngine
     from nonstop.engine.core import Engine, TorchEngine
     from nonstop.engine.runner import KVRunner, Runner
+    from nonstop.envs.base import Environment, MultiAgentEnvironment, SingleAgent
+    from nonstop.envs.calculator import Calculator
+    from nonstop.envs.http import ClientEngine
+    from nonstop.envs.guess import GuessNumber
+    from nonstop.envs.nim import Nim, NimVsScripted
     from nonstop.lora import MergedAdapters
     from nonstop.orchestrator.dispatch import EnginePool, RankGroup
     from nonstop.scoring.base import ScoreComponent, Scorer
@@ -24,6 +30,7 @@ if TYPE_CHECKING:
     from nonstop.engine.vllm_engine import VllmEngineWorker
     from nonstop.engine.worker import EngineWorker
     from nonstop.runtime.clients import EngineActor, EngineService, TrainerActor
+    from nonstop.orchestrator.episodes import TurnEngine
     from nonstop.runtime.local import LocalActor, LocalBackend
     from nonstop.runtime.ray import RayActor, RayBackend
     from nonstop.runtime.restart import RestartingEngine
@@ -59,3 +66,8 @@ if TYPE_CHECKING:
     components: list[type[ScoreComponent]] = [FunctionComponent]
     reward_runners: list[type[RewardRunner]] = [LoopRunner, ThreadRunner, ProcessRunner]
     clients: list[type[GenerationClient]] = [InProcessClient, HttpClient]
+
+    # Environments (one agent; several roles) and the engines an episode runs its turns on.
+    environments: list[type[Environment]] = [GuessNumber, Calculator, NimVsScripted]
+    multi_agent: list[type[MultiAgentEnvironment]] = [SingleAgent, Nim]
+    turn_engines: list[type[TurnEngine]] = [EnginePool, RestartingEngine, EngineActor, AsyncEngine, ClientEngine]

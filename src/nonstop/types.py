@@ -202,6 +202,13 @@ class Sample:
     """Per completion token, log pi_teacher(a_t) of the distillation teacher at the sampling temperature."""
     teacher: str | None = None
     """Identity and version of the teacher that scored `teacher_logprobs` ('path@version')."""
+    advantage: float | None = None
+    """Set by the producer when it computes advantages itself (episodes: per-role baselines); the
+    trainer then uses it as is instead of the group-relative advantage of the rewards."""
+    role: str = ""
+    """Which role of a multi-agent episode wrote the model tokens of this sample ('' single-turn)."""
+    episode: int = 0
+    """Index of the episode within its group: the samples of one episode (one per role) share it."""
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -209,7 +216,9 @@ class Sample:
 
     @property
     def min_version(self) -> int:
-        return min(self.versions) if self.versions else -1
+        """Version of the oldest model token; environment tokens (loss mask False) carry no version."""
+        model = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(model) if model else -1
 
 
 @dataclass(slots=True)
@@ -227,7 +236,7 @@ class Group:
     @property
     def min_version(self) -> int:
         """Version of the oldest token in the group (drives the max-lag rule)."""
-        versions = [s.min_version for s in self.samples if s.versions]
+        versions = [v for v in (s.min_version for s in self.samples) if v >= 0]
         return min(versions) if versions else -1
 
     @property

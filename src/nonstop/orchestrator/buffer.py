@@ -23,6 +23,8 @@ its admission is refunded and the next prompts fill it.
 
 `take()` returns the next `groups_per_step` groups (slots) whose oldest token is at most `max_lag`
 versions behind the trainer; every group dropped on the way is counted by reason in `drops`.
+With `episodes=True` (buffer.reject 'episode') only the lagging episodes of such a group are
+removed (counted as `max_lag_episode`, by episode); a group left with none is dropped whole.
 With `max_lag=None` the buffer rejects nothing (rejection per sample or token is then the
 trainer's, which masks and counts). Every drop is also settled in the prompt ledger when one is
 given, and recorded in the span log when one is given. Nothing is dropped silently.
@@ -45,9 +47,11 @@ _EMPTY_SLOT = object()  # a group without learning signal, holding its place in 
 
 class RolloutBuffer:
     def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int,
-                 ledger: Ledger | None = None, refill: bool = True, spans: SpanLog | None = None) -> None:
+                 ledger: Ledger | None = None, refill: bool = True, spans: SpanLog | None = None,
+                 episodes: bool = False) -> None:
         self.groups_per_step = groups_per_step
         self.spans = spans if spans is not None else SpanLog(None)
+        self.episodes = episodes
         self.ledger = ledger
         self.refill = refill
         self.depth = depth
@@ -114,11 +118,27 @@ class RolloutBuffer:
                 continue
             assert isinstance(group, Group)
             if self.max_lag is not None and self.policy_version - group.min_version > self.max_lag:
-                slots -= 1
-                await self.drop(group, "max_lag")
-                continue
+                if not (self.episodes and self._drop_stale_episodes(group)):
+                    slots -= 1
+                    await self.drop(group, "max_lag")
+                    continue
             batch.append(group)
         return batch
+
+    def _drop_stale_episodes(self, group: Group) -> bool:
+        """reject 'episode': remove the episodes whose oldest model token lags past max_lag (all
+        their roles' samples), counted in `drops['max_lag_episode']` and in the ledger; False when
+        no episode is left (the caller drops the group)."""
+        assert self.max_lag is not None
+        stale = {s.episode for s in group.samples if s.min_version >= 0 and self.policy_version - s.min_version > self.max_lag}
+        kept = [s for s in group.samples if s.episode not in stale]
+        if not kept:
+            return False
+        group.samples = kept
+        self.drops["max_lag_episode"] += len(stale)
+        if self.ledger is not None:
+            self.ledger.drop_episodes(len(stale), "max_lag")
+        return True
 
     async def step_done(self, policy_version: int) -> None:
         """The trainer finished a step and published `policy_version`."""

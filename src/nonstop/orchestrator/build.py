@@ -26,6 +26,8 @@ from nonstop.engine.worker import EngineWorker
 from nonstop.metrics import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.dispatch import EnginePool, RankGroup
+from nonstop.orchestrator.episode_flow import EnvRun
+from nonstop.orchestrator.episodes import evaluate_episodes
 from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.orchestrator.score import RewardFn
@@ -40,7 +42,7 @@ from nonstop.scoring.base import Scorer
 from nonstop.scoring.build import build_scorer
 from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 from nonstop.trainer.worker import TrainerWorker
-from nonstop.types import TransportHandle
+from nonstop.types import SamplingParams, TransportHandle
 
 
 @dataclass
@@ -76,8 +78,15 @@ class Run:
     state: RunState
     spans: SpanLog = field(default_factory=lambda: SpanLog(None))  # the orchestrator's span file
     transport: TransportHandle | None = None
+    envs: EnvRun | None = None  # an environment run (cfg.env): episodes instead of single-turn groups
 
     async def eval(self) -> float:
+        """Greedy exact-match accuracy; in an environment run, the success rate of sampled episodes."""
+        if self.envs is not None:
+            r = self.cfg.rollout
+            params = SamplingParams(self.envs.limits.turn_max_tokens, r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p)
+            return await evaluate_episodes(self.engine, self.envs.make_eval_env, self.data.eval, self.codec,
+                                           self.envs.limits, params)
         return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens)
 
 
@@ -145,7 +154,8 @@ def screen(cfg: Config, data: TaskData, codec: Codec, model_weights: Path, progr
     """Skip prompts too long for the model's context with room for the completion."""
     from nonstop.hf import max_positions
 
-    limit = cfg.task.max_prompt_tokens or max_positions(model_weights) - cfg.rollout.max_new_tokens
+    new_tokens = cfg.env.max_episode_tokens if cfg.env is not None else cfg.rollout.max_new_tokens
+    limit = cfg.task.max_prompt_tokens or max_positions(model_weights) - new_tokens
     long_prompts = screen_prompts(data, codec.encode, limit, cfg.task.on_bad_row)
     for problem in long_prompts[:10]:
         progress.log(f"[yellow]dataset:[/] {problem}; skipped")
@@ -190,8 +200,10 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     ledger = Ledger()
     spans = SpanLog(_span_file(cfg, run_dir, "orchestrator"))
     buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
-                           cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.buffer.max_queued_groups,
-                           ledger, refill=cfg.rollout.refill, spans=spans)
+                           cfg.buffer.max_lag if cfg.buffer.reject in ("group", "episode") else None,
+                           cfg.buffer.max_queued_groups, ledger, refill=cfg.rollout.refill, spans=spans,
+                           episodes=cfg.buffer.reject == "episode")
     return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer, scorer, RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
-               open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans, handle)
+               open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans, handle,
+               EnvRun.build(cfg.env) if cfg.env is not None else None)

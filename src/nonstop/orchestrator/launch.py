@@ -92,6 +92,10 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     else:
         run_dir = resume_dir
         (run_dir / FAILED).unlink(missing_ok=True)
+    if data is None and cfg.env is not None:
+        from nonstop.envs.registry import builtin_task
+
+        data = builtin_task(cfg.env)
     if data is None:
         data = load_task(cfg.task)
     try:
@@ -118,7 +122,12 @@ def _run(cfg: Config, console: Console, run_dir: Path, resume_dir: Path | None, 
         progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
         ckpt = None
         if resume_dir is None:
-            base = prepare_base_model(cfg, data, progress.log)
+            if cfg.env is not None and cfg.model.path is None:
+                from nonstop.envs.warmup import env_base
+
+                base = env_base(cfg, progress.log)
+            else:
+                base = prepare_base_model(cfg, data, progress.log)
         else:
             ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
             base = Path(ckpt.state["base_model"])

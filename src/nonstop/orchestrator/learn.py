@@ -47,6 +47,8 @@ async def learn(run: Run) -> StepRecord | None:
         outcome = "skipped_step" if result.metrics["skipped"] else "trained"
         for g in groups:
             run.ledger.settle(g.epoch, g.prompt_index, outcome)
+        if run.envs is not None:
+            run.envs.stats.trained(groups, run.buffer.policy_version)  # lag against the version trained on
         await run.buffer.step_done(published.policy_version)
         out_of_time = cfg.run.max_time_s is not None and state.clock.wall() >= cfg.run.max_time_s
         record = step_record(run, step, groups, result, published)
@@ -124,4 +126,5 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
         engine_restarts=sum(len(e.faults.restarts) for e in run.engines),
         prompts_requeued=run.ledger.requeued + sum(e.faults.requeued for e in run.engines),
         engine_versions=list(run.engine.versions), scoring=run.scorer.metrics(),
+        episodes=run.envs.report() if run.envs is not None else None,
     )

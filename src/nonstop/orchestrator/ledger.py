@@ -2,7 +2,9 @@
 
 Invariant: each (epoch, prompt index) is drawn once and settled once. A draw is in flight until
 it is settled with an outcome: `trained`, or the reason it was dropped (`uniform_reward`,
-`reward_error`, `max_lag`, `skipped_step`). Prompts held by a crashed engine stay in flight
+`reward_error`, `max_lag`, `skipped_step`; in environment runs also `env_error`,
+`no_model_tokens`). Episodes removed from a group that still trains (buffer.reject 'episode')
+are counted in `episodes_dropped`. Prompts held by a crashed engine stay in flight
 and are generated again; prompts in flight at a checkpoint are re-queued on resume. A second
 draw or a second settlement of the same prompt is counted as a duplicate, never hidden, and a
 settlement of a prompt that was never drawn is counted as unknown; the fault tests assert both
@@ -26,6 +28,11 @@ class Ledger:
         self.duplicated_settlements = 0
         self.unknown_settlements = 0
         self.requeued = 0
+        self.episodes_dropped: Counter[str] = Counter()  # episodes removed from groups that still trained
+
+    def drop_episodes(self, n: int, reason: str) -> None:
+        """Some episodes of a group were dropped (buffer.reject 'episode'); the group settles as usual."""
+        self.episodes_dropped[reason] += n
 
     def draw(self, draw: Draw) -> None:
         key = (draw.epoch, draw.example.index)
@@ -63,6 +70,7 @@ class Ledger:
             "outcomes": dict(Counter(self.outcomes.values())),
             "duplicated": self.duplicated_draws + self.duplicated_settlements,
             "unknown": self.unknown_settlements, "requeued": self.requeued,
+            "episodes_dropped": dict(self.episodes_dropped),
         }
 
     def state_dict(self) -> dict:
@@ -71,6 +79,7 @@ class Ledger:
             "in_flight": [[d.epoch, d.example.index] for d in self.in_flight.values()],
             "duplicated_draws": self.duplicated_draws, "duplicated_settlements": self.duplicated_settlements,
             "unknown_settlements": self.unknown_settlements, "requeued": self.requeued,
+            "episodes_dropped": dict(self.episodes_dropped),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -81,3 +90,4 @@ class Ledger:
         self.duplicated_settlements = state["duplicated_settlements"]
         self.unknown_settlements = state["unknown_settlements"]
         self.requeued = state["requeued"]
+        self.episodes_dropped = Counter(state.get("episodes_dropped", {}))  # absent in checkpoints of older runs

@@ -29,6 +29,7 @@ from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.metrics import Clock
 from nonstop.orchestrator.build import Run, build_run
+from nonstop.orchestrator.episode_flow import produce_episodes
 from nonstop.orchestrator.generate import produce
 from nonstop.orchestrator.learn import learn
 from nonstop.orchestrator.records import RunSummary, StepRecord
@@ -58,10 +59,15 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         await begin(run, resume)
         for e in run.engines:
             supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
-        supervisor.spawn(produce(run.engine, run.buffer, run.stream, run.scorer, run.codec, cfg.rollout,
-                                 run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures, run.ledger,
-                                 run.spans),
-                         name="producer")
+        if run.envs is None:
+            supervisor.spawn(produce(run.engine, run.buffer, run.stream, run.scorer, run.codec, cfg.rollout,
+                                     run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures,
+                                     run.ledger, run.spans), name="producer")
+        else:
+            env = run.envs
+            supervisor.spawn(produce_episodes(run.engine, env.make_env, run.buffer, run.stream, run.codec, cfg.rollout,
+                                              env.cfg, env.limits, env.baselines, run.state.clock, run.stats,
+                                              env.stats, run.ledger), name="episode-producer")
         last = await supervisor.run(learn(run))
         if run.state.stop.is_set():
             raise interrupted(run, last)
@@ -147,5 +153,6 @@ async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: 
         engine_faults=RestartStats([r for e in run.engines for r in e.faults.restarts],
                                    sum(e.faults.requeued for e in run.engines)).summary(),
         resumed_from=str(resume.path) if resume is not None else None,
+        episodes=run.envs.report() if run.envs is not None else None,
         last_checkpoint=run.state.last_checkpoint, run_dir=str(run.run_dir),
     )

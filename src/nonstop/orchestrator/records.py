@@ -40,6 +40,7 @@ class StepRecord:
     engine_versions: list[int]  # newest policy_version seen in each engine's tokens
     eval_accuracy: float | None = None  # held-out accuracy, on the steps that evaluate
     scoring: dict[str, Any] = field(default_factory=dict)  # the scoring stage's metrics of this step (latency, queue)
+    episodes: dict[str, Any] | None = None  # environment runs: EpisodeStats.report() (episode_flow.py)
 
     @property
     def lag_hist(self) -> dict[str, int]:
@@ -55,8 +56,9 @@ class StepRecord:
         trainer = d.pop("trainer")
         scoring = d.pop("scoring")
         head = {k: d.pop(k) for k in ("step", "policy_version", "time_s", "reward_mean", "prompts")}
-        if d["eval_accuracy"] is None:
-            del d["eval_accuracy"]
+        for optional in ("eval_accuracy", "episodes"):
+            if d[optional] is None:
+                del d[optional]
         return {**head, **trainer, **scoring, **d}
 
     def final_eval(self) -> dict[str, Any]:
@@ -91,6 +93,7 @@ class RunSummary:
     wall_s: float = 0.0
     warmup_s: float = 0.0
     dataset_rows_skipped: int = 0
+    episodes: dict[str, Any] | None = None  # environment runs: the episode counters at the end
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

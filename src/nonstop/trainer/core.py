@@ -151,10 +151,7 @@ class Trainer:
         inputs (trainer/forward.py); otherwise prompt + completion right-padded (B, L) with the
         positions that predict each completion token."""
         samples = [s for g in groups for s in g.samples]
-        widths = {len(g.samples) for g in groups}
-        if len(widths) != 1:
-            raise ValueError(f"groups of different sizes in one batch: {sorted(widths)}")
-        rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)  # (G, n)
+        advantages = self._advantages(groups)  # (B,)
         clen = torch.tensor([len(s.completion_ids) for s in samples])  # (B,)
         B, T = len(samples), int(clen.max())
         in_completion = torch.arange(T)[None, :] < clen[:, None]  # (B, T); row-major order = concatenation order
@@ -170,7 +167,7 @@ class Trainer:
             behaviour=per_token([x for s in samples for x in s.logprobs], torch.float32),
             mask=per_token([x for s in samples for x in s.loss_mask], torch.bool),
             versions=per_token([x for s in samples for x in s.versions], torch.long),
-            advantages=group_advantages(rewards, self.cfg.advantage_mode, self.cfg.group_std).reshape(-1),  # (B,)
+            advantages=advantages,
             truncated=torch.tensor([s.finish_reason == "length" for s in samples]),
             keep=None,
             group_of=torch.tensor([i for i, g in enumerate(groups) for _ in g.samples]),
@@ -212,6 +209,19 @@ class Trainer:
                     keep[b, t, kept] = True
             batch["keep"] = keep
         return batch
+
+    def _advantages(self, groups: list[Group]) -> torch.Tensor:
+        """(B,) advantages: the producer's own when every sample carries one (episodes with per-role
+        baselines, groups of any size), else group-relative from the rewards of equal-size groups."""
+        samples = [s for g in groups for s in g.samples]
+        given = [s.advantage for s in samples]
+        if all(a is not None for a in given):
+            return torch.tensor(given, dtype=torch.float32)
+        widths = {len(g.samples) for g in groups}
+        if len(widths) != 1:
+            raise ValueError(f"groups of different sizes in one batch: {sorted(widths)}")
+        rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)  # (G, n)
+        return group_advantages(rewards, self.cfg.advantage_mode, self.cfg.group_std).reshape(-1)
 
     def logprobs(self, batch: Batch, model: CausalLM | None = None, with_entropy: bool = False):
         """Logprobs (B, T) of the completion tokens under `model` (default: the policy)."""

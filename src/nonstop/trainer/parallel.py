@@ -30,7 +30,6 @@ import torch.distributed as dist
 from nonstop.config import TrainerConfig
 from nonstop.hf import CausalLM
 from nonstop.trainer.core import Batch, Trainer
-from nonstop.trainer.losses import group_advantages
 from nonstop.transport.base import free_port
 from nonstop.types import Group
 
@@ -120,9 +119,10 @@ class ParallelTrainer(Trainer):
     def _batch(self, groups: list[Group]) -> Batch:
         lo, hi = shard_bounds(len(groups), self.rank, self.world)
         batch = super()._batch(groups[lo:hi])
-        rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)  # (G, n)
-        batch["advantages"] = group_advantages(rewards, self.cfg.advantage_mode, self.cfg.group_std)[lo:hi].reshape(-1)  # (B_r,)
-        self._samples = rewards.numel()
+        advantages = self._advantages(groups)  # (B,) over the whole batch: 'batch' mode normalises over it
+        start = sum(len(g.samples) for g in groups[:lo])
+        batch["advantages"] = advantages[start: start + sum(len(g.samples) for g in groups[lo:hi])]  # (B_r,)
+        self._samples = len(advantages)
         return batch
 
     def logprobs(self, batch, model=None, with_entropy: bool = False):

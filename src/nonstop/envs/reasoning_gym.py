@@ -1,0 +1,75 @@
+"""reasoning-gym as a task source: its procedural generators give the rows, its scorers the reward.
+
+`env.name: reasoning_gym/<dataset>` (any name of `reasoning_gym.factory.DATASETS`, e.g.
+`basic_arithmetic`, `chain_sum`, `letter_counting`) makes the train rows with
+`create_dataset(<dataset>, size=env.train_rows, seed=1)` and the held-out rows with seed 2:
+procedural, no downloads. Each episode asks the row's question; the model's turn is its answer,
+scored by the dataset's own `score_answer(answer, entry)` (the reward, in [0, 1]). With
+`env.max_turns` above 1, a wrong answer is answered 'Wrong, try again.' and the model answers
+again: a multi-turn episode whose reward is the best score.
+
+Optional extra: `pip install 'nonstop[reasoning-gym]'` (reasoning-gym 0.1.25 pulls no torch).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from nonstop.envs.base import Step, Tool
+from nonstop.tasks.data import Example
+
+PREFIX = "reasoning_gym/"
+RETRY = " Wrong, try again. "
+
+
+@functools.cache
+def _dataset(name: str, size: int, seed: int) -> Any:
+    try:
+        import reasoning_gym
+    except ImportError:
+        from nonstop.config import ConfigError
+
+        raise ConfigError(f"env.name: {PREFIX}{name} needs reasoning-gym: pip install 'nonstop[reasoning-gym]'") from None
+    if name not in reasoning_gym.factory.DATASETS:
+        from nonstop.config import ConfigError
+
+        raise ConfigError(f"env.name: reasoning-gym has no dataset {name!r}")
+    return reasoning_gym.create_dataset(name, size=size, seed=seed)
+
+
+class ReasoningGymTask:
+    """The rows of one reasoning-gym dataset and the entries behind them (for scoring)."""
+
+    def __init__(self, name: str, train_rows: int, eval_rows: int) -> None:
+        self.name = name
+        self.splits = [_dataset(name, train_rows, 1), _dataset(name, eval_rows, 2)]
+        self.entries: dict[str, tuple[Any, dict]] = {}
+        for ds in self.splits:
+            for entry in ds:
+                self.entries.setdefault(entry["question"], (ds, entry))
+
+    def rows(self, split: int) -> list[Example]:
+        return [Example(i, e["question"], str(e["answer"])) for i, e in enumerate(self.splits[split])]
+
+
+class ReasoningGymEnv:
+    tools: dict[str, Tool] = {}
+
+    def __init__(self, task: ReasoningGymTask) -> None:
+        self.task = task
+        self.best = 0.0
+        self.entry: tuple[Any, dict] | None = None
+
+    async def reset(self, row: Example) -> str:
+        self.entry, self.best = self.task.entries[row.prompt], 0.0
+        return row.prompt
+
+    async def step(self, action: str) -> Step:
+        assert self.entry is not None, "step before reset"
+        ds, entry = self.entry
+        score = float(ds.score_answer(action.strip(), entry))
+        gain, self.best = max(0.0, score - self.best), max(self.best, score)
+        if score >= 1.0:
+            return Step("", reward=gain, done=True, metadata={"success": True, "score": score})
+        return Step(RETRY, reward=gain, metadata={"success": False, "score": self.best})

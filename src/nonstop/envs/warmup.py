@@ -1,0 +1,97 @@
+"""The warm-up of a built-in environment: imitate a weak player, so RL has something to sharpen.
+
+The shipped tiny base knows addition, not these games. `env_base(cfg)` starts from it and
+trains it on transcripts of a weak player (envs/*.py `demo`: random guesses, a calculator used
+in half of the episodes, random Nim moves), with the loss on the player's tokens only and an EOS
+after each of its turns, as the engine writes turns. The result imitates that player: it plays
+the format and wins sometimes, by chance, which is the "weak, not blank" base RL needs. The
+base is cached under warmup.cache_dir (keyed by the environment, its limits and the seed), so
+later runs load it in a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from nonstop.config import Config, ConfigError
+from nonstop.envs.registry import DEMOS, builtin_task
+from nonstop.hf import load_model, load_tokenizer, quiet_transformers
+from nonstop.tasks.base import shipped_dir
+from nonstop.tasks.warmup import save_atomically
+
+BATCH, LR = 64, 3e-3
+STEPS = {"guess_number": 150, "nim": 150, "calculator": 600}
+"""Optimizer steps per environment: the random players' transcripts are learnt (loss flat) by about
+100 steps; the calculator's copying of the tool result takes longer."""
+
+
+def transcripts(cfg: Config, tokenizer, count: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) of `count` demo episodes; labels are -100 except on the player's tokens + EOS."""
+    assert cfg.env is not None
+    demo = DEMOS[cfg.env.name]
+    data = builtin_task(cfg.env)
+    assert data is not None
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        ids: list[int] = []
+        labels: list[int] = []
+        for text, by_model in demo(rng.choice(data.train), rng, cfg.env.max_turns):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if by_model else [])
+            ids += piece
+            labels += piece if by_model else [-100] * len(piece)
+        out.append((ids, labels))
+    return out
+
+
+def _train(model, tokenizer, examples: list[tuple[list[int], list[int]]], seed: int, steps: int,
+           log: Callable[[str], None]) -> float:
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model.train()
+    loss = torch.tensor(0.0)
+    for step in range(1, steps + 1):
+        batch = rng.sample(examples, min(BATCH, len(examples)))
+        L = max(len(i) for i, _ in batch)
+        ids = torch.full((len(batch), L), tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(batch), L), -100, dtype=torch.long)
+        attn = torch.zeros((len(batch), L), dtype=torch.long)
+        for r, (i, lab) in enumerate(batch):
+            ids[r, : len(i)], labels[r, : len(i)], attn[r, : len(i)] = torch.tensor(i), torch.tensor(lab), 1
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 100 == 0:
+            log(f"env warm-up step {step}: loss {loss.item():.3f}")
+    return float(loss.detach())
+
+
+def env_base(cfg: Config, log: Callable[[str], None] = print, steps: int | None = None) -> Path:
+    """The folder of the warmed-up base of a built-in environment (cached)."""
+    if cfg.env is None or cfg.env.name not in DEMOS:
+        raise ConfigError(f"env.name: the environment warm-up covers the built-ins {sorted(DEMOS)}; "
+                          "for another environment set model.path to your base policy")
+    steps = steps or STEPS[cfg.env.name]
+    shaping = {"env": cfg.env.name, "max_turns": cfg.env.max_turns, "seed": cfg.run.seed, "steps": steps, "format": 2}
+    key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+    folder = Path(cfg.warmup.cache_dir) / f"env-{cfg.env.name}-{key}"
+    if (folder / "nonstop_base.json").is_file():
+        log(f"base policy: cached environment warm-up at {folder}")
+        return folder
+    quiet_transformers()
+    start = shipped_dir()
+    model, tokenizer = load_model(str(start)), load_tokenizer(str(start))
+    t0 = time.perf_counter()
+    examples = transcripts(cfg, tokenizer, 4096, cfg.run.seed)
+    loss = _train(model, tokenizer, examples, cfg.run.seed, steps, log)
+    info = {**shaping, "loss": loss, "seconds": round(time.perf_counter() - t0, 1), "from": start.name}
+    log(f"env warm-up done in {info['seconds']} s (final loss {loss:.3f})")
+    return save_atomically(folder, model.eval(), tokenizer, {"nonstop_base.json": info})

@@ -1,0 +1,200 @@
+"""The producer of an environment run: groups of episodes into the buffer, with per-role advantages.
+
+`produce_episodes(...)` is `generate.produce` for environments: it waits for admission, draws
+task rows (each draw recorded in the ledger), plays `rollout.group_size` episodes of each row
+concurrently on the engines (orchestrator/episodes.py) and hands the row's group to the buffer.
+A group holds one `Sample` per episode and role with model tokens, tagged with its episode index
+and role, and carries its advantages (the trainer uses them as they are):
+
+- baseline 'group' (one role, GRPO): per role, (r - mean) / (std + eps) over the group's
+  episodes; a group whose rewards are all equal has no signal and is dropped ('uniform_reward')
+  when rollout.filter_uniform_reward is set, like a single-turn group;
+- baseline 'ema' (self-play, zero-sum): per role, r - b_role, where b_role is an exponential
+  moving average of that role's rewards (starting at the first group's mean), updated after
+  each group. A group mean is about 0 in a zero-sum game; a per-role baseline keeps the first
+  mover's advantage out of the gradient.
+
+An episode the environment failed (raised, timed out) fails its group: the group is dropped
+('env_error'), settled in the ledger, its errors counted by kind in `EpisodeStats.errors`, and
+the run goes on; `env.max_consecutive_errors` failed groups in a row end it (NoLearningSignal).
+`EpisodeStats` also keeps per-role metrics (reward mean, win rate), the episodes that spanned
+several policy versions, and, per trained step, the lag of each episode (trainer version minus
+its oldest model token's version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from nonstop.config import EnvConfig, RolloutConfig
+from nonstop.envs.base import EnvLimits
+from nonstop.metrics import Clock
+from nonstop.orchestrator.buffer import RolloutBuffer
+from nonstop.orchestrator.episodes import EnvFactory, EpisodeResult, TurnEngine, run_episodes
+from nonstop.orchestrator.generate import Codec, NoLearningSignal, RolloutStats, _BusyClock
+from nonstop.orchestrator.ledger import Ledger
+from nonstop.tasks.data import Draw, PromptStream
+from nonstop.types import Group, Sample, SamplingParams
+
+EPS = 1e-6
+
+
+class RoleBaselines:
+    """Advantages of a group's samples, per role, by the 'group' or 'ema' baseline."""
+
+    def __init__(self, mode: str, decay: float) -> None:
+        self.mode, self.decay = mode, decay
+        self.ema: dict[str, float] = {}
+
+    def assign(self, samples: list[Sample]) -> bool:
+        """Set `advantage` on every sample; False when no sample has any signal (all zero)."""
+        by_role: dict[str, list[Sample]] = {}
+        for s in samples:
+            by_role.setdefault(s.role, []).append(s)
+        for role, group in by_role.items():
+            rewards = [s.reward for s in group]
+            mean = sum(rewards) / len(rewards)
+            if self.mode == "ema":
+                base = self.ema.get(role, mean)
+                for s in group:
+                    s.advantage = s.reward - base
+                self.ema[role] = self.decay * base + (1.0 - self.decay) * mean
+            else:
+                sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+                for s in group:
+                    s.advantage = (s.reward - mean) / (sd + EPS)
+        return any(abs(s.advantage or 0.0) > EPS for s in samples)
+
+
+@dataclass
+class EpisodeStats:
+    """Counters of an environment run; `report()` goes into every step record."""
+
+    episodes: int = 0
+    successes: int = 0
+    truncated: int = 0
+    turns: int = 0
+    multi_version: int = 0  # episodes whose model tokens came from more than one policy_version
+    errors: Counter[str] = field(default_factory=Counter)
+    errors_in_row: int = 0
+    role_rewards: dict[str, list[float]] = field(default_factory=dict)  # since the last report
+    episode_lag: Counter[int] = field(default_factory=Counter)  # lag of each trained episode, so far
+
+    def add(self, results: list[EpisodeResult]) -> None:
+        for e in results:
+            self.episodes += 1
+            self.successes += e.success
+            self.truncated += e.truncated
+            self.turns += e.turns
+            self.multi_version += len(e.versions) > 1
+            for s in e.samples:
+                self.role_rewards.setdefault(s.role, []).append(s.reward)
+
+    def trained(self, groups: list[Group], policy_version: int) -> None:
+        """Record the lag of each episode of a batch trained at `policy_version`."""
+        for g in groups:
+            oldest: dict[int, int] = {}
+            for s in g.samples:
+                if s.min_version >= 0:
+                    oldest[s.episode] = min(oldest.get(s.episode, s.min_version), s.min_version)
+            self.episode_lag.update(policy_version - v for v in oldest.values())
+
+    def report(self, baselines: RoleBaselines | None = None) -> dict:
+        roles = {role: {"reward_mean": sum(r) / len(r), "win_rate": sum(x > 0 for x in r) / len(r), "n": len(r)}
+                 for role, r in self.role_rewards.items() if r}
+        for role, b in (baselines.ema.items() if baselines else ()):
+            roles.setdefault(role, {})["baseline"] = b
+        self.role_rewards = {}
+        n = max(self.episodes, 1)
+        return {"episodes": self.episodes, "success_rate": self.successes / n, "truncated": self.truncated,
+                "turns_mean": self.turns / n, "multi_version": self.multi_version, "errors": dict(self.errors),
+                "roles": roles, "episode_lag_hist": {str(k): v for k, v in sorted(self.episode_lag.items())}}
+
+
+def baseline_mode(cfg: EnvConfig, roles: int) -> str:
+    return cfg.baseline or ("ema" if roles > 1 else "group")
+
+
+@dataclass
+class EnvRun:
+    """The environment side of a run: what to play in training and in evaluation, and its counters."""
+
+    cfg: EnvConfig
+    make_env: EnvFactory
+    make_eval_env: EnvFactory
+    limits: EnvLimits
+    baselines: RoleBaselines
+    stats: EpisodeStats
+
+    @classmethod
+    def build(cls, cfg: EnvConfig) -> EnvRun:
+        from nonstop.envs.registry import env_factory, eval_name, limits
+
+        make_env = env_factory(cfg.name, "env.name", cfg)
+        return cls(cfg, make_env, env_factory(eval_name(cfg), "env.eval_name", cfg), limits(cfg),
+                   RoleBaselines(baseline_mode(cfg, len(make_env().roles)), cfg.ema_decay), EpisodeStats())
+
+    def report(self) -> dict:
+        return self.stats.report(self.baselines)
+
+
+async def produce_episodes(
+    engine: TurnEngine, make_env: EnvFactory, buffer: RolloutBuffer, stream: PromptStream, codec: Codec,
+    rollout: RolloutConfig, env_cfg: EnvConfig, limits: EnvLimits, baselines: RoleBaselines,
+    clock: Clock, stats: RolloutStats, episode_stats: EpisodeStats, ledger: Ledger,
+) -> None:
+    """Each admitted row becomes `group_size` concurrent episodes; its group goes to the buffer as
+    soon as they all end, while the engines keep decoding the turns of other episodes."""
+    params = SamplingParams(limits.turn_max_tokens, rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
+                            min_p=rollout.min_p)
+    busy = _BusyClock(clock)
+
+    async def one_group(draw: Draw) -> None:
+        ex = draw.example
+        busy.enter()
+        try:
+            results, errors = await run_episodes(engine, make_env, [ex] * rollout.group_size, codec, limits, params)
+        finally:
+            busy.leave()
+        stats.samples += len(results)
+        episode_stats.add(results)
+        group = Group(ex.index, ex.prompt, ex.answer, [s for e in results for s in e.samples if any(s.loss_mask)],
+                      epoch=draw.epoch)
+        if errors:
+            episode_stats.errors.update(errors)
+            episode_stats.errors_in_row += 1
+            await buffer.drop(group, "env_error")
+            if episode_stats.errors_in_row >= env_cfg.max_consecutive_errors:
+                raise NoLearningSignal(f"the environment failed {episode_stats.errors_in_row} episode groups in a row "
+                                       f"(env.max_consecutive_errors); errors so far: {dict(episode_stats.errors)}")
+            return
+        episode_stats.errors_in_row = 0
+        if not group.samples:  # every episode ended before any model turn: nothing to train
+            await buffer.drop(group, "no_model_tokens")
+            return
+        has_signal = baselines.assign(group.samples)
+        if not has_signal and rollout.filter_uniform_reward:
+            await buffer.drop(group, "uniform_reward")
+            return
+        stats.groups_delivered += 1
+        await buffer.put(group)
+
+    try:
+        async with asyncio.TaskGroup() as groups:
+            while True:
+                k = await buffer.admit(rollout.prompts_per_step)
+                draws = [d for d in (stream.next() for _ in range(k)) if d is not None]
+                if len(draws) < k:
+                    await buffer.refund(k - len(draws))
+                if not draws:
+                    break
+                for d in draws:
+                    ledger.draw(d)
+                    stats.prompts += 1
+                    groups.create_task(one_group(d), name=f"episodes-{d.example.index}")
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    await buffer.close()
