@@ -109,12 +109,14 @@ async def produce(
         finally:
             busy.leave()
         t_gen1 = now()
-        await deliver(ex, draw.epoch, results[0])
-        if log.enabled:
-            versions = [v for s in results[0] for v in (s.versions[:1] + s.versions[-1:])]
-            log.emit("group", id=[draw.epoch, ex.index], t_admit=round(t_admit, 6), t_gen0=round(t_gen0, 6),
-                     t_gen1=round(t_gen1, 6), t_done=round(now(), 6), lens=[len(s.completion_ids) for s in results[0]],
-                     v=[min(versions), max(versions)] if versions else [])
+        try:
+            await deliver(ex, draw.epoch, results[0])
+        finally:  # also when the run ends while the group waits for scoring or buffer space: its samples count
+            if log.enabled:
+                versions = [v for s in results[0] for v in (s.versions[:1] + s.versions[-1:])]
+                log.emit("group", id=[draw.epoch, ex.index], t_admit=round(t_admit, 6), t_gen0=round(t_gen0, 6),
+                         t_gen1=round(t_gen1, 6), t_done=round(now(), 6),
+                         lens=[len(s.completion_ids) for s in results[0]], v=[min(versions), max(versions)] if versions else [])
 
     async def deliver(ex: Example, epoch: int, samples: list[Sample]) -> None:
         stats.samples += len(samples)
