@@ -9,10 +9,9 @@ import pytest
 from nonstop.config import load_config
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
-from nonstop.envs.registry import builtin_task
+from nonstop.envs.registry import builtin_task, env_factory
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.orchestrator.episode_flow import EnvRun
-from nonstop.orchestrator.episodes import run_episodes
 from nonstop.orchestrator.generate import Codec
 from nonstop.types import SamplingParams
 
@@ -26,7 +25,7 @@ def test_reasoning_gym_rows_and_rewards_are_the_generator_and_its_scorer(tiny_di
     run = EnvRun.build(cfg)
 
     async def scripted():  # the right answer ends the episode with reward 1; a wrong one is retried
-        env = run.make_env()
+        env = env_factory(cfg.name, "env.name", cfg)()
         await env.reset(data.train[0])
         wrong = await env.step("agent", "nonsense")
         right = await env.step("agent", data.train[0].answer)
@@ -39,7 +38,7 @@ def test_reasoning_gym_rows_and_rewards_are_the_generator_and_its_scorer(tiny_di
     tok = load_tokenizer(str(tiny_dir))
     engine = AsyncEngine(TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id))
     codec = Codec(tok)
-    done, errors = asyncio.run(run_episodes(engine, run.make_env, data.eval, codec, run.limits, SamplingParams(4, 1.0)))
+    done, errors = asyncio.run(run.play(engine, data.eval, codec, run.limits, SamplingParams(4, 1.0)))
     assert not errors and len(done) == 8
     evals = {e["question"]: e for e in reasoning_gym.create_dataset("basic_arithmetic", size=8, seed=2)}
     ds = reasoning_gym.create_dataset("basic_arithmetic", size=8, seed=2)

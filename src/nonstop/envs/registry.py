@@ -10,6 +10,7 @@
 | `nim`           | self-play, 2 roles     | 'pile,side'                 | win rate vs `nim_vs_random` |
 | `nim_vs_random` | the policy vs a random mover | 'pile,side'           | win rate                |
 | `reasoning_gym/<dataset>` | a reasoning-gym generator (optional extra) | question, answer | score 1 |
+| `verifiers/<module:factory>` | a verifiers.v1 Taskset, played through verifiers' train client (optional extra; envs/verifiers_env.py) | the task's prompt, its position | reward >= 1 |
 
 `builtin_task(cfg)` generates a built-in's train rows (seed 1) and held-out rows (seed 2);
 a custom environment reads its rows from the task section like single-turn prompts do.
@@ -28,6 +29,8 @@ from nonstop.envs import calculator, guess, nim, reasoning_gym
 from nonstop.envs.base import EnvLimits, MultiAgentEnvironment, SingleAgent
 from nonstop.tasks.data import DatasetReport, Example, TaskData
 
+VERIFIERS = "verifiers/"
+
 Demo = Callable[[Example, random.Random, int], list[tuple[str, bool]]]
 
 _BUILTIN: dict[str, Callable[[], object]] = {
@@ -44,6 +47,9 @@ DEMOS: dict[str, Demo] = {"guess_number": guess.demo, "calculator": calculator.d
 def _resolve(name: str, field: str, cfg: EnvConfig | None = None) -> Callable[[], object]:
     if name in _BUILTIN:
         return _BUILTIN[name]
+    if name.startswith(VERIFIERS):
+        raise ConfigError(f"{field}: {name!r}: a verifiers taskset is played as a whole run's env.name, "
+                          "not as an environment of another run (e.g. env.eval_name)")
     if name.startswith(reasoning_gym.PREFIX):
         task = _reasoning_gym_task(name, cfg)
         return lambda: reasoning_gym.ReasoningGymEnv(task)
@@ -87,7 +93,11 @@ def eval_name(cfg: EnvConfig) -> str:
 
 
 def builtin_task(cfg: EnvConfig) -> TaskData | None:
-    """Train and held-out rows of a built-in environment; None for a custom one."""
+    """Train and held-out rows of a built-in environment or a task source; None for a custom one."""
+    if cfg.name.startswith(VERIFIERS):
+        from nonstop.envs.verifiers_env import task_data
+
+        return task_data(cfg)
     if cfg.name.startswith(reasoning_gym.PREFIX):
         task = _reasoning_gym_task(cfg.name, cfg)
         return TaskData(task.rows(0), task.rows(1), DatasetReport(rows_read=cfg.train_rows + cfg.eval_rows))

@@ -27,7 +27,6 @@ from nonstop.metrics import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.dispatch import EnginePool, RankGroup
 from nonstop.orchestrator.episode_flow import EnvRun
-from nonstop.orchestrator.episodes import evaluate_episodes
 from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.orchestrator.score import RewardFn
@@ -85,8 +84,7 @@ class Run:
         if self.envs is not None:
             r = self.cfg.rollout
             params = SamplingParams(self.envs.limits.turn_max_tokens, r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p)
-            return await evaluate_episodes(self.engine, self.envs.make_eval_env, self.data.eval, self.codec,
-                                           self.envs.limits, params)
+            return await self.envs.evaluate(self.engine, self.data.eval, self.codec, params)
         return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens)
 
 
@@ -206,4 +204,4 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer, scorer, RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
                open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans, handle,
-               EnvRun.build(cfg.env) if cfg.env is not None else None)
+               EnvRun.build(cfg.env, weights) if cfg.env is not None else None)

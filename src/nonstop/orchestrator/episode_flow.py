@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from nonstop.config import EnvConfig, RolloutConfig
 from nonstop.envs.base import EnvLimits
@@ -36,7 +38,7 @@ from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.episodes import EnvFactory, EpisodeResult, TurnEngine, run_episodes
 from nonstop.orchestrator.generate import Codec, NoLearningSignal, RolloutStats, _BusyClock
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.tasks.data import Draw, PromptStream
+from nonstop.tasks.data import Draw, Example, PromptStream
 from nonstop.types import Group, Sample, SamplingParams
 
 EPS = 1e-6
@@ -118,31 +120,55 @@ def baseline_mode(cfg: EnvConfig, roles: int) -> str:
     return cfg.baseline or ("ema" if roles > 1 else "group")
 
 
+Player = Callable[[TurnEngine, list[Example], Codec, EnvLimits, SamplingParams],
+                  Awaitable[tuple[list[EpisodeResult], Counter[str]]]]
+"""Plays one episode per row on the engine: the finished ones, and the failed ones counted by kind."""
+
+
+def env_player(make_env: EnvFactory) -> Player:
+    """The player of a nonstop environment: `run_episodes` (orchestrator/episodes.py)."""
+    async def play(engine: TurnEngine, rows: list[Example], codec: Codec, limits: EnvLimits,
+                   params: SamplingParams) -> tuple[list[EpisodeResult], Counter[str]]:
+        return await run_episodes(engine, make_env, rows, codec, limits, params)
+    return play
+
+
 @dataclass
 class EnvRun:
     """The environment side of a run: what to play in training and in evaluation, and its counters."""
 
     cfg: EnvConfig
-    make_env: EnvFactory
-    make_eval_env: EnvFactory
+    play: Player
+    play_eval: Player
     limits: EnvLimits
     baselines: RoleBaselines
     stats: EpisodeStats
 
     @classmethod
-    def build(cls, cfg: EnvConfig) -> EnvRun:
-        from nonstop.envs.registry import env_factory, eval_name, limits
+    def build(cls, cfg: EnvConfig, base_model: Path | str | None = None) -> EnvRun:
+        """`base_model` (its tokenizer) renders the prompts of a verifiers taskset (env.name 'verifiers/...')."""
+        from nonstop.envs.registry import VERIFIERS, env_factory, eval_name, limits
 
+        if cfg.name.startswith(VERIFIERS):
+            from nonstop.envs.verifiers_env import player
+
+            play = player(cfg, None if base_model is None else str(base_model))
+            return cls(cfg, play, play, limits(cfg), RoleBaselines(baseline_mode(cfg, 1), cfg.ema_decay), EpisodeStats())
         make_env = env_factory(cfg.name, "env.name", cfg)
-        return cls(cfg, make_env, env_factory(eval_name(cfg), "env.eval_name", cfg), limits(cfg),
+        return cls(cfg, env_player(make_env), env_player(env_factory(eval_name(cfg), "env.eval_name", cfg)), limits(cfg),
                    RoleBaselines(baseline_mode(cfg, len(make_env().roles)), cfg.ema_decay), EpisodeStats())
 
     def report(self) -> dict:
         return self.stats.report(self.baselines)
 
+    async def evaluate(self, engine: TurnEngine, rows: list[Example], codec: Codec, params: SamplingParams) -> float:
+        """Success rate over one episode per held-out row (a failed episode counts as a failure)."""
+        done, _ = await self.play_eval(engine, rows, codec, self.limits, params)
+        return sum(e.success for e in done) / max(len(rows), 1)
+
 
 async def produce_episodes(
-    engine: TurnEngine, make_env: EnvFactory, buffer: RolloutBuffer, stream: PromptStream, codec: Codec,
+    engine: TurnEngine, play: Player, buffer: RolloutBuffer, stream: PromptStream, codec: Codec,
     rollout: RolloutConfig, env_cfg: EnvConfig, limits: EnvLimits, baselines: RoleBaselines,
     clock: Clock, stats: RolloutStats, episode_stats: EpisodeStats, ledger: Ledger,
 ) -> None:
@@ -156,7 +182,7 @@ async def produce_episodes(
         ex = draw.example
         busy.enter()
         try:
-            results, errors = await run_episodes(engine, make_env, [ex] * rollout.group_size, codec, limits, params)
+            results, errors = await play(engine, [ex] * rollout.group_size, codec, limits, params)
         finally:
             busy.leave()
         stats.samples += len(results)

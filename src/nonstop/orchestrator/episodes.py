@@ -192,10 +192,3 @@ async def run_episodes(engine: TurnEngine, make_env: EnvFactory, rows: list[Exam
         else:
             done.append(r)
     return done, errors
-
-
-async def evaluate_episodes(engine: TurnEngine, make_env: EnvFactory, rows: list[Example], codec: Codec,
-                            limits: EnvLimits, params: SamplingParams) -> float:
-    """Success rate over one episode per held-out row (a failed episode counts as a failure)."""
-    done, _ = await run_episodes(engine, make_env, rows, codec, limits, params)
-    return sum(e.success for e in done) / max(len(rows), 1)

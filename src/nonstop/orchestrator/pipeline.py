@@ -65,7 +65,7 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
                                      run.ledger, run.spans), name="producer")
         else:
             env = run.envs
-            supervisor.spawn(produce_episodes(run.engine, env.make_env, run.buffer, run.stream, run.codec, cfg.rollout,
+            supervisor.spawn(produce_episodes(run.engine, env.play, run.buffer, run.stream, run.codec, cfg.rollout,
                                               env.cfg, env.limits, env.baselines, run.state.clock, run.stats,
                                               env.stats, run.ledger), name="episode-producer")
         last = await supervisor.run(learn(run))

@@ -2,11 +2,12 @@
 
 Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions` (prompt as text or token ids),
 `POST /v1/chat/completions` (messages through the tokenizer's chat template, or a plain
-built-in one when the tokenizer has none); both stream as server-sent events with
+built-in one when the tokenizer has none), and vLLM's token-level `POST /inference/v1/generate`
+(serve/generate_route.py: what verifiers' train client calls); the first two stream as server-sent events with
 `"stream": true`. Every choice carries the `nonstop` extension (engine token ids, behaviour
 logprobs, policy versions, Keep Sampling Mask; serve/protocol.py).
 
-Contract: binds 127.0.0.1 unless told otherwise; with an API key, `/v1/*` needs
+Contract: binds 127.0.0.1 unless told otherwise; with an API key, `/v1/*` and `/inference/*` need
 `Authorization: Bearer <key>` (401 otherwise). Malformed or too deeply nested JSON or a bad
 field -> 400 naming it; a prompt over the engine's limits -> 400 naming the limit, decided from
 the text's length before tokenising when the text cannot fit, and tokenised off the event loop
@@ -34,6 +35,7 @@ from aiohttp import web
 
 from nonstop.engine.aio import AsyncEngine, TokenEvent
 from nonstop.engine.scheduler import RequestError
+from nonstop.serve import generate_route
 from nonstop.serve.protocol import BadRequest, Call, TextCutter, extension, parse_chat, parse_completion
 from nonstop.types import GenerationRequest, Sample
 
@@ -76,6 +78,7 @@ class EngineServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post(generate_route.PATH, self.generate)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -101,7 +104,7 @@ class EngineServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.api_key is not None and request.path.startswith("/v1/"):
+        if self.api_key is not None and request.path.startswith(("/v1/", "/inference/")):
             if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
                 return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
         try:
@@ -129,7 +132,9 @@ class EngineServer:
                                   "running": len(sched.rows), "waiting": len(sched.waiting)})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "nonstop"}]})
+        card = {"id": self.model_name, "object": "model", "owned_by": "nonstop",
+                "max_model_len": self.engine.engine.scheduler.max_seq_len}  # vLLM's extension, read by renderers
+        return web.json_response({"object": "list", "data": [card]})
 
     async def _body(self, request: web.Request) -> Any:
         try:
@@ -162,6 +167,14 @@ class EngineServer:
         ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else list(enc)
         return await self._serve(request, call, ids, chat=True)
 
+    async def generate(self, request: web.Request) -> web.Response:
+        """vLLM's token-level generate route (serve/generate_route.py), as verifiers' train client calls it."""
+        g = generate_route.parse_generate(await self._body(request), self.max_tokens_default)
+        self._check_model(g.call)
+        samples = await self.engine.submit(self._request(g.call, g.call.prompt_ids or []))
+        self.requests_served += 1
+        return web.json_response(generate_route.generate_response(g, samples))
+
     def _check_length(self, chars: int, call: Call) -> None:
         """Refuse, before tokenising, a text too long to fit in the engine's max_seq_len."""
         limit = self.engine.engine.scheduler.max_seq_len
@@ -173,12 +186,17 @@ class EngineServer:
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    async def _serve(self, request: web.Request, call: Call, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
+    def _request(self, call: Call, prompt_ids: list[int]) -> GenerationRequest:
+        """The engine request of a validated call; a 400 for ids or lengths the engine cannot take."""
         vocab = self.engine.engine.runner.vocab_size
         if any(t >= vocab for t in prompt_ids):
             raise BadRequest(f"prompt: token ids must be below the vocabulary size {vocab}", "prompt")
         req = GenerationRequest(next(self._ids), list(prompt_ids), call.n, call.params)
         self.engine.engine.scheduler.check(req)
+        return req
+
+    async def _serve(self, request: web.Request, call: Call, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
+        req = self._request(call, prompt_ids)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if call.stream:
             return await self._stream(request, call, req, rid, chat)

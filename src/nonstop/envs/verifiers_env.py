@@ -1,0 +1,399 @@
+"""verifiers (0.4.0, `verifiers.v1`) on nonstop's engines, and its episodes into nonstop's buffer.
+
+What runs, and whose code it is:
+- verifiers' own model-call path, as its interception server runs it for every model call of a
+  training rollout: `graph.prepare_turn(trace, messages)` -> `TrainClient.get_response(...)`
+  (renders the prompt to ids, bridging from the previous turn's ids, and POSTs them to
+  `/inference/v1/generate` through `renderers.client.generate`) -> `PendingTurn.commit(response)`
+  into the trace's message graph -> `Trace.branches()` (token ids, `sampled_mask`, logprobs,
+  `SamplingMask`) -> `vf.Episode` with a `PolicySpan`;
+- a verifiers `Taskset` gives the tasks, and each task's own `@vf.reward`/`@vf.metric` methods
+  score the trace (`Task.score`, in process);
+- nonstop serves `/inference/v1/generate`: over HTTP (`nonstop serve`, serve/generate_route.py),
+  or in process through `EngineTransport`, an httpx transport that answers the same JSON from
+  any `TurnEngine` (the training pipeline's engines), so no socket is needed in a run.
+
+What stands in for verifiers: its harness programs (the `null` chat loop included) run as uv
+scripts that install their dependencies at run time, which nonstop does not do; `play_episode`
+is the chat loop instead: the task's prompt, then up to `max_turns` model turns, the trace
+scored after each; a turn that does not solve the task (total reward below `solved_at`) is
+answered with the user message `retry`. With `max_turns` 1 it is verifiers' single-turn rollout.
+
+`TokenRenderer` is a `renderers` renderer for any tokenizer with no chat template (nonstop's
+tiny models): a message is its text's ids, the first as `Codec.encode` makes them, later ones
+without special tokens, an assistant turn's ids are what the engine sampled (EOS included); its
+`bridge_to_next_turn` keeps the previous prompt and completion ids verbatim and appends only the
+new messages' ids. So an episode's ids are exactly those `orchestrator/episodes.py` would make.
+
+`episode_samples(episode)` turns a `vf.Episode` (one played here, or one read from verifiers'
+wire format) into nonstop `Sample`s: per trainable trace and branch, the prompt is the branch's
+ids before its first sampled token, the completion the rest, the loss mask `sampled_mask`,
+behaviour logprobs as sampled, the kept sets from the branch's `SamplingMask` (an unsampled
+token keeps itself), and per model token the `policy_version` the server reported (recorded
+per assistant node in `trace.info["nonstop_policy_versions"]`), else the episode's
+`PolicySpan.start` (the oldest version that could have produced it: staleness is never
+underestimated). Environment tokens carry version -1, as in nonstop's own episodes.
+
+Optional extra: `pip install 'nonstop[verifiers]'`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import json
+from collections import Counter
+from typing import Any
+
+import httpx
+import numpy as np
+
+from nonstop.config import ConfigError, EnvConfig
+
+try:
+    import verifiers.v1 as vf
+    from openai import AsyncOpenAI
+    from renderers.base import ParsedResponse, RenderedTokens
+    from renderers.configs import BaseRendererConfig, CustomRendererConfig
+    from verifiers.v1 import graph
+    from verifiers.v1.dialects.chat import ChatDialect, message_to_wire
+    from verifiers.v1.episode import EnvInfo, TrainRunInfo, TrainWorkInfo
+    from verifiers.v1.trace import AgentInfo, TraceTask
+except ImportError as e:
+    raise ConfigError(f"env.name: verifiers environments need the verifiers extra: pip install 'nonstop[verifiers]' "
+                      f"({e})") from None
+from nonstop.envs.base import EnvLimits
+from nonstop.orchestrator.episodes import ENV_VERSION, EpisodeResult, TurnEngine
+from nonstop.serve import generate_route
+from nonstop.serve.protocol import BadRequest
+from nonstop.tasks.data import DatasetReport, Example, TaskData
+from nonstop.types import GenerationRequest, Sample, SamplingParams
+
+VERSIONS_KEY = "nonstop_policy_versions"
+"""`trace.info` key: assistant node index (as text) -> the policy_version of each sampled token."""
+AGENT = "agent"
+
+
+class TokenRendererConfig(BaseRendererConfig):
+    """TokenRenderer has no options (its config only names it)."""
+
+
+class TokenRenderer:
+    """A `renderers.Renderer` for a tokenizer without a chat template: messages are plain text."""
+
+    config_class = TokenRendererConfig
+    is_prefix_stable = True
+    supports_tools = False
+
+    def __init__(self, tokenizer: Any, config: TokenRendererConfig | None = None) -> None:
+        self.tokenizer, self.config = tokenizer, config or TokenRendererConfig()
+
+    def _ids(self, message: dict, first: bool) -> list[int]:
+        """A wire message's ids: the first as `Codec.encode` makes them, later ones without special
+        tokens; an assistant turn ends with the stop token the engine sampled."""
+        content = message.get("content") or ""
+        text = content if isinstance(content, str) else "\n".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if message.get("role") == "assistant":
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + self.get_stop_token_ids()
+        if not text:
+            return []
+        return list(self.tokenizer(text)["input_ids"] if first else self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def render(self, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = False,
+               **_: Any) -> RenderedTokens:
+        ids: list[int] = []
+        indices: list[int] = []
+        sampled: list[bool] = []
+        for i, m in enumerate(messages):
+            piece = self._ids(m, first=i == 0)
+            ids += piece
+            indices += [i] * len(piece)
+            sampled += [m.get("role") == "assistant"] * len(piece)
+        return RenderedTokens(token_ids=ids, message_indices=indices, sampled_mask=sampled, is_content=[True] * len(ids),
+                              message_roles=[m.get("role") or "" for m in messages],
+                              message_tool_names=[None] * len(messages))
+
+    def render_ids(self, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = False,
+                   **_: Any) -> list[int]:
+        return self.render(messages).token_ids
+
+    def bridge_to_next_turn(self, previous_prompt_ids: list[int], previous_completion_ids: list[int],
+                            new_messages: list[dict], *, tools: list | None = None, **_: Any) -> RenderedTokens | None:
+        """The previous ids verbatim, then the new messages' ids (none of them an assistant turn)."""
+        if any(m.get("role") == "assistant" for m in new_messages):
+            return None
+        prior = list(previous_prompt_ids) + list(previous_completion_ids)
+        ids, indices = list(prior), [-1] * len(prior)
+        for i, m in enumerate(new_messages):
+            piece = self._ids(m, first=False)
+            ids += piece
+            indices += [i] * len(piece)
+        new = len(ids) - len(prior)
+        return RenderedTokens(token_ids=ids, message_indices=indices, sampled_mask=[False] * len(ids),
+                              is_content=[False] * len(prior) + [True] * new,
+                              message_roles=[m.get("role") or "" for m in new_messages],
+                              message_tool_names=[None] * len(new_messages))
+
+    def parse_response(self, token_ids: list[int], *, tools: list | None = None,
+                       prompt_ids: list[int] | None = None) -> ParsedResponse:
+        return ParsedResponse(content=self.tokenizer.decode(token_ids, skip_special_tokens=True), tool_calls=[])
+
+    def get_stop_token_ids(self) -> list[int]:
+        return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+
+
+def renderer_config() -> CustomRendererConfig:
+    return CustomRendererConfig(import_path=f"{__name__}.TokenRenderer")
+
+
+class EngineTransport(httpx.AsyncBaseTransport):
+    """`/inference/v1/generate` and `/v1/models` answered in process by a `TurnEngine`, with the
+    JSON the HTTP route sends (serve/generate_route.py)."""
+
+    def __init__(self, engine: TurnEngine, model: str, max_model_len: int | None = None,
+                 max_tokens_default: int = 16) -> None:
+        self.engine, self.model, self.max_model_len = engine, model, max_model_len
+        self.max_tokens_default = max_tokens_default
+        self._ids = itertools.count(1 << 41)  # apart from the episode runner's and the producer's request ids
+        self.requests = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "GET" and path.endswith("/models"):
+            card: dict[str, Any] = {"id": self.model, "object": "model", "owned_by": "nonstop"}
+            if self.max_model_len is not None:
+                card["max_model_len"] = self.max_model_len
+            return httpx.Response(200, json={"object": "list", "data": [card]})
+        if request.method != "POST" or not path.endswith(generate_route.PATH):
+            return httpx.Response(404, json={"error": {"message": f"{request.method} {path}: not served in process"}})
+        try:
+            g = generate_route.parse_generate(json.loads(await request.aread()), self.max_tokens_default)
+        except BadRequest as e:
+            return httpx.Response(e.status, json={"error": {"message": str(e), "param": e.param}})
+        samples = (await self.engine.generate([GenerationRequest(next(self._ids), g.call.prompt_ids or [], g.call.n,
+                                                                 g.call.params)]))[0]
+        self.requests += 1
+        return httpx.Response(200, json=generate_route.generate_response(g, samples))
+
+
+class VersionLog:
+    """Per-token policy versions of generate answers, by request id (an httpx response hook)."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, list[int]] = {}
+
+    async def __call__(self, response: httpx.Response) -> None:
+        if response.status_code != 200 or not response.request.url.path.endswith(generate_route.PATH):
+            return
+        data = json.loads(await response.aread())
+        self.by_request[data["request_id"]] = list(data["choices"][0]["nonstop"]["policy_versions"])
+
+    def pop(self, request_id: str) -> list[int] | None:
+        return self.by_request.pop(request_id, None)
+
+
+def train_client(base_url: str, renderer_model: str, transport: httpx.AsyncBaseTransport | None = None,
+                 api_key: str | None = None) -> tuple[vf.TrainClient, VersionLog]:
+    """verifiers' train client against `base_url` (or `transport`), its versions logged."""
+    config = vf.TrainClientConfig(base_url=base_url, api_key_var="NONSTOP_API_KEY", renderer=renderer_config(),
+                                  renderer_model_name=renderer_model)
+    client = vf.TrainClient(config)
+    log = VersionLog()
+    client.client = AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0,
+                                http_client=httpx.AsyncClient(transport=transport, event_hooks={"response": [log]}))
+    return client, log
+
+
+def _first_messages(task: vf.Task) -> list[vf.types.Message]:
+    data = task.data
+    messages: list[vf.types.Message] = [vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []
+    if isinstance(data.prompt, list):
+        return messages + list(data.prompt)
+    return messages + [vf.UserMessage(content=data.prompt_text)]
+
+
+async def play_episode(client: vf.TrainClient, versions: VersionLog, task: vf.Task, model: str,
+                       sampling: vf.SamplingConfig, max_turns: int, retry: str, solved_at: float = 1.0,
+                       step: int = 0, run_id: str = "nonstop", max_episode_tokens: int | None = None,
+                       tokenizer: Any = None) -> vf.Episode:
+    """One episode of `task` through verifiers' model-call path (module docstring), scored by the task.
+    With `max_episode_tokens` (and the `tokenizer` to count with), no turn samples past it."""
+    trace: vf.Trace = vf.Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+                               agent=AgentInfo(config=vf.AgentConfig(model=model, sampling=sampling), name=AGENT))
+    node_versions: dict[str, list[int]] = trace.info.setdefault(VERSIONS_KEY, {})
+    messages = _first_messages(task)
+    counter = TokenRenderer(tokenizer) if tokenizer is not None else None
+    used = len(counter.render([message_to_wire(m) for m in messages]).token_ids) if counter else 0
+    for turn in range(max_turns):
+        budget = sampling.max_tokens
+        if max_episode_tokens is not None:
+            left = max_episode_tokens - used
+            if left <= 0:
+                trace.stop("max_total_tokens")
+                break
+            budget = min(budget or left, left)
+        pending = graph.prepare_turn(trace, messages)
+        response = await client.get_response(ChatDialect(), {"model": model},
+                                             sampling.model_copy(update={"max_tokens": budget}), turn=pending)
+        node = pending.commit(response)
+        sampled = versions.pop(response.id)
+        if sampled is not None:
+            node_versions[str(node)] = sampled
+        messages.append(response.message)
+        trace.rewards, trace.metrics = {}, {}
+        await task.score(trace)
+        if trace.reward >= solved_at:
+            trace.stop("solved")
+            break
+        if turn == max_turns - 1:
+            trace.stop("max_turns" if max_turns > 1 else "answered")  # a single-turn rollout is not cut short
+            break
+        messages.append(vf.UserMessage(content=retry))
+        if counter is not None and response.tokens is not None:
+            used = (len(response.tokens.prompt_ids) + len(response.tokens.completion_ids)
+                    + len(counter._ids(message_to_wire(messages[-1]), first=False)))
+    trace.is_completed = trace.ok = True
+    spent = [v for vs in node_versions.values() for v in vs]
+    span = vf.PolicySpan(start=min(spent), end=max(spent)) if spent else None
+    return vf.Episode(env=EnvInfo(id="nonstop"), task=trace.task, traces=[trace], ok=True,
+                      run=TrainRunInfo(id=run_id, work=TrainWorkInfo(step=step, policy=span)))
+
+
+def _kept(mask: vf.SamplingMask | None, ids: list[int], start: int) -> list[list[int]] | None:
+    if mask is None:
+        return None
+    counts = np.asarray(mask.counts)
+    ends = np.cumsum(counts)
+    flat = np.asarray(mask.ids)
+    return [[int(x) for x in flat[e - c:e]] if c else [ids[k]]
+            for k, (c, e) in enumerate(zip(counts.tolist(), ends.tolist())) if k >= start]
+
+
+def episode_samples(episode: vf.Episode, tokenizer: Any, index: int = 0) -> list[Sample]:
+    """nonstop samples of a verifiers episode: one per trainable trace and branch (module docstring)."""
+    span = episode.run.work.policy if episode.run is not None and episode.run.type == "train" else None
+    out = []
+    for trace in episode.traces:
+        if not trace.agent.trainable:
+            continue
+        node_index = {id(n): i for i, n in enumerate(trace.nodes)}
+        recorded = trace.info.get(VERSIONS_KEY, {})
+        for branch in trace.branches():
+            ids, mask = branch.token_ids, branch.sampled_mask
+            if not branch.trainable or not any(mask):
+                continue
+            versions: list[int] = []
+            for node in branch.nodes:
+                sampled = sum(node.mask)
+                got = recorded.get(str(node_index[id(node)]))
+                if sampled and got is None and span is None:
+                    raise ValueError(f"episode {episode.id}: no policy version for its sampled tokens (neither "
+                                     f"trace.info[{VERSIONS_KEY!r}] nor run.work.policy)")
+                own = iter(got if got is not None and len(got) == sampled else [span.start if span else 0] * sampled)
+                versions += [next(own) if m else ENV_VERSION for m in node.mask]
+            start = mask.index(True)
+            out.append(Sample(
+                prompt_ids=ids[:start], completion_ids=ids[start:], logprobs=branch.logprobs[start:],
+                versions=versions[start:], finish_reason="length" if trace.is_truncated else "stop",
+                loss_mask=mask[start:], sampling_mask=_kept(branch.sampling_mask, ids, start), reward=trace.reward,
+                text=tokenizer.decode(ids[start:], skip_special_tokens=True), role=trace.agent.name, episode=index))
+    return out
+
+
+def episode_result(episode: vf.Episode, tokenizer: Any, index: int, solved_at: float = 1.0) -> EpisodeResult:
+    samples = episode_samples(episode, tokenizer, index)
+    trace = episode.traces[0]
+    return EpisodeResult(samples, {"success": trace.reward >= solved_at, "stop": trace.stop_condition,
+                                   "verifiers_episode": episode.id}, trace.num_turns, trace.is_truncated)
+
+
+
+PREFIX = "verifiers/"
+RETRY = "Wrong, try again. "
+"""The user message after a turn that did not solve the task (with env.max_turns above 1)."""
+MODEL = "nonstop"
+
+
+def _factory(name: str) -> Any:
+    import importlib
+
+    module_name, sep, attr = name.removeprefix(PREFIX).partition(":")
+    if not sep:
+        raise ConfigError(f"env.name: {name!r}: expected 'verifiers/package.module:factory' (a callable returning a "
+                          "verifiers.v1 Taskset or a list of its Tasks)")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"env.name: cannot import {name.removeprefix(PREFIX)!r}: {e}") from None
+
+
+@functools.cache
+def taskset_tasks(name: str, train_rows: int, eval_rows: int) -> tuple[list[vf.Task], list[vf.Task]]:
+    """Train and held-out tasks: the taskset's first tasks train, the next ones are held out."""
+    tasks = _factory(name)()
+    if isinstance(tasks, vf.Taskset):
+        tasks = tasks.take(train_rows + eval_rows) if tasks.INFINITE else tasks
+    tasks = list(itertools.islice(tasks, train_rows + eval_rows))
+    if len(tasks) < 2 or not all(isinstance(t, vf.Task) for t in tasks):
+        raise ConfigError(f"env.name: {name!r} gave {len(tasks)} items; it needs at least 2 verifiers.v1 Tasks")
+    held = min(eval_rows, max(1, len(tasks) - train_rows), len(tasks) // 2)
+    return tasks[:len(tasks) - held], tasks[len(tasks) - held:]
+
+
+def task_rows(tasks: list[vf.Task], offset: int) -> list[Example]:
+    """Rows for the prompt ledger; `answer` is the task's position (how the player finds it)."""
+    return [Example(i, t.data.prompt_text, str(offset + i)) for i, t in enumerate(tasks)]
+
+
+class VerifiersPlayer:
+    """Plays the rows of a run (an `EnvRun` player) as verifiers episodes on the run's engines, through
+    `EngineTransport` (no socket), and hands them back as nonstop `EpisodeResult`s."""
+
+    def __init__(self, tasks: list[vf.Task], renderer_model: str | None, retry: str = RETRY,
+                 solved_at: float = 1.0) -> None:
+        self.tasks, self.renderer_model = tasks, renderer_model
+        self.retry, self.solved_at = retry, solved_at
+        self.clients: dict[int, tuple[vf.TrainClient, VersionLog]] = {}
+        self.played = 0
+
+    def _client(self, engine: TurnEngine) -> tuple[vf.TrainClient, VersionLog]:
+        if self.renderer_model is None:
+            raise ConfigError("env.name: a verifiers taskset needs the model folder whose tokenizer renders its prompts")
+        if id(engine) not in self.clients:
+            self.clients[id(engine)] = train_client("http://nonstop.invalid/v1", self.renderer_model,
+                                                    EngineTransport(engine, MODEL))
+        return self.clients[id(engine)]
+
+    async def __call__(self, engine: TurnEngine, rows: list[Example], codec: Any, limits: EnvLimits,
+                       params: SamplingParams) -> tuple[list[EpisodeResult], Counter[str]]:
+        client, log = self._client(engine)
+        sampling = vf.SamplingConfig(temperature=params.temperature, top_p=params.top_p,
+                                     max_tokens=params.max_new_tokens,
+                                     **({"top_k": params.top_k} if params.top_k else {}),
+                                     **({"min_p": params.min_p} if params.min_p else {}))
+        episodes = await asyncio.gather(*(
+            play_episode(client, log, self.tasks[int(r.answer)], MODEL, sampling, limits.max_turns, self.retry,
+                         self.solved_at, max_episode_tokens=limits.max_episode_tokens, tokenizer=codec.tokenizer)
+            for r in rows), return_exceptions=True)
+        done, errors = [], Counter[str]()
+        for i, e in enumerate(episodes):
+            if isinstance(e, BaseException):
+                if not isinstance(e, Exception):
+                    raise e
+                errors["env_raised"] += 1
+                continue
+            done.append(episode_result(e, codec.tokenizer, i, self.solved_at))
+        self.played += len(rows)
+        return done, errors
+
+
+def task_data(cfg: EnvConfig) -> TaskData:
+    """The rows of `env.name: verifiers/<module:factory>` (train and held-out tasks)."""
+    train, held = taskset_tasks(cfg.name, cfg.train_rows, cfg.eval_rows)
+    return TaskData(task_rows(train, 0), task_rows(held, len(train)), DatasetReport(rows_read=len(train) + len(held)))
+
+
+def player(cfg: EnvConfig, renderer_model: str | None) -> VerifiersPlayer:
+    train, held = taskset_tasks(cfg.name, cfg.train_rows, cfg.eval_rows)
+    return VerifiersPlayer(train + held, renderer_model)
