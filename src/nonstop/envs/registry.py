@@ -10,6 +10,7 @@
 | `nim`           | self-play, 2 roles     | 'pile,side'                 | win rate vs `nim_vs_random` |
 | `nim_vs_random` | the policy vs a random mover | 'pile,side'           | win rate                |
 | `reasoning_gym/<dataset>` | a reasoning-gym generator (optional extra) | question, answer | score 1 |
+| `textarena/<game id>` | a textarena game, one role per player (optional extra; envs/textarena_env.py) | game id, seed | player_0's win rate |
 | `verifiers/<module:factory>` | a verifiers.v1 Taskset, played through verifiers' train client (optional extra; envs/verifiers_env.py) | the task's prompt, its position | reward >= 1 |
 
 `builtin_task(cfg)` generates a built-in's train rows (seed 1) and held-out rows (seed 2);
@@ -30,6 +31,7 @@ from nonstop.envs.base import EnvLimits, MultiAgentEnvironment, SingleAgent
 from nonstop.tasks.data import DatasetReport, Example, TaskData
 
 VERIFIERS = "verifiers/"
+TEXTARENA = "textarena/"
 
 Demo = Callable[[Example, random.Random, int], list[tuple[str, bool]]]
 
@@ -50,6 +52,10 @@ def _resolve(name: str, field: str, cfg: EnvConfig | None = None) -> Callable[[]
     if name.startswith(VERIFIERS):
         raise ConfigError(f"{field}: {name!r}: a verifiers taskset is played as a whole run's env.name, "
                           "not as an environment of another run (e.g. env.eval_name)")
+    if name.startswith(TEXTARENA):
+        from nonstop.envs import textarena_env
+
+        return textarena_env.factory(name)
     if name.startswith(reasoning_gym.PREFIX):
         task = _reasoning_gym_task(name, cfg)
         return lambda: reasoning_gym.ReasoningGymEnv(task)
@@ -98,6 +104,12 @@ def builtin_task(cfg: EnvConfig) -> TaskData | None:
         from nonstop.envs.verifiers_env import task_data
 
         return task_data(cfg)
+    if cfg.name.startswith(TEXTARENA):
+        from nonstop.envs import textarena_env
+
+        game = cfg.name.removeprefix(TEXTARENA)
+        return TaskData(textarena_env.rows(game, cfg.train_rows, 1), textarena_env.rows(game, cfg.eval_rows, 2),
+                        DatasetReport(rows_read=cfg.train_rows + cfg.eval_rows))
     if cfg.name.startswith(reasoning_gym.PREFIX):
         task = _reasoning_gym_task(cfg.name, cfg)
         return TaskData(task.rows(0), task.rows(1), DatasetReport(rows_read=cfg.train_rows + cfg.eval_rows))

@@ -122,7 +122,7 @@ def _run(cfg: Config, console: Console, run_dir: Path, resume_dir: Path | None, 
         progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
         ckpt = None
         if resume_dir is None:
-            if cfg.env is not None and cfg.model.path is None and not cfg.env.name.startswith("verifiers/"):
+            if cfg.env is not None and cfg.model.path is None and not cfg.env.name.startswith(("verifiers/", "textarena/")):
                 from nonstop.envs.warmup import env_base
 
                 base = env_base(cfg, progress.log)

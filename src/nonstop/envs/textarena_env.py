@@ -1,0 +1,100 @@
+"""textarena games as multi-agent environments: each player a role, the game engine the referee.
+
+`env.name: textarena/<game id>` (e.g. `textarena/Nim-v0`, `textarena/TicTacToe-v0`) plays a
+registered textarena game (its `-raw` registration: no wrappers, so no observation is ever
+repeated) as a `MultiAgentEnvironment` with roles `player_0` .. `player_<n-1>`. The task row's
+answer is the game's seed (`rows()`), so an episode can be reproduced.
+
+Each role's sequence receives, in order, exactly the messages textarena addressed to that
+player since the role last heard from the game (its prompt and board first, then the
+opponents' moves, the referee's messages, invalid-move notices), each as
+`[<sender>] <message>\\n` with textarena's own role names, the way its LLM observation wrapper
+writes them. A role's turn is the text its model wrote, handed to `env.step` unchanged; the game
+decides who acts next (an invalid move is retried by the same player, within textarena's error
+allowance). When the game is done, `env.close()` gives every player's reward (zero-sum games:
++1 / -1, a draw 0), and the episode ends with them and textarena's `game_info` as metadata.
+
+With several roles the run uses the per-role EMA baseline by default (episode_flow.py), as the
+built-in Nim self-play does. Optional extra: `pip install 'nonstop[textarena]'` (textarena
+0.7.4 pulls no torch; it uses the process-global `random`, seeded from the row at reset).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from nonstop.config import ConfigError
+from nonstop.envs.base import Tool, Turn
+from nonstop.tasks.data import Example
+
+PREFIX = "textarena/"
+
+try:
+    import textarena as ta
+except ImportError as e:
+    raise ConfigError(f"env.name: textarena games need the textarena extra: pip install 'nonstop[textarena]' ({e})") \
+        from None
+
+
+def role(player_id: int) -> str:
+    return f"player_{player_id}"
+
+
+class TextArenaGame:
+    """One textarena game per episode (make a new one for each: the game keeps its state)."""
+
+    tools: dict[str, Tool] = {}
+
+    def __init__(self, game_id: str, num_players: int = 2) -> None:
+        try:
+            self.env = ta.make(f"{game_id}-raw")
+        except ValueError:
+            raise ConfigError(f"env.name: textarena has no game {game_id!r} (see textarena.envs.registration)") from None
+        self.game_id, self.num_players = game_id, num_players
+        self.roles = tuple(role(p) for p in range(num_players))
+
+    def _news(self) -> dict[str, str]:
+        """What the game told each player since the last call (and forget it: nothing twice)."""
+        state = self.env.state
+        out = {}
+        for pid, messages in state.observations.items():
+            text = "".join(f"[{state.role_mapping.get(sender, f'Player {sender}')}] {message}\n"
+                           for sender, message, _ in messages)
+            state.observations[pid] = []
+            if text:
+                out[role(pid)] = text
+        return out
+
+    def _turn(self, done: bool) -> Turn:
+        news = self._news()
+        if not done:
+            return Turn(news, role(self.env.state.current_player_id))
+        rewards, game_info = self.env.close()
+        rewards = {role(p): float(r) for p, r in (rewards or {}).items()}
+        meta: dict[str, Any] = {"game_info": {role(p): dict(v) for p, v in game_info.items()},
+                                "success": rewards.get(role(0), 0.0) > 0}
+        return Turn(news, None, rewards, meta)
+
+    async def reset(self, row: Example) -> Turn:
+        random.seed(int(row.answer))  # textarena draws from the process-global generator
+        self.env.reset(num_players=self.num_players, seed=int(row.answer))
+        return self._turn(done=False)
+
+    async def step(self, role_name: str, action: str) -> Turn:
+        if role_name != role(self.env.state.current_player_id):
+            raise RuntimeError(f"textarena: {role_name} acted out of turn")
+        done, _ = self.env.step(action)
+        return self._turn(done)
+
+
+def factory(name: str):
+    game_id = name.removeprefix(PREFIX)
+    TextArenaGame(game_id)  # fails at start for an unknown game, naming env.name
+    return lambda: TextArenaGame(game_id)
+
+
+def rows(game_id: str, count: int, seed: int) -> list[Example]:
+    """Rows of a game: its id as the prompt (the ledger's key), a seed as the answer."""
+    rng = random.Random(seed)
+    return [Example(i, game_id, str(rng.randrange(2**31))) for i in range(count)]
