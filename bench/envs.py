@@ -14,6 +14,9 @@ Targets: each at least +20 points. `--quick` gives each environment 100 s of RL 
 in all with the warm-ups cached; the first run also warms up, see docs/benchmarks.md).
 
     python bench/envs.py [--quick] [--seconds 120] [--envs guess_number,calculator,nim_selfplay] [--cache DIR]
+
+`--envs verifiers_addition,textarena_nim` runs the adapters' examples the same way (their extras
+installed); their gains print as `verifiers_gain`, `textarena_winrate_gain`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "envs"
 KEYS = {"guess_number": "multiturn_gain", "calculator": "tool_gain", "nim_selfplay": "selfplay_winrate_gain"}
+ADAPTERS = {"verifiers_addition": "verifiers_gain", "textarena_nim": "textarena_winrate_gain"}
+"""Plumbing runs of the ecosystem adapters (`--envs verifiers_addition,textarena_nim`); learning not required."""
 
 
 def run_env(name: str, seconds: float, folder: Path, cache: Path, overrides: list[str]) -> dict:
@@ -64,12 +69,12 @@ def main() -> None:
     seconds = 100.0 if ns.quick else ns.seconds
     rows = []
     t0 = time.perf_counter()
-    print(f"{'environment':>13} {'base':>7} {'final':>7} {'gain':>8} {'warm-up s':>9} {'RL s':>6} {'steps':>6}")
+    print(f"{'environment':>18} {'base':>7} {'final':>7} {'gain':>8} {'warm-up s':>9} {'RL s':>6} {'steps':>6}")
     with tempfile.TemporaryDirectory(prefix="nonstop-envs-") as tmp:
         for name in ns.envs.split(","):
             r = run_env(name, seconds, Path(tmp), ns.cache.resolve(), ns.overrides)
             rows.append(r)
-            print(f"{name:>13} {r['base']:7.1%} {r['final']:7.1%} {100 * r['gain']:+7.1f}p {r['warmup_s']:9.1f} "
+            print(f"{name:>18} {r['base']:7.1%} {r['final']:7.1%} {100 * r['gain']:+7.1f}p {r['warmup_s']:9.1f} "
                   f"{r['rl_s']:6.1f} {r['steps']:6d}", flush=True)
     print("\nstaleness per environment (episodes trained):")
     for r in rows:
@@ -77,7 +82,8 @@ def main() -> None:
               f"span >1 policy version; group drops {r['drops']}; episodes dropped {r['episodes_dropped']}; "
               f"env errors {r['errors']}; roles {json.dumps(r['roles'])}")
     print(f"total wall time {time.perf_counter() - t0:.0f} s")
-    gains = {KEYS[r["env"]]: round(100 * r["gain"], 1) for r in rows if r["env"] in KEYS}
+    keys = {**KEYS, **ADAPTERS}
+    gains = {keys[r["env"]]: round(100 * r["gain"], 1) for r in rows if r["env"] in keys}
     print("RESULT " + " ".join(f"{k}={v:+.1f}" for k, v in gains.items()))
 
 

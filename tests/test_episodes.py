@@ -361,3 +361,23 @@ def test_episodes_over_before_any_model_turn_are_dropped_and_settled(engine):
                                  LIMITS, RoleBaselines("group", 0.9), Clock(), RolloutStats(), ep, ledger))
     assert buffer.drops == Counter({"no_model_tokens": 3}) and ledger.report()["outcomes"] == {"no_model_tokens": 3}
     assert buffer.queued == 1  # only the close marker
+
+
+def test_env_counters_and_role_baselines_survive_a_checkpoint_round_trip():
+    """What recovery.py writes into the checkpoint (as JSON) restores the episode counters, the
+    per-episode lag histogram and each role's EMA baseline of a resumed run."""
+    import json
+
+    cfg = load_config(None, ["env.name=nim"]).env
+    run = EnvRun.build(cfg)
+    run.baselines.assign([Sample([1], [2], [-1.0], [0], "stop", reward=r, role=role, episode=i)
+                          for i, (role, r) in enumerate([("first", 1.0), ("second", -1.0), ("first", -1.0)])])
+    st = run.stats
+    st.episodes, st.successes, st.truncated, st.turns, st.multi_version = 9, 4, 1, 30, 2
+    st.errors.update({"env_raised": 3})
+    st.episode_lag.update({0: 5, 1: 7})
+    saved = json.loads(json.dumps(run.state_dict()))
+    again = EnvRun.build(cfg)
+    again.load_state_dict(saved)
+    assert again.state_dict() == run.state_dict() and again.stats.episode_lag == Counter({0: 5, 1: 7})
+    assert again.baselines.ema == run.baselines.ema and set(again.baselines.ema) == {"first", "second"}

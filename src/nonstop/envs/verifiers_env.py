@@ -63,6 +63,7 @@ try:
 except ImportError as e:
     raise ConfigError(f"env.name: verifiers environments need the verifiers extra: pip install 'nonstop[verifiers]' "
                       f"({e})") from None
+from nonstop.engine.scheduler import RequestError
 from nonstop.envs.base import EnvLimits
 from nonstop.orchestrator.episodes import ENV_VERSION, EpisodeResult, TurnEngine
 from nonstop.serve import generate_route
@@ -171,8 +172,11 @@ class EngineTransport(httpx.AsyncBaseTransport):
             g = generate_route.parse_generate(json.loads(await request.aread()), self.max_tokens_default)
         except BadRequest as e:
             return httpx.Response(e.status, json={"error": {"message": str(e), "param": e.param}})
-        samples = (await self.engine.generate([GenerationRequest(next(self._ids), g.call.prompt_ids or [], g.call.n,
-                                                                 g.call.params)]))[0]
+        try:
+            samples = (await self.engine.generate([GenerationRequest(next(self._ids), g.call.prompt_ids or [], g.call.n,
+                                                                     g.call.params)]))[0]
+        except RequestError as e:  # a request the engine cannot take (too long, bad ids): the client's 400
+            return httpx.Response(400, json={"error": {"message": str(e), "param": "token_ids"}})
         self.requests += 1
         return httpx.Response(200, json=generate_route.generate_response(g, samples))
 

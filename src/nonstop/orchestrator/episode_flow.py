@@ -161,6 +161,21 @@ class EnvRun:
     def report(self) -> dict:
         return self.stats.report(self.baselines)
 
+    def state_dict(self) -> dict:
+        """The counters and per-role baselines a resumed run continues from (JSON-ready)."""
+        st = self.stats
+        return {"episodes": st.episodes, "successes": st.successes, "truncated": st.truncated, "turns": st.turns,
+                "multi_version": st.multi_version, "errors": dict(st.errors),
+                "episode_lag": {str(k): v for k, v in st.episode_lag.items()}, "ema": dict(self.baselines.ema)}
+
+    def load_state_dict(self, state: dict) -> None:
+        st = self.stats
+        st.episodes, st.successes, st.truncated = state["episodes"], state["successes"], state["truncated"]
+        st.turns, st.multi_version = state["turns"], state["multi_version"]
+        st.errors = Counter(state["errors"])
+        st.episode_lag = Counter({int(k): v for k, v in state["episode_lag"].items()})
+        self.baselines.ema = {k: float(v) for k, v in state["ema"].items()}
+
     async def evaluate(self, engine: TurnEngine, rows: list[Example], codec: Codec, params: SamplingParams) -> float:
         """Success rate over one episode per held-out row (a failed episode counts as a failure)."""
         done, _ = await self.play_eval(engine, rows, codec, self.limits, params)

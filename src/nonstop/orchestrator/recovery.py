@@ -47,6 +47,7 @@ async def write_checkpoint(run: "Run", step: int) -> None:
         "stream": run.stream.state_dict(), "ledger": run.ledger.state_dict(),
         "stats": asdict(run.stats), "drops": dict(run.buffer.drops), "reward_errors": dict(run.scorer.errors),
         "clock": {"wall_s": run.state.clock.wall(), "busy_s": dict(run.state.clock.busy_s)},
+        "envs": run.envs.state_dict() if run.envs is not None else None,
     }
     await asyncio.to_thread(commit, root, tmp, step, state, run.cfg.checkpoint.keep)
     run.state.last_checkpoint = step
@@ -69,6 +70,8 @@ def restore(run: "Run", ckpt: Checkpoint) -> None:
     run.buffer.policy_version = state["policy_version"]
     run.scorer.errors.update(state["reward_errors"])
     run.state.clock = Clock(start=time.perf_counter() - state["clock"]["wall_s"], busy_s=dict(state["clock"]["busy_s"]))
+    if run.envs is not None and state.get("envs") is not None:  # episode counters and per-role baselines
+        run.envs.load_state_dict(state["envs"])
     run.state.base_accuracy = state["base_accuracy"]
     run.state.first_step = state["step"] + 1
     run.state.last_checkpoint = state["step"]
