@@ -250,8 +250,10 @@ def test_calculator_tool_result_comes_back_as_an_observation():
 
 
 def test_env_section_builds_the_run_side_and_names_bad_fields():
-    run = EnvRun.build(load_config(None, ["env.name=nim"]).env)
-    assert run.baselines.mode == "ema" and run.make_eval_env().roles == ("agent",)
+    from nonstop.envs.registry import env_factory, eval_name
+
+    cfg = load_config(None, ["env.name=nim"]).env
+    assert EnvRun.build(cfg).baselines.mode == "ema" and env_factory(eval_name(cfg))().roles == ("agent",)
     assert EnvRun.build(load_config(None, ["env.name=calculator"]).env).baselines.mode == "group"
     from nonstop.config import ConfigError
 

@@ -2,8 +2,10 @@
 
 The task row's prompt is a product such as '23*7='; the tiny model cannot multiply. A turn that
 starts with 'c' calls the environment's `calc` tool (on the text after 'c', or on the prompt's
-expression when there is none); the result comes back as the observation '[161]'. Any other turn
-is the final answer: reward 1 when it equals the product, else 0, and the episode ends.
+expression when there is none); the result comes back as the observation '[161]', zero-padded to
+three digits ('[042]'), so that copying it is the same move whatever the product: each answer
+character sits a fixed distance after the one it copies. Any other turn is the final answer:
+reward 1 when its number equals the product ('42' and '042' both do), else 0, and the episode ends.
 
 Text format: prompt '23*7='; tool turn 'c' + EOS, observation '[161]'; answer '161' + EOS.
 The warm-up imitates a player who calls the tool in half of the episodes (and then copies its
@@ -18,6 +20,8 @@ from nonstop.envs.base import Step, ToolStats, call_tool
 from nonstop.tasks.data import Example
 
 TOOL_PROB = 0.5
+WIDTH = 3
+"""Digits of a tool result (products of the rows are 20..891)."""
 
 
 def calc(expression: str) -> str:
@@ -45,8 +49,8 @@ class Calculator:
         if text.startswith("c"):
             self.tool_calls += 1
             result = await call_tool(self.tools, "calc", text[1:] or self.expression, self.tool_timeout_s, self.stats)
-            return Step(f"[{result}]", metadata={"tool": "calc"})
-        right = text == calc(self.expression)
+            return Step(f"[{result.zfill(WIDTH) if result.isdigit() else result}]", metadata={"tool": "calc"})
+        right = text.isdigit() and int(text) == int(calc(self.expression))
         return Step("", reward=float(right), done=True, metadata={"success": right, "tool_calls": self.tool_calls})
 
 
@@ -62,7 +66,8 @@ def rows(count: int, seed: int) -> list[Example]:
 def demo(row: Example, rng: random.Random, max_turns: int) -> list[tuple[str, bool]]:
     out: list[tuple[str, bool]] = [(row.prompt, False)]
     if rng.random() < TOOL_PROB and max_turns >= 2:
-        out += [("c", True), (f"[{row.answer}]", False), (row.answer, True)]
+        shown = row.answer.zfill(WIDTH)  # the tool's result as the environment shows it, copied as it is
+        out += [("c", True), (f"[{shown}]", False), (shown, True)]
     else:
         out.append((str(rng.randint(20, 891)), True))
     return out

@@ -30,6 +30,8 @@ BATCH, LR = 64, 3e-3
 STEPS = {"guess_number": 150, "nim": 150, "calculator": 600}
 """Optimizer steps per environment: the random players' transcripts are learnt (loss flat) by about
 100 steps; the calculator's copying of the tool result takes longer."""
+FORMATS = {"guess_number": 2, "nim": 2, "calculator": 3}
+"""Version of each environment's transcripts (part of the cache key): bumped when they change."""
 
 
 def transcripts(cfg: Config, tokenizer, count: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -80,7 +82,8 @@ def env_base(cfg: Config, log: Callable[[str], None] = print, steps: int | None 
         raise ConfigError(f"env.name: the environment warm-up covers the built-ins {sorted(DEMOS)}; "
                           "for another environment set model.path to your base policy")
     steps = steps or STEPS[cfg.env.name]
-    shaping = {"env": cfg.env.name, "max_turns": cfg.env.max_turns, "seed": cfg.run.seed, "steps": steps, "format": 2}
+    shaping = {"env": cfg.env.name, "max_turns": cfg.env.max_turns, "seed": cfg.run.seed, "steps": steps,
+               "format": FORMATS[cfg.env.name]}
     key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cfg.warmup.cache_dir) / f"env-{cfg.env.name}-{key}"
     if (folder / "nonstop_base.json").is_file():
