@@ -16,7 +16,8 @@ allowance). When the game is done, `env.close()` gives every player's reward (ze
 
 With several roles the run uses the per-role EMA baseline by default (episode_flow.py), as the
 built-in Nim self-play does. Optional extra: `pip install 'nonstop[textarena]'` (textarena
-0.7.4 pulls no torch; it uses the process-global `random`, seeded from the row at reset).
+0.7.4 pulls no torch; its games draw from the process-global `random`, which textarena seeds
+from the row's seed at reset).
 """
 
 from __future__ import annotations
@@ -77,7 +78,6 @@ class TextArenaGame:
         return Turn(news, None, rewards, meta)
 
     async def reset(self, row: Example) -> Turn:
-        random.seed(int(row.answer))  # textarena draws from the process-global generator
         self.env.reset(num_players=self.num_players, seed=int(row.answer))
         return self._turn(done=False)
 
