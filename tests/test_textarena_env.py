@@ -102,6 +102,6 @@ def test_a_tiny_model_plays_both_seats_token_exact_per_role(tmp_path):
             assert s.prompt_ids == codec.encode(news[0]) and "Welcome to Nim" in news[0]
             appended = [t for t, m in zip(s.completion_ids, s.loss_mask) if not m]
             assert appended == [t for text in news[1:] for t in encode_observation(codec, text)]
-            assert sum(s.loss_mask) > 0
+        assert sum(e.samples[0].loss_mask) > 0  # the first seat always moves (the second may lose before it does)
     with pytest.raises(ConfigError, match="no game 'Chezz-v0'"):
         env_factory("textarena/Chezz-v0")

@@ -126,7 +126,7 @@ def test_a_verifiers_episode_over_http_is_the_engine_samples_plus_the_env_messag
     _check_exact(sample, calls, codec, encode_observation(codec, RETRY), top_k=4)
     assert sample.reward == trace.reward == 0.0 and sample.role == "agent"
     # verifiers' own training view of the trace agrees: one branch, its ids, mask and logprobs
-    [branch] = trace.branches()
+    [branch] = trace.branches
     assert branch.token_ids == sample.prompt_ids + sample.completion_ids
     assert branch.sampled_mask == [False] * len(sample.prompt_ids) + sample.loss_mask
 

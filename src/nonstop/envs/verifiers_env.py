@@ -5,7 +5,7 @@ What runs, and whose code it is:
   training rollout: `graph.prepare_turn(trace, messages)` -> `TrainClient.get_response(...)`
   (renders the prompt to ids, bridging from the previous turn's ids, and POSTs them to
   `/inference/v1/generate` through `renderers.client.generate`) -> `PendingTurn.commit(response)`
-  into the trace's message graph -> `Trace.branches()` (token ids, `sampled_mask`, logprobs,
+  into the trace's message graph -> `Trace.branches` (token ids, `sampled_mask`, logprobs,
   `SamplingMask`) -> `vf.Episode` with a `PolicySpan`;
 - a verifiers `Taskset` gives the tasks, and each task's own `@vf.reward`/`@vf.metric` methods
   score the trace (`Task.score`, in process);
@@ -57,6 +57,7 @@ try:
     from renderers.base import ParsedResponse, RenderedTokens
     from renderers.configs import BaseRendererConfig, CustomRendererConfig
     from verifiers.v1 import graph
+    from verifiers.v1.clients import TrainClient
     from verifiers.v1.dialects.chat import ChatDialect, message_to_wire
     from verifiers.v1.episode import EnvInfo, TrainRunInfo, TrainWorkInfo
     from verifiers.v1.trace import AgentInfo, TraceTask
@@ -94,12 +95,14 @@ class TokenRenderer:
         """A wire message's ids: the first as `Codec.encode` makes them, later ones without special
         tokens; an assistant turn ends with the stop token the engine sampled."""
         content = message.get("content") or ""
-        text = content if isinstance(content, str) else "\n".join(p.get("text", "") for p in content if p.get("type") == "text")
+        text = content if isinstance(content, str) else "\n".join(p.get("text", "") for p in content
+                                                                   if p.get("type") == "text")
         if message.get("role") == "assistant":
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + self.get_stop_token_ids()
         if not text:
             return []
-        return list(self.tokenizer(text)["input_ids"] if first else self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = self.tokenizer(text)["input_ids"] if first else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return list(ids)
 
     def render(self, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = False,
                **_: Any) -> RenderedTokens:
@@ -198,11 +201,11 @@ class VersionLog:
 
 
 def train_client(base_url: str, renderer_model: str, transport: httpx.AsyncBaseTransport | None = None,
-                 api_key: str | None = None) -> tuple[vf.TrainClient, VersionLog]:
+                 api_key: str | None = None) -> tuple[TrainClient, VersionLog]:
     """verifiers' train client against `base_url` (or `transport`), its versions logged."""
     config = vf.TrainClientConfig(base_url=base_url, api_key_var="NONSTOP_API_KEY", renderer=renderer_config(),
                                   renderer_model_name=renderer_model)
-    client = vf.TrainClient(config)
+    client = TrainClient(config)
     log = VersionLog()
     client.client = AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0,
                                 http_client=httpx.AsyncClient(transport=transport, event_hooks={"response": [log]}))
@@ -217,7 +220,7 @@ def _first_messages(task: vf.Task) -> list[vf.types.Message]:
     return messages + [vf.UserMessage(content=data.prompt_text)]
 
 
-async def play_episode(client: vf.TrainClient, versions: VersionLog, task: vf.Task, model: str,
+async def play_episode(client: TrainClient, versions: VersionLog, task: vf.Task, model: str,
                        sampling: vf.SamplingConfig, max_turns: int, retry: str, solved_at: float = 1.0,
                        step: int = 0, run_id: str = "nonstop", max_episode_tokens: int | None = None,
                        tokenizer: Any = None) -> vf.Episode:
@@ -283,7 +286,7 @@ def episode_samples(episode: vf.Episode, tokenizer: Any, index: int = 0) -> list
             continue
         node_index = {id(n): i for i, n in enumerate(trace.nodes)}
         recorded = trace.info.get(VERSIONS_KEY, {})
-        for branch in trace.branches():
+        for branch in trace.branches:
             ids, mask = branch.token_ids, branch.sampled_mask
             if not branch.trainable or not any(mask):
                 continue
@@ -358,10 +361,10 @@ class VerifiersPlayer:
                  solved_at: float = 1.0) -> None:
         self.tasks, self.renderer_model = tasks, renderer_model
         self.retry, self.solved_at = retry, solved_at
-        self.clients: dict[int, tuple[vf.TrainClient, VersionLog]] = {}
+        self.clients: dict[int, tuple[TrainClient, VersionLog]] = {}
         self.played = 0
 
-    def _client(self, engine: TurnEngine) -> tuple[vf.TrainClient, VersionLog]:
+    def _client(self, engine: TurnEngine) -> tuple[TrainClient, VersionLog]:
         if self.renderer_model is None:
             raise ConfigError("env.name: a verifiers taskset needs the model folder whose tokenizer renders its prompts")
         if id(engine) not in self.clients:
