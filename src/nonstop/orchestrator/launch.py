@@ -83,6 +83,10 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
     t0 = time.perf_counter()
+    if data is None and cfg.env is not None:  # an environment's own rows (None for a custom env: the task's)
+        from nonstop.envs.registry import builtin_task
+
+        data = builtin_task(cfg.env)
     if resume_dir is None:
         preflight(cfg, reward)
         if data is None:
@@ -92,10 +96,6 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     else:
         run_dir = resume_dir
         (run_dir / FAILED).unlink(missing_ok=True)
-    if data is None and cfg.env is not None:
-        from nonstop.envs.registry import builtin_task
-
-        data = builtin_task(cfg.env)
     if data is None:
         data = load_task(cfg.task)
     try:
