@@ -76,11 +76,12 @@ def main() -> None:
         cfg, tl = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
         params = calibrate(tl, cfg)
         print(f"calibrated on {Shape.of(cfg).label()}: pass {params.pass_s * 1e3:.2f} ms + "
-              f"{params.pass_row_s * 1e6:.1f} us/row (x{1 + params.engine_slowdown:.2f} while training), step "
-              f"{params.step_s * 1e3:.1f} ms + {params.step_token_s * 1e6:.1f} us/token "
-              f"(x{1 + params.trainer_slowdown:.2f} while generating), publish {params.publish_s * 1e3:.1f} ms, "
-              f"loop {params.loop_s * 1e3:.1f} ms, drop {params.drop_frac:.2f}, shared cores "
-              f"{'none' if params.cores is None else f'{params.cores:.2f}'}", flush=True)
+              f"{params.pass_row_s * 1e6:.1f} us/row, step {params.step_s * 1e3:.1f} ms + "
+              f"{params.step_token_s * 1e6:.1f} us/token, publish {params.publish_s * 1e3:.1f} ms; orchestrator "
+              f"{params.orch_group_s * 1e3:.2f} ms/group, pause {params.pause_s * 1e3:.0f} ms/{params.pause_every:.0f} groups, handoff "
+              f"{params.deliver_delay_s * 1e3:.1f} ms, call {params.call_s * 1e3:.1f} ms, loop {params.loop_s * 1e3:.1f} ms; "
+              f"drop {params.drop_frac:.2f}, shared cores {'none' if params.cores is None else f'{params.cores:g}'}",
+              flush=True)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
               f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5}")
         rel, idle = [], []

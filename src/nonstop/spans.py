@@ -10,7 +10,9 @@ taken at the same instant, so a reader maps any file's times to wall-clock time
 there is exact up to the anchor's microseconds.
 
 Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
-- orchestrator: `rl_start` (t), `group` (id [epoch, prompt], t_admit, t_gen0, t_gen1, t_done,
+- orchestrator: `rl_start` (t; cpus: processors this host lets the run use, cpu_actors: whether
+  the engines and trainer ranks compute on them, as local processes do without an accelerator:
+  the capacity planner then has them share those processors), `group` (id [epoch, prompt], t_admit, t_gen0, t_gen1, t_done,
   lens: completion tokens per sample, v: [oldest, newest] policy_version of its tokens),
   `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step), `train`
   (step, t0, t1, groups, queued), `publish` (step, version, t0, t1), `eval` and `checkpoint`
@@ -36,7 +38,10 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nonstop.config import Config
 
 SPANS_DIR = "spans"
 CHUNK_S = 0.05  # an engine's busy chunk is cut once it would grow longer than this
@@ -47,6 +52,22 @@ FLUSH_S = 1.0
 def now() -> float:
     """The span log's clock."""
     return time.monotonic()
+
+
+def host_cpus(cfg: Config) -> dict[str, Any]:
+    """`rl_start`'s record of the processors the actors share (see the module docstring)."""
+    from nonstop.device import resolve_device
+
+    cpu = all(resolve_device(spec, field).type == "cpu"
+              for spec, field in ((cfg.engine.device, "engine.device"), (cfg.trainer.device, "trainer.device")))
+    return {"cpus": cpu_count(), "cpu_actors": cpu and cfg.runtime.backend == "local"}
+
+
+def cpu_count() -> int:
+    """Processors this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def span_path(run_dir: Path | str, actor: str) -> Path:
