@@ -79,7 +79,7 @@ def main() -> None:
               f"{params.pass_row_s * 1e6:.1f} us/row, step {params.step_s * 1e3:.1f} ms + "
               f"{params.step_token_s * 1e6:.1f} us/token, publish {params.publish_s * 1e3:.1f} ms; orchestrator "
               f"{params.orch_group_s * 1e3:.2f} ms/group, pause {params.pause_s * 1e3:.0f} ms/{params.pause_every:.0f} groups, handoff "
-              f"{params.deliver_delay_s * 1e3:.1f} ms, call {params.call_s * 1e3:.1f} ms, loop {params.loop_s * 1e3:.1f} ms; "
+              f"{params.deliver_delay_s * 1e3:.1f} ms, call {params.call_sample_s * 1e6:.1f} us/sample, loop {params.loop_s * 1e3:.1f} ms; "
               f"drop {params.drop_frac:.2f}, shared cores {'none' if params.cores is None else f'{params.cores:g}'}",
               flush=True)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "

@@ -17,13 +17,15 @@ Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
   `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step), `train`
   (step, t0, t1, groups, queued), `publish` (step, version, t0, t1), `eval` and `checkpoint`
   (t0, t1);
-- engine: `busy` (t0, t1, passes, rows, busy_s: consecutive forward passes coalesced into one
-  chunk of about `CHUNK_S`; rows = tokens emitted, summed over the passes; busy_s = the passes'
-  own time, t1 - t0 = that plus the engine's work between them: taking requests, returning
-  results; a chunk cut for length ends where the next begins), `apply` (t0, t1, version: a new
-  policy_version made live);
+- engine: `busy` (t0, t1, passes, rows, busy_s, cpu_s: consecutive forward passes coalesced into
+  one chunk of about `CHUNK_S`; rows = tokens emitted, summed over the passes; busy_s = the
+  passes' own time, t1 - t0 = that plus the engine's work between them: taking requests,
+  returning results; cpu_s = the processor time the engine's process got over the chunk, less
+  than t1 - t0 when it shared a processor or waited; a chunk cut for length ends where the next
+  begins), `apply` (t0, t1, version: a new policy_version made live);
 - trainer rank: `step` (t0, t1, version, tokens, samples, update_s: the part of the step that
-  does not grow with its tokens, gradient clip and optimizer step), `publish` (t0, t1, version, bytes).
+  does not grow with its tokens, gradient clip and optimizer step; cpu_s: the rank's processor
+  time over the step), `publish` (t0, t1, version, bytes).
 
 Cost: one `json.dumps` and a buffered write per event (a few microseconds); engines coalesce
 their forward passes, so a busy engine writes about 1 / CHUNK_S lines a second. Files are
@@ -117,27 +119,30 @@ class PassRecorder:
     def __init__(self, log: SpanLog) -> None:
         self.log = log
         self.t0 = self.t1 = 0.0
+        self.cpu0 = self.cpu1 = 0.0  # the process's processor time at the chunk's first pass start, last pass end
         self.passes = self.rows = 0
         self.busy_s = 0.0
 
-    def record(self, t0: float, t1: float, rows: int) -> None:
+    def record(self, t0: float, t1: float, rows: int, cpu0: float = 0.0, cpu1: float = 0.0) -> None:
+        """One pass from t0 to t1 emitting `rows` tokens; cpu0, cpu1: `time.process_time()` at its start and end."""
         if self.passes and t0 - self.t1 > GAP_S:
             self.flush()
         elif self.passes and t1 - self.t0 > CHUNK_S:
-            self.flush(end=t0)
+            self.flush(end=t0, cpu_end=cpu0)
         if not self.passes:
-            self.t0 = t0
-        self.t1 = t1
+            self.t0, self.cpu0 = t0, cpu0
+        self.t1, self.cpu1 = t1, cpu1
         self.passes += 1
         self.rows += rows
         self.busy_s += t1 - t0
 
-    def flush(self, end: float | None = None) -> None:
+    def flush(self, end: float | None = None, cpu_end: float | None = None) -> None:
         """Write the open chunk, ending at `end` (default: its last pass's end)."""
         if self.passes:
             t1 = self.t1 if end is None else end
+            cpu = (self.cpu1 if cpu_end is None else cpu_end) - self.cpu0
             self.log.emit("busy", t0=round(self.t0, 6), t1=round(t1, 6), passes=self.passes, rows=self.rows,
-                          busy_s=round(self.busy_s, 6))
+                          busy_s=round(self.busy_s, 6), cpu_s=round(cpu, 6))
         self.passes = self.rows = 0
         self.busy_s = 0.0
 

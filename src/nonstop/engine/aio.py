@@ -16,6 +16,7 @@ Contract of `AsyncEngine`:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -65,13 +66,14 @@ class AsyncEngine:
             return
         stats = self.engine.scheduler.stats
         t0, tokens, swaps, swap_s = now(), stats["tokens_generated"], stats["swaps"], stats["swap_s"]
+        cpu0 = time.process_time()
         self.engine.step()
-        t1 = now()
+        t1, cpu1 = now(), time.process_time()
         if stats["swaps"] != swaps:  # the pass began by making a new version live
             assert self.spans is not None  # _passes exists only with spans
             self.spans.emit("apply", t0=round(t0, 6), t1=round(t0 + stats["swap_s"] - swap_s, 6),
                             version=self.engine.policy_version)
-        self._passes.record(t0, t1, int(stats["tokens_generated"] - tokens))
+        self._passes.record(t0, t1, int(stats["tokens_generated"] - tokens), cpu0, cpu1)
 
     def submit(self, request: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Future:
         """Queue a request; `queue` (bounded by the caller) receives a TokenEvent per token."""

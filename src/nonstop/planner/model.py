@@ -17,7 +17,8 @@ What is modelled, as the code does it:
   `orch_group_s` of it, and the groups of one busy stretch are buffered together
   `deliver_delay_s` after it ends, or dropped with probability `drop_frac` (no learning signal;
   its admission is refunded); every `pause_every` groups it pauses for `pause_s`; a batch takes
-  `call_s` of it before the step starts and `loop_s` after the publish; admitted groups are sent
+  `call_sample_s` per sample of it before the step starts and `loop_s` between the step and the
+  publish (taking the result, calling the publish, records); admitted groups are sent
   once it is free;
 - the trainer takes `batch` groups in arrival order, dropping those more than `max_lag` versions
   behind the published version (refunded), steps, publishes, and only then raises admission;
@@ -321,7 +322,8 @@ class Simulation:
             self.batch.append(g)
         if len(self.batch) == self.s.prompts_per_step:
             self.trainer_waiting = False
-            self.at(self.orchestrate(self.p.call_s), "step_start")
+            samples = sum(len(g.lens) for g in self.batch)
+            self.at(self.orchestrate(self.p.call_sample_s * samples), "step_start")
 
     def on_step_start(self, _: object) -> None:
         tokens = sum(sum(g.versions.values()) for g in self.batch)

@@ -11,8 +11,8 @@ actor needs when it has a processor to itself:
   group (receive, decode, hand to scoring); the groups of one busy stretch are buffered together
   `deliver_delay_s` after it ends (their scores come back from the scoring threads); a pause of
   `pause_s` every `pause_every` groups (garbage collection mostly, which comes with the objects
-  it makes; 0: none seen); `call_s` to hand a batch to
-  the trainer before the step begins, `loop_s` after each step (taking its result, calling the
+  it makes; 0: none seen); `call_sample_s` per sample to hand a batch to
+  the trainer before the step begins (pickling and sending it), `loop_s` after each step (taking its result, calling the
   publish, the step's records); admission waits for it too, as the producer runs on the same
   event loop;
 - admit_delay_s (admission -> engine call); `admit_delays`, when measured, are resampled instead
@@ -104,7 +104,7 @@ class PlanParams:
     orch_group_s: float = 0.0
     pause_s: float = 0.0
     pause_every: float = 0.0
-    call_s: float = 0.0
+    call_sample_s: float = 0.0
     loop_s: float = 0.0
     pickup_passes: int = 0
     wake_s: float = 0.0
@@ -217,14 +217,17 @@ def fit_orchestrator(groups: list[GroupLife]) -> tuple[float, float, list[Interv
         return 0.0, fmean(g.t_done - g.t_gen1 for g in gs) if gs else 0.0, []
     a = np.array([g.t_gen1 for g in gs])
     done = np.array([g.t_done for g in gs])
-    s_max = max(float(done.max() - a.min()) / len(gs), 1e-6)
     best = (math.inf, 0.0, 0.0)
-    for s in np.linspace(0.0, s_max, 201):
-        r = done - stretch_ends(a, float(s))[1]
-        l_ = float(np.median(r))
-        loss = float(np.median(np.abs(r - l_)))
-        if loss < best[0] - 1e-12:
-            best = (loss, float(s), max(l_, 0.0))
+    lo, hi = 0.0, max(float(done.max() - a.min()) / len(gs), 1e-6)
+    for _ in range(2):  # a grid over s, then a finer one around the best
+        for s in np.linspace(lo, hi, 201):
+            r = done - stretch_ends(a, float(s))[1]
+            l_ = float(np.median(r))
+            loss = float(np.median(np.abs(r - l_)))
+            if loss < best[0] - 1e-12:
+                best = (loss, float(s), max(l_, 0.0))
+        step = (hi - lo) / 200
+        lo, hi = max(best[1] - step, 0.0), best[1] + step
     _, s_fit, l_fit = best
     c = stretch_ends(a, s_fit)[0]
     return s_fit, l_fit, [(float(x) - s_fit, float(x)) for x in c]
@@ -322,6 +325,28 @@ def engine_wake(tl: Timeline) -> float:
     return max(_median(wakes), 0.0)
 
 
+def effective_cores(busy: list[list[Interval]], items: list[tuple[float, float, float]], host: float) -> float | None:
+    """The number of processors c for which processor sharing (`Sharing`) of the actors' busy
+    intervals explains how much slower than their processor time `items` (t0, t1, cpu_s) ran:
+    sum of work_c(t0, t1) = sum of cpu_s. Less than the host's when something else took a share
+    too, more when the actors' busy intervals overstate their demand. None when the items ran
+    at full speed (nothing to share)."""
+    cpu = sum(c for _, _, c in items)
+    wall = sum(t1 - t0 for t0, t1, _ in items)
+    if cpu <= 0 or cpu >= wall * (1 - 1e-3):
+        return None
+    lo, hi = host / 16, host * 16
+    if sum(Sharing(busy, hi).work(t0, t1) for t0, t1, _ in items) <= cpu:
+        return None
+    for _ in range(40):  # work_c grows with c: bisect on a log scale
+        mid = math.sqrt(lo * hi)
+        if sum(Sharing(busy, mid).work(t0, t1) for t0, t1, _ in items) < cpu:
+            lo = mid
+        else:
+            hi = mid
+    return round(math.sqrt(lo * hi), 3)
+
+
 def host_cores(tl: Timeline, cfg: Config) -> float | None:
     """Processors the engines and trainer ranks share: `rl_start`'s record, or (a span log
     without it) this machine's, when the run's actors would compute on it. None: accelerators."""
@@ -347,19 +372,25 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     paused = pauses(tl)
     call_s, loop_s, loop_busy = loop_costs(tl)
     cores = host_cores(tl, cfg)
-    sharing = Sharing([tl.engine_busy(a) for a in tl.actors("engine")]
-                      + [tl.trainer_busy(a) for a in tl.actors("trainer")]
-                      + [handling + loop_busy + paused], cores)
-    chunks = []
-    for actor in tl.actors("engine"):
-        for e in tl.events[actor]:
-            if e["ev"] == "busy" and e["passes"] and e["t1"] > e["t0"]:
-                # weighted by passes: the fit then reproduces the total time of all passes
-                chunks += [(e["rows"] / e["passes"], sharing.work(e["t0"], e["t1"]) / e["passes"])] * e["passes"]
-    if not chunks:
+    busy = ([tl.engine_busy(a) for a in tl.actors("engine")] + [tl.trainer_busy(a) for a in tl.actors("trainer")]
+            + [handling + loop_busy + paused])
+    chunk_events = [e for a in tl.actors("engine") for e in tl.events[a]
+                    if e["ev"] == "busy" and e["passes"] and e["t1"] > e["t0"]]
+    if not chunk_events:
         raise ValueError(f"{tl.run_dir}: the span log holds no engine forward passes")
+    measured = cores is not None and all("cpu_s" in e for e in chunk_events + steps)
+    if measured:  # processor time says what each took alone; the steps' wall time says how shared they were
+        cores = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps], cores)
+        per_pass = [(e["rows"] / e["passes"], e["cpu_s"] / e["passes"]) for e in chunk_events]
+        work = [e["cpu_s"] for e in steps]
+    else:
+        sharing = Sharing(busy, cores)
+        per_pass = [(e["rows"] / e["passes"], sharing.work(e["t0"], e["t1"]) / e["passes"]) for e in chunk_events]
+        work = [sharing.work(e["t0"], e["t1"]) for e in steps]
+    # weighted by passes: the fit then reproduces the total time of all passes
+    chunks = [xy for e, xy in zip(chunk_events, per_pass) for _ in range(e["passes"])]
     pass_s, pass_row_s = _fit_line(*map(list, zip(*chunks)))
-    step_s, step_token_s = _fit_steps(steps, [sharing.work(e["t0"], e["t1"]) for e in steps])
+    step_s, step_token_s = _fit_steps(steps, work)
     pubs = [e["t1"] - e["t0"] for e in tl.events.get("trainer-0", []) if e["ev"] == "publish"]
     applies = [e["t1"] - e["t0"] for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "apply"]
     evals = [e["t1"] - e["t0"] for e in tl.events.get("orchestrator", []) if e["ev"] == "eval"]
@@ -372,7 +403,8 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         admit_delays=[round(g.t_gen0 - g.t_admit, 6) for g in groups[:: max(1, len(groups) // 4000)]],
         deliver_delay_s=deliver_delay_s, orch_group_s=orch_group_s,
         pause_s=fmean(b - a for a, b in paused) if paused else 0.0,
-        pause_every=len(groups) / len(paused) if paused else 0.0, call_s=call_s, loop_s=loop_s,
+        pause_every=len(groups) / len(paused) if paused else 0.0,
+        call_sample_s=call_s / (cfg.rollout.prompts_per_step * cfg.rollout.group_size), loop_s=loop_s,
         drop_frac=uniform / len(groups) if groups and cfg.rollout.filter_uniform_reward and cfg.rollout.refill else 0.0,
         pickup_passes=1, wake_s=engine_wake(tl), eval_s=fmean(evals) if evals else 0.0, cores=cores, calibrated_on=Shape.of(cfg),
     )
