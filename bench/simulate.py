@@ -4,14 +4,15 @@ Runs the built-in job (step-bound, the same steps for every configuration) once 
 the planner from its span log, then predicts and runs each other configuration: buffer depth
 0/1/2/unbounded, 1 or 2 engines, two batch sizes. Every figure, predicted and measured, is
 taken over the same window (RL start to the last publish) from the span log. Printed: a table
-of predicted vs measured samples/s, trainer and engine idle fractions and mean token lag; last
-line:
+of predicted vs measured samples/s, trainer and engine idle fractions, mean token lag, and the
+processor time the trainer's steps got per second of wall time (a run that shared the machine
+with another load shows it there); last line:
 
     RESULT max_rel_error=<largest |pred/meas - 1| of samples/s> median_rel_error=<...>
            idle_abs_error=<largest |pred - meas| of the trainer idle fraction>
 
-    python bench/simulate.py --quick          # 20 steps per run, 7 runs
-    python bench/simulate.py --steps 40 --out runs/planner   # keep the run folders
+    python bench/simulate.py --quick          # 40 steps per run, 7 runs
+    python bench/simulate.py --steps 80 --out runs/planner   # keep the run folders
     python bench/simulate.py --quick --out runs/planner --reuse   # predict again, measure nothing
 """
 
@@ -50,10 +51,22 @@ def overrides(cell: dict, steps: int, out: str, name: str) -> list[str]:
 
 
 def measure(cell: dict, steps: int, out: str, name: str, reuse: bool):
+    """Run one configuration (or, with `reuse`, take the run already there, with its own config)."""
+    folder = Path(out) / name
+    if reuse and (folder / "summary.json").exists():
+        return load_config(folder / "config.yaml"), Timeline.load(folder)
     cfg = load_config(overrides=overrides(cell, steps, out, name))
-    if not (reuse and (Path(out) / name / "summary.json").exists()):
-        run_training(cfg, Console(quiet=True))
-    return cfg, Timeline.load(Path(out) / name)
+    run_training(cfg, Console(quiet=True))
+    return cfg, Timeline.load(folder)
+
+
+def cpu_share(tl: Timeline) -> str:
+    """Processor time / wall time of the trainer's steps: below 1 when the step shared a
+    processor (with the run's own actors, or with another load on the machine)."""
+    steps = [e for e in tl.events.get("trainer-0", []) if e["ev"] == "step"]
+    if not steps or not all("cpu_s" in e for e in steps):
+        return "-"
+    return f"{sum(e['cpu_s'] for e in steps) / sum(e['t1'] - e['t0'] for e in steps):.2f}"
 
 
 def mean_lag(hist: dict[int, int]) -> float:
@@ -63,13 +76,15 @@ def mean_lag(hist: dict[int, int]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="20 steps per run")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--quick", action="store_true",
+                    help="40 steps per run: a run of the tiny job is seconds long, and one orchestrator pause "
+                         "(~0.25 s every ~450 groups) is a few percent of it")
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--seeds", type=int, default=3, help="simulation seeds averaged per prediction")
     ap.add_argument("--out", default=None, help="keep the run folders here (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="with --out: take runs already there instead of running them")
     ns = ap.parse_args()
-    steps = 20 if ns.quick else ns.steps
+    steps = 40 if ns.quick else ns.steps
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = ns.out or tmp
@@ -83,7 +98,7 @@ def main() -> None:
               f"drop {params.drop_frac:.2f}, shared cores {'none' if params.cores is None else f'{params.cores:g}'}",
               flush=True)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
-              f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5}")
+              f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13}")
         rel, idle = [], []
         for i, cell in enumerate([CALIBRATE, *PREDICT]):
             if i == 0:
@@ -103,10 +118,10 @@ def main() -> None:
                 idle.append(abs(t_idle - m_t))
             label = shape.label() + (" (calibration)" if i == 0 else "")
             print(f"{label:<44} {sps:14.1f} {m_sps:7.1f} {err:+6.1%} | {t_idle:17.2f} {m_t:5.2f} | "
-                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f}", flush=True)
+                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13}", flush=True)
     print(f"wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT max_rel_error={max(rel):.3f} median_rel_error={statistics.median(rel):.3f} "
-          f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={steps}")
+          f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={cfg.run.max_steps}")
 
 
 if __name__ == "__main__":

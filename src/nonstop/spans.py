@@ -14,7 +14,8 @@ Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
   the engines and trainer ranks compute on them, as local processes do without an accelerator:
   the capacity planner then has them share those processors), `group` (id [epoch, prompt], t_admit, t_gen0, t_gen1, t_done,
   lens: completion tokens per sample, v: [oldest, newest] policy_version of its tokens),
-  `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step), `train`
+  `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step; cpu: the
+  orchestrator process's processor time so far, at t0), `train`
   (step, t0, t1, groups, queued), `publish` (step, version, t0, t1), `eval` and `checkpoint`
   (t0, t1);
 - engine: `busy` (t0, t1, passes, rows, busy_s, cpu_s: consecutive forward passes coalesced into
