@@ -6,7 +6,8 @@ the planner from its span log, then predicts and runs each other configuration: 
 taken over the same window (RL start to the last publish) from the span log. Printed: a table
 of predicted vs measured samples/s, trainer and engine idle fractions, mean token lag, and the
 processor time the trainer's steps got per second of wall time (a run that shared the machine
-with another load shows it there); last line:
+with another load shows it there) and the machine's stolen processor time (a virtual machine's
+neighbours); last line:
 
     RESULT max_rel_error=<largest |pred/meas - 1| of samples/s> median_rel_error=<...>
            idle_abs_error=<largest |pred - meas| of the trainer idle fraction>
@@ -50,14 +51,31 @@ def overrides(cell: dict, steps: int, out: str, name: str) -> list[str]:
             f"run.name={name}", "run.progress=off"]
 
 
+def host_times() -> list[int]:
+    """The machine's processor time counters (/proc/stat: user nice system idle iowait irq softirq
+    steal), summed over its processors; [] where there is no /proc."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except OSError:
+        return []
+
+
 def measure(cell: dict, steps: int, out: str, name: str, reuse: bool):
-    """Run one configuration (or, with `reuse`, take the run already there, with its own config)."""
+    """Run one configuration (or, with `reuse`, take the run already there, with its own config).
+    The share of the machine's processor time stolen by its hypervisor while the run ran is kept
+    beside it (`steal.txt`): a virtual machine's neighbours slow a run without a trace in it."""
     folder = Path(out) / name
-    if reuse and (folder / "summary.json").exists():
-        return load_config(folder / "config.yaml"), Timeline.load(folder)
-    cfg = load_config(overrides=overrides(cell, steps, out, name))
-    run_training(cfg, Console(quiet=True))
-    return cfg, Timeline.load(folder)
+    if not (reuse and (folder / "summary.json").exists()):
+        cfg = load_config(overrides=overrides(cell, steps, out, name))
+        before = host_times()
+        run_training(cfg, Console(quiet=True))
+        after = host_times()
+        if before and after:
+            d = [y - x for x, y in zip(before, after)]
+            (folder / "steal.txt").write_text(f"{d[7] / max(sum(d), 1):.3f}\n")
+    steal = folder / "steal.txt"
+    return (load_config(folder / "config.yaml"), Timeline.load(folder),
+            steal.read_text().strip() if steal.exists() else "-")
 
 
 def cpu_share(tl: Timeline) -> str:
@@ -88,7 +106,7 @@ def main() -> None:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = ns.out or tmp
-        cfg, tl = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
+        cfg, tl, steal = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
         params = calibrate(tl, cfg)
         print(f"calibrated on {Shape.of(cfg).label()}: pass {params.pass_s * 1e3:.2f} ms + "
               f"{params.pass_row_s * 1e6:.1f} us/row, step {params.step_s * 1e3:.1f} ms + "
@@ -98,13 +116,14 @@ def main() -> None:
               f"drop {params.drop_frac:.2f}, shared cores {'none' if params.cores is None else f'{params.cores:g}'}",
               flush=True)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
-              f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13}")
+              f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
+              f"{'steal':>5}")
         rel, idle = [], []
         for i, cell in enumerate([CALIBRATE, *PREDICT]):
             if i == 0:
-                cfg_i, tl_i = cfg, tl
+                cfg_i, tl_i, steal_i = cfg, tl, steal
             else:
-                cfg_i, tl_i = measure(cell, steps, out, f"cell{i}", ns.reuse)
+                cfg_i, tl_i, steal_i = measure(cell, steps, out, f"cell{i}", ns.reuse)
             shape = Shape.of(cfg_i)
             preds = [simulate(params, shape, seed) for seed in range(ns.seeds)]
             sps = statistics.fmean(p.samples_per_s for p in preds)
@@ -118,7 +137,7 @@ def main() -> None:
                 idle.append(abs(t_idle - m_t))
             label = shape.label() + (" (calibration)" if i == 0 else "")
             print(f"{label:<44} {sps:14.1f} {m_sps:7.1f} {err:+6.1%} | {t_idle:17.2f} {m_t:5.2f} | "
-                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13}", flush=True)
+                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13} {steal_i:>5}", flush=True)
     print(f"wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT max_rel_error={max(rel):.3f} median_rel_error={statistics.median(rel):.3f} "
           f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={cfg.run.max_steps}")
