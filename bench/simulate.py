@@ -30,7 +30,8 @@ from rich.console import Console
 from nonstop.cli import run_training
 from nonstop.config import load_config
 from nonstop.planner.model import simulate
-from nonstop.planner.params import Shape, calibrate
+from nonstop.planner.calibrate import calibrate
+from nonstop.planner.params import Shape
 from nonstop.timeline import Timeline
 
 CALIBRATE = {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts_per_step": 32}
@@ -108,13 +109,7 @@ def main() -> None:
         out = ns.out or tmp
         cfg, tl, steal = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
         params = calibrate(tl, cfg)
-        print(f"calibrated on {Shape.of(cfg).label()}: pass {params.pass_s * 1e3:.2f} ms + "
-              f"{params.pass_row_s * 1e6:.1f} us/row, step {params.step_s * 1e3:.1f} ms + "
-              f"{params.step_token_s * 1e6:.1f} us/token, publish {params.publish_s * 1e3:.1f} ms; orchestrator "
-              f"{params.orch_group_s * 1e3:.2f} ms/group, pause {params.pause_s * 1e3:.0f} ms/{params.pause_every:.0f} groups, handoff "
-              f"{params.deliver_delay_s * 1e3:.1f} ms, call {params.call_sample_s * 1e6:.1f} us/sample, loop {params.loop_s * 1e3:.1f} ms; "
-              f"drop {params.drop_frac:.2f}, shared cores {'none' if params.cores is None else f'{params.cores:g}'}",
-              flush=True)
+        print(f"calibrated on {Shape.of(cfg).label()}: {params.describe()}", flush=True)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
               f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
               f"{'steal':>5}")

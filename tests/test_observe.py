@@ -136,7 +136,8 @@ def test_simulate_calibrates_on_the_run_and_recommends(run_dir, tmp_path):
     """`nonstop simulate RUN_DIR` fits its costs to the run's span log, predicts the run's own
     pipeline near what the span log measured, and sweeps to a recommendation."""
     from nonstop.planner.model import simulate
-    from nonstop.planner.params import PlanParams, Shape, calibrate
+    from nonstop.planner.calibrate import calibrate
+    from nonstop.planner.params import PlanParams, Shape
 
     tl = Timeline.load(run_dir)
     cfg = load_config(run_dir / "config.yaml")

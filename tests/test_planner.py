@@ -13,7 +13,8 @@ from nonstop.config import ConfigError, load_config
 from nonstop.planner.cli import parse_axes
 from nonstop.planner.model import simulate
 from nonstop.planner.model import Simulation
-from nonstop.planner.params import PlanParams, Shape, Sharing, _fit_line, effective_cores, fit_orchestrator, pauses
+from nonstop.planner.calibrate import Sharing, _fit_line, effective_cores, fit_orchestrator, pauses
+from nonstop.planner.params import PlanParams, Shape
 from nonstop.timeline import GroupLife, Timeline
 from nonstop.planner.sweep import recommend, sweep
 
