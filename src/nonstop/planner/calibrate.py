@@ -276,8 +276,8 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
                     if e["ev"] == "busy" and e["passes"] and e["t1"] > e["t0"]]
     if not chunk_events:
         raise ValueError(f"{tl.run_dir}: the span log holds no engine forward passes")
-    measured = cores is not None and all("cpu_s" in e for e in chunk_events + steps)
-    if measured:  # processor time says what each took alone; the steps' wall time says how shared they were
+    if cores is not None and all("cpu_s" in e for e in chunk_events + steps):
+        # processor time says what each took alone; the steps' wall time says how shared they were
         cores = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps], cores)
         per_pass = [(e["rows"] / e["passes"], e["cpu_s"] / e["passes"]) for e in chunk_events]
         work = [e["cpu_s"] for e in steps]
