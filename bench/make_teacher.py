@@ -47,7 +47,7 @@ def main() -> None:
         for name in KEEP:
             shutil.copyfile(Path(summary.final_dir) / name, ns.out / name)
     prov = {
-        "command": "python bench/make_teacher.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python bench/make_teacher.py", *sys.argv[1:]]),
         "overrides": overrides,
         "base": "builtin",
         "steps": summary.steps,

@@ -26,4 +26,4 @@ def import_callable(spec: str, field: str, error: type[Exception], kind: str, kn
         raise error(f"{field}: cannot import {spec!r}: {e}") from None
     if not callable(obj):
         raise error(f"{field}: {spec!r} is not callable")
-    return obj  # type: ignore[no-any-return]
+    return obj

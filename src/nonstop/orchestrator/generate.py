@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.config import RolloutConfig
@@ -153,7 +153,7 @@ async def produce(
 
 async def admit_and_run(
     buffer: RolloutBuffer, stream: PromptStream, ledger: Ledger, stats: RolloutStats, prompts_per_step: int,
-    run_group: Callable[[Draw, float], Awaitable[None]], task_name: str,
+    run_group: Callable[[Draw, float], Coroutine[Any, Any, None]], task_name: str,
     ready: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """The admission loop both producers share: wait for `ready` (a stage that falls behind slows
