@@ -10,7 +10,7 @@ reward only (the default job), distillation only (the teacher's per-token revers
 whole advantage, `distill.task_reward=false`), and both (reward advantage + KL term). Printed
 per run: final held-out accuracy, steps, the mean teacher KL of the first and last steps.
 
-    python bench/distill.py [--quick] [--seconds 90] [--teacher-seconds S] [--coef 1.0]
+    python bench/distill.py [--quick] [--seconds 90 | --steps N] [--teacher-seconds S] [--coef 1.0]
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from nonstop.tasks.base import verify
 COMMON = ["checkpoint.every_steps=null", "run.progress=off", "run.max_steps=100000", "run.eval_every=100000"]
 
 
-def train(out: str, name: str, seconds: float, *overrides: str) -> tuple[dict, list[dict]]:
-    cfg = load_config(overrides=[*COMMON, f"run.out_dir={out}", f"run.name={name}", f"run.max_time_s={seconds}",
-                                 *overrides])
+def train(out: str, name: str, seconds: float, *overrides: str, steps: int | None = None) -> tuple[dict, list[dict]]:
+    """One run of `seconds` of RL, or of `steps` trainer steps when given (then time is unbounded)."""
+    budget = [f"run.max_time_s={seconds}"] if steps is None else ["run.max_time_s=null", f"run.max_steps={steps}"]
+    cfg = load_config(overrides=[*COMMON, f"run.out_dir={out}", f"run.name={name}", *budget, *overrides])
     summary = run_training(cfg, Console(quiet=True)).to_dict()
     recs = [json.loads(x) for x in (Path(out) / name / "metrics.jsonl").read_text().splitlines()]
     return summary, [r for r in recs if not r.get("final_eval")]
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--teacher-seconds", type=float, default=0.0,
                     help="train a teacher for this long instead of the shipped one (0: the shipped one)")
     ap.add_argument("--coef", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="give each student this many trainer steps instead of --seconds (load-independent)")
     ns = ap.parse_args()
     seconds, teacher_s = (45.0 if ns.quick else ns.seconds), ns.teacher_seconds
     rows = {}
@@ -61,14 +64,15 @@ def main() -> None:
         student = ["model.base=builtin_weak"]
         distill = [f"distill.teacher={teacher}", f"distill.coef={ns.coef}", "rollout.filter_uniform_reward=false"]
         for name, extra in (("reward", []), ("distill", [*distill, "distill.task_reward=false"]), ("both", distill)):
-            summary, recs = train(out, name, seconds, *student, *extra)
+            summary, recs = train(out, name, seconds, *student, *extra, steps=ns.steps)
             kl = [r["teacher_kl"] for r in recs if "teacher_kl" in r]
             rows[name] = {"acc": summary["final_accuracy"], "base": summary["base_accuracy"], "steps": summary["steps"],
                           "kl_first": kl[0] if kl else None, "kl_last": sum(kl[-3:]) / len(kl[-3:]) if kl else None}
             print(f"{name:>8}: {summary['base_accuracy']:.1%} -> {summary['final_accuracy']:.1%} "
                   f"({summary['steps']} steps)", flush=True)
-    print(f"\nStudent: shipped weak base; teacher: {made} ({teacher_acc:.1%}); {seconds:g} s of RL per student "
-          f"run; coef {ns.coef:g}")
+    budget = f"{seconds:g} s of RL" if ns.steps is None else f"{ns.steps} steps"
+    print(f"\nStudent: shipped weak base; teacher: {made} ({teacher_acc:.1%}); {budget} per student run; "
+          f"coef {ns.coef:g}")
     print(f"{'signal':>8} {'held-out acc':>13} {'steps':>6} {'teacher KL first':>17} {'last':>6}")
     for name, r in rows.items():
         first = "-" if r["kl_first"] is None else f"{r['kl_first']:.3f}"
