@@ -158,7 +158,7 @@ class TrainerWorker:
         t = self.trainer
         self.save(str(out / "model"))
         sharded = isinstance(t, ParallelTrainer) and t.mode == "fsdp2"
-        if sharded:
+        if isinstance(t, ParallelTrainer) and sharded:
             t.save_optimizer(out / SHARDED_OPTIMIZER)
         if isinstance(t, ParallelTrainer) and t.rank > 0:
             return t.policy_version
@@ -178,8 +178,7 @@ class TrainerWorker:
             saved, now_ = ("fsdp2", "ddp or one rank") if state["optimizer"] is None else ("ddp or one rank", "fsdp2")
             raise ValueError(f"trainer.data_parallel: the checkpoint {path} holds the optimizer state of {saved} "
                              f"trainer ranks, this run has {now_}; resume with the checkpoint's trainer.data_parallel")
-        if sharded:
-            assert isinstance(t, ParallelTrainer)
+        if isinstance(t, ParallelTrainer) and sharded:
             t.load_optimizer(Path(path) / SHARDED_OPTIMIZER)
         else:
             t.optimizer.load_state_dict(state["optimizer"])

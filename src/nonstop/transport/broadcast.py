@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Protocol, cast
 
@@ -63,7 +64,7 @@ def _timed_out(e: Exception) -> bool:
     return "timeout" in text or "timed out" in text
 
 
-def _await_works(works: list[dist.Work], timeout_s: float, abandon) -> None:
+def _await_works(works: list[dist.Work], timeout_s: float, abandon: Callable[[], bool]) -> None:
     """Wait for every work within `timeout_s` in all; raise _RoundAbandoned once `abandon()` is true."""
     deadline = time.monotonic() + timeout_s
     for work in works:
