@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nonstop.config import ConfigError, TaskConfig, load_config
 from nonstop.engine.core import TorchEngine
-from nonstop.tasks.base import SHIPPED, choose_base, prepare_base_model, sha256_file, shipped_dir, verify
+from nonstop.tasks.base import (SHIPPED, choose_base, prepare_base_model, read_provenance, sha256_file, shipped_dir,
+                                verify)
 from nonstop.tasks.data import load_task
 from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.tasks.warmup import greedy_accuracy
@@ -112,3 +113,22 @@ def test_warmup_command_writes_a_base_with_its_provenance(tmp_path):
     data = load_task(TaskConfig(max_operand=9, eval_size=20))
     acc = greedy_accuracy(TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, 4)
     assert acc == prov["heldout_accuracy"]
+
+
+def test_shipped_teacher_is_the_recorded_bytes_and_distill_teacher_builtin_names_it():
+    """bench/distill.py and `distill.teacher: builtin` use the shipped teacher: the shipped base
+    after RL, with the student's tokenizer, much stronger than the base (greedy held-out)."""
+    from nonstop.config_scoring import SHIPPED_TEACHER
+    from nonstop.scoring.teacher import check_tokenizers
+
+    prov = verify(SHIPPED_TEACHER)
+    base = read_provenance(shipped_dir())
+    assert prov["base_accuracy"] == base["heldout_accuracy"] and prov["heldout_accuracy"] >= base["heldout_accuracy"] + 0.3
+    assert load_config(overrides=["distill.teacher=builtin"]).distill.teacher == str(SHIPPED_TEACHER)
+    check_tokenizers(str(shipped_dir("builtin_weak")), str(SHIPPED_TEACHER))  # raises if they differ
+    data = load_task(TaskConfig(**{k: base["task"][k] for k in ("name", "max_operand", "pad_answer", "split_seed",
+                                                                  "eval_size")}))
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_TEACHER).eval()
+    tok = AutoTokenizer.from_pretrained(SHIPPED_TEACHER)
+    acc = greedy_accuracy(TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, 4)
+    assert abs(acc - prov["heldout_accuracy"]) <= 3 / len(data.eval), (acc, prov["heldout_accuracy"])

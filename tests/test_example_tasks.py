@@ -44,3 +44,16 @@ def test_example_task_files_are_what_the_generator_writes(tmp_path):
     subprocess.run([sys.executable, str(tmp_path / "make_tasks.py")], check=True)
     for task in ("subtraction", "reverse", "multiply"):
         assert (tmp_path / f"{task}.jsonl").read_text() == (TASKS / f"{task}.jsonl").read_text()
+
+
+def test_each_task_warms_up_into_its_own_cached_base(monkeypatch):
+    """The warm-up cache key covers the task: two tasks with the same model and warm-up settings
+    must not share a cached base (one task's base scores 0% on another)."""
+    from nonstop.tasks.warmup import _cache_key
+
+    monkeypatch.chdir(ROOT)
+    keys = {task: _cache_key(load_config(TASKS / f"{task}.yaml")) for task in ("subtraction", "reverse", "multiply")}
+    assert len(set(keys.values())) == 3, keys
+    cfg = load_config(TASKS / "reverse.yaml")
+    assert _cache_key(cfg) == _cache_key(load_config(TASKS / "reverse.yaml", ["task.reward=exact_match"]))
+    assert _cache_key(cfg) != _cache_key(load_config(TASKS / "reverse.yaml", ["task.eval_size=100"]))

@@ -12,11 +12,14 @@ The rules across these and other sections live in `Config._scoring_rules` (confi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from nonstop.config_schema import Section as _Section
+
+SHIPPED_TEACHER = Path(__file__).resolve().parent / "assets" / "addition-teacher"
 
 
 class RewardModelConfig(_Section):
@@ -101,7 +104,10 @@ class DistillConfig(_Section):
     log pi_student(a_t) - log pi_teacher(a_t) enters the advantage with weight -coef."""
 
     teacher: str | None = None
-    """Folder of a causal LM sharing the student's tokenizer (checked at start-up); None: off."""
+    """Folder of a causal LM sharing the student's tokenizer (checked at start-up); 'builtin': the
+    shipped teacher for the built-in addition task (the shipped base after 1,500 steps of RL,
+    nonstop/assets/addition-teacher, made by bench/make_teacher.py), resolved to its folder on
+    load; None: off."""
     coef: float = Field(1.0, ge=0.0)
     """lambda: the advantage of token t becomes A_t - coef x (log pi_student(a_t) - log pi_teacher(a_t))."""
     task_reward: bool = True
@@ -113,3 +119,8 @@ class DistillConfig(_Section):
     """Sequences per teacher forward pass."""
     max_restarts: int = Field(3, ge=0)
     """A dead teacher actor is started again this many times before the run stops."""
+
+    @field_validator("teacher")
+    @classmethod
+    def _shipped_teacher(cls, v: str | None) -> str | None:
+        return str(SHIPPED_TEACHER) if v == "builtin" else v

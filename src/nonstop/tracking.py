@@ -77,7 +77,19 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-class WandbTracker:
+class _RunTracker:
+    """A tracker whose run object logs a step's values and finishes (wandb and trackio share this API)."""
+
+    run: Any
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class WandbTracker(_RunTracker):
     def __init__(self, run_dir: Path, name: str, config: dict[str, Any]) -> None:
         for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
             os.environ.setdefault(var, str(run_dir / "wandb" / "home"))  # not the user's ~/.cache
@@ -85,24 +97,12 @@ class WandbTracker:
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=name, dir=str(run_dir),
                               config=config, mode=os.environ.get("WANDB_MODE", "offline"), reinit="create_new")
 
-    def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
-
-
-class TrackioTracker:
+class TrackioTracker(_RunTracker):
     def __init__(self, run_dir: Path, name: str, config: dict[str, Any]) -> None:
         os.environ.setdefault("TRACKIO_DIR", str(run_dir / "trackio"))  # read when trackio is imported
         self.trackio = _need("trackio", "trackio")
         self.run = self.trackio.init(project=PROJECT, name=name, config=config)
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 class MlflowTracker:

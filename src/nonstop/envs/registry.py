@@ -18,7 +18,6 @@ a custom environment reads its rows from the task section like single-turn promp
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import random
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from nonstop.config import ConfigError, EnvConfig
 from nonstop.envs import calculator, guess, nim, reasoning_gym
 from nonstop.envs.base import EnvLimits, MultiAgentEnvironment, SingleAgent
+from nonstop.imports import import_callable
 from nonstop.tasks.data import DatasetReport, Example, TaskData
 
 Demo = Callable[[Example, random.Random, int], list[tuple[str, bool]]]
@@ -47,16 +47,7 @@ def _resolve(name: str, field: str, cfg: EnvConfig | None = None) -> Callable[[]
     if name.startswith(reasoning_gym.PREFIX):
         task = _reasoning_gym_task(name, cfg)
         return lambda: reasoning_gym.ReasoningGymEnv(task)
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        raise ConfigError(f"{field}: unknown environment {name!r}; use one of {sorted(_BUILTIN)} or 'package.module:factory'")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{field}: cannot import {name!r}: {e}") from None
-    if not callable(factory):
-        raise ConfigError(f"{field}: {name!r} is not callable")
-    return factory
+    return import_callable(name, field, ConfigError, "environment", _BUILTIN)
 
 
 def as_multi_agent(env: object, field: str = "env.name") -> MultiAgentEnvironment:

@@ -24,7 +24,6 @@ its oldest model token's version).
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from nonstop.envs.base import EnvLimits
 from nonstop.metrics import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.episodes import EnvFactory, EpisodeResult, TurnEngine, run_episodes
-from nonstop.orchestrator.generate import Codec, NoLearningSignal, RolloutStats, _BusyClock
+from nonstop.orchestrator.generate import Codec, NoLearningSignal, RolloutStats, _BusyClock, admit_and_run
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.tasks.data import Draw, PromptStream
 from nonstop.types import Group, Sample, SamplingParams
@@ -152,7 +151,7 @@ async def produce_episodes(
                             min_p=rollout.min_p)
     busy = _BusyClock(clock)
 
-    async def one_group(draw: Draw) -> None:
+    async def one_group(draw: Draw, t_admit: float) -> None:
         ex = draw.example
         busy.enter()
         try:
@@ -182,19 +181,4 @@ async def produce_episodes(
         stats.groups_delivered += 1
         await buffer.put(group)
 
-    try:
-        async with asyncio.TaskGroup() as groups:
-            while True:
-                k = await buffer.admit(rollout.prompts_per_step)
-                draws = [d for d in (stream.next() for _ in range(k)) if d is not None]
-                if len(draws) < k:
-                    await buffer.refund(k - len(draws))
-                if not draws:
-                    break
-                for d in draws:
-                    ledger.draw(d)
-                    stats.prompts += 1
-                    groups.create_task(one_group(d), name=f"episodes-{d.example.index}")
-    except BaseExceptionGroup as eg:
-        raise eg.exceptions[0] from None
-    await buffer.close()
+    await admit_and_run(buffer, stream, ledger, stats, rollout.prompts_per_step, one_group, "episodes")

@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.config import RolloutConfig
@@ -29,7 +30,7 @@ from nonstop.roles import EngineClient
 from nonstop.orchestrator.score import exact_match
 from nonstop.scoring.base import Scorer
 from nonstop.spans import SpanLog, now
-from nonstop.tasks.data import Example, PromptStream
+from nonstop.tasks.data import Draw, Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ async def produce(
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
     busy = _BusyClock(clock)
 
-    async def one_group(draw, t_admit: float) -> None:
+    async def one_group(draw: Draw, t_admit: float) -> None:
         ex = draw.example
         busy.enter()
         t_gen0 = now()
@@ -161,22 +162,36 @@ async def produce(
         stats.groups_delivered += 1
         await buffer.put(group)
 
+    await admit_and_run(buffer, stream, ledger, stats, cfg.prompts_per_step, one_group, "group", ready=scorer.ready)
+
+
+async def admit_and_run(
+    buffer: RolloutBuffer, stream: PromptStream, ledger: Ledger, stats: RolloutStats, prompts_per_step: int,
+    run_group: Callable[[Draw, float], Coroutine[Any, Any, None]], task_name: str,
+    ready: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """The admission loop both producers share: wait for `ready` (a stage that falls behind slows
+    admission) and for the buffer's admission, draw that many prompts (each recorded in the
+    ledger) and run each draw's group as its own named task, given its admission time. The first
+    group failure ends the loop. When the stream runs out, the groups in flight finish, then the
+    buffer closes."""
     try:
         async with asyncio.TaskGroup() as groups:
             while True:
-                await scorer.ready()  # a scorer that falls behind slows admission
-                k = await buffer.admit(cfg.prompts_per_step)
+                if ready is not None:
+                    await ready()
+                k = await buffer.admit(prompts_per_step)
                 t_admit = now()
                 draws = [d for d in (stream.next() for _ in range(k)) if d is not None]
                 if len(draws) < k:
                     await buffer.refund(k - len(draws))
                 if not draws:
-                    break  # the stream is exhausted: the groups in flight finish, then the buffer closes
+                    break
                 for d in draws:
                     ledger.draw(d)
                     stats.prompts += 1
-                    groups.create_task(one_group(d, t_admit), name=f"group-{d.example.index}")
-    except BaseExceptionGroup as eg:  # the first failure of a group task ends the producer
+                    groups.create_task(run_group(d, t_admit), name=f"{task_name}-{d.example.index}")
+    except BaseExceptionGroup as eg:
         raise eg.exceptions[0] from None
     await buffer.close()
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from nonstop.imports import import_callable
+
 RewardFn = Callable[[str, str], float]
 
 
@@ -46,16 +48,4 @@ def resolve_reward(spec: str, field: str = "task.reward") -> RewardFn:
         module = importlib.import_module(OPTIONAL_REWARDS[spec])
         module._package()  # a clear RewardError when the extra is not installed
         return getattr(module, spec)
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        raise RewardError(
-            f"{field}: unknown reward {spec!r}; use one of {sorted([*BUILTIN_REWARDS, *OPTIONAL_REWARDS])} "
-            "or 'package.module:function'"
-        )
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise RewardError(f"{field}: cannot import {spec!r}: {e}") from None
-    if not callable(fn):
-        raise RewardError(f"{field}: {spec!r} is not callable")
-    return fn
+    return import_callable(spec, field, RewardError, "reward", [*BUILTIN_REWARDS, *OPTIONAL_REWARDS])

@@ -133,17 +133,14 @@ def _sync_group(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> li
 async def evaluate(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow],
                    executor: Executor | None = None) -> list[Outcome]:
     """Outcomes of one group: one per row, or one for the whole group (kind 'group'). A sync
-    function's calls run as jobs of `executor`, one per row, so a group waits for its slowest
-    sample, not for the sum (None: one after another right here, blocking the loop); an async
-    function's calls run concurrently on the loop."""
+    function's calls for the group run as one job of `executor`, row after row (None: right here,
+    blocking the loop): groups overlap one another, and one job per group rather than per row
+    keeps the hand-offs between the loop and the pool's threads, which cost more than a cheap
+    reward, to one per group. An async function's calls run concurrently on the loop."""
     if _is_async(fn):
         if kind == "group":
             return [await _call_async(kind, fn, rows, None)]
         return list(await asyncio.gather(*(_call_async(kind, fn, rows, row) for row in rows)))
     if executor is None:
         return _sync_group(kind, fn, rows)
-    loop = asyncio.get_running_loop()
-    if kind == "group":
-        return [await loop.run_in_executor(executor, _call_sync, kind, fn, rows, None)]
-    return list(await asyncio.gather(*(loop.run_in_executor(executor, _call_sync, kind, fn, rows, row)
-                                       for row in rows)))
+    return await asyncio.get_running_loop().run_in_executor(executor, _sync_group, kind, fn, rows)

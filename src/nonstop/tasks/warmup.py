@@ -48,7 +48,8 @@ def warmup_seed(cfg: Config) -> int:
 
 def _cache_key(cfg: Config) -> str:
     shaping = {
-        "tiny": cfg.model.tiny.model_dump(exclude_none=True),  # a dense model keeps its pre-MoE key "task": cfg.task.model_dump(exclude={"reward"}),
+        "tiny": cfg.model.tiny.model_dump(exclude_none=True),  # a dense model keeps its pre-MoE key
+        "task": cfg.task.model_dump(exclude={"reward"}),
         "warmup": {**cfg.warmup.model_dump(exclude={"cache_dir", "seed"}), "enabled": cfg.warmup_enabled},
         "seed": warmup_seed(cfg),
         "max_new_tokens": cfg.rollout.max_new_tokens, "format": 2,
