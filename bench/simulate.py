@@ -4,14 +4,16 @@ Runs the built-in job (step-bound, the same steps for every configuration) once 
 the planner from its span log, then predicts and runs each other configuration: buffer depth
 0/1/2/unbounded, 1 or 2 engines, two batch sizes. Every figure, predicted and measured, is
 taken over the same window (RL start to the last publish) from the span log. Printed: a table
-of predicted vs measured samples/s, trainer and engine idle fractions and mean token lag; last
-line:
+of predicted vs measured samples/s, trainer and engine idle fractions, mean token lag, and the
+processor time the trainer's steps got per second of wall time (a run that shared the machine
+with another load shows it there) and the machine's stolen processor time (a virtual machine's
+neighbours); last line:
 
     RESULT max_rel_error=<largest |pred/meas - 1| of samples/s> median_rel_error=<...>
            idle_abs_error=<largest |pred - meas| of the trainer idle fraction>
 
-    python bench/simulate.py --quick          # 20 steps per run, 7 runs
-    python bench/simulate.py --steps 40 --out runs/planner   # keep the run folders
+    python bench/simulate.py --quick          # 40 steps per run, 7 runs
+    python bench/simulate.py --steps 80 --out runs/planner   # keep the run folders
     python bench/simulate.py --quick --out runs/planner --reuse   # predict again, measure nothing
 """
 
@@ -28,7 +30,8 @@ from rich.console import Console
 from nonstop.cli import run_training
 from nonstop.config import load_config
 from nonstop.planner.model import simulate
-from nonstop.planner.params import Shape, calibrate
+from nonstop.planner.calibrate import calibrate
+from nonstop.planner.params import Shape
 from nonstop.timeline import Timeline
 
 CALIBRATE = {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts_per_step": 32}
@@ -49,11 +52,40 @@ def overrides(cell: dict, steps: int, out: str, name: str) -> list[str]:
             f"run.name={name}", "run.progress=off"]
 
 
+def host_times() -> list[int]:
+    """The machine's processor time counters (/proc/stat: user nice system idle iowait irq softirq
+    steal), summed over its processors; [] where there is no /proc."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except OSError:
+        return []
+
+
 def measure(cell: dict, steps: int, out: str, name: str, reuse: bool):
-    cfg = load_config(overrides=overrides(cell, steps, out, name))
-    if not (reuse and (Path(out) / name / "summary.json").exists()):
+    """Run one configuration (or, with `reuse`, take the run already there, with its own config).
+    The share of the machine's processor time stolen by its hypervisor while the run ran is kept
+    beside it (`steal.txt`): a virtual machine's neighbours slow a run without a trace in it."""
+    folder = Path(out) / name
+    if not (reuse and (folder / "summary.json").exists()):
+        cfg = load_config(overrides=overrides(cell, steps, out, name))
+        before = host_times()
         run_training(cfg, Console(quiet=True))
-    return cfg, Timeline.load(Path(out) / name)
+        after = host_times()
+        if before and after:
+            d = [y - x for x, y in zip(before, after)]
+            (folder / "steal.txt").write_text(f"{d[7] / max(sum(d), 1):.3f}\n")
+    steal = folder / "steal.txt"
+    return (load_config(folder / "config.yaml"), Timeline.load(folder),
+            steal.read_text().strip() if steal.exists() else "-")
+
+
+def cpu_share(tl: Timeline) -> str:
+    """Processor time / wall time of the trainer's steps: below 1 when the step shared a
+    processor (with the run's own actors, or with another load on the machine)."""
+    steps = [e for e in tl.events.get("trainer-0", []) if e["ev"] == "step"]
+    if not steps or not all("cpu_s" in e for e in steps):
+        return "-"
+    return f"{sum(e['cpu_s'] for e in steps) / sum(e['t1'] - e['t0'] for e in steps):.2f}"
 
 
 def mean_lag(hist: dict[int, int]) -> float:
@@ -63,32 +95,30 @@ def mean_lag(hist: dict[int, int]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="20 steps per run")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--quick", action="store_true",
+                    help="40 steps per run: a run of the tiny job is seconds long, and one orchestrator pause "
+                         "(~0.25 s every ~450 groups) is a few percent of it")
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--seeds", type=int, default=3, help="simulation seeds averaged per prediction")
     ap.add_argument("--out", default=None, help="keep the run folders here (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="with --out: take runs already there instead of running them")
     ns = ap.parse_args()
-    steps = 20 if ns.quick else ns.steps
+    steps = 40 if ns.quick else ns.steps
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = ns.out or tmp
-        cfg, tl = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
+        cfg, tl, steal = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
         params = calibrate(tl, cfg)
-        print(f"calibrated on {Shape.of(cfg).label()}: pass {params.pass_s * 1e3:.2f} ms + "
-              f"{params.pass_row_s * 1e6:.1f} us/row (x{1 + params.engine_slowdown:.2f} while training), step "
-              f"{params.step_s * 1e3:.1f} ms + {params.step_token_s * 1e6:.1f} us/token "
-              f"(x{1 + params.trainer_slowdown:.2f} while generating), publish {params.publish_s * 1e3:.1f} ms, "
-              f"loop {params.loop_s * 1e3:.1f} ms, drop {params.drop_frac:.2f}, shared cores "
-              f"{'none' if params.cores is None else f'{params.cores:.2f}'}", flush=True)
+        print(f"calibrated on {Shape.of(cfg).label()}: {params.describe()}", flush=True)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
-              f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5}")
+              f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
+              f"{'steal':>5}")
         rel, idle = [], []
         for i, cell in enumerate([CALIBRATE, *PREDICT]):
             if i == 0:
-                cfg_i, tl_i = cfg, tl
+                cfg_i, tl_i, steal_i = cfg, tl, steal
             else:
-                cfg_i, tl_i = measure(cell, steps, out, f"cell{i}", ns.reuse)
+                cfg_i, tl_i, steal_i = measure(cell, steps, out, f"cell{i}", ns.reuse)
             shape = Shape.of(cfg_i)
             preds = [simulate(params, shape, seed) for seed in range(ns.seeds)]
             sps = statistics.fmean(p.samples_per_s for p in preds)
@@ -102,10 +132,10 @@ def main() -> None:
                 idle.append(abs(t_idle - m_t))
             label = shape.label() + (" (calibration)" if i == 0 else "")
             print(f"{label:<44} {sps:14.1f} {m_sps:7.1f} {err:+6.1%} | {t_idle:17.2f} {m_t:5.2f} | "
-                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f}", flush=True)
+                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13} {steal_i:>5}", flush=True)
     print(f"wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT max_rel_error={max(rel):.3f} median_rel_error={statistics.median(rel):.3f} "
-          f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={steps}")
+          f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={cfg.run.max_steps}")
 
 
 if __name__ == "__main__":

@@ -106,6 +106,11 @@ def test_run_span_log_accounts_for_every_group_step_and_token(run_dir):
     assert applied and applied == sorted(applied) and applied[-1] >= STEPS - 1
     assert max(tl.lag_hist()) <= 1
     assert 0.0 <= tl.idle_fraction("trainer") < 1.0 and 0.0 <= tl.idle_fraction("engine") < 1.0
+    # processor time: positive, and no more than the wall time an actor had (one thread of torch each)
+    timed = [e for e in tl.events["engine-0"] if e["ev"] == "busy"] + [e for e in steps if e["ev"] == "step"]
+    assert all(0 < e["cpu_s"] <= (e["t1"] - e["t0"]) * 1.05 + 0.002 for e in timed)
+    start = [e for e in tl.events["orchestrator"] if e["ev"] == "rl_start"][0]
+    assert start["cpus"] >= 1 and start["cpu_actors"] is True
 
 
 def test_report_renders_and_loads_in_headless_chromium(run_dir, tmp_path):
@@ -131,13 +136,16 @@ def test_simulate_calibrates_on_the_run_and_recommends(run_dir, tmp_path):
     """`nonstop simulate RUN_DIR` fits its costs to the run's span log, predicts the run's own
     pipeline near what the span log measured, and sweeps to a recommendation."""
     from nonstop.planner.model import simulate
-    from nonstop.planner.params import PlanParams, Shape, calibrate
+    from nonstop.planner.calibrate import calibrate
+    from nonstop.planner.params import PlanParams, Shape
 
     tl = Timeline.load(run_dir)
     cfg = load_config(run_dir / "config.yaml")
     p = calibrate(tl, cfg)
     assert p.pass_s >= 0 and p.pass_row_s >= 0 and p.step_token_s >= 0 and p.pass_s + p.pass_row_s > 0
     assert sum(len(g) for g in p.groups_lens) == sum(len(g.lens) for g in tl.groups)
+    assert p.orch_group_s > 0 and p.call_sample_s > 0  # the orchestrator's own costs, measured
+    assert p.cores is None or 0 < p.cores <= 32  # from the processor time the actors got
     pred = simulate(p, Shape.of(cfg))
     assert 0.5 < pred.samples_per_s / tl.samples_per_s() < 2.0  # a loose bar: this machine is shared
     r = nonstop(["simulate", str(run_dir), "--sweep", "buffer.depth=0,1", "--sweep", "runtime.num_engines=1,2",

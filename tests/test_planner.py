@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,10 @@ import pytest
 from nonstop.config import ConfigError, load_config
 from nonstop.planner.cli import parse_axes
 from nonstop.planner.model import simulate
-from nonstop.planner.params import PlanParams, Shape, _fit_line, _fit_with_slowdown
+from nonstop.planner.model import Simulation
+from nonstop.planner.calibrate import Sharing, _fit_line, effective_cores, fit_orchestrator, pauses
+from nonstop.planner.params import PlanParams, Shape
+from nonstop.timeline import GroupLife, Timeline
 from nonstop.planner.sweep import recommend, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,16 +29,17 @@ def params(**kw) -> PlanParams:
 
 def test_synchronous_cycle_matches_the_hand_computed_one():
     """Depth 0, one engine, every completion 4 tokens, all 8 groups x 4 rows fit at once:
-    a step is 4 passes of 32 rows, then the step on 128 tokens and the publish. The learning
-    loop's own 30 ms after a publish overlap the next batch's generation (admission opened at
-    the publish), so they cost nothing while generation takes longer."""
-    p = params(loop_s=0.03)
+    a step is 4 passes of 32 rows, then the step on 128 tokens and the publish. The orchestrator
+    is on the path: the 8 groups finish in one pass and are handled one after another (2 ms
+    each), buffered together 5 ms after the last; sending the batch costs 0.1 ms per sample;
+    the loop's 30 ms (result, publish call, records) come before the publish."""
+    p = params(loop_s=0.03, orch_group_s=0.002, deliver_delay_s=0.005, call_sample_s=0.0001)
     shape = Shape(engines=1, depth=0, max_lag=None, prompts_per_step=8, group_size=4, slots=64, steps=10)
     gen = 4 * (0.010 + 0.0001 * 32)
+    orchestrator = 8 * 0.002 + 0.005 + 32 * 0.0001 + 0.03
     train = 0.2 + 0.001 * 128
-    assert gen > 0.03
     pred = simulate(p, shape)
-    assert pred.wall_s == pytest.approx(10 * (gen + train + 0.05), rel=1e-9)
+    assert pred.wall_s == pytest.approx(10 * (gen + orchestrator + train + 0.05), rel=1e-9)
     assert pred.samples_per_s == pytest.approx(10 * 32 / pred.wall_s, rel=1e-9)
     assert pred.trainer_idle == pytest.approx(1 - 10 * (train + 0.05) / pred.wall_s, rel=1e-9)
     assert pred.lag_hist == {0: 10 * 128}
@@ -98,8 +104,6 @@ def test_shared_cores_slow_every_busy_actor():
 def test_fits_recover_known_lines():
     xs = [float(x) for x in range(8, 257, 8)]
     assert _fit_line(xs, [0.01 + 0.0002 * x for x in xs]) == pytest.approx((0.01, 0.0002))
-    rows = [(x, o, (0.01 + 0.0002 * x) * (1 + 0.5 * o)) for x in xs for o in (0.0, 1.0)]
-    assert _fit_with_slowdown(rows) == pytest.approx((0.01, 0.0002, 0.5))
     assert _fit_line(xs, [1.0 - 0.001 * x for x in xs])[1] == 0.0  # never a negative cost
 
 
@@ -135,3 +139,87 @@ def test_stated_costs_round_trip_through_json(tmp_path):
     p = dataclasses.replace(params(), calibrated_on=Shape(engines=2))
     (tmp_path / "c.json").write_text(p.to_json())
     assert PlanParams.load(tmp_path / "c.json") == p
+
+
+def test_a_pause_of_the_orchestrator_holds_every_group_behind_it():
+    """One pause per 8 groups handled: with 8 groups a step, every synchronous cycle takes one."""
+    p = params(orch_group_s=0.002, pause_every=8.0, pause_s=0.1)
+    shape = Shape(engines=1, depth=0, max_lag=None, prompts_per_step=8, group_size=4, slots=64, steps=10)
+    base = simulate(params(orch_group_s=0.002), shape)
+    for seed in range(3):  # the first pause's phase is random; the count per cycle is not
+        assert simulate(p, shape, seed).wall_s - base.wall_s == pytest.approx(10 * 0.1, rel=1e-9)
+
+
+def test_an_idle_engine_reads_its_calls_before_its_first_pass():
+    """Admission sends a batch's groups one call at a time: an engine that started its first pass
+    with the first call would take the other three two passes later (they arrive while it is
+    busy); waking 5 ms after the first call it takes all four in one pass, so generation is the
+    2 ms admission delay, the wake, then 4 passes of 16 rows."""
+    shape = Shape(engines=1, depth=0, max_lag=None, prompts_per_step=4, group_size=4, slots=64, steps=5)
+    gen = 0.002 + 0.005 + 4 * (0.010 + 0.0001 * 16)
+    woken = simulate(params(admit_delays=[0.002], wake_s=0.005, pickup_passes=1), shape)
+    assert woken.wall_s == pytest.approx(5 * (gen + 0.2 + 0.001 * 64 + 0.05), rel=1e-9)
+    eager = simulate(params(admit_delays=[0.002], pickup_passes=1), shape)
+    assert eager.wall_s > woken.wall_s  # 6 passes, the first with one group alone
+
+
+def test_a_step_sharing_its_core_with_the_orchestrator_runs_at_half_speed():
+    """One core: a 100 ms step whose first 40 ms share it with 40 ms of orchestrator work gets
+    20 ms done in them, so it ends at 120 ms."""
+    sim = Simulation(params(step_s=0.1, step_token_s=0.0, cores=1.0), Shape(prompts_per_step=1, steps=1), seed=0)
+    sim.on_step_start(None)
+    sim.orchestrate(0.04)
+    end = None
+    while sim.events:
+        sim.t, _, kind, arg = heapq.heappop(sim.events)
+        if kind == "step_end" and arg == sim.step_gen:
+            end = sim.t
+            break
+        getattr(sim, f"on_{kind}")(arg)
+    assert end == pytest.approx(0.12, rel=1e-9)
+
+
+def test_sharing_gives_the_work_done_under_processor_sharing():
+    """Actor A busy 0..2 s, B busy 1..3 s on one core: A got 1 s alone and 1 s at half speed."""
+    sh = Sharing([[(0.0, 2.0)], [(1.0, 3.0)]], cores=1.0)
+    assert sh.work(0.0, 2.0) == pytest.approx(1.5)
+    assert sh.work(2.0, 3.0) == pytest.approx(1.0)
+    assert Sharing([[(0.0, 2.0)], [(1.0, 3.0)]], cores=2.0).work(0.0, 2.0) == pytest.approx(2.0)
+    assert Sharing([[(0.0, 2.0)], [(1.0, 3.0)]], cores=None).work(0.5, 1.5) == pytest.approx(1.0)
+
+
+def test_effective_cores_explain_the_processor_time_the_steps_got():
+    """Steps that overlapped a second busy actor half of the time and got 75% of their wall time
+    as processor time ran on one effective core; full processor time means nothing to share."""
+    busy = [[(0.0, 1.0), (2.0, 3.0)], [(0.5, 1.0), (2.5, 3.0)]]
+    steps = [(0.0, 1.0, 0.75), (2.0, 3.0, 0.75)]
+    assert effective_cores(busy, steps, host=2.0) == pytest.approx(1.0, rel=1e-3)
+    assert effective_cores(busy, [(0.0, 1.0, 1.0)], host=2.0) is None
+
+
+def _group(i: int, t_gen1: float, t_done: float) -> GroupLife:
+    return GroupLife((0, i), t_gen1 - 0.05, t_gen1 - 0.04, t_gen1, t_done, [4] * 4, (0, 0))
+
+
+def test_orchestrator_fit_recovers_its_handling_time_and_handoff():
+    """Bursts of groups returned together, handled 1.5 ms each, buffered together 4 ms after the
+    burst's last: the fit finds both."""
+    groups, i = [], 0
+    for burst, n in enumerate([8, 3, 12, 5, 1, 9]):
+        t = burst * 0.2
+        for k in range(n):
+            groups.append(_group(i, t + 0.0001 * k, t + n * 0.0015 + 0.004))
+            i += 1
+    s, l, busy = fit_orchestrator(groups)
+    assert s == pytest.approx(0.0015, abs=3e-5) and l == pytest.approx(0.004, abs=1e-4)
+    assert len(busy) == len(groups)
+
+
+def test_pauses_are_silences_while_the_orchestrator_owes_work():
+    """A group returned at 1.0 s and buffered at 1.3 s with nothing else logged between: one
+    pause of 0.3 s; the idle time before it, when nothing was owed, is none."""
+    groups = [_group(0, 0.5, 0.502), _group(1, 1.0, 1.3)]
+    orch = [dict(ev="group", id=[0, g.id[1]], t_admit=g.t_admit, t_gen0=g.t_gen0, t_gen1=g.t_gen1,
+                 t_done=g.t_done, lens=g.lens, v=[0, 0]) for g in groups]
+    tl = Timeline(Path("."), {}, {"orchestrator": orch}, groups, Counter(), {})
+    assert pauses(tl) == [pytest.approx((1.0, 1.3))]

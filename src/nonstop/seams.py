@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from nonstop.runtime.ray import RayActor, RayBackend
     from nonstop.runtime.restart import RestartingEngine
     from nonstop.serve.client import GenerationClient, HttpClient, InProcessClient
+    from nonstop.serve.server import ServedEngine
     from nonstop.transport.base import ModelParameters, WeightSink, WeightSource, WeightTarget
     from nonstop.transport.broadcast import BroadcastSink, BroadcastSource
     from nonstop.transport.files import FilesSink, FilesSource
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     components: list[type[ScoreComponent]] = [FunctionComponent]
     reward_runners: list[type[RewardRunner]] = [LoopRunner, ThreadRunner, ProcessRunner]
     clients: list[type[GenerationClient]] = [InProcessClient, HttpClient]
+    served_engines: list[type[ServedEngine]] = [AsyncEngine, VllmEngineWorker]
 
     # Environments (one agent; several roles) and the engines an episode runs its turns on.
     environments: list[type[Environment]] = [GuessNumber, Calculator, NimVsScripted]

@@ -10,18 +10,23 @@ taken at the same instant, so a reader maps any file's times to wall-clock time
 there is exact up to the anchor's microseconds.
 
 Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
-- orchestrator: `rl_start` (t), `group` (id [epoch, prompt], t_admit, t_gen0, t_gen1, t_done,
+- orchestrator: `rl_start` (t; cpus: processors this host lets the run use, cpu_actors: whether
+  the engines and trainer ranks compute on them, as local processes do without an accelerator:
+  the capacity planner then has them share those processors), `group` (id [epoch, prompt], t_admit, t_gen0, t_gen1, t_done,
   lens: completion tokens per sample, v: [oldest, newest] policy_version of its tokens),
-  `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step), `train`
+  `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step; cpu: the
+  orchestrator process's processor time so far, at t0), `train`
   (step, t0, t1, groups, queued), `publish` (step, version, t0, t1), `eval` and `checkpoint`
   (t0, t1);
-- engine: `busy` (t0, t1, passes, rows, busy_s: consecutive forward passes coalesced into one
-  chunk of about `CHUNK_S`; rows = tokens emitted, summed over the passes; busy_s = the passes'
-  own time, t1 - t0 = that plus the engine's work between them: taking requests, returning
-  results; a chunk cut for length ends where the next begins), `apply` (t0, t1, version: a new
-  policy_version made live);
+- engine: `busy` (t0, t1, passes, rows, busy_s, cpu_s: consecutive forward passes coalesced into
+  one chunk of about `CHUNK_S`; rows = tokens emitted, summed over the passes; busy_s = the
+  passes' own time, t1 - t0 = that plus the engine's work between them: taking requests,
+  returning results; cpu_s = the processor time the engine's process got over the chunk, less
+  than t1 - t0 when it shared a processor or waited; a chunk cut for length ends where the next
+  begins), `apply` (t0, t1, version: a new policy_version made live);
 - trainer rank: `step` (t0, t1, version, tokens, samples, update_s: the part of the step that
-  does not grow with its tokens, gradient clip and optimizer step), `publish` (t0, t1, version, bytes).
+  does not grow with its tokens, gradient clip and optimizer step; cpu_s: the rank's processor
+  time over the step), `publish` (t0, t1, version, bytes).
 
 Cost: one `json.dumps` and a buffered write per event (a few microseconds); engines coalesce
 their forward passes, so a busy engine writes about 1 / CHUNK_S lines a second. Files are
@@ -36,7 +41,10 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nonstop.config import Config
 
 SPANS_DIR = "spans"
 CHUNK_S = 0.05  # an engine's busy chunk is cut once it would grow longer than this
@@ -47,6 +55,22 @@ FLUSH_S = 1.0
 def now() -> float:
     """The span log's clock."""
     return time.monotonic()
+
+
+def host_cpus(cfg: Config) -> dict[str, Any]:
+    """`rl_start`'s record of the processors the actors share (see the module docstring)."""
+    from nonstop.device import resolve_device
+
+    cpu = all(resolve_device(spec, field).type == "cpu"
+              for spec, field in ((cfg.engine.device, "engine.device"), (cfg.trainer.device, "trainer.device")))
+    return {"cpus": cpu_count(), "cpu_actors": cpu and cfg.runtime.backend == "local"}
+
+
+def cpu_count() -> int:
+    """Processors this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def span_path(run_dir: Path | str, actor: str) -> Path:
@@ -96,27 +120,30 @@ class PassRecorder:
     def __init__(self, log: SpanLog) -> None:
         self.log = log
         self.t0 = self.t1 = 0.0
+        self.cpu0 = self.cpu1 = 0.0  # the process's processor time at the chunk's first pass start, last pass end
         self.passes = self.rows = 0
         self.busy_s = 0.0
 
-    def record(self, t0: float, t1: float, rows: int) -> None:
+    def record(self, t0: float, t1: float, rows: int, cpu0: float = 0.0, cpu1: float = 0.0) -> None:
+        """One pass from t0 to t1 emitting `rows` tokens; cpu0, cpu1: `time.process_time()` at its start and end."""
         if self.passes and t0 - self.t1 > GAP_S:
             self.flush()
         elif self.passes and t1 - self.t0 > CHUNK_S:
-            self.flush(end=t0)
+            self.flush(end=t0, cpu_end=cpu0)
         if not self.passes:
-            self.t0 = t0
-        self.t1 = t1
+            self.t0, self.cpu0 = t0, cpu0
+        self.t1, self.cpu1 = t1, cpu1
         self.passes += 1
         self.rows += rows
         self.busy_s += t1 - t0
 
-    def flush(self, end: float | None = None) -> None:
+    def flush(self, end: float | None = None, cpu_end: float | None = None) -> None:
         """Write the open chunk, ending at `end` (default: its last pass's end)."""
         if self.passes:
             t1 = self.t1 if end is None else end
+            cpu = (self.cpu1 if cpu_end is None else cpu_end) - self.cpu0
             self.log.emit("busy", t0=round(self.t0, 6), t1=round(t1, 6), passes=self.passes, rows=self.rows,
-                          busy_s=round(self.busy_s, 6))
+                          busy_s=round(self.busy_s, 6), cpu_s=round(cpu, 6))
         self.passes = self.rows = 0
         self.busy_s = 0.0
 

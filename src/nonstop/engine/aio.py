@@ -10,13 +10,17 @@ Contract of `AsyncEngine`:
 - cancelling a future aborts its request in the engine (its slots are freed at once);
 - a bad request raises `RequestError` from `submit` and never reaches the loop; if a step
   itself raises, every in-flight request fails with that error and the loop goes on serving;
-- `stream(request)` yields `TokenEvent`s as tokens are sampled, then the final samples.
+- `stream(request)` yields `TokenEvent`s as tokens are sampled, then the final samples
+  (`stream_events`, shared with the vLLM engine);
+- `check`, `health`, `max_seq_len` and `vocab_size` are what `nonstop serve` asks of an engine
+  (serve/server.py ServedEngine).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from nonstop.engine.core import TorchEngine
@@ -65,13 +69,14 @@ class AsyncEngine:
             return
         stats = self.engine.scheduler.stats
         t0, tokens, swaps, swap_s = now(), stats["tokens_generated"], stats["swaps"], stats["swap_s"]
+        cpu0 = time.process_time()
         self.engine.step()
-        t1 = now()
+        t1, cpu1 = now(), time.process_time()
         if stats["swaps"] != swaps:  # the pass began by making a new version live
             assert self.spans is not None  # _passes exists only with spans
             self.spans.emit("apply", t0=round(t0, 6), t1=round(t0 + stats["swap_s"] - swap_s, 6),
                             version=self.engine.policy_version)
-        self._passes.record(t0, t1, int(stats["tokens_generated"] - tokens))
+        self._passes.record(t0, t1, int(stats["tokens_generated"] - tokens), cpu0, cpu1)
 
     def submit(self, request: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Future:
         """Queue a request; `queue` (bounded by the caller) receives a TokenEvent per token."""
@@ -101,25 +106,25 @@ class AsyncEngine:
             self.engine.scheduler.check(r)  # all or nothing: reject before queueing any
         return list(await asyncio.gather(*(self.submit(r) for r in requests)))
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | list[Sample]]:
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | list[Sample]]:
         """Token events as they are sampled, then the request's samples as the last item."""
-        queue: asyncio.Queue = asyncio.Queue(maxsize=request.n * request.params.max_new_tokens + 1)
-        fut = self.submit(request, queue)
-        try:
-            while True:
-                getter = asyncio.create_task(queue.get(), name=f"engine-stream-{request.request_id}")
-                await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield getter.result()
-                    continue
-                getter.cancel()
-                while not queue.empty():
-                    yield queue.get_nowait()
-                yield fut.result()
-                return
-        finally:
-            if not fut.done():
-                fut.cancel()
+        return stream_events(self.submit, request)
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise RequestError for a request the engine cannot take (before anything is queued)."""
+        self.engine.scheduler.check(request)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.scheduler.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.runner.vocab_size
+
+    def health(self) -> dict[str, int]:
+        sched = self.engine.scheduler
+        return {"policy_version": sched.policy_version, "running": len(sched.rows), "waiting": len(sched.waiting)}
 
     async def close(self) -> None:
         if self._passes is not None:
@@ -128,3 +133,26 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+
+
+async def stream_events(submit: Callable[[GenerationRequest, asyncio.Queue], asyncio.Future],
+                        request: GenerationRequest) -> AsyncIterator[TokenEvent | list[Sample]]:
+    """Drive `submit(request, queue)` and yield its TokenEvents as they arrive, then its samples.
+    Leaving early (a client hung up) cancels the request's future, which aborts its sequences."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=request.n * request.params.max_new_tokens + 1)
+    fut = submit(request, queue)
+    try:
+        while True:
+            getter = asyncio.create_task(queue.get(), name=f"engine-stream-{request.request_id}")
+            await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+                continue
+            getter.cancel()
+            while not queue.empty():
+                yield queue.get_nowait()
+            yield fut.result()
+            return
+    finally:
+        if not fut.done():
+            fut.cancel()

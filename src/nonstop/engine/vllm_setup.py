@@ -13,7 +13,11 @@ Contract:
 - the engine carries `NonstopWorkerExtension`, whose `nonstop_reload_weights(named)` (called
   through `collective_rpc`) loads (checkpoint name, tensor) pairs with vLLM's in-place reload:
   its own loader maps checkpoint names onto its fused q/k/v and gate/up layers and repacks the
-  weights as after a first load (a second plain `load_weights` fails on the CPU backend).
+  weights as after a first load (a second plain `load_weights` fails on the CPU backend);
+- `route_layout(model_path)` says which layers of a Qwen3-MoE / Qwen2-MoE checkpoint route
+  tokens to experts (None for any other model); the extension's `nonstop_record_routes` then
+  records the experts of every token vLLM computes (engine/vllm_routes.py, which also says why
+  vLLM's own `enable_return_routed_experts` is not used).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +55,37 @@ def preflight(model_path: str | None, settings: VllmConfig) -> None:
     check_memory(settings)
     if model_path is not None:
         check_architecture(model_path)
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """Where a MoE checkpoint routes: the decoder layers with a router (vLLM returns a row for
+    every layer, dense ones included), experts per token, experts per layer."""
+
+    layers: list[int]
+    top_k: int
+    num_experts: int
+
+
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+"""The MoE families whose routers the trainer hooks (trainer/routing.py); docs/moe.md."""
+
+
+def route_layout(model_path: str) -> RouteLayout | None:
+    """The routing layout of a Qwen3-MoE / Qwen2-MoE checkpoint folder, None for other models.
+    A layer has a router unless listed in mlp_only_layers or off the decoder_sparse_step grid
+    (the rule of both transformers models)."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    fields = json.loads(config.read_text())
+    experts = fields.get("num_experts") or fields.get("num_local_experts")  # transformers 5 writes the latter
+    if fields.get("model_type") not in MOE_MODEL_TYPES or not experts:
+        return None
+    dense = set(fields.get("mlp_only_layers") or [])
+    step = int(fields.get("decoder_sparse_step") or 1)
+    layers = [i for i in range(int(fields["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0]
+    return RouteLayout(layers, int(fields["num_experts_per_tok"]), int(experts)) if layers else None
 
 
 def prepare_environment() -> None:
@@ -114,6 +150,7 @@ def engine_args(model_path: str, settings: VllmConfig, seed: int) -> Any:
         # behaviour logprobs of the distribution sampled from (temperature applied), not the raw one
         logprobs_mode="processed_logprobs",
         # a cached prefix holds keys/values of older weights; later prompts must not reuse them
+        # (and a cached prefix would skip its tokens' routes: vllm_routes.py records computed tokens)
         enable_prefix_caching=False,
         # tokens of a step must come back before the next step runs, so their version is exact
         async_scheduling=False,
@@ -149,8 +186,21 @@ class NonstopWorkerExtension:
     def nonstop_reload_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Load checkpoint-named tensors in place; returns how many were given."""
         self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
-        refresh_tied(self.model_runner.get_model())  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        refresh_tied(model)
+        refresh_experts(model)
         return len(named)
+
+    def nonstop_record_routes(self, layers: list[int], num_experts: int) -> int:
+        """Record the experts of every computed token from now on; returns the routers hooked."""
+        from nonstop.engine.vllm_routes import RouteRecorder
+
+        self.nonstop_routes = RouteRecorder(layers, num_experts)
+        return self.nonstop_routes.bind(self.model_runner)  # type: ignore[attr-defined]
+
+    def nonstop_take_routes(self, finished: list[str], dropped: list[str]) -> dict[str, bytes]:
+        """The recorded rows of the finished requests (vLLM request ids), forgetting the dropped."""
+        return self.nonstop_routes.take(finished, dropped)
 
 
 def refresh_tied(model: torch.nn.Module) -> None:
@@ -168,3 +218,19 @@ def refresh_tied(model: torch.nn.Module) -> None:
             method: Any = module.quant_method  # vLLM's layers carry their quant method
             method.process_weights_after_loading(module)
         owners.add(id(weight))
+
+
+def refresh_experts(model: torch.nn.Module) -> None:
+    """Redo the experts kernel's own after-loading step on every fused-MoE experts module.
+
+    On a first load, vLLM's UnquantizedFusedMoEMethod builds its kernel and then lets the
+    kernel's experts prepare the layer's weights (`fused_experts.process_weights_after_loading`:
+    the CPU experts prepack w13/w2 into their GEMM layout). On a weight update it copies the new
+    weights in but skips that second step (unquantized_fused_moe_method.py, `_setup_kernel`,
+    "Setup moe kernel only on the first call"), so the CPU kernel would read unpacked weights
+    as packed ones (found by reloading unchanged weights: logprobs moved by 1e-2, routes by 9%)."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts: Any = getattr(kernel, "fused_experts", None)
+        if "w13_weight" in module._parameters and experts is not None:
+            experts.process_weights_after_loading(module)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
@@ -29,7 +30,7 @@ async def learn(run: Run) -> StepRecord | None:
     """Returns the last step's record (None when no step ran)."""
     cfg, state, record, spans = run.cfg, run.state, None, run.spans
     for step in range(state.first_step, cfg.run.max_steps + 1):
-        t_wait = now()
+        t_wait, cpu = now(), time.process_time()
         groups = await until_stopped(run.buffer.take(), state.stop)
         if not groups:
             break  # stopped, or the stream ran out (run.max_epochs) and every group was trained
@@ -43,7 +44,7 @@ async def learn(run: Run) -> StepRecord | None:
             published = await run.trainer.publish()
         t2 = now()
         state.clock.add("training", t2 - t0)
-        spans.emit("wait", step=step, t0=round(t_wait, 6), t1=round(t0, 6))
+        spans.emit("wait", step=step, t0=round(t_wait, 6), t1=round(t0, 6), cpu=round(cpu, 6))
         spans.emit("train", step=step, t0=round(t0, 6), t1=round(t1, 6), queued=run.buffer.queued,
                    groups=[[g.epoch, g.prompt_index] for g in groups])
         spans.emit("publish", step=step, version=published.policy_version, t0=round(t1, 6), t1=round(t2, 6))

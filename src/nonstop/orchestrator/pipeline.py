@@ -38,7 +38,7 @@ from nonstop.orchestrator.recovery import RunInterrupted, restore, restore_engin
 from nonstop.progress import Progress
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
-from nonstop.spans import now
+from nonstop.spans import host_cpus, now
 from nonstop.tasks.data import TaskData
 from nonstop.transport import release
 
@@ -135,7 +135,7 @@ async def begin(run: Run, resume: Checkpoint | None) -> None:
         run.progress.log(f"base policy held-out accuracy: {run.state.base_accuracy:.1%} "
                          f"on {len(run.data.eval)} prompts")
         run.state.clock = Clock()
-    run.spans.emit("rl_start", t=round(now(), 6), resumed=resume is not None)
+    run.spans.emit("rl_start", t=round(now(), 6), resumed=resume is not None, **host_cpus(run.cfg))
     run.progress.base_eval = run.state.base_accuracy
 
 

@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from nonstop.config import Config, ConfigError
-from nonstop.planner.params import PlanParams, calibrate
+from nonstop.planner.calibrate import calibrate
+from nonstop.planner.params import PlanParams
 from nonstop.planner.sweep import Row, predict, recommend, sweep
 
 
@@ -64,10 +65,7 @@ def run_planner(console: Console, cfg: Config, run_dir: Path | None, params_path
     if write_params is not None:
         write_params.write_text(params.to_json())
         console.print(f"costs written to {write_params}")
-    console.print(f"costs: pass {params.pass_s * 1e3:.2f} ms + {params.pass_row_s * 1e6:.2f} us/row, step "
-                  f"{params.step_s * 1e3:.1f} ms + {params.step_token_s * 1e6:.2f} us/token, publish "
-                  f"{params.publish_s * 1e3:.1f} ms, apply {params.apply_s * 1e3:.1f} ms, "
-                  f"{len(params.groups_lens)} groups' completion lengths", highlight=False)
+    console.print(f"costs: {params.describe()}", highlight=False)
     if not axes:
         from nonstop.planner.params import Shape
 

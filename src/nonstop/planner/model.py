@@ -13,10 +13,19 @@ What is modelled, as the code does it:
   when its `group_size` rows fit; every pass emits one token per row, with the engine's current
   policy_version; a row leaves after its completion length; a new published version is made
   live at the next pass boundary (costing `apply_s`), as `never_stop` does;
-- a finished group is buffered after `deliver_delay_s`, or dropped with probability `drop_frac`
-  (no learning signal; its admission is refunded);
+- the orchestrator is one server, first come first served: a finished group takes
+  `orch_group_s` of it, and the groups of one busy stretch are buffered together
+  `deliver_delay_s` after it ends, or dropped with probability `drop_frac` (no learning signal;
+  its admission is refunded); every `pause_every` groups it pauses for `pause_s`; a batch takes
+  `call_sample_s` per sample of it before the step starts and `loop_s` between the step and the
+  publish (taking the result, calling the publish, records); admitted groups are sent
+  once it is free;
 - the trainer takes `batch` groups in arrival order, dropping those more than `max_lag` versions
-  behind the published version (refunded), steps, publishes, and only then raises admission.
+  behind the published version (refunded), steps, publishes, and only then raises admission;
+- with `cores`, the busy engines, trainer ranks and orchestrator share them: each runs at
+  min(1, cores / busy) of its speed, re-planned whenever one starts or stops (an engine at its
+  next pass boundary, a step's remaining work at once; the orchestrator's own costs were measured
+  under the calibration run's sharing and are kept as they are).
 
 Engines advance in macro steps: between two changes (a row finishing, a group arriving, a new
 version, the trainer starting or stopping) every pass has the same rows and cost, so the model
@@ -75,6 +84,7 @@ class _Engine:
     t_start: float = 0.0
     tau: float = 0.0
     end: float | None = None  # when the current plan ends (None: idle)
+    wake_at: float | None = None  # an idle engine that got a call starts its first pass then
     busy_s: float = 0.0
 
 
@@ -94,6 +104,13 @@ class Simulation:
         self.trainer_busy = False
         self.trainer_waiting = True
         self.trainer_busy_s = 0.0
+        self.step_left = 0.0  # uncontended seconds of the step under way
+        self.step_since = self.step_start = 0.0
+        self.step_speed = 1.0
+        self.step_gen = 0
+        self.orch_free = 0.0  # the orchestrator is busy until then
+        self.handling: list[_Group] = []  # finished groups in the orchestrator's current busy stretch
+        self.until_pause = self.rng.random() * p.pause_every  # groups handled before its next pause
         self.samples_done: list[tuple[float, int]] = []
         self.lag: Counter[int] = Counter()
         self.dropped_for_lag = 0
@@ -127,9 +144,10 @@ class Simulation:
         while self.limit() - self.admitted >= 1:
             k = int(min(self.s.prompts_per_step, self.limit() - self.admitted))
             self.admitted += k
+            free = max(self.t, self.orch_free)  # the producer runs when the event loop is free
             for _ in range(k):
                 delay = self.rng.choice(self.p.admit_delays) if self.p.admit_delays else self.p.admit_delay_s
-                self.at(self.t + delay, "dispatch", _Group(self.sample_lens()))
+                self.at(free + delay, "dispatch", _Group(self.sample_lens()))
 
     def sample_lens(self) -> list[int]:
         g = self.s.group_size
@@ -142,6 +160,12 @@ class Simulation:
     def on_dispatch(self, g: _Group) -> None:
         e = min(self.engines, key=lambda x: (x.in_flight, x.index))
         e.in_flight += len(g.lens)
+        if e.end is None and not e.rows and self.p.wake_s > 0:
+            e.waiting.append(g)  # an idle engine reads the calls waiting for it before its first pass
+            if e.wake_at is None:
+                e.wake_at = self.t + self.p.wake_s
+                self.at(e.wake_at, "wake", e)
+            return
         if self.p.pickup_passes and e.end is not None:
             e.arriving.append(g)  # taken at the next boundary, admitted at the one after
         else:
@@ -161,7 +185,8 @@ class Simulation:
     def interrupt(self, e: _Engine) -> None:
         """Something changed for `e`: it re-plans at its next pass boundary (now, if idle)."""
         if e.end is None:
-            self.plan(e)
+            if e.wake_at is None:  # a waking engine plans when it wakes
+                self.plan(e)
             return
         # passes completed by the next boundary (none while a weight apply still runs before the plan)
         done = max(0, math.ceil((self.t - e.t_start) / e.tau - 1e-9)) if e.tau > 0 else 0
@@ -171,6 +196,10 @@ class Simulation:
         e.gen += 1
         e.end = boundary
         self.at(boundary, "engine", (e, e.gen, e.passes + done))
+
+    def on_wake(self, e: _Engine) -> None:
+        e.wake_at = None
+        self.plan(e)
 
     def on_engine(self, arg) -> None:
         e, gen, passes = arg
@@ -188,7 +217,12 @@ class Simulation:
             if g.remaining == 0:
                 e.in_flight -= len(g.lens)
                 self.samples_done.append((self.t, len(g.lens)))
-                self.at(self.t + self.p.deliver_delay_s, "deliver", g)
+                self.orchestrate(self.p.orch_group_s)
+                self.handling.append(g)  # buffered when this busy stretch of the orchestrator ends
+                self.until_pause -= 1
+                if self.p.pause_every > 0 and self.until_pause <= 0:
+                    self.until_pause += self.p.pause_every
+                    self.orchestrate(self.p.pause_s)
         t = self.t
         if self.published > e.version and (e.rows or e.waiting):
             e.version = self.published
@@ -209,8 +243,7 @@ class Simulation:
         was_idle = e.end is None
         e.end = t  # busy from here on, so sharing() counts it
         b = len(e.rows)
-        e.tau = ((self.p.pass_s + self.p.pass_row_s * b) * (1 + self.p.engine_slowdown * self.trainer_busy)
-                 * self.sharing())
+        e.tau = (self.p.pass_s + self.p.pass_row_s * b) * self.sharing()
         e.busy_s += t - self.t  # the apply
         e.t_start = t
         e.gen += 1
@@ -232,16 +265,36 @@ class Simulation:
         """How much slower every actor runs because busy actors outnumber the cores (1: not at all)."""
         if self.p.cores is None:
             return 1.0
-        busy = sum(e.end is not None for e in self.engines) + self.s.trainer_ranks * self.trainer_busy
+        busy = (sum(e.end is not None for e in self.engines) + self.s.trainer_ranks * self.trainer_busy
+                + (self.t < self.orch_free))
         return max(1.0, busy / self.p.cores)
 
     def busy_changed(self, source: _Engine | None = None) -> None:
-        """An actor started or stopped: with shared cores every busy engine's pace changes."""
+        """An actor started or stopped: with shared cores every busy actor's pace changes."""
         if self.p.cores is None:
             return
         for e in self.engines:
             if e is not source and e.end is not None:
                 self.interrupt(e)
+        self.replan_step()
+
+    # -- orchestrator ---------------------------------------------------------------------
+
+    def orchestrate(self, cost: float) -> float:
+        """Queue `cost` seconds of the orchestrator's work; returns when it is done."""
+        idle = self.orch_free <= self.t
+        self.orch_free = max(self.t, self.orch_free) + max(cost, 0.0)
+        self.at(self.orch_free, "orch_idle", self.orch_free)
+        if idle and cost > 0:
+            self.busy_changed()
+        return self.orch_free
+
+    def on_orch_idle(self, until: float) -> None:
+        if until == self.orch_free:  # no work queued behind it: the stretch ends
+            for g in self.handling:
+                self.at(self.t + self.p.deliver_delay_s, "deliver", g)
+            self.handling = []
+            self.busy_changed()
 
     @staticmethod
     def count_tokens(e: _Engine, g: _Group, start: int, end: int) -> None:
@@ -269,28 +322,52 @@ class Simulation:
             self.batch.append(g)
         if len(self.batch) == self.s.prompts_per_step:
             self.trainer_waiting = False
-            tokens = sum(sum(g.versions.values()) for g in self.batch)
-            busy = sum(e.end is not None for e in self.engines) / len(self.engines)
-            self.set_trainer_busy(True)
-            dt = ((self.p.step_s + self.p.step_token_s * tokens / self.s.trainer_ranks)
-                  * (1 + self.p.trainer_slowdown * busy) * self.sharing())
-            self.at(self.t + dt, "step_end", dt)
+            samples = sum(len(g.lens) for g in self.batch)
+            self.at(self.orchestrate(self.p.call_sample_s * samples), "step_start")
+
+    def on_step_start(self, _: object) -> None:
+        tokens = sum(sum(g.versions.values()) for g in self.batch)
+        self.step_left = self.p.step_s + self.p.step_token_s * tokens / self.s.trainer_ranks
+        self.step_start = self.step_since = self.t
+        self.step_speed = 1.0
+        self.set_trainer_busy(True)
+        self.replan_step()
+
+    def replan_step(self) -> None:
+        """The step's remaining work at the current pace (actors busy now)."""
+        if not self.trainer_busy or self.step_left <= 0:
+            return
+        self.step_left -= (self.t - self.step_since) * self.step_speed
+        self.step_since = self.t
+        self.step_speed = 1.0 / self.sharing()
+        self.step_gen += 1
+        self.at(self.t + max(self.step_left, 0.0) / self.step_speed, "step_end", self.step_gen)
 
     def set_trainer_busy(self, busy: bool) -> None:
         self.trainer_busy = busy
-        if self.p.engine_slowdown or self.p.cores is not None:
+        if self.p.cores is not None:
             for e in self.engines:
                 if e.end is not None:
                     self.interrupt(e)
 
-    def on_step_end(self, dt: float) -> None:
+    def on_step_end(self, gen: int) -> None:
+        if gen != self.step_gen:
+            return
+        self.step_left = 0.0
+        dt = self.t - self.step_start
         for g in self.batch:
             for v, n in g.versions.items():
                 self.lag[self.trainer_version - v] += n
         self.trained_groups += len(self.batch)
         self.batch = []
         self.trainer_version += 1
-        self.trainer_busy_s += dt + self.p.publish_s
+        self.trainer_busy_s += dt
+        self.set_trainer_busy(False)
+        self.at(self.orchestrate(self.p.loop_s), "publish_start")  # the loop takes the result, calls the publish
+
+    def on_publish_start(self, _: object) -> None:
+        self.trainer_busy_s += self.p.publish_s
+        self.set_trainer_busy(True)
         self.at(self.t + self.p.publish_s, "publish_end")
 
     def on_publish_end(self, _: object) -> None:
@@ -301,9 +378,9 @@ class Simulation:
         for e in self.engines:
             if e.rows or e.waiting:
                 self.interrupt(e)
+        evaluate = self.s.eval_every and self.steps % self.s.eval_every == 0
+        self.at(self.orchestrate(self.p.eval_s if evaluate else 0.0), "trainer_ready")
         self.admit()
-        pause = self.p.loop_s + (self.p.eval_s if self.s.eval_every and self.steps % self.s.eval_every == 0 else 0.0)
-        self.at(self.t + pause, "trainer_ready")
 
     def on_trainer_ready(self, _: object) -> None:
         self.trainer_waiting = True

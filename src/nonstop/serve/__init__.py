@@ -1,7 +1,9 @@
-"""`nonstop serve`: the engine behind an OpenAI-compatible HTTP server, and its async clients.
+"""`nonstop serve`: an engine behind an OpenAI-compatible HTTP server, and its async clients.
 
-`serve(cfg, model_path, ...)` loads the model and tokenizer, builds the engine from
-`cfg.engine`, serves until SIGINT/SIGTERM and then shuts down cleanly.
+`serve(cfg, model_path, ...)` loads the tokenizer, builds the engine `cfg.engine.kind` names
+(the built-in engine from `cfg.engine`, or vLLM from `cfg.engine.vllm`, running in this
+process), serves until SIGINT/SIGTERM and then shuts down cleanly. A vLLM that is missing or
+cannot load the model raises VllmSetupError (a ConfigError naming the fix) before anything binds.
 """
 
 from __future__ import annotations
@@ -9,31 +11,47 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nonstop.serve.server import ServedEngine
 
 
-async def serve(cfg, model_path: str, host: str, port: int, api_key: str | None, model_name: str,
-                on_ready: Callable[[int], None]) -> None:
+def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
+    """The engine `cfg.engine.kind` names, with `model_path`'s weights at policy_version 0."""
+    if cfg.engine.kind == "vllm":
+        from nonstop.engine.vllm_engine import VllmEngineWorker
+
+        return VllmEngineWorker(model_path, [tok.eos_token_id], tok.pad_token_id, seed=cfg.run.seed,
+                                settings=cfg.engine)
     import torch
 
     from nonstop.engine.aio import AsyncEngine
     from nonstop.engine.core import TorchEngine
-    from nonstop.hf import load_model, load_tokenizer
-    from nonstop.serve.server import EngineServer
+    from nonstop.hf import load_model
 
     torch.manual_seed(cfg.run.seed)
-    tok = load_tokenizer(model_path)
     engine = TorchEngine(load_model(model_path), [tok.eos_token_id], tok.pad_token_id, settings=cfg.engine,
                          detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
-    aio = AsyncEngine(engine)
-    server = EngineServer(aio, tok, model_name, api_key, max_tokens_default=cfg.rollout.max_new_tokens)
+    return AsyncEngine(engine)
+
+
+async def serve(cfg, model_path: str, host: str, port: int, api_key: str | None, model_name: str,
+                on_ready: Callable[[int], None]) -> None:
+    from nonstop.hf import load_tokenizer
+    from nonstop.serve.server import EngineServer
+
+    tok = load_tokenizer(model_path)
+    engine = build_engine(cfg, model_path, tok)
+    server = EngineServer(engine, tok, model_name, api_key, max_tokens_default=cfg.rollout.max_new_tokens)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    bound = await server.start(host, port)
-    on_ready(bound)
     try:
+        bound = await server.start(host, port)
+        on_ready(bound)
         await stop.wait()
     finally:
         await server.stop()
-        await aio.close()
+        await engine.close()

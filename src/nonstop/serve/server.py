@@ -1,5 +1,9 @@
 """OpenAI-compatible HTTP server over the engine (aiohttp): token-in, token-out.
 
+The engine is any `ServedEngine`: the built-in engine's AsyncEngine (engine.kind builtin) or
+the vLLM engine (engine/vllm_engine.py VllmEngineWorker, engine.kind vllm); the routes, the
+validation and the response shapes are the same for both.
+
 Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions` (prompt as text or token ids),
 `POST /v1/chat/completions` (messages through the tokenizer's chat template, or a plain
 built-in one when the tokenizer has none); both stream as server-sent events with
@@ -28,11 +32,12 @@ import math
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from nonstop.engine.aio import AsyncEngine, TokenEvent
+from nonstop.engine.aio import TokenEvent
 from nonstop.engine.scheduler import RequestError
 from nonstop.serve.protocol import BadRequest, Call, TextCutter, extension, parse_chat, parse_completion
 from nonstop.types import GenerationRequest, Sample
@@ -43,6 +48,30 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
+
+
+class ServedEngine(Protocol):
+    """What the server asks of an engine (implemented by engine/aio.py AsyncEngine and
+    engine/vllm_engine.py VllmEngineWorker)."""
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise RequestError (a 400 naming the field) for a request the engine cannot take."""
+
+    def submit(self, request: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Future:
+        """A future of the request's n samples; cancelling it aborts the request."""
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | list[Sample]]: ...
+
+    def health(self) -> dict[str, int]:
+        """policy_version, running and waiting sequences."""
+
+    async def close(self) -> None: ...
 
 
 class ServeError(RuntimeError):
@@ -56,7 +85,7 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 
 
 class EngineServer:
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, api_key: str | None = None,
+    def __init__(self, engine: ServedEngine, tokenizer: Any, model_name: str, api_key: str | None = None,
                  max_tokens_default: int = 16) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_key, self.max_tokens_default = api_key, max_tokens_default
@@ -124,9 +153,7 @@ class EngineServer:
             return _error(500, f"internal error: {type(e).__name__}: {e}")
 
     async def health(self, request: web.Request) -> web.Response:
-        sched = self.engine.engine.scheduler
-        return web.json_response({"status": "ok", "model": self.model_name, "policy_version": sched.policy_version,
-                                  "running": len(sched.rows), "waiting": len(sched.waiting)})
+        return web.json_response({"status": "ok", "model": self.model_name, **self.engine.health()})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "nonstop"}]})
@@ -164,7 +191,7 @@ class EngineServer:
 
     def _check_length(self, chars: int, call: Call) -> None:
         """Refuse, before tokenising, a text too long to fit in the engine's max_seq_len."""
-        limit = self.engine.engine.scheduler.max_seq_len
+        limit = self.engine.max_seq_len
         at_least = math.ceil(chars / self._chars_per_token)
         if at_least + call.params.max_new_tokens > limit:
             raise BadRequest(f"prompt: {chars} characters are at least {at_least} tokens, which with max_tokens "
@@ -174,11 +201,11 @@ class EngineServer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     async def _serve(self, request: web.Request, call: Call, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
-        vocab = self.engine.engine.runner.vocab_size
+        vocab = self.engine.vocab_size
         if any(t >= vocab for t in prompt_ids):
             raise BadRequest(f"prompt: token ids must be below the vocabulary size {vocab}", "prompt")
         req = GenerationRequest(next(self._ids), list(prompt_ids), call.n, call.params)
-        self.engine.engine.scheduler.check(req)
+        self.engine.check(req)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if call.stream:
             return await self._stream(request, call, req, rid, chat)

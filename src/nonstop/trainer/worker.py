@@ -24,6 +24,7 @@ the base, publishes its current adapters as soon as the transport is connected.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -107,10 +108,10 @@ class TrainerWorker:
             self.sink.publish(self.trainer.model, self.trainer.policy_version)
 
     def step(self, groups: list[Group]) -> StepResult:
-        t0 = now()
+        t0, cpu0 = now(), time.process_time()
         with on(self.device):
             metrics = self.trainer.step(groups)
-        t1 = now()
+        t1, cpu_s = now(), time.process_time() - cpu0
         train_s = t1 - t0
         self.busy_s += train_s
         metrics.update(train_s=train_s)
@@ -118,7 +119,7 @@ class TrainerWorker:
         assert isinstance(update_s, float)  # Trainer.step reports it in seconds
         self.spans.emit("step", t0=round(t0, 6), t1=round(t1, 6), version=self.trainer.policy_version,
                         tokens=sum(g.num_tokens for g in groups), samples=sum(len(g.samples) for g in groups),
-                        update_s=round(update_s, 6))
+                        update_s=round(update_s, 6), cpu_s=round(cpu_s, 6))
         return StepResult(self.trainer.policy_version, metrics)
 
     def publish(self, resend: bool = False) -> PublishResult:

@@ -1,0 +1,322 @@
+"""Calibration: the planner's costs (nonstop.planner.params) fitted to one run's span log.
+
+`calibrate(timeline, cfg)` reads the span log through nonstop.timeline. The orchestrator's
+per-group time and handoff by a robust fit of its first-come-first-served handling to the
+groups' return and buffering times (`fit_orchestrator`), its pauses as the silences of its log
+while it owed work (`pauses`), the learning loop's costs as medians over steps (`loop_costs`).
+Those give the orchestrator's busy intervals; with the engines' chunks and the rank's steps they
+give how many actors were busy at each instant, so every chunk and step is deflated to the time
+it would have taken alone (`Sharing.work`) before tau by least squares over the chunks (a
+chunk's mean pass time against its mean rows: a linear model's mean is the model at the mean)
+and the step time from `update_s` and tokens.
+
+Processor time recorded with the engines' chunks and the trainer's steps (`cpu_s`) is what each
+took with a processor to itself; without it (older span logs) the wall times are deflated by the
+sharing the actors' busy intervals imply on the host's processors. Costs that the span log
+cannot show (a stated accelerator, another batch size) come from `--params` instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from statistics import fmean, median
+from typing import TYPE_CHECKING
+
+from nonstop.planner.params import PlanParams, Shape
+
+if TYPE_CHECKING:
+    from nonstop.config import Config
+    from nonstop.timeline import GroupLife, Timeline
+
+Interval = tuple[float, float]
+
+
+def _lstsq(rows: list[list[float]], y: list[float], w: list[float]) -> list[float]:
+    import numpy as np
+
+    a, b, sw = np.array(rows), np.array(y), np.sqrt(np.array(w))
+    return [float(x) for x in np.linalg.lstsq(a * sw[:, None], b * sw, rcond=None)[0]]
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """y = c0 + c1 x by least squares with c0, c1 >= 0 (a clipped term is refitted without it)."""
+    c0, c1 = _lstsq([[1.0, x] for x in xs], ys, [1.0] * len(xs))
+    if c1 < 0:
+        return fmean(ys), 0.0
+    if c0 < 0:
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-12)
+    return c0, c1
+
+
+def _median(xs: list[float]) -> float:
+    return median(xs) if xs else 0.0
+
+
+class Sharing:
+    """Processor sharing of `cores` among actors' busy intervals: while n actors are busy each runs
+    at min(1, cores / n) of its own speed. `work(t0, t1)` is the uncontended time an actor busy
+    over [t0, t1] got done: the integral of min(1, cores / n(t)) dt. `cores` None: no sharing."""
+
+    def __init__(self, actors: list[list[Interval]], cores: float | None) -> None:
+        self.cores = cores
+        edges: list[tuple[float, int]] = []
+        for ivs in actors:
+            for a, b in _union(ivs):
+                edges += [(a, 1), (b, -1)]
+        edges.sort()
+        self.starts: list[float] = []
+        self.speed: list[float] = []  # from starts[i] to starts[i + 1]
+        n = 0
+        for t, d in edges:
+            n += d
+            self.starts.append(t)
+            self.speed.append(1.0 if cores is None or n <= cores else cores / n)
+
+    def work(self, t0: float, t1: float) -> float:
+        if self.cores is None or not self.starts:
+            return t1 - t0
+        i = max(bisect.bisect_right(self.starts, t0) - 1, 0)
+        done, t = 0.0, t0
+        while t < t1:
+            nxt = self.starts[i + 1] if i + 1 < len(self.starts) else math.inf
+            speed = self.speed[i] if self.starts[i] <= t else 1.0
+            seg = min(nxt, t1) - t
+            done += seg * speed
+            t += seg
+            i += 1
+        return done
+
+
+def _union(ivs: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for a, b in sorted(ivs):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def fit_orchestrator(groups: list[GroupLife]) -> tuple[float, float, list[Interval]]:
+    """The orchestrator handles finished groups one at a time on its one thread, first come first
+    served, `s` each (receive, decode, hand to scoring): group i, returned by its engine at a_i,
+    is handled by c_i = max(a_i, c_{i-1}) + s. Groups handled in one busy stretch come out
+    together, `l` after the stretch ends (their scores come back from the scoring threads while
+    the loop is still at the later ones' first halves; the event loop then finishes them in
+    order). Fits s and l to the groups' `t_gen1` (a_i) and `t_done`, robustly (least median
+    deviation: a pause that delays many groups at once is counted apart, see `pauses`).
+    Returns s, l and the busy intervals [c_i - s, c_i]."""
+    import numpy as np
+
+    gs = sorted(groups, key=lambda g: g.t_gen1)
+    if len(gs) < 2:
+        return 0.0, fmean(g.t_done - g.t_gen1 for g in gs) if gs else 0.0, []
+    a = np.array([g.t_gen1 for g in gs])
+    done = np.array([g.t_done for g in gs])
+    best = (math.inf, 0.0, 0.0)
+    lo, hi = 0.0, max(float(done.max() - a.min()) / len(gs), 1e-6)
+    for _ in range(2):  # a grid over s, then a finer one around the best
+        for s in np.linspace(lo, hi, 201):
+            r = done - stretch_ends(a, float(s))[1]
+            l_ = float(np.median(r))
+            loss = float(np.median(np.abs(r - l_)))
+            if loss < best[0] - 1e-12:
+                best = (loss, float(s), max(l_, 0.0))
+        step = (hi - lo) / 200
+        lo, hi = max(best[1] - step, 0.0), best[1] + step
+    _, s_fit, l_fit = best
+    c = stretch_ends(a, s_fit)[0]
+    return s_fit, l_fit, [(float(x) - s_fit, float(x)) for x in c]
+
+
+def stretch_ends(a, s: float):
+    """For arrivals `a` (sorted) served s each, first come first served: each one's completion
+    and the end of the busy stretch it belongs to."""
+    import numpy as np
+
+    idx = np.arange(len(a))
+    c = (idx + 1) * s + np.maximum.accumulate(a - idx * s)  # c_i = max(a_i, c_{i-1}) + s, in closed form
+    starts = np.r_[True, a[1:] > c[:-1]]
+    stretch = np.cumsum(starts) - 1
+    last = np.r_[np.flatnonzero(starts)[1:] - 1, len(a) - 1]
+    return c, c[last][stretch]
+
+
+PAUSE_S = 0.05
+"""A pause of the orchestrator: no event of its own for this long while it owes work (a group
+returned and not yet buffered, a finished step or publish not yet taken up); its ordinary work
+between two events is a few milliseconds. Garbage collection of the orchestrator's many objects
+is the usual cause: it comes with the objects made, so the planner counts pauses per group."""
+
+
+def pauses(tl: Timeline) -> list[Interval]:
+    """The orchestrator's pauses in a run (see PAUSE_S)."""
+    from nonstop.timeline import union_length
+
+    orch = tl.events.get("orchestrator", [])
+    points = sorted(t for e in orch for t in _times(e))
+    owed = [(g.t_gen1, g.t_done) for g in tl.groups]
+    trains = {e["step"]: e for e in orch if e["ev"] == "train"}
+    publishes = {e["step"]: e for e in orch if e["ev"] == "publish"}
+    for e in tl.events.get("trainer-0", []):
+        if e["ev"] in ("step", "publish"):  # done at the rank, not yet taken up by the loop
+            took = (trains if e["ev"] == "step" else publishes).get(e["version"])
+            if took is not None:
+                owed.append((e["t1"], took["t1"]))
+    owed = _union(owed)
+    return [(a, b) for a, b in zip(points, points[1:])
+            if b - a > PAUSE_S and union_length(owed, a, b) >= b - a - 1e-6]
+
+
+def _times(e: dict) -> list[float]:
+    if e["ev"] == "group":
+        return [e["t_admit"], e["t_gen0"], e["t_gen1"], e["t_done"]]
+    return [e[k] for k in ("t", "t0", "t1") if k in e]
+
+
+def loop_costs(tl: Timeline) -> tuple[float, float, list[Interval]]:
+    """The learning loop's own work per step, medians over steps: `call_s` from calling the step
+    to the rank starting it (the batch sent), `loop_s` after the rank's step (taking its result,
+    calling the publish, the step's records) besides the rank's publish. Returns them and the
+    intervals the loop was at work."""
+    orch = tl.events.get("orchestrator", [])
+    trains = {e["step"]: e for e in orch if e["ev"] == "train"}
+    waits = {e["step"]: e for e in orch if e["ev"] == "wait"}
+    rank = tl.events.get("trainer-0", [])
+    steps = {e["version"]: e for e in rank if e["ev"] == "step"}
+    pubs = {e["version"]: e for e in rank if e["ev"] == "publish"}
+    extra: dict[int, float] = {}
+    for e in orch:
+        if e["ev"] in ("eval", "checkpoint"):
+            extra[e["step"]] = extra.get(e["step"], 0.0) + e["t1"] - e["t0"]
+    calls, loops, busy = [], [], []
+    for step, tr in trains.items():
+        st, pub, nxt = steps.get(step), pubs.get(step), waits.get(step + 1)
+        if st is None or pub is None:
+            continue
+        calls.append(st["t0"] - tr["t0"])
+        busy += [(tr["t0"], st["t0"]), (st["t1"], pub["t0"])]
+        if nxt is not None:
+            loops.append(nxt["t0"] - st["t1"] - (pub["t1"] - pub["t0"]) - extra.get(step, 0.0))
+            busy.append((pub["t1"], nxt["t0"]))
+    return max(_median(calls), 0.0), max(_median(loops), 0.0), busy
+
+
+def engine_wake(tl: Timeline) -> float:
+    """How long an idle engine takes from the first call of an admission to its first pass
+    (its actor reads the calls waiting in its pipe first, so the admission's groups join that
+    pass together): the median over admissions that found an engine idle."""
+    chunks = {a: sorted((e["t0"], e["t1"]) for e in tl.events[a] if e["ev"] == "busy") for a in tl.actors("engine")}
+    first: dict[float, float] = {}
+    for g in tl.groups:
+        first[g.t_admit] = min(first.get(g.t_admit, math.inf), g.t_gen0)
+    wakes = []
+    for t in first.values():
+        nxt = []
+        for ivs in chunks.values():
+            i = bisect.bisect_right(ivs, (t, math.inf))
+            if (i == 0 or ivs[i - 1][1] <= t) and i < len(ivs):  # idle at t, busy later
+                nxt.append(ivs[i][0] - t)
+        if nxt:
+            wakes.append(min(nxt))
+    return max(_median(wakes), 0.0)
+
+
+def effective_cores(busy: list[list[Interval]], items: list[tuple[float, float, float]], host: float) -> float | None:
+    """The number of processors c for which processor sharing (`Sharing`) of the actors' busy
+    intervals explains how much slower than their processor time `items` (t0, t1, cpu_s) ran:
+    sum of work_c(t0, t1) = sum of cpu_s. Less than the host's when something else took a share
+    too, more when the actors' busy intervals overstate their demand. None when the items ran
+    at full speed (nothing to share)."""
+    cpu = sum(c for _, _, c in items)
+    wall = sum(t1 - t0 for t0, t1, _ in items)
+    if cpu <= 0 or cpu >= wall * (1 - 1e-3):
+        return None
+    lo, hi = host / 16, host * 16
+    if sum(Sharing(busy, hi).work(t0, t1) for t0, t1, _ in items) <= cpu:
+        return None
+    for _ in range(40):  # work_c grows with c: bisect on a log scale
+        mid = math.sqrt(lo * hi)
+        if sum(Sharing(busy, mid).work(t0, t1) for t0, t1, _ in items) < cpu:
+            lo = mid
+        else:
+            hi = mid
+    return round(math.sqrt(lo * hi), 3)
+
+
+def host_cores(tl: Timeline, cfg: Config) -> float | None:
+    """Processors the engines and trainer ranks share: `rl_start`'s record, or (a span log
+    without it) this machine's, when the run's actors would compute on it. None: accelerators."""
+    from nonstop.device import resolve_device
+    from nonstop.spans import cpu_count
+
+    start = [e for e in tl.events.get("orchestrator", []) if e["ev"] == "rl_start"]
+    if start and "cpus" in start[-1]:
+        return float(start[-1]["cpus"]) if start[-1]["cpu_actors"] else None
+    on_cpu = all(resolve_device(spec, name).type == "cpu"
+                 for spec, name in ((cfg.engine.device, "engine.device"), (cfg.trainer.device, "trainer.device")))
+    return float(cpu_count()) if on_cpu and cfg.runtime.backend == "local" else None
+
+
+def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
+    """Fit the cost model to one run (its span log and its config)."""
+    ranks = max(len(tl.actors("trainer")), 1)
+    steps = [dict(e, tokens=e["tokens"] / ranks) for e in tl.events.get("trainer-0", []) if e["ev"] == "step"]
+    if not steps:
+        raise ValueError(f"{tl.run_dir}: the span log holds no trainer steps")
+    groups = tl.groups
+    orch_group_s, deliver_delay_s, handling = fit_orchestrator(groups)
+    paused = pauses(tl)
+    call_s, loop_s, loop_busy = loop_costs(tl)
+    cores = host_cores(tl, cfg)
+    busy = ([tl.engine_busy(a) for a in tl.actors("engine")] + [tl.trainer_busy(a) for a in tl.actors("trainer")]
+            + [handling + loop_busy + paused])
+    chunk_events = [e for a in tl.actors("engine") for e in tl.events[a]
+                    if e["ev"] == "busy" and e["passes"] and e["t1"] > e["t0"]]
+    if not chunk_events:
+        raise ValueError(f"{tl.run_dir}: the span log holds no engine forward passes")
+    if cores is not None and all("cpu_s" in e for e in chunk_events + steps):
+        # processor time says what each took alone; the steps' wall time says how shared they were
+        cores = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps], cores)
+        per_pass = [(e["rows"] / e["passes"], e["cpu_s"] / e["passes"]) for e in chunk_events]
+        work = [e["cpu_s"] for e in steps]
+    else:
+        sharing = Sharing(busy, cores)
+        per_pass = [(e["rows"] / e["passes"], sharing.work(e["t0"], e["t1"]) / e["passes"]) for e in chunk_events]
+        work = [sharing.work(e["t0"], e["t1"]) for e in steps]
+    # weighted by passes: the fit then reproduces the total time of all passes
+    chunks = [xy for e, xy in zip(chunk_events, per_pass) for _ in range(e["passes"])]
+    pass_s, pass_row_s = _fit_line(*map(list, zip(*chunks)))
+    step_s, step_token_s = _fit_steps(steps, work)
+    pubs = [e["t1"] - e["t0"] for e in tl.events.get("trainer-0", []) if e["ev"] == "publish"]
+    applies = [e["t1"] - e["t0"] for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "apply"]
+    evals = [e["t1"] - e["t0"] for e in tl.events.get("orchestrator", []) if e["ev"] == "eval"]
+    uniform = tl.drops.get("uniform_reward", 0)
+    return PlanParams(
+        pass_s=pass_s, pass_row_s=pass_row_s, step_s=step_s, step_token_s=step_token_s,
+        publish_s=fmean(pubs) if pubs else 0.0, apply_s=fmean(applies) if applies else 0.0,
+        groups_lens=[g.lens for g in groups],
+        admit_delay_s=fmean(g.t_gen0 - g.t_admit for g in groups) if groups else 0.0,
+        admit_delays=[round(g.t_gen0 - g.t_admit, 6) for g in groups[:: max(1, len(groups) // 4000)]],
+        deliver_delay_s=deliver_delay_s, orch_group_s=orch_group_s,
+        pause_s=fmean(b - a for a, b in paused) if paused else 0.0,
+        pause_every=len(groups) / len(paused) if paused else 0.0,
+        call_sample_s=call_s / (cfg.rollout.prompts_per_step * cfg.rollout.group_size), loop_s=loop_s,
+        drop_frac=uniform / len(groups) if groups and cfg.rollout.filter_uniform_reward and cfg.rollout.refill else 0.0,
+        pickup_passes=1, wake_s=engine_wake(tl), eval_s=fmean(evals) if evals else 0.0, cores=cores,
+        calibrated_on=Shape.of(cfg),
+    )
+
+
+def _fit_steps(steps: list[dict], work: list[float]) -> tuple[float, float]:
+    """Step time = fixed + per token x tokens, from each step's uncontended time (`work`). Where
+    the rank reports `update_s` (gradient clip and optimizer step: no growth with the batch) that
+    is the fixed part, and the rest is fitted through the origin against tokens: one batch size
+    alone cannot tell a fixed cost from a per-token one."""
+    xs = [float(e["tokens"]) for e in steps]
+    if not all("update_s" in e for e in steps):
+        return _fit_line(xs, work)
+    fixed = fmean(e["update_s"] * w / max(e["t1"] - e["t0"], 1e-12) for e, w in zip(steps, work))
+    per_token = sum(x * (w - fixed) for x, w in zip(xs, work)) / max(sum(x * x for x in xs), 1e-12)
+    return fixed, max(per_token, 0.0)
