@@ -10,7 +10,7 @@ reward only (the default job), distillation only (the teacher's per-token revers
 whole advantage, `distill.task_reward=false`), and both (reward advantage + KL term). Printed
 per run: final held-out accuracy, steps, the mean teacher KL of the first and last steps.
 
-    python bench/distill.py [--quick] [--seconds 90 | --steps N] [--teacher-seconds S] [--coef 1.0]
+    python bench/distill.py [--quick] [--seconds 90 | --steps N] [--teacher-seconds S] [--coef 1.0] [--normalize]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--teacher-seconds", type=float, default=0.0,
                     help="train a teacher for this long instead of the shipped one (0: the shipped one)")
     ap.add_argument("--coef", type=float, default=1.0)
+    ap.add_argument("--normalize", action="store_true", help="distill.normalize=true: standardise the teacher term")
     ap.add_argument("--steps", type=int, default=None,
                     help="give each student this many trainer steps instead of --seconds (load-independent)")
     ns = ap.parse_args()
@@ -62,7 +63,8 @@ def main() -> None:
             teacher_acc, made = prov["heldout_accuracy"], f"shipped, {prov['steps']} steps of RL"
         print(f"teacher: {made}, held-out {teacher_acc:.1%}", flush=True)
         student = ["model.base=builtin_weak"]
-        distill = [f"distill.teacher={teacher}", f"distill.coef={ns.coef}", "rollout.filter_uniform_reward=false"]
+        distill = [f"distill.teacher={teacher}", f"distill.coef={ns.coef}", f"distill.normalize={ns.normalize}",
+                   "rollout.filter_uniform_reward=false"]
         for name, extra in (("reward", []), ("distill", [*distill, "distill.task_reward=false"]), ("both", distill)):
             summary, recs = train(out, name, seconds, *student, *extra, steps=ns.steps)
             kl = [r["teacher_kl"] for r in recs if "teacher_kl" in r]
@@ -72,7 +74,7 @@ def main() -> None:
                   f"({summary['steps']} steps)", flush=True)
     budget = f"{seconds:g} s of RL" if ns.steps is None else f"{ns.steps} steps"
     print(f"\nStudent: shipped weak base; teacher: {made} ({teacher_acc:.1%}); {budget} per student run; "
-          f"coef {ns.coef:g}")
+          f"coef {ns.coef:g}{', normalized' if ns.normalize else ''}")
     print(f"{'signal':>8} {'held-out acc':>13} {'steps':>6} {'teacher KL first':>17} {'last':>6}")
     for name, r in rows.items():
         first = "-" if r["kl_first"] is None else f"{r['kl_first']:.3f}"

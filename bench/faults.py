@@ -13,6 +13,10 @@ injected from inside the orchestrator by a test reward function (tests/helpers.p
     engines_kill two engines, engine-0 SIGKILLed while generating; engine-1 keeps serving
     ctrl_c      Ctrl-C (SIGINT to the orchestrator): checkpoint after the step, exit 130, then
                 `nonstop train --resume` finishes it
+    broadcast_kill two engines on the broadcast transport, engine-0 SIGKILLed while generating: the
+                trainer rebuilds the group with the replacement and sends the weights again
+    ddp_resume  two DDP trainer ranks, SIGKILL of rank 0, then `nonstop train --resume`
+    fsdp2_resume two FSDP2 trainer ranks (sharded checkpoint), SIGKILL of rank 0, then resume
 
 Columns: whether the epoch completed, prompts lost (drawn or due but never settled) and
 duplicated (settled twice) from the run's ledger, engine restarts, time to detect and to
@@ -79,6 +83,11 @@ def scenario(name: str, model: Path, work: Path) -> dict:
         "nan_loss": [epoch(model, name, "overflow_reward", "--set", "trainer.max_consecutive_skips=50")],
         "engines_kill": [epoch(model, name, "kill_engine_0_once_reward", "--set", "runtime.num_engines=2")],
         "ctrl_c": [epoch(model, name, "interrupt_once_reward"), resume],
+        "broadcast_kill": [epoch(model, name, "kill_engine_0_once_reward", "--set", "runtime.num_engines=2",
+                                 "--set", "transport.kind=broadcast")],
+        "ddp_resume": [epoch(model, name, "kill_trainer_reward", "--set", "trainer.ranks=2"), resume],
+        "fsdp2_resume": [epoch(model, name, "kill_trainer_reward", "--set", "trainer.ranks=2",
+                               "--set", "trainer.data_parallel=fsdp2"), resume],
     }[name]
     for args in steps:
         if args == "flip":
@@ -103,7 +112,8 @@ def scenario(name: str, model: Path, work: Path) -> dict:
     }
 
 
-SCENARIOS = ("none", "engine_kill", "engine_hang", "trainer_kill", "corrupt_ckpt", "nan_loss", "engines_kill", "ctrl_c")
+SCENARIOS = ("none", "engine_kill", "engine_hang", "trainer_kill", "corrupt_ckpt", "nan_loss", "engines_kill", "ctrl_c",
+             "broadcast_kill", "ddp_resume", "fsdp2_resume")
 
 
 def main() -> None:

@@ -133,14 +133,14 @@ def hang_engine_once_reward(completion: str, answer: str) -> float:
 
 
 def kill_trainer_reward(completion: str, answer: str) -> float:
-    """SIGKILLs the trainer at the 300th scored sample of the first run in this folder."""
+    """SIGKILLs the trainer (rank 0 of several) at the 300th scored sample of the first run in this folder."""
     import multiprocessing as mp
     import signal
 
     _calls["n"] += 1
     if _calls["n"] == 300 and _once("trainer_killed"):
         for c in mp.active_children():
-            if c.name == "nonstop-trainer":
+            if c.name in ("nonstop-trainer", "nonstop-trainer-0"):
                 os.kill(c.pid, signal.SIGKILL)
     return float(len(completion))
 
@@ -240,3 +240,37 @@ def kill_an_engine_every_reward(completion: str, answer: str) -> float:
             _soak["next"] += 1
             os.kill(victim.pid, signal.SIGKILL)
     return float(len(completion))
+
+
+class TrainerRankHost:
+    """One trainer rank process for tests that run several trainers one after the other in the
+    same processes: it builds a real TrainerWorker, joins its process group, and forwards calls."""
+
+    def __init__(self) -> None:
+        self.worker = None
+
+    def make(self, model_path: str, cfg, pad_token_id: int, host: str, port: int, rank: int, world: int) -> None:
+        from nonstop.trainer.worker import TrainerWorker
+
+        self.worker = TrainerWorker(model_path, cfg, 1.0, pad_token_id, seed=0, total_steps=10)
+        self.worker.join_group(host, port, rank, world, timeout_s=120)
+
+    def call(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+    def optimizer_state(self) -> dict:
+        """This rank's AdamW moments as numpy (its shard, with FSDP2), by parameter name."""
+        t = self.worker.trainer
+        names = {id(p): n for n, p in t.model.named_parameters()}
+        out = {}
+        for p, st in t.optimizer.state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                v = st[k]
+                v = v.to_local() if hasattr(v, "to_local") else v
+                out[f"{names[id(p)]}.{k}"] = v.detach().numpy().copy()
+            out[f"{names[id(p)]}.step"] = float(st["step"])
+        return out
+
+    def close(self) -> None:
+        self.worker.close()
+        self.worker = None

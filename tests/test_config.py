@@ -150,16 +150,14 @@ def test_field_of_another_kind_or_bad_kind_is_one_clear_error(overrides, message
 # suggests makes the config valid.
 RULES = [
     (["buffer.depth=3", "buffer.max_lag=1"], r"buffer\.max_lag \(1\) < buffer\.depth \(3\)", ["buffer.reject=token"]),
-    (["trainer.ranks=2", "trainer.data_parallel=fsdp2"], r"checkpoint\.every_steps: checkpoints of fsdp2",
-     ["checkpoint.every_steps=null"]),
     (["trainer.ranks=2", "model.lora.enabled=true"], r"trainer\.ranks: data-parallel ranks with model\.lora",
      ["trainer.ranks=1"]),
     (["trainer.ranks=5", "rollout.prompts_per_step=4"], r"trainer\.ranks \(5\) > rollout\.prompts_per_step \(4\)",
      ["trainer.ranks=4"]),
     (["model.path=/m", "warmup.enabled=true"], r"warmup\.enabled: the warm-up trains the built-in tiny model",
      ["warmup.enabled=false"]),
-    (["transport.kind=broadcast", "runtime.max_engine_restarts=2"],
-     r"runtime\.max_engine_restarts \(2\) > 0 with transport\.kind 'broadcast'", ["runtime.max_engine_restarts=0"]),
+    (["env.name=guess_number", "rollout.seed_per_prompt=true"],
+     r"rollout\.seed_per_prompt: environment runs", ["rollout.seed_per_prompt=false"]),
     (["task.name=jsonl"], r"task: .*task 'jsonl' needs dataset_path", ["task.dataset_path=d.jsonl"]),
     (["model.tiny.num_heads=3"], r"model\.tiny: .*hidden_size must be divisible by num_heads", ["model.tiny.num_heads=8"]),
     (["model.tiny.num_kv_heads=3"], r"model\.tiny: .*num_heads must be divisible by num_kv_heads",
@@ -170,8 +168,8 @@ RULES = [
 
 
 @pytest.mark.parametrize("overrides,message,fix", RULES, ids=[
-    "lag_below_depth", "fsdp2_checkpoints", "ranks_with_lora", "ranks_above_prompts", "warmup_with_model_path",
-    "broadcast_restarts", "jsonl_needs_dataset", "heads_divide_width", "kv_heads_divide_heads", "is_bounds"])
+    "lag_below_depth", "ranks_with_lora", "ranks_above_prompts", "warmup_with_model_path",
+    "seed_per_prompt_with_env", "jsonl_needs_dataset", "heads_divide_width", "kv_heads_divide_heads", "is_bounds"])
 def test_each_rule_across_fields_names_them_and_its_fix_works(overrides, message, fix):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
@@ -184,7 +182,7 @@ def test_defaults_that_depend_on_other_fields_resolve_in_the_config():
     assert load_config(overrides=["engine.max_lag=5"]).engine_settings.max_lag == 5
     assert cfg.runtime.max_engine_restarts is None and cfg.engine_restarts == 3
     assert load_config(overrides=["transport.kind=files"]).engine_restarts == 3
-    assert load_config(overrides=["transport.kind=broadcast"]).engine_restarts == 0
+    assert load_config(overrides=["transport.kind=broadcast"]).engine_restarts == 3  # the group takes a replacement
     assert load_config(overrides=["runtime.max_engine_restarts=7"]).engine_restarts == 7
     assert cfg.warmup.enabled is None and cfg.warmup_enabled is True
     assert load_config(overrides=["model.path=/m"]).warmup_enabled is False
@@ -197,7 +195,7 @@ def test_a_written_config_keeps_defaults_that_depend_on_other_fields(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(dump_config(load_config()))
     cfg = load_config(path, ["transport.kind=broadcast", "buffer.max_lag=5", "model.path=/m"])
-    assert (cfg.engine_restarts, cfg.engine_settings.max_lag, cfg.warmup_enabled) == (0, 5, False)
+    assert (cfg.engine_restarts, cfg.engine_settings.max_lag, cfg.warmup_enabled) == (3, 5, False)
 
 
 def test_reference_has_one_table_per_kind_and_docs_are_current():

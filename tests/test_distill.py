@@ -30,6 +30,13 @@ def test_distill_advantages_by_hand():
     assert torch.allclose(distill_term(student, teacher, mask), torch.tensor([[1.0, -0.5, 0.0], [0.1, -0.2, 0.0]]))
     s = student.clone().requires_grad_(True)  # the term is a reward: no gradient flows through it
     assert not distill_advantages(adv, s, teacher, mask, 1.0).requires_grad
+    # normalize: k over the 5 completion tokens [1.0, -0.5, 0.0, 0.1, -0.2] has mean 0.08 and
+    # population variance (0.92^2 + 0.58^2 + 0.08^2 + 0.02^2 + 0.28^2) / 5 = 0.2536
+    z = torch.tensor([[0.92, -0.58, -0.08], [0.02, -0.28, 0.0]]) / 0.2536 ** 0.5
+    got = distill_advantages(adv, student, teacher, mask, coef=2.0, task_reward=False, normalize=True)
+    assert torch.allclose(got, -2.0 * z, atol=1e-5)
+    got = distill_advantages(adv, student, teacher, mask, coef=2.0, normalize=True)
+    assert torch.allclose(got, (adv[:, None] - 2.0 * z) * mask, atol=1e-5)
 
 
 def test_process_advantages_by_hand():

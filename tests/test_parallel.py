@@ -123,8 +123,75 @@ def _same_step(got: dict, metrics: dict, single: Trainer, initial: dict, name: s
 def test_more_ranks_than_groups_per_step_is_a_config_error():
     with pytest.raises(ConfigError, match=r"trainer.ranks \(5\) > rollout.prompts_per_step \(4\)"):
         load_config(overrides=["trainer.ranks=5", "rollout.prompts_per_step=4"])
-    with pytest.raises(ConfigError, match="checkpoints of fsdp2 trainer ranks are not supported yet"):
-        load_config(overrides=["trainer.ranks=2", "trainer.data_parallel=fsdp2"])
-    load_config(overrides=["trainer.ranks=2", "trainer.data_parallel=fsdp2", "checkpoint.every_steps=null"])
+    load_config(overrides=["trainer.ranks=2", "trainer.data_parallel=fsdp2"])  # checkpoints included (DCP)
     with pytest.raises(ConfigError, match="trainer.data_parallel"):
         load_config(overrides=["trainer.data_parallel=zero3"])
+
+
+def test_two_rank_checkpoints_resume_where_they_stood_with_ddp_and_fsdp2(tiny_dir, tmp_path):
+    """Two real TrainerWorker ranks train a step, checkpoint, and train another; two new ranks built
+    from the checkpoint load it and train that same step: weights, optimizer state (FSDP2: each
+    rank's shard, through torch.distributed.checkpoint) and the step after it are the original's."""
+    from helpers import TrainerRankHost
+
+    groups, pad = _groups(tiny_dir)
+
+    async def run() -> dict:
+        backend = make_backend(LocalRuntimeConfig())
+        try:
+            hosts = await asyncio.gather(*(backend.spawn(f"trainer-{r}", TrainerRankHost) for r in range(2)))
+
+            async def each(method: str, *args) -> list:
+                return list(await asyncio.gather(*(h.call("call", method, *args) for h in hosts)))
+
+            async def start(model_path: str, cfg: TrainerConfig) -> None:
+                host, port = rendezvous("127.0.0.1")
+                await asyncio.gather(*(h.call("make", model_path, cfg, pad, host, port, r, 2) for r, h in enumerate(hosts)))
+
+            async def states() -> list:
+                return list(await asyncio.gather(*(h.call("optimizer_state") for h in hosts)))
+
+            out = {}
+            for mode in ("ddp", "fsdp2"):
+                cfg, ckpt = TrainerConfig(lr=1e-2, ranks=2, data_parallel=mode), tmp_path / mode
+                await start(str(tiny_dir), cfg)
+                await each("step", groups)
+                await each("save_checkpoint", str(ckpt))
+                saved = await states()
+                await each("step", groups)
+                await each("save", str(tmp_path / f"{mode}-continued"))
+                await asyncio.gather(*(h.call("close") for h in hosts))
+
+                await start(str(ckpt / "model"), cfg)
+                versions = await each("load_checkpoint", str(ckpt))
+                loaded = await states()
+                await each("save", str(tmp_path / f"{mode}-loaded"))
+                await each("step", groups)
+                await each("save", str(tmp_path / f"{mode}-resumed"))
+                await asyncio.gather(*(h.call("close") for h in hosts))
+                out[mode] = versions, saved, loaded
+            return out
+        finally:
+            await backend.shutdown()
+
+    def params(folder) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in load_model(str(folder)).named_parameters()}
+
+    for mode, (versions, saved, loaded) in asyncio.run(run()).items():
+        assert versions == [1, 1], mode
+        for rank in range(2):  # each rank's optimizer state (its shard with FSDP2) came back exactly
+            assert saved[rank].keys() == loaded[rank].keys() and saved[rank], (mode, rank)
+            for k, v in saved[rank].items():
+                assert (loaded[rank][k] == v).all() if hasattr(v, "shape") else loaded[rank][k] == v, (mode, rank, k)
+        tensors = [k for k, v in saved[0].items() if hasattr(v, "shape")]
+        identical = all(saved[0][k].shape == saved[1][k].shape and (saved[0][k] == saved[1][k]).all() for k in tensors)
+        assert identical == (mode == "ddp"), mode  # DDP ranks hold the same state, FSDP2 ranks their own shards
+        state = torch.load(tmp_path / mode / "trainer.pt", weights_only=False)
+        assert (state["optimizer"] is None) == (mode == "fsdp2"), mode
+        assert (tmp_path / mode / "optimizer").is_dir() == (mode == "fsdp2"), mode
+        ckpt, loaded_w = params(tmp_path / mode / "model"), params(tmp_path / f"{mode}-loaded")
+        assert all(torch.equal(loaded_w[n], t) for n, t in ckpt.items()), mode
+        continued, resumed = params(tmp_path / f"{mode}-continued"), params(tmp_path / f"{mode}-resumed")
+        assert max(float((continued[n] - t).abs().max()) for n, t in ckpt.items()) > 1e-3, mode  # step 2 moved them
+        for n, t in continued.items():
+            assert torch.allclose(resumed[n], t, rtol=0, atol=1e-6), (mode, n, float((resumed[n] - t).abs().max()))

@@ -1,5 +1,6 @@
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -125,18 +126,60 @@ def test_layout_mismatch_is_reported_by_name(tiny_dir):
 
 def test_silent_broadcast_peer_times_out_with_a_clear_error(tiny_dir, spawn_child):
     model = load_model(str(tiny_dir))
-    handle = plan_transport(BroadcastTransportConfig(timeout_s=3), model, 1)
+    handle = plan_transport(BroadcastTransportConfig(timeout_s=3, rejoin_timeout_s=1), model, 1)
     sink = open_sink(handle)
     child = spawn_child(connect_then_hang, handle, str(tiny_dir), 1, daemon=True)
     try:
         sink.connect()
         child.get("attached")
         t0 = time.monotonic()
-        with pytest.raises(TransportError, match=r"(engine rank\(s\) 1 did not confirm version 1 within 3 s)|(version 1 .*failed within 3 s)"):
+        with pytest.raises(TransportError, match=r"((engine rank\(s\) 1 did not confirm version 1 within 3 s)|"
+                                                 r"(version 1 .*failed within 3 s)).*no replacement engine joined within 1 s"):
             sink.publish(model, 1)
-        assert time.monotonic() - t0 < 3 + 10
+        assert time.monotonic() - t0 < 3 + 1 + 10
     finally:
         child.process.kill()
+
+
+def test_broadcast_group_is_rebuilt_for_engines_that_replace_dead_ones(tiny_dir, spawn_child):
+    """Rank 2 dies between two sends: the next send fails on it, waits for its replacement and
+    goes out again in a rebuilt group. Rank 1 then leaves and its replacement attaches before the
+    next send: that send rebuilds the group first. Every engine ends with the exact weights."""
+    models = {v: _perturbed(tiny_dir, seed=v) for v in (1, 2, 3, 4)}
+    handle = plan_transport(transport(kind="broadcast", timeout_s=30, bucket_mb=0.01, rejoin_timeout_s=120),
+                            models[1], num_engines=2)
+    sink = open_sink(handle)
+    first = spawn_child(receive_weights, handle, str(tiny_dir), 1, 3)
+    doomed = spawn_child(receive_weights, handle, str(tiny_dir), 2, 4)
+    try:
+        sink.connect()
+        first.get("attached")
+        doomed.get("attached")
+        sink.publish(models[1], 1)
+        doomed.process.kill()
+        doomed.process.join()
+        with ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(sink.publish, models[2], 2)  # fails on the dead rank, then waits for a join
+            time.sleep(0.5)  # let the send meet the dead peer first (that is the path under test)
+            second = spawn_child(receive_weights, handle, str(tiny_dir), 2, 4)
+            second.get("attached")
+            sending.result(timeout=120)
+        assert sink.replans == 1
+        sink.publish(models[3], 3)
+        seen, state = first.get("weights")  # rank 1 got 3 and leaves
+        assert seen[-1] == 3 and all(torch.equal(torch.from_numpy(state[k]), t) for k, t in models[3].state_dict().items())
+        assert first.join() == 0
+        third = spawn_child(receive_weights, handle, str(tiny_dir), 1, 4)
+        third.get("attached")  # registered before the next send: it rebuilds the group first
+        sink.publish(models[4], 4)
+        assert sink.replans == 2
+        for child in (second, third):
+            seen, state = child.get("weights")
+            assert seen[-1] == 4, seen
+            for name, expected in models[4].state_dict().items():
+                assert torch.equal(torch.from_numpy(state[name]), expected), name
+    finally:
+        sink.close()
 
 
 def test_files_transport_applies_only_complete_versions_and_keeps_the_newest(tiny_dir, tmp_path):

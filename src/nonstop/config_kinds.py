@@ -38,13 +38,16 @@ class ShmTransportConfig(BaseTransportConfig):
 
 
 class BroadcastTransportConfig(BaseTransportConfig):
-    """torch.distributed broadcast from trainer rank 0 to every engine; an engine cannot rejoin the group."""
+    """torch.distributed broadcast from trainer rank 0 to every engine; a restarted engine joins a rebuilt group."""
 
     kind: Literal["broadcast"] = "broadcast"
     bucket_mb: float = Field(25.0, gt=0.0)
     """Size of each broadcast slice in MiB."""
     per_tensor: bool = False
     """Broadcast one parameter at a time instead of fixed-size buckets (for comparison)."""
+    rejoin_timeout_s: float = Field(300.0, ge=0.0)
+    """When a send fails because an engine died, how long the trainer waits for its replacement to
+    join (the group is then rebuilt and the version sent again) before the run fails; 0: fail at once."""
 
 
 class FilesTransportConfig(BaseTransportConfig):
@@ -97,7 +100,7 @@ class BaseRuntimeConfig(_Section):
     """An engine that does not answer a ping within this time is declared hung, killed and restarted."""
     max_engine_restarts: int | None = Field(None, ge=0)
     """Engine crashes or hangs survived per run (each restart re-queues the prompts it held); one more ends
-    the run. None: 3, or 0 with transport.kind 'broadcast' (its group cannot take a new engine)."""
+    the run. None: 3. With transport.kind 'broadcast' the trainer rebuilds its group with the replacement."""
 
 
 class LocalRuntimeConfig(BaseRuntimeConfig):

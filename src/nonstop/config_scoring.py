@@ -110,6 +110,9 @@ class DistillConfig(_Section):
     load; None: off."""
     coef: float = Field(1.0, ge=0.0)
     """lambda: the advantage of token t becomes A_t - coef x (log pi_student(a_t) - log pi_teacher(a_t))."""
+    normalize: bool = False
+    """Standardise the per-token term over the batch's completion tokens before coef weighs it
+    ((k - mean) / std): its scale then no longer depends on how far apart teacher and student are."""
     task_reward: bool = True
     """Keep the task reward's advantage (reward + distillation); false: the KL term alone (pure
     distillation; needs rollout.filter_uniform_reward=false)."""

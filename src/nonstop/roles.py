@@ -26,6 +26,7 @@ from nonstop.config import TransportConfig
 from nonstop.types import GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 
 EngineStats = dict[str, float | int]  # one engine's counters: policy_version and the scheduler's stats
+SamplingState = dict[str, bytes]  # one engine's sampling generator state by device ('cpu', 'cuda'); {}: none kept
 
 
 class Client(Protocol):
@@ -63,15 +64,25 @@ class EngineClient(Client, Protocol):
         transport ranks `rank`, `rank + 1`, ... in engine order."""
         ...
 
+    async def sampling_states(self) -> list[SamplingState]:
+        """The state of each engine's sampling generator (for requests without a seed), in
+        engine order, taken between two decode steps: what a checkpoint keeps."""
+        ...
+
+    async def load_sampling_states(self, states: list[SamplingState]) -> None:
+        """Give each engine, in engine order, the state `sampling_states` returned."""
+        ...
+
 
 class TrainerClient(Client, Protocol):
     async def step(self, groups: list[Group]) -> StepResult:
         """Train on one batch. The new weights stay with the trainer until `publish()`."""
         ...
 
-    async def publish(self) -> PublishResult:
+    async def publish(self, resend: bool = False) -> PublishResult:
         """Send the current weights through the transport as their policy_version (nothing is
-        sent when the last step was skipped); once it returns, every engine can load it."""
+        sent when the last step was skipped, unless `resend`: an engine that replaced a dead one
+        needs them); once it returns, every engine can load it."""
         ...
 
     async def save(self, path: str) -> str:

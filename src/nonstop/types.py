@@ -275,6 +275,8 @@ class BroadcastOptions:
     """Size of each broadcast slice."""
     per_tensor: bool = False
     """One broadcast per parameter instead of fixed-size slices."""
+    rejoin_timeout_s: float = 300.0
+    """After a send failed on a dead engine: how long to wait for its replacement to register."""
     kind: ClassVar[Literal["broadcast"]] = "broadcast"
 
 

@@ -12,6 +12,7 @@ metrics.jsonl plus the drop counters.
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -64,8 +65,9 @@ def test_hung_engine_is_detected_killed_and_restarted(tiny_dir, tmp_path):
     assert 2.5 <= faults["max_detect_s"] <= 10, faults  # heartbeat timeout 3 s (+ scheduling on a busy machine)
 
 
-def test_killed_trainer_stops_the_run_and_resume_keeps_the_prompt_order(tiny_dir, tmp_path):
-    sync = ["--set", "buffer.depth=0", "--set", "buffer.max_lag=0", "--set", "rollout.filter_uniform_reward=false"]
+def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token(tiny_dir, tmp_path):
+    sync = ["--set", "buffer.depth=0", "--set", "buffer.max_lag=0", "--set", "rollout.filter_uniform_reward=false",
+            "--set", "rollout.seed_per_prompt=true"]
     ref = nonstop(epoch_args(tiny_dir, "ref", "length_reward", *sync), cwd=tmp_path, timeout_s=400)
     assert ref.returncode == 0, ref.stdout + ref.stderr
 
@@ -78,10 +80,16 @@ def test_killed_trainer_stops_the_run_and_resume_keeps_the_prompt_order(tiny_dir
     assert "resumed from" in resumed.stdout
     summary = assert_epoch_consumed_exactly_once(run_dir)
     assert summary["resumed_from"] is not None
-    # synchronous mode: every step trains the same prompts as the uninterrupted run (in the order
-    # their groups finished, which depends on how the engine happened to batch them)
-    steps = lambda d: {r["step"]: sorted(r["prompts"]) for r in records(d) if "prompts" in r}  # noqa: E731
-    assert steps(run_dir) == steps(tmp_path / "runs" / "ref")
+    # synchronous and seeded per prompt: every step trains the same prompts with the same
+    # completions, token for token, as the uninterrupted run (the steps after the checkpoint too)
+    steps = lambda d: {r["step"]: (r["prompts"], r["completions_crc32"]) for r in records(d) if "prompts" in r}  # noqa: E731
+    resumed_steps, ref_steps = steps(run_dir), steps(tmp_path / "runs" / "ref")
+    assert resumed_steps == ref_steps
+    assert len({crc for _, crc in ref_steps.values()}) == len(ref_steps)  # the digest tells steps apart
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert len(json.loads((newest / "state.json").read_text())["engine_rng"]) == 1  # the engine's generator state
+    at = re.search(r"resumed from .*?\(step (\d+),", resumed.stdout, re.S)
+    assert at is not None and 0 < int(at.group(1)) < max(ref_steps), resumed.stdout  # some steps were generated again after the resume
 
 
 @pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
@@ -124,3 +132,32 @@ def test_one_of_several_engines_killed_the_others_keep_serving(tiny_dir, tmp_pat
     faults = summary["engine_faults"]
     assert faults["restarts"] == 1 and "'engine-0'" in faults["reasons"][0], faults
     assert len(summary["engines"]) == 2 and all(e["tokens_generated"] > 0 for e in summary["engines"]), summary["engines"]
+
+
+@pytest.mark.slow  # ~1-2 min: a real epoch with two engines; tests/test_transport.py re-plans the group fast
+def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_dir, tmp_path):
+    result = nonstop(epoch_args(tiny_dir, "bcast", "kill_engine_0_once_reward", "--set", "runtime.num_engines=2",
+                                "--set", "transport.kind=broadcast"), cwd=tmp_path, timeout_s=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "bcast")
+    faults = summary["engine_faults"]
+    assert faults["restarts"] == 1 and "'engine-0'" in faults["reasons"][0], faults
+    assert len(summary["engines"]) == 2 and all(e["tokens_generated"] > 0 for e in summary["engines"]), summary["engines"]
+    # the replacement was sent the current weights before it served: none of its groups lagged
+    assert summary["drops"].get("max_lag", 0) == 0, summary["drops"]
+
+
+@pytest.mark.slow  # ~2-3 min: two runs with two trainer ranks; tests/test_parallel.py checks the state fast
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_killed_trainer_rank_and_resume_with_two_ranks(tiny_dir, tmp_path, mode):
+    args = epoch_args(tiny_dir, mode, "kill_trainer_reward", "--set", "trainer.ranks=2",
+                      "--set", f"trainer.data_parallel={mode}")
+    first = nonstop(args, cwd=tmp_path, timeout_s=600)
+    assert first.returncode == 1 and "the trainer failed" in first.stdout, first.stdout + first.stderr
+    run_dir = tmp_path / "runs" / mode
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert checkpoints and (checkpoints[-1] / "optimizer").is_dir() == (mode == "fsdp2")
+    resumed = nonstop(["train", "--resume", str(Path("runs") / mode)], cwd=tmp_path, timeout_s=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout
+    assert_epoch_consumed_exactly_once(run_dir)

@@ -186,6 +186,14 @@ class VllmEngineWorker:
     async def stats(self) -> dict[str, float | int]:
         return {"policy_version": self.policy_version, **self.stats_}
 
+    async def sampling_state(self) -> dict[str, bytes]:
+        """Empty: vLLM's sampler state lives in its engine core, out of reach; checkpoints hold
+        none for this engine (rollout.seed_per_prompt makes completions reproducible anyway)."""
+        return {}
+
+    async def load_sampling_state(self, state: dict[str, bytes]) -> None:
+        """Nothing to restore (see sampling_state)."""
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -41,7 +41,7 @@ class EngineWorker:
 
         torch.manual_seed(seed)
         cfg = settings or EngineConfig()
-        device = resolve_device(cfg.device, "engine.device")
+        self.device = device = resolve_device(cfg.device, "engine.device")
         model = place(load_model(model_path, resolve_dtype(cfg.dtype, device, "engine.dtype")), device)
         self.engine = TorchEngine(model, eos_token_ids, pad_token_id, policy_version=initial_version,
                                   settings=settings, detokenize=load_detokenizer(model_path))
@@ -62,6 +62,22 @@ class EngineWorker:
 
     async def stats(self) -> dict[str, float | int]:
         return {"policy_version": self.engine.policy_version, **self.engine.scheduler.stats}
+
+    async def sampling_state(self) -> dict[str, bytes]:
+        """The state of the generator that requests without a seed draw their sampling noise from
+        (torch's default generator of the engine's device; nothing else in this process draws from
+        it while it serves), taken between two decode steps, for checkpoints."""
+        state = {"cpu": torch.get_rng_state().numpy().tobytes()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device).numpy().tobytes()
+        return state
+
+    async def load_sampling_state(self, state: dict[str, bytes]) -> None:
+        """Continue the random stream `sampling_state` saved (a resumed run does not replay the
+        noise its first steps drew)."""
+        torch.set_rng_state(torch.frombuffer(bytearray(state["cpu"]), dtype=torch.uint8))
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8), self.device)
 
     async def close(self) -> None:
         await self.aio.close()

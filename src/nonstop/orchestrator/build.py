@@ -138,12 +138,17 @@ async def connect_transport(cfg: Config, trainer: TrainerClient, engines: list[E
 
 
 def engine_restarter(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int, version0: int,
-                     handle: TransportHandle, run_dir: Path | None = None) -> Callable[[], Awaitable[EngineClient]]:
+                     handle: TransportHandle, trainer: TrainerClient,
+                     run_dir: Path | None = None) -> Callable[[], Awaitable[EngineClient]]:
     """A fresh engine i: it starts from `weights` and applies the newest published version at
-    its first forward pass (the config allows no restart with broadcast: its group is closed)."""
+    its first forward pass. With broadcast, nothing is stored to take the newest version from:
+    the engine joins the group (transport/broadcast.py re-plans it) and the trainer sends its
+    current weights again, so the engine holds them before it serves a request."""
     async def restart_engine() -> EngineClient:
         engine = await spawn_engine(backend, cfg, weights, tok, i, version0, run_dir)
         await engine.connect_transport(handle, i + 1)
+        if handle.kind == "broadcast":
+            await trainer.publish(resend=True)
         return engine
     return restart_engine
 
@@ -191,7 +196,8 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     if resume is not None:
         await trainer.load_checkpoint(str(resume.path))
     handle = await connect_transport(cfg, trainer, list(first_engines), backend.host)
-    engines = [RestartingEngine(e.name, engine_restarter(backend, cfg, model_weights, tok, i, version0, handle, run_dir),
+    engines = [RestartingEngine(e.name, engine_restarter(backend, cfg, model_weights, tok, i, version0, handle, trainer,
+                                                         run_dir),
                                 cfg.engine_restarts, cfg.runtime.heartbeat_interval_s,
                                 cfg.runtime.heartbeat_timeout_s, log=progress.log, engine=e)
                for i, e in enumerate(first_engines)]

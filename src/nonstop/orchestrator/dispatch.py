@@ -8,7 +8,8 @@ concurrent call, so a stream of small calls and one large call balance alike. Ev
 generated exactly once, by one engine. The pool tracks, per engine, the samples it served and
 the newest policy_version in its tokens (`versions`); weights never pass through it (every
 engine receives each published version from the transport). `stats`, `connect_transport`,
-`ping`, `stop` and `kill` go to every engine (engine i takes transport rank `rank + i`).
+`ping`, `sampling_states`, `load_sampling_states`, `stop` and `kill` go to every engine (engine
+i takes transport rank `rank + i`, and sampling state i).
 
 `RankGroup(ranks)` is a TrainerClient over several trainer ranks: every call goes to every rank
 at once (data parallel: they meet in collectives, so none may be left out) and answers with
@@ -26,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
 from nonstop.config import TransportConfig
-from nonstop.roles import Client, EngineClient, EngineStats, TrainerClient
+from nonstop.roles import Client, EngineClient, EngineStats, SamplingState, TrainerClient
 from nonstop.types import GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 
 C = TypeVar("C", bound=Client)
@@ -121,22 +122,35 @@ class EnginePool(_Several[EngineClient]):
     async def connect_transport(self, handle: TransportHandle, rank: int) -> None:
         await self._each("connect_transport", lambda i, e: e.connect_transport(handle, rank + i))
 
+    async def sampling_states(self) -> list[SamplingState]:
+        return [st for part in await self._each("sampling_states", lambda i, e: e.sampling_states()) for st in part]
+
+    async def load_sampling_states(self, states: list[SamplingState]) -> None:
+        """Member i (one engine each: a RestartingEngine) gets states[i]."""
+        if len(states) != len(self.engines):
+            raise ValueError(f"{len(states)} sampling states for {len(self.engines)} engines")
+        await self._each("load_sampling_states", lambda i, e: e.load_sampling_states(states[i:i + 1]))
+
 
 class RankGroup(_Several[TrainerClient]):
     def __init__(self, ranks: list[TrainerClient]) -> None:
         super().__init__(ranks, "rank group", "trainers")
         self.ranks = ranks
         self.lead = ranks[0]
+        self._lockstep = asyncio.Lock()
 
     async def _all(self, label: str, call: Callable[[TrainerClient], Coroutine[Any, Any, R]]) -> R:
-        """The same call on every rank; rank 0's answer."""
-        return (await self._each(label, lambda i, r: call(r)))[0]
+        """The same call on every rank; rank 0's answer. One call at a time: two concurrent calls
+        (a step and an engine restart's resend) could reach the ranks in different orders, and
+        ranks that meet in collectives must make them in the same order."""
+        async with self._lockstep:
+            return (await self._each(label, lambda i, r: call(r)))[0]
 
     async def step(self, groups: list[Group]) -> StepResult:
         return await self._all("step", lambda r: r.step(groups))
 
-    async def publish(self) -> PublishResult:
-        return await self._all("publish", lambda r: r.publish())
+    async def publish(self, resend: bool = False) -> PublishResult:
+        return await self._all("publish", lambda r: r.publish(resend))
 
     async def save(self, path: str) -> str:
         return await self._all("save", lambda r: r.save(path))

@@ -7,14 +7,19 @@ once and holds admission while too many wait for it), and hand each group to the
 (or drop it, counted and settled, when its reward failed or when all its samples scored the
 same and the run filters such groups). When the stream is exhausted it closes the buffer. `evaluate(...)` measures
 greedy exact-match accuracy on held-out prompts with the engine's current weights.
+
+With a `seed` (rollout.seed_per_prompt), each group's request carries `draw_seed(seed, epoch,
+prompt index)` and the engine seeds completion i with it + i: what a prompt's completions are
+then depends only on the weights, never on batching, engine placement or a resume.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from nonstop.orchestrator.buffer import RolloutBuffer
@@ -58,6 +63,13 @@ class Codec:
         return text
 
 
+def draw_seed(run_seed: int, epoch: int, index: int) -> int:
+    """The sampling seed of one draw of a prompt: 56 bits of a hash of (run seed, epoch, prompt
+    index), so the engine's per-completion seeds (+ completion index) stay far apart and in range."""
+    digest = hashlib.blake2b(f"{run_seed}:{epoch}:{index}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big")
+
+
 class NoLearningSignal(RuntimeError):
     """Rollouts keep failing to produce trainable groups; the message says why and what to change."""
 
@@ -91,12 +103,13 @@ class _BusyClock:
 async def produce(
     engine: EngineClient, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
     codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int, ledger: Ledger,
-    spans: SpanLog | None = None,
+    spans: SpanLog | None = None, seed: int | None = None,
 ) -> None:
     """Each admitted prompt becomes its own engine call, so a group is scored and handed to the
     buffer as soon as its own completions are done, while the engine keeps decoding the others
     in the same continuous batch. The buffer's admission bounds the groups in flight. Each
-    group's life (admitted, generated, delivered) is one `group` event in `spans`."""
+    group's life (admitted, generated, delivered) is one `group` event in `spans`. `seed`: the
+    run seed when every draw is sampled from its own seed (rollout.seed_per_prompt)."""
     log = spans if spans is not None else SpanLog(None)
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
     busy = _BusyClock(clock)
@@ -106,7 +119,8 @@ async def produce(
         busy.enter()
         t_gen0 = now()
         try:
-            results = await engine.generate([GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, params)])
+            own = params if seed is None else replace(params, seed=draw_seed(seed, draw.epoch, ex.index))
+            results = await engine.generate([GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, own)])
         finally:
             busy.leave()
         t_gen1 = now()

@@ -19,7 +19,7 @@ from collections.abc import Coroutine, Iterator
 from typing import Any
 
 from nonstop.orchestrator.build import Run
-from nonstop.orchestrator.records import StepRecord
+from nonstop.orchestrator.records import StepRecord, completions_crc32
 from nonstop.orchestrator.recovery import RunFailed, write_checkpoint
 from nonstop.runtime import ActorCallError, ActorDied
 from nonstop.spans import now
@@ -34,6 +34,9 @@ async def learn(run: Run) -> StepRecord | None:
         groups = await until_stopped(run.buffer.take(), state.stop)
         if not groups:
             break  # stopped, or the stream ran out (run.max_epochs) and every group was trained
+        # Arrival order depends on how the engines happened to batch; the trainer sees one order,
+        # so the same groups give the same step (a resumed run repeats the uninterrupted one).
+        groups.sort(key=lambda g: (g.epoch, g.prompt_index))
         t0 = now()
         with trainer_failure(run, step):
             result = await run.trainer.step(groups)
@@ -118,6 +121,7 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
     return StepRecord(
         step=step, policy_version=published.policy_version, time_s=round(wall, 3),
         reward_mean=sum(rewards) / max(len(rewards), 1), prompts=[[g.epoch, g.prompt_index] for g in groups],
+        completions_crc32=completions_crc32(groups),
         trainer=trainer, samples_trained=result.metrics["samples"], samples_generated=stats.samples,
         samples_per_s=stats.samples / wall if wall > 0 else 0.0,
         generation_busy_s=round(busy["generation"], 3), generation_idle_s=round(max(0.0, wall - busy["generation"]), 3),

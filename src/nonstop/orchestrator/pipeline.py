@@ -34,7 +34,7 @@ from nonstop.orchestrator.generate import produce
 from nonstop.orchestrator.learn import learn
 from nonstop.orchestrator.records import RunSummary, StepRecord
 from nonstop.orchestrator.score import RewardFn
-from nonstop.orchestrator.recovery import RunInterrupted, restore
+from nonstop.orchestrator.recovery import RunInterrupted, restore, restore_engines
 from nonstop.progress import Progress
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
@@ -62,7 +62,8 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         if run.envs is None:
             supervisor.spawn(produce(run.engine, run.buffer, run.stream, run.scorer, run.codec, cfg.rollout,
                                      run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures,
-                                     run.ledger, run.spans), name="producer")
+                                     run.ledger, run.spans, seed=cfg.run.seed if cfg.rollout.seed_per_prompt else None),
+                             name="producer")
         else:
             env = run.envs
             supervisor.spawn(produce_episodes(run.engine, env.play, run.buffer, run.stream, run.codec, cfg.rollout,
@@ -128,6 +129,7 @@ async def begin(run: Run, resume: Checkpoint | None) -> None:
     """Resume the orchestrator's state, or measure the base policy and start the RL clock."""
     if resume is not None:
         restore(run, resume)
+        await restore_engines(run, resume)
     else:
         run.state.base_accuracy = await run.eval()
         run.progress.log(f"base policy held-out accuracy: {run.state.base_accuracy:.1%} "

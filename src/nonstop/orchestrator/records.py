@@ -9,10 +9,22 @@ into the record, because the loss family decides which ones exist.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nonstop.roles import EngineStats
+from nonstop.types import Group
+
+
+def completions_crc32(groups: list[Group]) -> int:
+    """CRC32 over each group's (epoch, prompt index) and its samples' completion token ids, in order."""
+    crc = 0
+    for g in groups:
+        crc = zlib.crc32(f"{g.epoch},{g.prompt_index}:".encode(), crc)
+        for s in g.samples:
+            crc = zlib.crc32((",".join(map(str, s.completion_ids)) + ";").encode(), crc)
+    return crc
 
 
 @dataclass
@@ -22,6 +34,7 @@ class StepRecord:
     time_s: float  # RL wall time so far
     reward_mean: float  # over the samples trained in this step
     prompts: list[list[int]]  # [epoch, prompt index] of each group trained
+    completions_crc32: int  # of the trained groups' completion token ids: equal in two runs that trained on the same tokens
     trainer: dict[str, Any]  # the trainer's metrics of this step and of its publish
     samples_trained: int
     samples_generated: int  # so far, by every engine

@@ -1,20 +1,24 @@
 """Orchestrator side of checkpoint and resume: what a run's state is, and how it comes back.
 
 `write_checkpoint(run, step)` has the trainer write its weights and optimizer/RNG state into a
-staging folder, adds the orchestrator's state (data cursor, prompt ledger, counters, clock),
-and commits it atomically (checkpoint.py). The snapshot is taken between two trainer steps:
+staging folder, adds the orchestrator's state (data cursor, prompt ledger, counters, clock) and
+each engine's sampling generator state, and commits it atomically (checkpoint.py). The snapshot is taken between two trainer steps:
 every group of step <= `step` is settled in the ledger, and every prompt drawn but not yet
 settled (generating, or waiting in the buffer) is listed as in flight.
 
 `restore(run, ckpt)` puts that state back into the run's stages and its RunState: the stream
 continues from the saved cursor, the in-flight prompts are re-queued ahead of it (so nothing
 drawn is lost, and nothing settled is drawn again), counters and the RL clock continue, and the
-learning loop starts at step + 1.
+learning loop starts at step + 1. `restore_engines(run, ckpt)` hands each engine its saved
+sampling generator state, so the random stream continues instead of replaying the run's first
+draws (token-for-token repetition needs rollout.seed_per_prompt: the noise a completion gets
+from a shared stream depends on how requests happened to share decode passes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -48,6 +52,8 @@ async def write_checkpoint(run: "Run", step: int) -> None:
         "stats": asdict(run.stats), "drops": dict(run.buffer.drops), "reward_errors": dict(run.scorer.errors),
         "clock": {"wall_s": run.state.clock.wall(), "busy_s": dict(run.state.clock.busy_s)},
         "envs": run.envs.state_dict() if run.envs is not None else None,
+        "engine_rng": [{k: base64.b64encode(v).decode() for k, v in st.items()}
+                       for st in await run.engine.sampling_states()],
     }
     await asyncio.to_thread(commit, root, tmp, step, state, run.cfg.checkpoint.keep)
     run.state.last_checkpoint = step
@@ -77,3 +83,16 @@ def restore(run: "Run", ckpt: Checkpoint) -> None:
     run.state.last_checkpoint = state["step"]
     run.progress.log(f"resumed from {ckpt.path} (step {state['step']}, policy_version {state['policy_version']}); "
                      f"{len(pending)} in-flight prompts re-queued")
+
+
+async def restore_engines(run: "Run", ckpt: Checkpoint) -> None:
+    """Give engine i the sampling generator state engine i had at the checkpoint."""
+    saved = ckpt.state.get("engine_rng")
+    if saved is None:  # written before checkpoints kept it
+        return
+    states = [{k: base64.b64decode(v) for k, v in st.items()} for st in saved]
+    if len(states) != len(run.engines):
+        run.progress.log(f"engine sampling state not restored: the checkpoint has {len(states)} engine(s), "
+                         f"this run {len(run.engines)}")
+        return
+    await run.engine.load_sampling_states(states)

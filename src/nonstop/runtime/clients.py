@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from nonstop.config import TransportConfig
-from nonstop.roles import EngineStats
+from nonstop.roles import EngineStats, SamplingState
 from nonstop.runtime.base import ActorHandle
 from nonstop.types import GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 
@@ -43,6 +43,10 @@ class EngineService(Protocol):
 
     async def stats(self) -> dict[str, float | int]: ...
 
+    async def sampling_state(self) -> dict[str, bytes]: ...
+
+    async def load_sampling_state(self, state: dict[str, bytes]) -> None: ...
+
     async def close(self) -> None: ...
 
 
@@ -61,6 +65,13 @@ class EngineActor(_OneActor):
     async def connect_transport(self, handle: TransportHandle, rank: int) -> None:
         await self.actor.call("connect_transport", handle, rank)
 
+    async def sampling_states(self) -> list[SamplingState]:
+        return [await self.actor.call("sampling_state")]
+
+    async def load_sampling_states(self, states: list[SamplingState]) -> None:
+        (state,) = states
+        await self.actor.call("load_sampling_state", state)
+
 
 class TrainerActor(_OneActor):
     """A TrainerClient over one trainer rank actor (trainer/worker.py TrainerWorker), plus the
@@ -69,8 +80,8 @@ class TrainerActor(_OneActor):
     async def step(self, groups: list[Group]) -> StepResult:
         return await self.actor.call("step", groups)
 
-    async def publish(self) -> PublishResult:
-        return await self.actor.call("publish")
+    async def publish(self, resend: bool = False) -> PublishResult:
+        return await self.actor.call("publish", resend)
 
     async def save(self, path: str) -> str:
         return await self.actor.call("save", path)

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from nonstop.roles import EngineClient, EngineStats
+from nonstop.roles import EngineClient, EngineStats, SamplingState
 from nonstop.runtime.base import ActorDied
 from nonstop.types import GenerationRequest, Sample, TransportHandle
 
@@ -97,6 +97,12 @@ class RestartingEngine:
 
     async def connect_transport(self, handle: TransportHandle, rank: int) -> None:
         await self._retry(lambda e: e.connect_transport(handle, rank))
+
+    async def sampling_states(self) -> list[SamplingState]:
+        return await self._retry(lambda e: e.sampling_states())
+
+    async def load_sampling_states(self, states: list[SamplingState]) -> None:
+        await self._retry(lambda e: e.load_sampling_states(states))
 
     async def _restart(self, generation: int, reason: str, noticed: float) -> None:
         async with self._lock:

@@ -263,7 +263,8 @@ class Trainer:
         if "teacher" in batch:
             if self.distill is None:
                 raise ValueError("samples carry teacher logprobs but the trainer has no distill settings")
-            adv = distill_advantages(adv, student, batch["teacher"], inside, self.distill.coef, self.distill.task_reward)
+            adv = distill_advantages(adv, student, batch["teacher"], inside, self.distill.coef, self.distill.task_reward,
+                                     self.distill.normalize)
             k = distill_term(student, batch["teacher"], inside)[inside]
             stats["teacher_kl"] = float(k.mean()) if k.numel() else 0.0
         return adv, stats

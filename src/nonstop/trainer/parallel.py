@@ -11,7 +11,11 @@ Contract of `ParallelTrainer.step(groups)` (every rank is given the same, whole 
 - `mode='ddp'`: a full model per rank, gradients all-reduced (DistributedDataParallel);
   `mode='fsdp2'`: parameters, gradients and optimizer state sharded per decoder layer with
   `fully_shard`; `publishable()` gathers one full parameter at a time on every rank (all ranks
-  must iterate it, in order: only rank 0 keeps what it packs), `save_full` likewise.
+  must iterate it, in order: only rank 0 keeps what it packs), `save_full` likewise;
+  `save_optimizer(folder)` / `load_optimizer(folder)` write and read the sharded optimizer state
+  with torch.distributed.checkpoint (each rank its own shard file, rank 0 the metadata; every
+  rank calls them; the folder must be one all ranks can reach). DCP reshards on load, so a
+  checkpoint of M ranks loads into M' ranks.
 The process group is torch.distributed's default group (gloo on CPU, NCCL when the model is on
 a GPU); the weight transport keeps its own group, so rank 0 publishes without the other ranks.
 Reported metrics are rank 0's, except loss, samples and tokens, which are global.
@@ -166,6 +170,22 @@ class ParallelTrainer(Trainer):
         if self.rank == 0:
             self.model.save_pretrained(str(out), state_dict=state)
         dist.barrier()
+
+    def save_optimizer(self, folder: Path) -> None:
+        """FSDP2: every rank writes its shard of the optimizer state (DCP); collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=str(folder))
+
+    def load_optimizer(self, folder: Path) -> None:
+        """FSDP2: read this rank's shard of the optimizer state `save_optimizer` wrote; collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}  # the layout to read into
+        dcp.load(state, checkpoint_id=str(folder))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -12,7 +12,11 @@ Shapes: B samples, T completion positions (padded); `mask` (B, T) is True on com
   s_t = log pi_student(a_t) and teacher logprob q_t = log pi_teacher(a_t), the per-token term is
   k_t = s_t - q_t (a one-sample estimate of KL(pi_student || pi_teacher) at position t), and the
   advantage is A - coef * k_t, or -coef * k_t alone without the task reward (pure
-  distillation). The student logprob is detached: the term is a reward, not a loss.
+  distillation). The student logprob is detached: the term is a reward, not a loss. With
+  `normalize`, k is standardised over the batch's completion tokens first, (k_t - mean k) / std k,
+  as GRPO standardises rewards: the mean is a baseline (it does not bias the gradient), and the
+  scale no longer depends on how far the teacher is from the student, so coef weighs the term
+  against a task advantage of unit scale.
 """
 
 from __future__ import annotations
@@ -41,10 +45,16 @@ def distill_term(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: t
 
 
 def distill_advantages(adv: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
-                       mask: torch.Tensor, coef: float, task_reward: bool = True) -> torch.Tensor:
+                       mask: torch.Tensor, coef: float, task_reward: bool = True,
+                       normalize: bool = False) -> torch.Tensor:
     """adv (B,) or (B, T); logprobs (B, T); mask (B, T) -> A_t - coef * k_t (or -coef * k_t alone)."""
     m = mask.to(teacher_logp.dtype)
-    term = -coef * distill_term(student_logp, teacher_logp, mask)  # (B, T)
+    k = distill_term(student_logp, teacher_logp, mask)  # (B, T)
+    if normalize:
+        inside = k[mask]
+        if inside.numel() > 1:
+            k = (k - inside.mean()) / (inside.std(unbiased=False) + 1e-6) * m
+    term = -coef * k
     if not task_reward:
         return term
     base = adv if adv.dim() == 2 else adv[:, None]

@@ -9,8 +9,10 @@ rank takes part in the gathers that assemble the published weights.
 `dir/model` and given `load_checkpoint(dir)` continues exactly where the saved one stood.
 With `trainer.ranks` > 1 every rank is such an actor: rank 0 calls `rendezvous`, all call
 `join_group` (trainer/parallel.py), then every step, save and checkpoint goes to all ranks
-(they meet in collectives); only rank 0 holds the transport sink and writes files. DDP ranks
-hold identical optimizer states, so rank 0's trainer.pt serves every rank on resume.
+(they meet in collectives); only rank 0 holds the transport sink and writes trainer.pt. DDP
+ranks hold identical optimizer states, so rank 0's trainer.pt serves every rank on resume;
+FSDP2 ranks each hold a shard of it, which they write to and read from `dir/optimizer/` with
+torch.distributed.checkpoint (trainer.pt then has no optimizer state).
 
 With LoRA (`lora.enabled`) the base is frozen, only the adapters train and travel, the KL
 reference is the plain base, and `save` / `save_checkpoint` write peft adapter folders
@@ -35,6 +37,9 @@ from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
 from nonstop.types import Group, PublishResult, StepResult, TransportHandle
+
+
+SHARDED_OPTIMIZER = "optimizer"  # a checkpoint's folder of FSDP2 optimizer shards (torch.distributed.checkpoint)
 
 
 class TrainerWorker:
@@ -117,11 +122,12 @@ class TrainerWorker:
                         update_s=round(update_s, 6), cpu_s=round(cpu_s, 6))
         return StepResult(self.trainer.policy_version, metrics)
 
-    def publish(self) -> PublishResult:
-        """Send the weights of the current policy_version unless the engines already have them."""
+    def publish(self, resend: bool = False) -> PublishResult:
+        """Send the weights of the current policy_version unless the engines already have them
+        (`resend`: send them anyway, for an engine that replaced a dead one)."""
         t0 = now()
         version = self.trainer.policy_version
-        sent = version != self.published_version
+        sent = resend or version != self.published_version
         if sent:
             weights = self.trainer.publishable()
             if self.sink is not None:
@@ -152,10 +158,14 @@ class TrainerWorker:
         out = Path(path)
         t = self.trainer
         self.save(str(out / "model"))
+        sharded = isinstance(t, ParallelTrainer) and t.mode == "fsdp2"
+        if isinstance(t, ParallelTrainer) and sharded:
+            t.save_optimizer(out / SHARDED_OPTIMIZER)
         if isinstance(t, ParallelTrainer) and t.rank > 0:
             return t.policy_version
         torch.save({
-            "optimizer": t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict(), "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+            "optimizer": None if sharded else t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "policy_version": t.policy_version, "skipped_steps": t.skipped_steps, "skips_in_row": t.skips_in_row,
         }, out / "trainer.pt")
         return t.policy_version
@@ -164,7 +174,15 @@ class TrainerWorker:
         """Restore the state next to the weights this trainer was built from."""
         state = torch.load(Path(path) / "trainer.pt", weights_only=False)
         t = self.trainer
-        t.optimizer.load_state_dict(state["optimizer"])
+        sharded = isinstance(t, ParallelTrainer) and t.mode == "fsdp2"
+        if sharded != (state["optimizer"] is None):
+            saved, now_ = ("fsdp2", "ddp or one rank") if state["optimizer"] is None else ("ddp or one rank", "fsdp2")
+            raise ValueError(f"trainer.data_parallel: the checkpoint {path} holds the optimizer state of {saved} "
+                             f"trainer ranks, this run has {now_}; resume with the checkpoint's trainer.data_parallel")
+        if isinstance(t, ParallelTrainer) and sharded:
+            t.load_optimizer(Path(path) / SHARDED_OPTIMIZER)
+        else:
+            t.optimizer.load_state_dict(state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

@@ -231,7 +231,7 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
                                owned=cfg.dir is None, notify_at=notify_at)  # the sink removes a folder it made
     else:
         options = BroadcastOptions(host=host, port=free_port(host), bucket_bytes=int(cfg.bucket_mb * 2**20),
-                                   per_tensor=cfg.per_tensor)
+                                   per_tensor=cfg.per_tensor, rejoin_timeout_s=cfg.rejoin_timeout_s)
     return TransportHandle(layout=layout, total_bytes=total, options=options, num_engines=num_engines,
                            timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s, checksum=cfg.checksum,
                            lora=lora, next_version=next_version)

@@ -1,22 +1,40 @@
-"""torch.distributed broadcast transport, in fixed-size buckets.
+"""torch.distributed broadcast transport, in fixed-size buckets, over a group that takes replacements.
 
 The trainer (rank 0) and the engines (ranks 1..N) form their own process group, built from a
-TCPStore and a ProcessGroupGloo (NCCL on GPU later) directly, so it is separate from any
-training process group and from the default group. Publishing version v: the trainer sets the
-store key `v{v}` (the notification), then broadcasts its flat buffer (the sent tensors live in
-it, see FlatSender: no staging copy) in slices of `bucket_bytes`, all issued at once so gloo
-pipelines them. Each engine runs one receiver thread that waits for the next key, receives
-into a back buffer and, once every bucket arrived (and passed its checksum), hands it over as
-the ready buffer under a lock: decoding goes on meanwhile. `maybe_update` points the engine's
-tensors at the ready buffer (no copy), and the buffer they left becomes the next back buffer;
-at most three buffers exist (live, ready, receiving). Every collective has the transport
-timeout; a failure is kept and raised from `maybe_update` as a TransportError naming the peer
-and the version.
+TCPStore served by the trainer and a ProcessGroupGloo (NCCL on GPU later) directly, so it is
+separate from any training process group and from the default group.
+
+Rounds. Every send is one round n = 1, 2, ...: the trainer sets the store key `r{n}` to
+"{version} {generation}" (the notification), then broadcasts its flat buffer (the sent tensors
+live in it, see FlatSender: no staging copy) in slices of `bucket_bytes`, all issued at once so
+gloo pipelines them, and waits until every engine acknowledged round n. Each engine runs one
+receiver thread that waits for r1, r2, ... in turn, receives into a back buffer and, once every
+bucket arrived (and passed its checksum), hands it over as the ready buffer under a lock:
+decoding goes on meanwhile. `maybe_update` points the engine's tensors at the ready buffer (no
+copy), and the buffer they left becomes the next back buffer; at most three buffers exist
+(live, ready, receiving).
+
+Generations (the re-plan). A gloo group cannot take a new member, so the group is rebuilt: the
+group of generation g is a ProcessGroupGloo over the store prefix `g{g}/`, and all N + 1 ranks
+build it together. An engine that attaches after the trainer's group is up replaces a dead one
+(same rank): it registers (`joins` + 1, `join/{j}` = its rank) and waits for `welcome/{j}`, the
+round it starts at. At its next send the trainer welcomes every registered engine, starts
+generation g + 1 with that round, and every member builds the new group before the broadcast
+(the survivors see the new generation in `r{n}`). A send that fails (a member died: its socket
+closed, or it did not acknowledge within timeout_s) waits up to `rejoin_timeout_s` for the
+replacement to register and is made again in a new round of a new generation, so `publish`
+returns only once every engine holds the version; if no replacement registers in time it
+raises a TransportError naming the peer and the version. A receiver whose round failed goes on
+to the next round (the trainer re-plans); a checksum mismatch stops that engine's updates
+(never applied) and is raised from `maybe_update`. Groups left behind by a re-plan are kept
+until `close()`: destroying one with a dead peer would wait on its threads mid-run.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Protocol, cast
 
@@ -27,9 +45,38 @@ from nonstop.transport.base import FlatSender, TransportError, WeightTarget, crc
 from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = "stop"
-# How long one store wait for the next version lasts before it is renewed. The trainer's close()
-# wakes the waiter at once (it sets the next key to STOP), so this only bounds log noise.
+_STARTED = "started"  # set once the trainer's first group is up: an engine attaching later is a replacement
+# How long one store wait for the next round lasts before it is renewed. The trainer's close()
+# wakes the waiter at once (it sets the next round to STOP), so this only bounds log noise.
 _WAIT_SLICE = timedelta(seconds=30)
+# Waits inside a round (on the broadcast, on the acknowledgements) are made in slices of this
+# length, so a round that a peer's death broke is given up as soon as the membership changed
+# (a replacement registered; the trainer started the next round) instead of at timeout_s.
+_ROUND_SLICE = timedelta(seconds=1)
+
+
+class _RoundAbandoned(Exception):
+    """The membership changed while this round was under way: it is sent again in a new group."""
+
+
+def _timed_out(e: Exception) -> bool:
+    text = str(e).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _await_works(works: list[dist.Work], timeout_s: float, abandon: Callable[[], bool]) -> None:
+    """Wait for every work within `timeout_s` in all; raise _RoundAbandoned once `abandon()` is true."""
+    deadline = time.monotonic() + timeout_s
+    for work in works:
+        while True:
+            try:
+                work.wait(_ROUND_SLICE)
+                break
+            except RuntimeError as e:
+                if not _timed_out(e) or time.monotonic() >= deadline:
+                    raise
+                if abandon():
+                    raise _RoundAbandoned() from e
 
 
 class _Group(Protocol):
@@ -38,13 +85,18 @@ class _Group(Protocol):
     def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
 
 
-def _group(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> tuple[dist.TCPStore, _Group]:
-    world = 1 + handle.num_engines
+def _store(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> dist.TCPStore:
     connect = timedelta(seconds=handle.connect_timeout_s)
-    store = dist.TCPStore(opts.host, opts.port, world, is_master=rank == 0, timeout=connect)
-    pg = dist.ProcessGroupGloo(store, rank, world, connect)
+    return dist.TCPStore(opts.host, opts.port, 1 + handle.num_engines, is_master=rank == 0, timeout=connect)
+
+
+def _group(store: dist.TCPStore, handle: TransportHandle, rank: int, generation: int) -> _Group:
+    """This rank's member of the group of `generation` (blocks until all N + 1 ranks built it)."""
+    world = 1 + handle.num_engines
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"g{generation}/", store), rank, world,
+                               timedelta(seconds=handle.connect_timeout_s))
     pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
-    return store, cast(_Group, pg)
+    return cast(_Group, pg)
 
 
 def _buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions) -> list[torch.Tensor]:
@@ -61,54 +113,115 @@ class BroadcastSink:
         self.sender = FlatSender(handle)
         self.store: dist.TCPStore | None = None
         self.pg: _Group | None = None
-        self.last_version = handle.next_version - 1
+        self.round = 0
+        self.generation = 0
+        self.joins_seen = 0
+        self.replans = 0  # groups rebuilt for replacement engines
+        self.retired: list[_Group] = []
 
     def connect(self) -> None:
-        self.store, self.pg = _group(self.handle, self.opts, rank=0)
+        self.store = _store(self.handle, self.opts, rank=0)
+        self.pg = _group(self.store, self.handle, 0, self.generation)
+        self.store.add("joins", 0)
+        self.store.set(_STARTED, "1")
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.pg is None or self.store is None:
             raise TransportError("broadcast transport used before connect()")
         buckets = _buckets(self.sender.flat(model), self.handle, self.opts)
-        self.store.set(f"v{version}", "1")
         sums = [torch.tensor([crc32(b) for b in buckets], dtype=torch.int64)] if self.handle.checksum else []
+        while True:
+            try:
+                self._send_round(buckets + sums, version)
+                return
+            except TransportError as failure:
+                self._await_replacement(failure)
+
+    def _send_round(self, tensors: list[torch.Tensor], version: int) -> None:
+        assert self.store is not None and self.pg is not None
+        replan = self._welcome_joins()
+        self.round += 1
+        if replan:
+            self.generation += 1
+        self.store.set(f"r{self.round}", f"{version} {self.generation}")
+        if replan:
+            self.retired.append(self.pg)
+            try:
+                self.pg = _group(self.store, self.handle, 0, self.generation)
+            except Exception as e:  # a member died again before the new group was up
+                raise TransportError(f"re-planning the broadcast group (generation {self.generation}) for version "
+                                     f"{version} failed within {self.handle.connect_timeout_s:g} s: {e}") from e
+            self.replans += 1
         # Issue every bucket before waiting on any: gloo sends them back to back, without a
         # round trip through Python between two buckets.
         works = []
         try:
-            works = [self.pg.broadcast(bucket, 0) for bucket in buckets + sums]
-            for i, work in enumerate(works):
-                work.wait()
+            works = [self.pg.broadcast(t, 0) for t in tensors]
+            _await_works(works, self.handle.timeout_s, self._replacement_waiting)
+        except _RoundAbandoned as e:
+            raise TransportError(f"broadcast of version {version}: an engine was replaced during the send") from e
         except Exception as e:  # gloo raises RuntimeError subclasses on timeout and reset
             done = sum(w.is_completed() for w in works)
             raise TransportError(
-                f"broadcast of version {version} (bucket {done + 1}/{len(buckets)}) to engine ranks "
+                f"broadcast of version {version} (bucket {done + 1}/{len(tensors)}) to engine ranks "
                 f"1..{self.handle.num_engines} failed within {self.handle.timeout_s:g} s: {e}"
             ) from e
         self._await_acks(version)
-        self.last_version = version
+
+    def _replacement_waiting(self) -> bool:
+        assert self.store is not None
+        return self.store.add("joins", 0) > self.joins_seen
+
+    def _welcome_joins(self) -> bool:
+        """Give every newly registered replacement the next round; True when there was one."""
+        assert self.store is not None
+        total = self.store.add("joins", 0)
+        for j in range(self.joins_seen + 1, total + 1):
+            self.store.set(f"welcome/{j}", str(self.round + 1))
+        joined = total > self.joins_seen
+        self.joins_seen = total
+        return joined
+
+    def _await_replacement(self, failure: TransportError) -> None:
+        """After a failed round: return once a replacement engine registered, else raise `failure`."""
+        assert self.store is not None
+        wait_s = self.opts.rejoin_timeout_s
+        key = f"join/{self.joins_seen + 1}"
+        try:
+            if wait_s <= 0:
+                raise TimeoutError("rejoin_timeout_s is 0")
+            self.store.wait([key], timedelta(seconds=wait_s))
+        except Exception as e:  # the store raises DistStoreError on timeout
+            raise TransportError(f"{failure}; no replacement engine joined within {wait_s:g} s "
+                                 f"(transport.rejoin_timeout_s)") from e
 
     def _await_acks(self, version: int) -> None:
-        """Every engine confirms it holds `version`; a silent or dead engine is named."""
+        """Every engine confirms it holds the round's version; a silent or dead engine is named."""
         assert self.store is not None
-        keys = [f"ack{rank}/v{version}" for rank in range(1, 1 + self.handle.num_engines)]
-        try:
-            self.store.wait(keys, timedelta(seconds=self.handle.timeout_s))
-        except Exception as e:  # the store raises DistStoreError on timeout
-            missing = [k.split("/")[0].removeprefix("ack") for k in keys if not self.store.check([k])]
-            raise TransportError(
-                f"engine rank(s) {', '.join(missing)} did not confirm version {version} "
-                f"within {self.handle.timeout_s:g} s (dead or stalled): {e}"
-            ) from e
-        for key in [*keys, f"v{version}"]:
+        keys = [f"ack{rank}/r{self.round}" for rank in range(1, 1 + self.handle.num_engines)]
+        deadline = time.monotonic() + self.handle.timeout_s
+        while True:
+            try:
+                self.store.wait(keys, min(_ROUND_SLICE, timedelta(seconds=max(deadline - time.monotonic(), 0.001))))
+                break
+            except Exception as e:  # the store raises DistStoreError on timeout
+                missing = [k.split("/")[0].removeprefix("ack") for k in keys if not self.store.check([k])]
+                if time.monotonic() < deadline and not self._replacement_waiting():
+                    continue
+                raise TransportError(
+                    f"engine rank(s) {', '.join(missing)} did not confirm version {version} "
+                    f"within {self.handle.timeout_s:g} s (dead or stalled): {e}"
+                ) from e
+        for key in [*keys, f"r{self.round}"]:
             self.store.delete_key(key)
 
     def close(self) -> None:
         if self.store is not None:
-            self.store.set(f"v{self.last_version + 1}", STOP)
+            self.store.set(f"r{self.round + 1}", STOP)
             self.store = None
             self.pg = None
+            self.retired.clear()
 
 
 class _Buffer:
@@ -130,8 +243,18 @@ class BroadcastSource:
         self.live: _Buffer | None = None
         self.applied = -1
         self.error: TransportError | None = None
+        self.failed_rounds = 0  # rounds this engine could not receive (the trainer sent them again)
         self.closing = threading.Event()
-        self.store, self.pg = _group(handle, opts, rank)
+        self.store = _store(handle, opts, rank)
+        self.pg: _Group | None = None
+        self.generation = -1
+        self.retired: list[_Group] = []
+        self.join: int | None = None
+        if self.store.check([_STARTED]):  # the group is running: this engine replaces a dead one
+            self.join = self.store.add("joins", 1)
+            self.store.set(f"join/{self.join}", str(rank))
+        else:
+            self.pg, self.generation = _group(self.store, handle, rank, 0), 0
         self.thread = threading.Thread(target=self._receive_loop, name=f"weights-rx-{rank}", daemon=True)
         self.thread.start()
 
@@ -139,34 +262,50 @@ class BroadcastSource:
         with self.lock:
             return self.spare.pop() if self.spare else _Buffer(self.handle, self.opts)
 
+    def _wait(self, key: str, what: str) -> bytes | None:
+        """The value of `key` once the trainer set it; None when closing or the store is gone."""
+        while not self.closing.is_set():
+            try:
+                self.store.wait([key], _WAIT_SLICE)
+            except Exception as e:  # a timeout of this slice is normal; anything else means the store is gone
+                if self.closing.is_set():
+                    return None
+                if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                    continue
+                self.error = TransportError(f"engine rank {self.rank}: lost the trainer's store while waiting for {what}: {e}")
+                return None
+            return self.store.get(key)
+        return None
+
     def _receive_loop(self) -> None:
-        version = self.handle.next_version
+        first = 1
+        if self.join is not None:
+            welcome = self._wait(f"welcome/{self.join}", "its place in the group")
+            if welcome is None:
+                return
+            first = int(welcome)
         back = self._take_spare()
         checksum = self.handle.checksum
         sums = torch.zeros(len(back.buckets), dtype=torch.int64)
+        n = first
         while not self.closing.is_set():
-            try:
-                self.store.wait([f"v{version}"], _WAIT_SLICE)
-            except Exception as e:  # a timeout of this slice is normal; anything else means the store is gone
-                if self.closing.is_set():
-                    return
-                if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-                    continue
-                self.error = TransportError(
-                    f"engine rank {self.rank}: lost the trainer's store while waiting for version {version}: {e}")
+            value = self._wait(f"r{n}", f"round {n}")
+            if value is None or value == STOP.encode() or self.closing.is_set():
                 return
-            if self.closing.is_set() or self.store.get(f"v{version}") == STOP.encode():
-                return
+            version, generation = (int(x) for x in value.split())
             try:
+                if generation != self.generation:  # the trainer re-planned the group: build our member of it
+                    if self.pg is not None:
+                        self.retired.append(self.pg)
+                    self.pg = None
+                    self.pg, self.generation = _group(self.store, self.handle, self.rank, generation), generation
+                assert self.pg is not None
                 works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
-                for work in works:
-                    work.wait()
-            except Exception as e:
-                self.error = TransportError(
-                    f"engine rank {self.rank}: receiving version {version} from the trainer failed "
-                    f"within {self.handle.timeout_s:g} s: {e}"
-                )
-                return
+                _await_works(works, self.handle.timeout_s, lambda: self.store.check([f"r{n + 1}"]))
+            except Exception:  # a peer died in this round: the trainer sends it again in a new group
+                self.failed_rounds += 1
+                n += 1
+                continue
             bad = [i for i, b in enumerate(back.buckets) if checksum and crc32(b) != int(sums[i])]
             if bad:  # never applied; the trainer learns of it through the missing acknowledgement
                 self.error = TransportError(
@@ -176,9 +315,9 @@ class BroadcastSource:
                 if self.ready is not None:  # superseded before it was applied
                     self.spare.append(self.ready[1])
                 self.ready = (version, back)
-            self.store.set(f"ack{self.rank}/v{version}", "1")
+            self.store.set(f"ack{self.rank}/r{n}", "1")
             back = self._take_spare()
-            version += 1
+            n += 1
 
     def maybe_update(self, model: torch.nn.Module) -> int | None:
         if self.error is not None:
