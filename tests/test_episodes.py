@@ -383,3 +383,27 @@ def test_env_counters_and_role_baselines_survive_a_checkpoint_round_trip():
     again.load_state_dict(saved)
     assert again.state_dict() == run.state_dict() and again.stats.episode_lag == Counter({0: 5, 1: 7})
     assert again.baselines.ema == run.baselines.ema and set(again.baselines.ema) == {"first", "second"}
+
+
+def test_an_environment_run_plays_the_environments_own_rows():
+    """A run with a built-in environment trains and evaluates on that environment's rows, not the
+    task's (a merge once loaded the task's addition rows first, and guess_number read '52' as its
+    hidden number)."""
+    from pathlib import Path
+
+    from nonstop.config import load_config
+    from nonstop.envs.registry import builtin_task
+    from nonstop.orchestrator.launch import run_rows
+    from nonstop.tasks.data import load_task
+
+    examples = Path(__file__).resolve().parent.parent / "examples" / "envs"
+    for name in ("guess_number", "calculator", "nim_selfplay"):
+        cfg = load_config(examples / f"{name}.yaml")
+        assert cfg.env is not None
+        env_rows, task_rows = builtin_task(cfg.env), load_task(cfg.task)
+        assert env_rows is not None
+        got = run_rows(cfg)
+        assert [ex.prompt for ex in got.train[:5]] == [ex.prompt for ex in env_rows.train[:5]], name
+        assert [ex.prompt for ex in got.train[:5]] != [ex.prompt for ex in task_rows.train[:5]], name
+    given = load_task(load_config().task)
+    assert run_rows(cfg, given) is given

@@ -67,6 +67,18 @@ def record_failure(run_dir: Path, error: BaseException) -> None:
     (run_dir / FAILED).write_text(f"this run {what}\n{hint}\n")
 
 
+def run_rows(cfg: Config, data: TaskData | None = None) -> TaskData:
+    """The rows a run trains and evaluates on: `data` when given, else a built-in environment's
+    own rows, else the task's (a custom environment plays the task's rows)."""
+    from nonstop.tasks.data import load_task
+
+    if data is None and cfg.env is not None:
+        from nonstop.envs.registry import builtin_task
+
+        data = builtin_task(cfg.env)
+    return data if data is not None else load_task(cfg.task)
+
+
 def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, *,
                  data: TaskData | None = None, reward: RewardFn | None = None) -> RunSummary:
     """Everything `nonstop train` does after parsing: data, base policy, pipeline, summary.
@@ -74,8 +86,6 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     `data` replaces the task the config names (its report's problems are shown like a JSONL
     file's); `reward` replaces task.reward. Neither may come with `resume_dir`: a resumed run
     reads its task from its own config.yaml."""
-    from nonstop.tasks.data import load_task
-
     if cfg.engine.kind == "vllm":
         from nonstop.engine.vllm_setup import preflight as vllm_preflight
 
@@ -83,21 +93,15 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
     t0 = time.perf_counter()
-    if data is None and cfg.env is not None:  # an environment's own rows (None for a custom env: the task's)
-        from nonstop.envs.registry import builtin_task
-
-        data = builtin_task(cfg.env)
     if resume_dir is None:
         preflight(cfg, reward)
-        if data is None:
-            data = load_task(cfg.task)
+        data = run_rows(cfg, data)
         run_dir = make_run_dir(cfg)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     else:
         run_dir = resume_dir
         (run_dir / FAILED).unlink(missing_ok=True)
-    if data is None:
-        data = load_task(cfg.task)
+        data = run_rows(cfg, data)
     try:
         return _run(cfg, console, run_dir, resume_dir, data, reward, t0)
     except BaseException as e:
