@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from nonstop.serve.client import HttpClient
 from nonstop.types import SamplingParams
@@ -102,7 +103,12 @@ def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
           f"{faults['restarts']}, server requests ok {counts['ok']} errors {counts['errors']}, orchestrator RSS "
           f"{settled_rss[0]:.0f} -> {max(settled_rss):.0f} MiB ({growth:+.0%})")
     assert train.returncode == 0, out[-3000:]
-    assert ledger["duplicated"] == 0 and ledger["unknown"] == 0 and ledger["in_flight"] == 0, ledger
+    assert ledger["duplicated"] == 0 and ledger["unknown"] == 0, ledger
+    # a run stopped by run.max_time_s leaves its admitted, untrained batches in flight (recorded,
+    # not lost: a resume generates them again); admission bounds them by (depth + 1) batches
+    cfg = yaml.safe_load((tmp_path / "runs" / "soak" / "config.yaml").read_text())
+    window = ((cfg["buffer"].get("depth") or 0) + 1) * cfg["rollout"]["prompts_per_step"]
+    assert ledger["in_flight"] <= window, (ledger, window)
     assert faults["restarts"] >= int(SOAK_S // float(os.environ.get("NONSTOP_SOAK_KILL_EVERY_S", "60"))) - 1, faults
     assert counts["errors"] == 0 and counts["ok"] > 0, counts
     assert growth < 0.5, rss
