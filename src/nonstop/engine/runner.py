@@ -297,7 +297,10 @@ class KVRunner:
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)  # (P, H, L, D)
             x = x + F.linear(a.transpose(1, 2).reshape(P, L, H * D), layer.wo, layer.bo)
             x = self._mlp(x, layer)
-        self._keep_routes(torch.cat([torch.arange(len(p)) + j * L for j, p in enumerate(prompts)]))  # real tokens only
+        if self._routes:  # a MoE model: keep the real tokens' routes only (a dense model builds no order)
+            self._keep_routes(torch.cat([torch.arange(len(p)) + j * L for j, p in enumerate(prompts)]))
+        else:
+            self.routes = None
         return self._logits(x[torch.arange(P), last])  # (P, V)
 
     @torch.inference_mode()
