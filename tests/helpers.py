@@ -41,6 +41,10 @@ class Echo:
         await events.setdefault(key, asyncio.Event()).wait()
         return key
 
+    async def echo(self, payload: bytes) -> bytes:
+        """Answers with its argument: many large calls fill both directions of the pipe at once."""
+        return payload
+
     async def release(self, key: str) -> None:
         import asyncio
 
