@@ -163,6 +163,11 @@ def raising_reward(completion: str, answer: str) -> float:
     return float(len(completion))
 
 
+def zero_reward(completion: str, answer: str) -> float:
+    """The same reward for every completion: no group ever has a learning signal."""
+    return 0.0
+
+
 def ones_reward(completion: str, answer: str) -> float:
     """Counts the '1' characters: rare under a random tiny model, quickly learnt by RL."""
     return float(completion.count("1"))

@@ -31,9 +31,12 @@ async def learn(run: Run) -> StepRecord | None:
     cfg, state, record, spans = run.cfg, run.state, None, run.spans
     for step in range(state.first_step, cfg.run.max_steps + 1):
         t_wait, cpu = now(), time.process_time()
-        groups = await until_stopped(run.buffer.take(), state.stop)
+        left_s = None if cfg.run.max_time_s is None else max(0.0, cfg.run.max_time_s - state.clock.wall())
+        groups = await until_stopped(run.buffer.take(), state.stop, timeout_s=left_s)
         if not groups:
-            break  # stopped, or the stream ran out (run.max_epochs) and every group was trained
+            # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
+            # budget ran out while no batch came (every group dropped, e.g. for uniform rewards)
+            break
         # Arrival order depends on how the engines happened to batch; the trainer sees one order,
         # so the same groups give the same step (a resumed run repeats the uninterrupted one).
         groups.sort(key=lambda g: (g.epoch, g.prompt_index))
@@ -83,15 +86,16 @@ async def learn(run: Run) -> StepRecord | None:
     return record
 
 
-async def until_stopped(take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event) -> list[Group]:
-    """The batch `take` returns, or [] as soon as `stop` is set."""
+async def until_stopped(take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event,
+                        timeout_s: float | None = None) -> list[Group]:
+    """The batch `take` returns, or [] as soon as `stop` is set or `timeout_s` has passed."""
     if stop.is_set():
         take.close()
         return []
     taking = asyncio.create_task(take, name="learn-take")
     stopping = asyncio.create_task(stop.wait(), name="learn-stop-wait")
     try:
-        await asyncio.wait({taking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({taking, stopping}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for t in (taking, stopping):
             if not t.done():
