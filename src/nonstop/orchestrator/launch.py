@@ -54,6 +54,14 @@ def preflight(cfg: Config, reward: RewardFn | None) -> None:
         resolve_model_path(cfg.model.path)
     if reward is None:
         check_reward(cfg.task.reward)
+    if cfg.env is not None and cfg.env.policies:
+        from nonstop.envs.registry import env_factory
+        from nonstop.orchestrator.policies import check_roles
+
+        check_roles(cfg, tuple(env_factory(cfg.env.name, "env.name", cfg.env)().roles))
+        for role, own in cfg.env.policies.items():
+            if own.path is not None:
+                resolve_model_path(own.path, field=f"env.policies.{role}.path")
 
 
 def record_failure(run_dir: Path, error: BaseException) -> None:
@@ -92,6 +100,10 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
         vllm_preflight(cfg.model.path, cfg.engine.vllm)  # before the warm-up, not after it
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
+    if resume_dir is not None and cfg.env is not None and cfg.env.policies:
+        raise ConfigError("resume: a run with separate policies per role (env.policies) cannot be resumed yet; "
+                          "its checkpoints hold the shared policy only (each own policy's final weights are in "
+                          "RUN_DIR/policies/<role>/final): start a new run")
     t0 = time.perf_counter()
     if resume_dir is None:
         preflight(cfg, reward)
