@@ -23,7 +23,7 @@ The flow, beside the shared policy's (pipeline.py, learn.py):
 
 Reports: `Policies.report()` (every step record and summary.json, key `policies`) per policy:
 steps, policy_version, samples trained by role (each policy trains only its roles' samples),
-drops, reward mean and the lag histogram of its trained episodes; an own policy also writes one
+drops, the mean reward of its trained samples so far and the lag histogram of its trained episodes; an own policy also writes one
 line per step to RUN_DIR/policies/<role>/metrics.jsonl and its final weights to
 RUN_DIR/policies/<role>/final. Not built yet: resume of such a run (refused in launch.py),
 LoRA adapters as policies, and other runtimes and transports (refused in config.py).
@@ -67,7 +67,7 @@ class PolicyTally:
     steps: int = 0
     policy_version: int = 0
     samples_by_role: Counter[str] = field(default_factory=Counter)
-    rewards: list[float] = field(default_factory=list)  # since the last report
+    reward_sum: float = 0.0
     episode_lag: Counter[int] = field(default_factory=Counter)
 
     def trained(self, groups: list[Group], policy_version: int) -> None:
@@ -76,16 +76,16 @@ class PolicyTally:
             oldest: dict[int, int] = {}
             for s in g.samples:
                 self.samples_by_role[s.role] += 1
-                self.rewards.append(s.reward)
+                self.reward_sum += s.reward
                 if s.min_version >= 0:
                     oldest[s.episode] = min(oldest.get(s.episode, s.min_version), s.min_version)
             self.episode_lag.update(policy_version - v for v in oldest.values())
 
     def report(self, buffer: RolloutBuffer) -> dict[str, Any]:
-        rewards, self.rewards = self.rewards, []
+        n = sum(self.samples_by_role.values())
         return {"steps": self.steps, "policy_version": self.policy_version,
                 "samples_by_role": dict(self.samples_by_role), "drops": dict(buffer.drops),
-                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+                "reward_mean": self.reward_sum / n if n else None,
                 "episode_lag_hist": {str(k): v for k, v in sorted(self.episode_lag.items())}}
 
 
