@@ -6,7 +6,6 @@ pipeline with two trainers stepping and publishing independently."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 from collections import Counter
 from pathlib import Path
@@ -115,7 +114,7 @@ def test_split_intake_admits_a_row_only_when_every_policy_admits_it():
     asyncio.run(go())
 
 
-def test_policies_config_names_its_field_for_each_refusal(tmp_path):
+def test_policies_config_names_its_field_for_each_refusal():
     base = ["env.name=nim", "env.policies.second.lr=0.001"]
     cfg = load_config(EXAMPLES / "nim_two_policies.yaml")
     assert cfg.env is not None and set(cfg.env.policies) == {"second"}
@@ -129,13 +128,47 @@ def test_policies_config_names_its_field_for_each_refusal(tmp_path):
         check_roles(load_config(None, ["env.name=nim", "env.policies.third.lr=0.1"]), ("first", "second"))
     with pytest.raises(ConfigError, match="leave at least one role to the shared policy"):
         check_roles(load_config(None, base + ["env.policies.first.lr=0.1"]), ("first", "second"))
-    from rich.console import Console
-
-    from nonstop.orchestrator.launch import run_training
-
-    with pytest.raises(ConfigError, match="cannot be resumed yet"):
-        run_training(load_config(None, base), Console(file=io.StringIO()), resume_dir=tmp_path)
     assert "`env.policies.<name>.path`" in config_reference()
+
+
+def test_a_row_half_settled_at_a_checkpoint_goes_again_only_to_the_policies_that_had_not_settled():
+    """The ledger keeps the parts settled of rows in flight across a checkpoint (JSON); after the
+    resume the row is generated again and only the policy that had not settled its part gets it
+    (the other's admission is refunded), so no part is trained twice and the row settles once."""
+    from nonstop.tasks.data import Draw
+
+    ledger = Ledger(("", "b"))
+    ledger.draw(Draw(0, Example(7, "?", "")))
+    ledger.part("").settle(0, 7, "trained")
+    saved = json.loads(json.dumps(ledger.state_dict()))
+    again = Ledger(("", "b"))
+    again.load_state_dict(saved)
+    again.draw(Draw(0, Example(7, "?", "")))  # the resume re-queues the in-flight row
+    assert again.settled_parts(0, 7) == {"": "trained"}
+    buffers = {p: RolloutBuffer(4, 0, None, 64, again.part(p)) for p in ("", "b")}
+    intake = SplitIntake(buffers, filter_uniform=False, ledger=again)
+
+    async def go() -> None:
+        assert await intake.admit(1) == 1
+        await intake.put(Group(7, "?", "", [Sample([1], [2], [-1.0], [0], "stop", role=r, policy=p, advantage=1.0)
+                                            for r, p in (("a", ""), ("b", "b"))]))
+    asyncio.run(go())
+    assert buffers[""].queued == 0 and buffers[""].refunded == 1 and buffers["b"].queued == 1
+    buffers["b"].settle(_drain(buffers["b"])[0], "trained")
+    report = again.report()
+    assert report["outcomes"] == {"trained": 1} and report["duplicated"] == 0 and report["in_flight"] == 0
+    assert report["parts"] == {"shared:trained": 1, "b:trained": 1}
+
+
+def _duel_args(tiny_dir, out_dir, steps: int, checkpoint_every: int | None = None) -> list[str]:
+    from test_e2e import small_model_args
+
+    return ["--set", "env.name=two_role_env:Duel", "--set", f"env.max_turns={TURNS}", "--set", "env.turn_max_tokens=3",
+            "--set", "env.max_episode_tokens=48", "--set", "env.eval_name=null", "--set", "env.policies.b.lr=0.003",
+            "--set", "task.eval_size=8", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=2",
+            "--set", f"run.max_steps={steps}", "--set", f"run.eval_every={steps}",
+            "--set", f"checkpoint.every_steps={'null' if checkpoint_every is None else checkpoint_every}",
+            "--set", f"run.out_dir={out_dir}", "--set", "run.name=duel", *small_model_args(tiny_dir)]
 
 
 @pytest.mark.slow
@@ -144,15 +177,9 @@ def test_two_policies_train_their_own_roles_through_the_real_pipeline(tiny_dir, 
     policy, role 'b' its own. Both trainers step; each policy's version counts its own steps; each
     policy trained only its own role's samples (the orchestrator's tally and the trainer's count
     agree); every drawn row is settled once or in flight, with both parts settled."""
-    from test_e2e import nonstop, small_model_args
+    from test_e2e import nonstop
 
-    out = nonstop(["train", "--set", "env.name=two_role_env:Duel", "--set", f"env.max_turns={TURNS}",
-                   "--set", "env.turn_max_tokens=3", "--set", "env.max_episode_tokens=48", "--set", "env.eval_name=null",
-                   "--set", "env.policies.b.lr=0.003", "--set", "task.eval_size=8",
-                   "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=2",
-                   "--set", "run.max_steps=4", "--set", "run.eval_every=4", "--set", "checkpoint.every_steps=null",
-                   "--set", f"run.out_dir={tmp_path}", "--set", "run.name=duel", *small_model_args(tiny_dir)],
-                  tmp_path, timeout_s=300)
+    out = nonstop(["train", *_duel_args(tiny_dir, tmp_path, steps=4)], tmp_path, timeout_s=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     run = tmp_path / "duel"
     s = json.loads((run / "summary.json").read_text())
@@ -174,4 +201,32 @@ def test_two_policies_train_their_own_roles_through_the_real_pipeline(tiny_dir, 
     for k, v in ledger["parts"].items():
         parts[k.partition(":")[0]] += v
     assert parts["shared"] >= ledger["settled"] and parts["b"] >= ledger["settled"]
-    assert (Path(own["final_dir"]) / "model.safetensors").exists()
+    assert (Path(own["final_dir"]) / "model.safetensors").exists() and 0.0 <= own["final_accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+def test_a_run_with_two_policies_resumes_each_policy_from_its_checkpoint(tiny_dir, tmp_path):
+    """A checkpoint holds every policy (the own one's trainer state under policies/<role>, its
+    counters in state.json); a resumed run continues each policy's steps and versions where that
+    policy was, not from 0, and the ledger still counts no duplicate and no unknown settlement."""
+    from nonstop.checkpoint import latest_valid
+    from test_e2e import nonstop
+
+    out = nonstop(["train", *_duel_args(tiny_dir, tmp_path, steps=2, checkpoint_every=2)], tmp_path, timeout_s=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    run = tmp_path / "duel"
+    ckpt = latest_valid(run / "checkpoints")  # the manifest covers policies/<role> too
+    saved = ckpt.state["policies"]["own"]["b"]
+    assert (ckpt.path / "policies" / "b" / "trainer.pt").exists() and saved["policy_version"] == saved["steps"]
+    out = nonstop(["train", "--resume", str(run), "--set", "run.max_steps=4"], tmp_path, timeout_s=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    s = json.loads((run / "summary.json").read_text())
+    own, ledger = s["policies"]["b"], s["prompts"]
+    assert s["resumed_from"] == str(ckpt.path) and s["policies"]["shared"]["steps"] == 4 and s["policy_version"] == 4
+    assert own["steps"] >= saved["steps"] and own["policy_version"] == own["steps"]
+    lines = [json.loads(x) for x in (run / "policies" / "b" / "metrics.jsonl").read_text().splitlines()]
+    versions = [r["policy_version"] for r in lines]  # the first session may have stepped past its checkpoint
+    resumed = len(versions) - 1 - versions[::-1].index(saved["steps"] + 1) if own["steps"] > saved["steps"] else len(versions)
+    assert versions[resumed:] == list(range(saved["steps"] + 1, own["steps"] + 1))
+    assert ledger["duplicated"] == 0 and ledger["unknown"] == 0 and ledger["requeued"] >= 0
+    assert set(own["samples_by_role"]) == {"b"} and set(s["policies"]["shared"]["samples_by_role"]) == {"a"}

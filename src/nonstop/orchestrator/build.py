@@ -217,8 +217,8 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     if own:
         from nonstop.orchestrator.policies import Policies, build_policies
 
-        sides = await build_policies(cfg, backend, base_model, tok, ledger, run_dir, spans, progress)
-        policies = Policies(buffer, sides, cfg.rollout.filter_uniform_reward)
+        sides = await build_policies(cfg, backend, base_model, tok, ledger, run_dir, spans, progress, resume)
+        policies = Policies(buffer, sides, cfg.rollout.filter_uniform_reward, ledger)
     return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer, scorer, RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
                open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans, handle,

@@ -100,10 +100,6 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
         vllm_preflight(cfg.model.path, cfg.engine.vllm)  # before the warm-up, not after it
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
-    if resume_dir is not None and cfg.env is not None and cfg.env.policies:
-        raise ConfigError("resume: a run with separate policies per role (env.policies) cannot be resumed yet; "
-                          "its checkpoints hold the shared policy only (each own policy's final weights are in "
-                          "RUN_DIR/policies/<role>/final): start a new run")
     t0 = time.perf_counter()
     if resume_dir is None:
         preflight(cfg, reward)

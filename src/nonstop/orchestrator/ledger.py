@@ -106,7 +106,6 @@ class Ledger:
         """Forget the in-flight draws (they go back to the stream) and return them."""
         draws = self.pending()
         self.in_flight.clear()
-        self.partial.clear()
         self.requeued += len(draws)
         return draws
 
@@ -130,6 +129,8 @@ class Ledger:
             "duplicated_draws": self.duplicated_draws, "duplicated_settlements": self.duplicated_settlements,
             "unknown_settlements": self.unknown_settlements, "requeued": self.requeued,
             "episodes_dropped": dict(self.episodes_dropped),
+            "partial": [[e, i, got] for (e, i), got in self.partial.items()],
+            "part_outcomes": dict(self.part_outcomes),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -141,6 +142,13 @@ class Ledger:
         self.unknown_settlements = state["unknown_settlements"]
         self.requeued = state["requeued"]
         self.episodes_dropped = Counter(state.get("episodes_dropped", {}))  # absent in checkpoints of older runs
+        # Parts already settled of rows in flight: a resume generates such a row again for the other policies only.
+        self.partial = {(int(e), int(i)): dict(got) for e, i, got in state.get("partial", [])}
+        self.part_outcomes = Counter(state.get("part_outcomes", {}))
+
+    def settled_parts(self, epoch: int, index: int) -> dict[str, str]:
+        """The policies that already settled their part of an in-flight row, with their outcome."""
+        return self.partial.get((epoch, index), {})
 
 
 class PartLedger:

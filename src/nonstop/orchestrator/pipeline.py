@@ -149,9 +149,9 @@ async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: 
                     own_final: dict[str, str]) -> RunSummary:
     clock = run.state.clock
     policies = run.policies.report() if run.policies is not None else None
-    for role, path in own_final.items():
-        assert policies is not None
-        policies[role]["final_dir"] = path
+    if run.policies is not None and policies is not None:
+        for role, accuracy in (await run.policies.evaluate(run)).items():
+            policies[role].update(final_dir=own_final[role], final_accuracy=accuracy)
     return RunSummary(
         base_accuracy=run.state.base_accuracy, final_accuracy=last.eval_accuracy if last else None,
         steps=last.step if last else 0, policy_version=last.policy_version if last else 0,

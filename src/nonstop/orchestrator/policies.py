@@ -24,21 +24,25 @@ The flow, beside the shared policy's (pipeline.py, learn.py):
 Reports: `Policies.report()` (every step record and summary.json, key `policies`) per policy:
 steps, policy_version, samples trained by role (each policy trains only its roles' samples),
 drops, the mean reward of its trained samples so far and the lag histogram of its trained episodes; an own policy also writes one
-line per step to RUN_DIR/policies/<role>/metrics.jsonl and its final weights to
-RUN_DIR/policies/<role>/final. Not built yet: resume of such a run (refused in launch.py),
+line per step to RUN_DIR/policies/<role>/metrics.jsonl, its final weights to
+RUN_DIR/policies/<role>/final and its held-out score at the end (`final_accuracy`, measured like
+the shared policy's). Not built yet: resume of such a run (refused in launch.py),
 LoRA adapters as policies, and other runtimes and transports (refused in config.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config, ConfigError, PolicyConfig
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.build import connect_transport, engine_restarter, spawn_engine, spawn_trainers
@@ -81,6 +85,16 @@ class PolicyTally:
                     oldest[s.episode] = min(oldest.get(s.episode, s.min_version), s.min_version)
             self.episode_lag.update(policy_version - v for v in oldest.values())
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "policy_version": self.policy_version, "reward_sum": self.reward_sum,
+                "samples_by_role": dict(self.samples_by_role),
+                "episode_lag": {str(k): v for k, v in self.episode_lag.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps, self.policy_version, self.reward_sum = state["steps"], state["policy_version"], state["reward_sum"]
+        self.samples_by_role = Counter(state["samples_by_role"])
+        self.episode_lag = Counter({int(k): v for k, v in state["episode_lag"].items()})
+
     def report(self, buffer: RolloutBuffer) -> dict[str, Any]:
         n = sum(self.samples_by_role.values())
         return {"steps": self.steps, "policy_version": self.policy_version,
@@ -100,6 +114,9 @@ class PolicySide:
     transport: TransportHandle
     buffer: RolloutBuffer
     tally: PolicyTally = field(default_factory=PolicyTally)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held by its learner loop from a trainer step to its settlement, and by a checkpoint: the trainer's
+    state and the policy's counters are saved at the same step."""
 
 
 def policy_config(cfg: Config, own: PolicyConfig, k: int) -> Config:
@@ -133,24 +150,41 @@ def check_tokenizer(role: str, path: Path, tok: Any) -> None:
                           "every policy of an episode must share one tokenizer")
 
 
+def _saved(resume: Checkpoint, role: str) -> tuple[Path, int]:
+    """Where a checkpoint keeps policy `role` (its trainer's folder) and the version it had."""
+    saved = (resume.state.get("policies") or {}).get("own", {})
+    if role not in saved:
+        raise RunFailed(f"env.policies.{role}: the checkpoint {resume.path} holds no policy {role!r} "
+                        f"(it has: {', '.join(saved) or 'none'}); resume with the run's own env.policies")
+    return resume.path / "policies" / role, int(saved[role]["policy_version"])
+
+
 async def build_side(cfg: Config, k: int, role: str, backend: ActorBackend, base_model: Path, tok: Any,
-                     ledger: Ledger, run_dir: Path, spans: SpanLog, progress: Progress) -> PolicySide:
+                     ledger: Ledger, run_dir: Path, spans: SpanLog, progress: Progress,
+                     resume: Checkpoint | None = None) -> PolicySide:
     own = cfg.env.policies[role] if cfg.env is not None else PolicyConfig()
-    weights = base_model
+    start = base_model
     if own.path is not None:
         from nonstop.preflight import resolve_model_path
 
-        weights = resolve_model_path(own.path, field=f"env.policies.{role}.path")
-        check_tokenizer(role, weights, tok)
+        start = resolve_model_path(own.path, field=f"env.policies.{role}.path")
+        check_tokenizer(role, start, tok)
+    weights, version0, folder = start, 0, None
+    if resume is not None:
+        folder, version0 = _saved(resume, role)
+        weights = folder / "model"
     pcfg = policy_config(cfg, own, k)
     progress.log(f"policy {role!r}: {own.num_engines} engine and 1 trainer actor from {weights}")
     first, trainer = await asyncio.gather(
-        asyncio.gather(*(spawn_engine(backend, pcfg, weights, tok, i, 0, run_dir, f"{role}-engine")
+        asyncio.gather(*(spawn_engine(backend, pcfg, weights, tok, i, version0, run_dir, f"{role}-engine")
                          for i in range(own.num_engines))),
-        spawn_trainers(backend, pcfg, weights, tok, run_dir=run_dir, prefix=f"{role}-trainer"))
+        spawn_trainers(backend, pcfg, weights, tok, str(start) if resume is not None else None, run_dir=run_dir,
+                       prefix=f"{role}-trainer"))
+    if folder is not None:
+        await trainer.load_checkpoint(str(folder))
     handle = await connect_transport(pcfg, trainer, list(first), backend.host)
-    engines = [RestartingEngine(e.name, engine_restarter(backend, pcfg, weights, tok, i, 0, handle, trainer, run_dir,
-                                                         f"{role}-engine"),
+    engines = [RestartingEngine(e.name, engine_restarter(backend, pcfg, weights, tok, i, version0, handle, trainer,
+                                                         run_dir, f"{role}-engine"),
                                 cfg.engine_restarts, cfg.runtime.heartbeat_interval_s, cfg.runtime.heartbeat_timeout_s,
                                 log=progress.log, engine=e)
                for i, e in enumerate(first)]
@@ -162,10 +196,18 @@ async def build_side(cfg: Config, k: int, role: str, backend: ActorBackend, base
 
 
 async def build_policies(cfg: Config, backend: ActorBackend, base_model: Path, tok: Any, ledger: Ledger,
-                         run_dir: Path, spans: SpanLog, progress: Progress) -> dict[str, PolicySide]:
-    """Spawn and connect every own policy of cfg.env.policies (the roles were checked in check_roles)."""
+                         run_dir: Path, spans: SpanLog, progress: Progress,
+                         resume: Checkpoint | None = None) -> dict[str, PolicySide]:
+    """Spawn and connect every own policy of cfg.env.policies (the roles were checked in check_roles);
+    with `resume`, each from its weights and trainer state in the checkpoint."""
     assert cfg.env is not None
-    sides = await asyncio.gather(*(build_side(cfg, k, role, backend, base_model, tok, ledger, run_dir, spans, progress)
+    if resume is not None:
+        extra = set((resume.state.get("policies") or {}).get("own", {})) - set(cfg.env.policies)
+        if extra:
+            raise RunFailed(f"env.policies: the checkpoint {resume.path} has own policies {sorted(extra)} this config "
+                            "does not name; resume with the run's own env.policies")
+    sides = await asyncio.gather(*(build_side(cfg, k, role, backend, base_model, tok, ledger, run_dir, spans, progress,
+                                              resume)
                                    for k, role in enumerate(sorted(cfg.env.policies))))
     return {s.role: s for s in sides}
 
@@ -173,8 +215,8 @@ async def build_policies(cfg: Config, backend: ActorBackend, base_model: Path, t
 class SplitIntake:
     """The producer's buffer when roles play separate policies: joint admission, one part per policy."""
 
-    def __init__(self, buffers: dict[str, RolloutBuffer], filter_uniform: bool) -> None:
-        self.buffers, self.filter_uniform = buffers, filter_uniform
+    def __init__(self, buffers: dict[str, RolloutBuffer], filter_uniform: bool, ledger: Ledger | None = None) -> None:
+        self.buffers, self.filter_uniform, self.ledger = buffers, filter_uniform, ledger
 
     async def admit(self, max_groups: int) -> int:
         """Rows every policy's buffer admits: each buffer admits up to the count the ones before it gave,
@@ -198,16 +240,21 @@ class SplitIntake:
         for buf in self.buffers.values():
             await buf.close()
 
-    def parts(self, group: Group) -> dict[str, Group]:
-        """The group split by the policy that wrote each sample (an empty part for a policy with none)."""
-        split: dict[str, list] = {p: [] for p in self.buffers}
+    async def parts(self, group: Group) -> dict[str, Group]:
+        """The group split by the policy that wrote each sample (an empty part for a policy with none).
+        A policy that settled its part of this row before a resume gets none: its admission is refunded."""
+        done = self.ledger.settled_parts(group.epoch, group.prompt_index) if self.ledger is not None else {}
+        split: dict[str, list] = {p: [] for p in self.buffers if p not in done}
+        for p in done:
+            await self.buffers[p].refund(1)
         for s in group.samples:
-            split[s.policy].append(s)
+            if s.policy in split:
+                split[s.policy].append(s)
         return {p: Group(group.prompt_index, group.prompt, group.answer, samples, epoch=group.epoch)
                 for p, samples in split.items()}
 
     async def put(self, group: Group) -> None:
-        for p, part in self.parts(group).items():
+        for p, part in (await self.parts(group)).items():
             if not part.samples:  # this policy's roles wrote no token in any episode of the row
                 await self.buffers[p].drop(part, "no_model_tokens")
             elif self.filter_uniform and not any(abs(s.advantage or 0.0) > EPS for s in part.samples):
@@ -216,18 +263,20 @@ class SplitIntake:
                 await self.buffers[p].put(part)
 
     async def drop(self, group: Group, reason: str) -> None:
-        for p, part in self.parts(group).items():
+        for p, part in (await self.parts(group)).items():
             await self.buffers[p].drop(part, reason)
 
 
 class Policies:
     """The run's policies: the shared one (Run.buffer, trained by learn.py) and each role's own."""
 
-    def __init__(self, shared_buffer: RolloutBuffer, sides: dict[str, PolicySide], filter_uniform: bool) -> None:
+    def __init__(self, shared_buffer: RolloutBuffer, sides: dict[str, PolicySide], filter_uniform: bool,
+                 ledger: Ledger) -> None:
         self.sides = sides
         self.shared_tally = PolicyTally()
         self.shared_buffer = shared_buffer
-        self.intake = SplitIntake({SHARED: shared_buffer, **{r: s.buffer for r, s in sides.items()}}, filter_uniform)
+        self.intake = SplitIntake({SHARED: shared_buffer, **{r: s.buffer for r, s in sides.items()}}, filter_uniform,
+                                  ledger)
 
     def engines(self, shared: TurnEngine) -> RoleEngines:
         return RoleEngines(shared, {role: side.engine for role, side in self.sides.items()})
@@ -262,6 +311,42 @@ class Policies:
             out[role] = str(path)
         return out
 
+    async def evaluate(self, run: Run) -> dict[str, float]:
+        """Each own policy's held-out score, measured like the shared policy's (Run.eval) on its own engines."""
+        from nonstop.types import SamplingParams
+
+        assert run.envs is not None
+        r, limits = run.cfg.rollout, run.envs.limits
+        params = SamplingParams(limits.turn_max_tokens, r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p)
+        return {role: await run.envs.evaluate(side.engine, run.data.eval, run.codec, params)
+                for role, side in self.sides.items()}
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """No own policy trains or settles inside (each finishes the step under way first)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for side in self.sides.values():
+                await stack.enter_async_context(side.lock)
+            yield
+
+    async def save_checkpoints(self, folder: Path, tokenizer: Any) -> None:
+        """Each own policy's trainer state under folder/policies/<role> (call it `paused`)."""
+        for role, side in self.sides.items():
+            await side.trainer.save_checkpoint(str(folder / "policies" / role))
+            tokenizer.save_pretrained(folder / "policies" / role / "model")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shared": self.shared_tally.state_dict(),
+                "own": {role: {**side.tally.state_dict(), "drops": dict(side.buffer.drops)}
+                        for role, side in self.sides.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shared_tally.load_state_dict(state["shared"])
+        for role, side in self.sides.items():
+            side.tally.load_state_dict(state["own"][role])
+            side.buffer.policy_version = side.tally.policy_version
+            side.buffer.drops.update(state["own"][role]["drops"])
+
     def transports(self) -> list[TransportHandle]:
         return [side.transport for side in self.sides.values()]
 
@@ -280,19 +365,21 @@ async def learn_policy(side: PolicySide, run: Run) -> None:
             if not groups:
                 return
             groups.sort(key=lambda g: (g.epoch, g.prompt_index))
-            t0 = time.perf_counter()
-            try:
-                result = await side.trainer.step(groups)
-                published = await side.trainer.publish()
-            except (ActorDied, ActorCallError) as e:
-                raise RunFailed(f"the trainer of policy {side.role!r} failed at its step {tally.steps + 1}: {e}") from e
-            outcome = "skipped_step" if result.metrics["skipped"] else "trained"
-            for g in groups:
-                side.buffer.settle(g, outcome)
-            tally.trained(groups, side.buffer.policy_version)
-            tally.steps += 1
-            tally.policy_version = published.policy_version
-            await side.buffer.step_done(published.policy_version)
+            async with side.lock:
+                t0 = time.perf_counter()
+                try:
+                    result = await side.trainer.step(groups)
+                    published = await side.trainer.publish()
+                except (ActorDied, ActorCallError) as e:
+                    raise RunFailed(f"the trainer of policy {side.role!r} failed at its step {tally.steps + 1}: {e}\n"
+                                    f"resume with `nonstop train --resume {run.run_dir}`") from e
+                outcome = "skipped_step" if result.metrics["skipped"] else "trained"
+                for g in groups:
+                    side.buffer.settle(g, outcome)
+                tally.trained(groups, side.buffer.policy_version)
+                tally.steps += 1
+                tally.policy_version = published.policy_version
+                await side.buffer.step_done(published.policy_version)
             rewards = [s.reward for g in groups for s in g.samples]
             metrics = {k: v for k, v in result.metrics.items() if k != "samples"}
             records.write(json.dumps({
