@@ -23,11 +23,17 @@ The flow, beside the shared policy's (pipeline.py, learn.py):
 
 Reports: `Policies.report()` (every step record and summary.json, key `policies`) per policy:
 steps, policy_version, samples trained by role (each policy trains only its roles' samples),
-drops, the mean reward of its trained samples so far and the lag histogram of its trained episodes; an own policy also writes one
-line per step to RUN_DIR/policies/<role>/metrics.jsonl, its final weights to
-RUN_DIR/policies/<role>/final and its held-out score at the end (`final_accuracy`, measured like
-the shared policy's). Not built yet: resume of such a run (refused in launch.py),
-LoRA adapters as policies, and other runtimes and transports (refused in config.py).
+drops, the mean reward of its trained samples so far and the lag histogram of its trained
+episodes; an own policy also writes one line per step to RUN_DIR/policies/<role>/metrics.jsonl,
+its final weights to RUN_DIR/policies/<role>/final and its held-out score at the end
+(`final_accuracy`, measured like the shared policy's).
+
+Checkpoints (recovery.py) hold every policy: while no own policy trains (`Policies.paused`),
+each one's trainer state goes under policies/<role> and its counters into state.json, beside
+the ledger's parts settled of rows still in flight; a resume starts each own policy from its
+own weights, version and optimizer state, and a re-queued row goes only to the policies that
+had not settled their part. Not built yet: LoRA adapters as policies, other runtimes and
+transports, several trainer ranks per policy (refused in config.py).
 """
 
 from __future__ import annotations
