@@ -148,6 +148,7 @@ async def begin(run: Run, resume: Checkpoint | None) -> None:
 async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: Checkpoint | None,
                     own_final: dict[str, str]) -> RunSummary:
     clock = run.state.clock
+    engines = run.engines + (run.policies.actors if run.policies is not None else [])  # own policies' engines too
     policies = run.policies.report() if run.policies is not None else None
     if run.policies is not None and policies is not None:
         for role, accuracy in (await run.policies.evaluate(run)).items():
@@ -163,8 +164,8 @@ async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: 
         engines=await run.engine.stats(),
         last_reward_error=run.scorer.last_error, final_dir=str(final_dir),
         prompts=run.ledger.report(),
-        engine_faults=RestartStats([r for e in run.engines for r in e.faults.restarts],
-                                   sum(e.faults.requeued for e in run.engines)).summary(),
+        engine_faults=RestartStats([r for e in engines for r in e.faults.restarts],
+                                   sum(e.faults.requeued for e in engines)).summary(),
         resumed_from=str(resume.path) if resume is not None else None,
         episodes=run.envs.report() if run.envs is not None else None, policies=policies,
         last_checkpoint=run.state.last_checkpoint, run_dir=str(run.run_dir),

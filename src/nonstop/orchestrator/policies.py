@@ -53,6 +53,7 @@ from nonstop.config import Config, ConfigError, PolicyConfig
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.build import connect_transport, engine_restarter, spawn_engine, spawn_trainers
 from nonstop.orchestrator.dispatch import EnginePool
+from nonstop.orchestrator.episode_flow import EPS
 from nonstop.orchestrator.episodes import RoleEngines, TurnEngine
 from nonstop.orchestrator.ledger import Ledger, policy_label
 from nonstop.orchestrator.recovery import RunFailed
@@ -66,7 +67,6 @@ if TYPE_CHECKING:
     from nonstop.orchestrator.build import Run
     from nonstop.progress import Progress
 
-EPS = 1e-6
 SHARED = ""  # the policy name of the run's shared policy
 
 
