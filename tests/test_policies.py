@@ -160,7 +160,7 @@ def test_a_row_half_settled_at_a_checkpoint_goes_again_only_to_the_policies_that
     assert report["parts"] == {"shared:trained": 1, "b:trained": 1}
 
 
-def _duel_args(tiny_dir, out_dir, steps: int, checkpoint_every: int | None = None) -> list[str]:
+def _duel_args(tiny_dir, out_dir, steps: int, checkpoint_every: int | None = None, *extra: str) -> list[str]:
     from test_e2e import small_model_args
 
     return ["--set", "env.name=two_role_env:Duel", "--set", f"env.max_turns={TURNS}", "--set", "env.turn_max_tokens=3",
@@ -168,7 +168,7 @@ def _duel_args(tiny_dir, out_dir, steps: int, checkpoint_every: int | None = Non
             "--set", "task.eval_size=8", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=2",
             "--set", f"run.max_steps={steps}", "--set", f"run.eval_every={steps}",
             "--set", f"checkpoint.every_steps={'null' if checkpoint_every is None else checkpoint_every}",
-            "--set", f"run.out_dir={out_dir}", "--set", "run.name=duel", *small_model_args(tiny_dir)]
+            "--set", f"run.out_dir={out_dir}", "--set", "run.name=duel", *small_model_args(tiny_dir), *extra]
 
 
 @pytest.mark.slow
@@ -230,3 +230,26 @@ def test_a_run_with_two_policies_resumes_each_policy_from_its_checkpoint(tiny_di
     assert versions[resumed:] == list(range(saved["steps"] + 1, own["steps"] + 1))
     assert ledger["duplicated"] == 0 and ledger["unknown"] == 0 and ledger["requeued"] >= 0
     assert set(own["samples_by_role"]) == {"b"} and set(s["policies"]["shared"]["samples_by_role"]) == {"a"}
+
+
+@pytest.mark.slow
+def test_an_own_policy_trained_as_lora_adapters_sends_only_its_adapters(tiny_dir, tmp_path):
+    """env.policies.b.lora: role b's policy trains LoRA adapters on its start weights; its engines
+    keep those weights and its transport carries only the adapters (far fewer bytes than the shared
+    policy's full weights); it steps on role b's samples only and writes an adapter folder."""
+    from test_e2e import nonstop
+
+    out = nonstop(["train", *_duel_args(tiny_dir, tmp_path, 3, None, "--set", "env.policies.b.lora=true",
+                                        "--set", "model.lora.rank=2", "--set", "model.lora.alpha=4")],
+                  tmp_path, timeout_s=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    run = tmp_path / "duel"
+    s = json.loads((run / "summary.json").read_text())
+    own = s["policies"]["b"]
+    assert s["policies"]["shared"]["steps"] == 3 and own["steps"] >= 1 and own["policy_version"] == own["steps"]
+    assert set(own["samples_by_role"]) == {"b"}
+    lines = [json.loads(x) for x in (run / "policies" / "b" / "metrics.jsonl").read_text().splitlines()]
+    shared = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"publish_bytes"' in x]
+    sent = [r["publish_bytes"] for r in lines if r["publish_bytes"]]
+    assert sent and max(sent) * 4 < min(r["publish_bytes"] for r in shared if r["publish_bytes"])
+    assert (Path(own["final_dir"]) / "adapter_config.json").exists()

@@ -32,8 +32,10 @@ Checkpoints (recovery.py) hold every policy: while no own policy trains (`Polici
 each one's trainer state goes under policies/<role> and its counters into state.json, beside
 the ledger's parts settled of rows still in flight; a resume starts each own policy from its
 own weights, version and optimizer state, and a re-queued row goes only to the policies that
-had not settled their part. Not built yet: LoRA adapters as policies, other runtimes and
-transports, several trainer ranks per policy (refused in config.py).
+had not settled their part. With `lora: true` an own policy trains LoRA adapters on its start
+weights (its engines keep them; only the adapters travel). Not built yet: adapter slots on the
+shared engines, other runtimes and transports, several trainer ranks per policy (refused in
+config.py).
 """
 
 from __future__ import annotations
@@ -126,9 +128,11 @@ class PolicySide:
 
 
 def policy_config(cfg: Config, own: PolicyConfig, k: int) -> Config:
-    """The run's config as policy k's actors see it: its learning rate, its engine count, its own seeds."""
+    """The run's config as policy k's actors see it: its learning rate, LoRA or not, its engine count,
+    its own seeds."""
     return cfg.model_copy(update={
         "trainer": cfg.trainer.model_copy(update={"lr": own.lr if own.lr is not None else cfg.trainer.lr}),
+        "model": cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": own.lora})}),
         "runtime": cfg.runtime.model_copy(update={"num_engines": own.num_engines}),
         "run": cfg.run.model_copy(update={"seed": cfg.run.seed + 1000 * (k + 1)}),
     })
@@ -178,18 +182,21 @@ async def build_side(cfg: Config, k: int, role: str, backend: ActorBackend, base
     weights, version0, folder = start, 0, None
     if resume is not None:
         folder, version0 = _saved(resume, role)
-        weights = folder / "model"
+        weights = folder / "model"  # with LoRA: the adapters, on top of `start`
+    model_weights = start if own.lora else weights  # LoRA: engines and trainer hold the start weights
     pcfg = policy_config(cfg, own, k)
-    progress.log(f"policy {role!r}: {own.num_engines} engine and 1 trainer actor from {weights}")
+    progress.log(f"policy {role!r}: {own.num_engines} engine and 1 trainer actor from {weights}"
+                 + (" (LoRA adapters)" if own.lora else ""))
     first, trainer = await asyncio.gather(
-        asyncio.gather(*(spawn_engine(backend, pcfg, weights, tok, i, version0, run_dir, f"{role}-engine")
+        asyncio.gather(*(spawn_engine(backend, pcfg, model_weights, tok, i, version0, run_dir, f"{role}-engine")
                          for i in range(own.num_engines))),
-        spawn_trainers(backend, pcfg, weights, tok, str(start) if resume is not None else None, run_dir=run_dir,
+        spawn_trainers(backend, pcfg, model_weights, tok, str(start) if resume is not None else None,
+                       adapter_path=str(weights) if folder is not None and own.lora else None, run_dir=run_dir,
                        prefix=f"{role}-trainer"))
     if folder is not None:
         await trainer.load_checkpoint(str(folder))
     handle = await connect_transport(pcfg, trainer, list(first), backend.host)
-    engines = [RestartingEngine(e.name, engine_restarter(backend, pcfg, weights, tok, i, version0, handle, trainer,
+    engines = [RestartingEngine(e.name, engine_restarter(backend, pcfg, model_weights, tok, i, version0, handle, trainer,
                                                          run_dir, f"{role}-engine"),
                                 cfg.engine_restarts, cfg.runtime.heartbeat_interval_s, cfg.runtime.heartbeat_timeout_s,
                                 log=progress.log, engine=e)
@@ -394,5 +401,6 @@ async def learn_policy(side: PolicySide, run: Run) -> None:
                 "reward_mean": sum(rewards) / max(len(rewards), 1), "prompts": [[g.epoch, g.prompt_index] for g in groups],
                 "samples_trained": result.metrics["samples"],
                 "roles": dict(Counter(s.role for g in groups for s in g.samples)), **metrics,
+                "publish_s": published.publish_s, "publish_bytes": published.publish_bytes,
                 "drops": dict(side.buffer.drops)}) + "\n")
             records.flush()
