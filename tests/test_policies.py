@@ -23,7 +23,7 @@ from nonstop.orchestrator.episode_flow import EpisodeStats, RoleBaselines, env_p
 from nonstop.orchestrator.episodes import RoleEngines
 from nonstop.orchestrator.generate import Codec, RolloutStats
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.policies import SplitIntake, check_roles
+from nonstop.orchestrator.policies import SplitIntake, check_roles, policy_config
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample
 from two_role_env import TURNS, Duel
@@ -129,6 +129,11 @@ def test_policies_config_names_its_field_for_each_refusal():
     with pytest.raises(ConfigError, match="leave at least one role to the shared policy"):
         check_roles(load_config(None, base + ["env.policies.first.lr=0.1"]), ("first", "second"))
     assert "`env.policies.<name>.path`" in config_reference()
+    own = load_config(None, base + ["env.policies.second.lora=true", "env.policies.second.num_engines=2"])
+    assert own.env is not None
+    seen = policy_config(own, own.env.policies["second"], 0)  # what the own policy's actors are built from
+    assert seen.model.lora.enabled and seen.trainer.lr == 0.001 and seen.runtime.num_engines == 2
+    assert seen.run.seed != own.run.seed and not own.model.lora.enabled
 
 
 def test_a_row_half_settled_at_a_checkpoint_goes_again_only_to_the_policies_that_had_not_settled():
