@@ -303,7 +303,7 @@ def test_environment_examples_validate_and_name_builtin_environments():
     from pathlib import Path
 
     examples = sorted((Path(__file__).resolve().parent.parent / "examples" / "envs").glob("*.yaml"))
-    assert len(examples) == 5
+    assert len(examples) == 6
     for path in examples:
         cfg = load_config(path)
         assert cfg.env is not None

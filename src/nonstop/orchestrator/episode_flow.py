@@ -33,7 +33,7 @@ from pathlib import Path
 from nonstop.config import EnvConfig, RolloutConfig
 from nonstop.envs.base import EnvLimits
 from nonstop.metrics import Clock
-from nonstop.orchestrator.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import Intake
 from nonstop.orchestrator.episodes import EnvFactory, EpisodeResult, TurnEngine, run_episodes
 from nonstop.orchestrator.generate import Codec, NoLearningSignal, RolloutStats, _BusyClock, admit_and_run, drop_uniform
 from nonstop.orchestrator.ledger import Ledger
@@ -182,7 +182,7 @@ class EnvRun:
 
 
 async def produce_episodes(
-    engine: TurnEngine, play: Player, buffer: RolloutBuffer, stream: PromptStream, codec: Codec,
+    engine: TurnEngine, play: Player, buffer: Intake, stream: PromptStream, codec: Codec,
     rollout: RolloutConfig, env_cfg: EnvConfig, limits: EnvLimits, baselines: RoleBaselines,
     clock: Clock, stats: RolloutStats, episode_stats: EpisodeStats, ledger: Ledger,
 ) -> None:

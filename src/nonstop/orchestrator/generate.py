@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from nonstop.orchestrator.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import Intake, RolloutBuffer
 from nonstop.config import RolloutConfig
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.metrics import Clock
@@ -172,7 +172,7 @@ async def drop_uniform(buffer: RolloutBuffer, group: Group, stats: RolloutStats,
 
 
 async def admit_and_run(
-    buffer: RolloutBuffer, stream: PromptStream, ledger: Ledger, stats: RolloutStats, prompts_per_step: int,
+    buffer: Intake, stream: PromptStream, ledger: Ledger, stats: RolloutStats, prompts_per_step: int,
     run_group: Callable[[Draw, float], Coroutine[Any, Any, None]], task_name: str,
     ready: Callable[[], Awaitable[None]] | None = None,
 ) -> None:

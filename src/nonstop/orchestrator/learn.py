@@ -53,9 +53,11 @@ async def learn(run: Run) -> StepRecord | None:
         spans.emit("publish", step=step, version=published.policy_version, t0=round(t1, 6), t1=round(t2, 6))
         outcome = "skipped_step" if result.metrics["skipped"] else "trained"
         for g in groups:
-            run.ledger.settle(g.epoch, g.prompt_index, outcome)
+            run.buffer.settle(g, outcome)
         if run.envs is not None:
             run.envs.stats.trained(groups, run.buffer.policy_version)  # lag against the version trained on
+        if run.policies is not None:
+            run.policies.shared_trained(groups, run.buffer.policy_version, published.policy_version)
         await run.buffer.step_done(published.policy_version)
         out_of_time = cfg.run.max_time_s is not None and state.clock.wall() >= cfg.run.max_time_s
         record = step_record(run, step, groups, result, published)
@@ -136,4 +138,5 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
         prompts_requeued=run.ledger.requeued + sum(e.faults.requeued for e in run.engines),
         engine_versions=list(run.engine.versions), scoring=run.scorer.metrics(),
         episodes=run.envs.report() if run.envs is not None else None,
+        policies=run.policies.report() if run.policies is not None else None,
     )
