@@ -284,10 +284,24 @@ class Config(_Section):
             )
         if self.engine.kind == "vllm":
             self._vllm_combinations()
+        self._device_path_combinations()
         if self.rollout.seed_per_prompt and self.env is not None:
             raise ValueError("rollout.seed_per_prompt: environment runs (env) are not seeded per prompt yet; "
                              "set rollout.seed_per_prompt=false")
         return self
+
+    def _device_path_combinations(self) -> None:
+        """A GPU-to-GPU weight path asked for by name needs both sides on a GPU and the built-in engine."""
+        path = getattr(self.transport, "device_path", "host")
+        if path not in ("ipc", "nccl"):
+            return
+        for field, device in (("trainer.device", self.trainer.device), ("engine.device", self.engine.device)):
+            if device == "cpu":
+                raise ValueError(f"transport.device_path: '{path}' moves weights GPU to GPU, but {field} is 'cpu'; "
+                                 f"use transport.device_path 'auto' or 'host', or put {field} on a GPU")
+        if self.engine.kind == "vllm":
+            raise ValueError(f"transport.device_path: '{path}' is not available with engine.kind 'vllm' (it receives "
+                             f"into a host staging model and reloads from there); use 'auto' or 'host'")
 
     def _vllm_combinations(self) -> None:
         if self.engine.update_mode == "save_resume":

@@ -1,8 +1,19 @@
 """torch.distributed broadcast transport, in fixed-size buckets, over a group that takes replacements.
 
 The trainer (rank 0) and the engines (ranks 1..N) form their own process group, built from a
-TCPStore served by the trainer and a ProcessGroupGloo (NCCL on GPU later) directly, so it is
+TCPStore served by the trainer and a ProcessGroupGloo or ProcessGroupNCCL directly, so it is
 separate from any training process group and from the default group.
+
+Backend (transport.device_path, device.py). At the rendezvous every engine writes the device its
+weights are received on (`device/{rank}`); the trainer reads them all, picks the backend (NCCL
+when asked or, with 'auto', when every member is on CUDA; gloo otherwise) and writes it under
+`backend` before anyone builds the group. Buffers live where the backend needs them: with NCCL
+the trainer's flat buffer (its parameters re-homed into it) and every engine's receive buffers
+are on their GPUs, so weights go GPU to GPU; with gloo they are host buffers, and an engine whose
+weights are on a GPU copies each received version onto it (`copy_into`) instead of re-pointing.
+A replacement engine reads the settled backend and fails at attach if it cannot take part (NCCL
+on the CPU). NCCL works are waited on by polling `is_completed()` (their `wait` only orders
+streams); with NCCL, re-planning after a dead engine has never run (no GPU here).
 
 Rounds. Every send is one round n = 1, 2, ...: the trainer sets the store key `r{n}` to
 "{version} {generation}" (the notification), then broadcasts its flat buffer (the sent tensors
@@ -41,7 +52,19 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
-from nonstop.transport.base import FlatSender, TransportError, WeightTarget, crc32, in_layout_order, repoint, views
+from nonstop.config import ConfigError
+from nonstop.transport.base import (
+    FlatSender,
+    TransportError,
+    WeightTarget,
+    copy_into,
+    crc32,
+    in_layout_order,
+    repoint,
+    same_device,
+    views,
+)
+from nonstop.transport.device import Backend, pick_backend, settle, tensors_device
 from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = "stop"
@@ -53,6 +76,8 @@ _WAIT_SLICE = timedelta(seconds=30)
 # length, so a round that a peer's death broke is given up as soon as the membership changed
 # (a replacement registered; the trainer started the next round) instead of at timeout_s.
 _ROUND_SLICE = timedelta(seconds=1)
+_BACKEND = "backend"  # the trainer's choice of gloo or nccl, set before any group is built
+_REFUSED = "refused: "  # prefix of a backend value that carries the trainer's refusal instead
 
 
 class _RoundAbandoned(Exception):
@@ -64,9 +89,24 @@ def _timed_out(e: Exception) -> bool:
     return "timeout" in text or "timed out" in text
 
 
-def _await_works(works: list[dist.Work], timeout_s: float, abandon: Callable[[], bool]) -> None:
-    """Wait for every work within `timeout_s` in all; raise _RoundAbandoned once `abandon()` is true."""
+def _await_works(works: list[dist.Work], timeout_s: float, abandon: Callable[[], bool], poll: bool = False) -> None:
+    """Wait for every work within `timeout_s` in all; raise _RoundAbandoned once `abandon()` is true.
+
+    `poll` (NCCL): watch `is_completed()`, since an NCCL work's `wait` only makes the current stream wait."""
     deadline = time.monotonic() + timeout_s
+    if poll:
+        last_check = time.monotonic()
+        for work in works:
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TransportError(f"NCCL broadcast did not complete within {timeout_s:g} s")
+                if now - last_check >= _ROUND_SLICE.total_seconds():
+                    last_check = now
+                    if abandon():
+                        raise _RoundAbandoned()
+                time.sleep(0.0005)
+        return
     for work in works:
         while True:
             try:
@@ -80,9 +120,21 @@ def _await_works(works: list[dist.Work], timeout_s: float, abandon: Callable[[],
 
 
 class _Group(Protocol):
-    """What this transport uses of its gloo backend (torch's stubs leave out Backend's collectives)."""
+    """What this transport uses of its backend (torch's stubs leave out Backend's collectives)."""
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
+
+
+def _retire(pg: _Group, backend: Backend) -> None:
+    """An NCCL group left behind by a failed round may hold a collective that never ends: abort it
+    (gloo groups are kept until close: destroying one with a dead peer waits on its threads)."""
+    if backend == "nccl":
+        abort = getattr(pg, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # best effort: the new group does not depend on it
+                pass
 
 
 def _store(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> dist.TCPStore:
@@ -90,13 +142,28 @@ def _store(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> dist.T
     return dist.TCPStore(opts.host, opts.port, 1 + handle.num_engines, is_master=rank == 0, timeout=connect)
 
 
-def _group(store: dist.TCPStore, handle: TransportHandle, rank: int, generation: int) -> _Group:
-    """This rank's member of the group of `generation` (blocks until all N + 1 ranks built it)."""
+def _group(store: dist.TCPStore, handle: TransportHandle, rank: int, generation: int,
+           backend: Backend = "gloo") -> _Group:
+    """This rank's member of the group of `generation` (gloo blocks until all N + 1 ranks built
+    it; NCCL connects at the first collective)."""
     world = 1 + handle.num_engines
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"g{generation}/", store), rank, world,
-                               timedelta(seconds=handle.connect_timeout_s))
+    prefixed = dist.PrefixStore(f"g{generation}/", store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()  # absent from CPU builds of torch
+        options._timeout = timedelta(seconds=handle.timeout_s)
+        return cast(_Group, dist.ProcessGroupNCCL(prefixed, rank, world, options))
+    pg = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=handle.connect_timeout_s))
     pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
     return cast(_Group, pg)
+
+
+def _decode_backend(value: bytes, rank: int) -> Backend:
+    text = value.decode()
+    if text.startswith(_REFUSED):
+        raise TransportError(f"engine rank {rank}: the trainer refused the broadcast group: {text[len(_REFUSED):]}")
+    if text not in ("gloo", "nccl"):
+        raise TransportError(f"engine rank {rank}: unknown broadcast backend {text!r} in the trainer's store")
+    return cast(Backend, text)
 
 
 def _buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions) -> list[torch.Tensor]:
@@ -118,19 +185,43 @@ class BroadcastSink:
         self.joins_seen = 0
         self.replans = 0  # groups rebuilt for replacement engines
         self.retired: list[_Group] = []
+        self.backend: Backend = "gloo"
 
     def connect(self) -> None:
         self.store = _store(self.handle, self.opts, rank=0)
-        self.pg = _group(self.store, self.handle, 0, self.generation)
+        self.backend = self._settle_backend(self.store)
+        if self.backend == "nccl":
+            self.sender = FlatSender(self.handle, torch.device(self.opts.device))
+        self.pg = _group(self.store, self.handle, 0, self.generation, self.backend)
         self.store.add("joins", 0)
         self.store.set(_STARTED, "1")
+
+    def _settle_backend(self, store: dist.TCPStore) -> Backend:
+        """Read every engine's device, pick the backend and tell the engines (or tell them the refusal)."""
+        keys = [f"device/{r}" for r in range(1, 1 + self.handle.num_engines)]
+        try:
+            store.wait(keys, timedelta(seconds=self.handle.connect_timeout_s))
+        except Exception as e:  # the store raises DistStoreError on timeout
+            missing = [k.split("/")[1] for k in keys if not store.check([k])]
+            raise TransportError(f"engine rank(s) {', '.join(missing)} did not attach to the broadcast transport "
+                                 f"within {self.handle.connect_timeout_s:g} s: {e}") from e
+        devices = {0: self.opts.device, **{r: store.get(k).decode() for r, k in enumerate(keys, start=1)}}
+        try:
+            backend = pick_backend(self.opts.device_path, devices)
+        except ConfigError as e:
+            store.set(_BACKEND, _REFUSED + str(e))
+            raise
+        store.set(_BACKEND, backend)
+        return backend
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.pg is None or self.store is None:
             raise TransportError("broadcast transport used before connect()")
-        buckets = _buckets(self.sender.flat(model), self.handle, self.opts)
-        sums = [torch.tensor([crc32(b) for b in buckets], dtype=torch.int64)] if self.handle.checksum else []
+        flat = self.sender.flat(model)
+        buckets = _buckets(flat, self.handle, self.opts)
+        sums = ([torch.tensor([crc32(b) for b in buckets], dtype=torch.int64, device=flat.device)]
+                if self.handle.checksum else [])
         while True:
             try:
                 self._send_round(buckets + sums, version)
@@ -147,8 +238,9 @@ class BroadcastSink:
         self.store.set(f"r{self.round}", f"{version} {self.generation}")
         if replan:
             self.retired.append(self.pg)
+            _retire(self.pg, self.backend)
             try:
-                self.pg = _group(self.store, self.handle, 0, self.generation)
+                self.pg = _group(self.store, self.handle, 0, self.generation, self.backend)
             except Exception as e:  # a member died again before the new group was up
                 raise TransportError(f"re-planning the broadcast group (generation {self.generation}) for version "
                                      f"{version} failed within {self.handle.connect_timeout_s:g} s: {e}") from e
@@ -158,7 +250,7 @@ class BroadcastSink:
         works = []
         try:
             works = [self.pg.broadcast(t, 0) for t in tensors]
-            _await_works(works, self.handle.timeout_s, self._replacement_waiting)
+            _await_works(works, self.handle.timeout_s, self._replacement_waiting, poll=self.backend == "nccl")
         except _RoundAbandoned as e:
             raise TransportError(f"broadcast of version {version}: an engine was replaced during the send") from e
         except Exception as e:  # gloo raises RuntimeError subclasses on timeout and reset
@@ -227,8 +319,8 @@ class BroadcastSink:
 class _Buffer:
     """One flat receive buffer with its typed views (made once, outside inference_mode)."""
 
-    def __init__(self, handle: TransportHandle, opts: BroadcastOptions) -> None:
-        self.flat = torch.empty(handle.total_bytes, dtype=torch.uint8)
+    def __init__(self, handle: TransportHandle, opts: BroadcastOptions, device: torch.device) -> None:
+        self.flat = torch.empty(handle.total_bytes, dtype=torch.uint8, device=device)
         self.views = views(self.flat, handle.layout)
         self.buckets = _buckets(self.flat, handle, opts)
 
@@ -237,6 +329,7 @@ class BroadcastSource:
     def __init__(self, handle: TransportHandle, opts: BroadcastOptions, target: WeightTarget, rank: int) -> None:
         self.handle, self.opts, self.target, self.rank = handle, opts, target, rank
         self.tensors = in_layout_order(target.tensors(), handle.layout)
+        self.device = tensors_device(self.tensors)
         self.lock = threading.Lock()
         self.spare: list[_Buffer] = []  # guarded by lock, like ready and live
         self.ready: tuple[int, _Buffer] | None = None
@@ -250,17 +343,36 @@ class BroadcastSource:
         self.generation = -1
         self.retired: list[_Group] = []
         self.join: int | None = None
-        if self.store.check([_STARTED]):  # the group is running: this engine replaces a dead one
+        self.copies = 0
+        replacement = self.store.check([_STARTED])  # the group is running: this engine replaces a dead one
+        if not replacement:
+            self.store.set(f"device/{rank}", str(self.device))
+        self.backend = self._await_backend()
+        # Receive buffers sit where the backend delivers: the GPU for NCCL, the host for gloo.
+        self.buffer_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        if replacement:
             self.join = self.store.add("joins", 1)
             self.store.set(f"join/{self.join}", str(rank))
         else:
-            self.pg, self.generation = _group(self.store, handle, rank, 0), 0
+            self.pg, self.generation = _group(self.store, handle, rank, 0, self.backend), 0
         self.thread = threading.Thread(target=self._receive_loop, name=f"weights-rx-{rank}", daemon=True)
         self.thread.start()
 
+    def _await_backend(self) -> Backend:
+        try:
+            self.store.wait([_BACKEND], timedelta(seconds=self.handle.connect_timeout_s))
+        except Exception as e:  # the store raises DistStoreError on timeout
+            raise TransportError(f"engine rank {self.rank}: the trainer did not settle the broadcast backend within "
+                                 f"{self.handle.connect_timeout_s:g} s: {e}") from e
+        backend = _decode_backend(self.store.get(_BACKEND), self.rank)
+        if backend == "nccl" and self.device.type != "cuda":
+            raise TransportError(f"transport.device_path: the broadcast group runs on NCCL, but engine rank {self.rank} "
+                                 f"receives its weights on {self.device}; use transport.device_path 'host'")
+        return backend
+
     def _take_spare(self) -> _Buffer:
         with self.lock:
-            return self.spare.pop() if self.spare else _Buffer(self.handle, self.opts)
+            return self.spare.pop() if self.spare else _Buffer(self.handle, self.opts, self.buffer_device)
 
     def _wait(self, key: str, what: str) -> bytes | None:
         """The value of `key` once the trainer set it; None when closing or the store is gone."""
@@ -286,7 +398,7 @@ class BroadcastSource:
             first = int(welcome)
         back = self._take_spare()
         checksum = self.handle.checksum
-        sums = torch.zeros(len(back.buckets), dtype=torch.int64)
+        sums = torch.zeros(len(back.buckets), dtype=torch.int64, device=self.buffer_device)
         n = first
         while not self.closing.is_set():
             value = self._wait(f"r{n}", f"round {n}")
@@ -297,11 +409,14 @@ class BroadcastSource:
                 if generation != self.generation:  # the trainer re-planned the group: build our member of it
                     if self.pg is not None:
                         self.retired.append(self.pg)
+                        _retire(self.pg, self.backend)
                     self.pg = None
-                    self.pg, self.generation = _group(self.store, self.handle, self.rank, generation), generation
+                    self.pg = _group(self.store, self.handle, self.rank, generation, self.backend)
+                    self.generation = generation
                 assert self.pg is not None
                 works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
-                _await_works(works, self.handle.timeout_s, lambda: self.store.check([f"r{n + 1}"]))
+                _await_works(works, self.handle.timeout_s, lambda: self.store.check([f"r{n + 1}"]),
+                             poll=self.backend == "nccl")
             except Exception:  # a peer died in this round: the trainer sends it again in a new group
                 self.failed_rounds += 1
                 n += 1
@@ -327,7 +442,12 @@ class BroadcastSource:
                 return None
             version, buf = self.ready
             self.ready = None
-            repoint(self.tensors, buf.views)
+            if same_device(self.tensors, buf.views):
+                repoint(self.tensors, buf.views)
+            else:  # gloo delivered to the host, the engine's weights are on its GPU
+                copy_into(self.tensors, buf.views)
+                settle(self.device)
+                self.copies += 1
             self.target.applied()
             if self.live is not None:
                 self.spare.append(self.live)
