@@ -62,12 +62,16 @@ def test_config_refuses_a_gpu_path_that_cannot_be(section, message):
 
 
 def test_backend_and_receive_device_choices(tiny_dir):
-    assert pick_backend("auto", {0: "cuda:0", 1: "cuda:1", 2: "cuda:0"}) == "nccl"
-    assert pick_backend("auto", {0: "cuda:0", 1: "cpu"}) == "gloo"
-    assert pick_backend("host", {0: "cuda:0", 1: "cuda:0"}) == "gloo"
-    assert pick_backend("nccl", {0: "cuda:0", 1: "cuda:0"}) == "nccl"
+    a, b, c = "cuda/GPU-a", "cuda/GPU-b", "cuda/GPU-c"
+    assert pick_backend("auto", {0: a, 1: b, 2: c}) == "nccl"
+    assert pick_backend("auto", {0: a, 1: "cpu"}) == "gloo"
+    assert pick_backend("auto", {0: a, 1: a}) == "gloo"  # NCCL refuses two ranks on one GPU
+    assert pick_backend("host", {0: a, 1: b}) == "gloo"
+    assert pick_backend("nccl", {0: a, 1: b}) == "nccl"
     with pytest.raises(ConfigError, match=r"'nccl' needs every member's weights on CUDA, but engine rank 2 "):
-        pick_backend("nccl", {0: "cuda:0", 1: "cuda:0", 2: "cpu"})
+        pick_backend("nccl", {0: a, 1: b, 2: "cpu"})
+    with pytest.raises(ConfigError, match=r"'nccl' needs one GPU per member .* the trainer, engine rank 2 share one"):
+        pick_backend("nccl", {0: a, 1: b, 2: a})
     handle = plan_transport(ShmTransportConfig(), load_model(str(tiny_dir)), 1)
     gpu_handle = dataclasses.replace(handle, options=dataclasses.replace(handle.options, device_path="auto"))
     cuda = torch.device("cuda", 0)  # a device object only: nothing is allocated on it
@@ -173,7 +177,8 @@ def test_broadcast_refusal_reaches_the_engines(tiny_dir, spawn_child):
     rendezvous, naming the field and the rank, and the engine's attach fails with the same words."""
     model = load_model(str(tiny_dir))
     handle = plan_transport(BroadcastTransportConfig(timeout_s=30, connect_timeout_s=60), model, 1)
-    handle = dataclasses.replace(handle, options=dataclasses.replace(handle.options, device_path="nccl", device="cuda:0"))
+    opts = dataclasses.replace(handle.options, device_path="nccl", device="cuda:0", member="cuda/GPU-trainer")
+    handle = dataclasses.replace(handle, options=opts)  # as a trainer on a GPU plans it
     sink = open_sink(handle)
     child = spawn_child(receive_weights, handle, str(tiny_dir), 1, 1)
     try:

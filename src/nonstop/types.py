@@ -286,6 +286,8 @@ class BroadcastOptions:
     """transport.device_path as asked: the backend (gloo or NCCL) is settled at the rendezvous."""
     device: str = "cpu"
     """The trainer's device (its member of an NCCL group sends from there)."""
+    member: str = "cpu"
+    """What the trainer says of its device at the rendezvous: 'cpu' or 'cuda/<GPU uuid>'."""
     kind: ClassVar[Literal["broadcast"]] = "broadcast"
 
 

@@ -240,7 +240,7 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
     """Describe the transport; with `lora` (an enabled LoraConfig) only the adapters travel.
     `next_version`: the first version the trainer will publish (above 1 after a resume).
     `host`: the trainer's address the engines reach (broadcast's store and group)."""
-    from nonstop.transport.device import plan_broadcast_path, plan_shm_path, tensors_device
+    from nonstop.transport.device import member_device, plan_broadcast_path, plan_shm_path, tensors_device
 
     lora = lora if lora is not None and lora.enabled else None
     sent = sent_tensors(model, lora)
@@ -262,7 +262,8 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
         plan_broadcast_path(cfg.device_path, trainer_device)
         options = BroadcastOptions(host=host, port=free_port(host), bucket_bytes=int(cfg.bucket_mb * 2**20),
                                    per_tensor=cfg.per_tensor, rejoin_timeout_s=cfg.rejoin_timeout_s,
-                                   device_path=cfg.device_path, device=str(trainer_device))
+                                   device_path=cfg.device_path, device=str(trainer_device),
+                                   member=member_device(trainer_device))
     return TransportHandle(layout=layout, total_bytes=total, options=options, num_engines=num_engines,
                            timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s, checksum=cfg.checksum,
                            lora=lora, next_version=next_version)

@@ -5,8 +5,9 @@ TCPStore served by the trainer and a ProcessGroupGloo or ProcessGroupNCCL direct
 separate from any training process group and from the default group.
 
 Backend (transport.device_path, device.py). At the rendezvous every engine writes the device its
-weights are received on (`device/{rank}`); the trainer reads them all, picks the backend (NCCL
-when asked or, with 'auto', when every member is on CUDA; gloo otherwise) and writes it under
+weights are received on (`device/{rank}`: 'cpu' or the GPU's uuid); the trainer reads them all,
+picks the backend (NCCL when asked or, with 'auto', when every member is on a GPU of its own;
+gloo otherwise) and writes it under
 `backend` before anyone builds the group. Buffers live where the backend needs them: with NCCL
 the trainer's flat buffer (its parameters re-homed into it) and every engine's receive buffers
 are on their GPUs, so weights go GPU to GPU; with gloo they are host buffers, and an engine whose
@@ -64,7 +65,7 @@ from nonstop.transport.base import (
     same_device,
     views,
 )
-from nonstop.transport.device import Backend, pick_backend, settle, tensors_device
+from nonstop.transport.device import Backend, member_device, pick_backend, settle, tensors_device
 from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = "stop"
@@ -205,7 +206,7 @@ class BroadcastSink:
             missing = [k.split("/")[1] for k in keys if not store.check([k])]
             raise TransportError(f"engine rank(s) {', '.join(missing)} did not attach to the broadcast transport "
                                  f"within {self.handle.connect_timeout_s:g} s: {e}") from e
-        devices = {0: self.opts.device, **{r: store.get(k).decode() for r, k in enumerate(keys, start=1)}}
+        devices = {0: self.opts.member, **{r: store.get(k).decode() for r, k in enumerate(keys, start=1)}}
         try:
             backend = pick_backend(self.opts.device_path, devices)
         except ConfigError as e:
@@ -346,7 +347,7 @@ class BroadcastSource:
         self.copies = 0
         replacement = self.store.check([_STARTED])  # the group is running: this engine replaces a dead one
         if not replacement:
-            self.store.set(f"device/{rank}", str(self.device))
+            self.store.set(f"device/{rank}", member_device(self.device))
         self.backend = self._await_backend()
         # Receive buffers sit where the backend delivers: the GPU for NCCL, the host for gloo.
         self.buffer_device = self.device if self.backend == "nccl" else torch.device("cpu")

@@ -12,7 +12,9 @@ This module holds the parts both kinds share and that do not depend on the proto
   ConfigError naming `transport.device_path` when a GPU path is asked for on the CPU;
 - `receive_device(handle, engine_device)` (engine side): where the engine's transport target
   should live so that a GPU path can be used (its GPU, float32) or None (the host);
-- `pick_backend(asked, devices)`: gloo or NCCL for a set of member devices (broadcast's rendezvous);
+- `member_device(device)` / `pick_backend(asked, members)`: what each member of a broadcast group
+  says at the rendezvous ('cpu', or 'cuda/<GPU uuid>') and the backend that follows: NCCL needs
+  every member on CUDA and on its own GPU (it refuses two ranks on one GPU);
 - `settle(device)`: wait for the work queued on `device`'s current stream (CUDA copies are
   asynchronous: a stamp or a claim release must come after the bytes are there);
 - `IpcRecord.export(buffer)` / `.open()`: a GPU buffer's CUDA IPC handle as bytes (torch's
@@ -71,19 +73,32 @@ def receive_device(handle: TransportHandle, engine_device: torch.device) -> torc
     return engine_device if engine_device.type == "cuda" and wants_device(handle) else None
 
 
-def pick_backend(asked: Literal["auto", "host", "nccl"], devices: dict[int, str]) -> Backend:
-    """The broadcast group's backend for members whose devices are `devices` (rank -> 'cpu' / 'cuda:i').
+def member_device(device: torch.device) -> str:
+    """What a broadcast member says of its device at the rendezvous: 'cpu' or 'cuda/<GPU uuid>'
+    (the physical GPU: two processes may number one GPU differently)."""
+    return f"cuda/{gpu_uuid(device)}" if device.type == "cuda" else "cpu"
 
-    'nccl' asked with a member off CUDA fails naming the rank; 'auto' takes NCCL only when all are on CUDA."""
-    off = sorted(rank for rank, d in devices.items() if not d.startswith("cuda"))
+
+def pick_backend(asked: Literal["auto", "host", "nccl"], members: dict[int, str]) -> Backend:
+    """The broadcast group's backend for `members` (rank -> member_device). NCCL takes only members
+    on CUDA, one per GPU; 'nccl' asked where that does not hold fails naming the ranks, 'auto' falls
+    back to gloo."""
+    def who(ranks: list[int]) -> str:
+        return ", ".join("the trainer" if r == 0 else f"engine rank {r}" for r in ranks)
+
     if asked == "host":
         return "gloo"
+    off = sorted(r for r, d in members.items() if not d.startswith("cuda/"))
+    on_gpu = [d for d in members.values() if d.startswith("cuda/")]
+    shared = sorted(r for r, d in members.items() if d.startswith("cuda/") and on_gpu.count(d) > 1)
     if asked == "nccl" and off:
-        who = ", ".join("trainer" if r == 0 else f"engine rank {r}" for r in off)
-        raise ConfigError(f"transport.device_path: 'nccl' needs every member's weights on CUDA, but {who} "
+        raise ConfigError(f"transport.device_path: 'nccl' needs every member's weights on CUDA, but {who(off)} "
                           f"receive(s) on the CPU (engine.device / trainer.device, or the vLLM engine, which "
                           f"receives into a host staging model); use 'host' or 'auto'")
-    return "gloo" if off else "nccl"
+    if asked == "nccl" and shared:
+        raise ConfigError(f"transport.device_path: 'nccl' needs one GPU per member (NCCL refuses two ranks on "
+                          f"one GPU), but {who(shared)} share one; use 'ipc' with the shm transport, 'host' or 'auto'")
+    return "gloo" if off or shared else "nccl"
 
 
 def settle(device: torch.device) -> None:
