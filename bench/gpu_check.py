@@ -15,8 +15,9 @@ What it checks, on a machine with one CUDA GPU, in at most ~8 minutes:
 3. the same update GPU to GPU through CUDA IPC (shm, device_path ipc): an engine in another
    process maps the trainer's GPU slots and copies from them; its next tokens carry version 1 and
    match the trainer's logprobs, and the trainer's sink counts the publish as a GPU-slot publish;
-4. the same update over NCCL (broadcast, device_path nccl): the rendezvous must settle on NCCL;
-   same assertions;
+4. the same update over NCCL (broadcast, device_path nccl) to an engine on a second GPU (NCCL
+   refuses two ranks on one GPU: skipped, and said so, on a one-GPU machine): the rendezvous
+   must settle on NCCL; same assertions;
 5. (with vllm installed) the default job with engine.kind vllm on the GPU for 120 s of RL:
    held-out accuracy must rise over the shipped base's.
 With --device cpu, checks 3 and 4 run their two-process harness over the host paths (shm host
@@ -97,7 +98,7 @@ def engine_process(handle, device: str, inbox, outbox) -> None:
         outbox.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def two_process_update(trainer, device: str, cfg) -> tuple[float, dict]:
+def two_process_update(trainer, device: str, cfg, engine_device: str | None = None) -> tuple[float, dict]:
     """Publish the trainer's weights as version 1 to an engine in another process; the engine's next
     tokens must carry version 1; returns their max |log ratio| against the trainer and what the
     transport reports (GPU-slot publishes, the broadcast backend, the engine's copies)."""
@@ -109,7 +110,7 @@ def two_process_update(trainer, device: str, cfg) -> tuple[float, dict]:
     sink = open_sink(handle)
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=engine_process, args=(handle, device, inbox, outbox), daemon=True)
+    child = ctx.Process(target=engine_process, args=(handle, engine_device or device, inbox, outbox), daemon=True)
     child.start()
     try:
         sink.connect()  # broadcast: the rendezvous that settles the backend
@@ -223,10 +224,17 @@ def main() -> None:
     if gpu:
         ipc, report = two_process_update(trainer, args.device, ShmTransportConfig(device_path="ipc", timeout_s=60))
         print(f"3. weight update through CUDA IPC: next tokens at version 1, max |log ratio| {ipc:.2e} ({report})")
-        ok = ok and ipc < 1e-3 and report["gpu_publishes"] == 1
-        nccl, report = two_process_update(trainer, args.device, BroadcastTransportConfig(device_path="nccl", timeout_s=60))
-        print(f"4. weight update over NCCL: next tokens at version 1, max |log ratio| {nccl:.2e} ({report})")
-        ok = ok and nccl < 1e-3 and report["backend"] == "nccl"
+        ok = ok and ipc < 1e-3 and report["gpu_publishes"] == 1 and report["engine_copies"] == 1
+        if torch.cuda.device_count() < 2:  # NCCL refuses two ranks on one GPU
+            print("4. NCCL: SKIPPED: NCCL needs one GPU per member (trainer and engine), this machine shows "
+                  f"{torch.cuda.device_count()}")
+        else:
+            other = "cuda:1" if torch.device(args.device).index in (None, 0) else "cuda:0"
+            nccl, report = two_process_update(trainer, args.device, BroadcastTransportConfig(device_path="nccl", timeout_s=60),
+                                              engine_device=other)
+            print(f"4. weight update over NCCL ({args.device} -> {other}): next tokens at version 1, "
+                  f"max |log ratio| {nccl:.2e} ({report})")
+            ok = ok and nccl < 1e-3 and report["backend"] == "nccl"
     else:
         host, report = two_process_update(trainer, args.device, ShmTransportConfig(device_path="auto", timeout_s=60))
         print(f"3. CUDA IPC: SKIPPED on the CPU (needs a GPU); its two-process harness over shm host slots: "
