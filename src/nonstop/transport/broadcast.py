@@ -39,16 +39,15 @@ returns only once every engine holds the version; if no replacement registers in
 raises a TransportError naming the peer and the version. A receiver whose round failed goes on
 to the next round (the trainer re-plans); a checksum mismatch stops that engine's updates
 (never applied) and is raised from `maybe_update`. Groups left behind by a re-plan are kept
-until `close()`: destroying one with a dead peer would wait on its threads mid-run.
+until `close()`: destroying one with a dead peer would wait on its threads mid-run (an NCCL
+group is aborted first, groups.py).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -66,6 +65,17 @@ from nonstop.transport.base import (
     views,
 )
 from nonstop.transport.device import Backend, member_device, pick_backend, settle, tensors_device
+from nonstop.transport.groups import (
+    REFUSED,
+    ROUND_SLICE,
+    Group,
+    RoundAbandoned,
+    await_works,
+    decode_backend,
+    make_group,
+    make_store,
+    retire,
+)
 from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = "stop"
@@ -73,98 +83,7 @@ _STARTED = "started"  # set once the trainer's first group is up: an engine atta
 # How long one store wait for the next round lasts before it is renewed. The trainer's close()
 # wakes the waiter at once (it sets the next round to STOP), so this only bounds log noise.
 _WAIT_SLICE = timedelta(seconds=30)
-# Waits inside a round (on the broadcast, on the acknowledgements) are made in slices of this
-# length, so a round that a peer's death broke is given up as soon as the membership changed
-# (a replacement registered; the trainer started the next round) instead of at timeout_s.
-_ROUND_SLICE = timedelta(seconds=1)
 _BACKEND = "backend"  # the trainer's choice of gloo or nccl, set before any group is built
-_REFUSED = "refused: "  # prefix of a backend value that carries the trainer's refusal instead
-
-
-class _RoundAbandoned(Exception):
-    """The membership changed while this round was under way: it is sent again in a new group."""
-
-
-def _timed_out(e: Exception) -> bool:
-    text = str(e).lower()
-    return "timeout" in text or "timed out" in text
-
-
-def _await_works(works: list[dist.Work], timeout_s: float, abandon: Callable[[], bool], poll: bool = False) -> None:
-    """Wait for every work within `timeout_s` in all; raise _RoundAbandoned once `abandon()` is true.
-
-    `poll` (NCCL): watch `is_completed()`, since an NCCL work's `wait` only makes the current stream wait."""
-    deadline = time.monotonic() + timeout_s
-    if poll:
-        last_check = time.monotonic()
-        for work in works:
-            while not work.is_completed():
-                now = time.monotonic()
-                if now >= deadline:
-                    raise TransportError(f"NCCL broadcast did not complete within {timeout_s:g} s")
-                if now - last_check >= _ROUND_SLICE.total_seconds():
-                    last_check = now
-                    if abandon():
-                        raise _RoundAbandoned()
-                time.sleep(0.0005)
-        return
-    for work in works:
-        while True:
-            try:
-                work.wait(_ROUND_SLICE)
-                break
-            except RuntimeError as e:
-                if not _timed_out(e) or time.monotonic() >= deadline:
-                    raise
-                if abandon():
-                    raise _RoundAbandoned() from e
-
-
-class _Group(Protocol):
-    """What this transport uses of its backend (torch's stubs leave out Backend's collectives)."""
-
-    def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
-
-
-def _retire(pg: _Group, backend: Backend) -> None:
-    """An NCCL group left behind by a failed round may hold a collective that never ends: abort it
-    (gloo groups are kept until close: destroying one with a dead peer waits on its threads)."""
-    if backend == "nccl":
-        abort = getattr(pg, "abort", None)
-        if abort is not None:
-            try:
-                abort()
-            except Exception:  # best effort: the new group does not depend on it
-                pass
-
-
-def _store(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> dist.TCPStore:
-    connect = timedelta(seconds=handle.connect_timeout_s)
-    return dist.TCPStore(opts.host, opts.port, 1 + handle.num_engines, is_master=rank == 0, timeout=connect)
-
-
-def _group(store: dist.TCPStore, handle: TransportHandle, rank: int, generation: int,
-           backend: Backend = "gloo") -> _Group:
-    """This rank's member of the group of `generation` (gloo blocks until all N + 1 ranks built
-    it; NCCL connects at the first collective)."""
-    world = 1 + handle.num_engines
-    prefixed = dist.PrefixStore(f"g{generation}/", store)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()  # absent from CPU builds of torch
-        options._timeout = timedelta(seconds=handle.timeout_s)
-        return cast(_Group, dist.ProcessGroupNCCL(prefixed, rank, world, options))
-    pg = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=handle.connect_timeout_s))
-    pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
-    return cast(_Group, pg)
-
-
-def _decode_backend(value: bytes, rank: int) -> Backend:
-    text = value.decode()
-    if text.startswith(_REFUSED):
-        raise TransportError(f"engine rank {rank}: the trainer refused the broadcast group: {text[len(_REFUSED):]}")
-    if text not in ("gloo", "nccl"):
-        raise TransportError(f"engine rank {rank}: unknown broadcast backend {text!r} in the trainer's store")
-    return cast(Backend, text)
 
 
 def _buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions) -> list[torch.Tensor]:
@@ -180,20 +99,20 @@ class BroadcastSink:
         self.handle, self.opts = handle, opts
         self.sender = FlatSender(handle)
         self.store: dist.TCPStore | None = None
-        self.pg: _Group | None = None
+        self.pg: Group | None = None
         self.round = 0
         self.generation = 0
         self.joins_seen = 0
         self.replans = 0  # groups rebuilt for replacement engines
-        self.retired: list[_Group] = []
+        self.retired: list[Group] = []
         self.backend: Backend = "gloo"
 
     def connect(self) -> None:
-        self.store = _store(self.handle, self.opts, rank=0)
+        self.store = make_store(self.handle, self.opts, rank=0)
         self.backend = self._settle_backend(self.store)
         if self.backend == "nccl":
             self.sender = FlatSender(self.handle, torch.device(self.opts.device))
-        self.pg = _group(self.store, self.handle, 0, self.generation, self.backend)
+        self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend)
         self.store.add("joins", 0)
         self.store.set(_STARTED, "1")
 
@@ -210,7 +129,7 @@ class BroadcastSink:
         try:
             backend = pick_backend(self.opts.device_path, devices)
         except ConfigError as e:
-            store.set(_BACKEND, _REFUSED + str(e))
+            store.set(_BACKEND, REFUSED + str(e))
             raise
         store.set(_BACKEND, backend)
         return backend
@@ -239,9 +158,9 @@ class BroadcastSink:
         self.store.set(f"r{self.round}", f"{version} {self.generation}")
         if replan:
             self.retired.append(self.pg)
-            _retire(self.pg, self.backend)
+            retire(self.pg, self.backend)
             try:
-                self.pg = _group(self.store, self.handle, 0, self.generation, self.backend)
+                self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend)
             except Exception as e:  # a member died again before the new group was up
                 raise TransportError(f"re-planning the broadcast group (generation {self.generation}) for version "
                                      f"{version} failed within {self.handle.connect_timeout_s:g} s: {e}") from e
@@ -251,8 +170,8 @@ class BroadcastSink:
         works = []
         try:
             works = [self.pg.broadcast(t, 0) for t in tensors]
-            _await_works(works, self.handle.timeout_s, self._replacement_waiting, poll=self.backend == "nccl")
-        except _RoundAbandoned as e:
+            await_works(works, self.handle.timeout_s, self._replacement_waiting, poll=self.backend == "nccl")
+        except RoundAbandoned as e:
             raise TransportError(f"broadcast of version {version}: an engine was replaced during the send") from e
         except Exception as e:  # gloo raises RuntimeError subclasses on timeout and reset
             done = sum(w.is_completed() for w in works)
@@ -296,7 +215,7 @@ class BroadcastSink:
         deadline = time.monotonic() + self.handle.timeout_s
         while True:
             try:
-                self.store.wait(keys, min(_ROUND_SLICE, timedelta(seconds=max(deadline - time.monotonic(), 0.001))))
+                self.store.wait(keys, min(ROUND_SLICE, timedelta(seconds=max(deadline - time.monotonic(), 0.001))))
                 break
             except Exception as e:  # the store raises DistStoreError on timeout
                 missing = [k.split("/")[0].removeprefix("ack") for k in keys if not self.store.check([k])]
@@ -339,10 +258,10 @@ class BroadcastSource:
         self.error: TransportError | None = None
         self.failed_rounds = 0  # rounds this engine could not receive (the trainer sent them again)
         self.closing = threading.Event()
-        self.store = _store(handle, opts, rank)
-        self.pg: _Group | None = None
+        self.store = make_store(handle, opts, rank)
+        self.pg: Group | None = None
         self.generation = -1
-        self.retired: list[_Group] = []
+        self.retired: list[Group] = []
         self.join: int | None = None
         self.copies = 0
         replacement = self.store.check([_STARTED])  # the group is running: this engine replaces a dead one
@@ -355,7 +274,7 @@ class BroadcastSource:
             self.join = self.store.add("joins", 1)
             self.store.set(f"join/{self.join}", str(rank))
         else:
-            self.pg, self.generation = _group(self.store, handle, rank, 0, self.backend), 0
+            self.pg, self.generation = make_group(self.store, handle, rank, 0, self.backend), 0
         self.thread = threading.Thread(target=self._receive_loop, name=f"weights-rx-{rank}", daemon=True)
         self.thread.start()
 
@@ -365,7 +284,7 @@ class BroadcastSource:
         except Exception as e:  # the store raises DistStoreError on timeout
             raise TransportError(f"engine rank {self.rank}: the trainer did not settle the broadcast backend within "
                                  f"{self.handle.connect_timeout_s:g} s: {e}") from e
-        backend = _decode_backend(self.store.get(_BACKEND), self.rank)
+        backend = decode_backend(self.store.get(_BACKEND), self.rank)
         if backend == "nccl" and self.device.type != "cuda":
             raise TransportError(f"transport.device_path: the broadcast group runs on NCCL, but engine rank {self.rank} "
                                  f"receives its weights on {self.device}; use transport.device_path 'host'")
@@ -410,13 +329,13 @@ class BroadcastSource:
                 if generation != self.generation:  # the trainer re-planned the group: build our member of it
                     if self.pg is not None:
                         self.retired.append(self.pg)
-                        _retire(self.pg, self.backend)
+                        retire(self.pg, self.backend)
                     self.pg = None
-                    self.pg = _group(self.store, self.handle, self.rank, generation, self.backend)
+                    self.pg = make_group(self.store, self.handle, self.rank, generation, self.backend)
                     self.generation = generation
                 assert self.pg is not None
                 works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
-                _await_works(works, self.handle.timeout_s, lambda: self.store.check([f"r{n + 1}"]),
+                await_works(works, self.handle.timeout_s, lambda: self.store.check([f"r{n + 1}"]),
                              poll=self.backend == "nccl")
             except Exception:  # a peer died in this round: the trainer sends it again in a new group
                 self.failed_rounds += 1
