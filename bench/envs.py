@@ -39,8 +39,8 @@ def run_env(name: str, seconds: float, folder: Path, cache: Path, overrides: lis
     s = train(name, folder, [f"run.max_time_s={seconds}", f"warmup.cache_dir={cache}", *overrides],
               config=EXAMPLES / f"{name}.yaml")
     ep = s["episodes"]
-    return {"env": name, "base": s["base_accuracy"], "final": s["final_accuracy"],
-            "gain": s["final_accuracy"] - s["base_accuracy"], "warmup_s": s["warmup_s"], "rl_s": s["rl_wall_s"],
+    final = s["final_accuracy"] if s["steps"] else s["base_accuracy"]  # no step trained: the base is final
+    return {"env": name, "base": s["base_accuracy"], "final": final, "gain": final - s["base_accuracy"], "warmup_s": s["warmup_s"], "rl_s": s["rl_wall_s"],
             "steps": s["steps"], "wall_s": s["cli_wall_s"], "drops": s["drops"],
             "episodes_dropped": s["prompts"].get("episodes_dropped", {}), "lag": ep["episode_lag_hist"],
             "multi_version": ep["multi_version"], "episodes": ep["episodes"], "errors": ep["errors"],
