@@ -13,7 +13,9 @@ The budget is trainer steps by default (`--steps`, load-independent: a loaded ma
 every run slower, not shorter); `--seconds S` bounds each run by RL wall time instead. One run
 of 250 steps from the weak base varies by several points from seed to seed, more than the
 signals differ, so the comparison takes the mean over seeds. Printed per signal: the held-out
-accuracy's mean, min and max over the seeds, mean steps, the mean teacher KL of the first and
+accuracy's mean, min and max over the seeds, mean steps and samples generated (reward only
+generates more per step: with `rollout.refill` it replaces the groups whose rewards are all
+equal, which the other two signals train on), the mean teacher KL of the first and
 last steps, and the mean wall time of a run; the RESULT line holds the means.
 
     python bench/distill.py [--quick] [--steps 250 | --seconds S] [--seeds 0,1,2]
@@ -63,7 +65,9 @@ def summarise(runs: list[dict]) -> dict:
     kl_first = [r["kl_first"] for r in runs if r["kl_first"] is not None]
     kl_last = [r["kl_last"] for r in runs if r["kl_last"] is not None]
     return {"mean": statistics.fmean(accs), "min": min(accs), "max": max(accs),
-            "steps": statistics.fmean(r["steps"] for r in runs), "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+            "steps": statistics.fmean(r["steps"] for r in runs),
+            "samples": statistics.fmean(r["samples"] for r in runs),
+            "wall_s": statistics.fmean(r["wall_s"] for r in runs),
             "kl_first": statistics.fmean(kl_first) if kl_first else None,
             "kl_last": statistics.fmean(kl_last) if kl_last else None}
 
@@ -110,21 +114,22 @@ def main() -> None:
                 kl = [r["teacher_kl"] for r in recs if "teacher_kl" in r]
                 base = summary["base_accuracy"]
                 runs[name].append({"acc": summary["final_accuracy"], "steps": summary["steps"], "wall_s": wall,
+                                   "samples": summary["samples_generated"],
                                    "kl_first": kl[0] if kl else None,
                                    "kl_last": statistics.fmean(kl[-3:]) if kl else None})
                 print(f"seed {seed} {name:>8}: {base:.1%} -> {summary['final_accuracy']:.1%} "
-                      f"({summary['steps']} steps, {wall:.0f} s)", flush=True)
+                      f"({summary['steps']} steps, {summary['samples_generated']} samples, {wall:.0f} s)", flush=True)
     rows = {name: summarise(r) for name, r in runs.items()}
     extra = f"; {' '.join(ns.sets)}" if ns.sets else ""
     print(f"\nStudent: shipped weak base ({base:.1%}); teacher: {made} ({teacher_acc:.1%}); {label} per run; "
           f"seeds {','.join(map(str, seeds))}; coef {ns.coef:g}{', normalized' if ns.normalize else ''}{extra}")
-    print(f"{'signal':>8} {'held-out mean':>14} {'min':>6} {'max':>6} {'steps':>6} {'KL first':>9} {'last':>6} "
-          f"{'s/run':>6}")
+    print(f"{'signal':>8} {'held-out mean':>14} {'min':>6} {'max':>6} {'steps':>6} {'samples':>8} "
+          f"{'KL first':>9} {'last':>6} {'s/run':>6}")
     for name, r in rows.items():
         first = "-" if r["kl_first"] is None else f"{r['kl_first']:.2f}"
         last = "-" if r["kl_last"] is None else f"{r['kl_last']:.2f}"
-        print(f"{name:>8} {r['mean']:>14.1%} {r['min']:>6.1%} {r['max']:>6.1%} {r['steps']:>6.0f} {first:>9} "
-              f"{last:>6} {r['wall_s']:>6.0f}")
+        print(f"{name:>8} {r['mean']:>14.1%} {r['min']:>6.1%} {r['max']:>6.1%} {r['steps']:>6.0f} "
+              f"{r['samples']:>8.0f} {first:>9} {last:>6} {r['wall_s']:>6.0f}")
     print(f"RESULT acc_reward={rows['reward']['mean']:.3f} acc_distill={rows['distill']['mean']:.3f} "
           f"acc_both={rows['both']['mean']:.3f} base={base:.3f} teacher={teacher_acc:.3f} seeds={len(seeds)}")
 
