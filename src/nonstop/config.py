@@ -28,10 +28,11 @@ from nonstop.config_kinds import (
     RayRuntimeConfig,
     RuntimeConfig,
     ShmTransportConfig,
+    device_path_of,
     TransportConfig,
 )
-from nonstop.config_actors import (EngineConfig, LoraConfig, ModelConfig, TinyModelConfig, TinyMoeConfig, TrainerConfig,
-                                   VllmConfig)
+from nonstop.config_actors import (EngineConfig, LoraConfig, ModelConfig, PolicyConfig, TinyModelConfig, TinyMoeConfig,
+                                   TrainerConfig, VllmConfig)
 from nonstop.config_schema import Section as _Section
 from nonstop.config_scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
 from nonstop.config_schema import explain, reference
@@ -39,7 +40,7 @@ from nonstop.config_schema import explain, reference
 __all__ = [
     "BaseRuntimeConfig", "BaseTransportConfig", "BroadcastTransportConfig", "BufferConfig", "CheckpointConfig",
     "Config", "ConfigError", "DistillConfig", "JudgeConfig", "ProcessRewardConfig", "RewardModelConfig", "ScoringConfig", "EngineConfig", "EnvConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
-    "ModelConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
+    "ModelConfig", "PolicyConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
     "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TinyMoeConfig", "TrainerConfig", "TransportConfig",
     "VllmConfig", "WarmupConfig",
     "config_reference", "dump_config", "format_validation_error", "load_config",
@@ -188,6 +189,9 @@ class EnvConfig(_Section):
     """Held-out rows of a built-in environment (another seed); one episode each per evaluation."""
     max_consecutive_errors: int = Field(64, ge=1)
     """Episode groups in a row failed by the environment (raised or timed out) before the run stops."""
+    policies: dict[str, PolicyConfig] = {}
+    """Roles that play their own policy, by role name (each with its own model, engines, trainer,
+    transport and policy_version); roles not named play the run's shared policy (self-play)."""
 
 
 class CheckpointConfig(_Section):
@@ -284,10 +288,43 @@ class Config(_Section):
             )
         if self.engine.kind == "vllm":
             self._vllm_combinations()
+        self._device_path_combinations()
         if self.rollout.seed_per_prompt and self.env is not None:
             raise ValueError("rollout.seed_per_prompt: environment runs (env) are not seeded per prompt yet; "
                              "set rollout.seed_per_prompt=false")
+        if self.env is not None and self.env.policies:
+            self._policies_combinations()
         return self
+
+    def _policies_combinations(self) -> None:
+        """Separate policies per role are built for one narrow case so far: each refusal names its field."""
+        refused = {
+            "runtime.backend": (self.runtime.backend != "local", "only the 'local' backend"),
+            "transport.kind": (self.transport.kind != "shm", "only the 'shm' transport"),
+            "engine.kind": (self.engine.kind != "builtin", "only the 'builtin' engine"),
+            "model.lora.enabled": (self.model.lora.enabled, "no LoRA (each policy is a full model)"),
+            "trainer.ranks": (self.trainer.ranks > 1, "one trainer rank per policy"),
+            "distill.teacher": (self.distill.teacher is not None, "no distillation teacher"),
+            "env.name": (self.env is not None and self.env.name.startswith(("verifiers/", "textarena/")),
+                         "nonstop's own environments (verifiers/ and textarena/ play one policy)"),
+        }
+        for name, (bad, what) in refused.items():
+            if bad:
+                raise ValueError(f"{name}: env.policies (separate policies per role) supports {what} so far; "
+                                 "change it or remove env.policies")
+
+    def _device_path_combinations(self) -> None:
+        """A GPU-to-GPU weight path asked for by name needs both sides on a GPU and the built-in engine."""
+        path = device_path_of(self.transport)
+        if path not in ("ipc", "nccl"):
+            return
+        for field, device in (("trainer.device", self.trainer.device), ("engine.device", self.engine.device)):
+            if device == "cpu":
+                raise ValueError(f"transport.device_path: '{path}' moves weights GPU to GPU, but {field} is 'cpu'; "
+                                 f"use transport.device_path 'auto' or 'host', or put {field} on a GPU")
+        if self.engine.kind == "vllm":
+            raise ValueError(f"transport.device_path: '{path}' is not available with engine.kind 'vllm' (it receives "
+                             f"into a host staging model and reloads from there); use 'auto' or 'host'")
 
     def _vllm_combinations(self) -> None:
         if self.engine.update_mode == "save_resume":

@@ -209,6 +209,9 @@ class Sample:
     """Which role of a multi-agent episode wrote the model tokens of this sample ('' single-turn)."""
     episode: int = 0
     """Index of the episode within its group: the samples of one episode (one per role) share it."""
+    policy: str = ""
+    """Which policy wrote the model tokens: '' the run's shared policy, else the role whose own policy
+    it is (env.policies); only that policy's trainer trains on the sample."""
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -261,6 +264,11 @@ class ShmOptions:
 
     name: str
     """Name of the segment the trainer creates and engines attach to."""
+    device_path: Literal["host", "auto", "ipc"] = "host"
+    """Resolved at plan time: 'host' (no GPU slots), 'auto' (GPU slots, used when every engine mapped
+    them), 'ipc' (GPU slots always; an engine that cannot map them fails at attach)."""
+    device: str = "cpu"
+    """The trainer's device: where the GPU slots are allocated (device_path other than 'host')."""
     kind: ClassVar[Literal["shm"]] = "shm"
 
 
@@ -277,6 +285,12 @@ class BroadcastOptions:
     """One broadcast per parameter instead of fixed-size slices."""
     rejoin_timeout_s: float = 300.0
     """After a send failed on a dead engine: how long to wait for its replacement to register."""
+    device_path: Literal["auto", "host", "nccl"] = "host"
+    """transport.device_path as asked: the backend (gloo or NCCL) is settled at the rendezvous."""
+    device: str = "cpu"
+    """The trainer's device (its member of an NCCL group sends from there)."""
+    member: str = "cpu"
+    """What the trainer says of its device at the rendezvous: 'cpu' or 'cuda/<GPU uuid>'."""
     kind: ClassVar[Literal["broadcast"]] = "broadcast"
 
 
