@@ -176,7 +176,7 @@ def _times(e: dict) -> list[float]:
 
 
 def loop_costs(tl: Timeline) -> tuple[float, float, list[Interval]]:
-    """The learning loop's own work per step, medians over steps: `call_s` from calling the step
+    """The learning loop's own work per step, means over steps (pauses apart): `call_s` from calling the step
     to the rank starting it (the batch sent), `loop_s` after the rank's step (taking its result,
     calling the publish, the step's records) besides the rank's publish. Returns them and the
     intervals the loop was at work."""
@@ -200,7 +200,14 @@ def loop_costs(tl: Timeline) -> tuple[float, float, list[Interval]]:
         if nxt is not None:
             loops.append(nxt["t0"] - st["t1"] - (pub["t1"] - pub["t0"]) - extra.get(step, 0.0))
             busy.append((pub["t1"], nxt["t0"]))
-    return max(_median(calls), 0.0), max(_median(loops), 0.0), busy
+    return max(_ordinary_mean(calls), 0.0), max(_ordinary_mean(loops), 0.0), busy
+
+
+def _ordinary_mean(xs: list[float]) -> float:
+    """The mean of the values shorter than a pause (PAUSE_S): the pauses are counted apart, and
+    a median would lose the skew of the rest (the loop's work varies with the step's records)."""
+    kept = [x for x in xs if x < PAUSE_S]
+    return fmean(kept) if kept else _median(xs)
 
 
 def engine_wake(tl: Timeline) -> float:
@@ -278,7 +285,8 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         raise ValueError(f"{tl.run_dir}: the span log holds no engine forward passes")
     if cores is not None and all("cpu_s" in e for e in chunk_events + steps):
         # processor time says what each took alone; the steps' wall time says how shared they were
-        cores = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps], cores)
+        fitted = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps], cores)
+        cores = cores if fitted is None else fitted  # steps at full speed: the host's, still shared
         per_pass = [(e["rows"] / e["passes"], e["cpu_s"] / e["passes"]) for e in chunk_events]
         work = [e["cpu_s"] for e in steps]
     else:
