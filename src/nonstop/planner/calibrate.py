@@ -3,7 +3,7 @@
 `calibrate(timeline, cfg)` reads the span log through nonstop.timeline. The orchestrator's
 per-group time and handoff by a robust fit of its first-come-first-served handling to the
 groups' return and buffering times (`fit_orchestrator`), its pauses as the silences of its log
-while it owed work (`pauses`), the learning loop's costs as medians over steps (`loop_costs`).
+while it owed work (`pauses`), the learning loop's costs as means over steps (`loop_costs`).
 Those give the orchestrator's busy intervals; with the engines' chunks and the rank's steps they
 give how many actors were busy at each instant, so every chunk and step is deflated to the time
 it would have taken alone (`Sharing.work`) before tau by least squares over the chunks (a

@@ -29,7 +29,9 @@ actor needs when it has a processor to itself:
 - drop_frac: the share of groups dropped without learning signal (refunded and replaced);
 - eval_s: one held-out evaluation;
 - cores: processors shared by the engines, the trainer ranks and the orchestrator (local CPU
-  processes: the host's); while n of them are busy each runs at min(1, cores / n) of its speed.
+  processes: the host's, or fewer, fitted, when other sessions took a share: the kernel shares
+  the processors between sessions first); while n of them are busy each runs at
+  min(1, cores / n) of its speed.
   None: each engine and rank has its own accelerator, and only the orchestrator's order matters.
 
 `nonstop.planner.calibrate` fits them to a run's span log. `Shape` is what the planner may
