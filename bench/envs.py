@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from cli_run import ROOT, train
+
 EXAMPLES = ROOT / "examples" / "envs"
 KEYS = {"guess_number": "multiturn_gain", "calculator": "tool_gain", "nim_selfplay": "selfplay_winrate_gain"}
 ADAPTERS = {"verifiers_addition": "verifiers_gain", "textarena_nim": "textarena_winrate_gain"}
@@ -38,21 +36,12 @@ ADAPTERS = {"verifiers_addition": "verifiers_gain", "textarena_nim": "textarena_
 
 
 def run_env(name: str, seconds: float, folder: Path, cache: Path, overrides: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    args = [sys.executable, "-m", "nonstop.cli", "train", str(EXAMPLES / f"{name}.yaml"),
-            "--set", f"run.max_time_s={seconds}", "--set", f"run.name={name}", "--set", f"warmup.cache_dir={cache}",
-            "--set", "run.progress=plain", "--set", f"run.out_dir={folder}"]
-    for o in overrides:
-        args += ["--set", o]
-    t0 = time.perf_counter()
-    result = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"environment {name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    s = json.loads((folder / name / "summary.json").read_text())
+    s = train(name, folder, [f"run.max_time_s={seconds}", f"warmup.cache_dir={cache}", *overrides],
+              config=EXAMPLES / f"{name}.yaml")
     ep = s["episodes"]
     return {"env": name, "base": s["base_accuracy"], "final": s["final_accuracy"],
             "gain": s["final_accuracy"] - s["base_accuracy"], "warmup_s": s["warmup_s"], "rl_s": s["rl_wall_s"],
-            "steps": s["steps"], "wall_s": time.perf_counter() - t0, "drops": s["drops"],
+            "steps": s["steps"], "wall_s": s["cli_wall_s"], "drops": s["drops"],
             "episodes_dropped": s["prompts"].get("episodes_dropped", {}), "lag": ep["episode_lag_hist"],
             "multi_version": ep["multi_version"], "episodes": ep["episodes"], "errors": ep["errors"],
             "roles": ep["roles"]}

@@ -12,31 +12,17 @@ machine: the RL budget is wall time, so a loaded machine does fewer steps.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-NONSTOP = str(Path(sys.executable).parent / "nonstop")
+from cli_run import train
+
 
 
 def run_seed(seed: int, folder: Path, overrides: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    args = [NONSTOP, "train", "--set", f"run.seed={seed}", "--set", f"run.name=seed{seed}", "--set", "run.progress=plain"]
-    for o in overrides:
-        args += ["--set", o]
-    t0 = time.perf_counter()
-    result = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if result.returncode != 0:
-        raise SystemExit(f"seed {seed} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    s = json.loads((folder / "runs" / f"seed{seed}" / "summary.json").read_text())
+    s = train(f"seed{seed}", folder, [f"run.seed={seed}", *overrides])
     return {"seed": seed, "base": s["base_accuracy"], "final": s["final_accuracy"],
-            "gain": s["final_accuracy"] - s["base_accuracy"], "wall_s": wall, "steps": s["steps"],
+            "gain": s["final_accuracy"] - s["base_accuracy"], "wall_s": s["cli_wall_s"], "steps": s["steps"],
             "samples_per_s": s["samples_per_s"], "rl_s": s["rl_wall_s"]}
 
 

@@ -14,34 +14,20 @@ folder given by --cache (default: a temporary one, so each invocation warms up a
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from cli_run import ROOT, train
+
 TASKS = ROOT / "examples" / "tasks"
-NONSTOP = str(Path(sys.executable).parent / "nonstop")
 
 
 def run_task(task: str, seconds: float, folder: Path, cache: Path, overrides: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(TASKS)])}
-    args = [NONSTOP, "train", str(TASKS / f"{task}.yaml"), "--set", f"task.dataset_path={TASKS / task}.jsonl",
-            "--set", f"run.max_time_s={seconds}", "--set", f"run.name={task}", "--set", f"warmup.cache_dir={cache}",
-            "--set", "run.progress=plain"]
-    for o in overrides:
-        args += ["--set", o]
-    t0 = time.perf_counter()
-    result = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"task {task} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    s = json.loads((folder / "runs" / task / "summary.json").read_text())
+    s = train(task, folder, [f"task.dataset_path={TASKS / task}.jsonl", f"run.max_time_s={seconds}",
+                             f"warmup.cache_dir={cache}", *overrides], config=TASKS / f"{task}.yaml", pythonpath=(TASKS,))
     return {"task": task, "base": s["base_accuracy"], "final": s["final_accuracy"],
             "gain": s["final_accuracy"] - s["base_accuracy"], "warmup_s": s["warmup_s"], "rl_s": s["rl_wall_s"],
-            "steps": s["steps"], "wall_s": time.perf_counter() - t0}
+            "steps": s["steps"], "wall_s": s["cli_wall_s"]}
 
 
 def main() -> None:

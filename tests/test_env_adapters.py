@@ -66,7 +66,7 @@ def test_episodes_over_http_against_the_server_keep_its_ids_logprobs_and_version
     from nonstop.envs.http import ClientEngine
     from nonstop.orchestrator.episodes import run_episode
     from nonstop.serve.client import HttpClient
-    from nonstop.serve.server import EngineServer
+    from served import serving
     from nonstop.tasks.data import Example
 
     tok = load_tokenizer(str(tiny_dir))
@@ -74,19 +74,15 @@ def test_episodes_over_http_against_the_server_keep_its_ids_logprobs_and_version
                          settings=EngineConfig(max_seq_len=64))
 
     async def main():
-        aio = AsyncEngine(engine)
-        server = EngineServer(aio, tok, "tiny")
-        port = await server.start("127.0.0.1", 0)
-        client = HttpClient(f"http://127.0.0.1:{port}", model="tiny")
-        try:
-            rec, env = Recording(ClientEngine(client)), RecordingEnv(guess.GuessNumber())
-            result = await run_episode(rec, SingleAgent(env), Example(0, "?", "9"), Codec(tok),
-                                       EnvLimits(3, 48, 3, 5.0), SamplingParams(3, 1.0))
-            return rec, env, result
-        finally:
-            await client.close()
-            await server.stop()
-            await aio.close()
+        async with serving(AsyncEngine(engine), tok, "tiny") as url:
+            client = HttpClient(url, model="tiny")
+            try:
+                rec, env = Recording(ClientEngine(client)), RecordingEnv(guess.GuessNumber())
+                result = await run_episode(rec, SingleAgent(env), Example(0, "?", "9"), Codec(tok),
+                                           EnvLimits(3, 48, 3, 5.0), SamplingParams(3, 1.0))
+                return rec, env, result
+            finally:
+                await client.close()
 
     rec, env, result = asyncio.run(main())
     s = result.samples[0]

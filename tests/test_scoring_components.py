@@ -17,7 +17,7 @@ from nonstop.runtime.local import LocalBackend
 from nonstop.scoring.build import build_scorer
 from nonstop.scoring.judge import parse_verdict
 from nonstop.scoring.process import split_steps, step_end_tokens, token_rewards
-from nonstop.serve.server import EngineServer
+from served import serving
 from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.trainer.core import Trainer
 from nonstop.types import Group, Sample
@@ -132,11 +132,7 @@ def test_judge_over_a_real_openai_compatible_server(tiny_dir):
                          detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
 
     async def go():
-        aio = AsyncEngine(engine)
-        server = EngineServer(aio, tok, "judge")
-        port = await server.start("127.0.0.1", 0)
-        url = f"http://127.0.0.1:{port}"
-        try:
+        async with serving(AsyncEngine(engine), tok, "judge") as url:
             any_char = build_scorer(load_config(overrides=[
                 f"scoring.judge.url={url}", "scoring.judge.pattern=(.)", "scoring.judge.missing_score=0",
                 "scoring.judge.max_tokens=1", "task.reward=exact_match"]), None, decode)
@@ -151,9 +147,6 @@ def test_judge_over_a_real_openai_compatible_server(tiny_dir):
             for st in (any_char, never, down):
                 await st.close()
             return g, results, never, down
-        finally:
-            await server.stop()
-            await aio.close()
 
     g, (ok, ok_never, ok_down), never, down = asyncio.run(go())
     # a verdict that is one character, a digit or not: exact_match + (digit or 0)

@@ -16,7 +16,7 @@ from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.serve.client import HttpClient, InProcessClient, ServerError
-from nonstop.serve.server import EngineServer
+from served import serving
 from nonstop.types import GenerationRequest, SamplingParams
 
 NAME = "tiny-test"
@@ -31,13 +31,8 @@ def _run_with_server(tiny_dir, body, api_key=None, **settings):
 
     async def main():
         aio = AsyncEngine(engine)
-        server = EngineServer(aio, tok, NAME, api_key=api_key)
-        port = await server.start("127.0.0.1", 0)
-        try:
-            return await body(f"http://127.0.0.1:{port}", aio, tok)
-        finally:
-            await server.stop()
-            await aio.close()
+        async with serving(aio, tok, NAME, api_key=api_key) as url:
+            return await body(url, aio, tok)
 
     return asyncio.run(main())
 

@@ -30,7 +30,7 @@ from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaseline
 from nonstop.orchestrator.episodes import ENV_VERSION, encode_observation  # noqa: E402
 from nonstop.orchestrator.generate import Codec, RolloutStats  # noqa: E402
 from nonstop.orchestrator.ledger import Ledger  # noqa: E402
-from nonstop.serve.server import EngineServer  # noqa: E402
+from served import serving  # noqa: E402
 from nonstop.tasks.data import PromptStream  # noqa: E402
 
 RETRY = " no "
@@ -98,23 +98,19 @@ def test_a_verifiers_episode_over_http_is_the_engine_samples_plus_the_env_messag
 
     async def main():
         aio = RecordingServerEngine(engine)
-        server = EngineServer(aio, tok, "tiny")
-        port = await server.start("127.0.0.1", 0)
-        base = f"http://127.0.0.1:{port}"
-        client, log = ve.train_client(f"{base}/v1", str(tiny_dir))
-        try:
-            episode = await ve.play_episode(client, log, _task(), "tiny",
-                                            vf.SamplingConfig(temperature=1.0, max_tokens=3, top_k=4), max_turns=3,
-                                            retry=RETRY, tokenizer=tok, max_episode_tokens=60)
-            async with httpx.AsyncClient() as http:
-                bad = await http.post(f"{base}/inference/v1/generate", json={
-                    "model": "tiny", "token_ids": [5, 6], "sampling_params": {"presence_penalty": 0.5}})
-                models = (await http.get(f"{base}/v1/models")).json()
-            return aio.calls, episode, bad, models
-        finally:
-            await client.close()
-            await server.stop()
-            await aio.close()
+        async with serving(aio, tok, "tiny") as base:
+            client, log = ve.train_client(f"{base}/v1", str(tiny_dir))
+            try:
+                episode = await ve.play_episode(client, log, _task(), "tiny",
+                                                vf.SamplingConfig(temperature=1.0, max_tokens=3, top_k=4), max_turns=3,
+                                                retry=RETRY, tokenizer=tok, max_episode_tokens=60)
+                async with httpx.AsyncClient() as http:
+                    bad = await http.post(f"{base}/inference/v1/generate", json={
+                        "model": "tiny", "token_ids": [5, 6], "sampling_params": {"presence_penalty": 0.5}})
+                    models = (await http.get(f"{base}/v1/models")).json()
+                return aio.calls, episode, bad, models
+            finally:
+                await client.close()
 
     calls, episode, bad, models = asyncio.run(main())
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.presence_penalty"
