@@ -293,6 +293,7 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         sharing = Sharing(busy, cores)
         per_pass = [(e["rows"] / e["passes"], sharing.work(e["t0"], e["t1"]) / e["passes"]) for e in chunk_events]
         work = [sharing.work(e["t0"], e["t1"]) for e in steps]
+    send_s = _send_cost(tl, handling + loop_busy + paused, busy, cores)
     # weighted by passes: the fit then reproduces the total time of all passes
     chunks = [xy for e, xy in zip(chunk_events, per_pass) for _ in range(e["passes"])]
     pass_s, pass_row_s = _fit_line(*map(list, zip(*chunks)))
@@ -312,9 +313,32 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         pause_every=len(groups) / len(paused) if paused else 0.0,
         call_sample_s=call_s / (cfg.rollout.prompts_per_step * cfg.rollout.group_size), loop_s=loop_s,
         drop_frac=uniform / len(groups) if groups and cfg.rollout.filter_uniform_reward and cfg.rollout.refill else 0.0,
-        pickup_passes=1, wake_s=engine_wake(tl), eval_s=fmean(evals) if evals else 0.0, cores=cores,
+        pickup_passes=1, send_s=send_s, wake_s=engine_wake(tl), eval_s=fmean(evals) if evals else 0.0, cores=cores,
         calibrated_on=Shape.of(cfg),
     )
+
+
+def _send_cost(tl: Timeline, orch_busy: list[Interval], busy: list[list[Interval]], cores: float | None) -> float:
+    """The orchestrator's processor time that its modelled work (handling groups, the learning
+    loop, pauses) does not account for, per admitted group: sending the engine calls, mostly.
+    From the processor time the learning loop's `wait` spans record, over the span from the
+    first to the last; in the time the modelled work took (its wall time per unit of work in
+    the calibration run). 0 for span logs without it."""
+    from nonstop.timeline import union_length
+
+    waits = [e for e in tl.events.get("orchestrator", []) if e["ev"] == "wait" and "cpu" in e]
+    if len(waits) < 2:
+        return 0.0
+    lo, hi = waits[0]["t0"], waits[-1]["t0"]
+    cpu = waits[-1]["cpu"] - waits[0]["cpu"]
+    ivs = [(max(a, lo), min(b, hi)) for a, b in _union(orch_busy) if b > lo and a < hi]
+    wall = union_length(ivs)
+    sharing = Sharing(busy, cores)
+    work = sum(sharing.work(a, b) for a, b in ivs)
+    groups = sum(1 for g in tl.groups if lo <= g.t_admit < hi)
+    if groups == 0 or cpu <= work:
+        return 0.0
+    return (cpu - work) / groups * (wall / work if work > 0 else 1.0)
 
 
 def _fit_steps(steps: list[dict], work: list[float]) -> tuple[float, float]:
