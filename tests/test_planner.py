@@ -261,3 +261,20 @@ def test_steps_at_full_speed_still_share_the_hosts_processors():
     p = calibrate(tl, cfg)
     assert p.cores == 2.0
     assert p.step_s == pytest.approx(0.01) and p.pass_s + 8 * p.pass_row_s == pytest.approx(0.016 / 3)
+
+
+def test_sending_an_admissions_calls_keeps_the_orchestrator_busy():
+    """An admission of 8 groups at 2 ms each holds the event loop for 16 ms: a batch call made
+    then waits behind it (first come first served), while the groups leave on their measured
+    admission delays as before; on a shared processor the sending slows the busy engine."""
+    shape = Shape(engines=1, depth=0, max_lag=None, prompts_per_step=8, group_size=4, slots=64, steps=2)
+    sim = Simulation(params(send_s=0.002, admit_delays=[0.001]), shape, seed=0)
+    sim.admit()
+    assert sim.orch_free == pytest.approx(0.016)
+    assert sorted(t for t, _, kind, _ in sim.events if kind == "dispatch") == [pytest.approx(0.001)] * 8
+    assert sim.orchestrate(0.003) == pytest.approx(0.019)
+    quiet = Simulation(params(admit_delays=[0.001]), shape, seed=0)
+    quiet.admit()
+    assert quiet.orch_free == 0.0
+    # on one shared core the engine decodes at half speed while the calls are sent
+    assert simulate(params(send_s=0.002, cores=1.0), shape).wall_s > simulate(params(cores=1.0), shape).wall_s
