@@ -41,6 +41,10 @@ class Echo:
         await events.setdefault(key, asyncio.Event()).wait()
         return key
 
+    async def echo(self, payload: bytes) -> bytes:
+        """Answers with its argument: many large calls fill both directions of the pipe at once."""
+        return payload
+
     async def release(self, key: str) -> None:
         import asyncio
 
@@ -157,6 +161,11 @@ def raising_reward(completion: str, answer: str) -> float:
     if int(answer) % 3 == 0:
         raise RuntimeError("reward server unavailable")
     return float(len(completion))
+
+
+def zero_reward(completion: str, answer: str) -> float:
+    """The same reward for every completion: no group ever has a learning signal."""
+    return 0.0
 
 
 def ones_reward(completion: str, answer: str) -> float:

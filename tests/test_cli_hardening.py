@@ -254,3 +254,16 @@ def test_ctrl_c_writes_a_checkpoint_that_resumes_and_a_second_stops_at_once(tiny
             proc.kill()
     assert proc.returncode == 130 and "Traceback" not in out, out
     assert time.perf_counter() - t0 < 60, out
+
+
+def test_time_budget_ends_a_run_in_which_no_batch_ever_arrives(tiny_dir, tmp_path):
+    """Every group has all-equal rewards, so every group is dropped and no batch reaches the trainer:
+    `run.max_time_s` still ends the run (it used to wait for a batch forever), with zero steps and
+    the drops counted."""
+    out = nonstop(["train", "--set", "task.reward=helpers:zero_reward", "--set", "run.max_time_s=4",
+                   "--set", "run.max_steps=1000", "--set", "checkpoint.every_steps=null",
+                   "--set", f"run.out_dir={tmp_path}", "--set", "run.name=flat", *small_model_args(tiny_dir)],
+                  tmp_path, timeout_s=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    s = json.loads((tmp_path / "flat" / "summary.json").read_text())
+    assert s["steps"] == 0 and s["drops"]["uniform_reward"] > 0

@@ -303,7 +303,7 @@ def test_environment_examples_validate_and_name_builtin_environments():
     from pathlib import Path
 
     examples = sorted((Path(__file__).resolve().parent.parent / "examples" / "envs").glob("*.yaml"))
-    assert len(examples) == 5
+    assert len(examples) == 6
     for path in examples:
         cfg = load_config(path)
         assert cfg.env is not None
@@ -407,3 +407,31 @@ def test_an_environment_run_plays_the_environments_own_rows():
         assert [ex.prompt for ex in got.train[:5]] != [ex.prompt for ex in task_rows.train[:5]], name
     given = load_task(load_config().task)
     assert run_rows(cfg, given) is given
+
+
+def test_episode_groups_without_signal_count_toward_max_consecutive_uniform(engine):
+    """An environment whose every episode scores the same never gives a learning signal: after
+    `rollout.max_consecutive_uniform` such groups in a row the run stops with a reason, as a
+    single-turn task's does, instead of generating until its time budget (or forever)."""
+    from nonstop.envs.base import Turn
+    from nonstop.orchestrator.generate import NoLearningSignal
+
+    class AlwaysZero:
+        roles, tools = ("agent",), {}
+
+        async def reset(self, row):
+            return Turn({"agent": "?"}, "agent", {})
+
+        async def step(self, role, action):
+            return Turn({}, None, {"agent": 0.0})
+
+    eng, codec = engine
+    rows = [Example(i, "?", "1") for i in range(16)]
+    ledger, stats = Ledger(), RolloutStats()
+    buffer = RolloutBuffer(4, None, None, 64, ledger)
+    with pytest.raises(NoLearningSignal, match="rollout.max_consecutive_uniform"):
+        asyncio.run(produce_episodes(eng, env_player(AlwaysZero), buffer, PromptStream(rows, seed=0, max_epochs=1),
+                                     codec, RolloutConfig(prompts_per_step=2, group_size=2, max_consecutive_uniform=3),
+                                     load_config(None, ["env.name=nim"]).env, LIMITS, RoleBaselines("group", 0.9),
+                                     Clock(), stats, EpisodeStats(), ledger))
+    assert stats.uniform_in_row >= 3 and buffer.drops["uniform_reward"] == stats.uniform_in_row

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 
 import pytest
 
@@ -41,6 +42,43 @@ def test_local_death_names_the_signal_or_exit_code():
             with pytest.raises(ActorDied, match=r"actor 'crasher' \(pid \d+\) died \(exit code 3\)"):
                 await crasher.call("crash")
     _run(go())
+
+
+def _flood(size: int, out) -> None:
+    """In a child process: a large echo whose answer is written while this loop is busy (it fills the
+    answer pipe), then another large call (it fills the call pipe). Puts the bytes echoed."""
+
+    async def go():
+        async with local_backend() as backend:
+            actor = await backend.spawn("echo", Echo)
+            first = asyncio.create_task(actor.call("echo", b"a" * size, timeout_s=120))
+            await asyncio.sleep(0)  # the first call is sent
+            time.sleep(1.0)  # a busy orchestrator: the actor's answer fills the pipe meanwhile
+            second = await actor.call("echo", b"b" * size, timeout_s=120)
+            return len(await first) + len(second)
+
+    out.put(asyncio.run(go()))
+
+
+def test_large_calls_and_answers_in_both_directions_do_not_deadlock_the_pipe():
+    """Each direction of the pipe buffers 64 KiB. A parent sending many large calls while the actor
+    sends large answers back used to block both in `send` forever (a multi-turn environment run
+    hung this way). Run in a separate process so that a regression fails by timeout, not by hanging."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_flood, args=(4 << 20, out))
+    proc.start()
+    try:
+        echoed = out.get(timeout=120)
+    except queue.Empty:
+        echoed = None
+    finally:
+        proc.kill()
+        proc.join(10)
+    assert echoed == 8 << 20, "parent and actor deadlocked on a full pipe"
 
 
 def test_supervisor_reraises_background_failure_and_cancels_main():

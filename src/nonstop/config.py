@@ -30,8 +30,8 @@ from nonstop.config_kinds import (
     ShmTransportConfig,
     TransportConfig,
 )
-from nonstop.config_actors import (EngineConfig, LoraConfig, ModelConfig, TinyModelConfig, TinyMoeConfig, TrainerConfig,
-                                   VllmConfig)
+from nonstop.config_actors import (EngineConfig, LoraConfig, ModelConfig, PolicyConfig, TinyModelConfig, TinyMoeConfig,
+                                   TrainerConfig, VllmConfig)
 from nonstop.config_schema import Section as _Section
 from nonstop.config_scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
 from nonstop.config_schema import explain, reference
@@ -39,7 +39,7 @@ from nonstop.config_schema import explain, reference
 __all__ = [
     "BaseRuntimeConfig", "BaseTransportConfig", "BroadcastTransportConfig", "BufferConfig", "CheckpointConfig",
     "Config", "ConfigError", "DistillConfig", "JudgeConfig", "ProcessRewardConfig", "RewardModelConfig", "ScoringConfig", "EngineConfig", "EnvConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
-    "ModelConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
+    "ModelConfig", "PolicyConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
     "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TinyMoeConfig", "TrainerConfig", "TransportConfig",
     "VllmConfig", "WarmupConfig",
     "config_reference", "dump_config", "format_validation_error", "load_config",
@@ -188,6 +188,9 @@ class EnvConfig(_Section):
     """Held-out rows of a built-in environment (another seed); one episode each per evaluation."""
     max_consecutive_errors: int = Field(64, ge=1)
     """Episode groups in a row failed by the environment (raised or timed out) before the run stops."""
+    policies: dict[str, PolicyConfig] = {}
+    """Roles that play their own policy, by role name (each with its own model, engines, trainer,
+    transport and policy_version); roles not named play the run's shared policy (self-play)."""
 
 
 class CheckpointConfig(_Section):
@@ -287,7 +290,26 @@ class Config(_Section):
         if self.rollout.seed_per_prompt and self.env is not None:
             raise ValueError("rollout.seed_per_prompt: environment runs (env) are not seeded per prompt yet; "
                              "set rollout.seed_per_prompt=false")
+        if self.env is not None and self.env.policies:
+            self._policies_combinations()
         return self
+
+    def _policies_combinations(self) -> None:
+        """Separate policies per role are built for one narrow case so far: each refusal names its field."""
+        refused = {
+            "runtime.backend": (self.runtime.backend != "local", "only the 'local' backend"),
+            "transport.kind": (self.transport.kind != "shm", "only the 'shm' transport"),
+            "engine.kind": (self.engine.kind != "builtin", "only the 'builtin' engine"),
+            "model.lora.enabled": (self.model.lora.enabled, "no LoRA (each policy is a full model)"),
+            "trainer.ranks": (self.trainer.ranks > 1, "one trainer rank per policy"),
+            "distill.teacher": (self.distill.teacher is not None, "no distillation teacher"),
+            "env.name": (self.env is not None and self.env.name.startswith(("verifiers/", "textarena/")),
+                         "nonstop's own environments (verifiers/ and textarena/ play one policy)"),
+        }
+        for name, (bad, what) in refused.items():
+            if bad:
+                raise ValueError(f"{name}: env.policies (separate policies per role) supports {what} so far; "
+                                 "change it or remove env.policies")
 
     def _vllm_combinations(self) -> None:
         if self.engine.update_mode == "save_resume":

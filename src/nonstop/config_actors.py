@@ -102,6 +102,22 @@ class ModelConfig(_Section):
     """LoRA adapters (off by default: full fine-tuning)."""
 
 
+class PolicyConfig(_Section):
+    """A role's own policy in an environment run (env.policies): its own model, engines, trainer,
+    transport and policy_version, trained only on that role's samples (docs/environments.md)."""
+
+    path: str | None = None
+    """Weights this policy starts from: a local folder loadable by transformers, with the run's
+    tokenizer; None: a separate copy of the run's base policy."""
+    lr: float | None = Field(None, gt=0.0)
+    """AdamW learning rate of this policy's trainer; None: trainer.lr."""
+    num_engines: int = Field(1, ge=1)
+    """Engine actors that generate this policy's turns."""
+    lora: bool = False
+    """Train this policy as LoRA adapters (rank, alpha, target_modules, dropout of model.lora) on
+    its start weights: its engines keep those weights and receive only the adapters."""
+
+
 class VllmConfig(_Section):
     """The vLLM engine (engine.kind: vllm, docs/vllm.md): memory it reserves and how it runs."""
 

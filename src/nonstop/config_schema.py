@@ -14,8 +14,9 @@ section one table of the fields every variant has plus one table per variant.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
 from pydantic.fields import FieldInfo
@@ -82,6 +83,14 @@ def _section(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
+def _mapped_section(annotation: Any) -> type[BaseModel] | None:
+    """The value section of a `dict[str, Section]` field (sections by name), else None."""
+    if get_origin(annotation) is not dict:
+        return None
+    value = get_args(annotation)[1]
+    return value if isinstance(value, type) and issubclass(value, BaseModel) else None
+
+
 def _optional_section(annotation: Any) -> type[BaseModel] | None:
     """The section of a `Section | None` field (off unless given), else None."""
     members = [a for a in get_args(annotation) if a is not type(None)]
@@ -112,6 +121,9 @@ def _locate(root: type[BaseModel], loc: tuple[Any, ...]) -> _Place:
         if tagged is not None and rest and rest[0] in tagged.models:
             tag = rest.pop(0)
             model, within = tagged.models[tag], (".".join(path), tag, tagged)
+        elif field is not None and _mapped_section(field.annotation) is not None and rest:
+            path.append(rest.pop(0))  # the key of a section by name, e.g. the role of env.policies.<role>
+            model, within = _mapped_section(field.annotation), None
         else:
             model, within = (_section(field.annotation) if field is not None else None), None
     place.path = ".".join(path)
@@ -160,6 +172,7 @@ def explain(err: ValidationError, root: type[BaseModel]) -> str:
 
 def _type_name(annotation: Any) -> str:
     name = str(annotation).replace("typing.", "") if get_args(annotation) else getattr(annotation, "__name__", str(annotation))
+    name = re.sub(r"nonstop\.[\w.]+\.(\w+)", r"\1", name)  # a section by its class name, not its module path
     return name.replace("<class '", "").replace("'>", "").replace("|", "or")
 
 
@@ -182,7 +195,7 @@ def reference(root: type[BaseModel], title: str) -> str:
 
     def section(model: type[BaseModel], prefix: str, names: list[str], heading: str, intro: str = "",
                 suffix: str = "") -> None:
-        rows, nested = [], []
+        rows, nested, by_name = [], [], []
         for name in names:
             field = model.model_fields[name]
             tagged = variants(field)
@@ -192,8 +205,14 @@ def reference(root: type[BaseModel], title: str) -> str:
                 rows.append(_row(prefix + name, field))
                 if _optional_section(field.annotation) is not None:
                     nested.append((name, field, None))
+                mapped = _mapped_section(field.annotation)
+                if mapped is not None:
+                    by_name.append((prefix + name, mapped))
         if rows or intro:
             table(heading + suffix, intro, rows)
+        for keyed, value_section in by_name:
+            section(value_section, f"{keyed}.<name>.", list(value_section.model_fields), f"{keyed}.<name>",
+                    " ".join((value_section.__doc__ or "").split()), suffix=suffix)
         for name, field, tagged in nested:
             path = prefix + name
             sub = _section(field.annotation) or _optional_section(field.annotation)

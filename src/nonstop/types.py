@@ -209,6 +209,9 @@ class Sample:
     """Which role of a multi-agent episode wrote the model tokens of this sample ('' single-turn)."""
     episode: int = 0
     """Index of the episode within its group: the samples of one episode (one per role) share it."""
+    policy: str = ""
+    """Which policy wrote the model tokens: '' the run's shared policy, else the role whose own policy
+    it is (env.policies); only that policy's trainer trains on the sample."""
 
     def __post_init__(self) -> None:
         if not self.loss_mask:

@@ -37,17 +37,32 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Protocol
 
-from nonstop.orchestrator.ledger import Ledger
+from nonstop.orchestrator.ledger import Settler
 from nonstop.spans import SpanLog, now
 from nonstop.types import Group
 
 _EMPTY_SLOT = object()  # a group without learning signal, holding its place in a batch (refill=False)
 
 
+class Intake(Protocol):
+    """What a producer hands groups to: the buffer, or (env.policies) one buffer per policy."""
+
+    async def admit(self, max_groups: int) -> int: ...
+
+    async def refund(self, n: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def put(self, group: Group) -> None: ...
+
+    async def drop(self, group: Group, reason: str) -> None: ...
+
+
 class RolloutBuffer:
     def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int,
-                 ledger: Ledger | None = None, refill: bool = True, spans: SpanLog | None = None,
+                 ledger: Settler | None = None, refill: bool = True, spans: SpanLog | None = None,
                  episodes: bool = False) -> None:
         self.groups_per_step = groups_per_step
         self.spans = spans if spans is not None else SpanLog(None)
@@ -90,6 +105,11 @@ class RolloutBuffer:
             await self.queue.put(_EMPTY_SLOT)
             return
         await self.refund(1)
+
+    def settle(self, group: Group, outcome: str) -> None:
+        """Settle a group the trainer took (trained, or its step skipped) in the ledger, when one is given."""
+        if self.ledger is not None:
+            self.ledger.settle(group.epoch, group.prompt_index, outcome)
 
     async def refund(self, n: int) -> None:
         """Give back admission for `n` groups that will not be generated or trained."""

@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
@@ -42,6 +42,9 @@ from nonstop.scoring.build import build_scorer
 from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 from nonstop.trainer.worker import TrainerWorker
 from nonstop.types import SamplingParams, TransportHandle
+
+if TYPE_CHECKING:
+    from nonstop.orchestrator.policies import Policies
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Run:
     spans: SpanLog = field(default_factory=lambda: SpanLog(None))  # the orchestrator's span file
     transport: TransportHandle | None = None
     envs: EnvRun | None = None  # an environment run (cfg.env): episodes instead of single-turn groups
+    policies: Policies | None = None  # roles with their own policy (cfg.env.policies; orchestrator/policies.py)
 
     async def eval(self) -> float:
         """Greedy exact-match accuracy; in an environment run, the success rate of sampled episodes."""
@@ -98,29 +102,30 @@ def _span_file(cfg: Config, run_dir: Path | None, actor: str) -> str | None:
 
 
 async def spawn_engine(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int,
-                       version0: int = 0, run_dir: Path | None = None) -> EngineActor:
+                       version0: int = 0, run_dir: Path | None = None, prefix: str = "engine") -> EngineActor:
+    """Engine i of `runtime.num_engines`, named `prefix` (a policy of env.policies has its own)."""
     worker: type = EngineWorker
     if cfg.engine.kind == "vllm":
         from nonstop.engine.vllm_engine import VllmEngineWorker
 
         worker = VllmEngineWorker
     return EngineActor(await backend.spawn(
-        _names("engine", cfg.runtime.num_engines)[i], worker, str(weights), [tok.eos_token_id],
+        _names(prefix, cfg.runtime.num_engines)[i], worker, str(weights), [tok.eos_token_id],
         tok.pad_token_id, cfg.run.seed + i, initial_version=version0, settings=cfg.engine_settings,
-        span_path=_span_file(cfg, run_dir, f"engine-{i}")))
+        span_path=_span_file(cfg, run_dir, f"{prefix}-{i}")))
 
 
 async def spawn_trainers(backend: ActorBackend, cfg: Config, weights: Path, tok: Any,
                          reference_path: str | None = None, adapter_path: str | None = None,
-                         run_dir: Path | None = None) -> RankGroup:
+                         run_dir: Path | None = None, prefix: str = "trainer") -> RankGroup:
     """The trainer rank actors; with several, they form their process group before returning."""
     ranks = [TrainerActor(a) for a in await asyncio.gather(*(
         backend.spawn(n, TrainerWorker, str(weights), cfg.trainer, cfg.rollout.temperature, tok.pad_token_id,
                       cfg.run.seed, cfg.buffer.max_lag, cfg.buffer.reject, reference_path=reference_path,
                       total_steps=cfg.run.max_steps, lora=cfg.model.lora, adapter_path=adapter_path,
-                      max_new_tokens=cfg.rollout.max_new_tokens, span_path=_span_file(cfg, run_dir, f"trainer-{r}"),
+                      max_new_tokens=cfg.rollout.max_new_tokens, span_path=_span_file(cfg, run_dir, f"{prefix}-{r}"),
                       distill=cfg.distill if cfg.distill.teacher is not None else None)
-        for r, n in enumerate(_names("trainer", cfg.trainer.ranks))))]
+        for r, n in enumerate(_names(prefix, cfg.trainer.ranks))))]
     if len(ranks) > 1:
         addr, port = await ranks[0].rendezvous(backend.host)
         await asyncio.gather(*(t.join_group(addr, port, r, len(ranks), cfg.transport.connect_timeout_s)
@@ -139,13 +144,13 @@ async def connect_transport(cfg: Config, trainer: TrainerClient, engines: list[E
 
 def engine_restarter(backend: ActorBackend, cfg: Config, weights: Path, tok: Any, i: int, version0: int,
                      handle: TransportHandle, trainer: TrainerClient,
-                     run_dir: Path | None = None) -> Callable[[], Awaitable[EngineClient]]:
+                     run_dir: Path | None = None, prefix: str = "engine") -> Callable[[], Awaitable[EngineClient]]:
     """A fresh engine i: it starts from `weights` and applies the newest published version at
     its first forward pass. With broadcast, nothing is stored to take the newest version from:
     the engine joins the group (transport/broadcast.py re-plans it) and the trainer sends its
     current weights again, so the engine holds them before it serves a request."""
     async def restart_engine() -> EngineClient:
-        engine = await spawn_engine(backend, cfg, weights, tok, i, version0, run_dir)
+        engine = await spawn_engine(backend, cfg, weights, tok, i, version0, run_dir, prefix)
         await engine.connect_transport(handle, i + 1)
         if handle.kind == "broadcast":
             await trainer.publish(resend=True)
@@ -201,13 +206,20 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
                                 cfg.engine_restarts, cfg.runtime.heartbeat_interval_s,
                                 cfg.runtime.heartbeat_timeout_s, log=progress.log, engine=e)
                for i, e in enumerate(first_engines)]
-    ledger = Ledger()
+    own = sorted(cfg.env.policies) if cfg.env is not None else []
+    ledger = Ledger(("", *own) if own else ())  # with own policies a row settles once each settled its part
     spans = SpanLog(_span_file(cfg, run_dir, "orchestrator"))
     buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
                            cfg.buffer.max_lag if cfg.buffer.reject in ("group", "episode") else None,
-                           cfg.buffer.max_queued_groups, ledger, refill=cfg.rollout.refill, spans=spans,
-                           episodes=cfg.buffer.reject == "episode")
+                           cfg.buffer.max_queued_groups, ledger.part("") if own else ledger, refill=cfg.rollout.refill,
+                           spans=spans, episodes=cfg.buffer.reject == "episode")
+    policies = None
+    if own:
+        from nonstop.orchestrator.policies import Policies, build_policies
+
+        sides = await build_policies(cfg, backend, base_model, tok, ledger, run_dir, spans, progress, resume)
+        policies = Policies(buffer, sides, cfg.rollout.filter_uniform_reward, ledger)
     return Run(cfg, data, codec, EnginePool(list(engines)), engines, trainer, buffer, scorer, RolloutStats(),
                PromptStream(data.train, cfg.run.seed, cfg.run.max_epochs), ledger,
                open_sinks(cfg, run_dir), progress, run_dir, base_model, RunState(), spans, handle,
-               EnvRun.build(cfg.env, weights) if cfg.env is not None else None)
+               EnvRun.build(cfg.env, weights) if cfg.env is not None else None, policies)

@@ -33,9 +33,9 @@ from pathlib import Path
 from nonstop.config import EnvConfig, RolloutConfig
 from nonstop.envs.base import EnvLimits
 from nonstop.metrics import Clock
-from nonstop.orchestrator.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import Intake
 from nonstop.orchestrator.episodes import EnvFactory, EpisodeResult, TurnEngine, run_episodes
-from nonstop.orchestrator.generate import Codec, NoLearningSignal, RolloutStats, _BusyClock, admit_and_run
+from nonstop.orchestrator.generate import Codec, NoLearningSignal, RolloutStats, _BusyClock, admit_and_run, drop_uniform
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.tasks.data import Draw, Example, PromptStream
 from nonstop.types import Group, Sample, SamplingParams
@@ -182,7 +182,7 @@ class EnvRun:
 
 
 async def produce_episodes(
-    engine: TurnEngine, play: Player, buffer: RolloutBuffer, stream: PromptStream, codec: Codec,
+    engine: TurnEngine, play: Player, buffer: Intake, stream: PromptStream, codec: Codec,
     rollout: RolloutConfig, env_cfg: EnvConfig, limits: EnvLimits, baselines: RoleBaselines,
     clock: Clock, stats: RolloutStats, episode_stats: EpisodeStats, ledger: Ledger,
 ) -> None:
@@ -217,8 +217,9 @@ async def produce_episodes(
             return
         has_signal = baselines.assign(group.samples)
         if not has_signal and rollout.filter_uniform_reward:
-            await buffer.drop(group, "uniform_reward")
+            await drop_uniform(buffer, group, stats, rollout.max_consecutive_uniform)
             return
+        stats.uniform_in_row = 0
         stats.groups_delivered += 1
         await buffer.put(group)
 

@@ -15,6 +15,8 @@ Per completion token of a role's `Sample` (prompt = the role's first observation
   buffer's and the trainer's lag rules look at model tokens only), kept set = the token itself.
 So `prompt_ids + completion_ids` is exactly the concatenation of the engine's samples and the
 environment's appends, and the mask flips exactly at every boundary (tests/test_episodes.py).
+With separate policies per role (env.policies), `engine` is a `RoleEngines`: each role's turns
+go to its own policy's engines and its Sample carries `policy` (orchestrator/policies.py).
 
 Limits (`EnvLimits`): a role's turns stop at `max_turns` and its sequence at
 `max_episode_tokens` (the episode then ends truncated with the rewards it had); every reset and
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -44,6 +46,25 @@ class TurnEngine(Protocol):
     """What an episode needs of an engine: complete token prefixes (EngineClient, AsyncEngine)."""
 
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
+
+
+@dataclass(frozen=True)
+class RoleEngines:
+    """A TurnEngine per role (env.policies): a role named in `own` plays its own policy's engines,
+    and its samples carry `policy=role`; every other role plays `shared` (policy ''). Used as a
+    TurnEngine itself it is the shared policy (evaluation plays that one)."""
+
+    shared: TurnEngine
+    own: Mapping[str, TurnEngine] = field(default_factory=dict)
+
+    def engine(self, role: str) -> TurnEngine:
+        return self.own.get(role, self.shared)
+
+    def policy(self, role: str) -> str:
+        return role if role in self.own else ""
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        return await self.shared.generate(requests)
 
 
 class EpisodeError(RuntimeError):
@@ -93,11 +114,11 @@ class Track:
         if self.kept is not None:
             self.kept += [[t] for t in ids]
 
-    def sample(self, episode: int, truncated: bool, codec: Codec) -> Sample:
+    def sample(self, episode: int, truncated: bool, codec: Codec, policy: str = "") -> Sample:
         return Sample(prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids), logprobs=list(self.logprobs),
                       versions=list(self.versions), finish_reason="length" if truncated else "stop",
                       loss_mask=list(self.mask), sampling_mask=self.kept, reward=self.reward,
-                      text=codec.decode(self.ids), role=self.role, episode=episode)
+                      text=codec.decode(self.ids), role=self.role, episode=episode, policy=policy)
 
 
 @dataclass
@@ -139,6 +160,8 @@ def encode_observation(codec: Codec, text: str) -> list[int]:
 
 async def run_episode(engine: TurnEngine, env: MultiAgentEnvironment, row: Example, codec: Codec,
                       limits: EnvLimits, params: SamplingParams, episode: int = 0) -> EpisodeResult:
+    """`engine` plays every role, or (RoleEngines) each role its own policy's engine."""
+    engines = engine if isinstance(engine, RoleEngines) else RoleEngines(engine)
     turn = await _env_call(env.reset(row), limits.step_timeout_s, "reset")
     tracks: dict[str, Track] = {}
     for role in env.roles:
@@ -155,7 +178,7 @@ async def run_episode(engine: TurnEngine, env: MultiAgentEnvironment, row: Examp
             truncated = True
             break
         request = GenerationRequest(next(_request_ids), track.prefix(), 1, replace(params, max_new_tokens=budget))
-        sample = (await engine.generate([request]))[0][0]
+        sample = (await engines.engine(track.role).generate([request]))[0][0]
         track.append_model(sample)
         turns += 1
         action = codec.decode(sample.completion_ids)
@@ -170,7 +193,7 @@ async def run_episode(engine: TurnEngine, env: MultiAgentEnvironment, row: Examp
             tracks[role].append_env(ids)
     for role, track in tracks.items():
         track.reward = float(rewards.get(role, 0.0))
-    return EpisodeResult([tracks[r].sample(episode, truncated, codec) for r in env.roles],
+    return EpisodeResult([tracks[r].sample(episode, truncated, codec, engines.policy(r)) for r in env.roles],
                          dict(turn.metadata), turns, truncated)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from nonstop.orchestrator.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import Intake, RolloutBuffer
 from nonstop.config import RolloutConfig
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.metrics import Clock
@@ -149,14 +149,7 @@ async def produce(
             return
         stats.reward_failures_in_row = 0
         if cfg.filter_uniform_reward and len({s.reward for s in samples}) == 1:
-            await buffer.drop(group, "uniform_reward")
-            stats.uniform_in_row += 1
-            if stats.uniform_in_row >= cfg.max_consecutive_uniform:
-                raise NoLearningSignal(
-                    f"{stats.uniform_in_row} groups in a row had all-equal rewards "
-                    "(rollout.max_consecutive_uniform): the policy gets no learning signal on this task; "
-                    "start from a stronger base, use a graded reward, or set rollout.filter_uniform_reward=false"
-                )
+            await drop_uniform(buffer, group, stats, cfg.max_consecutive_uniform)
             return
         stats.uniform_in_row = 0
         stats.groups_delivered += 1
@@ -165,8 +158,21 @@ async def produce(
     await admit_and_run(buffer, stream, ledger, stats, cfg.prompts_per_step, one_group, "group", ready=scorer.ready)
 
 
+async def drop_uniform(buffer: RolloutBuffer, group: Group, stats: RolloutStats, max_in_row: int) -> None:
+    """Drop a group without learning signal; `max_in_row` such groups in a row end the run, since a
+    policy that never produces a signal would otherwise generate until the time budget (or forever)."""
+    await buffer.drop(group, "uniform_reward")
+    stats.uniform_in_row += 1
+    if stats.uniform_in_row >= max_in_row:
+        raise NoLearningSignal(
+            f"{stats.uniform_in_row} groups in a row had all-equal rewards "
+            "(rollout.max_consecutive_uniform): the policy gets no learning signal on this task; "
+            "start from a stronger base, use a graded reward, or set rollout.filter_uniform_reward=false"
+        )
+
+
 async def admit_and_run(
-    buffer: RolloutBuffer, stream: PromptStream, ledger: Ledger, stats: RolloutStats, prompts_per_step: int,
+    buffer: Intake, stream: PromptStream, ledger: Ledger, stats: RolloutStats, prompts_per_step: int,
     run_group: Callable[[Draw, float], Coroutine[Any, Any, None]], task_name: str,
     ready: Callable[[], Awaitable[None]] | None = None,
 ) -> None:

@@ -54,6 +54,14 @@ def preflight(cfg: Config, reward: RewardFn | None) -> None:
         resolve_model_path(cfg.model.path)
     if reward is None:
         check_reward(cfg.task.reward)
+    if cfg.env is not None and cfg.env.policies:
+        from nonstop.envs.registry import env_factory
+        from nonstop.orchestrator.policies import check_roles
+
+        check_roles(cfg, tuple(env_factory(cfg.env.name, "env.name", cfg.env)().roles))
+        for role, own in cfg.env.policies.items():
+            if own.path is not None:
+                resolve_model_path(own.path, field=f"env.policies.{role}.path")
 
 
 def record_failure(run_dir: Path, error: BaseException) -> None:

@@ -31,9 +31,12 @@ async def learn(run: Run) -> StepRecord | None:
     cfg, state, record, spans = run.cfg, run.state, None, run.spans
     for step in range(state.first_step, cfg.run.max_steps + 1):
         t_wait, cpu = now(), time.process_time()
-        groups = await until_stopped(run.buffer.take(), state.stop)
+        left_s = None if cfg.run.max_time_s is None else max(0.0, cfg.run.max_time_s - state.clock.wall())
+        groups = await until_stopped(run.buffer.take(), state.stop, timeout_s=left_s)
         if not groups:
-            break  # stopped, or the stream ran out (run.max_epochs) and every group was trained
+            # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
+            # budget ran out while no batch came (every group dropped, e.g. for uniform rewards)
+            break
         # Arrival order depends on how the engines happened to batch; the trainer sees one order,
         # so the same groups give the same step (a resumed run repeats the uninterrupted one).
         groups.sort(key=lambda g: (g.epoch, g.prompt_index))
@@ -50,9 +53,11 @@ async def learn(run: Run) -> StepRecord | None:
         spans.emit("publish", step=step, version=published.policy_version, t0=round(t1, 6), t1=round(t2, 6))
         outcome = "skipped_step" if result.metrics["skipped"] else "trained"
         for g in groups:
-            run.ledger.settle(g.epoch, g.prompt_index, outcome)
+            run.buffer.settle(g, outcome)
         if run.envs is not None:
             run.envs.stats.trained(groups, run.buffer.policy_version)  # lag against the version trained on
+        if run.policies is not None:
+            run.policies.shared_trained(groups, run.buffer.policy_version, published.policy_version)
         await run.buffer.step_done(published.policy_version)
         out_of_time = cfg.run.max_time_s is not None and state.clock.wall() >= cfg.run.max_time_s
         record = step_record(run, step, groups, result, published)
@@ -83,15 +88,16 @@ async def learn(run: Run) -> StepRecord | None:
     return record
 
 
-async def until_stopped(take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event) -> list[Group]:
-    """The batch `take` returns, or [] as soon as `stop` is set."""
+async def until_stopped(take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event,
+                        timeout_s: float | None = None) -> list[Group]:
+    """The batch `take` returns, or [] as soon as `stop` is set or `timeout_s` has passed."""
     if stop.is_set():
         take.close()
         return []
     taking = asyncio.create_task(take, name="learn-take")
     stopping = asyncio.create_task(stop.wait(), name="learn-stop-wait")
     try:
-        await asyncio.wait({taking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({taking, stopping}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for t in (taking, stopping):
             if not t.done():
@@ -132,4 +138,5 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
         prompts_requeued=run.ledger.requeued + sum(e.faults.requeued for e in run.engines),
         engine_versions=list(run.engine.versions), scoring=run.scorer.metrics(),
         episodes=run.envs.report() if run.envs is not None else None,
+        policies=run.policies.report() if run.policies is not None else None,
     )

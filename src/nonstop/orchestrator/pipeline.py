@@ -65,10 +65,13 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
                                      run.ledger, run.spans, seed=cfg.run.seed if cfg.rollout.seed_per_prompt else None),
                              name="producer")
         else:
-            env = run.envs
-            supervisor.spawn(produce_episodes(run.engine, env.play, run.buffer, run.stream, run.codec, cfg.rollout,
-                                              env.cfg, env.limits, env.baselines, run.state.clock, run.stats,
-                                              env.stats, run.ledger), name="episode-producer")
+            env, policies = run.envs, run.policies
+            supervisor.spawn(produce_episodes(policies.engines(run.engine) if policies else run.engine, env.play,
+                                              policies.intake if policies else run.buffer, run.stream, run.codec,
+                                              cfg.rollout, env.cfg, env.limits, env.baselines, run.state.clock,
+                                              run.stats, env.stats, run.ledger), name="episode-producer")
+            if policies is not None:  # roles with their own policy: their engines' heartbeats, their learner loops
+                policies.start(supervisor, run)
         last = await supervisor.run(learn(run))
         if run.state.stop.is_set():
             raise interrupted(run, last)
@@ -77,8 +80,9 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         final_dir = run_dir / "final"
         await run.trainer.save(str(final_dir))
         run.codec.tokenizer.save_pretrained(final_dir)
+        own_final = await run.policies.save_final(run_dir) if run.policies is not None else {}
         progress.stop()
-        return await summarize(run, last, final_dir, resume)
+        return await summarize(run, last, final_dir, resume, own_final)
     finally:
         restore_signals()
         progress.stop()
@@ -86,7 +90,9 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         if run is not None:
             await run.scorer.close()
         await backend.shutdown()
-        if run is not None and run.transport is not None and release(run.transport):
+        handles = ([run.transport] if run is not None and run.transport is not None else []) + \
+            (run.policies.transports() if run is not None and run.policies is not None else [])
+        if any([release(h) for h in handles]):
             progress.log("[yellow]released the shared-memory weight segment of a trainer that died[/]")
 
 
@@ -139,8 +145,14 @@ async def begin(run: Run, resume: Checkpoint | None) -> None:
     run.progress.base_eval = run.state.base_accuracy
 
 
-async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: Checkpoint | None) -> RunSummary:
+async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: Checkpoint | None,
+                    own_final: dict[str, str]) -> RunSummary:
     clock = run.state.clock
+    engines = run.engines + (run.policies.actors if run.policies is not None else [])  # own policies' engines too
+    policies = run.policies.report() if run.policies is not None else None
+    if run.policies is not None and policies is not None:
+        for role, accuracy in (await run.policies.evaluate(run)).items():
+            policies[role].update(final_dir=own_final[role], final_accuracy=accuracy)
     return RunSummary(
         base_accuracy=run.state.base_accuracy, final_accuracy=last.eval_accuracy if last else None,
         steps=last.step if last else 0, policy_version=last.policy_version if last else 0,
@@ -152,9 +164,9 @@ async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: 
         engines=await run.engine.stats(),
         last_reward_error=run.scorer.last_error, final_dir=str(final_dir),
         prompts=run.ledger.report(),
-        engine_faults=RestartStats([r for e in run.engines for r in e.faults.restarts],
-                                   sum(e.faults.requeued for e in run.engines)).summary(),
+        engine_faults=RestartStats([r for e in engines for r in e.faults.restarts],
+                                   sum(e.faults.requeued for e in engines)).summary(),
         resumed_from=str(resume.path) if resume is not None else None,
-        episodes=run.envs.report() if run.envs is not None else None,
+        episodes=run.envs.report() if run.envs is not None else None, policies=policies,
         last_checkpoint=run.state.last_checkpoint, run_dir=str(run.run_dir),
     )

@@ -54,6 +54,7 @@ class StepRecord:
     eval_accuracy: float | None = None  # held-out accuracy, on the steps that evaluate
     scoring: dict[str, Any] = field(default_factory=dict)  # the scoring stage's metrics of this step (latency, queue)
     episodes: dict[str, Any] | None = None  # environment runs: EpisodeStats.report() (episode_flow.py)
+    policies: dict[str, Any] | None = None  # roles with their own policy: Policies.report() (policies.py)
 
     @property
     def lag_hist(self) -> dict[str, int]:
@@ -69,7 +70,7 @@ class StepRecord:
         trainer = d.pop("trainer")
         scoring = d.pop("scoring")
         head = {k: d.pop(k) for k in ("step", "policy_version", "time_s", "reward_mean", "prompts")}
-        for optional in ("eval_accuracy", "episodes"):
+        for optional in ("eval_accuracy", "episodes", "policies"):
             if d[optional] is None:
                 del d[optional]
         return {**head, **trainer, **scoring, **d}
@@ -107,6 +108,7 @@ class RunSummary:
     warmup_s: float = 0.0
     dataset_rows_skipped: int = 0
     episodes: dict[str, Any] | None = None  # environment runs: the episode counters at the end
+    policies: dict[str, Any] | None = None  # roles with their own policy: each policy's counters and final weights
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

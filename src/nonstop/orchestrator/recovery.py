@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -41,10 +42,19 @@ class RunInterrupted(RuntimeError):
 
 
 async def write_checkpoint(run: "Run", step: int) -> None:
+    """With own policies (env.policies), each one's trainer state goes under policies/<role>, taken
+    while none of them trains, so its counters and the ledger's parts match its weights."""
+    async with run.policies.paused() if run.policies is not None else contextlib.nullcontext():
+        await _write_checkpoint(run, step)
+
+
+async def _write_checkpoint(run: "Run", step: int) -> None:
     root = run.run_dir / "checkpoints"
     tmp = staging_dir(root, step)
     version = await run.trainer.save_checkpoint(str(tmp))
     run.codec.tokenizer.save_pretrained(tmp / "model")
+    if run.policies is not None:
+        await run.policies.save_checkpoints(tmp, run.codec.tokenizer)
     state = {
         "step": step, "policy_version": version, "base_model": str(run.base_model),
         "base_accuracy": run.state.base_accuracy, "train_size": len(run.data.train),
@@ -52,6 +62,7 @@ async def write_checkpoint(run: "Run", step: int) -> None:
         "stats": asdict(run.stats), "drops": dict(run.buffer.drops), "reward_errors": dict(run.scorer.errors),
         "clock": {"wall_s": run.state.clock.wall(), "busy_s": dict(run.state.clock.busy_s)},
         "envs": run.envs.state_dict() if run.envs is not None else None,
+        "policies": run.policies.state_dict() if run.policies is not None else None,
         "engine_rng": [{k: base64.b64encode(v).decode() for k, v in st.items()}
                        for st in await run.engine.sampling_states()],
     }
@@ -78,6 +89,8 @@ def restore(run: "Run", ckpt: Checkpoint) -> None:
     run.state.clock = Clock(start=time.perf_counter() - state["clock"]["wall_s"], busy_s=dict(state["clock"]["busy_s"]))
     if run.envs is not None and state.get("envs") is not None:  # episode counters and per-role baselines
         run.envs.load_state_dict(state["envs"])
+    if run.policies is not None:  # build_policies checked that the checkpoint holds every own policy
+        run.policies.load_state_dict(state["policies"])
     run.state.base_accuracy = state["base_accuracy"]
     run.state.first_step = state["step"] + 1
     run.state.last_checkpoint = state["step"]

@@ -13,7 +13,11 @@ worker thread, so they never block the loop. Answers may therefore arrive out of
 parent matches them by call id.
 
 The parent never polls: it registers the pipe with the event loop (`add_reader`) and resolves
-the matching future when an answer arrives. When the child dies the pipe hits EOF, and every
+the matching future when an answer arrives. The child's answers are written by one writer
+thread (`_Outbox`), never by its loop: both ends blocking in `send` on full pipes at once would
+deadlock (it happened with multi-turn episodes, whose many small calls and answers fill both
+64 KiB pipe buffers). With the child's loop free to read, a parent blocked in `send` is released
+as soon as the child's loop runs again. When the child dies the pipe hits EOF, and every
 pending call fails at once with ActorDied naming the actor and its exit code; a call that
 outlives its timeout fails with TimeoutError naming the actor and the method.
 """
@@ -26,7 +30,9 @@ import inspect
 import itertools
 import multiprocessing as mp
 import os
+import queue
 import signal
+import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -37,6 +43,35 @@ from nonstop.runtime.base import ActorCallError, ActorDied
 from nonstop.runtime.procinfo import die_with_parent, name_process
 
 _READY = -1
+_CLOSE = object()
+
+
+class _Outbox:
+    """The child's answers in order, sent by one thread; `put` never blocks the child's loop.
+
+    A full pipe (the parent busy) blocks this thread only, so the loop keeps reading the parent's
+    calls. If the parent is gone, the thread ends; the loop learns it from EOF on its reader."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"nonstop-{name}-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, message: Any) -> None:
+        self._queue.put(message)
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not _CLOSE:
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError):
+                return
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is queued, then end the thread (waits at most `timeout_s`)."""
+        self._queue.put(_CLOSE)
+        self._thread.join(timeout_s)
 
 
 def _child_main(conn: Connection, name: str, cls: type, args: tuple, kwargs: dict, parent_pid: int) -> None:
@@ -58,6 +93,7 @@ async def _serve(conn: Connection, name: str, cls: type, args: tuple, kwargs: di
         conn.send((_READY, False, f"actor {name} failed to start:\n{traceback.format_exc()}"))
         return
     serial = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nonstop-{name}")
+    outbox = _Outbox(conn, name)
     calls: set[asyncio.Task] = set()
     stop: asyncio.Future = loop.create_future()
 
@@ -71,7 +107,7 @@ async def _serve(conn: Connection, name: str, cls: type, args: tuple, kwargs: di
             reply = (call_id, True, value)
         except BaseException:
             reply = (call_id, False, f"{name}.{method} raised:\n{traceback.format_exc()}")
-        conn.send(reply)
+        outbox.put(reply)
 
     def on_readable() -> None:
         # Every call already waiting is taken in one go: calls that arrive together (a step's groups)
@@ -105,7 +141,8 @@ async def _serve(conn: Connection, name: str, cls: type, args: tuple, kwargs: di
                 await closer()
             else:
                 await loop.run_in_executor(serial, closer)
-        conn.send((None, True, None))
+        outbox.put((None, True, None))
+    outbox.close(timeout_s=10.0)
     serial.shutdown(wait=False, cancel_futures=True)
 
 
