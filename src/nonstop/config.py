@@ -28,6 +28,7 @@ from nonstop.config_kinds import (
     RayRuntimeConfig,
     RuntimeConfig,
     ShmTransportConfig,
+    device_path_of,
     TransportConfig,
 )
 from nonstop.config_actors import (EngineConfig, LoraConfig, ModelConfig, PolicyConfig, TinyModelConfig, TinyMoeConfig,
@@ -287,6 +288,7 @@ class Config(_Section):
             )
         if self.engine.kind == "vllm":
             self._vllm_combinations()
+        self._device_path_combinations()
         if self.rollout.seed_per_prompt and self.env is not None:
             raise ValueError("rollout.seed_per_prompt: environment runs (env) are not seeded per prompt yet; "
                              "set rollout.seed_per_prompt=false")
@@ -310,6 +312,19 @@ class Config(_Section):
             if bad:
                 raise ValueError(f"{name}: env.policies (separate policies per role) supports {what} so far; "
                                  "change it or remove env.policies")
+
+    def _device_path_combinations(self) -> None:
+        """A GPU-to-GPU weight path asked for by name needs both sides on a GPU and the built-in engine."""
+        path = device_path_of(self.transport)
+        if path not in ("ipc", "nccl"):
+            return
+        for field, device in (("trainer.device", self.trainer.device), ("engine.device", self.engine.device)):
+            if device == "cpu":
+                raise ValueError(f"transport.device_path: '{path}' moves weights GPU to GPU, but {field} is 'cpu'; "
+                                 f"use transport.device_path 'auto' or 'host', or put {field} on a GPU")
+        if self.engine.kind == "vllm":
+            raise ValueError(f"transport.device_path: '{path}' is not available with engine.kind 'vllm' (it receives "
+                             f"into a host staging model and reloads from there); use 'auto' or 'host'")
 
     def _vllm_combinations(self) -> None:
         if self.engine.update_mode == "save_resume":

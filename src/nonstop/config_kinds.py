@@ -35,12 +35,23 @@ class ShmTransportConfig(BaseTransportConfig):
     """Shared memory: trainer and engines on one host."""
 
     kind: Literal["shm"] = "shm"
+    device_path: Literal["auto", "host", "ipc"] = "auto"
+    """How weights go from a trainer on a GPU to engines on a GPU of the same node. 'host': through the
+    shared-memory segment (the trainer copies to the host, the engine copies to its GPU); 'ipc': through two
+    slots in the trainer's GPU memory that every engine maps once with a CUDA IPC handle and copies from,
+    GPU to GPU (needs trainer.device and engine.device on CUDA and the built-in engine); 'auto': 'ipc' for a
+    publish when the trainer is on a GPU and every engine mapped its slots, otherwise 'host'."""
 
 
 class BroadcastTransportConfig(BaseTransportConfig):
     """torch.distributed broadcast from trainer rank 0 to every engine; a restarted engine joins a rebuilt group."""
 
     kind: Literal["broadcast"] = "broadcast"
+    device_path: Literal["auto", "host", "nccl"] = "auto"
+    """Where the buckets live and which process-group backend carries them. 'host': host buffers over gloo;
+    'nccl': buffers on the trainer's and the engines' GPUs over NCCL (needs every member on CUDA and the
+    built-in engine); 'auto': 'nccl' when the trainer and every engine present at the rendezvous are on
+    CUDA, otherwise 'host'."""
     bucket_mb: float = Field(25.0, gt=0.0)
     """Size of each broadcast slice in MiB."""
     per_tensor: bool = False
@@ -130,3 +141,8 @@ RuntimeConfig = Annotated[
     Discriminator(TagOf("backend", "local")),
 ]
 """The runtime section: one model per `backend`, each holding only its own fields."""
+
+
+def device_path_of(transport: BaseTransportConfig) -> str:
+    """The transport's GPU-to-GPU setting; the files transport always goes through the host."""
+    return transport.device_path if isinstance(transport, (ShmTransportConfig, BroadcastTransportConfig)) else "host"

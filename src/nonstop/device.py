@@ -10,9 +10,10 @@ Contract:
   (`torch.zeros`, `torch.tensor`, `torch.arange`, ...) create on that device, so the engine's and
   the trainer's code stays device-agnostic; on the CPU it changes nothing.
 
-Weights still travel through host memory (transports read and write CPU tensors): the trainer
-copies its GPU weights into the transport's host buffer at publish, and a GPU engine receives
-into a host staging copy and copies it to the device at the swap (engine/updates.py).
+How weights travel between GPUs is the transport's `device_path` (transport/device.py): through
+host memory (the trainer copies its GPU weights into the transport's host buffer; a GPU engine
+receives into a host staging copy and copies it to the device at the swap, engine/updates.py),
+or GPU to GPU (CUDA IPC for shm, NCCL for broadcast; never run on a GPU).
 """
 
 from __future__ import annotations

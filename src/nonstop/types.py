@@ -264,6 +264,11 @@ class ShmOptions:
 
     name: str
     """Name of the segment the trainer creates and engines attach to."""
+    device_path: Literal["host", "auto", "ipc"] = "host"
+    """Resolved at plan time: 'host' (no GPU slots), 'auto' (GPU slots, used when every engine mapped
+    them), 'ipc' (GPU slots always; an engine that cannot map them fails at attach)."""
+    device: str = "cpu"
+    """The trainer's device: where the GPU slots are allocated (device_path other than 'host')."""
     kind: ClassVar[Literal["shm"]] = "shm"
 
 
@@ -280,6 +285,12 @@ class BroadcastOptions:
     """One broadcast per parameter instead of fixed-size slices."""
     rejoin_timeout_s: float = 300.0
     """After a send failed on a dead engine: how long to wait for its replacement to register."""
+    device_path: Literal["auto", "host", "nccl"] = "host"
+    """transport.device_path as asked: the backend (gloo or NCCL) is settled at the rendezvous."""
+    device: str = "cpu"
+    """The trainer's device (its member of an NCCL group sends from there)."""
+    member: str = "cpu"
+    """What the trainer says of its device at the rendezvous: 'cpu' or 'cuda/<GPU uuid>'."""
     kind: ClassVar[Literal["broadcast"]] = "broadcast"
 
 

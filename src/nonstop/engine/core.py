@@ -64,9 +64,8 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         with on(self.device):
             self.runner = KVRunner(self.model, self.settings.max_concurrent_seqs, max_len)
-        # transports fill host float32 tensors: a GPU or low-precision model takes them through a staging copy
-        host = self.device.type == "cpu" and next(model.parameters()).dtype == torch.float32
-        self.gate = WeightGate(self.model, staged=self.settings.update_mode != "never_stop" or not host)
+        # transports fill float32 tensors, on the host unless the transport has a GPU path (receive_on)
+        self.gate = WeightGate(self.model, staged_mode=self.settings.update_mode != "never_stop")
         self.scheduler = Scheduler(self.runner, eos_token_ids, self.settings, self.gate, detokenize, policy_version)
         if weights is not None:
             self.weights = weights
@@ -82,6 +81,10 @@ class TorchEngine:
     @property
     def weight_model(self) -> torch.nn.Module:
         return self.gate.target
+
+    def receive_weights_on(self, device: torch.device) -> None:
+        """Have transports fill tensors on `device` (the engine's GPU, for a GPU path); before attaching one."""
+        self.gate.receive_on(device)
 
     @property
     def policy_version(self) -> int:

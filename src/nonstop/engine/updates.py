@@ -13,8 +13,10 @@ know that weights are waiting without letting them touch the model decoding righ
 source updates a staging copy of the model and `apply()` copies the staging parameters
 into the live ones (one foreach copy: the stall of a swap). The staging copy costs one more
 copy of the parameters in memory; the mode's docs say so. A model on a GPU or in a lower
-precision is always staged (on the host, in float32: what transports write), and `apply()`
-copies (and casts) the staging parameters onto the device.
+precision is always staged in float32 (what transports write), and `apply()` copies (and casts)
+the staging parameters onto the device. The staging copy is on the host unless the transport
+has a GPU path (transport/device.py): then `receive_on(device)` puts it on the engine's GPU, so
+an update goes GPU to GPU; a float32 model on that GPU in `never_stop` mode needs none.
 """
 
 from __future__ import annotations
@@ -31,16 +33,37 @@ UPDATE_MODES: tuple[UpdateMode, ...] = ("never_stop", "abort_retry", "save_resum
 
 
 class WeightGate:
-    def __init__(self, live: torch.nn.Module, staged: bool) -> None:
+    def __init__(self, live: torch.nn.Module, staged_mode: bool) -> None:
+        """`staged_mode`: the update mode applies versions later than it receives them."""
         self.live = live
-        # the staging copy is what transports fill: host memory, float32 (the trainer's layout)
-        self.target = copy.deepcopy(live).to("cpu", torch.float32) if staged else live
+        self.staged_mode = staged_mode
         self.source: WeightSource | None = None
         self.waiting: int | None = None
         self._live_params: list[torch.Tensor] = list(live.parameters())
-        self._staged_params: list[torch.Tensor] = list(self.target.parameters())
-        self._same_kind = all(a.device == b.device and a.dtype == b.dtype
-                              for a, b in zip(self._live_params, self._staged_params))
+        self._target: torch.nn.Module | None = None
+        self._staged_params: list[torch.Tensor] = []
+        self._same_kind = True
+        self.receive_on(torch.device("cpu"))
+
+    def receive_on(self, device: torch.device) -> None:
+        """Place the tensors transports fill (float32, the trainer's layout) on `device`: the live
+        model itself when it is float32 there and the mode applies at once, else a staging copy
+        (made when first asked for). Call before a transport attaches: it keeps references."""
+        self._receive_device = device
+        self._target = None
+
+    @property
+    def target(self) -> torch.nn.Module:
+        if self._target is None:
+            live, device = self._live_params[0], self._receive_device
+            if not self.staged_mode and live.device == device and live.dtype == torch.float32:
+                self._target = self.live
+            else:
+                self._target = copy.deepcopy(self.live).to(device, torch.float32)
+            self._staged_params = list(self._target.parameters())
+            self._same_kind = all(a.device == b.device and a.dtype == b.dtype
+                                  for a, b in zip(self._live_params, self._staged_params))
+        return self._target
 
     @property
     def staged(self) -> bool:
@@ -59,7 +82,7 @@ class WeightGate:
             raise RuntimeError("WeightGate.apply: no version is waiting")
         if self.staged and self._same_kind:
             torch._foreach_copy_(self._live_params, self._staged_params)
-        elif self.staged:  # host float32 -> the model's device and dtype
+        elif self.staged:  # float32 staging (host, or the GPU on a GPU path) -> the model's device and dtype
             for live, staged in zip(self._live_params, self._staged_params):
                 live.copy_(staged, non_blocking=True)
             if self._live_params[0].device.type == "cuda":

@@ -50,6 +50,11 @@ class EngineWorker:
         self.source: WeightSource | None = None
 
     def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None:
+        from nonstop.transport.device import receive_device
+
+        device = receive_device(handle, self.device)
+        if device is not None:  # a GPU path: receive on this engine's GPU
+            self.engine.receive_weights_on(device)
         self.source = open_source(handle, self.engine.weight_model, rank)
         self.engine.weights = self.source
 

@@ -158,7 +158,7 @@ async def produce(
     await admit_and_run(buffer, stream, ledger, stats, cfg.prompts_per_step, one_group, "group", ready=scorer.ready)
 
 
-async def drop_uniform(buffer: RolloutBuffer, group: Group, stats: RolloutStats, max_in_row: int) -> None:
+async def drop_uniform(buffer: Intake, group: Group, stats: RolloutStats, max_in_row: int) -> None:
     """Drop a group without learning signal; `max_in_row` such groups in a row end the run, since a
     policy that never produces a signal would otherwise generate until the time budget (or forever)."""
     await buffer.drop(group, "uniform_reward")

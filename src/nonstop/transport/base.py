@@ -7,7 +7,9 @@ publish (FlatSender), so publishing reads one contiguous block. The engine end f
 `WeightTarget`: its parameters, the LoRA adapters it merges (nonstop.lora), or fused experts
 its per-expert model views (names.py); `check_layout` compares names, shapes and dtypes once
 at attach time and fails with a message naming the first mismatches. Transports apply a
-version by pointing the target's tensors at a complete buffer (`repoint`), not by copying.
+version by pointing the target's tensors at a complete buffer (`repoint`), not by copying, where
+the buffer lies on the target's device; across devices (a GPU path, transport/device.py) they
+copy into the target (`copy_into`).
 """
 
 from __future__ import annotations
@@ -149,9 +151,11 @@ def views(flat: torch.Tensor, layout: list[TensorSpec]) -> list[torch.Tensor]:
     ]
 
 
-def bind_flat(tensors: list[torch.Tensor], layout: list[TensorSpec], total_bytes: int) -> torch.Tensor:
-    """Re-home `tensors` (in layout order) into one new flat buffer; returns the buffer."""
-    flat = torch.empty(total_bytes, dtype=torch.uint8)
+def bind_flat(tensors: list[torch.Tensor], layout: list[TensorSpec], total_bytes: int,
+              device: torch.device | None = None) -> torch.Tensor:
+    """Re-home `tensors` (in layout order) into one new flat buffer on `device` (default: the
+    host); returns the buffer."""
+    flat = torch.empty(total_bytes, dtype=torch.uint8, device=device or "cpu")
     with torch.no_grad():
         for t, view in zip(tensors, views(flat, layout)):
             view.copy_(t)
@@ -166,16 +170,36 @@ def repoint(tensors: list[torch.Tensor], new_views: list[torch.Tensor]) -> None:
         t.data = v
 
 
+def copy_into(tensors: list[torch.Tensor], new_views: list[torch.Tensor]) -> None:
+    """Copying apply: the engine keeps its own tensors and copies a version into them (a GPU path:
+    the engine must not point its weights at memory the trainer owns, and its tensors may sit on
+    another device than the version). Asynchronous on a GPU: `device.settle` before reusing the source."""
+    with torch.no_grad():
+        if same_device(tensors, new_views):
+            torch._foreach_copy_(tensors, new_views)
+        else:
+            for t, v in zip(tensors, new_views):
+                t.copy_(v, non_blocking=True)
+
+
+def same_device(tensors: list[torch.Tensor], new_views: list[torch.Tensor]) -> bool:
+    """Zero-copy apply is possible only where the version already lies on the tensors' device."""
+    return bool(tensors) and tensors[0].device == new_views[0].device
+
+
 class FlatSender:
     """Trainer side: the sent tensors, re-homed once into one flat buffer in layout order, so a
     publish reads one contiguous block (one copy, or none: broadcast sends slices of it).
 
-    The tensor list is looked up once per model object; each publish only checks that every
-    tensor still lives at its place in the buffer, and binds again if anything re-homed one.
-    Tensors on a GPU are not re-homed: each publish copies them into a host buffer."""
+    The buffer lives on `device` (the host by default; the trainer's GPU for a GPU path). The
+    tensor list is looked up once per model object; each publish only checks that every tensor
+    still lives at its place in the buffer, and binds again if anything re-homed one. Tensors on
+    another device than the buffer (a GPU trainer on a host path) are not re-homed: each publish
+    copies them into the buffer."""
 
-    def __init__(self, handle: TransportHandle) -> None:
+    def __init__(self, handle: TransportHandle, device: torch.device | None = None) -> None:
         self.handle = handle
+        self.device = device or torch.device("cpu")
         self.lora = handle.lora
         self.buffer: torch.Tensor | None = None
         self.model: torch.nn.Module | None = None
@@ -187,22 +211,22 @@ class FlatSender:
             self.model = model
             self.tensors = in_layout_order(sent_tensors(model, self.lora), self.handle.layout)
             self.buffer = None
-        if any(t.device.type != "cpu" for t in self.tensors):  # GPU weights: copied to the host at each publish
+        if any(t.device != self.device for t in self.tensors):  # elsewhere than the buffer: copied at each publish
             if self.buffer is None:
-                self.buffer = torch.empty(self.handle.total_bytes, dtype=torch.uint8, device="cpu")
+                self.buffer = torch.empty(self.handle.total_bytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
                 for t, view in zip(self.tensors, views(self.buffer, self.handle.layout)):
                     view.copy_(t)
             return self.buffer
         if self.buffer is None or [t.data_ptr() for t in self.tensors] != self.expected_ptrs:
-            self.buffer = bind_flat(self.tensors, self.handle.layout, self.handle.total_bytes)
+            self.buffer = bind_flat(self.tensors, self.handle.layout, self.handle.total_bytes, self.device)
             self.expected_ptrs = [t.data_ptr() for t in self.tensors]
         return self.buffer
 
 
 def crc32(buf: torch.Tensor) -> int:
-    """CRC32 of a contiguous uint8 tensor's bytes."""
-    return zlib.crc32(buf.numpy().data)
+    """CRC32 of a contiguous uint8 tensor's bytes (a GPU tensor's are copied to the host first)."""
+    return zlib.crc32(buf.cpu().numpy().data)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -216,13 +240,18 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
     """Describe the transport; with `lora` (an enabled LoraConfig) only the adapters travel.
     `next_version`: the first version the trainer will publish (above 1 after a resume).
     `host`: the trainer's address the engines reach (broadcast's store and group)."""
+    from nonstop.transport.device import member_device, plan_broadcast_path, plan_shm_path, tensors_device
+
     lora = lora if lora is not None and lora.enabled else None
-    layout, total = layout_of(sent_tensors(model, lora))
+    sent = sent_tensors(model, lora)
+    layout, total = layout_of(sent)
+    trainer_device = tensors_device(t for _, t in sent)
     options: TransportOptions
     if isinstance(cfg, ShmTransportConfig):
         from nonstop.transport.shm import new_segment_name
 
-        options = ShmOptions(name=new_segment_name())
+        options = ShmOptions(name=new_segment_name(), device_path=plan_shm_path(cfg.device_path, trainer_device),
+                             device=str(trainer_device))
     elif isinstance(cfg, FilesTransportConfig):
         import tempfile
 
@@ -230,8 +259,11 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
         options = FilesOptions(dir=cfg.dir or tempfile.mkdtemp(prefix="nonstop-weights-"), keep=cfg.keep,
                                owned=cfg.dir is None, notify_at=notify_at)  # the sink removes a folder it made
     else:
+        plan_broadcast_path(cfg.device_path, trainer_device)
         options = BroadcastOptions(host=host, port=free_port(host), bucket_bytes=int(cfg.bucket_mb * 2**20),
-                                   per_tensor=cfg.per_tensor, rejoin_timeout_s=cfg.rejoin_timeout_s)
+                                   per_tensor=cfg.per_tensor, rejoin_timeout_s=cfg.rejoin_timeout_s,
+                                   device_path=cfg.device_path, device=str(trainer_device),
+                                   member=member_device(trainer_device))
     return TransportHandle(layout=layout, total_bytes=total, options=options, num_engines=num_engines,
                            timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s, checksum=cfg.checksum,
                            lora=lora, next_version=next_version)

@@ -1,8 +1,20 @@
 """torch.distributed broadcast transport, in fixed-size buckets, over a group that takes replacements.
 
 The trainer (rank 0) and the engines (ranks 1..N) form their own process group, built from a
-TCPStore served by the trainer and a ProcessGroupGloo (NCCL on GPU later) directly, so it is
+TCPStore served by the trainer and a ProcessGroupGloo or ProcessGroupNCCL directly, so it is
 separate from any training process group and from the default group.
+
+Backend (transport.device_path, device.py). At the rendezvous every engine writes the device its
+weights are received on (`device/{rank}`: 'cpu' or the GPU's uuid); the trainer reads them all,
+picks the backend (NCCL when asked or, with 'auto', when every member is on a GPU of its own;
+gloo otherwise) and writes it under
+`backend` before anyone builds the group. Buffers live where the backend needs them: with NCCL
+the trainer's flat buffer (its parameters re-homed into it) and every engine's receive buffers
+are on their GPUs, so weights go GPU to GPU; with gloo they are host buffers, and an engine whose
+weights are on a GPU copies each received version onto it (`copy_into`) instead of re-pointing.
+A replacement engine reads the settled backend and fails at attach if it cannot take part (NCCL
+on the CPU). NCCL works are waited on by polling `is_completed()` (their `wait` only orders
+streams); with NCCL, re-planning after a dead engine has never run (no GPU here).
 
 Rounds. Every send is one round n = 1, 2, ...: the trainer sets the store key `r{n}` to
 "{version} {generation}" (the notification), then broadcasts its flat buffer (the sent tensors
@@ -27,21 +39,43 @@ returns only once every engine holds the version; if no replacement registers in
 raises a TransportError naming the peer and the version. A receiver whose round failed goes on
 to the next round (the trainer re-plans); a checksum mismatch stops that engine's updates
 (never applied) and is raised from `maybe_update`. Groups left behind by a re-plan are kept
-until `close()`: destroying one with a dead peer would wait on its threads mid-run.
+until `close()`: destroying one with a dead peer would wait on its threads mid-run (an NCCL
+group is aborted first, groups.py).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
-from nonstop.transport.base import FlatSender, TransportError, WeightTarget, crc32, in_layout_order, repoint, views
+from nonstop.config import ConfigError
+from nonstop.transport.base import (
+    FlatSender,
+    TransportError,
+    WeightTarget,
+    copy_into,
+    crc32,
+    in_layout_order,
+    repoint,
+    same_device,
+    views,
+)
+from nonstop.transport.device import Backend, member_device, pick_backend, settle, tensors_device
+from nonstop.transport.groups import (
+    REFUSED,
+    ROUND_SLICE,
+    Group,
+    RoundAbandoned,
+    await_works,
+    decode_backend,
+    make_group,
+    make_store,
+    retire,
+)
 from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = "stop"
@@ -49,54 +83,7 @@ _STARTED = "started"  # set once the trainer's first group is up: an engine atta
 # How long one store wait for the next round lasts before it is renewed. The trainer's close()
 # wakes the waiter at once (it sets the next round to STOP), so this only bounds log noise.
 _WAIT_SLICE = timedelta(seconds=30)
-# Waits inside a round (on the broadcast, on the acknowledgements) are made in slices of this
-# length, so a round that a peer's death broke is given up as soon as the membership changed
-# (a replacement registered; the trainer started the next round) instead of at timeout_s.
-_ROUND_SLICE = timedelta(seconds=1)
-
-
-class _RoundAbandoned(Exception):
-    """The membership changed while this round was under way: it is sent again in a new group."""
-
-
-def _timed_out(e: Exception) -> bool:
-    text = str(e).lower()
-    return "timeout" in text or "timed out" in text
-
-
-def _await_works(works: list[dist.Work], timeout_s: float, abandon: Callable[[], bool]) -> None:
-    """Wait for every work within `timeout_s` in all; raise _RoundAbandoned once `abandon()` is true."""
-    deadline = time.monotonic() + timeout_s
-    for work in works:
-        while True:
-            try:
-                work.wait(_ROUND_SLICE)
-                break
-            except RuntimeError as e:
-                if not _timed_out(e) or time.monotonic() >= deadline:
-                    raise
-                if abandon():
-                    raise _RoundAbandoned() from e
-
-
-class _Group(Protocol):
-    """What this transport uses of its gloo backend (torch's stubs leave out Backend's collectives)."""
-
-    def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
-
-
-def _store(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> dist.TCPStore:
-    connect = timedelta(seconds=handle.connect_timeout_s)
-    return dist.TCPStore(opts.host, opts.port, 1 + handle.num_engines, is_master=rank == 0, timeout=connect)
-
-
-def _group(store: dist.TCPStore, handle: TransportHandle, rank: int, generation: int) -> _Group:
-    """This rank's member of the group of `generation` (blocks until all N + 1 ranks built it)."""
-    world = 1 + handle.num_engines
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"g{generation}/", store), rank, world,
-                               timedelta(seconds=handle.connect_timeout_s))
-    pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
-    return cast(_Group, pg)
+_BACKEND = "backend"  # the trainer's choice of gloo or nccl, set before any group is built
 
 
 def _buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions) -> list[torch.Tensor]:
@@ -112,25 +99,49 @@ class BroadcastSink:
         self.handle, self.opts = handle, opts
         self.sender = FlatSender(handle)
         self.store: dist.TCPStore | None = None
-        self.pg: _Group | None = None
+        self.pg: Group | None = None
         self.round = 0
         self.generation = 0
         self.joins_seen = 0
         self.replans = 0  # groups rebuilt for replacement engines
-        self.retired: list[_Group] = []
+        self.retired: list[Group] = []
+        self.backend: Backend = "gloo"
 
     def connect(self) -> None:
-        self.store = _store(self.handle, self.opts, rank=0)
-        self.pg = _group(self.store, self.handle, 0, self.generation)
+        self.store = make_store(self.handle, self.opts, rank=0)
+        self.backend = self._settle_backend(self.store)
+        if self.backend == "nccl":
+            self.sender = FlatSender(self.handle, torch.device(self.opts.device))
+        self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend)
         self.store.add("joins", 0)
         self.store.set(_STARTED, "1")
+
+    def _settle_backend(self, store: dist.TCPStore) -> Backend:
+        """Read every engine's device, pick the backend and tell the engines (or tell them the refusal)."""
+        keys = [f"device/{r}" for r in range(1, 1 + self.handle.num_engines)]
+        try:
+            store.wait(keys, timedelta(seconds=self.handle.connect_timeout_s))
+        except Exception as e:  # the store raises DistStoreError on timeout
+            missing = [k.split("/")[1] for k in keys if not store.check([k])]
+            raise TransportError(f"engine rank(s) {', '.join(missing)} did not attach to the broadcast transport "
+                                 f"within {self.handle.connect_timeout_s:g} s: {e}") from e
+        devices = {0: self.opts.member, **{r: store.get(k).decode() for r, k in enumerate(keys, start=1)}}
+        try:
+            backend = pick_backend(self.opts.device_path, devices)
+        except ConfigError as e:
+            store.set(_BACKEND, REFUSED + str(e))
+            raise
+        store.set(_BACKEND, backend)
+        return backend
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
         if self.pg is None or self.store is None:
             raise TransportError("broadcast transport used before connect()")
-        buckets = _buckets(self.sender.flat(model), self.handle, self.opts)
-        sums = [torch.tensor([crc32(b) for b in buckets], dtype=torch.int64)] if self.handle.checksum else []
+        flat = self.sender.flat(model)
+        buckets = _buckets(flat, self.handle, self.opts)
+        sums = ([torch.tensor([crc32(b) for b in buckets], dtype=torch.int64, device=flat.device)]
+                if self.handle.checksum else [])
         while True:
             try:
                 self._send_round(buckets + sums, version)
@@ -147,8 +158,9 @@ class BroadcastSink:
         self.store.set(f"r{self.round}", f"{version} {self.generation}")
         if replan:
             self.retired.append(self.pg)
+            retire(self.pg, self.backend)
             try:
-                self.pg = _group(self.store, self.handle, 0, self.generation)
+                self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend)
             except Exception as e:  # a member died again before the new group was up
                 raise TransportError(f"re-planning the broadcast group (generation {self.generation}) for version "
                                      f"{version} failed within {self.handle.connect_timeout_s:g} s: {e}") from e
@@ -158,8 +170,8 @@ class BroadcastSink:
         works = []
         try:
             works = [self.pg.broadcast(t, 0) for t in tensors]
-            _await_works(works, self.handle.timeout_s, self._replacement_waiting)
-        except _RoundAbandoned as e:
+            await_works(works, self.handle.timeout_s, self._replacement_waiting, poll=self.backend == "nccl")
+        except RoundAbandoned as e:
             raise TransportError(f"broadcast of version {version}: an engine was replaced during the send") from e
         except Exception as e:  # gloo raises RuntimeError subclasses on timeout and reset
             done = sum(w.is_completed() for w in works)
@@ -203,7 +215,7 @@ class BroadcastSink:
         deadline = time.monotonic() + self.handle.timeout_s
         while True:
             try:
-                self.store.wait(keys, min(_ROUND_SLICE, timedelta(seconds=max(deadline - time.monotonic(), 0.001))))
+                self.store.wait(keys, min(ROUND_SLICE, timedelta(seconds=max(deadline - time.monotonic(), 0.001))))
                 break
             except Exception as e:  # the store raises DistStoreError on timeout
                 missing = [k.split("/")[0].removeprefix("ack") for k in keys if not self.store.check([k])]
@@ -227,8 +239,8 @@ class BroadcastSink:
 class _Buffer:
     """One flat receive buffer with its typed views (made once, outside inference_mode)."""
 
-    def __init__(self, handle: TransportHandle, opts: BroadcastOptions) -> None:
-        self.flat = torch.empty(handle.total_bytes, dtype=torch.uint8)
+    def __init__(self, handle: TransportHandle, opts: BroadcastOptions, device: torch.device) -> None:
+        self.flat = torch.empty(handle.total_bytes, dtype=torch.uint8, device=device)
         self.views = views(self.flat, handle.layout)
         self.buckets = _buckets(self.flat, handle, opts)
 
@@ -237,6 +249,7 @@ class BroadcastSource:
     def __init__(self, handle: TransportHandle, opts: BroadcastOptions, target: WeightTarget, rank: int) -> None:
         self.handle, self.opts, self.target, self.rank = handle, opts, target, rank
         self.tensors = in_layout_order(target.tensors(), handle.layout)
+        self.device = tensors_device(self.tensors)
         self.lock = threading.Lock()
         self.spare: list[_Buffer] = []  # guarded by lock, like ready and live
         self.ready: tuple[int, _Buffer] | None = None
@@ -245,22 +258,41 @@ class BroadcastSource:
         self.error: TransportError | None = None
         self.failed_rounds = 0  # rounds this engine could not receive (the trainer sent them again)
         self.closing = threading.Event()
-        self.store = _store(handle, opts, rank)
-        self.pg: _Group | None = None
+        self.store = make_store(handle, opts, rank)
+        self.pg: Group | None = None
         self.generation = -1
-        self.retired: list[_Group] = []
+        self.retired: list[Group] = []
         self.join: int | None = None
-        if self.store.check([_STARTED]):  # the group is running: this engine replaces a dead one
+        self.copies = 0
+        replacement = self.store.check([_STARTED])  # the group is running: this engine replaces a dead one
+        if not replacement:
+            self.store.set(f"device/{rank}", member_device(self.device))
+        self.backend = self._await_backend()
+        # Receive buffers sit where the backend delivers: the GPU for NCCL, the host for gloo.
+        self.buffer_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        if replacement:
             self.join = self.store.add("joins", 1)
             self.store.set(f"join/{self.join}", str(rank))
         else:
-            self.pg, self.generation = _group(self.store, handle, rank, 0), 0
+            self.pg, self.generation = make_group(self.store, handle, rank, 0, self.backend), 0
         self.thread = threading.Thread(target=self._receive_loop, name=f"weights-rx-{rank}", daemon=True)
         self.thread.start()
 
+    def _await_backend(self) -> Backend:
+        try:
+            self.store.wait([_BACKEND], timedelta(seconds=self.handle.connect_timeout_s))
+        except Exception as e:  # the store raises DistStoreError on timeout
+            raise TransportError(f"engine rank {self.rank}: the trainer did not settle the broadcast backend within "
+                                 f"{self.handle.connect_timeout_s:g} s: {e}") from e
+        backend = decode_backend(self.store.get(_BACKEND), self.rank)
+        if backend == "nccl" and self.device.type != "cuda":
+            raise TransportError(f"transport.device_path: the broadcast group runs on NCCL, but engine rank {self.rank} "
+                                 f"receives its weights on {self.device}; use transport.device_path 'host'")
+        return backend
+
     def _take_spare(self) -> _Buffer:
         with self.lock:
-            return self.spare.pop() if self.spare else _Buffer(self.handle, self.opts)
+            return self.spare.pop() if self.spare else _Buffer(self.handle, self.opts, self.buffer_device)
 
     def _wait(self, key: str, what: str) -> bytes | None:
         """The value of `key` once the trainer set it; None when closing or the store is gone."""
@@ -286,7 +318,7 @@ class BroadcastSource:
             first = int(welcome)
         back = self._take_spare()
         checksum = self.handle.checksum
-        sums = torch.zeros(len(back.buckets), dtype=torch.int64)
+        sums = torch.zeros(len(back.buckets), dtype=torch.int64, device=self.buffer_device)
         n = first
         while not self.closing.is_set():
             value = self._wait(f"r{n}", f"round {n}")
@@ -297,11 +329,14 @@ class BroadcastSource:
                 if generation != self.generation:  # the trainer re-planned the group: build our member of it
                     if self.pg is not None:
                         self.retired.append(self.pg)
+                        retire(self.pg, self.backend)
                     self.pg = None
-                    self.pg, self.generation = _group(self.store, self.handle, self.rank, generation), generation
+                    self.pg = make_group(self.store, self.handle, self.rank, generation, self.backend)
+                    self.generation = generation
                 assert self.pg is not None
                 works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
-                _await_works(works, self.handle.timeout_s, lambda: self.store.check([f"r{n + 1}"]))
+                await_works(works, self.handle.timeout_s, lambda: self.store.check([f"r{n + 1}"]),
+                             poll=self.backend == "nccl")
             except Exception:  # a peer died in this round: the trainer sends it again in a new group
                 self.failed_rounds += 1
                 n += 1
@@ -327,7 +362,12 @@ class BroadcastSource:
                 return None
             version, buf = self.ready
             self.ready = None
-            repoint(self.tensors, buf.views)
+            if same_device(self.tensors, buf.views):
+                repoint(self.tensors, buf.views)
+            else:  # gloo delivered to the host, the engine's weights are on its GPU
+                copy_into(self.tensors, buf.views)
+                settle(self.device)
+                self.copies += 1
             self.target.applied()
             if self.live is not None:
                 self.spare.append(self.live)

@@ -1,0 +1,113 @@
+"""The broadcast transport's process groups: building one (gloo or NCCL) over the trainer's
+store, waiting on its works within a deadline, and retiring one that a failed round left behind.
+
+A group is built directly from a `ProcessGroupGloo` / `ProcessGroupNCCL` over a `PrefixStore`
+(one prefix per generation, broadcast.py), never through `init_process_group`, so it is
+separate from any training group and from the default group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from nonstop.transport.base import TransportError
+from nonstop.transport.device import Backend
+from nonstop.types import BroadcastOptions, TransportHandle
+
+# Waits inside a round (on the broadcast, on the acknowledgements) are made in slices of this
+# length, so a round that a peer's death broke is given up as soon as the membership changed
+# (a replacement registered; the trainer started the next round) instead of at timeout_s.
+ROUND_SLICE = timedelta(seconds=1)
+REFUSED = "refused: "  # prefix of a backend value that carries the trainer's refusal instead
+
+
+class RoundAbandoned(Exception):
+    """The membership changed while this round was under way: it is sent again in a new group."""
+
+
+def timed_out(e: Exception) -> bool:
+    text = str(e).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def await_works(works: list[dist.Work], timeout_s: float, abandon: Callable[[], bool], poll: bool = False) -> None:
+    """Wait for every work within `timeout_s` in all; raise RoundAbandoned once `abandon()` is true.
+
+    `poll` (NCCL): watch `is_completed()`, since an NCCL work's `wait` only makes the current stream wait."""
+    deadline = time.monotonic() + timeout_s
+    if poll:
+        last_check = time.monotonic()
+        for work in works:
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TransportError(f"NCCL broadcast did not complete within {timeout_s:g} s")
+                if now - last_check >= ROUND_SLICE.total_seconds():
+                    last_check = now
+                    if abandon():
+                        raise RoundAbandoned()
+                time.sleep(0.0005)
+        return
+    for work in works:
+        while True:
+            try:
+                work.wait(ROUND_SLICE)
+                break
+            except RuntimeError as e:
+                if not timed_out(e) or time.monotonic() >= deadline:
+                    raise
+                if abandon():
+                    raise RoundAbandoned() from e
+
+
+class Group(Protocol):
+    """What this transport uses of its backend (torch's stubs leave out Backend's collectives)."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
+
+
+def retire(pg: Group, backend: Backend) -> None:
+    """An NCCL group left behind by a failed round may hold a collective that never ends: abort it
+    (gloo groups are kept until close: destroying one with a dead peer waits on its threads)."""
+    if backend == "nccl":
+        abort = getattr(pg, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # best effort: the new group does not depend on it
+                pass
+
+
+def make_store(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> dist.TCPStore:
+    connect = timedelta(seconds=handle.connect_timeout_s)
+    return dist.TCPStore(opts.host, opts.port, 1 + handle.num_engines, is_master=rank == 0, timeout=connect)
+
+
+def make_group(store: dist.TCPStore, handle: TransportHandle, rank: int, generation: int,
+           backend: Backend = "gloo") -> Group:
+    """This rank's member of the group of `generation` (gloo blocks until all N + 1 ranks built
+    it; NCCL connects at the first collective)."""
+    world = 1 + handle.num_engines
+    prefixed = dist.PrefixStore(f"g{generation}/", store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()  # absent from CPU builds of torch
+        options._timeout = timedelta(seconds=handle.timeout_s)
+        return cast(Group, dist.ProcessGroupNCCL(prefixed, rank, world, options))
+    pg = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=handle.connect_timeout_s))
+    pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
+    return cast(Group, pg)
+
+
+def decode_backend(value: bytes, rank: int) -> Backend:
+    text = value.decode()
+    if text.startswith(REFUSED):
+        raise TransportError(f"engine rank {rank}: the trainer refused the broadcast group: {text[len(REFUSED):]}")
+    if text not in ("gloo", "nccl"):
+        raise TransportError(f"engine rank {rank}: unknown broadcast backend {text!r} in the trainer's store")
+    return cast(Backend, text)
