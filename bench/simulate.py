@@ -4,10 +4,15 @@ Runs the built-in job (step-bound, the same steps for every configuration) once 
 the planner from its span log, then predicts and runs each other configuration: buffer depth
 0/1/2/unbounded, 1 or 2 engines, two batch sizes. Every figure, predicted and measured, is
 taken over the same window (RL start to the last publish) from the span log. Printed: a table
-of predicted vs measured samples/s, trainer and engine idle fractions, mean token lag, and the
-processor time the trainer's steps got per second of wall time (a run that shared the machine
-with another load shows it there) and the machine's stolen processor time (a virtual machine's
-neighbours); last line:
+of predicted vs measured samples/s, trainer and engine idle fractions, mean token lag, and how
+much of the machine each run had: the processor time the trainer's steps got per second of wall
+time (`step cpu/wall`), the processors the planner fits to that run's own span log (`procs`: the
+calibration's figure is the one every prediction uses), the processor time the other processes
+on the machine took while it ran (`others`, of the machine's total; fresh runs only) and the
+time stolen by the hypervisor (`steal`). A line before the result repeats the predictions with
+each run's own fitted processors instead of the calibration's: the model's error with the
+machine's share taken as known, apart from the share changing between runs (a diagnostic; the
+result is the prediction from the calibration run alone). Last line:
 
     RESULT max_rel_error=<largest |pred/meas - 1| of samples/s> median_rel_error=<...>
            idle_abs_error=<largest |pred - meas| of the trainer idle fraction>
@@ -20,9 +25,12 @@ neighbours); last line:
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -31,7 +39,7 @@ from nonstop.cli import run_training
 from nonstop.config import load_config
 from nonstop.planner.model import simulate
 from nonstop.planner.calibrate import calibrate
-from nonstop.planner.params import Shape
+from nonstop.planner.params import PlanParams, Shape
 from nonstop.timeline import Timeline
 
 CALIBRATE = {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts_per_step": 32}
@@ -61,22 +69,36 @@ def host_times() -> list[int]:
         return []
 
 
+def own_cpu_s() -> float:
+    """Processor time of this process and its children that have ended (the run's actors, once
+    the run has joined them)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def measure(cell: dict, steps: int, out: str, name: str, reuse: bool):
     """Run one configuration (or, with `reuse`, take the run already there, with its own config).
-    The share of the machine's processor time stolen by its hypervisor while the run ran is kept
-    beside it (`steal.txt`): a virtual machine's neighbours slow a run without a trace in it."""
+    The shares of the machine's processor time stolen by its hypervisor (`steal.txt`) and used by
+    other processes (`others.txt`: busy time less this run's own) while the run ran are kept
+    beside it: another load slows a run without a trace in its span log."""
     folder = Path(out) / name
     if not (reuse and (folder / "summary.json").exists()):
         cfg = load_config(overrides=overrides(cell, steps, out, name))
-        before = host_times()
+        before, cpu0 = host_times(), own_cpu_s()
         run_training(cfg, Console(quiet=True))
-        after = host_times()
+        after, cpu1 = host_times(), own_cpu_s()
         if before and after:
             d = [y - x for x, y in zip(before, after)]
-            (folder / "steal.txt").write_text(f"{d[7] / max(sum(d), 1):.3f}\n")
-    steal = folder / "steal.txt"
-    return (load_config(folder / "config.yaml"), Timeline.load(folder),
-            steal.read_text().strip() if steal.exists() else "-")
+            total = max(sum(d), 1)
+            (folder / "steal.txt").write_text(f"{d[7] / total:.3f}\n")
+            busy = total - d[3] - d[4] - d[7]  # less idle, iowait and steal
+            tick = os.sysconf("SC_CLK_TCK")
+            (folder / "others.txt").write_text(f"{max(busy - (cpu1 - cpu0) * tick, 0) / total:.3f}\n")
+    return load_config(folder / "config.yaml"), Timeline.load(folder), _read(folder / "steal.txt"), _read(folder / "others.txt")
+
+
+def _read(path: Path) -> str:
+    return path.read_text().strip() if path.exists() else "-"
 
 
 def cpu_share(tl: Timeline) -> str:
@@ -86,6 +108,13 @@ def cpu_share(tl: Timeline) -> str:
     if not steps or not all("cpu_s" in e for e in steps):
         return "-"
     return f"{sum(e['cpu_s'] for e in steps) / sum(e['t1'] - e['t0'] for e in steps):.2f}"
+
+
+def predict(params: PlanParams, shape: Shape, seeds: int) -> tuple[float, float, float, float]:
+    """samples/s, trainer idle, engine idle and mean lag, averaged over `seeds` simulations."""
+    preds = [simulate(params, shape, seed) for seed in range(seeds)]
+    return (statistics.fmean(p.samples_per_s for p in preds), statistics.fmean(p.trainer_idle for p in preds),
+            statistics.fmean(p.engine_idle for p in preds), statistics.fmean(p.mean_lag for p in preds))
 
 
 def mean_lag(hist: dict[int, int]) -> float:
@@ -107,32 +136,36 @@ def main() -> None:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = ns.out or tmp
-        cfg, tl, steal = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
+        cfg, tl, steal, others = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
         params = calibrate(tl, cfg)
         print(f"calibrated on {Shape.of(cfg).label()}: {params.describe()}", flush=True)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
               f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
-              f"{'steal':>5}")
-        rel, idle = [], []
+              f"{'procs':>5} {'others':>6} {'steal':>5}")
+        rel, idle, own_rel, own_idle = [], [], [], []
         for i, cell in enumerate([CALIBRATE, *PREDICT]):
             if i == 0:
-                cfg_i, tl_i, steal_i = cfg, tl, steal
+                cfg_i, tl_i, steal_i, others_i = cfg, tl, steal, others
             else:
-                cfg_i, tl_i, steal_i = measure(cell, steps, out, f"cell{i}", ns.reuse)
+                cfg_i, tl_i, steal_i, others_i = measure(cell, steps, out, f"cell{i}", ns.reuse)
             shape = Shape.of(cfg_i)
-            preds = [simulate(params, shape, seed) for seed in range(ns.seeds)]
-            sps = statistics.fmean(p.samples_per_s for p in preds)
-            t_idle = statistics.fmean(p.trainer_idle for p in preds)
-            e_idle = statistics.fmean(p.engine_idle for p in preds)
-            lag = statistics.fmean(p.mean_lag for p in preds)
+            sps, t_idle, e_idle, lag = predict(params, shape, ns.seeds)
             m_sps, m_t, m_e = tl_i.samples_per_s(), tl_i.idle_fraction("trainer"), tl_i.idle_fraction("engine")
             err = sps / m_sps - 1
+            own = calibrate(tl_i, cfg_i).cores  # the processors this run had, from its own span log
             if i > 0:
                 rel.append(abs(err))
                 idle.append(abs(t_idle - m_t))
+                own_sps, own_t, _, _ = predict(replace(params, cores=own), shape, ns.seeds)
+                own_rel.append(abs(own_sps / m_sps - 1))
+                own_idle.append(abs(own_t - m_t))
             label = shape.label() + (" (calibration)" if i == 0 else "")
+            procs = "-" if own is None else f"{own:.2f}"
             print(f"{label:<44} {sps:14.1f} {m_sps:7.1f} {err:+6.1%} | {t_idle:17.2f} {m_t:5.2f} | "
-                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13} {steal_i:>5}", flush=True)
+                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13} "
+                  f"{procs:>5} {others_i:>6} {steal_i:>5}", flush=True)
+    print(f"with each run's own fitted processors (diagnostic): max_rel_error={max(own_rel):.3f} "
+          f"median_rel_error={statistics.median(own_rel):.3f} idle_abs_error={max(own_idle):.3f}")
     print(f"wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT max_rel_error={max(rel):.3f} median_rel_error={statistics.median(rel):.3f} "
           f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={cfg.run.max_steps}")

@@ -13,7 +13,7 @@ from nonstop.config import ConfigError, load_config
 from nonstop.planner.cli import parse_axes
 from nonstop.planner.model import simulate
 from nonstop.planner.model import Simulation
-from nonstop.planner.calibrate import Sharing, _fit_line, effective_cores, fit_orchestrator, pauses
+from nonstop.planner.calibrate import PAUSE_S, Sharing, _fit_line, _ordinary_mean, effective_cores, fit_orchestrator, pauses
 from nonstop.planner.params import PlanParams, Shape
 from nonstop.timeline import GroupLife, Timeline
 from nonstop.planner.sweep import recommend, sweep
@@ -197,6 +197,14 @@ def test_effective_cores_explain_the_processor_time_the_steps_got():
     assert effective_cores(busy, [(0.0, 1.0, 1.0)], host=2.0) is None
 
 
+def test_loop_costs_are_means_apart_from_pauses():
+    """The learning loop's work per step is skewed (most steps short, some longer): its mean, not
+    its median, is what the steps cost in all; a pause (counted apart, as pauses) is left out."""
+    loops = [0.010, 0.010, 0.010, 0.030, PAUSE_S * 5]
+    assert _ordinary_mean(loops) == pytest.approx(0.015)
+    assert _ordinary_mean([PAUSE_S * 2, PAUSE_S * 3]) == pytest.approx(PAUSE_S * 2.5)  # only pauses: their median
+
+
 def _group(i: int, t_gen1: float, t_done: float) -> GroupLife:
     return GroupLife((0, i), t_gen1 - 0.05, t_gen1 - 0.04, t_gen1, t_done, [4] * 4, (0, 0))
 
@@ -223,3 +231,50 @@ def test_pauses_are_silences_while_the_orchestrator_owes_work():
                  t_done=g.t_done, lens=g.lens, v=[0, 0]) for g in groups]
     tl = Timeline(Path("."), {}, {"orchestrator": orch}, groups, Counter(), {})
     assert pauses(tl) == [pytest.approx((1.0, 1.3))]
+
+
+def test_steps_at_full_speed_still_share_the_hosts_processors():
+    """A calibration run whose steps got all their wall time as processor time (a quiet machine,
+    the engine idle while the trainer steps) shows no contention, but its actors are still CPU
+    processes on a 2-processor host: the planner keeps the host's 2 processors (so a third busy
+    actor slows the others), never 'no sharing', which would make more engines free."""
+    from nonstop.planner.calibrate import calibrate
+
+    groups = [GroupLife((0, i), 0.1 * i, 0.1 * i + 0.001, 0.1 * i + 0.02, 0.1 * i + 0.025, [3] * 8, (0, 0))
+              for i in range(8)]
+    orch = [dict(ev="rl_start", t=0.0, resumed=False, cpus=2, cpu_actors=True)]
+    orch += [dict(ev="group", id=[0, g.id[1]], t_admit=g.t_admit, t_gen0=g.t_gen0, t_gen1=g.t_gen1,
+                  t_done=g.t_done, lens=g.lens, v=[0, 0]) for g in groups]
+    engine = [dict(ev="busy", t0=0.1 * i + 0.002, t1=0.1 * i + 0.018, passes=3, rows=24, busy_s=0.015,
+                   cpu_s=0.016) for i in range(8)]
+    trainer = [dict(ev="step", t0=0.8 + 0.2 * k, t1=0.9 + 0.2 * k, version=k + 1, tokens=96, samples=32,
+                    update_s=0.01, cpu_s=0.1) for k in range(2)]
+    trainer += [dict(ev="publish", t0=0.9 + 0.2 * k, t1=0.91 + 0.2 * k, version=k + 1, bytes=1) for k in range(2)]
+    events = {"orchestrator": orch, "engine-0": engine, "trainer-0": trainer}
+    lanes = {a: {} for a in events}
+    for a, evs in events.items():
+        for e in evs:
+            if "t0" in e and e["ev"] != "group":
+                lanes[a].setdefault(e["ev"], []).append((e["t0"], e["t1"]))
+    tl = Timeline(Path("."), lanes, events, groups, Counter(), {})
+    cfg = load_config(overrides=["rollout.prompts_per_step=4"])
+    p = calibrate(tl, cfg)
+    assert p.cores == 2.0
+    assert p.step_s == pytest.approx(0.01) and p.pass_s + 8 * p.pass_row_s == pytest.approx(0.016 / 3)
+
+
+def test_sending_an_admissions_calls_keeps_the_orchestrator_busy():
+    """An admission of 8 groups at 2 ms each holds the event loop for 16 ms: a batch call made
+    then waits behind it (first come first served), while the groups leave on their measured
+    admission delays as before; on a shared processor the sending slows the busy engine."""
+    shape = Shape(engines=1, depth=0, max_lag=None, prompts_per_step=8, group_size=4, slots=64, steps=2)
+    sim = Simulation(params(send_s=0.002, admit_delays=[0.001]), shape, seed=0)
+    sim.admit()
+    assert sim.orch_free == pytest.approx(0.016)
+    assert sorted(t for t, _, kind, _ in sim.events if kind == "dispatch") == [pytest.approx(0.001)] * 8
+    assert sim.orchestrate(0.003) == pytest.approx(0.019)
+    quiet = Simulation(params(admit_delays=[0.001]), shape, seed=0)
+    quiet.admit()
+    assert quiet.orch_free == 0.0
+    # on one shared core the engine decodes at half speed while the calls are sent
+    assert simulate(params(send_s=0.002, cores=1.0), shape).wall_s > simulate(params(cores=1.0), shape).wall_s

@@ -3,7 +3,7 @@
 `calibrate(timeline, cfg)` reads the span log through nonstop.timeline. The orchestrator's
 per-group time and handoff by a robust fit of its first-come-first-served handling to the
 groups' return and buffering times (`fit_orchestrator`), its pauses as the silences of its log
-while it owed work (`pauses`), the learning loop's costs as medians over steps (`loop_costs`).
+while it owed work (`pauses`), the learning loop's costs as means over steps (`loop_costs`).
 Those give the orchestrator's busy intervals; with the engines' chunks and the rank's steps they
 give how many actors were busy at each instant, so every chunk and step is deflated to the time
 it would have taken alone (`Sharing.work`) before tau by least squares over the chunks (a
@@ -176,7 +176,7 @@ def _times(e: dict) -> list[float]:
 
 
 def loop_costs(tl: Timeline) -> tuple[float, float, list[Interval]]:
-    """The learning loop's own work per step, medians over steps: `call_s` from calling the step
+    """The learning loop's own work per step, means over steps (pauses apart): `call_s` from calling the step
     to the rank starting it (the batch sent), `loop_s` after the rank's step (taking its result,
     calling the publish, the step's records) besides the rank's publish. Returns them and the
     intervals the loop was at work."""
@@ -200,7 +200,14 @@ def loop_costs(tl: Timeline) -> tuple[float, float, list[Interval]]:
         if nxt is not None:
             loops.append(nxt["t0"] - st["t1"] - (pub["t1"] - pub["t0"]) - extra.get(step, 0.0))
             busy.append((pub["t1"], nxt["t0"]))
-    return max(_median(calls), 0.0), max(_median(loops), 0.0), busy
+    return max(_ordinary_mean(calls), 0.0), max(_ordinary_mean(loops), 0.0), busy
+
+
+def _ordinary_mean(xs: list[float]) -> float:
+    """The mean of the values shorter than a pause (PAUSE_S): the pauses are counted apart, and
+    a median would lose the skew of the rest (the loop's work varies with the step's records)."""
+    kept = [x for x in xs if x < PAUSE_S]
+    return fmean(kept) if kept else _median(xs)
 
 
 def engine_wake(tl: Timeline) -> float:
@@ -278,13 +285,15 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         raise ValueError(f"{tl.run_dir}: the span log holds no engine forward passes")
     if cores is not None and all("cpu_s" in e for e in chunk_events + steps):
         # processor time says what each took alone; the steps' wall time says how shared they were
-        cores = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps], cores)
+        fitted = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps], cores)
+        cores = cores if fitted is None else fitted  # steps at full speed: the host's, still shared
         per_pass = [(e["rows"] / e["passes"], e["cpu_s"] / e["passes"]) for e in chunk_events]
         work = [e["cpu_s"] for e in steps]
     else:
         sharing = Sharing(busy, cores)
         per_pass = [(e["rows"] / e["passes"], sharing.work(e["t0"], e["t1"]) / e["passes"]) for e in chunk_events]
         work = [sharing.work(e["t0"], e["t1"]) for e in steps]
+    send_s = _send_cost(tl, handling + loop_busy + paused, busy, cores)
     # weighted by passes: the fit then reproduces the total time of all passes
     chunks = [xy for e, xy in zip(chunk_events, per_pass) for _ in range(e["passes"])]
     pass_s, pass_row_s = _fit_line(*map(list, zip(*chunks)))
@@ -304,9 +313,32 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         pause_every=len(groups) / len(paused) if paused else 0.0,
         call_sample_s=call_s / (cfg.rollout.prompts_per_step * cfg.rollout.group_size), loop_s=loop_s,
         drop_frac=uniform / len(groups) if groups and cfg.rollout.filter_uniform_reward and cfg.rollout.refill else 0.0,
-        pickup_passes=1, wake_s=engine_wake(tl), eval_s=fmean(evals) if evals else 0.0, cores=cores,
+        pickup_passes=1, send_s=send_s, wake_s=engine_wake(tl), eval_s=fmean(evals) if evals else 0.0, cores=cores,
         calibrated_on=Shape.of(cfg),
     )
+
+
+def _send_cost(tl: Timeline, orch_busy: list[Interval], busy: list[list[Interval]], cores: float | None) -> float:
+    """The orchestrator's processor time that its modelled work (handling groups, the learning
+    loop, pauses) does not account for, per admitted group: sending the engine calls, mostly.
+    From the processor time the learning loop's `wait` spans record, over the span from the
+    first to the last; in the time the modelled work took (its wall time per unit of work in
+    the calibration run). 0 for span logs without it."""
+    from nonstop.timeline import union_length
+
+    waits = [e for e in tl.events.get("orchestrator", []) if e["ev"] == "wait" and "cpu" in e]
+    if len(waits) < 2:
+        return 0.0
+    lo, hi = waits[0]["t0"], waits[-1]["t0"]
+    cpu = waits[-1]["cpu"] - waits[0]["cpu"]
+    ivs = [(max(a, lo), min(b, hi)) for a, b in _union(orch_busy) if b > lo and a < hi]
+    wall = union_length(ivs)
+    sharing = Sharing(busy, cores)
+    work = sum(sharing.work(a, b) for a, b in ivs)
+    groups = sum(1 for g in tl.groups if lo <= g.t_admit < hi)
+    if groups == 0 or cpu <= work:
+        return 0.0
+    return (cpu - work) / groups * (wall / work if work > 0 else 1.0)
 
 
 def _fit_steps(steps: list[dict], work: list[float]) -> tuple[float, float]:

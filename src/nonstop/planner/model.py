@@ -148,6 +148,8 @@ class Simulation:
             for _ in range(k):
                 delay = self.rng.choice(self.p.admit_delays) if self.p.admit_delays else self.p.admit_delay_s
                 self.at(free + delay, "dispatch", _Group(self.sample_lens()))
+            if self.p.send_s > 0:  # sending the calls keeps the event loop busy (the delays above include it)
+                self.orchestrate(self.p.send_s * k)
 
     def sample_lens(self) -> list[int]:
         g = self.s.group_size

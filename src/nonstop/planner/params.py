@@ -29,7 +29,9 @@ actor needs when it has a processor to itself:
 - drop_frac: the share of groups dropped without learning signal (refunded and replaced);
 - eval_s: one held-out evaluation;
 - cores: processors shared by the engines, the trainer ranks and the orchestrator (local CPU
-  processes: the host's); while n of them are busy each runs at min(1, cores / n) of its speed.
+  processes: the host's, or fewer, fitted, when other sessions took a share: the kernel shares
+  the processors between sessions first); while n of them are busy each runs at
+  min(1, cores / n) of its speed.
   None: each engine and rank has its own accelerator, and only the orchestrator's order matters.
 
 `nonstop.planner.calibrate` fits them to a run's span log. `Shape` is what the planner may
@@ -95,6 +97,7 @@ class PlanParams:
     call_sample_s: float = 0.0
     loop_s: float = 0.0
     pickup_passes: int = 0
+    send_s: float = 0.0
     wake_s: float = 0.0
     drop_frac: float = 0.0
     eval_s: float = 0.0
@@ -108,7 +111,7 @@ class PlanParams:
                 f"{self.step_token_s * 1e6:.1f} us/token, publish {self.publish_s * 1e3:.1f} ms, apply "
                 f"{self.apply_s * 1e3:.1f} ms; orchestrator {self.orch_group_s * 1e3:.2f} ms/group, handoff "
                 f"{self.deliver_delay_s * 1e3:.1f} ms, pause {self.pause_s * 1e3:.0f} ms per {self.pause_every:.0f} "
-                f"groups, batch call {self.call_sample_s * 1e6:.1f} us/sample, loop {self.loop_s * 1e3:.1f} ms; "
+                f"groups, send {self.send_s * 1e3:.2f} ms/group, batch call {self.call_sample_s * 1e6:.1f} us/sample, loop {self.loop_s * 1e3:.1f} ms; "
                 f"drop {self.drop_frac:.2f}; shared cores {cores}; {len(self.groups_lens)} groups' completion lengths")
 
     def to_json(self) -> str:
