@@ -51,6 +51,19 @@ class Echo:
         self.__dict__.setdefault("_events", {}).setdefault(key, asyncio.Event()).set()
 
 
+def perturbed_model(model_dir, seed: int):
+    """The model at `model_dir` with N(0, 1) noise from `seed` added to every weight: weights an
+    update can be told apart by."""
+    from nonstop.hf import load_model
+
+    model = load_model(str(model_dir))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g))
+    return model
+
+
 def receive_weights(handle, model_dir: str, rank: int, want_version: int, out_queue, deadline_s: float = 60.0) -> None:
     """Engine-side process: attach to the transport, wait for `want_version`, send the weights back."""
     torch.set_num_threads(1)

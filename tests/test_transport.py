@@ -11,16 +11,7 @@ from nonstop.hf import load_model
 from nonstop.types import FilesOptions
 from nonstop.transport import TransportError, check_layout, model_layout, open_sink, open_source, plan_transport
 
-from helpers import connect_then_hang, receive_weights
-
-
-def _perturbed(model_dir, seed):
-    model = load_model(str(model_dir))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g))
-    return model
+from helpers import connect_then_hang, perturbed_model as _perturbed, receive_weights
 
 
 def transport(**fields) -> TransportConfig:

@@ -20,16 +20,7 @@ from nonstop.transport.base import FlatSender, engine_target
 from nonstop.transport.device import IpcRecord, pick_backend, receive_device
 from nonstop.transport.shm import NONE, ShmSource, _Segment
 
-from helpers import receive_weights
-
-
-def _perturbed(model_dir, seed):
-    model = load_model(str(model_dir))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g))
-    return model
+from helpers import perturbed_model as _perturbed, receive_weights
 
 
 def test_gpu_paths_asked_for_a_trainer_on_the_cpu_are_refused_naming_the_field(tiny_dir):
