@@ -66,24 +66,32 @@ def requests(prompt_ids: list[list[int]]):
     return [GenerationRequest(i, p, 8, SamplingParams(max_new_tokens=4, temperature=1.0)) for i, p in enumerate(prompt_ids)]
 
 
+def shipped_engine(device: str):
+    """The shipped base in a float32 built-in engine on `device` (TF32 off: ratios near 1 need exact
+    matmuls); returns the engine, the tokenizer and the base's folder."""
+    from nonstop.config import EngineConfig
+    from nonstop.device import place
+    from nonstop.engine.core import TorchEngine
+    from nonstop.hf import load_model, load_tokenizer
+    from nonstop.tasks.base import shipped_dir
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = str(shipped_dir())
+    tok = load_tokenizer(path)
+    engine = TorchEngine(place(load_model(path), torch.device(device)), [tok.eos_token_id], tok.pad_token_id,
+                         settings=EngineConfig(device=device, dtype="float32"))
+    return engine, tok, path
+
+
 def engine_process(handle, device: str, inbox, outbox) -> None:
     """The engine end of checks 3-4, in its own process (CUDA IPC cannot map memory its own process
     exported, and NCCL needs one process per member): attach, wait for the publish, generate."""
     try:
-        from nonstop.config import EngineConfig
-        from nonstop.device import place
-        from nonstop.engine.core import TorchEngine
-        from nonstop.hf import load_model, load_tokenizer
-        from nonstop.tasks.base import shipped_dir
         from nonstop.transport import open_source
         from nonstop.transport.device import receive_device
 
-        torch.backends.cuda.matmul.allow_tf32 = False
         dev = torch.device(device)
-        path = str(shipped_dir())
-        tok = load_tokenizer(path)
-        engine = TorchEngine(place(load_model(path), dev), [tok.eos_token_id], tok.pad_token_id,
-                             settings=EngineConfig(device=device, dtype="float32"))
+        engine, tok, _ = shipped_engine(device)
         where = receive_device(handle, dev)
         if where is not None:
             engine.receive_weights_on(where)
@@ -139,21 +147,15 @@ def two_process_update(trainer, device: str, cfg, engine_device: str | None = No
 
 
 def engine_and_trainer(device: str):
-    from nonstop.config import EngineConfig, ShmTransportConfig, TrainerConfig
+    from nonstop.config import ShmTransportConfig, TrainerConfig
     from nonstop.device import on, place
-    from nonstop.engine.core import TorchEngine
-    from nonstop.hf import load_model, load_tokenizer
-    from nonstop.tasks.base import shipped_dir
+    from nonstop.hf import load_model
     from nonstop.trainer.core import Trainer
     from nonstop.transport import open_sink, open_source, plan_transport
     from nonstop.types import Group
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     cuda = torch.device(device)
-    path = str(shipped_dir())
-    tok = load_tokenizer(path)
-    engine = TorchEngine(place(load_model(path), cuda), [tok.eos_token_id], tok.pad_token_id,
-                         settings=EngineConfig(device=device, dtype="float32"))
+    engine, tok, path = shipped_engine(device)
     trainer = Trainer(place(load_model(path), cuda), TrainerConfig(device=device), temperature=1.0,
                       pad_token_id=tok.pad_token_id)
     reqs = requests(prompts(tok))
