@@ -302,20 +302,31 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     applies = [e["t1"] - e["t0"] for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "apply"]
     evals = [e["t1"] - e["t0"] for e in tl.events.get("orchestrator", []) if e["ev"] == "eval"]
     uniform = tl.drops.get("uniform_reward", 0)
+    firsts, gap_s = admissions(groups)
     return PlanParams(
         pass_s=pass_s, pass_row_s=pass_row_s, step_s=step_s, step_token_s=step_token_s,
         publish_s=fmean(pubs) if pubs else 0.0, apply_s=fmean(applies) if applies else 0.0,
         groups_lens=[g.lens for g in groups],
-        admit_delay_s=fmean(g.t_gen0 - g.t_admit for g in groups) if groups else 0.0,
-        admit_delays=[round(g.t_gen0 - g.t_admit, 6) for g in groups[:: max(1, len(groups) // 4000)]],
+        admit_delay_s=fmean(firsts) if firsts else 0.0,
+        admit_delays=[round(x, 6) for x in firsts[:: max(1, len(firsts) // 4000)]], admit_gap_s=gap_s,
         deliver_delay_s=deliver_delay_s, orch_group_s=orch_group_s,
         pause_s=fmean(b - a for a, b in paused) if paused else 0.0,
         pause_every=len(groups) / len(paused) if paused else 0.0,
         call_sample_s=call_s / (cfg.rollout.prompts_per_step * cfg.rollout.group_size), loop_s=loop_s,
         drop_frac=uniform / len(groups) if groups and cfg.rollout.filter_uniform_reward and cfg.rollout.refill else 0.0,
-        pickup_passes=1, send_s=send_s, wake_s=engine_wake(tl), eval_s=fmean(evals) if evals else 0.0, cores=cores,
+        pickup_passes=2, return_passes=1, send_s=send_s, wake_s=engine_wake(tl), eval_s=fmean(evals) if evals else 0.0, cores=cores,
         calibrated_on=Shape.of(cfg),
     )
+
+
+def admissions(groups: list[GroupLife]) -> tuple[list[float], float]:
+    """Each admission's delay to its first engine call, and the mean gap between its later calls
+    (the producer sends one admission's calls one after another, in one turn of its loop)."""
+    by: dict[float, list[float]] = {}
+    for g in groups:
+        by.setdefault(g.t_admit, []).append(g.t_gen0 - g.t_admit)
+    gaps = [(max(d) - min(d)) / (len(d) - 1) for d in by.values() if len(d) > 1]
+    return [min(d) for d in by.values()], fmean(gaps) if gaps else 0.0
 
 
 def _send_cost(tl: Timeline, orch_busy: list[Interval], busy: list[list[Interval]], cores: float | None) -> float:

@@ -90,6 +90,7 @@ class PlanParams:
     len_max: int = 0
     admit_delay_s: float = 0.0
     admit_delays: list[float] = field(default_factory=list)
+    admit_gap_s: float = 0.0
     deliver_delay_s: float = 0.0
     orch_group_s: float = 0.0
     pause_s: float = 0.0
@@ -97,6 +98,7 @@ class PlanParams:
     call_sample_s: float = 0.0
     loop_s: float = 0.0
     pickup_passes: int = 0
+    return_passes: int = 0
     send_s: float = 0.0
     wake_s: float = 0.0
     drop_frac: float = 0.0
