@@ -164,11 +164,11 @@ class Simulation:
         e = min(self.engines, key=lambda x: (x.in_flight, x.index))
         e.in_flight += len(g.lens)
         g.engine = e
-        if e.end is None and not e.rows and self.p.wake_s > 0:
+        if e.end is None and not e.rows and self.p.wake_s + self.p.wake_call_s > 0:
             e.waiting.append(g)  # an idle engine reads the calls waiting for it before its first pass
-            if e.wake_at is None:
-                e.wake_at = self.t + self.p.wake_s
-                self.at(e.wake_at, "wake", e)
+            e.wake_at = (self.t + self.p.wake_s if e.wake_at is None else e.wake_at) + self.p.wake_call_s
+            e.gen += 1
+            self.at(e.wake_at, "wake", (e, e.gen))
             return
         if self.p.pickup_passes and e.end is not None:
             e.arriving.append([g, self.p.pickup_passes])  # joins at boundary pickup_passes + 1 from now
@@ -201,7 +201,10 @@ class Simulation:
         e.end = boundary
         self.at(boundary, "engine", (e, e.gen, e.passes + done))
 
-    def on_wake(self, e: _Engine) -> None:
+    def on_wake(self, arg: tuple[_Engine, int]) -> None:
+        e, gen = arg
+        if gen != e.gen:
+            return  # another call reached it first: it reads that one too
         e.wake_at = None
         self.plan(e)
 

@@ -101,6 +101,7 @@ class PlanParams:
     return_passes: int = 0
     send_s: float = 0.0
     wake_s: float = 0.0
+    wake_call_s: float = 0.0
     drop_frac: float = 0.0
     eval_s: float = 0.0
     cores: float | None = None
