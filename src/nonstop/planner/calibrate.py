@@ -324,7 +324,10 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         pause_every=len(groups) / len(paused) if paused else 0.0,
         call_sample_s=call_s / (cfg.rollout.prompts_per_step * cfg.rollout.group_size), loop_s=loop_s,
         drop_frac=uniform / len(groups) if groups and cfg.rollout.filter_uniform_reward and cfg.rollout.refill else 0.0,
-        pickup_passes=2, return_passes=1, send_s=send_s, wake_s=wake_s, wake_call_s=wake_call_s, eval_s=fmean(evals) if evals else 0.0, cores=cores,
+        # the engine actor's loop order (engine/aio.py, runtime/local.py): a call that arrives mid-pass
+        # is read after the next pass and submitted after the one after; an answer leaves after the next
+        pickup_passes=2, return_passes=1,
+        send_s=send_s, wake_s=wake_s, wake_call_s=wake_call_s, eval_s=fmean(evals) if evals else 0.0, cores=cores,
         calibrated_on=Shape.of(cfg),
     )
 

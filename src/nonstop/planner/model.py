@@ -5,32 +5,14 @@
 trainer idle fractions and the per-token lag histogram, measured over the same window the real
 run is measured on (RL start to the last publish). docs/planning.md states the equations.
 
-What is modelled, as the code does it:
-- admission: groups_admitted <= (steps_trained + depth + 1) x batch + refunded (depth None:
-  steps_trained x batch + max_queued + refunded, as the buffer does); each admitted group reaches the engine
-  with the fewest samples in flight after `admit_delay_s`;
-- an engine is continuous batching over `slots` rows: a waiting group joins at a pass boundary
-  when its `group_size` rows fit; every pass emits one token per row, with the engine's current
-  policy_version; a row leaves after its completion length; a new published version is made
-  live at the next pass boundary (costing `apply_s`), as `never_stop` does;
-- the orchestrator is one server, first come first served: a finished group takes
-  `orch_group_s` of it, and the groups of one busy stretch are buffered together
-  `deliver_delay_s` after it ends, or dropped with probability `drop_frac` (no learning signal;
-  its admission is refunded); every `pause_every` groups it pauses for `pause_s`; a batch takes
-  `call_sample_s` per sample of it before the step starts and `loop_s` between the step and the
-  publish (taking the result, calling the publish, records); admitted groups are sent
-  once it is free;
-- the trainer takes `batch` groups in arrival order, dropping those more than `max_lag` versions
-  behind the published version (refunded), steps, publishes, and only then raises admission;
-- with `cores`, the busy engines, trainer ranks and orchestrator share them: each runs at
-  min(1, cores / busy) of its speed, re-planned whenever one starts or stops (an engine at its
-  next pass boundary, a step's remaining work at once; the orchestrator's own costs were measured
-  under the calibration run's sharing and are kept as they are).
-
-Engines advance in macro steps: between two changes (a row finishing, a group arriving, a new
-version, the trainer starting or stopping) every pass has the same rows and cost, so the model
-jumps to the next change instead of simulating each pass; a change that arrives mid-pass takes
-effect at the next pass boundary. A 32K-token completion therefore costs a few events, not 32K.
+The model, as docs/planning.md states it: admission bounded by depth (or max_queued) plus
+refunds, one admission's calls sent together; engines as continuous batching on one event loop
+(an idle one wakes after reading its calls, a busy one takes a call `pickup_passes` + 1
+boundaries after it arrives and answers `return_passes` passes after a group's last token);
+the orchestrator as one first-come-first-served server (answers, pauses, the learning loop's
+work, sending calls); the trainer taking batches in arrival order under max_lag; with `cores`,
+busy actors sharing the processors. Engines advance in macro steps: between two changes every
+pass has the same rows and cost, so a 32K-token completion is a few events, not 32K.
 """
 
 from __future__ import annotations
