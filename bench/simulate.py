@@ -22,6 +22,7 @@ result is the prediction from the calibration run alone). Last line:
     python bench/simulate.py --quick          # 40 steps per run, 7 runs
     python bench/simulate.py --steps 80 --out runs/planner   # keep the run folders
     python bench/simulate.py --quick --out runs/planner --reuse   # predict again, measure nothing
+    python bench/simulate.py --quick --reverse   # the other configurations measured last first
 """
 
 from __future__ import annotations
@@ -158,6 +159,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="simulation seeds averaged per prediction")
     ap.add_argument("--out", default=None, help="keep the run folders here (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="with --out: take runs already there instead of running them")
+    ap.add_argument("--reverse", action="store_true",
+                    help="run the other configurations last first (the table keeps its order): whether a cell is slow "
+                         "for its position in the sequence or for its configuration")
     ns = ap.parse_args()
     steps = 40 if ns.quick else ns.steps
     t_start = time.perf_counter()
@@ -166,6 +170,9 @@ def main() -> None:
         cfg, tl, steal, others = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
         params = calibrate(tl, cfg)
         print(f"calibrated on {Shape.of(cfg).label()}: {params.describe()}", flush=True)
+        if ns.reverse:
+            for i in range(len(PREDICT), 0, -1):
+                measure(PREDICT[i - 1], steps, out, f"cell{i}", ns.reuse)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
               f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
               f"{'procs':>5} {'work e/t':>9} {'others':>6} {'steal':>5}")
@@ -174,7 +181,7 @@ def main() -> None:
             if i == 0:
                 cfg_i, tl_i, steal_i, others_i = cfg, tl, steal, others
             else:
-                cfg_i, tl_i, steal_i, others_i = measure(cell, steps, out, f"cell{i}", ns.reuse)
+                cfg_i, tl_i, steal_i, others_i = measure(cell, steps, out, f"cell{i}", ns.reuse or ns.reverse)
             shape = Shape.of(cfg_i)
             sps, t_idle, e_idle, lag = predict(params, shape, ns.seeds)
             m_sps, m_t, m_e = tl_i.samples_per_s(), tl_i.idle_fraction("trainer"), tl_i.idle_fraction("engine")
