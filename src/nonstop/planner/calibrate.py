@@ -293,9 +293,10 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     if not chunk_events:
         raise ValueError(f"{tl.run_dir}: the span log holds no engine forward passes")
     if cores is not None and all("cpu_s" in e for e in chunk_events + steps):
-        # processor time says what each took alone; the steps' wall time says how shared they were
-        fitted = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps], cores)
-        cores = cores if fitted is None else fitted  # steps at full speed: the host's, still shared
+        # processor time says what each took alone; the steps' and the chunks' wall time how shared they
+        # were (both: the sharing slows every busy actor, and the engine's chunks hold most of the evidence)
+        fitted = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps + chunk_events], cores)
+        cores = cores if fitted is None else fitted  # at full speed: the host's, still shared
         per_pass = [(e["rows"] / e["passes"], e["cpu_s"] / e["passes"]) for e in chunk_events]
         work = [e["cpu_s"] for e in steps]
     else:
