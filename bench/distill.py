@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=None, help="bound each run by RL wall time instead of steps")
     ap.add_argument("--seeds", default=None, help="comma-separated run seeds, each signal once per seed "
                                                   "(default 0,1,2; quick 0,1)")
+    ap.add_argument("--teacher", default=None,
+                    help="a teacher folder with a provenance.json (bench/make_teacher.py); default: the shipped one")
     ap.add_argument("--teacher-seconds", type=float, default=0.0,
                     help="train a teacher for this long instead of the shipped one (0: the shipped one)")
     ap.add_argument("--coef", type=float, default=1.0)
@@ -106,7 +108,7 @@ def main() -> None:
             teacher, teacher_acc = teacher_sum["final_dir"], teacher_sum["final_accuracy"]
             made = f"shipped base + {ns.teacher_seconds:g} s RL"
         else:
-            teacher = str(SHIPPED_TEACHER)
+            teacher = ns.teacher or str(SHIPPED_TEACHER)
             prov = verify(teacher)
             teacher_acc, made = prov["heldout_accuracy"], f"shipped, {prov['steps']} steps of RL"
         print(f"teacher: {made}, held-out {teacher_acc:.1%}", flush=True)

@@ -11,12 +11,16 @@ follows, for `--steps` steps, with the trainer's settings (AdamW, trainer.lr, gr
            the clipped policy-gradient loss;
 - exact  : the exact per-position reverse KL, sum_v pi_student(v) (log pi_student(v) -
            log pi_teacher(v)) over the whole vocabulary, at every completion position of the same
-           kind of samples, minimised directly (what the sampled term estimates, without its noise).
+           kind of samples, minimised directly (what the sampled term estimates, without its noise);
+- forward: the exact per-position forward KL, sum_v pi_teacher(v) (log pi_teacher(v) -
+           log pi_student(v)), on the same student-sampled prefixes (mass-covering, bounded
+           per-logit gradients: the teacher's soft labels on the student's own prefixes, as in GKD).
 
 If `distill` learns about as fast as `exact`, the one-sample estimator (and the clips that cap
 its large values) costs little, and the student's own learning speed sets the pace.
 
-    python bench/distill_exact.py [--steps 300] [--seed 0] [--every 50] [--set KEY=VALUE ...]
+    python bench/distill_exact.py [--steps 300] [--seed 0] [--every 50] [--signals reward,distill,exact]
+                                  [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from nonstop.tasks.warmup import greedy_accuracy
 from nonstop.trainer.core import Trainer
 from nonstop.types import GenerationRequest, Group, SamplingParams
 
-SIGNALS = ("reward", "distill", "exact")
+SIGNALS = ("reward", "distill", "exact", "forward")
 
 
 def sample_groups(engine: TorchEngine, tok, examples, cfg: Config, rng: random.Random) -> list[Group]:
@@ -56,8 +60,9 @@ def sample_groups(engine: TorchEngine, tok, examples, cfg: Config, rng: random.R
     return groups
 
 
-def exact_step(model, teacher, opt: torch.optim.Optimizer, groups: list[Group], cfg: Config) -> float:
-    """One step on the exact per-position reverse KL, averaged over the completion tokens."""
+def exact_step(model, teacher, opt: torch.optim.Optimizer, groups: list[Group], cfg: Config,
+               forward: bool = False) -> float:
+    """One step on the exact per-position reverse (or forward) KL, averaged over the completion tokens."""
     seqs = [(s.prompt_ids, s.completion_ids) for g in groups for s in g.samples]
     L = max(len(p) + len(c) for p, c in seqs)
     ids = torch.zeros((len(seqs), L), dtype=torch.long)  # (B, L) right-padded
@@ -69,7 +74,10 @@ def exact_step(model, teacher, opt: torch.optim.Optimizer, groups: list[Group], 
     student = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float() / t, -1)  # (B, L, V)
     with torch.no_grad():
         teach = torch.log_softmax(teacher(input_ids=ids, use_cache=False).logits.float() / t, -1)
-    kl = (student.exp() * (student - teach)).sum(-1)  # (B, L)
+    if forward:
+        kl = (teach.exp() * (teach - student)).sum(-1)  # (B, L)
+    else:
+        kl = (student.exp() * (student - teach)).sum(-1)  # (B, L)
     loss = kl[predicts].mean()
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -109,7 +117,7 @@ def run(signal: str, cfg: Config, steps: int, seed: int, every: int) -> list[tup
             assert isinstance(metrics["teacher_kl"], float)
             kl = metrics["teacher_kl"]
         else:
-            kl = exact_step(model, worker.model, opt, groups, cfg)
+            kl = exact_step(model, worker.model, opt, groups, cfg, forward=signal == "forward")
         if step % every == 0 or step == steps:
             model.eval()
             curve.append((step, greedy_accuracy(engine, tok, data.eval, cfg.rollout.max_new_tokens), kl))
@@ -122,24 +130,28 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--every", type=int, default=50, help="held-out evaluation every this many steps")
+    ap.add_argument("--signals", default="reward,distill,exact", help=f"a subset of {','.join(SIGNALS)}")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ns = ap.parse_args()
     cfg = load_config(overrides=["model.base=builtin_weak", *ns.sets])
     torch.set_num_threads(1)
     curves, walls = {}, {}
-    for signal in SIGNALS:
+    signals = [x for x in ns.signals.split(",") if x]
+    if not signals or set(signals) - set(SIGNALS):
+        ap.error(f"--signals: a comma-separated subset of {','.join(SIGNALS)}")
+    for signal in signals:
         t0 = time.perf_counter()
         curves[signal] = run(signal, cfg, ns.steps, ns.seed, ns.every)
         walls[signal] = time.perf_counter() - t0
     print(f"\nStudent: shipped weak base; teacher: shipped; {ns.steps} synchronous steps of "
           f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} samples; lr {cfg.trainer.lr:g}; seed {ns.seed}")
-    steps = [s for s, _, _ in curves["reward"]]
+    steps = [s for s, _, _ in curves[signals[0]]]
     print(f"{'signal':>8} " + " ".join(f"{s:>6}" for s in steps) + f" {'KL last':>8} {'s':>5}")
     for signal, curve in curves.items():
         kl = "-" if signal == "reward" else f"{curve[-1][2]:.2f}"
         print(f"{signal:>8} " + " ".join(f"{a:>6.1%}" for _, a, _ in curve) + f" {kl:>8} {walls[signal]:>5.0f}")
     final = {signal: curve[-1][1] for signal, curve in curves.items()}
-    print(f"RESULT acc_reward={final['reward']:.3f} acc_distill={final['distill']:.3f} acc_exact={final['exact']:.3f}")
+    print("RESULT " + " ".join(f"acc_{signal}={acc:.3f}" for signal, acc in final.items()))
 
 
 if __name__ == "__main__":

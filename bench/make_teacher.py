@@ -34,9 +34,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base", default="builtin", help="the model RL starts from (model.base)")
     ap.add_argument("--out", type=Path, default=ROOT / "src" / "nonstop" / "assets" / "addition-teacher")
     ns = ap.parse_args()
-    overrides = [f"run.max_steps={ns.steps}", "run.max_time_s=null", f"run.seed={ns.seed}", "model.base=builtin",
+    overrides = [f"run.max_steps={ns.steps}", "run.max_time_s=null", f"run.seed={ns.seed}", f"model.base={ns.base}",
                  "buffer.depth=0", "checkpoint.every_steps=null", f"run.eval_every={max(1, ns.steps // 10)}"]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nonstop-teacher-") as tmp:
@@ -49,7 +50,7 @@ def main() -> None:
     prov = {
         "command": " ".join(["python bench/make_teacher.py", *sys.argv[1:]]),
         "overrides": overrides,
-        "base": "builtin",
+        "base": ns.base,
         "steps": summary.steps,
         "eval_curve": curve,
         "base_accuracy": summary.base_accuracy,

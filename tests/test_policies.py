@@ -23,7 +23,8 @@ from nonstop.orchestrator.episode_flow import EpisodeStats, RoleBaselines, env_p
 from nonstop.orchestrator.episodes import RoleEngines
 from nonstop.orchestrator.generate import Codec, RolloutStats
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.policies import SplitIntake, check_roles, policy_config
+from nonstop.orchestrator.policies import check_roles, policy_config
+from nonstop.orchestrator.split_intake import SplitIntake
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample
 from two_role_env import TURNS, Duel

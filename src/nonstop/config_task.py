@@ -1,0 +1,76 @@
+"""The task and warm-up sections of the run configuration (re-exported by nonstop.config).
+
+`task` says where prompts and answers come from and how completions are rewarded; `warmup` how
+the built-in tiny model becomes a weak, not blank, base policy before RL when no shipped base
+fits. Rules that span sections live in `Config._combinations`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from nonstop.config_schema import Section as _Section
+
+
+class TaskConfig(_Section):
+    name: Literal["addition", "jsonl"] = "addition"
+    """Built-in two-operand addition ('07+45=' -> '52'), or prompts/answers from a JSONL file."""
+    max_operand: int = Field(99, ge=1, le=9999)
+    """Operands of the addition task are drawn from 0..max_operand."""
+    pad_answer: bool = False
+    """Zero-pad addition answers to one width ('07+45=' -> '052'), so every answer has the same length."""
+    eval_size: int = Field(500, ge=1)
+    """Number of held-out prompts (never trained on) used to measure accuracy; at most half the
+    rows (the run says how many it took)."""
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    """Hold out this fraction of the rows (rounded, at least 1) instead of eval_size."""
+    eval_path: str | None = None
+    """JSONL file of held-out rows (task 'jsonl'): every dataset row trains; eval_size and
+    eval_fraction are not used."""
+    split_seed: int = 0
+    """Seeds the shuffle that splits train and held-out prompts. Independent of run.seed, so every
+    run seed measures the same held-out prompts, which the shipped base never trained on."""
+    dataset_path: str | None = None
+    """JSONL file with one {"prompt": ..., "answer": ...} object per line (task 'jsonl')."""
+    reward: str = "exact_match"
+    """'exact_match', 'partial_credit', or 'package.module:function' taking (completion, answer) -> float."""
+    max_consecutive_reward_failures: int = Field(64, ge=1)
+    """Groups in a row whose reward failed (raised or non-finite) before the run stops with the last error."""
+    reward_fail_fast: bool = False
+    """Stop the run at the first sample whose reward raised or was not finite, instead of counting it."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Prompts longer than this many tokens are bad rows (None: the model's max_position_embeddings
+    minus rollout.max_new_tokens)."""
+    on_bad_row: Literal["skip", "error"] = "skip"
+    """A dataset row with missing fields or an over-long prompt: 'skip' reports it with its index and
+    goes on; 'error' stops before training with the list of bad rows."""
+
+    @model_validator(mode="after")
+    def _dataset_needs_path(self) -> "TaskConfig":
+        if self.name == "jsonl" and not self.dataset_path:
+            raise ValueError("task 'jsonl' needs dataset_path")
+        if self.eval_path is not None and (self.name != "jsonl" or self.eval_fraction is not None):
+            raise ValueError("task.eval_path: held-out rows from a file need task 'jsonl', and no eval_fraction")
+        return self
+
+
+class WarmupConfig(_Section):
+    enabled: bool | None = None
+    """Train the built-in tiny model briefly (supervised) into a weak, not blank, base policy; cached on
+    disk. None: on for the built-in tiny model, off with model.path (see Config.warmup_enabled)."""
+    target_accuracy: float = Field(0.25, gt=0.0, le=1.0)
+    """Stop the warm-up once held-out accuracy reaches this."""
+    max_steps: int = Field(4000, ge=1)
+    """Give up on the accuracy gate after this many steps."""
+    batch_size: int = Field(64, ge=1)
+    """Examples per warm-up step."""
+    lr: float = Field(3e-3, gt=0.0)
+    """AdamW learning rate of the warm-up."""
+    eval_every: int = Field(50, ge=1)
+    """Check the accuracy gate every this many steps."""
+    cache_dir: str = ".nonstop_cache"
+    """Where warmed-up base models are cached, keyed by a hash of everything that shapes them."""
+    seed: int | None = None
+    """Seeds the warm-up's initial weights and batch order; None: run.seed."""
