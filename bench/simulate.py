@@ -7,11 +7,13 @@ taken over the same window (RL start to the last publish) from the span log. Pri
 of predicted vs measured samples/s, trainer and engine idle fractions, mean token lag, and how
 much of the machine each run had: the processor time the trainer's steps got per second of wall
 time (`step cpu/wall`), the processors the planner fits to that run's own span log (`procs`: the
-calibration's figure is the one every prediction uses), the processor time the other processes
-on the machine took while it ran (`others`, of the machine's total; fresh runs only) and the
-time stolen by the hypervisor (`steal`). A line before the result repeats the predictions with
-each run's own fitted processors instead of the calibration's: the model's error with the
-machine's share taken as known, apart from the share changing between runs (a diagnostic; the
+calibration's figure is the one every prediction uses), the processor time the engine passes and
+trainer steps took per unit of the calibrated work of the same passes and steps (`work e/t`: 1 is
+the calibration run's pace), the processor time the other processes on the machine took while
+it ran (`others`, of the machine's total; fresh runs only) and the time stolen by the hypervisor
+(`steal`). Two lines before the result repeat the predictions with each run's own fitted
+processors, then with its own processor time per unit of work, instead of the calibration's:
+the model's error with the machine's share, or its pace, taken as known (diagnostics; the
 result is the prediction from the calibration run alone). Last line:
 
     RESULT max_rel_error=<largest |pred/meas - 1| of samples/s> median_rel_error=<...>
@@ -20,11 +22,13 @@ result is the prediction from the calibration run alone). Last line:
     python bench/simulate.py --quick          # 40 steps per run, 7 runs
     python bench/simulate.py --steps 80 --out runs/planner   # keep the run folders
     python bench/simulate.py --quick --out runs/planner --reuse   # predict again, measure nothing
+    python bench/simulate.py --quick --reverse   # the other configurations measured last first
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import statistics
@@ -110,6 +114,30 @@ def cpu_share(tl: Timeline) -> str:
     return f"{sum(e['cpu_s'] for e in steps) / sum(e['t1'] - e['t0'] for e in steps):.2f}"
 
 
+def work_ratio(tl: Timeline, params: PlanParams) -> tuple[float, float]:
+    """Processor time the run's engine passes and trainer steps took per unit of the calibrated
+    work of the same passes and steps (a + b rows per pass, c + d tokens per step): above 1 when
+    this run's processes needed more processor time for the same work than the calibration
+    run's (another tenant of the host sharing its caches and memory, a slower clock); (nan, nan)
+    for span logs without processor time."""
+    chunks = [e for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "busy" and e["passes"]]
+    steps = [e for e in tl.events.get("trainer-0", []) if e["ev"] == "step"]
+    if not all("cpu_s" in e for e in chunks + steps) or not chunks or not steps:
+        return math.nan, math.nan
+    engine = sum(e["passes"] * params.pass_s + e["rows"] * params.pass_row_s for e in chunks)
+    trainer = sum(params.step_s + params.step_token_s * e["tokens"] for e in steps)
+    return sum(e["cpu_s"] for e in chunks) / engine, sum(e["cpu_s"] for e in steps) / trainer
+
+
+def at_speed(params: PlanParams, ratio: tuple[float, float]) -> PlanParams:
+    """The costs scaled to another run's processor time per unit of work (work_ratio)."""
+    e, t = ratio
+    if math.isnan(e):
+        return params
+    return replace(params, pass_s=params.pass_s * e, pass_row_s=params.pass_row_s * e, step_s=params.step_s * t,
+                   step_token_s=params.step_token_s * t)
+
+
 def predict(params: PlanParams, shape: Shape, seeds: int) -> tuple[float, float, float, float]:
     """samples/s, trainer idle, engine idle and mean lag, averaged over `seeds` simulations."""
     preds = [simulate(params, shape, seed) for seed in range(seeds)]
@@ -131,6 +159,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="simulation seeds averaged per prediction")
     ap.add_argument("--out", default=None, help="keep the run folders here (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="with --out: take runs already there instead of running them")
+    ap.add_argument("--reverse", action="store_true",
+                    help="run the other configurations last first (the table keeps its order): whether a cell is slow "
+                         "for its position in the sequence or for its configuration")
     ns = ap.parse_args()
     steps = 40 if ns.quick else ns.steps
     t_start = time.perf_counter()
@@ -139,33 +170,40 @@ def main() -> None:
         cfg, tl, steal, others = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
         params = calibrate(tl, cfg)
         print(f"calibrated on {Shape.of(cfg).label()}: {params.describe()}", flush=True)
+        if ns.reverse:
+            for i in range(len(PREDICT), 0, -1):
+                measure(PREDICT[i - 1], steps, out, f"cell{i}", ns.reuse)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
               f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
-              f"{'procs':>5} {'others':>6} {'steal':>5}")
-        rel, idle, own_rel, own_idle = [], [], [], []
+              f"{'procs':>5} {'work e/t':>9} {'others':>6} {'steal':>5}")
+        rel, idle, own_rel, own_idle, fast_rel = [], [], [], [], []
         for i, cell in enumerate([CALIBRATE, *PREDICT]):
             if i == 0:
                 cfg_i, tl_i, steal_i, others_i = cfg, tl, steal, others
             else:
-                cfg_i, tl_i, steal_i, others_i = measure(cell, steps, out, f"cell{i}", ns.reuse)
+                cfg_i, tl_i, steal_i, others_i = measure(cell, steps, out, f"cell{i}", ns.reuse or ns.reverse)
             shape = Shape.of(cfg_i)
             sps, t_idle, e_idle, lag = predict(params, shape, ns.seeds)
             m_sps, m_t, m_e = tl_i.samples_per_s(), tl_i.idle_fraction("trainer"), tl_i.idle_fraction("engine")
             err = sps / m_sps - 1
             own = calibrate(tl_i, cfg_i).cores  # the processors this run had, from its own span log
+            ratio = work_ratio(tl_i, params)
             if i > 0:
                 rel.append(abs(err))
                 idle.append(abs(t_idle - m_t))
                 own_sps, own_t, _, _ = predict(replace(params, cores=own), shape, ns.seeds)
                 own_rel.append(abs(own_sps / m_sps - 1))
                 own_idle.append(abs(own_t - m_t))
+                fast_rel.append(abs(predict(at_speed(params, ratio), shape, ns.seeds)[0] / m_sps - 1))
             label = shape.label() + (" (calibration)" if i == 0 else "")
             procs = "-" if own is None else f"{own:.2f}"
             print(f"{label:<44} {sps:14.1f} {m_sps:7.1f} {err:+6.1%} | {t_idle:17.2f} {m_t:5.2f} | "
                   f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13} "
-                  f"{procs:>5} {others_i:>6} {steal_i:>5}", flush=True)
+                  f"{procs:>5} {ratio[0]:4.2f}/{ratio[1]:4.2f} {others_i:>6} {steal_i:>5}", flush=True)
     print(f"with each run's own fitted processors (diagnostic): max_rel_error={max(own_rel):.3f} "
           f"median_rel_error={statistics.median(own_rel):.3f} idle_abs_error={max(own_idle):.3f}")
+    print(f"with each run's own processor time per unit of work (diagnostic): max_rel_error={max(fast_rel):.3f} "
+          f"median_rel_error={statistics.median(fast_rel):.3f}")
     print(f"wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT max_rel_error={max(rel):.3f} median_rel_error={statistics.median(rel):.3f} "
           f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={cfg.run.max_steps}")

@@ -67,6 +67,22 @@ def test_pass_recorder_coalesces_passes_into_chunks(tmp_path):
     assert all(c["t1"] - c["t0"] <= CHUNK_S + 1e-9 for c in chunks)
 
 
+def test_pass_recorder_counts_prefills_when_the_engine_reports_them(tmp_path):
+    """Passes that prefilled new prompts, and their tokens, summed per chunk; an engine that does
+    not report them (vLLM's) writes chunks without the fields, not zeros."""
+    log = SpanLog(tmp_path / "e.jsonl")
+    rec = PassRecorder(log)
+    for i, prefill in enumerate([(1, 12), (0, 0), (1, 30), (0, 0)]):
+        rec.record(100 + 0.008 * i, 100 + 0.008 * (i + 1), 8, prefill=prefill)
+    rec.flush()
+    rec.record(101.0, 101.01, 2)
+    rec.flush()
+    log.close()
+    chunks = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()[1:]]
+    assert (chunks[0]["prefills"], chunks[0]["prefill_tokens"]) == (2, 42)
+    assert "prefills" not in chunks[1]
+
+
 def test_spans_off_names_no_file(tmp_path):
     assert _span_file(load_config(overrides=["run.spans=false"]), tmp_path, "engine-0") is None
     assert _span_file(load_config(), tmp_path, "engine-0") == str(tmp_path / "spans" / "engine-0.jsonl")
@@ -95,6 +111,10 @@ def test_run_span_log_accounts_for_every_group_step_and_token(run_dir):
     # the engine generated at least every token of every group (plus the held-out evaluations)
     rows = sum(e["rows"] for e in tl.events["engine-0"] if e["ev"] == "busy")
     assert rows >= sum(sum(g.lens) for g in tl.groups)
+    # and prefilled every group's prompt once, in passes it counts (a pass may prefill several)
+    chunks = [e for e in tl.events["engine-0"] if e["ev"] == "busy"]
+    assert all(0 <= e["prefills"] <= e["passes"] for e in chunks)
+    assert 0 < sum(e["prefills"] for e in chunks) and sum(e["prefill_tokens"] for e in chunks) >= len(tl.groups)
     # one clock: each group's life is ordered, and trained groups were generated before their step began
     train_t0 = {e["step"]: e["t0"] for e in tl.events["orchestrator"] if e["ev"] == "train"}
     for g in tl.groups:

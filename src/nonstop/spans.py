@@ -115,7 +115,10 @@ class PassRecorder:
     """Coalesces an engine's forward passes into `busy` chunks (cut once longer than CHUNK_S, at
     pauses over GAP_S, and by `flush()` when the engine runs out of work), so the log stays small
     while keeping the rate per batch size. A chunk cut for length ends where the next one
-    begins, so the chunks of a busy stretch tile it, the work between passes included."""
+    begins, so the chunks of a busy stretch tile it, the work between passes included. Engines
+    that report them also count the passes that prefilled new prompts and the prompt tokens
+    prefilled (`prefills`, `prefill_tokens`): a pass that admits groups costs more than its rows
+    say, and the planner's calibration can only see that per chunk."""
 
     def __init__(self, log: SpanLog) -> None:
         self.log = log
@@ -123,9 +126,12 @@ class PassRecorder:
         self.cpu0 = self.cpu1 = 0.0  # the process's processor time at the chunk's first pass start, last pass end
         self.passes = self.rows = 0
         self.busy_s = 0.0
+        self.prefills: tuple[int, int] | None = None  # (passes that prefilled, prompt tokens), when reported
 
-    def record(self, t0: float, t1: float, rows: int, cpu0: float = 0.0, cpu1: float = 0.0) -> None:
-        """One pass from t0 to t1 emitting `rows` tokens; cpu0, cpu1: `time.process_time()` at its start and end."""
+    def record(self, t0: float, t1: float, rows: int, cpu0: float = 0.0, cpu1: float = 0.0,
+               prefill: tuple[int, int] | None = None) -> None:
+        """One pass from t0 to t1 emitting `rows` tokens; cpu0, cpu1: `time.process_time()` at its
+        start and end; `prefill`: (1 if it prefilled new prompts else 0, their tokens)."""
         if self.passes and t0 - self.t1 > GAP_S:
             self.flush()
         elif self.passes and t1 - self.t0 > CHUNK_S:
@@ -136,16 +142,21 @@ class PassRecorder:
         self.passes += 1
         self.rows += rows
         self.busy_s += t1 - t0
+        if prefill is not None:
+            done = self.prefills or (0, 0)
+            self.prefills = (done[0] + prefill[0], done[1] + prefill[1])
 
     def flush(self, end: float | None = None, cpu_end: float | None = None) -> None:
         """Write the open chunk, ending at `end` (default: its last pass's end)."""
         if self.passes:
             t1 = self.t1 if end is None else end
             cpu = (self.cpu1 if cpu_end is None else cpu_end) - self.cpu0
+            extra = {} if self.prefills is None else {"prefills": self.prefills[0], "prefill_tokens": self.prefills[1]}
             self.log.emit("busy", t0=round(self.t0, 6), t1=round(t1, 6), passes=self.passes, rows=self.rows,
-                          busy_s=round(self.busy_s, 6), cpu_s=round(cpu, 6))
+                          busy_s=round(self.busy_s, 6), cpu_s=round(cpu, 6), **extra)
         self.passes = self.rows = 0
         self.busy_s = 0.0
+        self.prefills = None
 
 
 def _lines(path: Path) -> Iterator[dict[str, Any]]:

@@ -69,6 +69,7 @@ class AsyncEngine:
             return
         stats = self.engine.scheduler.stats
         t0, tokens, swaps, swap_s = now(), stats["tokens_generated"], stats["swaps"], stats["swap_s"]
+        prefills, prefill_tokens = stats["prefills"], stats["prefill_tokens"]
         cpu0 = time.process_time()
         self.engine.step()
         t1, cpu1 = now(), time.process_time()
@@ -76,7 +77,8 @@ class AsyncEngine:
             assert self.spans is not None  # _passes exists only with spans
             self.spans.emit("apply", t0=round(t0, 6), t1=round(t0 + stats["swap_s"] - swap_s, 6),
                             version=self.engine.policy_version)
-        self._passes.record(t0, t1, int(stats["tokens_generated"] - tokens), cpu0, cpu1)
+        self._passes.record(t0, t1, int(stats["tokens_generated"] - tokens), cpu0, cpu1,
+                            (int(stats["prefills"] - prefills), int(stats["prefill_tokens"] - prefill_tokens)))
 
     def submit(self, request: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Future:
         """Queue a request; `queue` (bounded by the caller) receives a TokenEvent per token."""

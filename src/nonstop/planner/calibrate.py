@@ -210,24 +210,33 @@ def _ordinary_mean(xs: list[float]) -> float:
     return fmean(kept) if kept else _median(xs)
 
 
-def engine_wake(tl: Timeline) -> float:
-    """How long an idle engine takes from the first call of an admission to its first pass
-    (its actor reads the calls waiting in its pipe first, so the admission's groups join that
-    pass together): the median over admissions that found an engine idle."""
+def engine_wake(tl: Timeline) -> tuple[float, float]:
+    """How long an idle engine takes from the first call of an admission to its first pass: its
+    actor reads every call waiting in its pipe and submits it first, so the admission's groups
+    join that pass together, and a larger admission takes longer (32 calls: 3-6 ms, one call
+    about 1 ms on this machine). Least squares over admissions that found an engine idle,
+    against the calls each engine got (the admission's groups over the engines); wakes longer
+    than a pause (PAUSE_S) are left out. Returns the fixed part and the part per call."""
     chunks = {a: sorted((e["t0"], e["t1"]) for e in tl.events[a] if e["ev"] == "busy") for a in tl.actors("engine")}
     first: dict[float, float] = {}
+    calls: dict[float, int] = {}
     for g in tl.groups:
         first[g.t_admit] = min(first.get(g.t_admit, math.inf), g.t_gen0)
-    wakes = []
-    for t in first.values():
+        calls[g.t_admit] = calls.get(g.t_admit, 0) + 1
+    xs, wakes = [], []
+    for t_admit, t in first.items():
         nxt = []
         for ivs in chunks.values():
             i = bisect.bisect_right(ivs, (t, math.inf))
             if (i == 0 or ivs[i - 1][1] <= t) and i < len(ivs):  # idle at t, busy later
                 nxt.append(ivs[i][0] - t)
-        if nxt:
+        if nxt and min(nxt) < PAUSE_S:
+            xs.append(max(calls[t_admit] / max(len(chunks), 1), 1.0))
             wakes.append(min(nxt))
-    return max(_median(wakes), 0.0)
+    if len(set(xs)) < 2:
+        return max(_median(wakes), 0.0), 0.0
+    w0, w1 = _fit_line(xs, wakes)
+    return w0, w1
 
 
 def effective_cores(busy: list[list[Interval]], items: list[tuple[float, float, float]], host: float) -> float | None:
@@ -284,9 +293,10 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     if not chunk_events:
         raise ValueError(f"{tl.run_dir}: the span log holds no engine forward passes")
     if cores is not None and all("cpu_s" in e for e in chunk_events + steps):
-        # processor time says what each took alone; the steps' wall time says how shared they were
-        fitted = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps], cores)
-        cores = cores if fitted is None else fitted  # steps at full speed: the host's, still shared
+        # processor time says what each took alone; the steps' and the chunks' wall time how shared they
+        # were (both: the sharing slows every busy actor, and the engine's chunks hold most of the evidence)
+        fitted = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps + chunk_events], cores)
+        cores = cores if fitted is None else fitted  # at full speed: the host's, still shared
         per_pass = [(e["rows"] / e["passes"], e["cpu_s"] / e["passes"]) for e in chunk_events]
         work = [e["cpu_s"] for e in steps]
     else:
@@ -302,20 +312,35 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     applies = [e["t1"] - e["t0"] for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "apply"]
     evals = [e["t1"] - e["t0"] for e in tl.events.get("orchestrator", []) if e["ev"] == "eval"]
     uniform = tl.drops.get("uniform_reward", 0)
+    firsts, gap_s = admissions(groups)
+    wake_s, wake_call_s = engine_wake(tl)
     return PlanParams(
         pass_s=pass_s, pass_row_s=pass_row_s, step_s=step_s, step_token_s=step_token_s,
         publish_s=fmean(pubs) if pubs else 0.0, apply_s=fmean(applies) if applies else 0.0,
         groups_lens=[g.lens for g in groups],
-        admit_delay_s=fmean(g.t_gen0 - g.t_admit for g in groups) if groups else 0.0,
-        admit_delays=[round(g.t_gen0 - g.t_admit, 6) for g in groups[:: max(1, len(groups) // 4000)]],
+        admit_delay_s=fmean(firsts) if firsts else 0.0,
+        admit_delays=[round(x, 6) for x in firsts[:: max(1, len(firsts) // 4000)]], admit_gap_s=gap_s,
         deliver_delay_s=deliver_delay_s, orch_group_s=orch_group_s,
         pause_s=fmean(b - a for a, b in paused) if paused else 0.0,
         pause_every=len(groups) / len(paused) if paused else 0.0,
         call_sample_s=call_s / (cfg.rollout.prompts_per_step * cfg.rollout.group_size), loop_s=loop_s,
         drop_frac=uniform / len(groups) if groups and cfg.rollout.filter_uniform_reward and cfg.rollout.refill else 0.0,
-        pickup_passes=1, send_s=send_s, wake_s=engine_wake(tl), eval_s=fmean(evals) if evals else 0.0, cores=cores,
+        # the engine actor's loop order (engine/aio.py, runtime/local.py): a call that arrives mid-pass
+        # is read after the next pass and submitted after the one after; an answer leaves after the next
+        pickup_passes=2, return_passes=1,
+        send_s=send_s, wake_s=wake_s, wake_call_s=wake_call_s, eval_s=fmean(evals) if evals else 0.0, cores=cores,
         calibrated_on=Shape.of(cfg),
     )
+
+
+def admissions(groups: list[GroupLife]) -> tuple[list[float], float]:
+    """Each admission's delay to its first engine call, and the mean gap between its later calls
+    (the producer sends one admission's calls one after another, in one turn of its loop)."""
+    by: dict[float, list[float]] = {}
+    for g in groups:
+        by.setdefault(g.t_admit, []).append(g.t_gen0 - g.t_admit)
+    gaps = [(max(d) - min(d)) / (len(d) - 1) for d in by.values() if len(d) > 1]
+    return [min(d) for d in by.values()], fmean(gaps) if gaps else 0.0
 
 
 def _send_cost(tl: Timeline, orch_busy: list[Interval], busy: list[list[Interval]], cores: float | None) -> float:

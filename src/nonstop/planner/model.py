@@ -5,32 +5,14 @@
 trainer idle fractions and the per-token lag histogram, measured over the same window the real
 run is measured on (RL start to the last publish). docs/planning.md states the equations.
 
-What is modelled, as the code does it:
-- admission: groups_admitted <= (steps_trained + depth + 1) x batch + refunded (depth None:
-  steps_trained x batch + max_queued + refunded, as the buffer does); each admitted group reaches the engine
-  with the fewest samples in flight after `admit_delay_s`;
-- an engine is continuous batching over `slots` rows: a waiting group joins at a pass boundary
-  when its `group_size` rows fit; every pass emits one token per row, with the engine's current
-  policy_version; a row leaves after its completion length; a new published version is made
-  live at the next pass boundary (costing `apply_s`), as `never_stop` does;
-- the orchestrator is one server, first come first served: a finished group takes
-  `orch_group_s` of it, and the groups of one busy stretch are buffered together
-  `deliver_delay_s` after it ends, or dropped with probability `drop_frac` (no learning signal;
-  its admission is refunded); every `pause_every` groups it pauses for `pause_s`; a batch takes
-  `call_sample_s` per sample of it before the step starts and `loop_s` between the step and the
-  publish (taking the result, calling the publish, records); admitted groups are sent
-  once it is free;
-- the trainer takes `batch` groups in arrival order, dropping those more than `max_lag` versions
-  behind the published version (refunded), steps, publishes, and only then raises admission;
-- with `cores`, the busy engines, trainer ranks and orchestrator share them: each runs at
-  min(1, cores / busy) of its speed, re-planned whenever one starts or stops (an engine at its
-  next pass boundary, a step's remaining work at once; the orchestrator's own costs were measured
-  under the calibration run's sharing and are kept as they are).
-
-Engines advance in macro steps: between two changes (a row finishing, a group arriving, a new
-version, the trainer starting or stopping) every pass has the same rows and cost, so the model
-jumps to the next change instead of simulating each pass; a change that arrives mid-pass takes
-effect at the next pass boundary. A 32K-token completion therefore costs a few events, not 32K.
+The model, as docs/planning.md states it: admission bounded by depth (or max_queued) plus
+refunds, one admission's calls sent together; engines as continuous batching on one event loop
+(an idle one wakes after reading its calls, a busy one takes a call `pickup_passes` + 1
+boundaries after it arrives and answers `return_passes` passes after a group's last token);
+the orchestrator as one first-come-first-served server (answers, pauses, the learning loop's
+work, sending calls); the trainer taking batches in arrival order under max_lag; with `cores`,
+busy actors sharing the processors. Engines advance in macro steps: between two changes every
+pass has the same rows and cost, so a 32K-token completion is a few events, not 32K.
 """
 
 from __future__ import annotations
@@ -67,13 +49,14 @@ class _Group:
     remaining: int = 0
     versions: Counter[int] = field(default_factory=Counter)
     min_version: int = 0
+    engine: _Engine | None = None  # the engine it was sent to
 
 
 @dataclass
 class _Engine:
     index: int
     waiting: deque[_Group] = field(default_factory=deque)
-    arriving: list[_Group] = field(default_factory=list)  # reached the engine, not yet seen by its loop
+    arriving: list[list] = field(default_factory=list)  # [group, boundaries before it may join]: not yet submitted
     rows: list[tuple[int, int, int, _Group]] = field(default_factory=list)  # heap of (end pass, id, start pass, group)
     passes: int = 0  # passes completed
     version: int = 0
@@ -145,9 +128,9 @@ class Simulation:
             k = int(min(self.s.prompts_per_step, self.limit() - self.admitted))
             self.admitted += k
             free = max(self.t, self.orch_free)  # the producer runs when the event loop is free
-            for _ in range(k):
-                delay = self.rng.choice(self.p.admit_delays) if self.p.admit_delays else self.p.admit_delay_s
-                self.at(free + delay, "dispatch", _Group(self.sample_lens()))
+            first = self.rng.choice(self.p.admit_delays) if self.p.admit_delays else self.p.admit_delay_s
+            for j in range(k):  # one admission's calls are sent one after another, in one turn
+                self.at(free + first + j * self.p.admit_gap_s, "dispatch", _Group(self.sample_lens()))
             if self.p.send_s > 0:  # sending the calls keeps the event loop busy (the delays above include it)
                 self.orchestrate(self.p.send_s * k)
 
@@ -162,14 +145,15 @@ class Simulation:
     def on_dispatch(self, g: _Group) -> None:
         e = min(self.engines, key=lambda x: (x.in_flight, x.index))
         e.in_flight += len(g.lens)
-        if e.end is None and not e.rows and self.p.wake_s > 0:
+        g.engine = e
+        if e.end is None and not e.rows and self.p.wake_s + self.p.wake_call_s > 0:
             e.waiting.append(g)  # an idle engine reads the calls waiting for it before its first pass
-            if e.wake_at is None:
-                e.wake_at = self.t + self.p.wake_s
-                self.at(e.wake_at, "wake", e)
+            e.wake_at = (self.t + self.p.wake_s if e.wake_at is None else e.wake_at) + self.p.wake_call_s
+            e.gen += 1
+            self.at(e.wake_at, "wake", (e, e.gen))
             return
         if self.p.pickup_passes and e.end is not None:
-            e.arriving.append(g)  # taken at the next boundary, admitted at the one after
+            e.arriving.append([g, self.p.pickup_passes])  # joins at boundary pickup_passes + 1 from now
         else:
             e.waiting.append(g)
         self.interrupt(e)
@@ -199,7 +183,10 @@ class Simulation:
         e.end = boundary
         self.at(boundary, "engine", (e, e.gen, e.passes + done))
 
-    def on_wake(self, e: _Engine) -> None:
+    def on_wake(self, arg: tuple[_Engine, int]) -> None:
+        e, gen = arg
+        if gen != e.gen:
+            return  # another call reached it first: it reads that one too
         e.wake_at = None
         self.plan(e)
 
@@ -212,19 +199,13 @@ class Simulation:
         self.plan(e)
 
     def plan(self, e: _Engine) -> None:
+        finished = []
         while e.rows and e.rows[0][0] <= e.passes:
             _, _, start, g = heapq.heappop(e.rows)
             self.count_tokens(e, g, start, e.passes)
             g.remaining -= 1
             if g.remaining == 0:
-                e.in_flight -= len(g.lens)
-                self.samples_done.append((self.t, len(g.lens)))
-                self.orchestrate(self.p.orch_group_s)
-                self.handling.append(g)  # buffered when this busy stretch of the orchestrator ends
-                self.until_pause -= 1
-                if self.p.pause_every > 0 and self.until_pause <= 0:
-                    self.until_pause += self.p.pause_every
-                    self.orchestrate(self.p.pause_s)
+                finished.append(g)
         t = self.t
         if self.published > e.version and (e.rows or e.waiting):
             e.version = self.published
@@ -232,12 +213,17 @@ class Simulation:
             e.marks_v.append(e.version)
             t += self.p.apply_s
         self.join(e)
-        e.waiting.extend(e.arriving)  # seen by the loop now: they join at the next boundary
-        e.arriving.clear()
-        if not e.rows:
-            self.join(e)  # an engine with nothing to decode takes them at once
+        for a in e.arriving:  # one more boundary passed: those due join at the next one
+            a[1] -= 1
+        e.waiting.extend(g for g, left in e.arriving if left <= 0)
+        e.arriving = [a for a in e.arriving if a[1] > 0]
+        if not e.rows:  # an engine with nothing to decode takes them at once (its loop is free)
+            e.waiting.extend(g for g, _ in e.arriving)
+            e.arriving.clear()
+            self.join(e)
         if not e.rows:
             e.busy_s += t - self.t
+            self.returned(finished)
             if e.end is not None:
                 e.end = None
                 self.busy_changed(e)
@@ -249,11 +235,30 @@ class Simulation:
         e.busy_s += t - self.t  # the apply
         e.t_start = t
         e.gen += 1
-        stop = e.rows[0][0] if not e.waiting or self.p.pickup_passes == 0 else min(e.rows[0][0], e.passes + 1)
+        pending = (e.waiting or e.arriving) and self.p.pickup_passes
+        stop = min(e.rows[0][0], e.passes + 1) if pending else e.rows[0][0]
         e.end = t + (stop - e.passes) * e.tau
         self.at(e.end, "engine", (e, e.gen, stop))
+        if finished:  # the engine's loop runs its next pass before it sends the answers
+            self.at(t + self.p.return_passes * e.tau, "returned", finished)
         if was_idle:
             self.busy_changed(e)
+
+    def on_returned(self, finished: list[_Group]) -> None:
+        self.returned(finished)
+
+    def returned(self, finished: list[_Group]) -> None:
+        """Finished groups' answers reach the orchestrator: it handles each, first come first served."""
+        for g in finished:
+            assert g.engine is not None  # sent before it finished
+            g.engine.in_flight -= len(g.lens)
+            self.samples_done.append((self.t, len(g.lens)))
+            self.orchestrate(self.p.orch_group_s)
+            self.handling.append(g)  # buffered when this busy stretch of the orchestrator ends
+            self.until_pause -= 1
+            if self.p.pause_every > 0 and self.until_pause <= 0:
+                self.until_pause += self.p.pause_every
+                self.orchestrate(self.p.pause_s)
 
     def join(self, e: _Engine) -> None:
         """Waiting groups whose rows fit join the batch at this pass boundary."""

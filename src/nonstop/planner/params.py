@@ -15,14 +15,17 @@ actor needs when it has a processor to itself:
   step begins (pickling and sending it); `loop_s` between the step and the publish (taking the
   result, calling the publish, the step's records); admitted groups are sent once it is free,
   as the producer runs on the same event loop;
-- wake_s: an idle engine's first pass starts this long after the first call of an admission
-  reaches it (its actor reads the calls behind it first, so they join together);
-- admit_delay_s (admission -> engine call); `admit_delays`, when measured, are resampled instead
-  of the mean: the producer sends the groups of one admission one call at a time, so they reach
-  an engine spread over several passes;
-- pickup_passes: 1 when a request that reaches a busy engine is seen by its loop at the next
-  pass boundary and joins the batch at the one after (nonstop's engine: its actor reads calls
-  between passes and submits them on the following loop turn), 0 when it joins at the next;
+- wake_s, wake_call_s: an idle engine's first pass starts wake_s + wake_call_s per call it
+  got meanwhile after the first call of an admission reaches it (its actor reads and submits
+  the calls waiting for it first, so they join together);
+- admit_delay_s (admission -> its first engine call); `admit_delays`, when measured, each
+  admission's, are resampled instead of the mean; `admit_gap_s` between one admission's calls
+  (the producer sends them one after another in one turn of its loop);
+- pickup_passes: the pass boundaries a call that reaches a busy engine waits before the one at
+  which it joins: 2 for nonstop's engine (its loop runs the next pass before its reader takes
+  the call, and the one after before the call's task submits it), 0 when it joins at the next;
+- return_passes: passes a finished group's answer waits while its engine has more to decode
+  (nonstop's engine: 1, the loop runs the next pass before the call's task sends the answer);
 - completion lengths: `groups_lens`, the completion lengths of real groups, resampled whole; or,
   when stated instead of measured, a log-normal with median `len_median` and shape `len_sigma`,
   cut at `len_max` (the long tail of reasoning outputs);
@@ -90,6 +93,7 @@ class PlanParams:
     len_max: int = 0
     admit_delay_s: float = 0.0
     admit_delays: list[float] = field(default_factory=list)
+    admit_gap_s: float = 0.0
     deliver_delay_s: float = 0.0
     orch_group_s: float = 0.0
     pause_s: float = 0.0
@@ -97,8 +101,10 @@ class PlanParams:
     call_sample_s: float = 0.0
     loop_s: float = 0.0
     pickup_passes: int = 0
+    return_passes: int = 0
     send_s: float = 0.0
     wake_s: float = 0.0
+    wake_call_s: float = 0.0
     drop_frac: float = 0.0
     eval_s: float = 0.0
     cores: float | None = None
@@ -111,7 +117,8 @@ class PlanParams:
                 f"{self.step_token_s * 1e6:.1f} us/token, publish {self.publish_s * 1e3:.1f} ms, apply "
                 f"{self.apply_s * 1e3:.1f} ms; orchestrator {self.orch_group_s * 1e3:.2f} ms/group, handoff "
                 f"{self.deliver_delay_s * 1e3:.1f} ms, pause {self.pause_s * 1e3:.0f} ms per {self.pause_every:.0f} "
-                f"groups, send {self.send_s * 1e3:.2f} ms/group, batch call {self.call_sample_s * 1e6:.1f} us/sample, loop {self.loop_s * 1e3:.1f} ms; "
+                f"groups, send {self.send_s * 1e3:.2f} ms/group, wake {self.wake_s * 1e3:.2f} ms + "
+                f"{self.wake_call_s * 1e3:.2f} ms/call, batch call {self.call_sample_s * 1e6:.1f} us/sample, loop {self.loop_s * 1e3:.1f} ms; "
                 f"drop {self.drop_frac:.2f}; shared cores {cores}; {len(self.groups_lens)} groups' completion lengths")
 
     def to_json(self) -> str:
