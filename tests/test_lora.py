@@ -143,7 +143,7 @@ def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path
          "--set", "model.lora.enabled=true", "--set", "trainer.lr=1e-2", "--set", "run.max_steps=30",
          "--set", "buffer.depth=0", "--set", "buffer.max_lag=0", "--set", "task.max_operand=9",
          "--set", "task.eval_size=20", "--set", "task.reward=helpers:length_reward",
-         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.max_new_tokens=6",
+         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.max_new_tokens=12",
          "--set", "rollout.prompts_per_step=8"],
         cwd=tmp_path,
     )
@@ -161,8 +161,12 @@ def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path
         assert abs(r["ratio_min"] - 1) < 1e-3 and abs(r["ratio_max"] - 1) < 1e-3, r
         assert adapter_bytes <= r["publish_bytes"] < adapter_bytes + 64 * 4 * len(targeted_modules(model, LoraConfig()))
     assert adapter_bytes < 0.2 * full_bytes
-    first, last = (sum(r["reward_mean"] for r in part) / len(part) for part in (recs[:10], recs[-10:]))
-    assert last > first + 0.1, (first, last)
+    # With 12 new tokens the length reward has room above where a random init starts (~9 of 12
+    # characters). Seeds 0-3, four runs side by side on two cores: the first 3 steps average
+    # 8.8-9.1, the last 10 9.8-9.9 (with 6 tokens the reward sat near its cap, and the gain over
+    # the first 10 steps was 0.05-0.25, which a loaded machine's reordering could undo).
+    first, last = (sum(r["reward_mean"] for r in part) / len(part) for part in (recs[:3], recs[-10:]))
+    assert last > first + 0.3, (first, last)
     assert (run_dir / "final" / "adapter_model.safetensors").is_file()
     assert not (run_dir / "final" / "model.safetensors").exists()
 
