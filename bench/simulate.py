@@ -14,17 +14,10 @@ it ran (`others`, of the machine's total; fresh runs only) and the time stolen b
 (`steal`). Two lines before the result repeat the predictions with each run's own fitted
 processors, then with its own processor time per unit of work, instead of the calibration's:
 the model's error with the machine's share, or its pace, taken as known (diagnostics; the
-result is the prediction from the calibration run alone).
-
-The machine's pace drifts between runs (a shared host: 0.8-1.2x the calibration run's
-processor time for the same work, with nothing else running here). A fixed probe, a forward
-and backward pass of the default tiny model on one thread, is timed before and after every
-fresh run (`pace`: its time over the calibration run's); a last diagnostic line scales each
-prediction's costs by that probe, which sees only the machine, not the run. Last line:
+result is the prediction from the calibration run alone). Last line:
 
     RESULT max_rel_error=<largest |pred/meas - 1| of samples/s> median_rel_error=<...>
            idle_abs_error=<largest |pred - meas| of the trainer idle fraction>
-           paced_max_rel_error=<the same with each prediction scaled by the probe; fresh runs only>
 
     python bench/simulate.py --quick          # 40 steps per run, 7 runs
     python bench/simulate.py --steps 80 --out runs/planner   # keep the run folders
@@ -35,7 +28,6 @@ prediction's costs by that probe, which sees only the machine, not the run. Last
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import resource
@@ -45,15 +37,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from nonstop.cli import run_training
-from nonstop.config import TinyModelConfig, load_config
+from nonstop.config import load_config
 from nonstop.planner.model import simulate
 from nonstop.planner.calibrate import calibrate
 from nonstop.planner.params import PlanParams, Shape
-from nonstop.tasks.tiny import make_tiny_model
 from nonstop.timeline import Timeline
 
 CALIBRATE = {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts_per_step": 32}
@@ -90,29 +80,6 @@ def own_cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-@functools.cache
-def _probe_model():
-    return make_tiny_model(TinyModelConfig())
-
-
-def pace_probe(iters: int = 25) -> float:
-    """Median seconds of one forward and backward pass of the default tiny model on 8 x 16
-    tokens, on one thread: the machine's pace at that moment, independent of any run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = _probe_model()
-        ids = torch.randint(0, int(model.config.vocab_size), (8, 16), generator=torch.Generator().manual_seed(0))
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            model(input_ids=ids, labels=ids).loss.backward()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def measure(cell: dict, steps: int, out: str, name: str, reuse: bool):
     """Run one configuration (or, with `reuse`, take the run already there, with its own config).
     The shares of the machine's processor time stolen by its hypervisor (`steal.txt`) and used by
@@ -121,11 +88,9 @@ def measure(cell: dict, steps: int, out: str, name: str, reuse: bool):
     folder = Path(out) / name
     if not (reuse and (folder / "summary.json").exists()):
         cfg = load_config(overrides=overrides(cell, steps, out, name))
-        pace0 = pace_probe()
         before, cpu0 = host_times(), own_cpu_s()
         run_training(cfg, Console(quiet=True))
         after, cpu1 = host_times(), own_cpu_s()
-        (folder / "pace.txt").write_text(f"{(pace0 + pace_probe()) / 2 * 1e3:.3f}\n")  # ms, before and after
         if before and after:
             d = [y - x for x, y in zip(before, after)]
             total = max(sum(d), 1)
@@ -133,8 +98,7 @@ def measure(cell: dict, steps: int, out: str, name: str, reuse: bool):
             busy = total - d[3] - d[4] - d[7]  # less idle, iowait and steal
             tick = os.sysconf("SC_CLK_TCK")
             (folder / "others.txt").write_text(f"{max(busy - (cpu1 - cpu0) * tick, 0) / total:.3f}\n")
-    return (load_config(folder / "config.yaml"), Timeline.load(folder), _read(folder / "steal.txt"),
-            _read(folder / "others.txt"), _read(folder / "pace.txt"))
+    return load_config(folder / "config.yaml"), Timeline.load(folder), _read(folder / "steal.txt"), _read(folder / "others.txt")
 
 
 def _read(path: Path) -> str:
@@ -203,7 +167,7 @@ def main() -> None:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = ns.out or tmp
-        cfg, tl, steal, others, pace = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
+        cfg, tl, steal, others = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
         params = calibrate(tl, cfg)
         print(f"calibrated on {Shape.of(cfg).label()}: {params.describe()}", flush=True)
         if ns.reverse:
@@ -211,20 +175,19 @@ def main() -> None:
                 measure(PREDICT[i - 1], steps, out, f"cell{i}", ns.reuse)
         print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
               f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
-              f"{'procs':>5} {'work e/t':>9} {'pace':>5} {'others':>6} {'steal':>5}")
-        rel, idle, own_rel, own_idle, fast_rel, paced_rel = [], [], [], [], [], []
+              f"{'procs':>5} {'work e/t':>9} {'others':>6} {'steal':>5}")
+        rel, idle, own_rel, own_idle, fast_rel = [], [], [], [], []
         for i, cell in enumerate([CALIBRATE, *PREDICT]):
             if i == 0:
-                cfg_i, tl_i, steal_i, others_i, pace_i = cfg, tl, steal, others, pace
+                cfg_i, tl_i, steal_i, others_i = cfg, tl, steal, others
             else:
-                cfg_i, tl_i, steal_i, others_i, pace_i = measure(cell, steps, out, f"cell{i}", ns.reuse or ns.reverse)
+                cfg_i, tl_i, steal_i, others_i = measure(cell, steps, out, f"cell{i}", ns.reuse or ns.reverse)
             shape = Shape.of(cfg_i)
             sps, t_idle, e_idle, lag = predict(params, shape, ns.seeds)
             m_sps, m_t, m_e = tl_i.samples_per_s(), tl_i.idle_fraction("trainer"), tl_i.idle_fraction("engine")
             err = sps / m_sps - 1
             own = calibrate(tl_i, cfg_i).cores  # the processors this run had, from its own span log
             ratio = work_ratio(tl_i, params)
-            r_pace = float(pace_i) / float(pace) if "-" not in (pace, pace_i) else math.nan
             if i > 0:
                 rel.append(abs(err))
                 idle.append(abs(t_idle - m_t))
@@ -232,24 +195,18 @@ def main() -> None:
                 own_rel.append(abs(own_sps / m_sps - 1))
                 own_idle.append(abs(own_t - m_t))
                 fast_rel.append(abs(predict(at_speed(params, ratio), shape, ns.seeds)[0] / m_sps - 1))
-                if not math.isnan(r_pace):
-                    paced_rel.append(abs(predict(at_speed(params, (r_pace, r_pace)), shape, ns.seeds)[0] / m_sps - 1))
             label = shape.label() + (" (calibration)" if i == 0 else "")
             procs = "-" if own is None else f"{own:.2f}"
             print(f"{label:<44} {sps:14.1f} {m_sps:7.1f} {err:+6.1%} | {t_idle:17.2f} {m_t:5.2f} | "
                   f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13} "
-                  f"{procs:>5} {ratio[0]:4.2f}/{ratio[1]:4.2f} {r_pace:5.2f} {others_i:>6} {steal_i:>5}", flush=True)
+                  f"{procs:>5} {ratio[0]:4.2f}/{ratio[1]:4.2f} {others_i:>6} {steal_i:>5}", flush=True)
     print(f"with each run's own fitted processors (diagnostic): max_rel_error={max(own_rel):.3f} "
           f"median_rel_error={statistics.median(own_rel):.3f} idle_abs_error={max(own_idle):.3f}")
     print(f"with each run's own processor time per unit of work (diagnostic): max_rel_error={max(fast_rel):.3f} "
           f"median_rel_error={statistics.median(fast_rel):.3f}")
-    paced = f"{max(paced_rel):.3f}" if len(paced_rel) == len(rel) else "nan"
-    if len(paced_rel) == len(rel):
-        print(f"with each prediction scaled by the pace probe (diagnostic): max_rel_error={paced} "
-              f"median_rel_error={statistics.median(paced_rel):.3f}")
     print(f"wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT max_rel_error={max(rel):.3f} median_rel_error={statistics.median(rel):.3f} "
-          f"idle_abs_error={max(idle):.3f} paced_max_rel_error={paced} configs={len(rel)} steps={cfg.run.max_steps}")
+          f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={cfg.run.max_steps}")
 
 
 if __name__ == "__main__":
