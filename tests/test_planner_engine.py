@@ -20,6 +20,8 @@ from nonstop.planner.model import Simulation, _Group
 from nonstop.planner.params import PlanParams, Shape
 from nonstop.timeline import GroupLife, Timeline
 
+from helpers import two_step_timeline
+
 TAU = 0.010  # every pass 10 ms: no per-row cost, no sharing
 
 
@@ -118,22 +120,6 @@ def test_effective_cores_explain_the_engines_passes_too():
     from nonstop.config import load_config
     from nonstop.planner.calibrate import calibrate
 
-    groups = [GroupLife((0, i), 0.1 * i, 0.1 * i + 0.001, 0.1 * i + 0.02, 0.1 * i + 0.025, [3] * 8, (0, 0))
-              for i in range(8)]
-    orch = [dict(ev="rl_start", t=0.0, resumed=False, cpus=2, cpu_actors=True)]
-    orch += [dict(ev="group", id=[0, g.id[1]], t_admit=g.t_admit, t_gen0=g.t_gen0, t_gen1=g.t_gen1,
-                  t_done=g.t_done, lens=g.lens, v=[0, 0]) for g in groups]
-    engine = [dict(ev="busy", t0=0.1 * i + 0.002, t1=0.1 * i + 0.018, passes=3, rows=24, busy_s=0.015,
-                   cpu_s=0.012) for i in range(8)]
-    trainer = [dict(ev="step", t0=0.8 + 0.2 * k, t1=0.9 + 0.2 * k, version=k + 1, tokens=96, samples=32,
-                    update_s=0.01, cpu_s=0.1) for k in range(2)]
-    trainer += [dict(ev="publish", t0=0.9 + 0.2 * k, t1=0.91 + 0.2 * k, version=k + 1, bytes=1) for k in range(2)]
-    events = {"orchestrator": orch, "engine-0": engine, "trainer-0": trainer}
-    lanes: dict[str, dict[str, list[tuple[float, float]]]] = {a: {} for a in events}
-    for a, evs in events.items():
-        for e in evs:
-            if "t0" in e and e["ev"] != "group":
-                lanes[a].setdefault(e["ev"], []).append((e["t0"], e["t1"]))
-    tl = Timeline(Path("."), lanes, events, groups, Counter(), {})
+    tl = two_step_timeline(engine_cpu_s=0.012)
     p = calibrate(tl, load_config(overrides=["rollout.prompts_per_step=4"]))
     assert p.cores == pytest.approx((0.75 * 0.128 + 0.2) / 0.328, rel=1e-2)
