@@ -164,7 +164,10 @@ def test_simulate_calibrates_on_the_run_and_recommends(run_dir, tmp_path):
     p = calibrate(tl, cfg)
     assert p.pass_s >= 0 and p.pass_row_s >= 0 and p.step_token_s >= 0 and p.pass_s + p.pass_row_s > 0
     assert sum(len(g) for g in p.groups_lens) == sum(len(g.lens) for g in tl.groups)
-    assert p.orch_group_s > 0 and p.call_sample_s > 0  # the orchestrator's own costs, measured
+    # The orchestrator's own costs, measured. The per-group handling time is a robust (median)
+    # fit that may come out 0 on a run this short when few groups queued behind each other (it
+    # did once in CI); the batch call's cost per sample is measured directly.
+    assert p.orch_group_s >= 0 and p.call_sample_s > 0
     assert p.cores is None or 0 < p.cores <= 32  # from the processor time the actors got
     pred = simulate(p, Shape.of(cfg))
     assert 0.5 < pred.samples_per_s / tl.samples_per_s() < 2.0  # a loose bar: this machine is shared

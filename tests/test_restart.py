@@ -96,3 +96,32 @@ def test_deaths_beyond_the_budget_end_with_actor_died(tiny_dir):
         finally:
             await backend.shutdown()
     asyncio.run(go())
+
+
+def test_a_replacement_that_dies_while_starting_uses_up_a_restart_and_ends_with_the_budget_message(tiny_dir):
+    """An engine killed while its replacement is still starting (a fault that keeps recurring)
+    counts as a restart, and when none is left the caller gets the budget message, not the bare
+    death of the half-started replacement."""
+    async def go():
+        backend = make_backend(LocalRuntimeConfig())
+        cfg = Config.model_validate({"model": {"path": str(tiny_dir)}})
+        tok = load_tokenizer(str(tiny_dir))
+        started = []
+
+        async def start():
+            engine = await spawn_engine(backend, cfg, tiny_dir, tok, 0)
+            if started:  # every replacement dies before it is ready
+                os.kill(engine.actor.pid, signal.SIGKILL)
+                await engine.ping(timeout_s=60)
+            started.append(engine)
+            return engine
+
+        try:
+            engine = await RestartingEngine("engine", start, 2, 60.0, 60.0).begin()
+            os.kill(engine.engine.actor.pid, signal.SIGKILL)
+            with pytest.raises(ActorDied, match=r"while restarting\); no restart left \(runtime.max_engine_restarts=2\)"):
+                await engine.generate(_requests(tok, 1))
+            assert len(engine.faults.restarts) == 2
+        finally:
+            await backend.shutdown()
+    asyncio.run(go())

@@ -108,19 +108,26 @@ class RestartingEngine:
         async with self._lock:
             if generation != self.generation:
                 return  # another call already replaced that engine
-            if len(self.faults.restarts) >= self.max_restarts:
-                raise ActorDied(f"{reason}; no restart left (runtime.max_engine_restarts={self.max_restarts})")
             detect_s = noticed - self._hung_since if self._hung_since is not None else 0.0
             self._hung_since = None
-            self._log(f"[yellow]{self.name}: {reason}; restarting ({len(self.faults.restarts) + 1} of at most "
-                      f"{self.max_restarts})[/]")
-            old = self.engine
-            if old is not None:
-                await old.kill()
-            t0 = time.monotonic()
-            self.engine = await self._start()
-            self.generation += 1
-            self.faults.restarts.append(Restart(reason, detect_s, time.monotonic() - t0, 0))
+            while True:  # a replacement that dies while starting uses up a restart too
+                if len(self.faults.restarts) >= self.max_restarts:
+                    raise ActorDied(f"{reason}; no restart left (runtime.max_engine_restarts={self.max_restarts})")
+                self._log(f"[yellow]{self.name}: {reason}; restarting ({len(self.faults.restarts) + 1} of at most "
+                          f"{self.max_restarts})[/]")
+                old = self.engine
+                if old is not None:
+                    await old.kill()
+                t0 = time.monotonic()
+                try:
+                    self.engine = await self._start()
+                except ActorDied as e:
+                    self.faults.restarts.append(Restart(reason, detect_s, time.monotonic() - t0, 0))
+                    reason = f"{e} (while restarting)"
+                    continue
+                self.generation += 1
+                self.faults.restarts.append(Restart(reason, detect_s, time.monotonic() - t0, 0))
+                return
 
     async def heartbeat(self) -> None:
         """Runs until cancelled: ping, and kill an engine that stays silent for timeout_s."""
