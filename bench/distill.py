@@ -1,27 +1,38 @@
 """On-policy distillation: a weak student taught by a stronger teacher, vs learning from the reward.
 
-The teacher is the shipped one (`distill.teacher=builtin`: the shipped 'builtin' base after
-1,500 steps of RL, 79.6% held-out, the same bytes on every CPU; bench/make_teacher.py builds
-it), or with `--teacher-seconds S` one made on the fly: the default job trained further by RL
-for S seconds (its accuracy then depends on the machine's speed). The student is the shipped
-weak base ('builtin_weak', 8.8%: GRPO crawls from it, because few groups hold both a right and
-a wrong answer). Three signals, each run once per seed (`run.seed`) with the same budget:
-reward only (the default job), distillation only (the teacher's per-token reverse KL as the
-whole advantage, `distill.task_reward=false`) and both (reward advantage + KL term).
+Two tasks (`--task`):
+
+- `cipher` (the default): replace each of twelve letters by its letter in a fixed key
+  ("enc:ggaehgehfdce=" -> "ccebfcbfdhab", examples/tasks/cipher.jsonl), rewarded by exact match:
+  a long answer and a sparse reward. The student (examples/tasks/cipher-student, 13.4% greedy
+  held-out) is a supervised warm-up stopped at step 40; the teacher (cipher-teacher, 100%) is the
+  same warm-up run to step 100. Both are shipped with their provenance, because a warm-up is
+  chaotic in floating point and would be another model on another CPU. The student's samples
+  (temperature 1) almost never spell all twelve letters right, so the reward alone gives it
+  almost no signal, while the teacher grades every letter.
+- `addition`: the built-in task (3-4-token answers). The student is the shipped weak base
+  ('builtin_weak', 8.8%), the teacher the shipped one (`distill.teacher=builtin`: the shipped
+  base after 1,500 steps of RL, 79.6%), or with `--teacher-seconds S` one made on the fly.
+
+Three signals, each run once per seed (`run.seed`) with the same budget: reward only,
+distillation only (the teacher's per-token reverse KL as the whole advantage,
+`distill.task_reward=false`) and both (reward advantage + KL term). On `cipher` every signal
+trains on every group (`rollout.filter_uniform_reward=false`), so reward only runs its budget on
+groups whose rewards are all equal instead of stopping with NoLearningSignal; on `addition`
+reward only is the default job (with `rollout.refill`).
 
 The budget is trainer steps by default (`--steps`, load-independent: a loaded machine makes
-every run slower, not shorter); `--seconds S` bounds each run by RL wall time instead. One run
-of 250 steps from the weak base varies by several points from seed to seed, more than the
-signals differ, so the comparison takes the mean over seeds. Printed per signal: the held-out
-accuracy's mean, min and max over the seeds, mean steps and samples generated (reward only
-generates more per step: with `rollout.refill` it replaces the groups whose rewards are all
-equal, which the other two signals train on), the mean teacher KL of the first and
-last steps, and the mean wall time of a run; the RESULT line holds the means.
+every run slower, not shorter); `--seconds S` bounds each run by RL wall time instead. Printed
+per signal: the held-out accuracy's mean, min and max over the seeds, mean steps and samples
+generated, the mean reward of the last 5 steps, the mean teacher KL of the first and last steps,
+and the mean wall time of a run; the RESULT line holds the means.
 
-    python bench/distill.py [--quick] [--steps 250 | --seconds S] [--seeds 0,1,2] [--signals reward,distill,both]
+    python bench/distill.py [--quick] [--task cipher|addition] [--steps N | --seconds S] [--seeds 0,1,2]
+                            [--signals reward,distill,both] [--teacher PATH] [--student PATH]
                             [--teacher-seconds S] [--coef 1.0] [--normalize] [--set KEY=VALUE ...]
 
-`--quick`: 2 seeds x 120 steps per signal (six runs, about 4-5 minutes on a quiet 2-core machine).
+`--quick`: 2 seeds per signal, 50 steps on cipher (about 4 minutes on a quiet 2-core machine),
+120 on addition (4-5 minutes).
 """
 
 from __future__ import annotations
@@ -40,6 +51,14 @@ from nonstop.config import load_config
 from nonstop.config_scoring import SHIPPED_TEACHER
 from nonstop.tasks.base import verify
 
+ROOT = Path(__file__).resolve().parent.parent
+CIPHER = ROOT / "examples" / "tasks"
+TASKS = {  # task -> (student, teacher, overrides of every run, default steps, quick steps)
+    "cipher": (str(CIPHER / "cipher-student"), str(CIPHER / "cipher-teacher"),
+               ["task.name=jsonl", f"task.dataset_path={CIPHER / 'cipher.jsonl'}", "rollout.max_new_tokens=13",
+                "rollout.filter_uniform_reward=false"], 100, 50),
+    "addition": ("builtin_weak", str(SHIPPED_TEACHER), [], 250, 120),
+}
 COMMON = ["checkpoint.every_steps=null", "run.progress=off", "run.max_steps=100000", "run.eval_every=100000"]
 SIGNALS = ("reward", "distill", "both")
 
@@ -67,6 +86,7 @@ def summarise(runs: list[dict]) -> dict:
     return {"mean": statistics.fmean(accs), "min": min(accs), "max": max(accs),
             "steps": statistics.fmean(r["steps"] for r in runs),
             "samples": statistics.fmean(r["samples"] for r in runs),
+            "reward_last": statistics.fmean(r["reward_last"] for r in runs),
             "wall_s": statistics.fmean(r["wall_s"] for r in runs),
             "kl_first": statistics.fmean(kl_first) if kl_first else None,
             "kl_last": statistics.fmean(kl_last) if kl_last else None}
@@ -74,13 +94,16 @@ def summarise(runs: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="2 seeds x 120 steps per signal (about 4-5 minutes, quiet)")
-    ap.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 250; quick 120)")
+    ap.add_argument("--quick", action="store_true", help="2 seeds per signal, 50 steps (cipher) or 120 (addition)")
+    ap.add_argument("--task", choices=tuple(TASKS), default="cipher")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="trainer steps per run (default 100 on cipher, 250 on addition; quick 50 / 120)")
     ap.add_argument("--seconds", type=float, default=None, help="bound each run by RL wall time instead of steps")
     ap.add_argument("--seeds", default=None, help="comma-separated run seeds, each signal once per seed "
                                                   "(default 0,1,2; quick 0,1)")
     ap.add_argument("--teacher", default=None,
-                    help="a teacher folder with a provenance.json (bench/make_teacher.py); default: the shipped one")
+                    help="a teacher folder with a provenance.json; default: the task's shipped one")
+    ap.add_argument("--student", default=None, help="a student folder (model.path); default: the task's shipped one")
     ap.add_argument("--teacher-seconds", type=float, default=0.0,
                     help="train a teacher for this long instead of the shipped one (0: the shipped one)")
     ap.add_argument("--coef", type=float, default=1.0)
@@ -98,8 +121,13 @@ def main() -> None:
     if ns.seconds is not None:
         budget, label = [f"run.max_time_s={ns.seconds}"], f"{ns.seconds:g} s of RL"
     else:
-        steps = ns.steps or (120 if ns.quick else 250)
+        steps = ns.steps or TASKS[ns.task][4 if ns.quick else 3]
         budget, label = ["run.max_time_s=null", f"run.max_steps={steps}"], f"{steps} steps"
+    shipped_student, shipped_teacher, task_overrides, _, _ = TASKS[ns.task]
+    student_dir = ns.student or shipped_student
+    student = ["model.base=builtin_weak"] if student_dir == "builtin_weak" else [f"model.path={student_dir}"]
+    if ns.teacher_seconds > 0 and ns.task != "addition":
+        ap.error("--teacher-seconds trains a teacher on the addition task: use it with --task addition")
     runs: dict[str, list[dict]] = {name: [] for name in signals}
     base = None
     with tempfile.TemporaryDirectory() as out:
@@ -108,36 +136,39 @@ def main() -> None:
             teacher, teacher_acc = teacher_sum["final_dir"], teacher_sum["final_accuracy"]
             made = f"shipped base + {ns.teacher_seconds:g} s RL"
         else:
-            teacher = ns.teacher or str(SHIPPED_TEACHER)
+            teacher = ns.teacher or shipped_teacher
             prov = verify(teacher)
-            teacher_acc, made = prov["heldout_accuracy"], f"shipped, {prov['steps']} steps of RL"
+            teacher_acc, made = prov["heldout_accuracy"], f"{Path(teacher).name}, {prov['steps']} steps"
         print(f"teacher: {made}, held-out {teacher_acc:.1%}", flush=True)
         per_signal = signal_overrides(teacher, ns)
         for seed in seeds:  # seed-major: an interrupted run still has every signal of the first seeds
             for name in signals:
-                summary, recs, wall = train(out, f"{name}-s{seed}", budget, "model.base=builtin_weak",
+                summary, recs, wall = train(out, f"{name}-s{seed}", budget, *student, *task_overrides,
                                             f"run.seed={seed}", *per_signal[name], *ns.sets)
                 kl = [r["teacher_kl"] for r in recs if "teacher_kl" in r]
+                rewards = [r["reward_mean"] for r in recs if r.get("reward_mean") is not None]
                 base = summary["base_accuracy"]
                 runs[name].append({"acc": summary["final_accuracy"], "steps": summary["steps"], "wall_s": wall,
                                    "samples": summary["samples_generated"],
+                                   "reward_last": statistics.fmean(rewards[-5:]) if rewards else 0.0,
                                    "kl_first": kl[0] if kl else None,
                                    "kl_last": statistics.fmean(kl[-3:]) if kl else None})
                 print(f"seed {seed} {name:>8}: {base:.1%} -> {summary['final_accuracy']:.1%} "
                       f"({summary['steps']} steps, {summary['samples_generated']} samples, {wall:.0f} s)", flush=True)
     rows = {name: summarise(r) for name, r in runs.items()}
     extra = f"; {' '.join(ns.sets)}" if ns.sets else ""
-    print(f"\nStudent: shipped weak base ({base:.1%}); teacher: {made} ({teacher_acc:.1%}); {label} per run; "
+    print(f"\nTask {ns.task}; student: {Path(student_dir).name} ({base:.1%}); teacher: {made} ({teacher_acc:.1%}); {label} per run; "
           f"seeds {','.join(map(str, seeds))}; coef {ns.coef:g}{', normalized' if ns.normalize else ''}{extra}")
     print(f"{'signal':>8} {'held-out mean':>14} {'min':>6} {'max':>6} {'steps':>6} {'samples':>8} "
-          f"{'KL first':>9} {'last':>6} {'s/run':>6}")
+          f"{'reward':>7} {'KL first':>9} {'last':>6} {'s/run':>6}")
     for name, r in rows.items():
         first = "-" if r["kl_first"] is None else f"{r['kl_first']:.2f}"
         last = "-" if r["kl_last"] is None else f"{r['kl_last']:.2f}"
         print(f"{name:>8} {r['mean']:>14.1%} {r['min']:>6.1%} {r['max']:>6.1%} {r['steps']:>6.0f} "
-              f"{r['samples']:>8.0f} {first:>9} {last:>6} {r['wall_s']:>6.0f}")
+              f"{r['samples']:>8.0f} {r['reward_last']:>7.3f} {first:>9} {last:>6} {r['wall_s']:>6.0f}")
     accs = " ".join(f"acc_{name}={rows[name]['mean']:.3f}" for name in signals)
-    print(f"RESULT {accs} base={base:.3f} teacher={teacher_acc:.3f} seeds={len(seeds)}")
+    print(f"RESULT {accs} base={base:.3f} teacher={teacher_acc:.3f} seeds={len(seeds)} "
+          f"task={ns.task}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ side by side: reward exact_match as it is ("fast") or with 20 ms of waiting per 
 reward-call latency p50/p99 and final held-out accuracy. The RESULT line gives the trainer idle
 added by the slow reward, in percentage points, for each way of scoring.
 
-    python bench/scoring.py [--quick] [--seconds 60] [--delay-ms 20]
+    python bench/scoring.py [--quick] [--seconds 60] [--delay-ms 20] [--pools loop,thread] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def slow_exact_match(completion: str, answer: str) -> float:
     return exact_match(completion, answer)
 
 
-def run_cell(pool: str, slow: bool, seconds: float, out: str) -> dict:
+def run_cell(pool: str, slow: bool, seconds: float, out: str, sets: list[str]) -> dict:
     name = f"{pool}-{'slow' if slow else 'fast'}"
     cfg = load_config(overrides=[
         f"scoring.pool={pool}", f"run.max_time_s={seconds}", "run.max_steps=100000", "run.eval_every=100000",
-        "checkpoint.every_steps=null", f"run.out_dir={out}", f"run.name={name}", "run.progress=off",
+        "checkpoint.every_steps=null", f"run.out_dir={out}", f"run.name={name}", "run.progress=off", *sets,
     ])
     summary = run_training(cfg, Console(quiet=True), reward=slow_exact_match if slow else exact_match).to_dict()
     recs = [json.loads(x) for x in (Path(out) / name / "metrics.jsonl").read_text().splitlines()]
@@ -54,14 +54,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="30 s of RL per run (about 4 minutes in all)")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--delay-ms", type=float, default=20.0)
+    ap.add_argument("--pools", default="loop,thread", help="which of loop,thread to run")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run (e.g. buffer.depth=2)")
     ns = ap.parse_args()
     seconds = 30.0 if ns.quick else ns.seconds
     DELAY_S = ns.delay_ms / 1000
     cells = {}
     with tempfile.TemporaryDirectory() as out:
-        for pool in ("loop", "thread"):
+        for pool in ns.pools.split(","):
             for slow in (False, True):
-                r = cells[(pool, slow)] = run_cell(pool, slow, seconds, out)
+                r = cells[(pool, slow)] = run_cell(pool, slow, seconds, out, ns.sets)
                 print(f"{pool:>6} {'slow' if slow else 'fast'}: trainer idle {r['idle']:.1%} "
                       f"{r['sps']:.0f} samples/s, {r['steps']} steps", flush=True)
     print(f"\nDefault job, {seconds:g} s of RL per run; slow = exact_match + {ns.delay_ms:g} ms per sample")
@@ -70,8 +73,9 @@ def main() -> None:
     for (pool, slow), r in cells.items():
         print(f"{pool:>8} {'slow' if slow else 'fast':>6} {r['idle']:>13.1%} {r['sps']:>10.0f} {r['steps']:>6} "
               f"{r['p50'] * 1e3:>7.1f}ms {r['p99'] * 1e3:>7.1f}ms {r['acc']:>10.1%}")
-    added = {p: 100 * (cells[(p, True)]["idle"] - cells[(p, False)]["idle"]) for p in ("loop", "thread")}
-    print(f"RESULT idle_added_pts={added['thread']:.1f} blocking_idle_added_pts={added['loop']:.1f}")
+    added = {p: 100 * (cells[(p, True)]["idle"] - cells[(p, False)]["idle"]) for p in ns.pools.split(",")}
+    names = {"thread": "idle_added_pts", "loop": "blocking_idle_added_pts"}
+    print("RESULT " + " ".join(f"{names[p]}={v:.1f}" for p, v in added.items()))
 
 
 if __name__ == "__main__":

@@ -42,8 +42,28 @@ def test_example_task_files_are_what_the_generator_writes(tmp_path):
     for f in ("make_tasks.py",):
         (tmp_path / f).write_text((TASKS / f).read_text())
     subprocess.run([sys.executable, str(tmp_path / "make_tasks.py")], check=True)
-    for task in ("subtraction", "reverse", "multiply"):
+    for task in ("subtraction", "reverse", "multiply", "cipher"):
         assert (tmp_path / f"{task}.jsonl").read_text() == (TASKS / f"{task}.jsonl").read_text()
+
+
+def test_cipher_task_ships_its_student_and_teacher_for_distillation(monkeypatch):
+    """examples/tasks/cipher.yaml: twelve-letter answers, a shipped student and teacher whose
+    weights are the bytes their provenance records, the teacher far stronger, both with the
+    task's tokenizer, and room for the whole answer and its end of sequence."""
+    from nonstop.scoring.teacher import check_tokenizers
+    from nonstop.tasks.base import verify
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(TASKS / "cipher.yaml")
+    data = load_task(cfg.task)
+    assert data.report.rows_read == 10_000 and data.report.rows_skipped == 0 and len(data.eval) == 500
+    assert {len(ex.answer) for ex in data.eval} == {12} and cfg.rollout.max_new_tokens == 13
+    assert cfg.model.path is not None and cfg.distill.teacher is not None
+    student, teacher = verify(cfg.model.path), verify(cfg.distill.teacher)
+    assert student["heldout_accuracy"] < 0.2 and teacher["heldout_accuracy"] >= 0.99
+    assert student["warmup"]["seed"] == teacher["warmup"]["seed"] and student["steps"] < teacher["steps"]
+    check_tokenizers(cfg.model.path, cfg.distill.teacher)
+    assert not cfg.distill.task_reward and not cfg.rollout.filter_uniform_reward
 
 
 def test_each_task_warms_up_into_its_own_cached_base(monkeypatch):

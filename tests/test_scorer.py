@@ -119,6 +119,40 @@ def test_thread_pool_scores_groups_concurrently_and_off_the_loop():
     assert m["reward_latency_p50_s"] >= 0.05 and m["scoring_pending"] == 0 and m["scoring_pending_peak"] == 8
 
 
+def test_a_slow_rewards_rows_run_side_by_side_and_a_cheap_ones_as_one_job():
+    """PooledCalls: a group's rows go to the pool as one job until the function measures slower
+    than SPLIT_ROW_S per row, then as one job per row on separate threads; a cheap function keeps
+    one job per group. Outcomes stay in row order either way."""
+    from nonstop.scoring.calls import SPLIT_ROW_S, PooledCalls, RewardRow
+    from nonstop.scoring.stage import DaemonThreads
+
+    seen: dict[str, list[set[str]]] = {"slow": [], "cheap": []}
+
+    def make(name, sleep_s):
+        def fn(completion, answer):
+            seen[name][-1].add(threading.current_thread().name)
+            time.sleep(sleep_s)
+            return float(completion)
+        return fn
+
+    slow, cheap = make("slow", 5 * SPLIT_ROW_S), make("cheap", 0.0)
+    rows = [RewardRow("p", str(i), "a", {}) for i in range(8)]
+
+    async def go():
+        calls = PooledCalls(DaemonThreads(8, "test-reward"))
+        for name, fn in (("slow", slow), ("cheap", cheap)):
+            for _ in range(3):
+                seen[name].append(set())
+                assert await calls("sample", fn, rows) == [float(i) for i in range(8)]
+        calls.executor.shutdown()
+        return calls
+
+    calls = asyncio.run(go())
+    assert len(seen["slow"][0]) == 1 and all(len(threads) > 1 for threads in seen["slow"][1:]), seen
+    assert all(len(threads) == 1 for threads in seen["cheap"]), seen
+    assert calls.splits(slow) and not calls.splits(cheap)
+
+
 def test_loop_pool_blocks_the_loop():
     """The comparison point of bench/scoring.py: scoring on the loop stops everything else."""
     async def go():

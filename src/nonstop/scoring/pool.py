@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nonstop.runtime.base import ActorBackend, ActorCallError, ActorDied, ActorHandle
-from nonstop.scoring.calls import Kind, Outcome, RewardRow, evaluate
+from nonstop.scoring.calls import Kind, Outcome, PooledCalls, RewardRow
 
 
 class CallFailed(RuntimeError):
@@ -122,6 +122,7 @@ class RewardWorker:
 
     def __init__(self, threads: int = 8) -> None:
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward")
+        self.calls = PooledCalls(self.executor)
         self.fns: dict[str, Callable[..., Any]] = {}
 
     async def evaluate(self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
@@ -129,7 +130,7 @@ class RewardWorker:
         fn = self.fns.get(key)
         if fn is None:
             fn = self.fns[key] = _resolve(spec)
-        return await evaluate(kind, fn, rows, self.executor)
+        return await self.calls(kind, fn, rows)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from nonstop.config_scoring import ScoringConfig
 from nonstop.orchestrator.score import RewardError
 from nonstop.scoring.base import Contribution, ScoreComponent
-from nonstop.scoring.calls import Failure, Kind, Outcome, RewardRow, evaluate
+from nonstop.scoring.calls import Failure, Kind, Outcome, PooledCalls, RewardRow, evaluate
 from nonstop.scoring.pool import ActorPool, CallFailed, RewardWorker
 from nonstop.runtime.base import ActorBackend
 from nonstop.types import Group
@@ -100,6 +100,7 @@ class DaemonThreads(Executor):
 class ThreadRunner:
     def __init__(self, threads: int) -> None:
         self.executor = DaemonThreads(threads, "nonstop-reward")
+        self.calls = PooledCalls(self.executor)
 
     async def start(self) -> None:
         pass
@@ -107,7 +108,7 @@ class ThreadRunner:
     async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
                   rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
         try:
-            return await asyncio.wait_for(evaluate(kind, fn, rows, self.executor), timeout_s)
+            return await asyncio.wait_for(self.calls(kind, fn, rows), timeout_s)
         except TimeoutError:
             raise CallFailed("timeout", f"the reward function did not return within {timeout_s:g} s") from None
 
