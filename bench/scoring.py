@@ -15,22 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
 
 from nonstop.cli import run_training
 from nonstop.config import load_config
-from nonstop.orchestrator.score import exact_match
 
-DELAY_S = 0.02
-
-
-def slow_exact_match(completion: str, answer: str) -> float:
-    time.sleep(DELAY_S)
-    return exact_match(completion, answer)
+HERE = Path(__file__).resolve().parent
 
 
 def run_cell(pool: str, slow: bool, seconds: float, out: str, sets: list[str]) -> dict:
@@ -39,7 +34,10 @@ def run_cell(pool: str, slow: bool, seconds: float, out: str, sets: list[str]) -
         f"scoring.pool={pool}", f"run.max_time_s={seconds}", "run.max_steps=100000", "run.eval_every=100000",
         "checkpoint.every_steps=null", f"run.out_dir={out}", f"run.name={name}", "run.progress=off", *sets,
     ])
-    summary = run_training(cfg, Console(quiet=True), reward=slow_exact_match if slow else exact_match).to_dict()
+    # by name, so that worker processes (scoring.pool=process) import it too
+    cfg = cfg.model_copy(update={"task": cfg.task.model_copy(
+        update={"reward": "slow_reward:slow_exact_match" if slow else "exact_match"})})
+    summary = run_training(cfg, Console(quiet=True)).to_dict()
     recs = [json.loads(x) for x in (Path(out) / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "reward_latency_p50_s" in r]
     p50 = sorted(r["reward_latency_p50_s"] for r in steps)[len(steps) // 2] if steps else 0.0
@@ -49,7 +47,6 @@ def run_cell(pool: str, slow: bool, seconds: float, out: str, sets: list[str]) -
 
 
 def main() -> None:
-    global DELAY_S
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="30 s of RL per run (about 4 minutes in all)")
     ap.add_argument("--seconds", type=float, default=60.0)
@@ -59,7 +56,9 @@ def main() -> None:
                     help="a config override for every run (e.g. buffer.depth=2)")
     ns = ap.parse_args()
     seconds = 30.0 if ns.quick else ns.seconds
-    DELAY_S = ns.delay_ms / 1000
+    os.environ["NONSTOP_BENCH_REWARD_DELAY_MS"] = str(ns.delay_ms)  # read when slow_reward is imported
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, str(HERE))
     cells = {}
     with tempfile.TemporaryDirectory() as out:
         for pool in ns.pools.split(","):
@@ -75,7 +74,7 @@ def main() -> None:
               f"{r['p50'] * 1e3:>7.1f}ms {r['p99'] * 1e3:>7.1f}ms {r['acc']:>10.1%}")
     added = {p: 100 * (cells[(p, True)]["idle"] - cells[(p, False)]["idle"]) for p in ns.pools.split(",")}
     names = {"thread": "idle_added_pts", "loop": "blocking_idle_added_pts"}
-    print("RESULT " + " ".join(f"{names[p]}={v:.1f}" for p, v in added.items()))
+    print("RESULT " + " ".join(f"{names[p]}={added[p]:.1f}" for p in ("thread", "loop") if p in added))
 
 
 if __name__ == "__main__":
