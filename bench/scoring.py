@@ -8,7 +8,8 @@ side by side: reward exact_match as it is ("fast") or with 20 ms of waiting per 
 reward-call latency p50/p99 and final held-out accuracy. The RESULT line gives the trainer idle
 added by the slow reward, in percentage points, for each way of scoring.
 
-    python bench/scoring.py [--quick] [--seconds 60] [--delay-ms 20] [--pools loop,thread] [--set KEY=VALUE ...]
+    python bench/scoring.py [--quick] [--seconds 60] [--delay-ms 20] [--pools loop,thread] [--slow-reward sync|async]
+                            [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from nonstop.config import load_config
 HERE = Path(__file__).resolve().parent
 
 
-def run_cell(pool: str, slow: bool, seconds: float, out: str, sets: list[str]) -> dict:
+SLOW = {"sync": "slow_exact_match", "async": "slow_exact_match_async"}
+
+
+def run_cell(pool: str, slow: bool, seconds: float, out: str, sets: list[str], reward_kind: str = "sync") -> dict:
     name = f"{pool}-{'slow' if slow else 'fast'}"
     cfg = load_config(overrides=[
         f"scoring.pool={pool}", f"run.max_time_s={seconds}", "run.max_steps=100000", "run.eval_every=100000",
@@ -36,7 +40,7 @@ def run_cell(pool: str, slow: bool, seconds: float, out: str, sets: list[str]) -
     ])
     # by name, so that worker processes (scoring.pool=process) import it too
     cfg = cfg.model_copy(update={"task": cfg.task.model_copy(
-        update={"reward": "slow_reward:slow_exact_match" if slow else "exact_match"})})
+        update={"reward": f"slow_reward:{SLOW[reward_kind]}" if slow else "exact_match"})})
     summary = run_training(cfg, Console(quiet=True)).to_dict()
     recs = [json.loads(x) for x in (Path(out) / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "reward_latency_p50_s" in r]
@@ -51,6 +55,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="30 s of RL per run (about 4 minutes in all)")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--delay-ms", type=float, default=20.0)
+    ap.add_argument("--slow-reward", choices=tuple(SLOW), default="sync",
+                    help="the slow reward as a plain function (time.sleep) or an async def one (asyncio.sleep)")
     ap.add_argument("--pools", default="loop,thread", help="which of loop,thread to run")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run (e.g. buffer.depth=2)")
@@ -63,7 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         for pool in ns.pools.split(","):
             for slow in (False, True):
-                r = cells[(pool, slow)] = run_cell(pool, slow, seconds, out, ns.sets)
+                r = cells[(pool, slow)] = run_cell(pool, slow, seconds, out, ns.sets, ns.slow_reward)
                 print(f"{pool:>6} {'slow' if slow else 'fast'}: trainer idle {r['idle']:.1%} "
                       f"{r['sps']:.0f} samples/s, {r['steps']} steps", flush=True)
     print(f"\nDefault job, {seconds:g} s of RL per run; slow = exact_match + {ns.delay_ms:g} ms per sample")
