@@ -120,13 +120,15 @@ class RestartingEngine:
                     await old.kill()
                 t0 = time.monotonic()
                 try:
-                    self.engine = await self._start()
+                    replacement = await self._start()
                 except ActorDied as e:
-                    self.faults.restarts.append(Restart(reason, detect_s, time.monotonic() - t0, 0))
-                    reason = f"{e} (while restarting)"
-                    continue
-                self.generation += 1
+                    replacement, died = None, e
                 self.faults.restarts.append(Restart(reason, detect_s, time.monotonic() - t0, 0))
+                if replacement is None:
+                    reason = f"{died} (while restarting)"
+                    continue
+                self.engine = replacement
+                self.generation += 1
                 return
 
     async def heartbeat(self) -> None:

@@ -136,19 +136,15 @@ def _timed_group(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> t
     return _sync_group(kind, fn, rows), time.perf_counter() - t0
 
 
-async def evaluate(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow],
-                   executor: Executor | None = None) -> list[Outcome]:
-    """Outcomes of one group: one per row, or one for the whole group (kind 'group'). A sync
-    function's calls for the group run as one job of `executor`, row after row (None: right here,
-    blocking the loop); `PooledCalls` chooses between that and one job per row. An async
-    function's calls run concurrently on the loop."""
+async def evaluate(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+    """Outcomes of one group, here on the loop: one per row, or one for the whole group (kind
+    'group'). An async function's calls run concurrently; a sync function's one after another,
+    blocking the loop (`PooledCalls` runs them in a pool of threads instead)."""
     if _is_async(fn):
         if kind == "group":
             return [await _call_async(kind, fn, rows, None)]
         return list(await asyncio.gather(*(_call_async(kind, fn, rows, row) for row in rows)))
-    if executor is None:
-        return _sync_group(kind, fn, rows)
-    return await asyncio.get_running_loop().run_in_executor(executor, _sync_group, kind, fn, rows)
+    return _sync_group(kind, fn, rows)
 
 
 SPLIT_ROW_S = 0.002
@@ -174,13 +170,15 @@ class PooledCalls:
         return self.row_s.get(id(fn), 0.0) > SPLIT_ROW_S
 
     async def __call__(self, kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
-        if _is_async(fn) or kind == "group" or len(rows) < 2:
-            return await evaluate(kind, fn, rows, self.executor)
+        if _is_async(fn):
+            return await evaluate(kind, fn, rows)
         loop = asyncio.get_running_loop()
-        parts = [[row] for row in rows] if self.splits(fn) else [rows]
+        split = kind != "group" and len(rows) > 1 and self.splits(fn)  # a group function takes all rows at once
+        parts = [[row] for row in rows] if split else [rows]
         done = await asyncio.gather(*(loop.run_in_executor(self.executor, _timed_group, kind, fn, part)
                                       for part in parts))
-        row_s = sum(seconds for _, seconds in done) / len(rows)
-        old = self.row_s.get(id(fn))
-        self.row_s[id(fn)] = row_s if old is None else 0.8 * old + 0.2 * row_s
+        if kind != "group" and rows:
+            row_s = sum(seconds for _, seconds in done) / len(rows)
+            old = self.row_s.get(id(fn))
+            self.row_s[id(fn)] = row_s if old is None else 0.8 * old + 0.2 * row_s
         return [outcome for outcomes, _ in done for outcome in outcomes]
