@@ -43,6 +43,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from rich.console import Console
 
@@ -53,11 +54,21 @@ from nonstop.tasks.base import verify
 
 ROOT = Path(__file__).resolve().parent.parent
 CIPHER = ROOT / "examples" / "tasks"
-TASKS = {  # task -> (student, teacher, overrides of every run, default steps, quick steps)
-    "cipher": (str(CIPHER / "cipher-student"), str(CIPHER / "cipher-teacher"),
-               ["task.name=jsonl", f"task.dataset_path={CIPHER / 'cipher.jsonl'}", "rollout.max_new_tokens=13",
-                "rollout.filter_uniform_reward=false"], 100, 50),
-    "addition": ("builtin_weak", str(SHIPPED_TEACHER), [], 250, 120),
+
+
+class Task(NamedTuple):
+    student: str  # a folder (model.path), or 'builtin_weak' (model.base)
+    teacher: str
+    overrides: list[str]  # of every run
+    steps: int
+    quick_steps: int
+
+
+TASKS = {
+    "cipher": Task(str(CIPHER / "cipher-student"), str(CIPHER / "cipher-teacher"),
+                   ["task.name=jsonl", f"task.dataset_path={CIPHER / 'cipher.jsonl'}", "rollout.max_new_tokens=13",
+                    "rollout.filter_uniform_reward=false"], 100, 50),
+    "addition": Task("builtin_weak", str(SHIPPED_TEACHER), [], 250, 120),
 }
 COMMON = ["checkpoint.every_steps=null", "run.progress=off", "run.max_steps=100000", "run.eval_every=100000"]
 SIGNALS = ("reward", "distill", "both")
@@ -118,13 +129,13 @@ def main() -> None:
     if not signals or set(signals) - set(SIGNALS):
         ap.error(f"--signals: a comma-separated subset of {','.join(SIGNALS)}")
     seeds = [int(s) for s in (ns.seeds or ("0,1" if ns.quick else "0,1,2")).split(",")]
+    task = TASKS[ns.task]
     if ns.seconds is not None:
         budget, label = [f"run.max_time_s={ns.seconds}"], f"{ns.seconds:g} s of RL"
     else:
-        steps = ns.steps or TASKS[ns.task][4 if ns.quick else 3]
+        steps = ns.steps or (task.quick_steps if ns.quick else task.steps)
         budget, label = ["run.max_time_s=null", f"run.max_steps={steps}"], f"{steps} steps"
-    shipped_student, shipped_teacher, task_overrides, _, _ = TASKS[ns.task]
-    student_dir = ns.student or shipped_student
+    student_dir = ns.student or task.student
     student = ["model.base=builtin_weak"] if student_dir == "builtin_weak" else [f"model.path={student_dir}"]
     if ns.teacher_seconds > 0 and ns.task != "addition":
         ap.error("--teacher-seconds trains a teacher on the addition task: use it with --task addition")
@@ -136,14 +147,14 @@ def main() -> None:
             teacher, teacher_acc = teacher_sum["final_dir"], teacher_sum["final_accuracy"]
             made = f"shipped base + {ns.teacher_seconds:g} s RL"
         else:
-            teacher = ns.teacher or shipped_teacher
+            teacher = ns.teacher or task.teacher
             prov = verify(teacher)
             teacher_acc, made = prov["heldout_accuracy"], f"{Path(teacher).name}, {prov['steps']} steps"
         print(f"teacher: {made}, held-out {teacher_acc:.1%}", flush=True)
         per_signal = signal_overrides(teacher, ns)
         for seed in seeds:  # seed-major: an interrupted run still has every signal of the first seeds
             for name in signals:
-                summary, recs, wall = train(out, f"{name}-s{seed}", budget, *student, *task_overrides,
+                summary, recs, wall = train(out, f"{name}-s{seed}", budget, *student, *task.overrides,
                                             f"run.seed={seed}", *per_signal[name], *ns.sets)
                 kl = [r["teacher_kl"] for r in recs if "teacher_kl" in r]
                 rewards = [r["reward_mean"] for r in recs if r.get("reward_mean") is not None]
