@@ -117,19 +117,6 @@ def test_without_refill_a_batch_trains_on_the_groups_with_signal_among_its_promp
     asyncio.run(go())
 
 
-def test_unbounded_stream_admits_at_most_max_queued_groups_ahead_of_the_trainer():
-    """depth None still waits for admission once max_queued groups are admitted and untrained
-    (otherwise the producer never yields and admits without end)."""
-    async def go():
-        buf = RolloutBuffer(groups_per_step=2, depth=None, max_lag=8, max_queued=5)
-        assert await _admit_nowait(buf, 4) == 4
-        assert await _admit_nowait(buf, 4) == 1
-        assert await _admit_nowait(buf, 4) is None
-        await buf.step_done(1)  # two groups trained: two more may be admitted
-        assert await _admit_nowait(buf, 4) == 2
-    asyncio.run(go())
-
-
 def test_without_refill_a_batch_without_any_signal_is_generated_again():
     async def go():
         buf = RolloutBuffer(groups_per_step=2, depth=0, max_lag=0, max_queued=100, refill=False)
@@ -145,3 +132,46 @@ def test_without_refill_a_batch_without_any_signal_is_generated_again():
         await buf.put(_group(0, idx=9))
         assert [g.prompt_index for g in await take] == [7, 9]
     asyncio.run(go())
+
+
+def test_refill_ahead_admits_the_expected_replacements_before_the_drops():
+    """Half of the first scored groups were dropped: admission anticipates the same share of the
+    groups still needed, on top of the refunds, instead of waiting for each drop."""
+    async def go():
+        plain = RolloutBuffer(groups_per_step=4, depth=1, max_lag=2, max_queued=100)
+        ahead = RolloutBuffer(groups_per_step=4, depth=1, max_lag=2, max_queued=100, refill_ahead=True)
+        for buf in (plain, ahead):
+            assert await _admit_nowait(buf, 8) == 8  # two batches: the depth-1 bound
+            for i in range(2):
+                await buf.put(_group(0, idx=i))
+            for i in range(2, 4):
+                await buf.drop(_group(0, idx=i), "uniform_reward")
+        # drop rate, a moving average over one step's groups (1/4): 0, 0, 1/4, 7/16
+        assert ahead.drop_rate == pytest.approx(7 / 16)
+        assert await _admit_nowait(plain, 99) == 2  # the refunds only
+        # the refunds, and 6 groups still needed x (7/16) / (9/16) = 4.67 -> 4 ahead
+        assert await _admit_nowait(ahead, 99) == 6
+        assert await _admit_nowait(ahead, 99) is None
+    asyncio.run(go())
+
+
+def test_refill_ahead_stops_once_enough_groups_arrived_and_caps_the_drop_rate():
+    async def go():
+        buf = RolloutBuffer(groups_per_step=2, depth=1, max_lag=2, max_queued=100, refill_ahead=True)
+        assert await _admit_nowait(buf, 4) == 4
+        for i in range(4):
+            await buf.drop(_group(0, idx=i), "reward_error")
+        # drop rate 15/16, capped at 3/4: at most 3 x the 4 groups still needed ahead, plus 4 refunds
+        assert await _admit_nowait(buf, 99) == 4 + 12
+        for i in range(5):  # one more than the two batches the bound asks for
+            await buf.put(_group(0, idx=10 + i))
+        assert await _admit_nowait(buf, 99) is None  # nothing still needed: no admission ahead
+        await buf.step_done(1)
+        assert len(await buf.take()) == 2
+    asyncio.run(go())
+
+
+def test_refill_ahead_needs_a_bounded_depth_of_at_least_one():
+    for depth in (0, None):
+        with pytest.raises(ValueError, match="refill_ahead needs a bounded depth of at least 1"):
+            RolloutBuffer(groups_per_step=2, depth=depth, max_lag=2, max_queued=100, refill_ahead=True)

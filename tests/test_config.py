@@ -164,12 +164,16 @@ RULES = [
      ["model.tiny.num_kv_heads=4"]),
     (["trainer.is_lo=1.0", "trainer.is_hi=1.0"], r"trainer: .*is_lo \(1\.0\) must be below is_hi \(1\.0\)",
      ["trainer.is_hi=1.5"]),
+    (["buffer.depth=0", "buffer.max_lag=0", "rollout.refill_ahead=true"],
+     r"rollout\.refill_ahead: admitting replacements ahead needs rollout\.refill and a bounded buffer\.depth >= 1",
+     ["rollout.refill_ahead=false"]),
 ]
 
 
 @pytest.mark.parametrize("overrides,message,fix", RULES, ids=[
     "lag_below_depth", "ranks_with_lora", "ranks_above_prompts", "warmup_with_model_path",
-    "seed_per_prompt_with_env", "jsonl_needs_dataset", "heads_divide_width", "kv_heads_divide_heads", "is_bounds"])
+    "seed_per_prompt_with_env", "jsonl_needs_dataset", "heads_divide_width", "kv_heads_divide_heads", "is_bounds",
+    "refill_ahead_at_depth_0"])
 def test_each_rule_across_fields_names_them_and_its_fix_works(overrides, message, fix):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
@@ -187,6 +191,9 @@ def test_defaults_that_depend_on_other_fields_resolve_in_the_config():
     assert cfg.warmup.enabled is None and cfg.warmup_enabled is True
     assert load_config(overrides=["model.path=/m"]).warmup_enabled is False
     assert load_config(overrides=["warmup.enabled=false"]).warmup_enabled is False
+    assert cfg.rollout.refill_ahead is None and cfg.refill_ahead is True  # depth 1, max_lag 2
+    for off in (["buffer.depth=0"], ["buffer.max_lag=1"], ["buffer.depth=null"], ["rollout.refill=false"]):
+        assert load_config(overrides=off).refill_ahead is False, off
 
 
 def test_a_written_config_keeps_defaults_that_depend_on_other_fields(tmp_path):

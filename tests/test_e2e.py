@@ -36,8 +36,8 @@ def records(run_dir: Path) -> list[dict]:
 
 def test_short_run_learns(tmp_path):
     """The default job, step-bound: the shipped base (the same bytes on every CPU), 60 steps of
-    async GRPO at depth 1. Over run seeds 0-2 the gain was +14.8 (step 50), +15.4 and +9.4
-    (step 60) points (calibration in docs/recipe.md); the bar is +5."""
+    async GRPO at depth 1 (refilling ahead). Over run seeds 0-2 the gain at step 60 was +11.4, +12.4
+    and +10.8 points; the bar is +5."""
     result = nonstop(
         ["train", "--set", "run.name=learn", "--set", "run.max_steps=60", "--set", "run.max_time_s=null",
          "--set", "run.eval_every=60", "--set", "run.progress=plain"],
@@ -55,7 +55,9 @@ def test_short_run_learns(tmp_path):
                 "generation_busy_s", "generation_idle_s", "training_busy_s", "training_idle_s", "samples_per_s"):
         assert key in recs[-1], key
     assert [r["policy_version"] for r in recs] == list(range(1, len(recs) + 1))
-    assert all(int(lag) <= 1 for r in recs for lag in r["lag_hist"])  # depth 1 bounds the lag
+    # depth 1 bounds the lag by 1, and by 2 (max_lag) for a group admitted ahead (rollout.refill_ahead)
+    # that its batch did not need and the next one trained
+    assert all(int(lag) <= 2 for r in recs for lag in r["lag_hist"])
     assert "eval_accuracy" in recs[-1]
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert model.config.model_type == "qwen2"

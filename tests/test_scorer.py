@@ -124,7 +124,7 @@ def test_a_slow_rewards_rows_run_side_by_side_and_a_cheap_ones_as_one_job():
     than SPLIT_ROW_S per row, then as one job per row on separate threads; a cheap function keeps
     one job per group. Outcomes stay in row order either way."""
     from nonstop.scoring.calls import SPLIT_ROW_S, PooledCalls, RewardRow
-    from nonstop.scoring.stage import DaemonThreads
+    from nonstop.scoring.threads import DaemonThreads
 
     seen: dict[str, list[set[str]]] = {"slow": [], "cheap": []}
 
@@ -144,13 +144,40 @@ def test_a_slow_rewards_rows_run_side_by_side_and_a_cheap_ones_as_one_job():
             for _ in range(3):
                 seen[name].append(set())
                 assert await calls("sample", fn, rows) == [float(i) for i in range(8)]
-        calls.executor.shutdown()
+        calls.threads.shutdown()
         return calls
 
     calls = asyncio.run(go())
     assert len(seen["slow"][0]) == 1 and all(len(threads) > 1 for threads in seen["slow"][1:]), seen
     assert all(len(threads) == 1 for threads in seen["cheap"]), seen
     assert calls.splits(slow) and not calls.splits(cheap)
+
+
+def test_daemon_threads_hand_back_a_batch_in_order_with_its_first_error():
+    """run_all: results in call order; a raising call fails the batch with its exception; a batch
+    abandoned by a timeout finishes in its threads without disturbing the loop."""
+    from nonstop.scoring.threads import DaemonThreads
+
+    def slow_square(i):
+        time.sleep(0.01 * (4 - i))  # the first call finishes last
+        return i * i
+
+    def boom():
+        raise KeyError("bad row")
+
+    async def go():
+        pool = DaemonThreads(4, "test-batch")
+        assert await pool.run_all([lambda i=i: slow_square(i) for i in range(4)]) == [0, 1, 4, 9]
+        assert await pool.run_all([]) == []
+        with pytest.raises(KeyError, match="bad row"):
+            await pool.run_all([lambda: 1, boom])
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pool.run_all([lambda: time.sleep(0.2)]), 0.01)
+        await asyncio.sleep(0.3)  # the abandoned call ends meanwhile; its result goes nowhere
+        assert await pool.run_all([lambda: "still serving"]) == ["still serving"]
+        pool.shutdown()
+
+    asyncio.run(go())
 
 
 def test_loop_pool_blocks_the_loop():

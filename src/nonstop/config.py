@@ -73,6 +73,12 @@ class RolloutConfig(_Section):
     """With filter_uniform_reward: generate more prompts to replace the dropped groups, so every step
     trains on prompts_per_step groups (DAPO's dynamic sampling). false: a step trains on the groups
     with signal among its prompts_per_step prompts, as a plain synchronous loop does."""
+    refill_ahead: bool | None = None
+    """With refill: admit replacements for the groups still in flight that are expected to be
+    dropped (from the drop rate seen lately) before they are scored, instead of one generate-and-score
+    round trip per replacement while the trainer waits. A replacement that turns out not to be
+    needed trains one step later (lag up to buffer.depth + 1). None: on when buffer.depth >= 1 and
+    buffer.max_lag > buffer.depth; needs a bounded buffer.depth >= 1."""
     max_consecutive_uniform: int = Field(4096, ge=1)
     """Filtered groups in a row before the run stops: the policy never produces a learning signal."""
     seed_per_prompt: bool = False
@@ -201,6 +207,15 @@ class Config(_Section):
         return self.runtime.max_engine_restarts if self.runtime.max_engine_restarts is not None else 3
 
     @property
+    def refill_ahead(self) -> bool:
+        """rollout.refill_ahead resolved: None is on where a group admitted ahead and not needed
+        still trains within max_lag (depth >= 1, max_lag > depth), and groups are refilled at all."""
+        if self.rollout.refill_ahead is not None:
+            return self.rollout.refill_ahead
+        depth = self.buffer.depth
+        return self.rollout.refill and depth is not None and depth >= 1 and self.buffer.max_lag > depth
+
+    @property
     def warmup_enabled(self) -> bool:
         """warmup.enabled resolved: None is on for the built-in tiny model, off with model.path."""
         return self.warmup.enabled if self.warmup.enabled is not None else self.model.path is None
@@ -212,6 +227,12 @@ class Config(_Section):
             raise ValueError(
                 f"buffer.max_lag ({self.buffer.max_lag}) < buffer.depth ({self.buffer.depth}): "
                 "most groups would be generated only to be dropped; raise max_lag or lower depth"
+            )
+        if self.rollout.refill_ahead and (self.buffer.depth is None or self.buffer.depth < 1 or not self.rollout.refill):
+            raise ValueError(
+                f"rollout.refill_ahead: admitting replacements ahead needs rollout.refill and a bounded buffer.depth "
+                f">= 1 (got refill={self.rollout.refill}, depth={self.buffer.depth}); at depth 0 a replacement "
+                "not needed would train a step late; leave rollout.refill_ahead unset or set it to false"
             )
         if self.trainer.ranks > 1 and self.model.lora.enabled:
             raise ValueError("trainer.ranks: data-parallel ranks with model.lora are not supported yet; use one rank")

@@ -29,6 +29,18 @@ With `max_lag=None` the buffer rejects nothing (rejection per sample or token is
 trainer's, which masks and counts). Every drop is also settled in the prompt ledger when one is
 given, and recorded in the span log when one is given. Nothing is dropped silently.
 
+With `refill_ahead=True` (depth >= 1), admission also anticipates drops: from the share of
+scored groups that were dropped and refunded lately (a moving average, `drop_rate`), it admits the
+replacements of the groups still in flight before they are dropped,
+
+    groups_admitted <= (steps_trained + depth + 1) * groups_per_step + groups_refunded
+                       + groups_still_needed * drop_rate / (1 - drop_rate)
+
+where groups_still_needed is that bound's groups not yet delivered. Without it, each replacement
+waits for a generate-and-score round trip that the trainer waits for too; with it, on average the
+batch arrives whole after one. A group admitted ahead that turns out not to be needed is trained
+one step later (lag up to depth + 1, within max_lag).
+
 When the prompt stream runs out (`run.max_epochs`), the producer calls `close()`; `take()` then
 returns the last, possibly short, batch and after it an empty one.
 """
@@ -39,11 +51,13 @@ import asyncio
 from collections import Counter
 from typing import Protocol
 
+from nonstop.config import Config
 from nonstop.orchestrator.ledger import Settler
 from nonstop.spans import SpanLog, now
 from nonstop.types import Group
 
 _EMPTY_SLOT = object()  # a group without learning signal, holding its place in a batch (refill=False)
+MAX_DROP_RATE = 0.75  # admission ahead stays within 3 x the groups still needed
 
 
 class Intake(Protocol):
@@ -60,11 +74,24 @@ class Intake(Protocol):
     async def drop(self, group: Group, reason: str) -> None: ...
 
 
+def make_buffer(cfg: Config, ledger: Settler, spans: SpanLog) -> "RolloutBuffer":
+    """A run's buffer (or one policy's) as the config says; group-level max-lag rejection only
+    where buffer.reject is done here ('group', 'episode'), not by the trainer."""
+    in_buffer = cfg.buffer.reject in ("group", "episode")
+    return RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth, cfg.buffer.max_lag if in_buffer else None,
+                         cfg.buffer.max_queued_groups, ledger, refill=cfg.rollout.refill, spans=spans,
+                         episodes=cfg.buffer.reject == "episode", refill_ahead=cfg.refill_ahead)
+
+
 class RolloutBuffer:
     def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int,
                  ledger: Settler | None = None, refill: bool = True, spans: SpanLog | None = None,
-                 episodes: bool = False) -> None:
+                 episodes: bool = False, refill_ahead: bool = False) -> None:
+        if refill_ahead and (depth is None or depth < 1):
+            raise ValueError(f"refill_ahead needs a bounded depth of at least 1, not {depth}: a group admitted "
+                             "ahead and not needed trains a step later")
         self.groups_per_step = groups_per_step
+        self.refill_ahead = refill_ahead
         self.spans = spans if spans is not None else SpanLog(None)
         self.episodes = episodes
         self.ledger = ledger
@@ -76,13 +103,24 @@ class RolloutBuffer:
         self.steps_trained = 0
         self.admitted = 0
         self.refunded = 0
+        self.delivered = 0  # groups (and empty slots) put, less those dropped from the queue since
+        self.drop_rate = 0.0  # moving average over scored groups: 1 dropped and refunded, 0 delivered
         self.drops: Counter[str] = Counter()
         self._changed = asyncio.Condition()
 
     def _limit(self) -> float:
         if self.depth is None:  # groups admitted and not yet trained stay within max_queued
             return self.steps_trained * self.groups_per_step + self.queue.maxsize + self.refunded
-        return (self.steps_trained + self.depth + 1) * self.groups_per_step + self.refunded
+        bound = (self.steps_trained + self.depth + 1) * self.groups_per_step
+        ahead = 0.0
+        if self.refill_ahead:
+            p = min(self.drop_rate, MAX_DROP_RATE)
+            ahead = max(0, bound - self.delivered) * p / (1 - p)
+        return bound + self.refunded + int(ahead)
+
+    def _observe(self, dropped: bool) -> None:
+        """A scored group's outcome, in the moving average of the drop rate (about one step's groups)."""
+        self.drop_rate += (float(dropped) - self.drop_rate) / self.groups_per_step
 
     async def admit(self, max_groups: int) -> int:
         """Wait until generation may start; reserve and return how many groups (1..max_groups)."""
@@ -94,6 +132,14 @@ class RolloutBuffer:
 
     async def put(self, group: Group) -> None:
         await self.queue.put(group)
+        await self._delivered(1)
+
+    async def _delivered(self, n: int) -> None:
+        async with self._changed:
+            self.delivered += n
+            if n > 0:
+                self._observe(False)
+            self._changed.notify_all()
 
     async def drop(self, group: Group, reason: str) -> None:
         """Count a group that will not be trained on and refund its admission."""
@@ -103,7 +149,10 @@ class RolloutBuffer:
             self.ledger.settle(group.epoch, group.prompt_index, reason)
         if not self.refill and reason == "uniform_reward":
             await self.queue.put(_EMPTY_SLOT)
+            await self._delivered(1)
             return
+        if reason != "max_lag":  # found in the queue: counted as delivered, not a drop of scoring
+            self._observe(True)
         await self.refund(1)
 
     def settle(self, group: Group, outcome: str) -> None:
@@ -133,6 +182,7 @@ class RolloutBuffer:
             slots += 1
             if group is _EMPTY_SLOT:
                 if slots == self.groups_per_step and not batch:  # no signal at all: generate this batch again
+                    await self._delivered(-self.groups_per_step)
                     await self.refund(self.groups_per_step)
                     slots = 0
                 continue
@@ -140,6 +190,7 @@ class RolloutBuffer:
             if self.max_lag is not None and self.policy_version - group.min_version > self.max_lag:
                 if not (self.episodes and self._drop_stale_episodes(group)):
                     slots -= 1
+                    await self._delivered(-1)
                     await self.drop(group, "max_lag")
                     continue
             batch.append(group)

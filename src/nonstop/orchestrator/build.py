@@ -24,7 +24,7 @@ from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.engine.worker import EngineWorker
 from nonstop.metrics import Clock
-from nonstop.orchestrator.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import RolloutBuffer, make_buffer
 from nonstop.orchestrator.dispatch import EnginePool, RankGroup
 from nonstop.orchestrator.episode_flow import EnvRun
 from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate
@@ -209,10 +209,7 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
     own = sorted(cfg.env.policies) if cfg.env is not None else []
     ledger = Ledger(("", *own) if own else ())  # with own policies a row settles once each settled its part
     spans = SpanLog(_span_file(cfg, run_dir, "orchestrator"))
-    buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
-                           cfg.buffer.max_lag if cfg.buffer.reject in ("group", "episode") else None,
-                           cfg.buffer.max_queued_groups, ledger.part("") if own else ledger, refill=cfg.rollout.refill,
-                           spans=spans, episodes=cfg.buffer.reject == "episode")
+    buffer = make_buffer(cfg, ledger.part("") if own else ledger, spans)
     policies = None
     if own:
         from nonstop.orchestrator.policies import Policies, build_policies

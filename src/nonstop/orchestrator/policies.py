@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config, ConfigError, PolicyConfig
-from nonstop.orchestrator.buffer import RolloutBuffer
+from nonstop.orchestrator.buffer import RolloutBuffer, make_buffer
 from nonstop.orchestrator.build import connect_transport, engine_restarter, spawn_engine, spawn_trainers
 from nonstop.orchestrator.dispatch import EnginePool
 from nonstop.orchestrator.episodes import RoleEngines, TurnEngine
@@ -201,10 +201,7 @@ async def build_side(cfg: Config, k: int, role: str, backend: ActorBackend, base
                                 cfg.engine_restarts, cfg.runtime.heartbeat_interval_s, cfg.runtime.heartbeat_timeout_s,
                                 log=progress.log, engine=e)
                for i, e in enumerate(first)]
-    buffer = RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth,
-                           cfg.buffer.max_lag if cfg.buffer.reject in ("group", "episode") else None,
-                           cfg.buffer.max_queued_groups, ledger.part(role), refill=cfg.rollout.refill, spans=spans,
-                           episodes=cfg.buffer.reject == "episode")
+    buffer = make_buffer(cfg, ledger.part(role), spans)
     return PolicySide(role, EnginePool(list(engines)), engines, trainer, handle, buffer)
 
 

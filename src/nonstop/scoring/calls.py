@@ -21,9 +21,12 @@ import math
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Literal
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from nonstop.scoring.threads import DaemonThreads
 
 Kind = Literal["sample", "group", "steps"]
 
@@ -157,13 +160,13 @@ than such a function spends on a whole group."""
 
 
 class PooledCalls:
-    """`evaluate` over a pool of threads that picks, per sync function, one job per group or one
+    """`evaluate` over a pool of daemon threads (scoring/threads.py) that picks, per sync function, one job per group or one
     job per row, from the function's measured seconds per row: a moving average timed inside the
     jobs, so time spent waiting in the pool's queue does not count. A function starts with one job
     per group and moves over (and back) as its measured cost crosses SPLIT_ROW_S."""
 
-    def __init__(self, executor: Executor) -> None:
-        self.executor = executor
+    def __init__(self, threads: DaemonThreads) -> None:
+        self.threads = threads
         self.row_s: dict[int, float] = {}  # id(fn) -> seconds per row; the functions live for the run
 
     def splits(self, fn: Callable[..., Any]) -> bool:
@@ -172,11 +175,9 @@ class PooledCalls:
     async def __call__(self, kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
         if _is_async(fn):
             return await evaluate(kind, fn, rows)
-        loop = asyncio.get_running_loop()
         split = kind != "group" and len(rows) > 1 and self.splits(fn)  # a group function takes all rows at once
         parts = [[row] for row in rows] if split else [rows]
-        done = await asyncio.gather(*(loop.run_in_executor(self.executor, _timed_group, kind, fn, part)
-                                      for part in parts))
+        done = await self.threads.run_all([partial(_timed_group, kind, fn, part) for part in parts])
         if kind != "group" and rows:
             row_s = sum(seconds for _, seconds in done) / len(rows)
             old = self.row_s.get(id(fn))

@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from nonstop.runtime.base import ActorBackend, ActorCallError, ActorDied, ActorHandle
 from nonstop.scoring.calls import Kind, Outcome, PooledCalls, RewardRow
+from nonstop.scoring.threads import DaemonThreads
 
 
 class CallFailed(RuntimeError):
@@ -121,7 +121,7 @@ class RewardWorker:
     """The reward actor of `scoring.pool: process` (see the module docstring)."""
 
     def __init__(self, threads: int = 8) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward")
+        self.executor = DaemonThreads(threads, "reward")
         self.calls = PooledCalls(self.executor)
         self.fns: dict[str, Callable[..., Any]] = {}
 
@@ -133,7 +133,7 @@ class RewardWorker:
         return await self.calls(kind, fn, rows)
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown()
 
 
 class Batcher:

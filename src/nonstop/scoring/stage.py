@@ -20,14 +20,10 @@ group with scoring.group_reward.
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
-import queue
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
 from typing import Any, Protocol
 
 from nonstop.config_scoring import ScoringConfig
@@ -35,6 +31,7 @@ from nonstop.orchestrator.score import RewardError
 from nonstop.scoring.base import Contribution, ScoreComponent
 from nonstop.scoring.calls import Failure, Kind, Outcome, PooledCalls, RewardRow, evaluate
 from nonstop.scoring.pool import ActorPool, CallFailed, RewardWorker
+from nonstop.scoring.threads import DaemonThreads
 from nonstop.runtime.base import ActorBackend
 from nonstop.types import Group
 
@@ -68,35 +65,6 @@ class LoopRunner:
         pass
 
 
-class DaemonThreads(Executor):
-    """A fixed pool of daemon threads: a reward call that never returns cannot keep the process
-    alive at exit (ThreadPoolExecutor joins its threads at interpreter shutdown)."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self.jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
-        for t in self.threads:
-            t.start()
-
-    def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            fut, fn, args = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as e:
-                    fut.set_exception(e)
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        fut: Future = Future()
-        self.jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
-        return fut
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        for _ in self.threads:
-            self.jobs.put(None)
-
-
 class ThreadRunner:
     def __init__(self, threads: int) -> None:
         self.executor = DaemonThreads(threads, "nonstop-reward")
@@ -113,7 +81,7 @@ class ThreadRunner:
             raise CallFailed("timeout", f"the reward function did not return within {timeout_s:g} s") from None
 
     async def close(self) -> None:
-        self.executor.shutdown(wait=False)
+        self.executor.shutdown()
 
 
 class ProcessRunner:
