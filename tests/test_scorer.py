@@ -167,7 +167,11 @@ def test_daemon_threads_hand_back_a_batch_in_order_with_its_first_error():
 
     async def go():
         pool = DaemonThreads(4, "test-batch")
+        assert await pool.run_all([lambda: 1]) == [1] and len(pool.threads) == 1  # threads start as needed
         assert await pool.run_all([lambda i=i: slow_square(i) for i in range(4)]) == [0, 1, 4, 9]
+        assert len(pool.threads) == 4
+        assert await pool.run_all([lambda: time.sleep(0.01) for _ in range(6)]) == [None] * 6
+        assert len(pool.threads) == 4  # the cap
         assert await pool.run_all([]) == []
         with pytest.raises(KeyError, match="bad row"):
             await pool.run_all([lambda: 1, boom])

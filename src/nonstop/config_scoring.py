@@ -77,8 +77,10 @@ class ScoringConfig(_Section):
     'loop' (called on the event loop, blocking it: generation and training wait while it runs)."""
     workers: int = Field(2, ge=1)
     """Worker processes of pool 'process'."""
-    concurrency: int = Field(64, ge=1)
-    """Reward calls (one group's samples each) in flight at once, over the whole pool."""
+    concurrency: int = Field(256, ge=1)
+    """Reward calls (one group's samples each) in flight at once, over the whole pool, and the
+    pool's threads at most (started as calls need them): a sync function slower than 2 ms per
+    sample takes one thread per sample, so a burst of groups under a slow verifier needs many."""
     timeout_s: float = Field(30.0, gt=0.0)
     """Longest one reward call may take before it counts as failed (reason 'timeout')."""
     retries: int = Field(1, ge=0)

@@ -57,15 +57,32 @@ class _Batch(Generic[T]):
 
 
 class DaemonThreads:
+    """At most `threads` daemon threads, started when a job finds every thread taken (a cheap
+    reward keeps a few; a burst of slow calls grows the pool to its cap), then kept for the run."""
+
     def __init__(self, threads: int, name: str) -> None:
+        self.max_threads, self.name = threads, name
         self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
-        for t in self.threads:
-            t.start()
+        self.threads: list[threading.Thread] = []
+        self.outstanding = 0  # jobs queued or running; the pool holds min(outstanding, max_threads) threads or more
+        self.lock = threading.Lock()
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
             job()
+            with self.lock:
+                self.outstanding -= 1
+
+    def _put(self, job: Callable[[], None]) -> None:
+        with self.lock:
+            self.outstanding += 1
+            thread = None
+            if self.outstanding > len(self.threads) and len(self.threads) < self.max_threads:
+                thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self.threads)}", daemon=True)
+                self.threads.append(thread)
+        if thread is not None:
+            thread.start()
+        self.jobs.put(job)
 
     def run_all(self, calls: Sequence[Callable[[], T]]) -> asyncio.Future[list[T]]:
         """Run each call as its own job; the future holds their results in order, or the first
@@ -74,11 +91,14 @@ class DaemonThreads:
         if not calls:
             batch.future.set_result([])
         for i, call in enumerate(calls):
-            self.jobs.put(lambda i=i, call=call: batch.run(i, call))  # type: ignore[misc]
+            self._put(lambda i=i, call=call: batch.run(i, call))  # type: ignore[misc]
         return batch.future
 
     def shutdown(self) -> None:
         """Threads end after their current job; a job that never returns keeps its thread, which
         does not hold up the process's exit."""
-        for _ in self.threads:
+        with self.lock:
+            self.max_threads = 0  # no thread starts after this
+            started = len(self.threads)
+        for _ in range(started):
             self.jobs.put(None)
