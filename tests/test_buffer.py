@@ -135,8 +135,8 @@ def test_without_refill_a_batch_without_any_signal_is_generated_again():
 
 
 def test_refill_ahead_admits_the_expected_replacements_before_the_drops():
-    """Half of the first scored groups were dropped: admission anticipates the same share of the
-    groups still needed, on top of the refunds, instead of waiting for each drop."""
+    """Half of the first scored groups were dropped: admission anticipates that share of the groups
+    still needed (and a margin), on top of the refunds, instead of waiting for each drop."""
     async def go():
         plain = RolloutBuffer(groups_per_step=4, depth=1, max_lag=2, max_queued=100)
         ahead = RolloutBuffer(groups_per_step=4, depth=1, max_lag=2, max_queued=100, refill_ahead=True)
@@ -149,8 +149,9 @@ def test_refill_ahead_admits_the_expected_replacements_before_the_drops():
         # drop rate, a moving average over one step's groups (1/4): 0, 0, 1/4, 7/16
         assert ahead.drop_rate == pytest.approx(7 / 16)
         assert await _admit_nowait(plain, 99) == 2  # the refunds only
-        # the refunds, and 6 groups still needed x (7/16) / (9/16) = 4.67 -> 4 ahead
-        assert await _admit_nowait(ahead, 99) == 6
+        # the refunds, and for the 6 groups still needed their expected drops plus two standard
+        # deviations: (6 x 7/16 + 2 x sqrt(6 x 7/16 x 9/16)) / (9/16) = 8.99 -> 8 ahead
+        assert await _admit_nowait(ahead, 99) == 2 + 8
         assert await _admit_nowait(ahead, 99) is None
     asyncio.run(go())
 
@@ -161,8 +162,8 @@ def test_refill_ahead_stops_once_enough_groups_arrived_and_caps_the_drop_rate():
         assert await _admit_nowait(buf, 4) == 4
         for i in range(4):
             await buf.drop(_group(0, idx=i), "reward_error")
-        # drop rate 15/16, capped at 3/4: at most 3 x the 4 groups still needed ahead, plus 4 refunds
-        assert await _admit_nowait(buf, 99) == 4 + 12
+        # drop rate 15/16, capped at 3/4: (4 x 3/4 + 2 x sqrt(4 x 3/4 x 1/4)) / (1/4) = 18.9 -> 18 ahead
+        assert await _admit_nowait(buf, 99) == 4 + 18
         for i in range(5):  # one more than the two batches the bound asks for
             await buf.put(_group(0, idx=10 + i))
         assert await _admit_nowait(buf, 99) is None  # nothing still needed: no admission ahead

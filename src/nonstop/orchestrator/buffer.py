@@ -29,17 +29,19 @@ With `max_lag=None` the buffer rejects nothing (rejection per sample or token is
 trainer's, which masks and counts). Every drop is also settled in the prompt ledger when one is
 given, and recorded in the span log when one is given. Nothing is dropped silently.
 
-With `refill_ahead=True` (depth >= 1), admission also anticipates drops: from the share of
-scored groups that were dropped and refunded lately (a moving average, `drop_rate`), it admits the
-replacements of the groups still in flight before they are dropped,
+With `refill_ahead=True` (depth >= 1), admission also anticipates drops: from the share p of
+scored groups that were dropped and refunded lately (a moving average, `drop_rate`, capped at
+MAX_DROP_RATE), it admits the replacements of the groups still in flight before they are
+dropped, with a margin of MARGIN_SD standard deviations of their count:
 
     groups_admitted <= (steps_trained + depth + 1) * groups_per_step + groups_refunded
-                       + groups_still_needed * drop_rate / (1 - drop_rate)
+                       + (n * p + MARGIN_SD * sqrt(n * p * (1 - p))) / (1 - p)
 
-where groups_still_needed is that bound's groups not yet delivered. Without it, each replacement
-waits for a generate-and-score round trip that the trainer waits for too; with it, on average the
-batch arrives whole after one. A group admitted ahead that turns out not to be needed is trained
-one step later (lag up to depth + 1, within max_lag).
+where n is the number of that bound's groups not yet delivered. Without it, each replacement
+waits for a generate-and-score round trip that the trainer waits for too; with it the batch
+usually arrives whole after one (the margin covers about 19 batches in 20 when drops are
+independent). A group admitted ahead that turns out not to be needed is trained one step later
+(lag up to depth + 1, within max_lag), and the next admission is smaller by it.
 
 When the prompt stream runs out (`run.max_epochs`), the producer calls `close()`; `take()` then
 returns the last, possibly short, batch and after it an empty one.
@@ -48,6 +50,7 @@ returns the last, possibly short, batch and after it an empty one.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter
 from typing import Protocol
 
@@ -57,7 +60,8 @@ from nonstop.spans import SpanLog, now
 from nonstop.types import Group
 
 _EMPTY_SLOT = object()  # a group without learning signal, holding its place in a batch (refill=False)
-MAX_DROP_RATE = 0.75  # admission ahead stays within 3 x the groups still needed
+MAX_DROP_RATE = 0.75  # a task that drops nearly every group does not make admission ahead run away
+MARGIN_SD = 2.0  # a batch short of groups waits a whole generate-and-score round trip; a surplus group trains a step later
 
 
 class Intake(Protocol):
@@ -115,7 +119,9 @@ class RolloutBuffer:
         ahead = 0.0
         if self.refill_ahead:
             p = min(self.drop_rate, MAX_DROP_RATE)
-            ahead = max(0, bound - self.delivered) * p / (1 - p)
+            needed = max(0, bound - self.delivered)
+            # the expected drops among what is admitted, plus one standard deviation of their count
+            ahead = (needed * p + MARGIN_SD * math.sqrt(needed * p * (1 - p))) / (1 - p)
         return bound + self.refunded + int(ahead)
 
     def _observe(self, dropped: bool) -> None:
