@@ -39,8 +39,8 @@ dropped, with a margin of MARGIN_SD standard deviations of their count:
 
 where n is the number of that bound's groups not yet delivered. Without it, each replacement
 waits for a generate-and-score round trip that the trainer waits for too; with it the batch
-usually arrives whole after one (the margin covers about 19 batches in 20 when drops are
-independent). A group admitted ahead that turns out not to be needed is trained one step later
+usually arrives whole after one (with two standard deviations, about 39 batches in 40 when
+drops are independent). A group admitted ahead that turns out not to be needed is trained one step later
 (lag up to depth + 1, within max_lag), and the next admission is smaller by it.
 
 When the prompt stream runs out (`run.max_epochs`), the producer calls `close()`; `take()` then
@@ -120,7 +120,7 @@ class RolloutBuffer:
         if self.refill_ahead:
             p = min(self.drop_rate, MAX_DROP_RATE)
             needed = max(0, bound - self.delivered)
-            # the expected drops among what is admitted, plus one standard deviation of their count
+            # the expected drops among what is admitted, plus MARGIN_SD standard deviations of their count
             ahead = (needed * p + MARGIN_SD * math.sqrt(needed * p * (1 - p))) / (1 - p)
         return bound + self.refunded + int(ahead)
 
