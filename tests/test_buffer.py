@@ -149,9 +149,10 @@ def test_refill_ahead_admits_the_expected_replacements_before_the_drops():
         # drop rate, a moving average over one step's groups (1/4): 0, 0, 1/4, 7/16
         assert ahead.drop_rate == pytest.approx(7 / 16)
         assert await _admit_nowait(plain, 99) == 2  # the refunds only
-        # the refunds, and for the 6 groups still needed their expected drops plus two standard
-        # deviations: (6 x 7/16 + 2 x sqrt(6 x 7/16 x 9/16)) / (9/16) = 8.99 -> 8 ahead
-        assert await _admit_nowait(ahead, 99) == 2 + 8
+        # the refunds, and for the 6 groups still needed their expected drops plus a margin of two
+        # standard deviations (2 x sqrt(6 x 7/16 x 9/16) = 2.43), capped at a quarter of a batch (1):
+        # (6 x 7/16 + 1) / (9/16) = 6.44 -> 6 ahead
+        assert await _admit_nowait(ahead, 99) == 2 + 6
         assert await _admit_nowait(ahead, 99) is None
     asyncio.run(go())
 
@@ -162,8 +163,8 @@ def test_refill_ahead_stops_once_enough_groups_arrived_and_caps_the_drop_rate():
         assert await _admit_nowait(buf, 4) == 4
         for i in range(4):
             await buf.drop(_group(0, idx=i), "reward_error")
-        # drop rate 15/16, capped at 3/4: (4 x 3/4 + 2 x sqrt(4 x 3/4 x 1/4)) / (1/4) = 18.9 -> 18 ahead
-        assert await _admit_nowait(buf, 99) == 4 + 18
+        # drop rate 15/16, capped at 3/4; margin capped at half a group: (4 x 3/4 + 0.5) / (1/4) = 14 ahead
+        assert await _admit_nowait(buf, 99) == 4 + 14
         for i in range(5):  # one more than the two batches the bound asks for
             await buf.put(_group(0, idx=10 + i))
         assert await _admit_nowait(buf, 99) is None  # nothing still needed: no admission ahead

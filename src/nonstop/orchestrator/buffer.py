@@ -32,10 +32,11 @@ given, and recorded in the span log when one is given. Nothing is dropped silent
 With `refill_ahead=True` (depth >= 1), admission also anticipates drops: from the share p of
 scored groups that were dropped and refunded lately (a moving average, `drop_rate`, capped at
 MAX_DROP_RATE), it admits the replacements of the groups still in flight before they are
-dropped, with a margin of MARGIN_SD standard deviations of their count:
+dropped, with a margin of MARGIN_SD standard deviations of their count (at most a quarter of
+a batch):
 
     groups_admitted <= (steps_trained + depth + 1) * groups_per_step + groups_refunded
-                       + (n * p + MARGIN_SD * sqrt(n * p * (1 - p))) / (1 - p)
+                       + (n * p + min(MARGIN_SD * sqrt(n * p * (1 - p)), groups_per_step / 4)) / (1 - p)
 
 where n is the number of that bound's groups not yet delivered. Without it, each replacement
 waits for a generate-and-score round trip that the trainer waits for too; with it the batch
@@ -120,8 +121,11 @@ class RolloutBuffer:
         if self.refill_ahead:
             p = min(self.drop_rate, MAX_DROP_RATE)
             needed = max(0, bound - self.delivered)
-            # the expected drops among what is admitted, plus MARGIN_SD standard deviations of their count
-            ahead = (needed * p + MARGIN_SD * math.sqrt(needed * p * (1 - p))) / (1 - p)
+            # the expected drops among what is admitted, plus MARGIN_SD standard deviations of their
+            # count, at most a quarter of a batch: a surplus that stays queued adds its share of a step
+            # to every later group's lag
+            margin = min(MARGIN_SD * math.sqrt(needed * p * (1 - p)), self.groups_per_step / 4)
+            ahead = (needed * p + margin) / (1 - p)
         return bound + self.refunded + int(ahead)
 
     def _observe(self, dropped: bool) -> None:

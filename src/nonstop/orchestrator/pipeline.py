@@ -57,12 +57,12 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
     try:
         run = await build_run(cfg, backend, base_model, data, run_dir, progress, resume, reward)
         restore_signals = stop_on_signals(run)
-        await begin(run, resume)
         # What set-up left alive (task rows, tokenizer, configs: about 400k objects) leaves the
         # collector's reach: each full collection scanned it all, stopping the event loop and the
-        # reward threads for 200-300 ms, about every 2 s of the run.
+        # reward threads for 200-300 ms, about every 2 s of the run. Before the RL clock starts.
         gc.collect()
         gc.freeze()
+        await begin(run, resume)
         for e in run.engines:
             supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
         if run.envs is None:
