@@ -260,8 +260,10 @@ def test_time_budget_ends_a_run_in_which_no_batch_ever_arrives(tiny_dir, tmp_pat
     """Every group has all-equal rewards, so every group is dropped and no batch reaches the trainer:
     `run.max_time_s` still ends the run (it used to wait for a batch forever), with zero steps and
     the drops counted."""
+    # max_consecutive_uniform out of reach: the time budget, not the no-signal rule, must end it
     out = nonstop(["train", "--set", "task.reward=helpers:zero_reward", "--set", "run.max_time_s=4",
                    "--set", "run.max_steps=1000", "--set", "checkpoint.every_steps=null",
+                   "--set", "rollout.max_consecutive_uniform=100000000",
                    "--set", f"run.out_dir={tmp_path}", "--set", "run.name=flat", *small_model_args(tiny_dir)],
                   tmp_path, timeout_s=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
