@@ -11,7 +11,8 @@ from nonstop.config import LocalRuntimeConfig, ScoringConfig, load_config
 from nonstop.orchestrator.score import RewardError, exact_match, partial_credit, resolve_reward
 from nonstop.runtime.local import LocalBackend
 from nonstop.scoring.build import build_scorer
-from nonstop.scoring.stage import FunctionComponent, ScoringStage, make_runner, percentile
+from nonstop.scoring.runners import make_runner
+from nonstop.scoring.stage import FunctionComponent, ScoringStage, percentile
 from nonstop.types import Group, Sample
 
 

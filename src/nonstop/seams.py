@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from nonstop.lora import MergedAdapters
     from nonstop.orchestrator.dispatch import EnginePool, RankGroup
     from nonstop.scoring.base import ScoreComponent, Scorer
-    from nonstop.scoring.stage import FunctionComponent, LoopRunner, ProcessRunner, ScoringStage, ThreadRunner
-    from nonstop.scoring.stage import Runner as RewardRunner
+    from nonstop.scoring.runners import AutoRunner, LoopRunner, ProcessRunner, ThreadRunner
+    from nonstop.scoring.runners import Runner as RewardRunner
+    from nonstop.scoring.stage import FunctionComponent, ScoringStage
     from nonstop.engine.vllm_engine import VllmEngineWorker
     from nonstop.engine.worker import EngineWorker
     from nonstop.runtime.clients import EngineActor, EngineService, TrainerActor
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     # Scoring, and the clients of a served engine.
     scorers: list[type[Scorer]] = [ScoringStage]
     components: list[type[ScoreComponent]] = [FunctionComponent]
-    reward_runners: list[type[RewardRunner]] = [LoopRunner, ThreadRunner, ProcessRunner]
+    reward_runners: list[type[RewardRunner]] = [LoopRunner, ThreadRunner, ProcessRunner, AutoRunner]
     clients: list[type[GenerationClient]] = [InProcessClient, HttpClient]
     served_engines: list[type[ServedEngine]] = [AsyncEngine, VllmEngineWorker]
 

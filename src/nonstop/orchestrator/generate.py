@@ -124,21 +124,24 @@ async def produce(
         finally:
             busy.leave()
         t_gen1 = now()
+        marks: dict[str, float] = {}
         try:
-            await deliver(ex, draw.epoch, results[0])
+            await deliver(ex, draw.epoch, results[0], marks)
         finally:  # also when the run ends while the group waits for scoring or buffer space: its samples count
             if log.enabled:
                 versions = [v for s in results[0] for v in (s.versions[:1] + s.versions[-1:])]
                 log.emit("group", id=[draw.epoch, ex.index], t_admit=round(t_admit, 6), t_gen0=round(t_gen0, 6),
-                         t_gen1=round(t_gen1, 6), t_done=round(now(), 6),
+                         t_gen1=round(t_gen1, 6), t_scored=round(marks.get("t_scored", now()), 6), t_done=round(now(), 6),
                          lens=[len(s.completion_ids) for s in results[0]], v=[min(versions), max(versions)] if versions else [])
 
-    async def deliver(ex: Example, epoch: int, samples: list[Sample]) -> None:
+    async def deliver(ex: Example, epoch: int, samples: list[Sample], marks: dict[str, float]) -> None:
         stats.samples += len(samples)
         for s in samples:
             s.text = codec.decode(s.completion_ids)
         group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=epoch, extra=ex.extra)
-        if not await scorer.score(group):
+        scored = await scorer.score(group)
+        marks["t_scored"] = now()
+        if not scored:
             await buffer.drop(group, "reward_error")
             stats.reward_failures_in_row += 1
             if stats.reward_failures_in_row >= max_reward_failures:

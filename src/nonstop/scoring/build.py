@@ -6,12 +6,11 @@ task.reward (or the Python callable `reward` from nonstop.api), scoring.group_re
 scoring.process_reward, scoring.reward_model, scoring.judge and distill.teacher. With
 `scoring.pool: process` a function must reach the worker processes: a name travels as text, a
 Python callable only if it pickles (a module-level function); a lambda or closure is refused
-with the fix. `decode` turns completion token ids into text (the process-reward step split).
+with the fix (pool 'auto' keeps such a function on threads). `decode` turns completion token ids into text (the process-reward step split).
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -19,18 +18,16 @@ from nonstop.config import Config
 from nonstop.orchestrator.score import RewardError, resolve_reward
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import ScoreComponent
-from nonstop.scoring.stage import FunctionComponent, ScoringStage, make_runner
+from nonstop.scoring.runners import make_runner, shippable
+from nonstop.scoring.stage import FunctionComponent, ScoringStage
 
 
 def _shippable(spec: str | Callable[..., Any], field: str, pool: str) -> str | Callable[..., Any]:
-    """What travels to a reward worker: the name, or a callable that pickles."""
-    if isinstance(spec, str) or pool != "process":
-        return spec
-    try:
-        pickle.dumps(spec)
-    except Exception as e:
-        raise RewardError(f"{field}: {spec!r} cannot be sent to worker processes ({type(e).__name__}: {e}); "
-                          "define it at module level in an importable module, or set scoring.pool=thread") from None
+    """What travels to a reward worker with pool 'process': the name, or a callable that pickles.
+    (Pool 'auto' keeps a function that does not pickle on threads.)"""
+    if pool == "process" and not shippable(spec):
+        raise RewardError(f"{field}: {spec!r} cannot be sent to worker processes (it does not pickle); "
+                          "define it at module level in an importable module, or set scoring.pool=thread")
     return spec
 
 

@@ -18,7 +18,8 @@ from nonstop.config_scoring import ProcessRewardConfig
 from nonstop.scoring.base import Contribution
 from nonstop.scoring.calls import RewardRow
 from nonstop.scoring.pool import CallFailed
-from nonstop.scoring.stage import TRANSIENT, Runner, rows_of
+from nonstop.scoring.runners import Runner
+from nonstop.scoring.stage import TRANSIENT, rows_of
 from nonstop.types import Group
 
 

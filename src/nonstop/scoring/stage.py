@@ -7,14 +7,9 @@ attempt that fails for a retryable reason (a timeout, a dead worker) is tried ag
 rewards are the sum of the contributions. `ready()` holds admission while
 `scoring.max_pending_groups` groups wait for or are under scoring.
 
-Reward functions run in a `Runner`: `LoopRunner` calls them on the event loop (blocking it:
-what nonstop did before this stage existed; kept for comparison, and the only runner without a
-timeout for sync functions), `ThreadRunner` in a pool of daemon threads of the orchestrator (a
-call past its timeout is abandoned and counted, its thread left to finish; a call that never
-returns cannot keep the process alive at exit), `ProcessRunner` in an
-ActorPool of RewardWorker processes (a call past its timeout kills its worker, which is
-replaced). `FunctionComponent` scores each sample with task.reward; `GroupComponent` the whole
-group with scoring.group_reward.
+Reward functions run in a `Runner` (scoring/runners.py: on the loop, on threads, in worker
+processes, or on threads with the slow ones moved to processes). `FunctionComponent` scores
+each sample with task.reward, or the whole group with scoring.group_reward (kind 'group').
 """
 
 from __future__ import annotations
@@ -24,15 +19,14 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from nonstop.config_scoring import ScoringConfig
 from nonstop.orchestrator.score import RewardError
 from nonstop.scoring.base import Contribution, ScoreComponent
-from nonstop.scoring.calls import Failure, Kind, Outcome, PooledCalls, RewardRow, evaluate
-from nonstop.scoring.pool import ActorPool, CallFailed, RewardWorker
-from nonstop.scoring.threads import DaemonThreads
-from nonstop.runtime.base import ActorBackend
+from nonstop.scoring.calls import Failure, Kind, Outcome, RewardRow
+from nonstop.scoring.pool import CallFailed
+from nonstop.scoring.runners import Runner
 from nonstop.types import Group
 
 TRANSIENT = frozenset({"timeout", "worker_died"})
@@ -40,72 +34,6 @@ TRANSIENT = frozenset({"timeout", "worker_died"})
 
 def rows_of(group: Group) -> list[RewardRow]:
     return [RewardRow(group.prompt, s.text, group.answer, group.extra) for s in group.samples]
-
-
-class Runner(Protocol):
-    async def start(self) -> None: ...
-
-    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
-                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
-        """One group's outcomes; CallFailed when the call itself failed (timeout, dead worker)."""
-        ...
-
-    async def close(self) -> None: ...
-
-
-class LoopRunner:
-    async def start(self) -> None:
-        pass
-
-    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
-                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
-        return await evaluate(kind, fn, rows)
-
-    async def close(self) -> None:
-        pass
-
-
-class ThreadRunner:
-    def __init__(self, threads: int) -> None:
-        self.executor = DaemonThreads(threads, "nonstop-reward")
-        self.calls = PooledCalls(self.executor)
-
-    async def start(self) -> None:
-        pass
-
-    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
-                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
-        try:
-            return await asyncio.wait_for(self.calls(kind, fn, rows), timeout_s)
-        except TimeoutError:
-            raise CallFailed("timeout", f"the reward function did not return within {timeout_s:g} s") from None
-
-    async def close(self) -> None:
-        self.executor.shutdown()
-
-
-class ProcessRunner:
-    def __init__(self, backend: ActorBackend, workers: int, threads: int, log: Callable[[str], None]) -> None:
-        self.pool = ActorPool(backend, "reward-worker", RewardWorker, (threads,), size=workers, log=log)
-
-    async def start(self) -> None:
-        await self.pool.start()
-
-    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
-                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
-        return await self.pool.call("evaluate", kind, spec, rows, timeout_s=timeout_s)
-
-    async def close(self) -> None:
-        await self.pool.stop()
-
-
-def make_runner(cfg: ScoringConfig, backend: ActorBackend | None, log: Callable[[str], None]) -> Runner:
-    threads = max(1, cfg.concurrency // cfg.workers) if cfg.pool == "process" else cfg.concurrency
-    if cfg.pool == "process":
-        if backend is None:
-            raise RewardError("scoring.pool: 'process' needs an actor backend")
-        return ProcessRunner(backend, cfg.workers, threads, log)
-    return LoopRunner() if cfg.pool == "loop" else ThreadRunner(threads)
 
 
 def _failed(outcomes: list[Outcome]) -> list[Failure]:
