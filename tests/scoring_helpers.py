@@ -74,3 +74,10 @@ def kill_reward_model_once(completion: str, answer: str) -> float:
             if child.name.startswith("nonstop-reward-model"):
                 os.kill(child.pid, signal.SIGKILL)
     return float(len(completion) % 2)
+
+
+def slow_pid(completion: str, answer: str) -> float:
+    """Costs 5 ms (over the 2 ms at which pool 'auto' moves a function to processes) and answers
+    with the id of the process that ran it."""
+    time.sleep(0.005)
+    return float(os.getpid())

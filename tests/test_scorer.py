@@ -2,6 +2,7 @@
 
 import asyncio
 import math
+import os
 import threading
 import time
 
@@ -298,3 +299,47 @@ def test_process_pool_refuses_a_lambda_with_the_fix():
     cfg = load_config(overrides=["scoring.pool=process"])
     with pytest.raises(RewardError, match="cannot be sent to worker processes.*scoring.pool=thread"):
         build_scorer(cfg, LocalBackend(LocalRuntimeConfig()), lambda ids: "", reward=lambda c, a: 1.0)
+
+
+def test_auto_pool_moves_a_slow_sync_reward_to_worker_processes_and_keeps_the_rest_on_threads():
+    """Pool 'auto': a function measured slower than 2 ms per sample moves to worker processes once
+    they are up (its rewards then carry another process id); a cheap one, and a slow lambda that
+    cannot reach the workers, stay in this process; each decision is said once in the log."""
+    from nonstop.scoring.runners import AutoRunner
+
+    from scoring_helpers import slow_pid
+
+    me = float(os.getpid())
+
+    async def go():
+        backend = LocalBackend(LocalRuntimeConfig())
+        lines: list[str] = []
+        try:
+            cfg = ScoringConfig(pool="auto", workers=1)
+            runner = make_runner(cfg, backend, lines.append)
+            assert isinstance(runner, AutoRunner)
+            slow_lambda = lambda c, a: time.sleep(0.005) or float(os.getpid())  # noqa: E731
+            parts = [FunctionComponent("reward", "scoring_helpers:slow_pid", slow_pid, runner, 30.0),
+                     FunctionComponent("cheap", "exact_match", exact_match, runner, 30.0),
+                     FunctionComponent("local", slow_lambda, slow_lambda, runner, 30.0)]
+            stage = ScoringStage(parts, cfg, runner)
+            seen: list[set[float]] = []
+            for i in range(200):
+                g = _group(["42", "x", "42", "y"], index=i)
+                assert await stage.score(g)
+                seen.append({s.reward - (1.0 if s.text == "42" else 0.0) for s in g.samples})
+                if runner.process is not None and len(seen) > 3 and seen[-1] != seen[-2]:
+                    break
+                await asyncio.sleep(0.02)  # the workers start meanwhile
+            moved = runner.process is not None
+            await stage.close()
+            return seen, moved, runner, lines
+        finally:
+            await backend.shutdown()
+
+    seen, moved, runner, lines = asyncio.run(go())
+    assert moved and len(runner.moved) == 1 and len(runner.kept) == 1
+    # reward + local: the slow_pid part is this process's id at first, the worker's in the end
+    assert seen[0] == {2 * me} and len(seen[-1]) == 1 and seen[-1] != {2 * me}
+    assert sum("move to 1 worker processes" in x for x in lines) == 1
+    assert sum("stays on threads" in x and "cannot be sent" in x for x in lines) == 1

@@ -12,8 +12,9 @@ there is exact up to the anchor's microseconds.
 Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
 - orchestrator: `rl_start` (t; cpus: processors this host lets the run use, cpu_actors: whether
   the engines and trainer ranks compute on them, as local processes do without an accelerator:
-  the capacity planner then has them share those processors), `group` (id [epoch, prompt], t_admit, t_gen0, t_gen1, t_done,
-  lens: completion tokens per sample, v: [oldest, newest] policy_version of its tokens),
+  the capacity planner then has them share those processors), `group` (id [epoch, prompt],
+  t_admit, t_gen0, t_gen1, t_scored, t_done, lens: completion tokens per sample, v: [oldest,
+  newest] policy_version of its tokens),
   `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step; cpu: the
   orchestrator process's processor time so far, at t0), `train`
   (step, t0, t1, groups, queued), `publish` (step, version, t0, t1), `eval` and `checkpoint`
@@ -171,7 +172,7 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
                 continue
 
 
-TIME_KEYS = ("t", "t0", "t1", "t_admit", "t_gen0", "t_gen1", "t_done")
+TIME_KEYS = ("t", "t0", "t1", "t_admit", "t_gen0", "t_gen1", "t_scored", "t_done")
 
 
 def read_spans(run_dir: Path | str) -> dict[str, list[dict[str, Any]]]:
