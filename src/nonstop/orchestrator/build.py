@@ -175,9 +175,10 @@ async def build_run(cfg: Config, backend: ActorBackend, base_model: Path, data: 
                     progress: Progress, resume: Checkpoint | None = None, reward: RewardFn | None = None) -> Run:
     """Spawn and connect the actors and wire the stages. With `resume`, actors start from the
     checkpoint's weights and trainer state (the orchestrator's state comes back in recovery.py).
-    `reward` (a Python callable, from nonstop.api) replaces task.reward; with scoring.pool
-    'thread' or 'loop' it runs in this process and is never pickled. The scoring stage's workers
-    and actors (scoring/build.py) start beside the engines and trainers."""
+    `reward` (a Python callable, from nonstop.api) replaces task.reward; it runs in this process
+    and is never pickled unless scoring.pool sends it to worker processes ('process', or 'auto'
+    for a slow module-level function). The scoring stage's actors (scoring/build.py) start
+    beside the engines and trainers; pool 'auto' starts its workers later, if a function needs them."""
     from nonstop.hf import load_tokenizer
 
     weights = resume.model_dir if resume is not None else base_model
