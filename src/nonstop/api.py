@@ -13,7 +13,7 @@ Contract:
   at most half), shuffled with task.split_seed. Without `dataset`, the config's task is used.
 - `reward`: a callable (completion, answer) -> float, a built-in name or 'package.module:function',
   or a list of these, whose values are summed, each times its entry of `reward_weights` (default
-  1.0). With scoring.pool 'auto' (the default), 'thread' or 'loop', scoring runs in this process
+  1.0). With scoring.pool 'thread' (the default), 'auto' or 'loop', scoring runs in this process
   on either backend, so lambdas and closures work and are never pickled ('auto' moves a
   module-level function slower than 2 ms per sample to worker processes); 'process' needs a
   callable that pickles (a module-level function). Rewards that raise or return a non-finite value are counted like task.reward's.

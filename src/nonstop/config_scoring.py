@@ -70,15 +70,16 @@ class ProcessRewardConfig(_Section):
 
 
 class ScoringConfig(_Section):
-    pool: Literal["auto", "thread", "process", "loop"] = "auto"
-    """Where reward functions run: 'auto' (threads, with each sync function that measures slower
-    than 2 ms per sample moved to `workers` worker processes, started then; one that cannot be
-    sent there, a lambda or closure, stays on threads), 'thread' (a thread pool in the
-    orchestrator: sync functions off the event loop, async ones on it), 'process' (worker
-    processes from the start; a call past its timeout kills its worker, which is replaced; needs
-    functions named 'package.module:function', built-ins or module-level callables), 'loop'
-    (called on the event loop, blocking it: generation and training wait while it runs)."""
-    workers: int = Field(4, ge=1)
+    pool: Literal["thread", "auto", "process", "loop"] = "thread"
+    """Where reward functions run: 'thread' (a thread pool in the orchestrator: sync functions off
+    the event loop, async ones on it), 'auto' (threads, with each sync function that measures
+    slower than 2 ms per sample moved to `workers` worker processes, started then; one that cannot
+    be sent there, a lambda or closure, stays on threads: for hosts with processors to spare),
+    'process' (worker processes from the start; a call past its timeout kills its worker, which is
+    replaced; needs functions named 'package.module:function', built-ins or module-level
+    callables), 'loop' (called on the event loop, blocking it: generation and training wait while
+    it runs)."""
+    workers: int = Field(2, ge=1)
     """Worker processes of pool 'process', and of pool 'auto' once a slow function moves there."""
     concurrency: int = Field(256, ge=1)
     """Reward calls (one group's samples each) in flight at once, over the whole pool, and the

@@ -12,14 +12,16 @@ group function), or raises `CallFailed` when the call itself failed (a timeout, 
   its thread left to finish; a call that never returns cannot keep the process alive at exit.
 - `ProcessRunner` ('process') sends calls to an ActorPool of RewardWorker processes (scoring/pool.py);
   a call past its timeout kills its worker, which is replaced.
-- `AutoRunner` ('auto', the default) starts every function on threads and moves a sync function
+- `AutoRunner` ('auto') starts every function on threads and moves a sync function
   that measures slower than SPLIT_ROW_S per sample to worker processes, started when the first
   such function appears. Such a function takes one thread per sample, and every thread's start
   and return is a hand-off of the interpreter lock that the event loop shares: a burst of groups
   under a 20 ms verifier (a batch of 32 x 8 samples) queues a few hundred hand-offs, each a
   context switch, and the last group of the batch, the one the trainer waits for, is scored
-  10-20 ms late. Workers have locks of their own and split the hand-offs between them. A function
-  that cannot reach the workers (a lambda, a closure) stays on threads, said once in the log.
+  10-20 ms late. Workers have locks of their own and split the hand-offs between them, at the
+  price of the processors they run on (the reason 'auto' is not the default: on two cores the
+  workers cost the engine and the trainer more than the hand-offs did). A function that cannot
+  reach the workers (a lambda, a closure) stays on threads, said once in the log.
 """
 
 from __future__ import annotations
