@@ -269,6 +269,36 @@ def test_keyword_arguments_extra_fields_async_and_group_rewards(tmp_path):
     assert "returned 1 values for 2 samples" in bad.last_error
 
 
+def test_calling_conventions_hold_for_callable_objects_builtins_and_repeated_calls():
+    """A function's parameters decide how it is called, at every call (the signature is inspected
+    once per function): a callable object that does not hash, a builtin without a signature
+    (called as fn(completion, answer)), and two functions of the same name but other parameters."""
+    from nonstop.scoring.calls import RewardRow, sample_call
+
+    class Scorer:  # defines __eq__ without __hash__: unhashable
+        def __eq__(self, other):
+            return self is other
+
+        def __call__(self, completion, prompt):
+            return float(prompt.endswith("=")) + len(completion)
+
+    row = RewardRow("1+1=", "abc", "2", {"level": 3})
+
+    def by_keyword(completion, level):
+        return float(level)
+
+    def legacy(c, a):
+        return float(a == "2")
+
+    for _ in range(3):
+        assert sample_call(Scorer(), row) == 4.0
+        assert sample_call(by_keyword, row) == 3.0
+        assert sample_call(legacy, row) == 1.0
+        assert sample_call(max, row) == "abc"  # no signature: max("abc", "2")
+    by_keyword = lambda completion, **kw: float(len(kw))  # noqa: E731 (same name, other parameters)
+    assert sample_call(by_keyword, row) == 4.0  # prompt, answer, extra and level
+
+
 def test_process_pool_replaces_hung_and_dead_workers(tmp_path, monkeypatch):
     """A hang past its timeout kills the worker; a worker that dies is replaced; both are retried."""
     monkeypatch.setenv("NONSTOP_TEST_FLAGS", str(tmp_path))
