@@ -106,6 +106,34 @@ def test_supervisor_reraises_background_failure_and_cancels_main():
     _run(go())
 
 
+def test_supervisor_ends_a_task_that_swallowed_its_cancellation():
+    """Python 3.11's asyncio.wait_for can swallow a cancellation; such a task is cancelled again
+    at close rather than waited for forever (the engine heartbeat once kept a run from ending)."""
+    swallowed = []
+
+    async def stubborn():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            swallowed.append(True)  # carries on, as after a swallowed cancellation
+        await asyncio.sleep(60)
+
+    async def go():
+        sup = Supervisor()
+        task = sup.spawn(stubborn(), name="stubborn")
+        await asyncio.sleep(0)
+
+        async def main():
+            return 7
+
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(sup.run(main()), 10) == 7
+        return task, time.monotonic() - t0
+
+    task, took_s = _run(go())
+    assert swallowed == [True] and task.cancelled() and took_s < 5
+
+
 def test_supervisor_returns_main_result_and_cancels_background():
     async def go():
         sup = Supervisor()

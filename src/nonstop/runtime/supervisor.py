@@ -61,8 +61,13 @@ class Supervisor:
                 self._failed.exception()  # mark retrieved
             await self.close()
 
-    async def close(self) -> None:
-        live = [t for t in self.tasks.values() if not t.done()]
-        for t in live:
-            t.cancel()
-        await asyncio.gather(*live, return_exceptions=True)
+    async def close(self, recancel_s: float = 1.0) -> None:
+        """Cancel every remaining task and wait for it. A task still running `recancel_s` seconds
+        after its cancellation is cancelled again: on Python 3.11 `asyncio.wait_for` swallows a
+        cancellation that arrives as the call it waits for completes, and a loop around such a
+        call (the engine heartbeat) would otherwise keep the run from ever ending."""
+        live = {t for t in self.tasks.values() if not t.done()}
+        while live:
+            for t in live:
+                t.cancel()
+            _, live = await asyncio.wait(live, timeout=recancel_s)
