@@ -133,10 +133,7 @@ class RestartingEngine:
 
     async def heartbeat(self) -> None:
         """Runs until cancelled: ping, and kill an engine that stays silent for timeout_s."""
-        me = asyncio.current_task()
-        while True:
-            if me is not None and me.cancelling():  # a cancellation the ping's wait_for swallowed (3.11)
-                raise asyncio.CancelledError
+        while True:  # a cancellation the ping's wait_for swallows (3.11) is repeated by the supervisor
             await asyncio.sleep(self.interval_s)
             engine, generation = self.engine, self.generation
             if engine is None:
