@@ -177,3 +177,32 @@ def test_refill_ahead_needs_a_bounded_depth_of_at_least_one():
     for depth in (0, None):
         with pytest.raises(ValueError, match="refill_ahead needs a bounded depth of at least 1"):
             RolloutBuffer(groups_per_step=2, depth=depth, max_lag=2, max_queued=100, refill_ahead=True)
+
+
+def test_take_hands_the_first_groups_ahead_while_it_waits_for_the_rest():
+    async def go():
+        buf = RolloutBuffer(groups_per_step=4, depth=1, max_lag=2, max_queued=100)
+        parts = []
+        arrived = asyncio.Event()
+
+        async def ahead(part):
+            parts.append([g.prompt_index for g in part])
+            arrived.set()
+
+        for i in (0, 1):
+            await buf.put(_group(0, i))
+        taking = asyncio.ensure_future(buf.take(ahead, ahead_min=2))
+        await arrived.wait()  # the queue ran dry at two groups: they go ahead, once
+        assert parts == [[0, 1]] and not taking.done()
+        await buf.put(_group(0, 2))
+        await asyncio.sleep(0)
+        assert parts == [[0, 1]]  # one new group is under ahead_min
+        await buf.put(_group(0, 3))
+        assert [g.prompt_index for g in await taking] == [0, 1, 2, 3]  # the batch is the one take forms without it
+        assert parts == [[0, 1]]  # a whole batch goes to the step, not ahead
+
+        for i in (4, 5, 6, 7):  # the batch already there: nothing goes ahead
+            await buf.put(_group(0, i))
+        assert [g.prompt_index for g in await buf.take(ahead, ahead_min=1)] == [4, 5, 6, 7]
+        assert parts == [[0, 1]]
+    asyncio.run(go())

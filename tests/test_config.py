@@ -215,3 +215,13 @@ def test_reference_has_one_table_per_kind_and_docs_are_current():
     assert "| `transport.kind` | 'shm' or 'broadcast' or 'files' | `'shm'` |" in ref
     assert "## runtime.ray_engine (backend: ray)" in ref and "`runtime.ray_address`" in ref[ref.index("(backend: ray)"):]
     assert (ROOT / "docs" / "config.md").read_text() == ref + "\n", "regenerate: nonstop config --markdown > docs/config.md"
+
+
+def test_forward_ahead_is_on_for_one_rank_at_depth_one_and_refused_with_several_ranks():
+    assert load_config().forward_ahead  # the default job: depth 1, one trainer rank
+    assert load_config(overrides=["buffer.depth=null"]).forward_ahead
+    assert not load_config(overrides=["buffer.depth=0", "buffer.max_lag=0"]).forward_ahead  # seeded runs repeat bit for bit
+    assert not load_config(overrides=["trainer.ranks=2"]).forward_ahead
+    assert load_config(overrides=["buffer.depth=0", "buffer.max_lag=0", "trainer.forward_ahead=true"]).forward_ahead
+    with pytest.raises(ConfigError, match=r"trainer.forward_ahead needs one trainer rank \(got trainer.ranks=2\)"):
+        load_config(overrides=["trainer.ranks=2", "trainer.forward_ahead=true"])

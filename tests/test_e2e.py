@@ -58,6 +58,15 @@ def test_short_run_learns(tmp_path):
     # depth 1 bounds the lag by 1, and by 2 (max_lag) for a group admitted ahead (rollout.refill_ahead)
     # that its batch did not need and the next one trained
     assert all(int(lag) <= 2 for r in recs for lag in r["lag_hist"])
+    # trainer.forward_ahead: the first groups of a batch the loop waited for had their forward run
+    # ahead, and each step used every such group's forward (none at another version or of another group)
+    spans = [json.loads(line) for line in (run_dir / "spans" / "orchestrator.jsonl").read_text().splitlines()]
+    ran_ahead = {r["step"]: 0 for r in recs}
+    for e in spans:
+        if e["ev"] == "ahead":
+            ran_ahead[e["step"]] += e["groups"]
+    assert {r["step"]: r["ahead_groups"] for r in recs} == ran_ahead
+    assert sum(ran_ahead.values()) > 0
     assert "eval_accuracy" in recs[-1]
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert model.config.model_type == "qwen2"

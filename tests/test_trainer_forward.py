@@ -98,3 +98,41 @@ def test_models_outside_the_supported_family_keep_the_plain_forward():
     qwen = make_tiny_model(MHA, seed=0)
     qwen.config.attention_dropout = 0.1
     assert unsupported(qwen) == "attention dropout"
+
+
+def _twin_steps(groups: list[Group], ahead: list[Group], cfg: TrainerConfig):
+    """The same step on two identical trainers: one with `ahead`'s forward run first, one without."""
+    out = []
+    for first in (ahead, []):
+        trainer = Trainer(make_tiny_model(GQA, seed=3), cfg, temperature=0.9, pad_token_id=0)
+        held = trainer.forward_ahead(first)
+        metrics = trainer.step(groups)
+        out.append((held, metrics, [p.detach().clone() for p in trainer.model.parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01], ids=["plain", "entropy"])
+def test_a_forward_run_ahead_gives_the_step_the_whole_batch_would_take(entropy_coef):
+    groups = _groups(2, 5, 4, 6, 7)
+    # the groups that came first are not the batch's first, and their completions are shorter than the batch's longest
+    ahead = sorted([groups[3], groups[1]], key=lambda g: max(len(s.completion_ids) for s in g.samples))
+    cfg = TrainerConfig(entropy_coef=entropy_coef)
+    (held, split, w_split), (_, whole, w_whole) = _twin_steps(groups, ahead, cfg)
+    assert held == 2 and split["ahead_groups"] == 2 and whole["ahead_groups"] == 0
+    for key in ("loss", "tokens", "samples", "mismatch_kl", "grad_norm") + (("entropy",) if entropy_coef else ()):
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+    assert split["lag_hist"] == whole["lag_hist"]
+    for a, b in zip(w_split, w_whole):
+        assert _close(a, b)
+
+
+def test_a_held_forward_serves_only_its_own_group_at_its_own_weights():
+    groups = _groups(4, 3, 4, 5, 5)
+    trainer = Trainer(make_tiny_model(GQA, seed=3), TrainerConfig(), temperature=0.9, pad_token_id=0)
+    assert trainer.forward_ahead(groups[:2]) == 2
+    other = _groups(5, 3, 4, 5, 5)  # the same prompt keys, other completions
+    assert trainer.step(other)["ahead_groups"] == 0
+    assert trainer.forward_ahead(groups[:2]) == 2
+    trainer.policy_version += 1  # weights moved on since (a step the held forward did not see)
+    assert trainer.step(groups)["ahead_groups"] == 0
+    assert trainer.step(groups)["ahead_groups"] == 0  # the store empties at every step

@@ -216,6 +216,13 @@ class Config(_Section):
         return self.rollout.refill and depth is not None and depth >= 1 and self.buffer.max_lag > depth
 
     @property
+    def forward_ahead(self) -> bool:
+        """trainer.forward_ahead resolved: None is on with one trainer rank and buffer.depth != 0."""
+        if self.trainer.forward_ahead is not None:
+            return self.trainer.forward_ahead
+        return self.trainer.ranks == 1 and self.buffer.depth != 0
+
+    @property
     def warmup_enabled(self) -> bool:
         """warmup.enabled resolved: None is on for the built-in tiny model, off with model.path."""
         return self.warmup.enabled if self.warmup.enabled is not None else self.model.path is None
@@ -234,6 +241,9 @@ class Config(_Section):
                 f">= 1 (got refill={self.rollout.refill}, depth={self.buffer.depth}); at depth 0 a replacement "
                 "not needed would train a step late; leave rollout.refill_ahead unset or set it to false"
             )
+        if self.trainer.forward_ahead and self.trainer.ranks > 1:
+            raise ValueError(f"trainer.forward_ahead needs one trainer rank (got trainer.ranks={self.trainer.ranks}): "
+                             "a rank's share of a batch is cut from the whole batch; leave it unset or false")
         if self.trainer.ranks > 1 and self.model.lora.enabled:
             raise ValueError("trainer.ranks: data-parallel ranks with model.lora are not supported yet; use one rank")
         if self.trainer.ranks > self.rollout.prompts_per_step:

@@ -232,6 +232,14 @@ class TrainerConfig(_Section):
     routing_replay: Literal["none", "r3"] = "none"
     """MoE Keep Routing: 'r3' forces the experts the engine recorded for every token into the
     trainer's forward (rollout routing replay); 'none' lets the trainer's router choose (docs/moe.md)."""
+    forward_ahead: bool | None = None
+    """While the learning loop waits for the last groups of a batch (still being generated or
+    scored), the trainer runs the forward pass of the groups already there, and the step then
+    computes only the rest's: waiting turns into work. The step's values agree with a whole-batch
+    forward up to float rounding (docs/architecture.md). None: on with one trainer rank and
+    buffer.depth >= 1 (or unbounded); off at depth 0, where a seeded run repeats bit for bit, and
+    needs ranks = 1 (a rank's share is cut from the whole batch). A mixture-of-experts model runs
+    its forward in the step regardless."""
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
     """With ranks > 1: 'ddp' keeps a full model per rank and all-reduces gradients; 'fsdp2' shards
     parameters, gradients and optimizer state across ranks (torch fully_shard). Gloo on CPU, NCCL on GPU."""

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-LANE_COLORS = {"busy": "#4C72B0", "apply": "#DD8452", "step": "#55A868", "publish": "#C44E52",
+LANE_COLORS = {"busy": "#4C72B0", "apply": "#DD8452", "step": "#55A868", "publish": "#C44E52", "ahead": "#8DC79A",
                "wait": "#BBBBBB", "eval": "#8172B3", "checkpoint": "#937860"}
 
 

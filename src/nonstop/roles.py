@@ -79,6 +79,12 @@ class TrainerClient(Client, Protocol):
         """Train on one batch. The new weights stay with the trainer until `publish()`."""
         ...
 
+    async def forward_ahead(self, groups: list[Group]) -> int:
+        """Run the forward pass of `groups`, the coming batch's first groups, while the rest of
+        it is still on its way; the next `step` (whose batch holds them) uses it. Returns how many
+        groups are held (0 where the trainer cannot: data-parallel ranks, a mixture-of-experts model)."""
+        ...
+
     async def publish(self, resend: bool = False) -> PublishResult:
         """Send the current weights through the transport as their policy_version (nothing is
         sent when the last step was skipped, unless `resend`: an engine that replaced a dead one

@@ -17,8 +17,9 @@ Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
   newest] policy_version of its tokens),
   `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step; cpu: the
   orchestrator process's processor time so far, at t0), `train`
-  (step, t0, t1, groups, queued), `publish` (step, version, t0, t1), `eval` and `checkpoint`
-  (t0, t1);
+  (step, t0, t1, groups, queued), `ahead` (step, t0, t1, groups: the forward of a batch's first
+  groups, run while the loop waits for the rest), `publish` (step, version, t0, t1), `eval` and
+  `checkpoint` (t0, t1);
 - engine: `busy` (t0, t1, passes, rows, busy_s, cpu_s: consecutive forward passes coalesced into
   one chunk of about `CHUNK_S`; rows = tokens emitted, summed over the passes; busy_s = the
   passes' own time, t1 - t0 = that plus the engine's work between them: taking requests,
@@ -27,7 +28,8 @@ Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
   begins), `apply` (t0, t1, version: a new policy_version made live);
 - trainer rank: `step` (t0, t1, version, tokens, samples, update_s: the part of the step that
   does not grow with its tokens, gradient clip and optimizer step; cpu_s: the rank's processor
-  time over the step), `publish` (t0, t1, version, bytes).
+  time over the step), `ahead` (t0, t1, groups: a forward pass run ahead of its step),
+  `publish` (t0, t1, version, bytes).
 
 Cost: one `json.dumps` and a buffered write per event (a few microseconds); engines coalesce
 their forward passes, so a busy engine writes about 1 / CHUNK_S lines a second. Files are

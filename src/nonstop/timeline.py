@@ -108,7 +108,7 @@ class Timeline:
         return self.busy(actor, ("busy", "apply"))
 
     def trainer_busy(self, actor: str) -> list[Interval]:
-        return self.busy(actor, ("step", "publish"))
+        return self.busy(actor, ("ahead", "step", "publish"))
 
     def idle_fraction(self, role: str, lo: float = 0.0, hi: float | None = None) -> float:
         """Mean idle fraction of the actors of `role` over [lo, hi] (default: RL start to `end`)."""

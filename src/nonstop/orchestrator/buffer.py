@@ -21,7 +21,7 @@ signal among its `groups_per_step` prompts (fewer groups, the same generation pe
 plain synchronous loop does). A batch whose every slot is empty is not handed to the trainer:
 its admission is refunded and the next prompts fill it.
 
-`take()` returns the next `groups_per_step` groups (slots) whose oldest token is at most `max_lag`
+`take(ahead)` returns the next `groups_per_step` groups (slots) whose oldest token is at most `max_lag`
 versions behind the trainer; every group dropped on the way is counted by reason in `drops`.
 With `episodes=True` (buffer.reject 'episode') only the lagging episodes of such a group are
 removed (counted as `max_lag_episode`, by episode); a group left with none is dropped whole.
@@ -44,6 +44,12 @@ usually arrives whole after one (with two standard deviations, about 39 batches 
 drops are independent). A group admitted ahead that turns out not to be needed is trained one step later
 (lag up to depth + 1, within max_lag), and the next admission is smaller by it.
 
+With an `ahead` callback, `take` hands it the groups of the batch taken so far whenever the
+queue runs dry before the batch is whole (at least `ahead_min` groups not handed over before),
+and waits for it before taking more: the trainer runs their forward pass meanwhile
+(trainer/ahead.py). Each group is handed over at most once, in the batch's order; which groups
+form the batch does not change.
+
 When the prompt stream runs out (`run.max_epochs`), the producer calls `close()`; `take()` then
 returns the last, possibly short, batch and after it an empty one.
 """
@@ -53,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from nonstop.config import Config
@@ -180,11 +187,17 @@ class RolloutBuffer:
         """No more groups will come: the stream ran out. Waits for queue space like `put`."""
         await self.queue.put(None)
 
-    async def take(self) -> list[Group]:
-        """The next batch for the trainer at the current policy_version."""
+    async def take(self, ahead: Callable[[list[Group]], Awaitable[None]] | None = None,
+                   ahead_min: int = 1) -> list[Group]:
+        """The next batch for the trainer at the current policy_version (`ahead`: see the module docstring)."""
         batch: list[Group] = []
         slots = 0
+        handed = 0  # batch[:handed] went to `ahead`
         while slots < self.groups_per_step:
+            if ahead is not None and self.queue.empty() and len(batch) - handed >= ahead_min:
+                part, handed = batch[handed:], len(batch)
+                await ahead(part)
+                continue
             group = await self.queue.get()
             if group is None:
                 self.queue.put_nowait(None)  # stays closed for later takes; the slot just freed

@@ -149,6 +149,9 @@ class RankGroup(_Several[TrainerClient]):
     async def step(self, groups: list[Group]) -> StepResult:
         return await self._all("step", lambda r: r.step(groups))
 
+    async def forward_ahead(self, groups: list[Group]) -> int:
+        return await self._all("forward_ahead", lambda r: r.forward_ahead(groups))
+
     async def publish(self, resend: bool = False) -> PublishResult:
         return await self._all("publish", lambda r: r.publish(resend))
 

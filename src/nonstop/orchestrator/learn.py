@@ -3,6 +3,8 @@
 It runs beside the producer (generate.py), which fills the buffer. Each step settles its
 groups in the prompt ledger, and tells the buffer the published version only once `publish()`
 returned, i.e. once every engine can load it: admission and the max-lag rule count from there.
+While it waits for a batch whose first groups are there (trainer.forward_ahead), the trainer
+runs their forward pass (`ahead`); that time counts as the trainer's, not as its wait.
 A trainer failure ends the run with RunFailed naming the last checkpoint to resume from. When
 `run.state.stop` is set (the first Ctrl-C), the loop ends after the step under way, or at once
 if it is waiting for a batch, and writes a checkpoint of the last finished step (when
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
 from nonstop.orchestrator.build import Run
@@ -32,7 +34,8 @@ async def learn(run: Run) -> StepRecord | None:
     for step in range(state.first_step, cfg.run.max_steps + 1):
         t_wait, cpu = now(), time.process_time()
         left_s = None if cfg.run.max_time_s is None else max(0.0, cfg.run.max_time_s - state.clock.wall())
-        groups = await until_stopped(run.buffer.take(), state.stop, timeout_s=left_s)
+        take = run.buffer.take(ahead(run, step), max(1, cfg.rollout.prompts_per_step // AHEAD_PARTS))
+        groups = await until_stopped(take, state.stop, timeout_s=left_s)
         if not groups:
             # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
             # budget ran out while no batch came (every group dropped, e.g. for uniform rewards)
@@ -86,6 +89,28 @@ async def learn(run: Run) -> StepRecord | None:
         with trainer_failure(run, record.step):
             await write_checkpoint(run, record.step)
     return record
+
+
+AHEAD_PARTS = 8
+"""A forward ahead takes at least 1/AHEAD_PARTS of a batch: each has a fixed cost (a call to the
+trainer, the model's layers run once more), so a few groups at a time would cost more than the
+wait they fill."""
+
+
+def ahead(run: Run, step: int) -> Callable[[list[Group]], Awaitable[None]] | None:
+    """The buffer's callback for the first groups of step `step`'s batch: their forward pass now
+    (trainer/ahead.py), timed as training. None where trainer.forward_ahead is off."""
+    if not run.cfg.forward_ahead:
+        return None
+
+    async def forward(groups: list[Group]) -> None:
+        t0 = now()
+        with trainer_failure(run, step):
+            held = await run.trainer.forward_ahead(groups)
+        t1 = now()
+        run.state.clock.add("training", t1 - t0)
+        run.spans.emit("ahead", step=step, t0=round(t0, 6), t1=round(t1, 6), groups=held)
+    return forward
 
 
 async def until_stopped(take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event,

@@ -278,7 +278,7 @@ def host_cores(tl: Timeline, cfg: Config) -> float | None:
 def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     """Fit the cost model to one run (its span log and its config)."""
     ranks = max(len(tl.actors("trainer")), 1)
-    steps = [dict(e, tokens=e["tokens"] / ranks) for e in tl.events.get("trainer-0", []) if e["ev"] == "step"]
+    steps, aheads = with_aheads(tl.events.get("trainer-0", []), ranks)
     if not steps:
         raise ValueError(f"{tl.run_dir}: the span log holds no trainer steps")
     groups = tl.groups
@@ -295,19 +295,23 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     if cores is not None and all("cpu_s" in e for e in chunk_events + steps):
         # processor time says what each took alone; the steps' and the chunks' wall time how shared they
         # were (both: the sharing slows every busy actor, and the engine's chunks hold most of the evidence)
-        fitted = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps + chunk_events], cores)
+        fitted = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps + chunk_events
+                                        + [a for part in aheads for a in part]], cores)
         cores = cores if fitted is None else fitted  # at full speed: the host's, still shared
         per_pass = [(e["rows"] / e["passes"], e["cpu_s"] / e["passes"]) for e in chunk_events]
-        work = [e["cpu_s"] for e in steps]
+        work = [e["cpu_s"] + sum(a["cpu_s"] for a in part) for e, part in zip(steps, aheads)]
     else:
         sharing = Sharing(busy, cores)
         per_pass = [(e["rows"] / e["passes"], sharing.work(e["t0"], e["t1"]) / e["passes"]) for e in chunk_events]
-        work = [sharing.work(e["t0"], e["t1"]) for e in steps]
+        work = [sharing.work(e["t0"], e["t1"]) + sum(sharing.work(a["t0"], a["t1"]) for a in part)
+                for e, part in zip(steps, aheads)]
     send_s = _send_cost(tl, handling + loop_busy + paused, busy, cores)
     # weighted by passes: the fit then reproduces the total time of all passes
     chunks = [xy for e, xy in zip(chunk_events, per_pass) for _ in range(e["passes"])]
     pass_s, pass_row_s = _fit_line(*map(list, zip(*chunks)))
-    step_s, step_token_s = _fit_steps(steps, work)
+    # a step's forward run ahead (trainer.forward_ahead) is its work too: its time joins the step's
+    step_s, step_token_s = _fit_steps([dict(e, t0=e["t0"] - sum(a["t1"] - a["t0"] for a in part))
+                                       for e, part in zip(steps, aheads)], work)
     pubs = [e["t1"] - e["t0"] for e in tl.events.get("trainer-0", []) if e["ev"] == "publish"]
     applies = [e["t1"] - e["t0"] for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "apply"]
     evals = [e["t1"] - e["t0"] for e in tl.events.get("orchestrator", []) if e["ev"] == "eval"]
@@ -364,6 +368,22 @@ def _send_cost(tl: Timeline, orch_busy: list[Interval], busy: list[list[Interval
     if groups == 0 or cpu <= work:
         return 0.0
     return (cpu - work) / groups * (wall / work if work > 0 else 1.0)
+
+
+def with_aheads(rank_events: list[dict], ranks: int) -> tuple[list[dict], list[list[dict]]]:
+    """A rank's steps (tokens per rank) and, for each, the forwards it ran ahead of it (the
+    `ahead` spans since the previous step): the planner models a step as one piece of work."""
+    steps: list[dict] = []
+    aheads: list[list[dict]] = []
+    pending: list[dict] = []
+    for e in rank_events:
+        if e["ev"] == "ahead" and "cpu_s" in e:
+            pending.append(e)
+        elif e["ev"] == "step":
+            steps.append(dict(e, tokens=e["tokens"] / ranks))
+            aheads.append(pending)
+            pending = []
+    return steps, aheads
 
 
 def _fit_steps(steps: list[dict], work: list[float]) -> tuple[float, float]:

@@ -80,6 +80,9 @@ class TrainerActor(_OneActor):
     async def step(self, groups: list[Group]) -> StepResult:
         return await self.actor.call("step", groups)
 
+    async def forward_ahead(self, groups: list[Group]) -> int:
+        return await self.actor.call("forward_ahead", groups)
+
     async def publish(self, resend: bool = False) -> PublishResult:
         return await self.actor.call("publish", resend)
 

@@ -16,6 +16,11 @@
 With a mixture-of-experts model whose samples carry the engine's routes, the forward of step 3
 compares the trainer's routing with them and, with `trainer.routing_replay: r3`, uses the
 recorded experts (trainer/routing.py).
+`forward_ahead(groups)` runs step 3 for the groups of the coming batch that are already there,
+while the trainer would otherwise wait for the rest (trainer/ahead.py); `step` then uses those
+forwards and runs the others' only. The loss and every statistic are still computed over the
+whole batch; the values agree with an unsplit forward to float rounding. Not with a
+mixture-of-experts model (routes are armed for one batch at a time): it then holds nothing.
 Reported: loss, ratio and correction statistics, the mismatch KL between behaviour and trainer
 logprobs and the spread (std) of their log ratio, the routing mismatch fractions (MoE), the
 per-token lag histogram (lag = version before the step - token version), and
@@ -34,6 +39,7 @@ import torch
 
 from nonstop.hf import CausalLM
 from nonstop.config import DistillConfig, TrainerConfig
+from nonstop.trainer.ahead import AheadForwards, assemble, by_group
 from nonstop.trainer.correction import is_weights
 from nonstop.trainer.forward import prompt_shared_hidden, unsupported
 from nonstop.trainer.routing import RouterHooks, moe_routers, route_tensor
@@ -114,6 +120,7 @@ class Trainer:
                              "(model.layers.{i}.mlp.gate); set trainer.routing_replay none")
         # after the reference copy, which must route freely
         self.routing = RouterHooks(routers, cfg.routing_replay == "r3") if routers else None
+        self.ahead = AheadForwards()
         self.make_optimizer()
 
     def make_optimizer(self) -> None:
@@ -236,6 +243,28 @@ class Trainer:
         return token_logprobs(hidden, model.get_output_embeddings(), batch["targets"],
                               self.temperature, self.cfg.logprob_chunk_rows, with_entropy, batch["keep"])
 
+    def _forward(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.logprobs(batch, with_entropy=with_entropy)
+        return out if with_entropy else (out, None)  # (B, T) each
+
+    def forward_ahead(self, groups: list[Group]) -> int:
+        """Run the forward pass of `groups`, the first groups of the coming batch, now; the next
+        `step` uses it. Returns how many groups are held (0 with a mixture-of-experts model)."""
+        if self.routing is not None or not groups:
+            return 0
+        self.ahead.hold(groups, self.policy_version, *self._forward(self._batch(groups), self.cfg.entropy_coef > 0))
+        return len(groups)
+
+    def _policy_logprobs(self, groups: list[Group], batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """(B, T) logprobs [and entropy] of the batch under the policy, and how many of its groups
+        came from `forward_ahead`."""
+        found = self.ahead.take(groups, self.policy_version)
+        if not any(found):
+            return *self._forward(batch, with_entropy), 0
+        rest = [g for g, h in zip(groups, found) if h is None]
+        fresh = by_group(rest, *self._forward(self._batch(rest), with_entropy)) if rest else iter(())
+        return *assemble(found, fresh, batch["targets"].shape[1], with_entropy), sum(h is not None for h in found)
+
     def _loss_mask(self, batch: Batch, lag: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
         mask = batch["mask"].clone()
         counts = {"overlong_samples": 0, "rejected_samples": 0, "rejected_tokens": 0}
@@ -275,6 +304,7 @@ class Trainer:
         lag = self.policy_version - batch["versions"]  # (B, T), against the version before the step
         mask, counts = self._loss_mask(batch, lag)
         routing: dict[str, float] = {}
+        ahead = 0  # groups whose forward ran ahead of the step
         if self.routing is not None and "routes" in batch:
             routes = batch["routes"]
             self.routing.arm(routes.reshape(-1, *routes.shape[2:]))  # router rows are (b, position) flattened
@@ -284,9 +314,9 @@ class Trainer:
                 self.routing.reset()  # the forward's own error, not an unused-routes one
                 raise
             routing = self.routing.disarm()
+            logp, entropy = out if cfg.entropy_coef > 0 else (out, None)
         else:
-            out = self.logprobs(batch, with_entropy=cfg.entropy_coef > 0)
-        logp, entropy = out if cfg.entropy_coef > 0 else (out, None)
+            logp, entropy, ahead = self._policy_logprobs(groups, batch, cfg.entropy_coef > 0)
         prox = logp.detach()  # proximal policy: one optimizer step per batch, so pi_prox = pi_theta now
         weights, is_stats = is_weights(prox, batch["behaviour"], mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
         old = batch["behaviour"] if cfg.correction == "none" else prox
@@ -356,6 +386,7 @@ class Trainer:
             "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
             "lag_hist": {str(k): v for k, v in sorted(Counter(lag[sel].tolist()).items())},
             "samples": int(batch["targets"].shape[0]),
+            "ahead_groups": ahead,
             "tokens": int(mask.sum()),
             "update_s": time.perf_counter() - t_update,  # gradient clip and optimizer step
         }

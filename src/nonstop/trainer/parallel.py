@@ -153,6 +153,11 @@ class ParallelTrainer(Trainer):
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    def forward_ahead(self, groups: list[Group]) -> int:
+        """Nothing held: a rank's share of a batch is cut from the whole batch's groups, which a
+        part of it does not tell."""
+        return 0
+
     def step(self, groups: list[Group]) -> dict:
         metrics = super().step(groups)
         totals = torch.tensor([metrics["loss"], metrics["samples"], metrics["tokens"]], dtype=torch.float64)

@@ -122,6 +122,16 @@ class TrainerWorker:
                         update_s=round(update_s, 6), cpu_s=round(cpu_s, 6))
         return StepResult(self.trainer.policy_version, metrics)
 
+    def forward_ahead(self, groups: list[Group]) -> int:
+        """The forward pass of the coming batch's first groups, for the next step (trainer/ahead.py)."""
+        t0, cpu0 = now(), time.process_time()
+        with on(self.device):
+            held = self.trainer.forward_ahead(groups)
+        t1 = now()
+        self.busy_s += t1 - t0
+        self.spans.emit("ahead", t0=round(t0, 6), t1=round(t1, 6), groups=held, cpu_s=round(time.process_time() - cpu0, 6))
+        return held
+
     def publish(self, resend: bool = False) -> PublishResult:
         """Send the weights of the current policy_version unless the engines already have them
         (`resend`: send them anyway, for an engine that replaced a dead one)."""
