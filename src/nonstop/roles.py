@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from nonstop.config import TransportConfig
-from nonstop.types import GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
+from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 
 EngineStats = dict[str, float | int]  # one engine's counters: policy_version and the scheduler's stats
 SamplingState = dict[str, bytes]  # one engine's sampling generator state by device ('cpu', 'cuda'); {}: none kept
@@ -79,10 +79,11 @@ class TrainerClient(Client, Protocol):
         """Train on one batch. The new weights stay with the trainer until `publish()`."""
         ...
 
-    async def forward_ahead(self, groups: list[Group]) -> int:
+    async def forward_ahead(self, groups: list[Group]) -> AheadResult:
         """Run the forward pass of `groups`, the coming batch's first groups, while the rest of
-        it is still on its way; the next `step` (whose batch holds them) uses it. Returns how many
-        groups are held (0 where the trainer cannot: data-parallel ranks, a mixture-of-experts model)."""
+        it is still on its way; the next `step` (whose batch holds them) uses it. Says how many
+        groups are held (0 where the trainer cannot: data-parallel ranks, a mixture-of-experts
+        model) and the trainer's time for it."""
         ...
 
     async def publish(self, resend: bool = False) -> PublishResult:

@@ -345,6 +345,14 @@ class StepResult:
 
 
 @dataclass(slots=True)
+class AheadResult:
+    """What a forward run ahead of its step reports back (TrainerClient.forward_ahead)."""
+
+    groups: int  # groups whose forward the trainer now holds for its next step
+    forward_s: float  # the trainer's own time for it (the call's round trip also holds the messages' time)
+
+
+@dataclass(slots=True)
 class PublishResult:
     """What a trainer's publish reports: the version the engines can now load, and its cost."""
 

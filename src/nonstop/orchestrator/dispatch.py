@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 
 from nonstop.config import TransportConfig
 from nonstop.roles import Client, EngineClient, EngineStats, SamplingState, TrainerClient
-from nonstop.types import GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
+from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 
 C = TypeVar("C", bound=Client)
 R = TypeVar("R")
@@ -149,7 +149,7 @@ class RankGroup(_Several[TrainerClient]):
     async def step(self, groups: list[Group]) -> StepResult:
         return await self._all("step", lambda r: r.step(groups))
 
-    async def forward_ahead(self, groups: list[Group]) -> int:
+    async def forward_ahead(self, groups: list[Group]) -> AheadResult:
         return await self._all("forward_ahead", lambda r: r.forward_ahead(groups))
 
     async def publish(self, resend: bool = False) -> PublishResult:

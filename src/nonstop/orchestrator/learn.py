@@ -99,17 +99,18 @@ wait they fill."""
 
 def ahead(run: Run, step: int) -> Callable[[list[Group]], Awaitable[None]] | None:
     """The buffer's callback for the first groups of step `step`'s batch: their forward pass now
-    (trainer/ahead.py), timed as training. None where trainer.forward_ahead is off."""
+    (trainer/ahead.py), timed as training (the trainer's own time). None where trainer.forward_ahead is off."""
     if not run.cfg.forward_ahead:
         return None
 
     async def forward(groups: list[Group]) -> None:
         t0 = now()
         with trainer_failure(run, step):
-            held = await run.trainer.forward_ahead(groups)
-        t1 = now()
-        run.state.clock.add("training", t1 - t0)
-        run.spans.emit("ahead", step=step, t0=round(t0, 6), t1=round(t1, 6), groups=held)
+            done = await run.trainer.forward_ahead(groups)
+        # the trainer's own time, not the call's: a call's answer waits while the loop is busy
+        # (a reward on the loop, scoring.pool 'loop'), and the trainer is idle meanwhile
+        run.state.clock.add("training", done.forward_s)
+        run.spans.emit("ahead", step=step, t0=round(t0, 6), t1=round(now(), 6), groups=done.groups)
     return forward
 
 

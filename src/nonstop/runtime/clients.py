@@ -13,7 +13,7 @@ from typing import Protocol
 from nonstop.config import TransportConfig
 from nonstop.roles import EngineStats, SamplingState
 from nonstop.runtime.base import ActorHandle
-from nonstop.types import GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
+from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 
 
 class _OneActor:
@@ -80,7 +80,7 @@ class TrainerActor(_OneActor):
     async def step(self, groups: list[Group]) -> StepResult:
         return await self.actor.call("step", groups)
 
-    async def forward_ahead(self, groups: list[Group]) -> int:
+    async def forward_ahead(self, groups: list[Group]) -> AheadResult:
         return await self.actor.call("forward_ahead", groups)
 
     async def publish(self, resend: bool = False) -> PublishResult:

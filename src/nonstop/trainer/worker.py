@@ -36,7 +36,7 @@ from nonstop.spans import SpanLog, now
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
-from nonstop.types import Group, PublishResult, StepResult, TransportHandle
+from nonstop.types import AheadResult, Group, PublishResult, StepResult, TransportHandle
 
 
 SHARDED_OPTIMIZER = "optimizer"  # a checkpoint's folder of FSDP2 optimizer shards (torch.distributed.checkpoint)
@@ -122,7 +122,7 @@ class TrainerWorker:
                         update_s=round(update_s, 6), cpu_s=round(cpu_s, 6))
         return StepResult(self.trainer.policy_version, metrics)
 
-    def forward_ahead(self, groups: list[Group]) -> int:
+    def forward_ahead(self, groups: list[Group]) -> AheadResult:
         """The forward pass of the coming batch's first groups, for the next step (trainer/ahead.py)."""
         t0, cpu0 = now(), time.process_time()
         with on(self.device):
@@ -130,7 +130,7 @@ class TrainerWorker:
         t1 = now()
         self.busy_s += t1 - t0
         self.spans.emit("ahead", t0=round(t0, 6), t1=round(t1, 6), groups=held, cpu_s=round(time.process_time() - cpu0, 6))
-        return held
+        return AheadResult(held, t1 - t0)
 
     def publish(self, resend: bool = False) -> PublishResult:
         """Send the weights of the current policy_version unless the engines already have them
