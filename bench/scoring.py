@@ -8,7 +8,9 @@ side by side: reward exact_match as it is ("fast") or with 20 ms of waiting per 
 than 2 ms per sample moved to worker processes, and `process`, worker processes throughout).
 Printed per run: trainer idle %, samples/s, steps, reward-call latency p50/p99 and final
 held-out accuracy. The RESULT line gives the trainer idle added by the slow reward, in
-percentage points, for each way of scoring.
+percentage points, for each way of scoring, and the steps the slow run kept of the fast run's.
+Every run has the default job's trainer.forward_ahead (the forward pass of a batch's first
+groups runs while its last are scored); `--set trainer.forward_ahead=false` measures without it.
 
     python bench/scoring.py [--quick] [--seconds 60] [--delay-ms 20] [--pools loop,thread,auto,process] [--slow-reward sync|async]
                             [--set KEY=VALUE ...]
