@@ -124,23 +124,30 @@ async def produce(
         finally:
             busy.leave()
         t_gen1 = now()
-        marks: dict[str, float] = {}
+        t_scored: float | None = None
         try:
-            await deliver(ex, draw.epoch, results[0], marks)
+            group, scored = await score(ex, draw.epoch, results[0])
+            t_scored = now()
+            await deliver(group, scored)
         finally:  # also when the run ends while the group waits for scoring or buffer space: its samples count
             if log.enabled:
                 versions = [v for s in results[0] for v in (s.versions[:1] + s.versions[-1:])]
+                t_done = now()
                 log.emit("group", id=[draw.epoch, ex.index], t_admit=round(t_admit, 6), t_gen0=round(t_gen0, 6),
-                         t_gen1=round(t_gen1, 6), t_scored=round(marks.get("t_scored", now()), 6), t_done=round(now(), 6),
-                         lens=[len(s.completion_ids) for s in results[0]], v=[min(versions), max(versions)] if versions else [])
+                         t_gen1=round(t_gen1, 6), t_scored=round(t_scored if t_scored is not None else t_done, 6),
+                         t_done=round(t_done, 6), lens=[len(s.completion_ids) for s in results[0]],
+                         v=[min(versions), max(versions)] if versions else [])
 
-    async def deliver(ex: Example, epoch: int, samples: list[Sample], marks: dict[str, float]) -> None:
+    async def score(ex: Example, epoch: int, samples: list[Sample]) -> tuple[Group, bool]:
+        """The group of an example's samples, decoded and scored; False when its reward failed."""
         stats.samples += len(samples)
         for s in samples:
             s.text = codec.decode(s.completion_ids)
         group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=epoch, extra=ex.extra)
-        scored = await scorer.score(group)
-        marks["t_scored"] = now()
+        return group, await scorer.score(group)
+
+    async def deliver(group: Group, scored: bool) -> None:
+        """Hand a scored group to the buffer, or drop it (counted and settled) for a failed reward or no signal."""
         if not scored:
             await buffer.drop(group, "reward_error")
             stats.reward_failures_in_row += 1
@@ -151,7 +158,7 @@ async def produce(
                 )
             return
         stats.reward_failures_in_row = 0
-        if cfg.filter_uniform_reward and len({s.reward for s in samples}) == 1:
+        if cfg.filter_uniform_reward and len({s.reward for s in group.samples}) == 1:
             await drop_uniform(buffer, group, stats, cfg.max_consecutive_uniform)
             return
         stats.uniform_in_row = 0

@@ -187,8 +187,12 @@ class PooledCalls:
         self.threads = threads
         self.row_s: dict[int, float] = {}  # id(fn) -> seconds per row; the functions live for the run
 
+    def seconds_per_row(self, fn: Callable[..., Any]) -> float:
+        """The function's measured cost per row (0.0 before its first call)."""
+        return self.row_s.get(id(fn), 0.0)
+
     def splits(self, fn: Callable[..., Any]) -> bool:
-        return self.row_s.get(id(fn), 0.0) > SPLIT_ROW_S
+        return self.seconds_per_row(fn) > SPLIT_ROW_S
 
     async def __call__(self, kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
         if _is_async(fn):

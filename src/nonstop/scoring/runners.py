@@ -136,7 +136,7 @@ class AutoRunner:
 
     def _move(self, spec: str | Callable[..., Any], fn: Callable[..., Any]) -> None:
         name = spec if isinstance(spec, str) else getattr(fn, "__qualname__", repr(fn))
-        ms = 1e3 * self.threads.calls.row_s[id(fn)]
+        ms = 1e3 * self.threads.calls.seconds_per_row(fn)
         if self.backend is None or not shippable(spec):
             self.kept.add(id(fn))
             why = "no actor backend" if self.backend is None else "it cannot be sent to worker processes"
