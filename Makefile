@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine (Python >= 3.11 and the package registries):
 #   make demo   -> creates .venv, installs, runs the default training job
 #   make test   -> creates .venv, installs with the dev extra, runs the test suite
-#   make typecheck -> mypy over src/nonstop (the dev extra installs it)
+#   make typecheck -> mypy over src/nonstop and bench/ (the dev extra installs it)
 # torch is installed first and pinned, so pip never resolves an unpinned (CUDA) torch here.
 # GPU users: install your own torch build into .venv first, then `make demo TORCH=`.
 

@@ -38,10 +38,10 @@ import torch
 
 from nonstop.config import EngineConfig, ShmTransportConfig, TinyModelConfig
 from nonstop.engine.core import TorchEngine
-from nonstop.engine.updates import UPDATE_MODES
+from nonstop.engine.updates import UPDATE_MODES, UpdateMode
 from nonstop.tasks.tiny import make_tiny_model
 from nonstop.transport import open_sink, open_source, plan_transport
-from nonstop.types import GenerationRequest, SamplingParams
+from nonstop.types import GenerationRequest, Sample, SamplingParams
 
 
 def workload(n: int, max_new: int, tail: float, seed: int = 0) -> list[GenerationRequest]:
@@ -75,17 +75,21 @@ def bench_hf(model, reqs, batch: int) -> tuple[float, int]:
     return time.perf_counter() - t0, useful
 
 
-def make_engine(model, batch: int, mode: str = "never_stop") -> TorchEngine:
-    return TorchEngine(model, [], 0, settings=EngineConfig(max_concurrent_seqs=batch, update_mode=mode))  # type: ignore[arg-type]
+def make_engine(model, batch: int, mode: UpdateMode = "never_stop") -> TorchEngine:
+    return TorchEngine(model, [], 0, settings=EngineConfig(max_concurrent_seqs=batch, update_mode=mode))
 
 
 def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 0, backlog: int = 0) -> dict:
     """Drive the engine until every request is done, keeping `backlog` requests queued beyond the
     running ones (a steady producer, like the training pipeline's); publish a version every
     `every` decode steps. Publishing is the trainer's work: it is left out of the engine's time."""
-    done, pending = [], iter(reqs)
+    done: list[list[Sample]] = []
+    pending = iter(reqs)
     sched = engine.scheduler
-    steps, swap_steps, version, engine_s = [], [], 0, 0.0
+    # seconds of each engine step: those without a weight swap, and those with one
+    steps: list[float] = []
+    swap_steps: list[float] = []
+    version, engine_s = 0, 0.0
 
     def top_up() -> None:
         while len(sched.waiting) < backlog:
@@ -297,13 +301,13 @@ def update_modes(model, reqs, args) -> None:
     print("| update mode | tokens/s | vs no updates | swaps applied / published | swap work, mean (max) | "
           "aborted / paused seqs | mean token lag at end |")
     print("|---|---|---|---|---|---|---|")
-    for mode, r in rows:
+    for label, r in rows:
         st = r["stats"]
         work = ""
         if st["swaps"]:
             mean_ms, max_ms = 1e3 * st["swap_s"] / st["swaps"], 1e3 * st["max_swap_s"]
             work = f"{mean_ms:.2f} ms ({max_ms:.2f} ms) = {mean_ms / step_ms:.2f} ({max_ms / step_ms:.2f}) step"
-        print(f"| {mode} | {r['tokens'] / r['s']:,.0f} | {r['tokens'] / r['s'] / no_updates:.2f} | {st['swaps']} / {r['published']} "
+        print(f"| {label} | {r['tokens'] / r['s']:,.0f} | {r['tokens'] / r['s'] / no_updates:.2f} | {st['swaps']} / {r['published']} "
               f"| {work} | {st['aborted_seqs']} / {st['paused_seqs']} | {r['mean_lag']:.1f} |")
     print("\nswap work: time from the poll that found new weights to the end of the swap (copies, pausing, "
           "re-queueing); abort_retry's recompute happens in the following forward pass.")

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 from rich.console import Console
 from rich.table import Table
@@ -73,7 +74,8 @@ def scenario(name: str, model: Path, work: Path) -> dict:
     cwd.mkdir()
     run_dir, resume = cwd / "runs" / name, ["train", "--resume", str(Path("runs") / name)]
     codes, wall, out = [], 0.0, ""
-    steps: list[list[str]] = {
+    # each row's CLI invocations in order; "flip" corrupts the newest checkpoint between two of them
+    plans: dict[str, list[list[str] | Literal["flip"]]] = {
         "none": [epoch(model, name, "length_reward")],
         "engine_kill": [epoch(model, name, "kill_engine_once_reward")],
         "engine_hang": [epoch(model, name, "hang_engine_once_reward", "--set", "runtime.heartbeat_interval_s=0.5",
@@ -88,8 +90,8 @@ def scenario(name: str, model: Path, work: Path) -> dict:
         "ddp_resume": [epoch(model, name, "kill_trainer_reward", "--set", "trainer.ranks=2"), resume],
         "fsdp2_resume": [epoch(model, name, "kill_trainer_reward", "--set", "trainer.ranks=2",
                                "--set", "trainer.data_parallel=fsdp2"), resume],
-    }[name]
-    for args in steps:
+    }
+    for args in plans[name]:
         if args == "flip":
             flip_newest_checkpoint(run_dir)
             continue

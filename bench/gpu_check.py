@@ -176,7 +176,9 @@ def engine_and_trainer(device: str):
         with on(cuda):
             depth0 = max_abs_log_ratio(trainer, groups)
             metrics = trainer.step(groups)
-        ratio_dev = max(abs(metrics["ratio_max"] - 1), abs(metrics["ratio_min"] - 1))
+        ratio_max, ratio_min = metrics["ratio_max"], metrics["ratio_min"]
+        assert isinstance(ratio_max, float) and isinstance(ratio_min, float)  # the trainer reports both as floats
+        ratio_dev = max(abs(ratio_max - 1), abs(ratio_min - 1))
         sink.publish(trainer.model, trainer.policy_version)
         after = rollouts()
         if not all(v == 1 for g in after for s in g.samples for v in s.versions):

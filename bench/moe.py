@@ -73,8 +73,10 @@ def run_arm(cfg: Config, base: Path, replay: str, steps: int, eval_size: int, se
         if not groups:
             continue
         metrics = trainer.step(groups)
-        mismatch.append(metrics["routing_mismatch_frac"])
-        spread.append(metrics["log_ratio_std"])
+        frac, std = metrics["routing_mismatch_frac"], metrics["log_ratio_std"]
+        assert isinstance(frac, float) and isinstance(std, float)  # the trainer reports both as floats
+        mismatch.append(frac)
+        spread.append(std)
         with torch.no_grad():  # depth 0: the engine holds the trainer's new weights, in bf16
             for p_engine, p_trainer in zip(engine_model.parameters(), trainer.model.parameters()):
                 p_engine.copy_(p_trainer)

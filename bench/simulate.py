@@ -46,8 +46,11 @@ from nonstop.planner.calibrate import calibrate
 from nonstop.planner.params import PlanParams, Shape
 from nonstop.timeline import Timeline
 
-CALIBRATE = {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts_per_step": 32}
-PREDICT = [
+# configuration overrides (key=value) of one run
+Cell = dict[str, int | str]
+
+CALIBRATE: Cell = {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts_per_step": 32}
+PREDICT: list[Cell] = [
     {"buffer.depth": 0, "runtime.num_engines": 1, "rollout.prompts_per_step": 32},
     {"buffer.depth": 2, "runtime.num_engines": 1, "rollout.prompts_per_step": 32},
     {"buffer.depth": "null", "buffer.max_lag": 4, "buffer.max_queued_groups": 96, "runtime.num_engines": 1,
@@ -58,7 +61,7 @@ PREDICT = [
 ]
 
 
-def overrides(cell: dict, steps: int, out: str, name: str) -> list[str]:
+def overrides(cell: Cell, steps: int, out: str, name: str) -> list[str]:
     return [*(f"{k}={v}" for k, v in cell.items()), f"run.max_steps={steps}", "run.max_time_s=null",
             "run.eval_every=100000", "task.eval_size=50", "checkpoint.every_steps=null", f"run.out_dir={out}",
             f"run.name={name}", "run.progress=off"]
@@ -80,7 +83,7 @@ def own_cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def measure(cell: dict, steps: int, out: str, name: str, reuse: bool):
+def measure(cell: Cell, steps: int, out: str, name: str, reuse: bool):
     """Run one configuration (or, with `reuse`, take the run already there, with its own config).
     The shares of the machine's processor time stolen by its hypervisor (`steal.txt`) and used by
     other processes (`others.txt`: busy time less this run's own) while the run ran are kept

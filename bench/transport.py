@@ -21,11 +21,18 @@ import argparse
 import multiprocessing as mp
 import tempfile
 import time
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from nonstop.config import BroadcastTransportConfig, FilesTransportConfig, LoraConfig, ShmTransportConfig
 from nonstop.transport import open_sink, open_source, plan_transport
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from nonstop.lora import MergedAdapters
+    from nonstop.transport.base import WeightSource
 
 LAYOUTS = {
     "3M many-small": [(100, 100)] * 300,
@@ -98,6 +105,17 @@ def _broadcast(handle_cfg, trainer, spec, repeats, lora=None):
     return best
 
 
+def _adapters(source: WeightSource) -> MergedAdapters:
+    """The adapters the engine's end of a same-process LoRA handle merges (and times its merges in)."""
+    from nonstop.lora import MergedAdapters
+    from nonstop.transport.files import FilesSource
+    from nonstop.transport.shm import ShmSource
+
+    assert isinstance(source, (ShmSource, FilesSource))  # the same-process transports
+    assert isinstance(source.target, MergedAdapters)  # a LoRA handle's engine target
+    return source.target
+
+
 def _same_process(kind, trainer, engine, repeats, lora=None):
     """Best publish + apply time of shm or files, both ends in this process; with LoRA also the
     best time of the same calls without the engine's merge (the merge is timed inside them)."""
@@ -106,14 +124,15 @@ def _same_process(kind, trainer, engine, repeats, lora=None):
         sink = open_sink(handle)
         source = open_source(handle, engine)
         version, without_merge = [0], []
+        adapters = _adapters(source) if lora else None
 
         def once():
             version[0] += 1
-            merged_before = source.target.merge_s if lora else 0.0
+            merged_before = adapters.merge_s if adapters is not None else 0.0
             t0 = time.perf_counter()
             sink.publish(trainer, version[0])
             assert source.maybe_update(engine) == version[0]
-            merge = (source.target.merge_s - merged_before) if lora else 0.0
+            merge = (adapters.merge_s - merged_before) if adapters is not None else 0.0
             without_merge.append(time.perf_counter() - t0 - merge)
 
         best = _best(once, repeats, warmup=3)  # shm: N + 2 = 3 slots to touch once
@@ -142,11 +161,13 @@ def bench_layout(name, shapes, repeats):
     out = {"memcpy": _best(lambda: dst.copy_(src), repeats)}
     for kind in ("shm", "files"):
         out[kind] = _same_process(kind, trainer, Synthetic(shapes, seed=1), repeats)[0]
-    sweep = [("broadcast 25MiB", {"bucket_mb": 25}), ("broadcast per-tensor", {"per_tensor": True})]
+    sweep = [("broadcast 25MiB", BroadcastTransportConfig(timeout_s=300, bucket_mb=25)),
+             ("broadcast per-tensor", BroadcastTransportConfig(timeout_s=300, per_tensor=True))]
     if name.startswith("200M"):
-        sweep += [(f"broadcast {mb}MiB", {"bucket_mb": mb}) for mb in (1, 4, 16, 64, 256)]
-    for label, kw in sweep:
-        out[label] = _broadcast(BroadcastTransportConfig(timeout_s=300, **kw), trainer, shapes, repeats)
+        sweep += [(f"broadcast {mb}MiB", BroadcastTransportConfig(timeout_s=300, bucket_mb=mb))
+                  for mb in (1, 4, 16, 64, 256)]
+    for label, cfg in sweep:
+        out[label] = _broadcast(cfg, trainer, shapes, repeats)
     return flat_bytes, out
 
 
@@ -156,7 +177,8 @@ def bench_lora(repeats):
 
     trainer = LinearStack()
     full_bytes = sum(p.numel() * 4 for p in trainer.parameters())
-    peft_trainer = wrap_with_peft(LinearStack(), LORA)
+    # peft wraps any torch module (its custom-models path); wrap_with_peft is typed for the HF models training gives it
+    peft_trainer = wrap_with_peft(cast("PreTrainedModel", LinearStack()), LORA)
     rows = {}
     for kind in ("shm", "files"):
         full = _same_process(kind, trainer, LinearStack(seed=1), repeats)[0]
@@ -185,7 +207,7 @@ def main():
         for k, v in out.items():
             print(f"  {k:<22}{v * 1e3:>10.2f}{v / base:>10.2f}")
         buckets = {k: v for k, v in out.items() if k.startswith("broadcast") and k.endswith("MiB")}
-        best = min(buckets, key=buckets.get)
+        best = min(buckets, key=buckets.__getitem__)
         print(f"  bucketed / per-tensor: 25MiB {out['broadcast 25MiB'] / out['broadcast per-tensor']:.2f}, "
               f"best ({best.split()[1]}) {buckets[best] / out['broadcast per-tensor']:.2f}")
     if not ns.no_lora:

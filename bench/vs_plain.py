@@ -132,10 +132,10 @@ def main() -> None:
     for arm in arms:
         if arm not in best:
             continue
-        r = best[arm]
-        ratio = f"{r['samples_per_s'] / plain:.2f}x" if plain else "-"
-        idle = [f"{r[k]:.0%}" if k in r else "-" for k in ("trainer_idle", "engine_idle")]
-        print(f"{arm:<10}{r['samples_per_s']:>11.0f}{ratio:>10}{idle[0]:>14}{idle[1]:>13}{r['groups_trained']:>16}")
+        res = best[arm]
+        ratio = f"{res['samples_per_s'] / plain:.2f}x" if plain else "-"
+        idle = [f"{res[k]:.0%}" if k in res else "-" for k in ("trainer_idle", "engine_idle")]
+        print(f"{arm:<10}{res['samples_per_s']:>11.0f}{ratio:>10}{idle[0]:>14}{idle[1]:>13}{res['groups_trained']:>16}")
     pipeline = [best[a]["samples_per_s"] for a in arms if not a.startswith("plain") and a in best]
     print(f"(wall {time.perf_counter() - t_start:.0f} s)")
     if plain and pipeline:

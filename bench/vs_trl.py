@@ -74,7 +74,8 @@ def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None) ->
     )
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward,
                           args=args, train_dataset=ds, processing_class=tok)
-    gen_s, ends = [0.0], []
+    gen_s = [0.0]
+    ends: list[float] = []  # perf_counter at the end of each step
     inner = trainer._generate_and_score_completions
 
     def timed(*a, **kw):  # a timer around TRL's own generation step, to split gen vs train time
