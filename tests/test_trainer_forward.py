@@ -114,8 +114,11 @@ def _twin_steps(groups: list[Group], ahead: list[Group], cfg: TrainerConfig):
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01], ids=["plain", "entropy"])
 def test_a_forward_run_ahead_gives_the_step_the_whole_batch_would_take(entropy_coef):
     groups = _groups(2, 5, 4, 6, 7)
-    # the groups that came first are not the batch's first, and their completions are shorter than the batch's longest
-    ahead = sorted([groups[3], groups[1]], key=lambda g: max(len(s.completion_ids) for s in g.samples))
+    longest = lambda gs: max(len(s.completion_ids) for g in gs for s in g.samples)  # noqa: E731
+    # the groups that came first are not the batch's first, came in another order than the batch's,
+    # and are shorter than its longest: their rows move and are padded when the batch is put together
+    ahead = [groups[2], groups[1]]
+    assert longest(ahead) < longest(groups)
     cfg = TrainerConfig(entropy_coef=entropy_coef)
     (held, split, w_split), (_, whole, w_whole) = _twin_steps(groups, ahead, cfg)
     assert held == 2 and split["ahead_groups"] == 2 and whole["ahead_groups"] == 0
