@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 from nonstop.orchestrator.build import Run
@@ -31,10 +31,14 @@ from nonstop.types import Group, PublishResult, StepResult
 async def learn(run: Run) -> StepRecord | None:
     """Returns the last step's record (None when no step ran)."""
     cfg, state, record, spans = run.cfg, run.state, None, run.spans
+    ahead = Ahead(run) if cfg.forward_ahead else None
     for step in range(state.first_step, cfg.run.max_steps + 1):
         t_wait, cpu = now(), time.process_time()
         left_s = None if cfg.run.max_time_s is None else max(0.0, cfg.run.max_time_s - state.clock.wall())
-        take = run.buffer.take(ahead(run, step), max(1, cfg.rollout.prompts_per_step // AHEAD_PARTS))
+        if ahead is not None:
+            ahead.step = step
+        take = run.buffer.take(ahead if ahead is not None and ahead.able else None,
+                               max(1, cfg.rollout.prompts_per_step // AHEAD_PARTS))
         groups = await until_stopped(take, state.stop, timeout_s=left_s)
         if not groups:
             # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
@@ -97,21 +101,23 @@ trainer, the model's layers run once more), so a few groups at a time would cost
 wait they fill."""
 
 
-def ahead(run: Run, step: int) -> Callable[[list[Group]], Awaitable[None]] | None:
+class Ahead:
     """The buffer's callback for the first groups of step `step`'s batch: their forward pass now
-    (trainer/ahead.py), timed as training (the trainer's own time). None where trainer.forward_ahead is off."""
-    if not run.cfg.forward_ahead:
-        return None
+    (trainer/ahead.py), timed as training (the trainer's own time). A trainer that held none of a
+    part (a mixture-of-experts model) cannot: `able` turns false and the loop stops calling."""
 
-    async def forward(groups: list[Group]) -> None:
-        t0 = now()
-        with trainer_failure(run, step):
+    def __init__(self, run: Run) -> None:
+        self.run, self.step, self.able = run, 0, True
+
+    async def __call__(self, groups: list[Group]) -> None:
+        run, t0 = self.run, now()
+        with trainer_failure(run, self.step):
             done = await run.trainer.forward_ahead(groups)
         # the trainer's own time, not the call's: a call's answer waits while the loop is busy
         # (a reward on the loop, scoring.pool 'loop'), and the trainer is idle meanwhile
         run.state.clock.add("training", done.forward_s)
-        run.spans.emit("ahead", step=step, t0=round(t0, 6), t1=round(now(), 6), groups=done.groups)
-    return forward
+        run.spans.emit("ahead", step=self.step, t0=round(t0, 6), t1=round(now(), 6), groups=done.groups)
+        self.able = done.groups > 0
 
 
 async def until_stopped(take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event,

@@ -309,12 +309,11 @@ class Trainer:
             routes = batch["routes"]
             self.routing.arm(routes.reshape(-1, *routes.shape[2:]))  # router rows are (b, position) flattened
             try:
-                out = self.logprobs(batch, with_entropy=cfg.entropy_coef > 0)
+                logp, entropy = self._forward(batch, cfg.entropy_coef > 0)
             except BaseException:
                 self.routing.reset()  # the forward's own error, not an unused-routes one
                 raise
             routing = self.routing.disarm()
-            logp, entropy = out if cfg.entropy_coef > 0 else (out, None)
         else:
             logp, entropy, ahead = self._policy_logprobs(groups, batch, cfg.entropy_coef > 0)
         prox = logp.detach()  # proximal policy: one optimizer step per batch, so pi_prox = pi_theta now
