@@ -49,7 +49,7 @@ from rich.console import Console
 
 from nonstop.cli import run_training
 from nonstop.config import load_config
-from nonstop.config_scoring import SHIPPED_TEACHER
+from nonstop.config.scoring import SHIPPED_TEACHER
 from nonstop.tasks.base import verify
 
 ROOT = Path(__file__).resolve().parent.parent

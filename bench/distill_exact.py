@@ -32,7 +32,7 @@ import time
 import torch
 
 from nonstop.config import Config, load_config
-from nonstop.config_scoring import SHIPPED_TEACHER
+from nonstop.config.scoring import SHIPPED_TEACHER
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.orchestrator.generate import Codec

@@ -44,7 +44,7 @@ from nonstop.config import load_config
 from nonstop.planner.model import simulate
 from nonstop.planner.calibrate import calibrate
 from nonstop.planner.params import PlanParams, Shape
-from nonstop.timeline import Timeline
+from nonstop.observe.timeline import Timeline
 
 # configuration overrides (key=value) of one run
 Cell = dict[str, int | str]

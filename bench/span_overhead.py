@@ -24,7 +24,7 @@ from rich.console import Console
 
 from nonstop.cli import run_training
 from nonstop.config import load_config
-from nonstop.spans import SPANS_DIR, PassRecorder, SpanLog, now
+from nonstop.observe.spans import SPANS_DIR, PassRecorder, SpanLog, now
 
 
 def run_once(spans: bool, steps: int, out: str, name: str) -> tuple[float, int, int, float]:

@@ -304,7 +304,7 @@ def two_step_timeline(engine_cpu_s: float):
     trainer steps of 0.1 s at full speed (0.1 s processor time each), each followed by a publish."""
     from collections import Counter
 
-    from nonstop.timeline import GroupLife, Timeline
+    from nonstop.observe.timeline import GroupLife, Timeline
 
     groups = [GroupLife((0, i), 0.1 * i, 0.1 * i + 0.001, 0.1 * i + 0.02, 0.1 * i + 0.025, [3] * 8, (0, 0))
               for i in range(8)]

@@ -118,7 +118,7 @@ def test_warmup_command_writes_a_base_with_its_provenance(tmp_path):
 def test_shipped_teacher_is_the_recorded_bytes_and_distill_teacher_builtin_names_it():
     """bench/distill.py and `distill.teacher: builtin` use the shipped teacher: the shipped base
     after RL, with the student's tokenizer, much stronger than the base (greedy held-out)."""
-    from nonstop.config_scoring import SHIPPED_TEACHER
+    from nonstop.config.scoring import SHIPPED_TEACHER
     from nonstop.scoring.teacher import check_tokenizers
 
     prov = verify(SHIPPED_TEACHER)

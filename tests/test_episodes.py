@@ -16,7 +16,7 @@ from nonstop.envs import guess, nim
 from nonstop.envs.base import EnvLimits, SingleAgent, Step
 from nonstop.envs.calculator import Calculator
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.metrics import Clock
+from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, env_player, produce_episodes
 from nonstop.orchestrator.episodes import ENV_VERSION, encode_observation, run_episode, run_episodes

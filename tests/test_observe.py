@@ -17,8 +17,8 @@ import pytest
 
 from nonstop.config import load_config
 from nonstop.orchestrator.build import _span_file
-from nonstop.spans import CHUNK_S, PassRecorder, SpanLog, read_spans, span_path
-from nonstop.timeline import Timeline, union_length
+from nonstop.observe.spans import CHUNK_S, PassRecorder, SpanLog, read_spans, span_path
+from nonstop.observe.timeline import Timeline, union_length
 from test_e2e import nonstop, records, small_model_args
 
 STEPS = 8

@@ -15,7 +15,7 @@ from nonstop.planner.model import simulate
 from nonstop.planner.model import Simulation
 from nonstop.planner.calibrate import PAUSE_S, Sharing, _fit_line, _ordinary_mean, effective_cores, fit_orchestrator, pauses
 from nonstop.planner.params import PlanParams, Shape
-from nonstop.timeline import GroupLife, Timeline
+from nonstop.observe.timeline import GroupLife, Timeline
 from nonstop.planner.sweep import recommend, sweep
 
 from helpers import two_step_timeline

@@ -18,7 +18,7 @@ import pytest
 from nonstop.planner.calibrate import admissions, engine_wake
 from nonstop.planner.model import Simulation, _Group
 from nonstop.planner.params import PlanParams, Shape
-from nonstop.timeline import GroupLife, Timeline
+from nonstop.observe.timeline import GroupLife, Timeline
 
 from helpers import two_step_timeline
 

@@ -17,7 +17,7 @@ from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.envs.base import EnvLimits
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.metrics import Clock
+from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.episode_flow import EpisodeStats, RoleBaselines, env_player, produce_episodes
 from nonstop.orchestrator.episodes import RoleEngines

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from nonstop.config import ConfigError, load_config
-from nonstop.tracking import TrackingError, _need, open_sinks, scalars
+from nonstop.observe.tracking import TrackingError, _need, open_sinks, scalars
 
 RECORDS = [{"step": i, "reward_mean": 0.25 * i, "drops": {"max_lag": i}, "lag_hist": {"0": 5, "1": i},
             "prompts": [[0, i]], "final_eval": False} for i in (1, 2, 3)]

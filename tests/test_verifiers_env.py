@@ -24,7 +24,7 @@ from nonstop.envs.base import EnvLimits  # noqa: E402
 from nonstop.envs.registry import builtin_task  # noqa: E402
 from nonstop.envs.verifiers_tasks import AdditionData, AdditionTask  # noqa: E402
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
-from nonstop.metrics import Clock  # noqa: E402
+from nonstop.observe.clock import Clock  # noqa: E402
 from nonstop.orchestrator.buffer import RolloutBuffer  # noqa: E402
 from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, produce_episodes  # noqa: E402
 from nonstop.orchestrator.episodes import ENV_VERSION, encode_observation  # noqa: E402

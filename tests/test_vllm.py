@@ -24,7 +24,7 @@ import torch
 from nonstop.config import EngineConfig, LocalRuntimeConfig, ShmTransportConfig, TinyModelConfig, TrainerConfig
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.runtime import make_backend
-from nonstop.runtime.clients import EngineActor
+from nonstop.runtime.actor_clients import EngineActor
 from nonstop.tasks.base import shipped_dir
 from nonstop.tasks.tiny import save_tiny
 from nonstop.trainer.core import Trainer

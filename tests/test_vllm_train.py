@@ -14,7 +14,7 @@ from test_e2e import nonstop, records
 
 from nonstop.config import TinyModelConfig
 from nonstop.tasks.tiny import save_tiny
-from nonstop.timeline import Timeline
+from nonstop.observe.timeline import Timeline
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm

@@ -214,7 +214,7 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
               help="Where to write the HTML page (default RUN_DIR/report.html; PNGs go beside it in report/).")
 def report_cmd(run_dir: Path, out: Path | None) -> None:
     """Render a run's report: one self-contained HTML page with its figures (needs the `report` extra)."""
-    from nonstop.report import ReportError, render
+    from nonstop.observe.report import ReportError, render
 
     try:
         page = render(run_dir, out)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nonstop import roles, runtime
+    from nonstop import clients, runtime
     from nonstop.engine.aio import AsyncEngine
     from nonstop.engine.core import Engine, TorchEngine
     from nonstop.engine.runner import KVRunner, Runner
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from nonstop.scoring.stage import FunctionComponent, ScoringStage
     from nonstop.engine.vllm_engine import VllmEngineWorker
     from nonstop.engine.worker import EngineWorker
-    from nonstop.runtime.clients import EngineActor, EngineService, TrainerActor
+    from nonstop.runtime.actor_clients import EngineActor, EngineService, TrainerActor
     from nonstop.orchestrator.episodes import TurnEngine
     from nonstop.runtime.local import LocalActor, LocalBackend
     from nonstop.runtime.ray import RayActor, RayBackend
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     handles: list[type[runtime.ActorHandle]] = [LocalActor, RayActor]
 
     # Role clients: one actor, a replaceable actor, several actors.
-    engine_clients: list[type[roles.EngineClient]] = [EngineActor, RestartingEngine, EnginePool]
-    trainer_clients: list[type[roles.TrainerClient]] = [TrainerActor, RankGroup]
+    engine_clients: list[type[clients.EngineClient]] = [EngineActor, RestartingEngine, EnginePool]
+    trainer_clients: list[type[clients.TrainerClient]] = [TrainerActor, RankGroup]
 
     # Weight transport: trainer end, engine end, and what a version is written into.
     sinks: list[type[WeightSink]] = [ShmSink, BroadcastSink, FilesSink]
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     scorers: list[type[Scorer]] = [ScoringStage]
     components: list[type[ScoreComponent]] = [FunctionComponent]
     reward_runners: list[type[RewardRunner]] = [LoopRunner, ThreadRunner, ProcessRunner, AutoRunner]
-    clients: list[type[GenerationClient]] = [InProcessClient, HttpClient]
+    generation_clients: list[type[GenerationClient]] = [InProcessClient, HttpClient]
     served_engines: list[type[ServedEngine]] = [AsyncEngine, VllmEngineWorker]
 
     # Environments (one agent; several roles) and the engines an episode runs its turns on.

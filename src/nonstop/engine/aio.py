@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from nonstop.engine.core import TorchEngine
-from nonstop.spans import PassRecorder, SpanLog, now
+from nonstop.observe.spans import PassRecorder, SpanLog, now
 from nonstop.types import GenerationRequest, Sample
 
 

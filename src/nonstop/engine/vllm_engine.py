@@ -35,7 +35,7 @@ extension records the experts vLLM's routers chose for every token it computed
 abort_retry re-submission the prefix's routes are the re-prefill's, as in the built-in engine.
 
 Spans: with `span_path`, forward passes (coalesced `busy` chunks) and weight applies go to the
-span log (nonstop.spans) as the built-in engine writes them, so `nonstop report` and `nonstop
+span log (nonstop.observe.spans) as the built-in engine writes them, so `nonstop report` and `nonstop
 simulate` read vLLM runs too. For `nonstop serve`, the worker is also a ServedEngine
 (serve/server.py): `check`, `submit` with a token queue, `stream`, `health`.
 """
@@ -55,7 +55,7 @@ from nonstop.config import EngineConfig
 from nonstop.engine.aio import TokenEvent, stream_events
 from nonstop.engine.scheduler import RequestError
 from nonstop.engine.vllm_setup import RouteLayout, VllmSetupError, route_layout, start_engine
-from nonstop.spans import PassRecorder, SpanLog, now
+from nonstop.observe.spans import PassRecorder, SpanLog, now
 from nonstop.transport.names import per_expert_slices
 from nonstop.types import FinishReason, GenerationRequest, Routes, Sample, TransportHandle
 
@@ -101,7 +101,7 @@ class VllmEngineWorker:
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0,
                  initial_version: int = 0, settings: EngineConfig | None = None, span_path: str | None = None) -> None:
         """The same arguments as EngineWorker; `settings.vllm` configures vLLM; `span_path`: this
-        engine's span file (nonstop.spans), None records nothing."""
+        engine's span file (nonstop.observe.spans), None records nothing."""
         self.settings = settings or EngineConfig(kind="vllm")
         self.model_path = model_path
         self.eos_token_ids = list(eos_token_ids)

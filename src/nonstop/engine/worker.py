@@ -16,7 +16,7 @@ from nonstop.config import EngineConfig
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model
-from nonstop.spans import SpanLog
+from nonstop.observe.spans import SpanLog
 from nonstop.transport import WeightSource, open_source
 from nonstop.types import GenerationRequest, Sample, TransportHandle
 
@@ -36,7 +36,7 @@ class EngineWorker:
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0,
                  initial_version: int = 0, settings: EngineConfig | None = None, span_path: str | None = None) -> None:
         """`initial_version` is the policy_version of the weights at `model_path` (a checkpoint's on resume);
-        `span_path`: this engine's span file (nonstop.spans), None records nothing."""
+        `span_path`: this engine's span file (nonstop.observe.spans), None records nothing."""
         from nonstop.device import place, resolve_device, resolve_dtype
 
         torch.manual_seed(seed)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from nonstop.config import ConfigError, EnvConfig
 from nonstop.envs import calculator, guess, nim, reasoning_gym
 from nonstop.envs.base import EnvLimits, MultiAgentEnvironment, SingleAgent
-from nonstop.imports import import_callable
+from nonstop.config.specs import import_callable
 from nonstop.tasks.data import DatasetReport, Example, TaskData
 
 VERIFIERS = "verifiers/"

@@ -64,7 +64,7 @@ from typing import Protocol
 
 from nonstop.config import Config
 from nonstop.orchestrator.ledger import Settler
-from nonstop.spans import SpanLog, now
+from nonstop.observe.spans import SpanLog, now
 from nonstop.types import Group
 
 _EMPTY_SLOT = object()  # a group without learning signal, holding its place in a batch (refill=False)

@@ -23,20 +23,20 @@ from typing import TYPE_CHECKING, Any
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.engine.worker import EngineWorker
-from nonstop.metrics import Clock
+from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer, make_buffer
 from nonstop.orchestrator.dispatch import EnginePool, RankGroup
 from nonstop.orchestrator.episode_flow import EnvRun
 from nonstop.orchestrator.generate import Codec, RolloutStats, evaluate
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.orchestrator.score import RewardFn
-from nonstop.progress import Progress
-from nonstop.roles import EngineClient, TrainerClient
+from nonstop.observe.progress import Progress
+from nonstop.clients import EngineClient, TrainerClient
 from nonstop.runtime import ActorBackend
-from nonstop.runtime.clients import EngineActor, TrainerActor
+from nonstop.runtime.actor_clients import EngineActor, TrainerActor
 from nonstop.runtime.restart import RestartingEngine
-from nonstop.spans import SpanLog, span_path
-from nonstop.tracking import MetricsSink, open_sinks
+from nonstop.observe.spans import SpanLog, span_path
+from nonstop.observe.tracking import MetricsSink, open_sinks
 from nonstop.scoring.base import Scorer
 from nonstop.scoring.build import build_scorer
 from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
@@ -97,7 +97,7 @@ def _names(role: str, count: int) -> list[str]:
 
 
 def _span_file(cfg: Config, run_dir: Path | None, actor: str) -> str | None:
-    """Where actor `actor` writes its span log (None: spans off); see nonstop/spans.py."""
+    """Where actor `actor` writes its span log (None: spans off); see nonstop/observe/spans.py."""
     return str(span_path(run_dir, actor)) if cfg.run.spans and run_dir is not None else None
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
 from nonstop.config import TransportConfig
-from nonstop.roles import Client, EngineClient, EngineStats, SamplingState, TrainerClient
+from nonstop.clients import Client, EngineClient, EngineStats, SamplingState, TrainerClient
 from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 
 C = TypeVar("C", bound=Client)

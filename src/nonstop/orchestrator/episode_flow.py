@@ -32,7 +32,7 @@ from pathlib import Path
 
 from nonstop.config import EnvConfig, RolloutConfig
 from nonstop.envs.base import EnvLimits
-from nonstop.metrics import Clock
+from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import Intake
 from nonstop.orchestrator.episodes import EnvFactory, EpisodeResult, TurnEngine, run_episodes
 from nonstop.orchestrator.generate import Codec, NoLearningSignal, RolloutStats, _BusyClock, admit_and_run, drop_uniform

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 from nonstop.orchestrator.buffer import Intake, RolloutBuffer
 from nonstop.config import RolloutConfig
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.metrics import Clock
-from nonstop.roles import EngineClient
+from nonstop.observe.clock import Clock
+from nonstop.clients import EngineClient
 from nonstop.orchestrator.score import exact_match
 from nonstop.scoring.base import Scorer
-from nonstop.spans import SpanLog, now
+from nonstop.observe.spans import SpanLog, now
 from nonstop.tasks.data import Draw, Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 

@@ -48,7 +48,7 @@ FAILED = "FAILED"
 
 def preflight(cfg: Config, reward: RewardFn | None) -> None:
     """ConfigError naming the field for a model path or a reward that cannot work."""
-    from nonstop.preflight import check_reward, resolve_model_path
+    from nonstop.config.preflight import check_reward, resolve_model_path
 
     if cfg.model.path is not None:
         resolve_model_path(cfg.model.path)
@@ -121,7 +121,7 @@ def _run(cfg: Config, console: Console, run_dir: Path, resume_dir: Path | None, 
          reward: RewardFn | None, t0: float) -> RunSummary:
     from nonstop.checkpoint import latest_valid
     from nonstop.orchestrator.pipeline import train
-    from nonstop.progress import Progress
+    from nonstop.observe.progress import Progress
     from nonstop.tasks.base import prepare_base_model
 
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:

@@ -24,7 +24,7 @@ from nonstop.orchestrator.build import Run
 from nonstop.orchestrator.records import StepRecord, completions_crc32
 from nonstop.orchestrator.recovery import RunFailed, write_checkpoint
 from nonstop.runtime import ActorCallError, ActorDied
-from nonstop.spans import now
+from nonstop.observe.spans import now
 from nonstop.types import Group, PublishResult, StepResult
 
 

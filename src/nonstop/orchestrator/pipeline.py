@@ -2,7 +2,7 @@
 
 Processes: this orchestrator (asyncio), `runtime.num_engines` engine actors behind a
 least-loaded pool, `trainer.ranks` trainer actors in lockstep (dispatch.py), all reached through
-typed clients (nonstop.roles). Rollouts flow engines -> orchestrator (generate.py, score.py) ->
+typed clients (nonstop.clients). Rollouts flow engines -> orchestrator (generate.py, score.py) ->
 buffer (buffer.py) -> trainer ranks (learn.py) as small messages; weights flow trainer rank 0 ->
 every engine through the weight transport only, when the learning loop publishes. The producer
 task runs beside the learning loop; the supervisor re-raises its failure, and a dead actor
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
-from nonstop.metrics import Clock
+from nonstop.observe.clock import Clock
 from nonstop.orchestrator.build import Run, build_run
 from nonstop.orchestrator.episode_flow import produce_episodes
 from nonstop.orchestrator.generate import produce
@@ -36,10 +36,10 @@ from nonstop.orchestrator.learn import learn
 from nonstop.orchestrator.records import RunSummary, StepRecord
 from nonstop.orchestrator.score import RewardFn
 from nonstop.orchestrator.recovery import RunInterrupted, restore, restore_engines
-from nonstop.progress import Progress
+from nonstop.observe.progress import Progress
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
-from nonstop.spans import host_cpus, now
+from nonstop.observe.spans import host_cpus, now
 from nonstop.tasks.data import TaskData
 from nonstop.transport import release
 

@@ -59,15 +59,15 @@ from nonstop.orchestrator.episodes import RoleEngines, TurnEngine
 from nonstop.orchestrator.ledger import Ledger, policy_label
 from nonstop.orchestrator.recovery import RunFailed
 from nonstop.orchestrator.split_intake import SplitIntake
-from nonstop.roles import TrainerClient
+from nonstop.clients import TrainerClient
 from nonstop.runtime import ActorBackend, ActorCallError, ActorDied, Supervisor
 from nonstop.runtime.restart import RestartingEngine
-from nonstop.spans import SpanLog
+from nonstop.observe.spans import SpanLog
 from nonstop.types import Group, TransportHandle
 
 if TYPE_CHECKING:
     from nonstop.orchestrator.build import Run
-    from nonstop.progress import Progress
+    from nonstop.observe.progress import Progress
 
 SHARED = ""  # the policy name of the run's shared policy
 
@@ -175,7 +175,7 @@ async def build_side(cfg: Config, k: int, role: str, backend: ActorBackend, base
     own = cfg.env.policies[role] if cfg.env is not None else PolicyConfig()
     start = base_model
     if own.path is not None:
-        from nonstop.preflight import resolve_model_path
+        from nonstop.config.preflight import resolve_model_path
 
         start = resolve_model_path(own.path, field=f"env.policies.{role}.path")
         check_tokenizer(role, start, tok)

@@ -13,7 +13,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nonstop.roles import EngineStats
+from nonstop.clients import EngineStats
 from nonstop.types import Group
 
 

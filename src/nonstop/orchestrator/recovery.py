@@ -25,7 +25,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from nonstop.checkpoint import Checkpoint, commit, staging_dir
-from nonstop.metrics import Clock
+from nonstop.observe.clock import Clock
 from nonstop.tasks.data import Draw
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from nonstop.imports import import_callable
+from nonstop.config.specs import import_callable
 
 RewardFn = Callable[[str, str], float]
 

@@ -1,6 +1,6 @@
 """Calibration: the planner's costs (nonstop.planner.params) fitted to one run's span log.
 
-`calibrate(timeline, cfg)` reads the span log through nonstop.timeline. The orchestrator's
+`calibrate(timeline, cfg)` reads the span log through nonstop.observe.timeline. The orchestrator's
 per-group time and handoff by a robust fit of its first-come-first-served handling to the
 groups' return and buffering times (`fit_orchestrator`), its pauses as the silences of its log
 while it owed work (`pauses`), the learning loop's costs as means over steps (`loop_costs`).
@@ -27,7 +27,7 @@ from nonstop.planner.params import PlanParams, Shape
 
 if TYPE_CHECKING:
     from nonstop.config import Config
-    from nonstop.timeline import GroupLife, Timeline
+    from nonstop.observe.timeline import GroupLife, Timeline
 
 Interval = tuple[float, float]
 
@@ -152,7 +152,7 @@ is the usual cause: it comes with the objects made, so the planner counts pauses
 
 def pauses(tl: Timeline) -> list[Interval]:
     """The orchestrator's pauses in a run (see PAUSE_S)."""
-    from nonstop.timeline import union_length
+    from nonstop.observe.timeline import union_length
 
     orch = tl.events.get("orchestrator", [])
     points = sorted(t for e in orch for t in _times(e))
@@ -265,7 +265,7 @@ def host_cores(tl: Timeline, cfg: Config) -> float | None:
     """Processors the engines and trainer ranks share: `rl_start`'s record, or (a span log
     without it) this machine's, when the run's actors would compute on it. None: accelerators."""
     from nonstop.device import resolve_device
-    from nonstop.spans import cpu_count
+    from nonstop.observe.spans import cpu_count
 
     start = [e for e in tl.events.get("orchestrator", []) if e["ev"] == "rl_start"]
     if start and "cpus" in start[-1]:
@@ -353,7 +353,7 @@ def _send_cost(tl: Timeline, orch_busy: list[Interval], busy: list[list[Interval
     From the processor time the learning loop's `wait` spans record, over the span from the
     first to the last; in the time the modelled work took (its wall time per unit of work in
     the calibration run). 0 for span logs without it."""
-    from nonstop.timeline import union_length
+    from nonstop.observe.timeline import union_length
 
     waits = [e for e in tl.events.get("orchestrator", []) if e["ev"] == "wait" and "cpu" in e]
     if len(waits) < 2:

@@ -55,7 +55,7 @@ def table(rows: list[Row]) -> Table:
 
 def run_planner(console: Console, cfg: Config, run_dir: Path | None, params_path: Path | None,
                 axes: tuple[str, ...], max_mean_lag: float | None, seeds: int, write_params: Path | None) -> None:
-    from nonstop.timeline import Timeline
+    from nonstop.observe.timeline import Timeline
 
     if run_dir is not None:
         params = calibrate(Timeline.load(run_dir), cfg)

@@ -1,7 +1,7 @@
 """Actor runtime seam: spawn an actor, call it, await it, check its health.
 
 The orchestrator spawns actors through `ActorBackend` and talks to them through the typed
-role clients of runtime/clients.py (nonstop.roles), never through `ActorHandle.call` itself.
+role clients of runtime/actor_clients.py (nonstop.clients), never through `ActorHandle.call` itself.
 The local backend runs each actor in its own OS process; the Ray backend implements the same
 two protocols. runtime/restart.py replaces an engine that crashes or hangs.
 """

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from nonstop.roles import EngineClient, EngineStats, SamplingState
+from nonstop.clients import EngineClient, EngineStats, SamplingState
 from nonstop.runtime.base import ActorDied
 from nonstop.types import GenerationRequest, Sample, TransportHandle
 

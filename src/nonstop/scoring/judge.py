@@ -15,7 +15,7 @@ import re
 
 import aiohttp
 
-from nonstop.config_scoring import JudgeConfig
+from nonstop.config.scoring import JudgeConfig
 from nonstop.scoring.base import Contribution
 from nonstop.scoring.pool import CallFailed
 from nonstop.types import Group

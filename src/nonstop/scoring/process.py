@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nonstop.config_scoring import ProcessRewardConfig
+from nonstop.config.scoring import ProcessRewardConfig
 from nonstop.scoring.base import Contribution
 from nonstop.scoring.calls import RewardRow
 from nonstop.scoring.pool import CallFailed

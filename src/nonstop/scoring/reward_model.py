@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from nonstop.config_scoring import RewardModelConfig
+from nonstop.config.scoring import RewardModelConfig
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import Contribution
 from nonstop.scoring.pool import ActorPool, Batcher, CallFailed

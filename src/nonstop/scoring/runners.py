@@ -31,7 +31,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nonstop.config_scoring import ScoringConfig
+from nonstop.config.scoring import ScoringConfig
 from nonstop.orchestrator.score import RewardError
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.calls import Kind, Outcome, PooledCalls, RewardRow, evaluate

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from nonstop.config_scoring import ScoringConfig
+from nonstop.config.scoring import ScoringConfig
 from nonstop.orchestrator.score import RewardError
 from nonstop.scoring.base import Contribution, ScoreComponent
 from nonstop.scoring.calls import Failure, Kind, Outcome, RewardRow

@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
-from nonstop.config_scoring import DistillConfig
+from nonstop.config.scoring import DistillConfig
 from nonstop.orchestrator.score import RewardError
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import Contribution

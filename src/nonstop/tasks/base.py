@@ -93,7 +93,7 @@ def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] =
 
     kind = choose_base(cfg)
     if kind == "path":
-        from nonstop.preflight import resolve_model_path
+        from nonstop.config.preflight import resolve_model_path
 
         return resolve_model_path(cfg.model.path)  # type: ignore[arg-type]
     if kind in SHIPPED:

@@ -32,7 +32,7 @@ import torch
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
 from nonstop.device import on, place, resolve_device
 from nonstop.hf import CausalLM, load_model
-from nonstop.spans import SpanLog, now
+from nonstop.observe.spans import SpanLog, now
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
@@ -48,7 +48,7 @@ class TrainerWorker:
                  total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None,
                  max_new_tokens: int | None = None, span_path: str | None = None,
                  distill: DistillConfig | None = None):
-        """`span_path`: this rank's span file (nonstop.spans), None records nothing.
+        """`span_path`: this rank's span file (nonstop.observe.spans), None records nothing.
         `reference_path`: the KL reference weights when they differ from `model_path` (on resume).
         `max_new_tokens`: rollout.max_new_tokens, the constant divisor of dr_grpo's normalisation.
         `lora`: train adapters on the base `model_path`, starting from `adapter_path` if given.

@@ -1,6 +1,6 @@
 """Device paths of the weight transports: what moves weights GPU to GPU without a host round trip.
 
-`transport.device_path` (config_kinds.py) picks, per transport kind:
+`transport.device_path` (config/kinds.py) picks, per transport kind:
 - shm: 'host' (the segment's host slots), 'ipc' (two slots in the trainer's GPU memory, exported
   once with a CUDA IPC handle that every engine maps, shm.py), or 'auto' (GPU slots when the
   trainer is on a GPU and every engine mapped them, else the host slots);

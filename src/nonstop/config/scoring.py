@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from nonstop.config_schema import Section as _Section
+from nonstop.config.schema import Section as _Section
 
 SHIPPED_TEACHER = Path(__file__).resolve().parent / "assets" / "addition-teacher"
 

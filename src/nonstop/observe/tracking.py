@@ -18,12 +18,12 @@ A tracker that cannot be imported fails the run at start with the pip command th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nonstop.metrics import JsonlSink
 
 if TYPE_CHECKING:
     from nonstop.config import Config
@@ -169,3 +169,15 @@ def open_sinks(cfg: Config, run_dir: Path) -> FanOut:
             t.close()
         raise
     return FanOut(JsonlSink(run_dir / "metrics.jsonl"), trackers)
+
+
+class JsonlSink:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = path.open("a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._f.close()

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nonstop.config_schema import Section as _Section
+from nonstop.config.schema import Section as _Section
 
 
 class TinyMoeConfig(_Section):

@@ -1,7 +1,7 @@
 """Config sections with one model per kind: the weight transport (`transport.kind`) and the
 actor runtime (`runtime.backend`).
 
-Each section is a tagged union (see config_schema.py): the key selects a model holding the
+Each section is a tagged union (see config/schema.py): the key selects a model holding the
 fields every kind has (its base) plus only its own, so `transport.bucket_mb` with kind 'shm'
 is an error naming the kind it belongs to. A section that omits the key gets the default kind.
 """
@@ -12,8 +12,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Discriminator, Field, Tag
 
-from nonstop.config_schema import Section as _Section
-from nonstop.config_schema import TagOf
+from nonstop.config.schema import Section as _Section
+from nonstop.config.schema import TagOf
 
 
 class BaseTransportConfig(_Section):

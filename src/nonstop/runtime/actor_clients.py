@@ -1,4 +1,4 @@
-"""Typed clients of one actor: the role Protocols (nonstop.roles) over an ActorHandle.
+"""Typed clients of one actor: the role Protocols (nonstop.clients) over an ActorHandle.
 
 These adapters and the runtime internals are the only code that names an actor method by a
 string. They add nothing to a call: errors, timeouts and ordering are the backend's (a dead
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from nonstop.config import TransportConfig
-from nonstop.roles import EngineStats, SamplingState
+from nonstop.clients import EngineStats, SamplingState
 from nonstop.runtime.base import ActorHandle
 from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 

@@ -1,24 +1,9 @@
-"""Run metrics: a JSONL sink (one object per step) and busy/idle accounting per side."""
+"""Busy/idle accounting per side (generation, training) over a run's wall clock."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-
-class JsonlSink:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._f = path.open("a", buffering=1)
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
-
-    def close(self) -> None:
-        self._f.close()
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from nonstop.config_schema import Section as _Section
+from nonstop.config.schema import Section as _Section
 
 
 class TaskConfig(_Section):

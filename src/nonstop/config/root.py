@@ -4,7 +4,7 @@
 parsed as YAML scalars) and validates the whole tree. Every problem becomes one `ConfigError`
 whose message names the dotted field, e.g. `buffer.depht: unknown field (did you mean 'depth'?)`.
 
-The transport and runtime sections hold one model per kind (config_kinds.py). Every rule across
+The transport and runtime sections hold one model per kind (config/kinds.py). Every rule across
 fields is checked in `Config._combinations`; a default that depends on another field stays None
 in the file and resolves in one `Config` property (`engine_settings`, `engine_restarts`,
 `warmup_enabled`), so a written config.yaml resolves again from whatever is changed on resume.
@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from nonstop.config_kinds import (
+from nonstop.config.kinds import (
     BaseRuntimeConfig,
     BaseTransportConfig,
     BroadcastTransportConfig,
@@ -31,12 +31,12 @@ from nonstop.config_kinds import (
     device_path_of,
     TransportConfig,
 )
-from nonstop.config_actors import (EngineConfig, LoraConfig, ModelConfig, PolicyConfig, TinyModelConfig, TinyMoeConfig,
+from nonstop.config.actors import (EngineConfig, LoraConfig, ModelConfig, PolicyConfig, TinyModelConfig, TinyMoeConfig,
                                    TrainerConfig, VllmConfig)
-from nonstop.config_schema import Section as _Section
-from nonstop.config_task import TaskConfig, WarmupConfig
-from nonstop.config_scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
-from nonstop.config_schema import explain, reference
+from nonstop.config.schema import Section as _Section
+from nonstop.config.task import TaskConfig, WarmupConfig
+from nonstop.config.scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
+from nonstop.config.schema import explain, reference
 
 __all__ = [
     "BaseRuntimeConfig", "BaseTransportConfig", "BroadcastTransportConfig", "BufferConfig", "CheckpointConfig",

@@ -1,7 +1,7 @@
 """`nonstop report RUN_DIR`: one self-contained HTML page (and its figures as PNGs) about a run.
 
 Reads the run folder (metrics.jsonl, summary.json, config.yaml and the span log, via
-nonstop.timeline) and draws with matplotlib (the optional extra `report`):
+nonstop.observe.timeline) and draws with matplotlib (the optional extra `report`):
 
 1. reward and held-out accuracy over RL time;
 2. a timeline (Gantt) of the engines, the trainer ranks and the orchestrator's waits, for the
@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nonstop.timeline import Interval, Timeline
+from nonstop.observe.timeline import Interval, Timeline
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -1,6 +1,6 @@
 """A run's timeline: the span log and metrics.jsonl of a run folder, read into plain numbers.
 
-`Timeline.load(run_dir)` reads `spans/*.jsonl` (nonstop.spans; every time in seconds since the
+`Timeline.load(run_dir)` reads `spans/*.jsonl` (nonstop.observe.spans; every time in seconds since the
 run's RL start) and `metrics.jsonl`, and exposes what the run report draws and what the
 capacity planner calibrates on:
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nonstop.spans import read_spans
+from nonstop.observe.spans import read_spans
 
 Interval = tuple[float, float]
 

@@ -1,0 +1,96 @@
+"""Configuration: pydantic models of a run, validated on load and frozen afterwards.
+
+One module per part of the tree; everything public is re-exported here, so callers write
+`from nonstop.config import Config, load_config`.
+
+| module | holds |
+|---|---|
+| `root.py` | `Config` (the whole tree), rollout/buffer/env/checkpoint/run sections, `load_config`, `dump_config` |
+| `actors.py` | model, engine (built-in and vLLM), trainer, LoRA and per-role policy sections |
+| `kinds.py` | one model per transport kind and per runtime backend |
+| `scoring.py` | the scoring stage: reward models, judges, process rewards, distillation |
+| `task.py` | the task (dataset, reward) and the supervised warm-up |
+| `schema.py` | `Section` (the frozen base model), field docs, `nonstop config --explain` |
+| `preflight.py` | checks before any run folder or actor exists (`model.path`, `task.reward`) |
+| `specs.py` | `package.module:attr` specs resolved to callables, errors naming the field |
+"""
+
+from __future__ import annotations
+
+from nonstop.config.root import (
+    BaseRuntimeConfig,
+    BaseTransportConfig,
+    BroadcastTransportConfig,
+    BufferConfig,
+    CheckpointConfig,
+    Config,
+    config_reference,
+    ConfigError,
+    DistillConfig,
+    dump_config,
+    EngineConfig,
+    EnvConfig,
+    FilesTransportConfig,
+    format_validation_error,
+    JudgeConfig,
+    load_config,
+    LocalRuntimeConfig,
+    LoraConfig,
+    ModelConfig,
+    PolicyConfig,
+    ProcessRewardConfig,
+    RayActorResources,
+    RayRuntimeConfig,
+    RewardModelConfig,
+    RolloutConfig,
+    RunConfig,
+    RuntimeConfig,
+    ScoringConfig,
+    ShmTransportConfig,
+    TaskConfig,
+    TinyModelConfig,
+    TinyMoeConfig,
+    TrainerConfig,
+    TransportConfig,
+    VllmConfig,
+    WarmupConfig,
+)
+
+__all__ = [
+    "BaseRuntimeConfig",
+    "BaseTransportConfig",
+    "BroadcastTransportConfig",
+    "BufferConfig",
+    "CheckpointConfig",
+    "Config",
+    "config_reference",
+    "ConfigError",
+    "DistillConfig",
+    "dump_config",
+    "EngineConfig",
+    "EnvConfig",
+    "FilesTransportConfig",
+    "format_validation_error",
+    "JudgeConfig",
+    "load_config",
+    "LocalRuntimeConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "PolicyConfig",
+    "ProcessRewardConfig",
+    "RayActorResources",
+    "RayRuntimeConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "RuntimeConfig",
+    "ScoringConfig",
+    "ShmTransportConfig",
+    "TaskConfig",
+    "TinyModelConfig",
+    "TinyMoeConfig",
+    "TrainerConfig",
+    "TransportConfig",
+    "VllmConfig",
+    "WarmupConfig",
+]

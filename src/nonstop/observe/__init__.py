@@ -1,0 +1,11 @@
+"""Observability: what a run records about itself, and how it is read back.
+
+| module | holds |
+|---|---|
+| `tracking.py` | `MetricsSink` (the step-record seam), `JsonlSink` (metrics.jsonl) and the tracker sinks |
+| `progress.py` | the one-line progress output of a run |
+| `clock.py` | `Clock`: busy and idle seconds per side over wall time |
+| `spans.py` | `SpanLog`: per-process spans (decode passes, steps, publishes) written to `spans/` |
+| `timeline.py` | `Timeline`: spans put back together across processes, group lives, idle intervals |
+| `report.py` | `nonstop report`: the HTML report and figures of a run folder |
+"""
