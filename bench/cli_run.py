@@ -19,20 +19,39 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def train(name: str, folder: Path, overrides: list[str], config: Path | None = None,
-          pythonpath: tuple[Path, ...] = (), timeout_s: float | None = None) -> dict:
+def train(
+    name: str,
+    folder: Path,
+    overrides: list[str],
+    config: Path | None = None,
+    pythonpath: tuple[Path, ...] = (),
+    timeout_s: float | None = None,
+) -> dict:
     """Run `nonstop train [config] --set ...` in `folder`; `pythonpath` adds folders a user's reward lives in."""
     paths = [str(ROOT / "src"), *map(str, pythonpath), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     out_dir = folder / "runs"
-    args = [sys.executable, "-m", "nonstop.cli", "train", *([str(config)] if config else []),
-            "--set", f"run.name={name}", "--set", f"run.out_dir={out_dir}", "--set", "run.progress=plain"]
+    args = [
+        sys.executable,
+        "-m",
+        "nonstop.cli",
+        "train",
+        *([str(config)] if config else []),
+        "--set",
+        f"run.name={name}",
+        "--set",
+        f"run.out_dir={out_dir}",
+        "--set",
+        "run.progress=plain",
+    ]
     for o in overrides:
         args += ["--set", o]
     t0 = time.perf_counter()
     result = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s)
     wall_s = time.perf_counter() - t0
     if result.returncode != 0:
-        raise SystemExit(f"run {name} failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise SystemExit(
+            f"run {name} failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     summary = json.loads((out_dir / name / "summary.json").read_text())
     return {**summary, "cli_wall_s": wall_s}

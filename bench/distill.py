@@ -65,9 +65,18 @@ class Task(NamedTuple):
 
 
 TASKS = {
-    "cipher": Task(str(CIPHER / "cipher-student"), str(CIPHER / "cipher-teacher"),
-                   ["task.name=jsonl", f"task.dataset_path={CIPHER / 'cipher.jsonl'}", "rollout.max_new_tokens=13",
-                    "rollout.filter_uniform_reward=false"], 100, 50),
+    "cipher": Task(
+        str(CIPHER / "cipher-student"),
+        str(CIPHER / "cipher-teacher"),
+        [
+            "task.name=jsonl",
+            f"task.dataset_path={CIPHER / 'cipher.jsonl'}",
+            "rollout.max_new_tokens=13",
+            "rollout.filter_uniform_reward=false",
+        ],
+        100,
+        50,
+    ),
     "addition": Task("builtin_weak", str(SHIPPED_TEACHER), [], 250, 120),
 }
 COMMON = ["checkpoint.every_steps=null", "run.progress=off", "run.max_steps=100000", "run.eval_every=100000"]
@@ -85,8 +94,12 @@ def train(out: str, name: str, budget: list[str], *overrides: str) -> tuple[dict
 
 
 def signal_overrides(teacher: str, ns: argparse.Namespace) -> dict[str, list[str]]:
-    distill = [f"distill.teacher={teacher}", f"distill.coef={ns.coef}", f"distill.normalize={ns.normalize}",
-               "rollout.filter_uniform_reward=false"]
+    distill = [
+        f"distill.teacher={teacher}",
+        f"distill.coef={ns.coef}",
+        f"distill.normalize={ns.normalize}",
+        "rollout.filter_uniform_reward=false",
+    ]
     return {"reward": [], "distill": [*distill, "distill.task_reward=false"], "both": distill}
 
 
@@ -94,34 +107,54 @@ def summarise(runs: list[dict]) -> dict:
     accs = [r["acc"] for r in runs]
     kl_first = [r["kl_first"] for r in runs if r["kl_first"] is not None]
     kl_last = [r["kl_last"] for r in runs if r["kl_last"] is not None]
-    return {"mean": statistics.fmean(accs), "min": min(accs), "max": max(accs),
-            "steps": statistics.fmean(r["steps"] for r in runs),
-            "samples": statistics.fmean(r["samples"] for r in runs),
-            "reward_last": statistics.fmean(r["reward_last"] for r in runs),
-            "wall_s": statistics.fmean(r["wall_s"] for r in runs),
-            "kl_first": statistics.fmean(kl_first) if kl_first else None,
-            "kl_last": statistics.fmean(kl_last) if kl_last else None}
+    return {
+        "mean": statistics.fmean(accs),
+        "min": min(accs),
+        "max": max(accs),
+        "steps": statistics.fmean(r["steps"] for r in runs),
+        "samples": statistics.fmean(r["samples"] for r in runs),
+        "reward_last": statistics.fmean(r["reward_last"] for r in runs),
+        "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+        "kl_first": statistics.fmean(kl_first) if kl_first else None,
+        "kl_last": statistics.fmean(kl_last) if kl_last else None,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="2 seeds per signal, 50 steps (cipher) or 120 (addition)")
     ap.add_argument("--task", choices=tuple(TASKS), default="cipher")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="trainer steps per run (default 100 on cipher, 250 on addition; quick 50 / 120)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="trainer steps per run (default 100 on cipher, 250 on addition; quick 50 / 120)",
+    )
     ap.add_argument("--seconds", type=float, default=None, help="bound each run by RL wall time instead of steps")
-    ap.add_argument("--seeds", default=None, help="comma-separated run seeds, each signal once per seed "
-                                                  "(default 0,1,2; quick 0,1)")
-    ap.add_argument("--teacher", default=None,
-                    help="a teacher folder with a provenance.json; default: the task's shipped one")
+    ap.add_argument(
+        "--seeds", default=None, help="comma-separated run seeds, each signal once per seed (default 0,1,2; quick 0,1)"
+    )
+    ap.add_argument(
+        "--teacher", default=None, help="a teacher folder with a provenance.json; default: the task's shipped one"
+    )
     ap.add_argument("--student", default=None, help="a student folder (model.path); default: the task's shipped one")
-    ap.add_argument("--teacher-seconds", type=float, default=0.0,
-                    help="train a teacher for this long instead of the shipped one (0: the shipped one)")
+    ap.add_argument(
+        "--teacher-seconds",
+        type=float,
+        default=0.0,
+        help="train a teacher for this long instead of the shipped one (0: the shipped one)",
+    )
     ap.add_argument("--coef", type=float, default=1.0)
     ap.add_argument("--normalize", action="store_true", help="distill.normalize=true: standardise the teacher term")
     ap.add_argument("--signals", default=",".join(SIGNALS), help="which of reward,distill,both to run")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for every student run (e.g. trainer.lr=0.001)")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every student run (e.g. trainer.lr=0.001)",
+    )
     ns = ap.parse_args()
     if ns.steps is not None and ns.seconds is not None:
         ap.error("--steps and --seconds are two budgets: give one")
@@ -154,32 +187,54 @@ def main() -> None:
         per_signal = signal_overrides(teacher, ns)
         for seed in seeds:  # seed-major: an interrupted run still has every signal of the first seeds
             for name in signals:
-                summary, recs, wall = train(out, f"{name}-s{seed}", budget, *student, *task.overrides,
-                                            f"run.seed={seed}", *per_signal[name], *ns.sets)
+                summary, recs, wall = train(
+                    out,
+                    f"{name}-s{seed}",
+                    budget,
+                    *student,
+                    *task.overrides,
+                    f"run.seed={seed}",
+                    *per_signal[name],
+                    *ns.sets,
+                )
                 kl = [r["teacher_kl"] for r in recs if "teacher_kl" in r]
                 rewards = [r["reward_mean"] for r in recs if r.get("reward_mean") is not None]
                 base = summary["base_accuracy"]
-                runs[name].append({"acc": summary["final_accuracy"], "steps": summary["steps"], "wall_s": wall,
-                                   "samples": summary["samples_generated"],
-                                   "reward_last": statistics.fmean(rewards[-5:]) if rewards else 0.0,
-                                   "kl_first": kl[0] if kl else None,
-                                   "kl_last": statistics.fmean(kl[-3:]) if kl else None})
-                print(f"seed {seed} {name:>8}: {base:.1%} -> {summary['final_accuracy']:.1%} "
-                      f"({summary['steps']} steps, {summary['samples_generated']} samples, {wall:.0f} s)", flush=True)
+                runs[name].append(
+                    {
+                        "acc": summary["final_accuracy"],
+                        "steps": summary["steps"],
+                        "wall_s": wall,
+                        "samples": summary["samples_generated"],
+                        "reward_last": statistics.fmean(rewards[-5:]) if rewards else 0.0,
+                        "kl_first": kl[0] if kl else None,
+                        "kl_last": statistics.fmean(kl[-3:]) if kl else None,
+                    }
+                )
+                print(
+                    f"seed {seed} {name:>8}: {base:.1%} -> {summary['final_accuracy']:.1%} "
+                    f"({summary['steps']} steps, {summary['samples_generated']} samples, {wall:.0f} s)",
+                    flush=True,
+                )
     rows = {name: summarise(r) for name, r in runs.items()}
     extra = f"; {' '.join(ns.sets)}" if ns.sets else ""
-    print(f"\nTask {ns.task}; student: {Path(student_dir).name} ({base:.1%}); teacher: {made} ({teacher_acc:.1%}); {label} per run; "
-          f"seeds {','.join(map(str, seeds))}; coef {ns.coef:g}{', normalized' if ns.normalize else ''}{extra}")
-    print(f"{'signal':>8} {'held-out mean':>14} {'min':>6} {'max':>6} {'steps':>6} {'samples':>8} "
-          f"{'reward':>7} {'KL first':>9} {'last':>6} {'s/run':>6}")
+    print(
+        f"\nTask {ns.task}; student: {Path(student_dir).name} ({base:.1%}); teacher: {made} ({teacher_acc:.1%}); {label} per run; "
+        f"seeds {','.join(map(str, seeds))}; coef {ns.coef:g}{', normalized' if ns.normalize else ''}{extra}"
+    )
+    print(
+        f"{'signal':>8} {'held-out mean':>14} {'min':>6} {'max':>6} {'steps':>6} {'samples':>8} "
+        f"{'reward':>7} {'KL first':>9} {'last':>6} {'s/run':>6}"
+    )
     for name, r in rows.items():
         first = "-" if r["kl_first"] is None else f"{r['kl_first']:.2f}"
         last = "-" if r["kl_last"] is None else f"{r['kl_last']:.2f}"
-        print(f"{name:>8} {r['mean']:>14.1%} {r['min']:>6.1%} {r['max']:>6.1%} {r['steps']:>6.0f} "
-              f"{r['samples']:>8.0f} {r['reward_last']:>7.3f} {first:>9} {last:>6} {r['wall_s']:>6.0f}")
+        print(
+            f"{name:>8} {r['mean']:>14.1%} {r['min']:>6.1%} {r['max']:>6.1%} {r['steps']:>6.0f} "
+            f"{r['samples']:>8.0f} {r['reward_last']:>7.3f} {first:>9} {last:>6} {r['wall_s']:>6.0f}"
+        )
     accs = " ".join(f"acc_{name}={rows[name]['mean']:.3f}" for name in signals)
-    print(f"RESULT {accs} base={base:.3f} teacher={teacher_acc:.3f} seeds={len(seeds)} "
-          f"task={ns.task}")
+    print(f"RESULT {accs} base={base:.3f} teacher={teacher_acc:.3f} seeds={len(seeds)} task={ns.task}")
 
 
 if __name__ == "__main__":

@@ -49,9 +49,15 @@ SIGNALS = ("reward", "distill", "exact", "forward")
 
 def sample_groups(engine: TorchEngine, tok, examples, cfg: Config, rng: random.Random) -> list[Group]:
     r = cfg.rollout
-    reqs = [GenerationRequest(i, tok(e.prompt)["input_ids"], r.group_size,
-                              SamplingParams(r.max_new_tokens, r.temperature, seed=rng.randrange(1 << 30)))
-            for i, e in enumerate(examples)]
+    reqs = [
+        GenerationRequest(
+            i,
+            tok(e.prompt)["input_ids"],
+            r.group_size,
+            SamplingParams(r.max_new_tokens, r.temperature, seed=rng.randrange(1 << 30)),
+        )
+        for i, e in enumerate(examples)
+    ]
     groups = []
     for i, (e, samples) in enumerate(zip(examples, engine.generate(reqs))):
         for s in samples:
@@ -60,8 +66,9 @@ def sample_groups(engine: TorchEngine, tok, examples, cfg: Config, rng: random.R
     return groups
 
 
-def exact_step(model, teacher, opt: torch.optim.Optimizer, groups: list[Group], cfg: Config,
-               forward: bool = False) -> float:
+def exact_step(
+    model, teacher, opt: torch.optim.Optimizer, groups: list[Group], cfg: Config, forward: bool = False
+) -> float:
     """One step on the exact per-position reverse (or forward) KL, averaged over the completion tokens."""
     seqs = [(s.prompt_ids, s.completion_ids) for g in groups for s in g.samples]
     L = max(len(p) + len(c) for p, c in seqs)
@@ -69,7 +76,7 @@ def exact_step(model, teacher, opt: torch.optim.Optimizer, groups: list[Group], 
     predicts = torch.zeros((len(seqs), L), dtype=torch.bool)  # (B, L) positions that predict a completion token
     for i, (p, c) in enumerate(seqs):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        predicts[i, len(p) - 1: len(p) - 1 + len(c)] = True
+        predicts[i, len(p) - 1 : len(p) - 1 + len(c)] = True
     t = cfg.rollout.temperature
     student = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float() / t, -1)  # (B, L, V)
     with torch.no_grad():
@@ -97,8 +104,9 @@ def run(signal: str, cfg: Config, steps: int, seed: int, every: int) -> list[tup
     engine = TorchEngine(model, [tok.eos_token_id], tok.pad_token_id)
     worker = TeacherWorker(str(SHIPPED_TEACHER), cfg.rollout.temperature, 1024)
     distill = cfg.distill.model_copy(update={"teacher": str(SHIPPED_TEACHER), "task_reward": False})
-    trainer = Trainer(model, cfg.trainer, cfg.rollout.temperature, tok.pad_token_id,
-                      distill=distill if signal == "distill" else None)
+    trainer = Trainer(
+        model, cfg.trainer, cfg.rollout.temperature, tok.pad_token_id, distill=distill if signal == "distill" else None
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     curve, kl = [], float("nan")
     for step in range(1, steps + 1):
@@ -143,8 +151,10 @@ def main() -> None:
         t0 = time.perf_counter()
         curves[signal] = run(signal, cfg, ns.steps, ns.seed, ns.every)
         walls[signal] = time.perf_counter() - t0
-    print(f"\nStudent: shipped weak base; teacher: shipped; {ns.steps} synchronous steps of "
-          f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} samples; lr {cfg.trainer.lr:g}; seed {ns.seed}")
+    print(
+        f"\nStudent: shipped weak base; teacher: shipped; {ns.steps} synchronous steps of "
+        f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} samples; lr {cfg.trainer.lr:g}; seed {ns.seed}"
+    )
     steps = [s for s, _, _ in curves[signals[0]]]
     print(f"{'signal':>8} " + " ".join(f"{s:>6}" for s in steps) + f" {'KL last':>8} {'s':>5}")
     for signal, curve in curves.items():

@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
-import tempfile
 import statistics
+import tempfile
 import time
 
 import torch
@@ -60,17 +60,27 @@ def bench_hf(model, reqs, batch: int) -> tuple[float, int]:
     """Wall seconds and useful tokens of HF generate over padded static batches."""
     useful, t0 = 0, time.perf_counter()
     for b in range(0, len(reqs), batch):
-        chunk = reqs[b: b + batch]
+        chunk = reqs[b : b + batch]
         width = max(len(r.prompt_ids) for r in chunk)
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(chunk):
-            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, width - len(r.prompt_ids):] = 1
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
         longest = max(r.params.max_new_tokens for r in chunk)
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
         useful += sum(r.params.max_new_tokens for r in chunk)
     return time.perf_counter() - t0, useful
 
@@ -115,8 +125,16 @@ def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 
         top_up()
     tokens = sum(len(s.completion_ids) for g in done for s in g)
     lags = [sched.policy_version - v for g in done for s in g for v in s.versions]
-    return {"s": engine_s, "tokens": tokens, "steps": steps, "sustained": sustained, "swap_steps": swap_steps, "stats": dict(sched.stats),
-            "published": version, "mean_lag": sum(lags) / max(len(lags), 1)}
+    return {
+        "s": engine_s,
+        "tokens": tokens,
+        "steps": steps,
+        "sustained": sustained,
+        "swap_steps": swap_steps,
+        "stats": dict(sched.stats),
+        "published": version,
+        "mean_lag": sum(lags) / max(len(lags), 1),
+    }
 
 
 def raw_forward(engine: TorchEngine, batch: int, position: int, repeats: int) -> float:
@@ -159,7 +177,7 @@ def raw_prefill(engine: TorchEngine, reqs, batch: int) -> float:
     """Seconds to prefill every prompt of the workload in full batches."""
     t0 = time.perf_counter()
     for b in range(0, len(reqs), batch):
-        chunk = reqs[b: b + batch]
+        chunk = reqs[b : b + batch]
         engine.runner.prefill(torch.arange(len(chunk)), [r.prompt_ids for r in chunk])
     return time.perf_counter() - t0
 
@@ -180,9 +198,11 @@ def bench_vllm(model, reqs, batch: int, rounds: int) -> float:
 
     def one_pass(chunk, tag: str) -> tuple[float, int]:
         for r in chunk:
-            engine.add_request(f"{tag}-{r.request_id}", TokensPrompt(prompt_token_ids=r.prompt_ids),
-                               VllmParams(max_tokens=r.params.max_new_tokens, temperature=1.0, ignore_eos=True,
-                                          detokenize=False))
+            engine.add_request(
+                f"{tag}-{r.request_id}",
+                TokensPrompt(prompt_token_ids=r.prompt_ids),
+                VllmParams(max_tokens=r.params.max_new_tokens, temperature=1.0, ignore_eos=True, detokenize=False),
+            )
         tokens, t0 = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
@@ -215,8 +235,10 @@ def main() -> None:
     reqs = workload(args.requests, args.max_new, args.tail)
     lengths = [r.params.max_new_tokens for r in reqs]
     mean_pos = int(sum(len(r.prompt_ids) + n / 2 for r, n in zip(reqs, lengths)) / len(reqs))
-    print(f"{len(reqs)} requests, completion lengths: median {statistics.median(lengths):.0f}, "
-          f"mean {statistics.mean(lengths):.1f}, max {max(lengths)} ({sum(n == args.max_new for n in lengths)} at max)")
+    print(
+        f"{len(reqs)} requests, completion lengths: median {statistics.median(lengths):.0f}, "
+        f"mean {statistics.mean(lengths):.1f}, max {max(lengths)} ({sum(n == args.max_new for n in lengths)} at max)"
+    )
 
     # the machine is shared and its load drifts: contenders alternate for --rounds rounds and
     # each keeps its best (least) time
@@ -229,8 +251,14 @@ def main() -> None:
         prefill_s = raw_prefill(raw, reqs, args.batch)
         hf_step_s = raw_hf_forward(model, args.batch, mean_pos, 100)
         sus_s, sus_tokens = base["sustained"]
-        for key, value in (("hf", hf_s), ("engine", base["s"]), ("step", step_s), ("prefill", prefill_s), ("hf_step", hf_step_s),
-                           ("sustained", sus_s / sus_tokens)):
+        for key, value in (
+            ("hf", hf_s),
+            ("engine", base["s"]),
+            ("step", step_s),
+            ("prefill", prefill_s),
+            ("hf_step", hf_step_s),
+            ("sustained", sus_s / sus_tokens),
+        ):
             best[key] = min(best.get(key, value), value)
         assert base["tokens"] == hf_tokens == sum(lengths)
     hf_tps, eng_tps = sum(lengths) / best["hf"], sum(lengths) / best["engine"]
@@ -244,33 +272,57 @@ def main() -> None:
 
     def row(name: str, tps: float, bold: bool = False, raw_col: bool = True, limit_col: bool = True) -> None:
         b = "**" if bold else ""
-        cells = [f"{tps:,.0f}", f"{tps / hf_tps:.2f}x", f"{b}{tps / raw_tps:.0%}{b}" if raw_col else "",
-                 f"{tps / hf_raw_tps:.0%}" if raw_col else "", f"{b}{tps / limit_tps:.0%}{b}" if limit_col else ""]
+        cells = [
+            f"{tps:,.0f}",
+            f"{tps / hf_tps:.2f}x",
+            f"{b}{tps / raw_tps:.0%}{b}" if raw_col else "",
+            f"{tps / hf_raw_tps:.0%}" if raw_col else "",
+            f"{b}{tps / limit_tps:.0%}{b}" if limit_col else "",
+        ]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
-    print("\n| contender | tokens/s | vs HF generate | vs raw decode forward | vs HF's raw decode forward | vs workload compute limit |")
+    print(
+        "\n| contender | tokens/s | vs HF generate | vs raw decode forward | vs HF's raw decode forward | vs workload compute limit |"
+    )
     print("|---|---|---|---|---|---|")
     row(f"HF generate, padded static batches of {args.batch}", hf_tps)
     row(f"**engine, continuous batching ({args.batch} slots)**", eng_tps, bold=True)
     row("engine, sustained (while requests were queued, before the last ones drain out)", sus_tps, bold=True)
-    row(f"raw batched decode forward, engine's runner ({args.batch} rows, position {mean_pos})", raw_tps, limit_col=False)
-    row(f"raw batched decode forward, HF model with DynamicCache ({args.batch} rows, position {mean_pos})", hf_raw_tps,
-        limit_col=False)
-    row("workload compute limit (runner's raw prefill of every prompt + raw decode, full batches)", limit_tps, raw_col=False)
+    row(
+        f"raw batched decode forward, engine's runner ({args.batch} rows, position {mean_pos})",
+        raw_tps,
+        limit_col=False,
+    )
+    row(
+        f"raw batched decode forward, HF model with DynamicCache ({args.batch} rows, position {mean_pos})",
+        hf_raw_tps,
+        limit_col=False,
+    )
+    row(
+        "workload compute limit (runner's raw prefill of every prompt + raw decode, full batches)",
+        limit_tps,
+        raw_col=False,
+    )
     st = base["stats"]
-    print(f"\nengine: {st['forward_passes']} forward passes, {st['decode_steps']} decode steps "
-          f"(mean {(base['tokens'] - len(reqs)) / st['decode_steps']:.1f} rows), {st['prefills']} of them with prompts packed in; "
-          f"best of {args.rounds} rounds each")
+    print(
+        f"\nengine: {st['forward_passes']} forward passes, {st['decode_steps']} decode steps "
+        f"(mean {(base['tokens'] - len(reqs)) / st['decode_steps']:.1f} rows), {st['prefills']} of them with prompts packed in; "
+        f"best of {args.rounds} rounds each"
+    )
 
     vllm_tps = bench_vllm(model, reqs, args.batch, args.rounds) if importlib.util.find_spec("vllm") else None
     if vllm_tps is not None:
-        print(f"\n| engine, same requests | tokens/s | vs built-in |\n|---|---|---|\n| built-in (continuous batching, "
-              f"{args.batch} slots) | {eng_tps:,.0f} | 1.00x |\n| vLLM {vllm_version()} (max_num_seqs {args.batch}) | "
-              f"{vllm_tps:,.0f} | {vllm_tps / eng_tps:.2f}x |")
+        print(
+            f"\n| engine, same requests | tokens/s | vs built-in |\n|---|---|---|\n| built-in (continuous batching, "
+            f"{args.batch} slots) | {eng_tps:,.0f} | 1.00x |\n| vLLM {vllm_version()} (max_num_seqs {args.batch}) | "
+            f"{vllm_tps:,.0f} | {vllm_tps / eng_tps:.2f}x |"
+        )
     if not args.quick:
         update_modes(model, reqs, args)
-    print(f"RESULT builtin_tokens_per_s={eng_tps:.0f} vllm_tokens_per_s="
-          + (f"{vllm_tps:.0f}" if vllm_tps is not None else "n/a"))
+    print(
+        f"RESULT builtin_tokens_per_s={eng_tps:.0f} vllm_tokens_per_s="
+        + (f"{vllm_tps:.0f}" if vllm_tps is not None else "n/a")
+    )
 
 
 def vllm_version() -> str:
@@ -296,10 +348,14 @@ def update_modes(model, reqs, args) -> None:
         rows.append((mode, r))
     no_updates = rows[0][1]["tokens"] / rows[0][1]["s"]
     step_ms = 1e3 * statistics.median(rows[0][1]["steps"])
-    print(f"\nWeight update every {args.every} decode steps (shared-memory transport; publishing is the trainer's "
-          f"work and is not timed; median decode step {step_ms:.2f} ms):\n")
-    print("| update mode | tokens/s | vs no updates | swaps applied / published | swap work, mean (max) | "
-          "aborted / paused seqs | mean token lag at end |")
+    print(
+        f"\nWeight update every {args.every} decode steps (shared-memory transport; publishing is the trainer's "
+        f"work and is not timed; median decode step {step_ms:.2f} ms):\n"
+    )
+    print(
+        "| update mode | tokens/s | vs no updates | swaps applied / published | swap work, mean (max) | "
+        "aborted / paused seqs | mean token lag at end |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label, r in rows:
         st = r["stats"]
@@ -307,10 +363,14 @@ def update_modes(model, reqs, args) -> None:
         if st["swaps"]:
             mean_ms, max_ms = 1e3 * st["swap_s"] / st["swaps"], 1e3 * st["max_swap_s"]
             work = f"{mean_ms:.2f} ms ({max_ms:.2f} ms) = {mean_ms / step_ms:.2f} ({max_ms / step_ms:.2f}) step"
-        print(f"| {label} | {r['tokens'] / r['s']:,.0f} | {r['tokens'] / r['s'] / no_updates:.2f} | {st['swaps']} / {r['published']} "
-              f"| {work} | {st['aborted_seqs']} / {st['paused_seqs']} | {r['mean_lag']:.1f} |")
-    print("\nswap work: time from the poll that found new weights to the end of the swap (copies, pausing, "
-          "re-queueing); abort_retry's recompute happens in the following forward pass.")
+        print(
+            f"| {label} | {r['tokens'] / r['s']:,.0f} | {r['tokens'] / r['s'] / no_updates:.2f} | {st['swaps']} / {r['published']} "
+            f"| {work} | {st['aborted_seqs']} / {st['paused_seqs']} | {r['mean_lag']:.1f} |"
+        )
+    print(
+        "\nswap work: time from the poll that found new weights to the end of the swap (copies, pausing, "
+        "re-queueing); abort_retry's recompute happens in the following forward pass."
+    )
 
 
 def model_copy(model):

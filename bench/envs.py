@@ -36,15 +36,31 @@ ADAPTERS = {"verifiers_addition": "verifiers_gain", "textarena_nim": "textarena_
 
 
 def run_env(name: str, seconds: float, folder: Path, cache: Path, overrides: list[str]) -> dict:
-    s = train(name, folder, [f"run.max_time_s={seconds}", f"warmup.cache_dir={cache}", *overrides],
-              config=EXAMPLES / f"{name}.yaml")
+    s = train(
+        name,
+        folder,
+        [f"run.max_time_s={seconds}", f"warmup.cache_dir={cache}", *overrides],
+        config=EXAMPLES / f"{name}.yaml",
+    )
     ep = s["episodes"]
     final = s["final_accuracy"] if s["steps"] else s["base_accuracy"]  # no step trained: the base is final
-    return {"env": name, "base": s["base_accuracy"], "final": final, "gain": final - s["base_accuracy"], "warmup_s": s["warmup_s"], "rl_s": s["rl_wall_s"],
-            "steps": s["steps"], "wall_s": s["cli_wall_s"], "drops": s["drops"],
-            "episodes_dropped": s["prompts"].get("episodes_dropped", {}), "lag": ep["episode_lag_hist"],
-            "multi_version": ep["multi_version"], "episodes": ep["episodes"], "errors": ep["errors"],
-            "roles": ep["roles"]}
+    return {
+        "env": name,
+        "base": s["base_accuracy"],
+        "final": final,
+        "gain": final - s["base_accuracy"],
+        "warmup_s": s["warmup_s"],
+        "rl_s": s["rl_wall_s"],
+        "steps": s["steps"],
+        "wall_s": s["cli_wall_s"],
+        "drops": s["drops"],
+        "episodes_dropped": s["prompts"].get("episodes_dropped", {}),
+        "lag": ep["episode_lag_hist"],
+        "multi_version": ep["multi_version"],
+        "episodes": ep["episodes"],
+        "errors": ep["errors"],
+        "roles": ep["roles"],
+    }
 
 
 def main() -> None:
@@ -63,13 +79,18 @@ def main() -> None:
         for name in ns.envs.split(","):
             r = run_env(name, seconds, Path(tmp), ns.cache.resolve(), ns.overrides)
             rows.append(r)
-            print(f"{name:>18} {r['base']:7.1%} {r['final']:7.1%} {100 * r['gain']:+7.1f}p {r['warmup_s']:9.1f} "
-                  f"{r['rl_s']:6.1f} {r['steps']:6d}", flush=True)
+            print(
+                f"{name:>18} {r['base']:7.1%} {r['final']:7.1%} {100 * r['gain']:+7.1f}p {r['warmup_s']:9.1f} "
+                f"{r['rl_s']:6.1f} {r['steps']:6d}",
+                flush=True,
+            )
     print("\nstaleness per environment (episodes trained):")
     for r in rows:
-        print(f"  {r['env']}: episode lag histogram {r['lag']}; {r['multi_version']} of {r['episodes']} episodes "
-              f"span >1 policy version; group drops {r['drops']}; episodes dropped {r['episodes_dropped']}; "
-              f"env errors {r['errors']}; roles {json.dumps(r['roles'])}")
+        print(
+            f"  {r['env']}: episode lag histogram {r['lag']}; {r['multi_version']} of {r['episodes']} episodes "
+            f"span >1 policy version; group drops {r['drops']}; episodes dropped {r['episodes_dropped']}; "
+            f"env errors {r['errors']}; roles {json.dumps(r['roles'])}"
+        )
     print(f"total wall time {time.perf_counter() - t0:.0f} s")
     keys = {**KEYS, **ADAPTERS}
     gains = {keys[r["env"]]: round(100 * r["gain"], 1) for r in rows if r["env"] in keys}

@@ -54,11 +54,34 @@ def cli(args: list[str], cwd: Path) -> tuple[int, float, str]:
 
 
 def epoch(model: Path, name: str, reward: str, *extra: str) -> list[str]:
-    return ["train", "--set", f"model.path={model}", "--set", "warmup.enabled=false", "--set", "run.progress=plain",
-            "--set", f"run.name={name}", "--set", "run.max_epochs=1", "--set", "run.max_time_s=null",
-            "--set", "task.max_operand=9", "--set", "task.eval_size=20", "--set", "rollout.prompts_per_step=8",
-            "--set", "checkpoint.every_steps=2", "--set", "run.eval_every=100",
-            "--set", f"task.reward=helpers:{reward}", *extra]
+    return [
+        "train",
+        "--set",
+        f"model.path={model}",
+        "--set",
+        "warmup.enabled=false",
+        "--set",
+        "run.progress=plain",
+        "--set",
+        f"run.name={name}",
+        "--set",
+        "run.max_epochs=1",
+        "--set",
+        "run.max_time_s=null",
+        "--set",
+        "task.max_operand=9",
+        "--set",
+        "task.eval_size=20",
+        "--set",
+        "rollout.prompts_per_step=8",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        "run.eval_every=100",
+        "--set",
+        f"task.reward=helpers:{reward}",
+        *extra,
+    ]
 
 
 def flip_newest_checkpoint(run_dir: Path) -> None:
@@ -78,18 +101,40 @@ def scenario(name: str, model: Path, work: Path) -> dict:
     plans: dict[str, list[list[str] | Literal["flip"]]] = {
         "none": [epoch(model, name, "length_reward")],
         "engine_kill": [epoch(model, name, "kill_engine_once_reward")],
-        "engine_hang": [epoch(model, name, "hang_engine_once_reward", "--set", "runtime.heartbeat_interval_s=0.5",
-                              "--set", "runtime.heartbeat_timeout_s=3")],
+        "engine_hang": [
+            epoch(
+                model,
+                name,
+                "hang_engine_once_reward",
+                "--set",
+                "runtime.heartbeat_interval_s=0.5",
+                "--set",
+                "runtime.heartbeat_timeout_s=3",
+            )
+        ],
         "trainer_kill": [epoch(model, name, "kill_trainer_reward"), resume],
         "corrupt_ckpt": [epoch(model, name, "kill_trainer_reward"), "flip", resume],
         "nan_loss": [epoch(model, name, "overflow_reward", "--set", "trainer.max_consecutive_skips=50")],
         "engines_kill": [epoch(model, name, "kill_engine_0_once_reward", "--set", "runtime.num_engines=2")],
         "ctrl_c": [epoch(model, name, "interrupt_once_reward"), resume],
-        "broadcast_kill": [epoch(model, name, "kill_engine_0_once_reward", "--set", "runtime.num_engines=2",
-                                 "--set", "transport.kind=broadcast")],
+        "broadcast_kill": [
+            epoch(
+                model,
+                name,
+                "kill_engine_0_once_reward",
+                "--set",
+                "runtime.num_engines=2",
+                "--set",
+                "transport.kind=broadcast",
+            )
+        ],
         "ddp_resume": [epoch(model, name, "kill_trainer_reward", "--set", "trainer.ranks=2"), resume],
-        "fsdp2_resume": [epoch(model, name, "kill_trainer_reward", "--set", "trainer.ranks=2",
-                               "--set", "trainer.data_parallel=fsdp2"), resume],
+        "fsdp2_resume": [
+            epoch(
+                model, name, "kill_trainer_reward", "--set", "trainer.ranks=2", "--set", "trainer.data_parallel=fsdp2"
+            ),
+            resume,
+        ],
     }
     for args in plans[name]:
         if args == "flip":
@@ -103,19 +148,35 @@ def scenario(name: str, model: Path, work: Path) -> dict:
     ledger = summary.get("prompts", {})
     faults = summary.get("engine_faults", {})
     return {
-        "completed": codes[-1] == 0, "exit_codes": codes,
+        "completed": codes[-1] == 0,
+        "exit_codes": codes,
         "lost": TRAIN - ledger.get("settled", 0) + ledger.get("in_flight", 0),
-        "duplicated": ledger.get("duplicated", -1), "restarts": faults.get("restarts", 0),
+        "duplicated": ledger.get("duplicated", -1),
+        "restarts": faults.get("restarts", 0),
         "requeued": ledger.get("requeued", 0) + faults.get("requeued", 0),
-        "detect_s": faults.get("max_detect_s", 0.0), "recover_s": faults.get("max_recover_s", 0.0),
-        "skipped_steps": summary.get("skipped_steps", 0), "wall_s": wall,
-        "fell_back": "is corrupted" in out, "resumed": "resumed from" in out,
+        "detect_s": faults.get("max_detect_s", 0.0),
+        "recover_s": faults.get("max_recover_s", 0.0),
+        "skipped_steps": summary.get("skipped_steps", 0),
+        "wall_s": wall,
+        "fell_back": "is corrupted" in out,
+        "resumed": "resumed from" in out,
         "output_tail": out[-1500:] if codes[-1] != 0 else "",
     }
 
 
-SCENARIOS = ("none", "engine_kill", "engine_hang", "trainer_kill", "corrupt_ckpt", "nan_loss", "engines_kill", "ctrl_c",
-             "broadcast_kill", "ddp_resume", "fsdp2_resume")
+SCENARIOS = (
+    "none",
+    "engine_kill",
+    "engine_hang",
+    "trainer_kill",
+    "corrupt_ckpt",
+    "nan_loss",
+    "engines_kill",
+    "ctrl_c",
+    "broadcast_kill",
+    "ddp_resume",
+    "fsdp2_resume",
+)
 
 
 def main() -> None:
@@ -132,30 +193,57 @@ def main() -> None:
     console = Console(width=150)
     with tempfile.TemporaryDirectory(prefix="nonstop-faults-") as tmp:
         work = Path(tmp)
-        model = save_tiny(work / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                          intermediate_size=64), seed=0)
+        model = save_tiny(
+            work / "model",
+            TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64),
+            seed=0,
+        )
         rows = {}
         for name in args.only.split(","):
             console.log(f"scenario {name} ...")
             rows[name] = scenario(name, model, work)
     table = Table(title="Fault injection: one epoch of 80 prompts per row")
-    for col in ("fault", "epoch completed", "prompts lost", "duplicated", "re-queued", "engine restarts",
-                "detect s", "recover s", "skipped steps", "wall vs none"):
+    for col in (
+        "fault",
+        "epoch completed",
+        "prompts lost",
+        "duplicated",
+        "re-queued",
+        "engine restarts",
+        "detect s",
+        "recover s",
+        "skipped steps",
+        "wall vs none",
+    ):
         table.add_column(col, justify="right")
     base = rows["none"]["wall_s"] if "none" in rows else float("nan")
     for name, r in rows.items():
-        done = ("yes" if r["completed"] else "NO") + (" (resumed)" if r["resumed"] else "") + \
-            (" (fell back)" if r["fell_back"] else "")
-        table.add_row(name, done, str(r["lost"]), str(r["duplicated"]), str(r["requeued"]), str(r["restarts"]),
-                      f"{r['detect_s']:.2f}", f"{r['recover_s']:.2f}", str(r["skipped_steps"]),
-                      f"{r['wall_s'] / base:.2f}x")
+        done = (
+            ("yes" if r["completed"] else "NO")
+            + (" (resumed)" if r["resumed"] else "")
+            + (" (fell back)" if r["fell_back"] else "")
+        )
+        table.add_row(
+            name,
+            done,
+            str(r["lost"]),
+            str(r["duplicated"]),
+            str(r["requeued"]),
+            str(r["restarts"]),
+            f"{r['detect_s']:.2f}",
+            f"{r['recover_s']:.2f}",
+            str(r["skipped_steps"]),
+            f"{r['wall_s'] / base:.2f}x",
+        )
     console.print(table)
     for name, r in rows.items():
         if r["output_tail"]:
             console.print(f"[red]{name} did not complete[/]; its output ended with:\n{r['output_tail']}")
     survived = sum(r["completed"] and r["lost"] == 0 and r["duplicated"] == 0 for r in rows.values())
-    print(f"RESULT scenarios={len(rows)} survived={survived} lost={sum(r['lost'] for r in rows.values())} "
-          f"duplicated={sum(max(r['duplicated'], 0) for r in rows.values())}")
+    print(
+        f"RESULT scenarios={len(rows)} survived={survived} lost={sum(r['lost'] for r in rows.values())} "
+        f"duplicated={sum(max(r['duplicated'], 0) for r in rows.values())}"
+    )
 
 
 if __name__ == "__main__":

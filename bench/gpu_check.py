@@ -63,7 +63,9 @@ def prompts(tok) -> list[list[int]]:
 def requests(prompt_ids: list[list[int]]):
     from nonstop.types import GenerationRequest, SamplingParams
 
-    return [GenerationRequest(i, p, 8, SamplingParams(max_new_tokens=4, temperature=1.0)) for i, p in enumerate(prompt_ids)]
+    return [
+        GenerationRequest(i, p, 8, SamplingParams(max_new_tokens=4, temperature=1.0)) for i, p in enumerate(prompt_ids)
+    ]
 
 
 def shipped_engine(device: str):
@@ -78,8 +80,12 @@ def shipped_engine(device: str):
     torch.backends.cuda.matmul.allow_tf32 = False
     path = str(shipped_dir())
     tok = load_tokenizer(path)
-    engine = TorchEngine(place(load_model(path), torch.device(device)), [tok.eos_token_id], tok.pad_token_id,
-                         settings=EngineConfig(device=device, dtype="float32"))
+    engine = TorchEngine(
+        place(load_model(path), torch.device(device)),
+        [tok.eos_token_id],
+        tok.pad_token_id,
+        settings=EngineConfig(device=device, dtype="float32"),
+    )
     return engine, tok, path
 
 
@@ -136,8 +142,11 @@ def two_process_update(trainer, device: str, cfg, engine_device: str | None = No
             fail(f"{cfg.kind} ({cfg.device_path}): tokens after the update do not carry version 1")
         with on(torch.device(device)):
             ratio = max_abs_log_ratio(trainer, groups)
-        report = {"backend": getattr(sink, "backend", None), "gpu_publishes": getattr(sink, "gpu_publishes", None),
-                  "engine_copies": copies}
+        report = {
+            "backend": getattr(sink, "backend", None),
+            "gpu_publishes": getattr(sink, "gpu_publishes", None),
+            "engine_copies": copies,
+        }
     finally:
         child.join(timeout=30)
         if child.is_alive():
@@ -156,8 +165,9 @@ def engine_and_trainer(device: str):
 
     cuda = torch.device(device)
     engine, tok, path = shipped_engine(device)
-    trainer = Trainer(place(load_model(path), cuda), TrainerConfig(device=device), temperature=1.0,
-                      pad_token_id=tok.pad_token_id)
+    trainer = Trainer(
+        place(load_model(path), cuda), TrainerConfig(device=device), temperature=1.0, pad_token_id=tok.pad_token_id
+    )
     reqs = requests(prompts(tok))
 
     def rollouts() -> list[Group]:
@@ -194,10 +204,28 @@ def engine_and_trainer(device: str):
 def vllm_learning_run() -> float:
     with tempfile.TemporaryDirectory() as out:
         result = subprocess.run(
-            [sys.executable, "-m", "nonstop.cli", "train", "--set", "engine.kind=vllm",
-             "--set", "engine.vllm.memory_fraction=0.3", "--set", "run.max_time_s=120",
-             "--set", f"run.out_dir={out}", "--set", "run.name=gpu", "--set", "run.progress=plain"],
-            capture_output=True, text=True, timeout=420)
+            [
+                sys.executable,
+                "-m",
+                "nonstop.cli",
+                "train",
+                "--set",
+                "engine.kind=vllm",
+                "--set",
+                "engine.vllm.memory_fraction=0.3",
+                "--set",
+                "run.max_time_s=120",
+                "--set",
+                f"run.out_dir={out}",
+                "--set",
+                "run.name=gpu",
+                "--set",
+                "run.progress=plain",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
         if result.returncode != 0:
             fail(f"the vLLM run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
         summary = json.loads((Path(out) / "gpu" / "summary.json").read_text())
@@ -230,34 +258,51 @@ def main() -> None:
         print(f"3. weight update through CUDA IPC: next tokens at version 1, max |log ratio| {ipc:.2e} ({report})")
         ok = ok and ipc < 1e-3 and report["gpu_publishes"] == 1 and report["engine_copies"] == 1
         if torch.cuda.device_count() < 2:  # NCCL refuses two ranks on one GPU
-            print("4. NCCL: SKIPPED: NCCL needs one GPU per member (trainer and engine), this machine shows "
-                  f"{torch.cuda.device_count()}")
+            print(
+                "4. NCCL: SKIPPED: NCCL needs one GPU per member (trainer and engine), this machine shows "
+                f"{torch.cuda.device_count()}"
+            )
         else:
             other = "cuda:1" if torch.device(args.device).index in (None, 0) else "cuda:0"
-            nccl, report = two_process_update(trainer, args.device, BroadcastTransportConfig(device_path="nccl", timeout_s=60),
-                                              engine_device=other)
-            print(f"4. weight update over NCCL ({args.device} -> {other}): next tokens at version 1, "
-                  f"max |log ratio| {nccl:.2e} ({report})")
+            nccl, report = two_process_update(
+                trainer, args.device, BroadcastTransportConfig(device_path="nccl", timeout_s=60), engine_device=other
+            )
+            print(
+                f"4. weight update over NCCL ({args.device} -> {other}): next tokens at version 1, "
+                f"max |log ratio| {nccl:.2e} ({report})"
+            )
             ok = ok and nccl < 1e-3 and report["backend"] == "nccl"
     else:
         host, report = two_process_update(trainer, args.device, ShmTransportConfig(device_path="auto", timeout_s=60))
-        print(f"3. CUDA IPC: SKIPPED on the CPU (needs a GPU); its two-process harness over shm host slots: "
-              f"max |log ratio| {host:.2e} ({report})")
+        print(
+            f"3. CUDA IPC: SKIPPED on the CPU (needs a GPU); its two-process harness over shm host slots: "
+            f"max |log ratio| {host:.2e} ({report})"
+        )
         ok = ok and host < 1e-3 and report["gpu_publishes"] == 0
-        gloo, report = two_process_update(trainer, args.device, BroadcastTransportConfig(device_path="auto", timeout_s=60))
-        print(f"4. NCCL: SKIPPED on the CPU (needs a GPU); its two-process harness over gloo: "
-              f"max |log ratio| {gloo:.2e} ({report})")
+        gloo, report = two_process_update(
+            trainer, args.device, BroadcastTransportConfig(device_path="auto", timeout_s=60)
+        )
+        print(
+            f"4. NCCL: SKIPPED on the CPU (needs a GPU); its two-process harness over gloo: "
+            f"max |log ratio| {gloo:.2e} ({report})"
+        )
         ok = ok and gloo < 1e-3 and report["backend"] == "gloo"
     gain = vllm_learning_run() if importlib.util.find_spec("vllm") and not args.no_vllm else None
-    print("5. vLLM on the GPU, 120 s of RL: " + (f"{gain:+.1f} points held-out" if gain is not None else "skipped (vllm not installed or --no-vllm)"))
+    print(
+        "5. vLLM on the GPU, 120 s of RL: "
+        + (f"{gain:+.1f} points held-out" if gain is not None else "skipped (vllm not installed or --no-vllm)")
+    )
     ok = ok and (gain is None or gain > 0)
-    print(f"RESULT depth0_max_abs_log_ratio={depth0:.2e} step_ratio_max_dev={ratio_dev:.2e} "
-          f"update_max_abs_log_ratio={update:.2e} "
-          f"ipc_max_abs_log_ratio={'skipped' if ipc is None else f'{ipc:.2e}'} "
-          f"nccl_max_abs_log_ratio={'skipped' if nccl is None else f'{nccl:.2e}'} "
-          f"vllm_gain_points={'n/a' if gain is None else f'{gain:.1f}'} "
-          f"ok={'true' if ok else 'false'}")
+    print(
+        f"RESULT depth0_max_abs_log_ratio={depth0:.2e} step_ratio_max_dev={ratio_dev:.2e} "
+        f"update_max_abs_log_ratio={update:.2e} "
+        f"ipc_max_abs_log_ratio={'skipped' if ipc is None else f'{ipc:.2e}'} "
+        f"nccl_max_abs_log_ratio={'skipped' if nccl is None else f'{nccl:.2e}'} "
+        f"vllm_gain_points={'n/a' if gain is None else f'{gain:.1f}'} "
+        f"ok={'true' if ok else 'false'}"
+    )
     sys.exit(0 if ok else 1)
+
 
 if __name__ == "__main__":
     main()

@@ -37,13 +37,23 @@ def main() -> None:
     ap.add_argument("--base", default="builtin", help="the model RL starts from (model.base)")
     ap.add_argument("--out", type=Path, default=ROOT / "src" / "nonstop" / "assets" / "addition-teacher")
     ns = ap.parse_args()
-    overrides = [f"run.max_steps={ns.steps}", "run.max_time_s=null", f"run.seed={ns.seed}", f"model.base={ns.base}",
-                 "buffer.depth=0", "checkpoint.every_steps=null", f"run.eval_every={max(1, ns.steps // 10)}"]
+    overrides = [
+        f"run.max_steps={ns.steps}",
+        "run.max_time_s=null",
+        f"run.seed={ns.seed}",
+        f"model.base={ns.base}",
+        "buffer.depth=0",
+        "checkpoint.every_steps=null",
+        f"run.eval_every={max(1, ns.steps // 10)}",
+    ]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nonstop-teacher-") as tmp:
         summary = train(overrides=[*overrides, f"run.out_dir={tmp}", "run.name=teacher"], progress="plain")
-        curve = [(r["step"], r["eval_accuracy"]) for r in map(json.loads, (Path(tmp) / "teacher" / "metrics.jsonl")
-                 .read_text().splitlines()) if r.get("eval_accuracy") is not None and "step" in r]
+        curve = [
+            (r["step"], r["eval_accuracy"])
+            for r in map(json.loads, (Path(tmp) / "teacher" / "metrics.jsonl").read_text().splitlines())
+            if r.get("eval_accuracy") is not None and "step" in r
+        ]
         ns.out.mkdir(parents=True, exist_ok=True)
         for name in KEEP:
             shutil.copyfile(Path(summary.final_dir) / name, ns.out / name)
@@ -63,8 +73,10 @@ def main() -> None:
         "seconds": round(time.perf_counter() - t0, 1),
     }
     (ns.out / PROVENANCE).write_text(json.dumps(prov, indent=1) + "\n")
-    print(f"teacher: {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} after {summary.steps} steps; "
-          f"written to {ns.out}")
+    print(
+        f"teacher: {summary.base_accuracy:.1%} -> {summary.final_accuracy:.1%} after {summary.steps} steps; "
+        f"written to {ns.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -50,20 +50,24 @@ def run_arm(cfg: Config, base: Path, replay: str, steps: int, eval_size: int, se
     engine_model = load_model(str(base), dtype=torch.bfloat16)
     engine = TorchEngine(engine_model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     trainer_cfg = cfg.trainer.model_copy(update={"routing_replay": replay})
-    trainer = Trainer(load_model(str(base)), trainer_cfg, cfg.rollout.temperature, tokenizer.pad_token_id,
-                      total_steps=steps)
+    trainer = Trainer(
+        load_model(str(base)), trainer_cfg, cfg.rollout.temperature, tokenizer.pad_token_id, total_steps=steps
+    )
     held_out = data.eval[:eval_size]
     r = cfg.rollout
 
     def accuracy() -> float:
-        return exact_match_accuracy(engine.generate(greedy_requests(held_out, codec, r.max_new_tokens)), held_out, codec)
+        return exact_match_accuracy(
+            engine.generate(greedy_requests(held_out, codec, r.max_new_tokens)), held_out, codec
+        )
 
     before, mismatch, spread, t0 = accuracy(), [], [], time.perf_counter()
     for step in range(steps):
         examples = rng.sample(data.train, r.prompts_per_step)
         params = SamplingParams(r.max_new_tokens, r.temperature, seed=rng.randrange(1 << 30))
-        results = engine.generate([GenerationRequest(i, codec.encode(ex.prompt), r.group_size, params)
-                                   for i, ex in enumerate(examples)])
+        results = engine.generate(
+            [GenerationRequest(i, codec.encode(ex.prompt), r.group_size, params) for i, ex in enumerate(examples)]
+        )
         groups = []
         for i, (ex, samples) in enumerate(zip(examples, results)):
             for s in samples:
@@ -83,8 +87,16 @@ def run_arm(cfg: Config, base: Path, replay: str, steps: int, eval_size: int, se
         engine.scheduler.policy_version = trainer.policy_version
     train_s = time.perf_counter() - t0
     after = accuracy()
-    return {"replay": replay, "mismatch": statistics.mean(mismatch), "ratio_std": statistics.mean(spread),
-            "before": before, "after": after, "gain": after - before, "steps": len(mismatch), "train_s": train_s}
+    return {
+        "replay": replay,
+        "mismatch": statistics.mean(mismatch),
+        "ratio_std": statistics.mean(spread),
+        "before": before,
+        "after": after,
+        "gain": after - before,
+        "steps": len(mismatch),
+        "train_s": train_s,
+    }
 
 
 def main() -> None:
@@ -94,8 +106,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", default=str(ROOT / "examples" / "moe_r3.yaml"))
     ap.add_argument("--base", default=None, help="a base policy folder (nonstop warmup --out DIR)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="config overrides on top of --config, e.g. model.tiny.moe.num_experts=32")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides on top of --config, e.g. model.tiny.moe.num_experts=32",
+    )
     ns = ap.parse_args()
     torch.set_num_threads(1)
     steps = ns.steps or (30 if ns.quick else 120)
@@ -104,16 +122,23 @@ def main() -> None:
     t0 = time.perf_counter()
     base = Path(ns.base) if ns.base else cached_base(cfg, load_task(cfg.task, cfg.task.split_seed), warmup=True)
     print(f"base: {base} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"{'routing_replay':>14} {'mismatch':>9} {'ratio std':>10} {'before':>7} {'after':>7} {'gain':>7} {'steps':>6} "
-          f"{'train s':>8}")
+    print(
+        f"{'routing_replay':>14} {'mismatch':>9} {'ratio std':>10} {'before':>7} {'after':>7} {'gain':>7} {'steps':>6} "
+        f"{'train s':>8}"
+    )
     arms = {}
     for replay in ("none", "r3"):
         a = arms[replay] = run_arm(cfg, base, replay, steps, eval_size, ns.seed)
-        print(f"{replay:>14} {a['mismatch']:>9.3f} {a['ratio_std']:>10.4f} {a['before']:>7.1%} {a['after']:>7.1%} "
-              f"{100 * a['gain']:>+6.1f}p {a['steps']:>6} {a['train_s']:>8.1f}", flush=True)
-    print(f"RESULT mismatch_none={arms['none']['mismatch']:.3f} mismatch_r3={arms['r3']['mismatch']:.3f} "
-          f"ratio_std_none={arms['none']['ratio_std']:.4f} ratio_std_r3={arms['r3']['ratio_std']:.4f} "
-          f"gain_none={100 * arms['none']['gain']:.1f} gain_r3={100 * arms['r3']['gain']:.1f}")
+        print(
+            f"{replay:>14} {a['mismatch']:>9.3f} {a['ratio_std']:>10.4f} {a['before']:>7.1%} {a['after']:>7.1%} "
+            f"{100 * a['gain']:>+6.1f}p {a['steps']:>6} {a['train_s']:>8.1f}",
+            flush=True,
+        )
+    print(
+        f"RESULT mismatch_none={arms['none']['mismatch']:.3f} mismatch_r3={arms['r3']['mismatch']:.3f} "
+        f"ratio_std_none={arms['none']['ratio_std']:.4f} ratio_std_r3={arms['r3']['ratio_std']:.4f} "
+        f"gain_none={100 * arms['none']['gain']:.1f} gain_r3={100 * arms['r3']['gain']:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -27,18 +27,38 @@ CELLS: dict[str, tuple[str, list[str]]] = {
     "ray": ("ray, 1 engine, 1 trainer", ["runtime.backend=ray"]),
     "engines2": ("local, 2 engines, 1 trainer", ["runtime.num_engines=2"]),
     "ddp2": ("local, 1 engine, 2 DDP ranks", ["trainer.ranks=2", "trainer.data_parallel=ddp"]),
-    "fsdp2": ("local, 1 engine, 2 FSDP2 ranks", ["trainer.ranks=2", "trainer.data_parallel=fsdp2",
-                                                 "checkpoint.every_steps=null"]),
-    "ray_e2_t2": ("ray, 2 engines, 2 DDP ranks", ["runtime.backend=ray", "runtime.num_engines=2", "trainer.ranks=2",
-                                                  "runtime.ray_engine.num_cpus=0.5", "runtime.ray_trainer.num_cpus=0.5"]),
+    "fsdp2": (
+        "local, 1 engine, 2 FSDP2 ranks",
+        ["trainer.ranks=2", "trainer.data_parallel=fsdp2", "checkpoint.every_steps=null"],
+    ),
+    "ray_e2_t2": (
+        "ray, 2 engines, 2 DDP ranks",
+        [
+            "runtime.backend=ray",
+            "runtime.num_engines=2",
+            "trainer.ranks=2",
+            "runtime.ray_engine.num_cpus=0.5",
+            "runtime.ray_trainer.num_cpus=0.5",
+        ],
+    ),
 }
 
 
 def run_cell(name: str, extra: list[str], steps: int, out: str) -> dict:
-    cfg = load_config(overrides=[
-        "warmup.enabled=false", "rollout.filter_uniform_reward=false", f"run.max_steps={steps}", "run.max_time_s=null", f"run.eval_every={steps}",
-        "task.eval_size=50", f"run.out_dir={out}", f"run.name={name}", "run.progress=off", *extra,
-    ])
+    cfg = load_config(
+        overrides=[
+            "warmup.enabled=false",
+            "rollout.filter_uniform_reward=false",
+            f"run.max_steps={steps}",
+            "run.max_time_s=null",
+            f"run.eval_every={steps}",
+            "task.eval_size=50",
+            f"run.out_dir={out}",
+            f"run.name={name}",
+            "run.progress=off",
+            *extra,
+        ]
+    )
     return run_training(cfg, Console(quiet=True)).to_dict()
 
 
@@ -56,8 +76,11 @@ def main() -> None:
                 label, extra = CELLS[key]
                 s = run_cell(f"{key}-{rep}", extra, ns.steps, out)
                 runs[key].append(s)
-                print(f"{label:32s} {s['samples_per_s']:7.0f} samples/s  engine idle {s['engine_idle_frac']:.0%}  "
-                      f"trainer idle {s['trainer_idle_frac']:.0%}  ({s['steps']} steps, {s['rl_wall_s']:.1f} s)", flush=True)
+                print(
+                    f"{label:32s} {s['samples_per_s']:7.0f} samples/s  engine idle {s['engine_idle_frac']:.0%}  "
+                    f"trainer idle {s['trainer_idle_frac']:.0%}  ({s['steps']} steps, {s['rl_wall_s']:.1f} s)",
+                    flush=True,
+                )
     fields = ("samples_per_s", "engine_idle_frac", "trainer_idle_frac", "rl_wall_s")
     rows = [(CELLS[k][0], {f: statistics.median(r[f] for r in runs[k]) for f in fields}) for k in keys]
     base = rows[0][1]["samples_per_s"]
@@ -65,8 +88,10 @@ def main() -> None:
     print("| layout | samples/s | ratio | engine idle | trainer idle | RL wall s |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, s in rows:
-        print(f"| {label} | {s['samples_per_s']:.0f} | {s['samples_per_s'] / base:.2f} | "
-              f"{s['engine_idle_frac']:.0%} | {s['trainer_idle_frac']:.0%} | {s['rl_wall_s']:.1f} |")
+        print(
+            f"| {label} | {s['samples_per_s']:.0f} | {s['samples_per_s'] / base:.2f} | "
+            f"{s['engine_idle_frac']:.0%} | {s['trainer_idle_frac']:.0%} | {s['rl_wall_s']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -18,12 +18,18 @@ from pathlib import Path
 from cli_run import train
 
 
-
 def run_seed(seed: int, folder: Path, overrides: list[str]) -> dict:
     s = train(f"seed{seed}", folder, [f"run.seed={seed}", *overrides])
-    return {"seed": seed, "base": s["base_accuracy"], "final": s["final_accuracy"],
-            "gain": s["final_accuracy"] - s["base_accuracy"], "wall_s": s["cli_wall_s"], "steps": s["steps"],
-            "samples_per_s": s["samples_per_s"], "rl_s": s["rl_wall_s"]}
+    return {
+        "seed": seed,
+        "base": s["base_accuracy"],
+        "final": s["final_accuracy"],
+        "gain": s["final_accuracy"] - s["base_accuracy"],
+        "wall_s": s["cli_wall_s"],
+        "steps": s["steps"],
+        "samples_per_s": s["samples_per_s"],
+        "rl_s": s["rl_wall_s"],
+    }
 
 
 def main() -> None:
@@ -37,10 +43,15 @@ def main() -> None:
         for seed in (int(s) for s in ns.seeds.split(",")):
             r = run_seed(seed, Path(tmp), ns.overrides)
             rows.append(r)
-            print(f"{r['seed']:>4} {r['base']:>7.1%} {r['final']:>7.1%} {100 * r['gain']:>+7.1f}p {r['wall_s']:>7.1f} "
-                  f"{r['rl_s']:>6.1f} {r['steps']:>6} {r['samples_per_s']:>10.0f}", flush=True)
-    print(f"RESULT min_gain={min(r['gain'] for r in rows):.3f} max_wall_s={max(r['wall_s'] for r in rows):.1f} "
-          f"seeds={len(rows)}")
+            print(
+                f"{r['seed']:>4} {r['base']:>7.1%} {r['final']:>7.1%} {100 * r['gain']:>+7.1f}p {r['wall_s']:>7.1f} "
+                f"{r['rl_s']:>6.1f} {r['steps']:>6} {r['samples_per_s']:>10.0f}",
+                flush=True,
+            )
+    print(
+        f"RESULT min_gain={min(r['gain'] for r in rows):.3f} max_wall_s={max(r['wall_s'] for r in rows):.1f} "
+        f"seeds={len(rows)}"
+    )
 
 
 if __name__ == "__main__":

@@ -41,10 +41,10 @@ from rich.console import Console
 
 from nonstop.cli import run_training
 from nonstop.config import load_config
-from nonstop.planner.model import simulate
-from nonstop.planner.calibrate import calibrate
-from nonstop.planner.params import PlanParams, Shape
 from nonstop.observe.timeline import Timeline
+from nonstop.planner.calibrate import calibrate
+from nonstop.planner.model import simulate
+from nonstop.planner.params import PlanParams, Shape
 
 # configuration overrides (key=value) of one run
 Cell = dict[str, int | str]
@@ -53,8 +53,13 @@ CALIBRATE: Cell = {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts
 PREDICT: list[Cell] = [
     {"buffer.depth": 0, "runtime.num_engines": 1, "rollout.prompts_per_step": 32},
     {"buffer.depth": 2, "runtime.num_engines": 1, "rollout.prompts_per_step": 32},
-    {"buffer.depth": "null", "buffer.max_lag": 4, "buffer.max_queued_groups": 96, "runtime.num_engines": 1,
-     "rollout.prompts_per_step": 32},
+    {
+        "buffer.depth": "null",
+        "buffer.max_lag": 4,
+        "buffer.max_queued_groups": 96,
+        "runtime.num_engines": 1,
+        "rollout.prompts_per_step": 32,
+    },
     {"buffer.depth": 1, "runtime.num_engines": 2, "rollout.prompts_per_step": 32},
     {"buffer.depth": 1, "runtime.num_engines": 1, "rollout.prompts_per_step": 16},
     {"buffer.depth": 0, "runtime.num_engines": 2, "rollout.prompts_per_step": 16},
@@ -62,9 +67,17 @@ PREDICT: list[Cell] = [
 
 
 def overrides(cell: Cell, steps: int, out: str, name: str) -> list[str]:
-    return [*(f"{k}={v}" for k, v in cell.items()), f"run.max_steps={steps}", "run.max_time_s=null",
-            "run.eval_every=100000", "task.eval_size=50", "checkpoint.every_steps=null", f"run.out_dir={out}",
-            f"run.name={name}", "run.progress=off"]
+    return [
+        *(f"{k}={v}" for k, v in cell.items()),
+        f"run.max_steps={steps}",
+        "run.max_time_s=null",
+        "run.eval_every=100000",
+        "task.eval_size=50",
+        "checkpoint.every_steps=null",
+        f"run.out_dir={out}",
+        f"run.name={name}",
+        "run.progress=off",
+    ]
 
 
 def host_times() -> list[int]:
@@ -101,7 +114,12 @@ def measure(cell: Cell, steps: int, out: str, name: str, reuse: bool):
             busy = total - d[3] - d[4] - d[7]  # less idle, iowait and steal
             tick = os.sysconf("SC_CLK_TCK")
             (folder / "others.txt").write_text(f"{max(busy - (cpu1 - cpu0) * tick, 0) / total:.3f}\n")
-    return load_config(folder / "config.yaml"), Timeline.load(folder), _read(folder / "steal.txt"), _read(folder / "others.txt")
+    return (
+        load_config(folder / "config.yaml"),
+        Timeline.load(folder),
+        _read(folder / "steal.txt"),
+        _read(folder / "others.txt"),
+    )
 
 
 def _read(path: Path) -> str:
@@ -137,15 +155,24 @@ def at_speed(params: PlanParams, ratio: tuple[float, float]) -> PlanParams:
     e, t = ratio
     if math.isnan(e):
         return params
-    return replace(params, pass_s=params.pass_s * e, pass_row_s=params.pass_row_s * e, step_s=params.step_s * t,
-                   step_token_s=params.step_token_s * t)
+    return replace(
+        params,
+        pass_s=params.pass_s * e,
+        pass_row_s=params.pass_row_s * e,
+        step_s=params.step_s * t,
+        step_token_s=params.step_token_s * t,
+    )
 
 
 def predict(params: PlanParams, shape: Shape, seeds: int) -> tuple[float, float, float, float]:
     """samples/s, trainer idle, engine idle and mean lag, averaged over `seeds` simulations."""
     preds = [simulate(params, shape, seed) for seed in range(seeds)]
-    return (statistics.fmean(p.samples_per_s for p in preds), statistics.fmean(p.trainer_idle for p in preds),
-            statistics.fmean(p.engine_idle for p in preds), statistics.fmean(p.mean_lag for p in preds))
+    return (
+        statistics.fmean(p.samples_per_s for p in preds),
+        statistics.fmean(p.trainer_idle for p in preds),
+        statistics.fmean(p.engine_idle for p in preds),
+        statistics.fmean(p.mean_lag for p in preds),
+    )
 
 
 def mean_lag(hist: dict[int, int]) -> float:
@@ -155,16 +182,22 @@ def mean_lag(hist: dict[int, int]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true",
-                    help="40 steps per run: a run of the tiny job is seconds long, and one orchestrator pause "
-                         "(~0.25 s every ~450 groups) is a few percent of it")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="40 steps per run: a run of the tiny job is seconds long, and one orchestrator pause "
+        "(~0.25 s every ~450 groups) is a few percent of it",
+    )
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--seeds", type=int, default=3, help="simulation seeds averaged per prediction")
     ap.add_argument("--out", default=None, help="keep the run folders here (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="with --out: take runs already there instead of running them")
-    ap.add_argument("--reverse", action="store_true",
-                    help="run the other configurations last first (the table keeps its order): whether a cell is slow "
-                         "for its position in the sequence or for its configuration")
+    ap.add_argument(
+        "--reverse",
+        action="store_true",
+        help="run the other configurations last first (the table keeps its order): whether a cell is slow "
+        "for its position in the sequence or for its configuration",
+    )
     ns = ap.parse_args()
     steps = 40 if ns.quick else ns.steps
     t_start = time.perf_counter()
@@ -176,9 +209,11 @@ def main() -> None:
         if ns.reverse:
             for i in range(len(PREDICT), 0, -1):
                 measure(PREDICT[i - 1], steps, out, f"cell{i}", ns.reuse)
-        print(f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
-              f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
-              f"{'procs':>5} {'work e/t':>9} {'others':>6} {'steal':>5}")
+        print(
+            f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
+            f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
+            f"{'procs':>5} {'work e/t':>9} {'others':>6} {'steal':>5}"
+        )
         rel, idle, own_rel, own_idle, fast_rel = [], [], [], [], []
         for i, cell in enumerate([CALIBRATE, *PREDICT]):
             if i == 0:
@@ -200,16 +235,25 @@ def main() -> None:
                 fast_rel.append(abs(predict(at_speed(params, ratio), shape, ns.seeds)[0] / m_sps - 1))
             label = shape.label() + (" (calibration)" if i == 0 else "")
             procs = "-" if own is None else f"{own:.2f}"
-            print(f"{label:<44} {sps:14.1f} {m_sps:7.1f} {err:+6.1%} | {t_idle:17.2f} {m_t:5.2f} | "
-                  f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13} "
-                  f"{procs:>5} {ratio[0]:4.2f}/{ratio[1]:4.2f} {others_i:>6} {steal_i:>5}", flush=True)
-    print(f"with each run's own fitted processors (diagnostic): max_rel_error={max(own_rel):.3f} "
-          f"median_rel_error={statistics.median(own_rel):.3f} idle_abs_error={max(own_idle):.3f}")
-    print(f"with each run's own processor time per unit of work (diagnostic): max_rel_error={max(fast_rel):.3f} "
-          f"median_rel_error={statistics.median(fast_rel):.3f}")
+            print(
+                f"{label:<44} {sps:14.1f} {m_sps:7.1f} {err:+6.1%} | {t_idle:17.2f} {m_t:5.2f} | "
+                f"{e_idle:16.2f} {m_e:5.2f} | {lag:8.2f} {mean_lag(tl_i.lag_hist()):5.2f} | {cpu_share(tl_i):>13} "
+                f"{procs:>5} {ratio[0]:4.2f}/{ratio[1]:4.2f} {others_i:>6} {steal_i:>5}",
+                flush=True,
+            )
+    print(
+        f"with each run's own fitted processors (diagnostic): max_rel_error={max(own_rel):.3f} "
+        f"median_rel_error={statistics.median(own_rel):.3f} idle_abs_error={max(own_idle):.3f}"
+    )
+    print(
+        f"with each run's own processor time per unit of work (diagnostic): max_rel_error={max(fast_rel):.3f} "
+        f"median_rel_error={statistics.median(fast_rel):.3f}"
+    )
     print(f"wall {time.perf_counter() - t_start:.0f} s")
-    print(f"RESULT max_rel_error={max(rel):.3f} median_rel_error={statistics.median(rel):.3f} "
-          f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={cfg.run.max_steps}")
+    print(
+        f"RESULT max_rel_error={max(rel):.3f} median_rel_error={statistics.median(rel):.3f} "
+        f"idle_abs_error={max(idle):.3f} configs={len(rel)} steps={cfg.run.max_steps}"
+    )
 
 
 if __name__ == "__main__":

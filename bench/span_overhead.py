@@ -29,11 +29,18 @@ from nonstop.observe.spans import SPANS_DIR, PassRecorder, SpanLog, now
 
 def run_once(spans: bool, steps: int, out: str, name: str) -> tuple[float, int, int, float]:
     """samples/s, span events written, engine forward passes recorded, RL wall seconds."""
-    cfg = load_config(overrides=[
-        f"run.spans={str(spans).lower()}", f"run.max_steps={steps}", "run.max_time_s=null",
-        f"run.eval_every={steps}", "checkpoint.every_steps=null", f"run.out_dir={out}", f"run.name={name}",
-        "run.progress=off",
-    ])
+    cfg = load_config(
+        overrides=[
+            f"run.spans={str(spans).lower()}",
+            f"run.max_steps={steps}",
+            "run.max_time_s=null",
+            f"run.eval_every={steps}",
+            "checkpoint.every_steps=null",
+            f"run.out_dir={out}",
+            f"run.name={name}",
+            "run.progress=off",
+        ]
+    )
     s = run_training(cfg, Console(quiet=True))
     folder = Path(out) / name / SPANS_DIR
     lines = [json.loads(x) for p in folder.glob("*.jsonl") for x in p.read_text().splitlines()] if spans else []
@@ -73,15 +80,22 @@ def main() -> None:
             ratios.append(on / off)
             rates.append(events / wall)
             pass_rates.append(passes / wall)
-            print(f"pair {i}: spans on {on:7.1f} samples/s, off {off:7.1f} samples/s, on/off {on / off:.3f}; "
-                  f"{events} events in {wall:.1f} s", flush=True)
+            print(
+                f"pair {i}: spans on {on:7.1f} samples/s, off {off:7.1f} samples/s, on/off {on / off:.3f}; "
+                f"{events} events in {wall:.1f} s",
+                flush=True,
+            )
     emit, per_pass = cost_per_event_s()
     # every pass pays `per_pass` (which includes its share of chunk emits); every other line one emit
     bound = statistics.median(rates) * emit + statistics.median(pass_rates) * per_pass
-    print(f"cost per event {emit * 1e6:.1f} us (emit), {per_pass * 1e6:.1f} us (engine pass recorded); "
-          f"{statistics.median(rates):.0f} lines/s, {statistics.median(pass_rates):.0f} engine passes/s")
-    print(f"RESULT overhead_measured={1 - statistics.median(ratios):.4f} overhead_bound={bound:.4f} "
-          f"pairs={ns.pairs} steps={ns.steps}")
+    print(
+        f"cost per event {emit * 1e6:.1f} us (emit), {per_pass * 1e6:.1f} us (engine pass recorded); "
+        f"{statistics.median(rates):.0f} lines/s, {statistics.median(pass_rates):.0f} engine passes/s"
+    )
+    print(
+        f"RESULT overhead_measured={1 - statistics.median(ratios):.4f} overhead_bound={bound:.4f} "
+        f"pairs={ns.pairs} steps={ns.steps}"
+    )
 
 
 if __name__ == "__main__":

@@ -23,21 +23,30 @@ from nonstop.config import load_config
 
 def run_cell(depth: str, correction: str, seconds: float, out: str, eval_every: int) -> dict:
     max_lag = 8 if depth == "none" else max(int(depth), 1)
-    cfg = load_config(overrides=[
-        f"buffer.depth={'null' if depth == 'none' else depth}", f"buffer.max_lag={max_lag}",
-        f"trainer.correction={correction}", f"run.max_time_s={seconds}", f"run.eval_every={eval_every}",
-        f"run.out_dir={out}", f"run.name=d{depth}-{correction}", "run.progress=off",
-    ])
+    cfg = load_config(
+        overrides=[
+            f"buffer.depth={'null' if depth == 'none' else depth}",
+            f"buffer.max_lag={max_lag}",
+            f"trainer.correction={correction}",
+            f"run.max_time_s={seconds}",
+            f"run.eval_every={eval_every}",
+            f"run.out_dir={out}",
+            f"run.name=d{depth}-{correction}",
+            "run.progress=off",
+        ]
+    )
     summary = run_training(cfg, Console(quiet=True)).to_dict()
     recs = [json.loads(x) for x in (Path(out) / f"d{depth}-{correction}" / "metrics.jsonl").read_text().splitlines()]
     lags = [(int(k), v) for r in recs for k, v in r["lag_hist"].items()]
     tokens = sum(v for _, v in lags) or 1
     return {
-        "base": summary["base_accuracy"], "final": summary["final_accuracy"],
+        "base": summary["base_accuracy"],
+        "final": summary["final_accuracy"],
         "evals": [(r["time_s"], r["eval_accuracy"]) for r in recs if "eval_accuracy" in r],
         "mean_lag": sum(k * v for k, v in lags) / tokens,
         "ratio_dev": sum(max(abs(r["ratio_max"] - 1), abs(1 - r["ratio_min"])) for r in recs) / len(recs),
-        "drops": summary["drops"].get("max_lag", 0), "steps": summary["steps"],
+        "drops": summary["drops"].get("max_lag", 0),
+        "steps": summary["steps"],
     }
 
 
@@ -56,14 +65,21 @@ def main() -> None:
                 r = run_cell(depth, corr, ns.seconds, out, ns.eval_every)
                 hit = next((t for t, acc in r["evals"] if acc >= ns.target), None)
                 rows.append((depth, corr, hit, r))
-                print(f"depth {depth:>4} {corr:>9}: base {r['base']:.1%} final {r['final']:.1%} "
-                      f"t@{ns.target:.0%} {'-' if hit is None else f'{hit:.0f}s'} lag {r['mean_lag']:.2f} "
-                      f"steps {r['steps']}", flush=True)
+                print(
+                    f"depth {depth:>4} {corr:>9}: base {r['base']:.1%} final {r['final']:.1%} "
+                    f"t@{ns.target:.0%} {'-' if hit is None else f'{hit:.0f}s'} lag {r['mean_lag']:.2f} "
+                    f"steps {r['steps']}",
+                    flush=True,
+                )
     print(f"\nRL budget {ns.seconds:g} s per cell; target held-out accuracy {ns.target:.0%}")
-    print(f"{'depth':>6} {'correction':>10} {'time to target':>15} {'final acc':>10} {'mean lag':>9} {'max|r-1|':>9} {'steps':>6}")
+    print(
+        f"{'depth':>6} {'correction':>10} {'time to target':>15} {'final acc':>10} {'mean lag':>9} {'max|r-1|':>9} {'steps':>6}"
+    )
     for depth, corr, hit, r in rows:
-        print(f"{depth:>6} {corr:>10} {('-' if hit is None else f'{hit:.0f} s'):>15} {r['final']:>10.1%} "
-              f"{r['mean_lag']:>9.2f} {r['ratio_dev']:>9.3f} {r['steps']:>6}")
+        print(
+            f"{depth:>6} {corr:>10} {('-' if hit is None else f'{hit:.0f} s'):>15} {r['final']:>10.1%} "
+            f"{r['mean_lag']:>9.2f} {r['ratio_dev']:>9.3f} {r['steps']:>6}"
+        )
 
 
 if __name__ == "__main__":

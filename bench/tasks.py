@@ -23,11 +23,28 @@ TASKS = ROOT / "examples" / "tasks"
 
 
 def run_task(task: str, seconds: float, folder: Path, cache: Path, overrides: list[str]) -> dict:
-    s = train(task, folder, [f"task.dataset_path={TASKS / task}.jsonl", f"run.max_time_s={seconds}",
-                             f"warmup.cache_dir={cache}", *overrides], config=TASKS / f"{task}.yaml", pythonpath=(TASKS,))
-    return {"task": task, "base": s["base_accuracy"], "final": s["final_accuracy"],
-            "gain": s["final_accuracy"] - s["base_accuracy"], "warmup_s": s["warmup_s"], "rl_s": s["rl_wall_s"],
-            "steps": s["steps"], "wall_s": s["cli_wall_s"]}
+    s = train(
+        task,
+        folder,
+        [
+            f"task.dataset_path={TASKS / task}.jsonl",
+            f"run.max_time_s={seconds}",
+            f"warmup.cache_dir={cache}",
+            *overrides,
+        ],
+        config=TASKS / f"{task}.yaml",
+        pythonpath=(TASKS,),
+    )
+    return {
+        "task": task,
+        "base": s["base_accuracy"],
+        "final": s["final_accuracy"],
+        "gain": s["final_accuracy"] - s["base_accuracy"],
+        "warmup_s": s["warmup_s"],
+        "rl_s": s["rl_wall_s"],
+        "steps": s["steps"],
+        "wall_s": s["cli_wall_s"],
+    }
 
 
 def main() -> None:
@@ -44,10 +61,15 @@ def main() -> None:
         for task in ns.tasks.split(","):
             r = run_task(task, ns.seconds, Path(tmp), cache, ns.overrides)
             rows.append(r)
-            print(f"{task:>12} {r['base']:>7.1%} {r['final']:>7.1%} {100 * r['gain']:>+7.1f}p {r['warmup_s']:>9.1f} "
-                  f"{r['rl_s']:>6.1f} {r['steps']:>6}", flush=True)
-    print(f"RESULT min_gain={min(r['gain'] for r in rows):.3f} "
-          + " ".join(f"{r['task']}_gain={r['gain']:.3f}" for r in rows))
+            print(
+                f"{task:>12} {r['base']:>7.1%} {r['final']:>7.1%} {100 * r['gain']:>+7.1f}p {r['warmup_s']:>9.1f} "
+                f"{r['rl_s']:>6.1f} {r['steps']:>6}",
+                flush=True,
+            )
+    print(
+        f"RESULT min_gain={min(r['gain'] for r in rows):.3f} "
+        + " ".join(f"{r['task']}_gain={r['gain']:.3f}" for r in rows)
+    )
 
 
 if __name__ == "__main__":

@@ -120,7 +120,9 @@ def _same_process(kind, trainer, engine, repeats, lora=None):
     """Best publish + apply time of shm or files, both ends in this process; with LoRA also the
     best time of the same calls without the engine's merge (the merge is timed inside them)."""
     with tempfile.TemporaryDirectory() as d:
-        handle = plan_transport(FilesTransportConfig(dir=d) if kind == "files" else ShmTransportConfig(), trainer, 1, lora)
+        handle = plan_transport(
+            FilesTransportConfig(dir=d) if kind == "files" else ShmTransportConfig(), trainer, 1, lora
+        )
         sink = open_sink(handle)
         source = open_source(handle, engine)
         version, without_merge = [0], []
@@ -161,11 +163,14 @@ def bench_layout(name, shapes, repeats):
     out = {"memcpy": _best(lambda: dst.copy_(src), repeats)}
     for kind in ("shm", "files"):
         out[kind] = _same_process(kind, trainer, Synthetic(shapes, seed=1), repeats)[0]
-    sweep = [("broadcast 25MiB", BroadcastTransportConfig(timeout_s=300, bucket_mb=25)),
-             ("broadcast per-tensor", BroadcastTransportConfig(timeout_s=300, per_tensor=True))]
+    sweep = [
+        ("broadcast 25MiB", BroadcastTransportConfig(timeout_s=300, bucket_mb=25)),
+        ("broadcast per-tensor", BroadcastTransportConfig(timeout_s=300, per_tensor=True)),
+    ]
     if name.startswith("200M"):
-        sweep += [(f"broadcast {mb}MiB", BroadcastTransportConfig(timeout_s=300, bucket_mb=mb))
-                  for mb in (1, 4, 16, 64, 256)]
+        sweep += [
+            (f"broadcast {mb}MiB", BroadcastTransportConfig(timeout_s=300, bucket_mb=mb)) for mb in (1, 4, 16, 64, 256)
+        ]
     for label, cfg in sweep:
         out[label] = _broadcast(cfg, trainer, shapes, repeats)
     return flat_bytes, out
@@ -208,12 +213,16 @@ def main():
             print(f"  {k:<22}{v * 1e3:>10.2f}{v / base:>10.2f}")
         buckets = {k: v for k, v in out.items() if k.startswith("broadcast") and k.endswith("MiB")}
         best = min(buckets, key=buckets.__getitem__)
-        print(f"  bucketed / per-tensor: 25MiB {out['broadcast 25MiB'] / out['broadcast per-tensor']:.2f}, "
-              f"best ({best.split()[1]}) {buckets[best] / out['broadcast per-tensor']:.2f}")
+        print(
+            f"  bucketed / per-tensor: 25MiB {out['broadcast 25MiB'] / out['broadcast per-tensor']:.2f}, "
+            f"best ({best.split()[1]}) {buckets[best] / out['broadcast per-tensor']:.2f}"
+        )
     if not ns.no_lora:
         full_bytes, lora_bytes, rows, merge_s = bench_lora(ns.repeats)
-        print(f"\nLoRA rank {LORA.rank} on every Linear of a {full_bytes / 4e6:.0f}M-parameter stack: "
-              f"{lora_bytes / 2**20:.1f} MiB of adapters vs {full_bytes / 2**20:.0f} MiB (best of {ns.repeats})")
+        print(
+            f"\nLoRA rank {LORA.rank} on every Linear of a {full_bytes / 4e6:.0f}M-parameter stack: "
+            f"{lora_bytes / 2**20:.1f} MiB of adapters vs {full_bytes / 2**20:.0f} MiB (best of {ns.repeats})"
+        )
         print(f"  {'transport':<25}{'full ms':>9}{'LoRA sync':>11}{'/full':>7}{'+ merge':>10}{'/full':>7}")
         for k, (full, sync, total) in rows.items():
             merged = f"{total * 1e3:>10.1f}{total / full:>7.3f}" if total is not None else f"{'-':>10}{'-':>7}"

@@ -35,8 +35,16 @@ import time
 from pathlib import Path
 
 ARMS = ("plain2", "plain1", "depth0", "depth1", "depth2")
-COMMON = ["model.base=builtin", "rollout.prompts_per_step=32", "rollout.group_size=8", "rollout.max_new_tokens=4",
-          "rollout.filter_uniform_reward=true", "rollout.refill=false", "task.eval_size=50", "run.seed=0"]
+COMMON = [
+    "model.base=builtin",
+    "rollout.prompts_per_step=32",
+    "rollout.group_size=8",
+    "rollout.max_new_tokens=4",
+    "rollout.filter_uniform_reward=true",
+    "rollout.refill=false",
+    "task.eval_size=50",
+    "run.seed=0",
+]
 
 
 def steady(points: list[tuple[float, int]], skip: int) -> float:
@@ -62,12 +70,21 @@ def run_plain(threads: int, seconds: float, skip: int) -> dict:
             raise _TimeUp
 
     try:
-        run_reference(load_config(overrides=COMMON), str(shipped_dir("builtin")), 10**9, eval_every=10**9,
-                      threads=threads, log=log)
+        run_reference(
+            load_config(overrides=COMMON),
+            str(shipped_dir("builtin")),
+            10**9,
+            eval_every=10**9,
+            threads=threads,
+            log=log,
+        )
     except _TimeUp:
         pass
-    return {"samples_per_s": steady([(r["seconds"], r["samples"]) for r in recs], skip), "steps": len(recs),
-            "groups_trained": sum(r["groups_trained"] for r in recs)}
+    return {
+        "samples_per_s": steady([(r["seconds"], r["samples"]) for r in recs], skip),
+        "steps": len(recs),
+        "groups_trained": sum(r["groups_trained"] for r in recs),
+    }
 
 
 def run_pipeline(depth: int, seconds: float, skip: int, out: str) -> dict:
@@ -76,23 +93,40 @@ def run_pipeline(depth: int, seconds: float, skip: int, out: str) -> dict:
     from nonstop.cli import run_training
     from nonstop.config import load_config
 
-    cfg = load_config(overrides=[
-        *COMMON, f"buffer.depth={depth}", f"run.max_steps={10**6}", f"run.max_time_s={seconds}", f"run.eval_every={10**6}",
-        "checkpoint.every_steps=null", f"run.out_dir={out}", "run.name=run", "run.progress=off"])
+    cfg = load_config(
+        overrides=[
+            *COMMON,
+            f"buffer.depth={depth}",
+            f"run.max_steps={10**6}",
+            f"run.max_time_s={seconds}",
+            f"run.eval_every={10**6}",
+            "checkpoint.every_steps=null",
+            f"run.out_dir={out}",
+            "run.name=run",
+            "run.progress=off",
+        ]
+    )
     run_training(cfg, Console(quiet=True))
     recs = [json.loads(x) for x in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
     recs = [r for r in recs if "samples_generated" in r]
     a, b = recs[min(skip, len(recs) - 2)], recs[-1]
     wall = b["time_s"] - a["time_s"]
-    return {"samples_per_s": steady([(r["time_s"], r["samples_generated"]) for r in recs], skip), "steps": len(recs),
-            "groups_trained": sum(r["samples_trained"] for r in recs) // 8,
-            "trainer_idle": max(0.0, 1 - (b["training_busy_s"] - a["training_busy_s"]) / wall),
-            "engine_idle": max(0.0, 1 - (b["generation_busy_s"] - a["generation_busy_s"]) / wall)}
+    return {
+        "samples_per_s": steady([(r["time_s"], r["samples_generated"]) for r in recs], skip),
+        "steps": len(recs),
+        "groups_trained": sum(r["samples_trained"] for r in recs) // 8,
+        "trainer_idle": max(0.0, 1 - (b["training_busy_s"] - a["training_busy_s"]) / wall),
+        "engine_idle": max(0.0, 1 - (b["generation_busy_s"] - a["generation_busy_s"]) / wall),
+    }
 
 
 def child(arm: str, seconds: float, skip: int) -> None:
     with tempfile.TemporaryDirectory() as out:
-        res = run_plain(int(arm[-1]), seconds, skip) if arm.startswith("plain") else run_pipeline(int(arm[-1]), seconds, skip, out)
+        res = (
+            run_plain(int(arm[-1]), seconds, skip)
+            if arm.startswith("plain")
+            else run_pipeline(int(arm[-1]), seconds, skip, out)
+        )
     print(json.dumps(res))
 
 
@@ -110,15 +144,22 @@ def main() -> None:
         return
     rounds, seconds = (1, 25.0) if ns.quick else (ns.rounds, ns.seconds)
     arms = ns.arms.split(",")
-    print(f"{len(arms)} arms x {rounds} round(s) x {seconds:g} s of steps of 32 prompts x 8 completions "
-          f"(<= 4 new tokens); steady state after step {ns.skip}", flush=True)
+    print(
+        f"{len(arms)} arms x {rounds} round(s) x {seconds:g} s of steps of 32 prompts x 8 completions "
+        f"(<= 4 new tokens); steady state after step {ns.skip}",
+        flush=True,
+    )
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     best: dict[str, dict] = {}
     t_start = time.perf_counter()
     for r in range(rounds):
-        for arm in (arms if r % 2 == 0 else arms[::-1]):  # alternate the order: drift hits every arm alike
-            proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--seconds", str(seconds), "--skip", str(ns.skip)],
-                                  capture_output=True, text=True, env=env)
+        for arm in arms if r % 2 == 0 else arms[::-1]:  # alternate the order: drift hits every arm alike
+            proc = subprocess.run(
+                [sys.executable, __file__, "--arm", arm, "--seconds", str(seconds), "--skip", str(ns.skip)],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if proc.returncode != 0:
                 print(f"  {arm}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
                 continue
@@ -128,7 +169,9 @@ def main() -> None:
                 best[arm] = res
     plains = [best[a]["samples_per_s"] for a in arms if a.startswith("plain") and a in best]
     plain = max(plains) if plains else None
-    print(f"\n{'arm':<10}{'samples/s':>11}{'vs plain':>10}{'trainer idle':>14}{'engine idle':>13}{'groups trained':>16}")
+    print(
+        f"\n{'arm':<10}{'samples/s':>11}{'vs plain':>10}{'trainer idle':>14}{'engine idle':>13}{'groups trained':>16}"
+    )
     for arm in arms:
         if arm not in best:
             continue

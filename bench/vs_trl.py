@@ -38,8 +38,9 @@ def make_model(path: Path) -> int:
     from nonstop.config import TinyModelConfig
     from nonstop.tasks.tiny import count_parameters, make_char_tokenizer, make_tiny_model
 
-    cfg = TinyModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=640,
-                          max_position_embeddings=128)
+    cfg = TinyModelConfig(
+        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=640, max_position_embeddings=128
+    )
     model = make_tiny_model(cfg, seed=0)
     model.save_pretrained(path)
     make_char_tokenizer().save_pretrained(path)
@@ -67,13 +68,29 @@ def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None) ->
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     args = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-        max_completion_length=MAX_NEW, max_steps=steps, learning_rate=3e-4, bf16=False, use_cpu=True,
-        gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=10**6,
-        disable_tqdm=True, seed=0, temperature=1.0,
+        output_dir=out,
+        per_device_train_batch_size=PROMPTS * GROUP,
+        num_generations=GROUP,
+        max_completion_length=MAX_NEW,
+        max_steps=steps,
+        learning_rate=3e-4,
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        seed=0,
+        temperature=1.0,
     )
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward,
-                          args=args, train_dataset=ds, processing_class=tok)
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+    )
     gen_s = [0.0]
     ends: list[float] = []  # perf_counter at the end of each step
     inner = trainer._generate_and_score_completions
@@ -95,8 +112,12 @@ def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None) ->
     trainer.add_callback(Ends())
     trainer.train()
     wall = ends[-1] - ends[0]
-    return {"samples_per_s": PROMPTS * GROUP * (len(ends) - 1) / wall, "trainer_idle": gen_s[0] / wall,
-            "steps": len(ends), "threads": torch.get_num_threads()}
+    return {
+        "samples_per_s": PROMPTS * GROUP * (len(ends) - 1) / wall,
+        "trainer_idle": gen_s[0] / wall,
+        "steps": len(ends),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def run_nonstop(model_dir: str, steps: int, depth: int, out: str) -> dict:
@@ -105,20 +126,38 @@ def run_nonstop(model_dir: str, steps: int, depth: int, out: str) -> dict:
     from nonstop.cli import run_training
     from nonstop.config import load_config
 
-    cfg = load_config(overrides=[
-        f"model.path={model_dir}", "warmup.enabled=false", f"buffer.depth={depth}", f"buffer.max_lag={max(depth, 1)}",
-        f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", f"rollout.max_new_tokens={MAX_NEW}",
-        "rollout.filter_uniform_reward=false", "trainer.lr=3e-4", f"run.max_steps={steps}", "run.max_time_s=null",
-        f"run.eval_every={10**6}", "task.eval_size=16", f"run.out_dir={out}", "run.name=run", "run.progress=off",
-    ])
+    cfg = load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            "warmup.enabled=false",
+            f"buffer.depth={depth}",
+            f"buffer.max_lag={max(depth, 1)}",
+            f"rollout.prompts_per_step={PROMPTS}",
+            f"rollout.group_size={GROUP}",
+            f"rollout.max_new_tokens={MAX_NEW}",
+            "rollout.filter_uniform_reward=false",
+            "trainer.lr=3e-4",
+            f"run.max_steps={steps}",
+            "run.max_time_s=null",
+            f"run.eval_every={10**6}",
+            "task.eval_size=16",
+            f"run.out_dir={out}",
+            "run.name=run",
+            "run.progress=off",
+        ]
+    )
     run_training(cfg, Console(quiet=True))
     recs = [json.loads(x) for x in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
     first, last = recs[0], recs[-1]
     wall = last["time_s"] - first["time_s"]
     trained = sum(r["samples_trained"] for r in recs[1:])
     train_busy = last["training_busy_s"] - first["training_busy_s"]
-    return {"samples_per_s": trained / wall, "trainer_idle": max(0.0, 1 - train_busy / wall), "steps": len(recs),
-            "threads": "1 per process"}
+    return {
+        "samples_per_s": trained / wall,
+        "trainer_idle": max(0.0, 1 - train_busy / wall),
+        "steps": len(recs),
+        "threads": "1 per process",
+    }
 
 
 def main() -> None:
@@ -139,13 +178,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "qwen2-3m"
         n_params = make_model(model_dir)
-        print(f"model: Qwen2, {n_params / 1e6:.2f} M parameters; {PROMPTS} prompts x {GROUP} completions x "
-              f"<= {MAX_NEW} new tokens per step; {ns.steps} steps per arm", flush=True)
+        print(
+            f"model: Qwen2, {n_params / 1e6:.2f} M parameters; {PROMPTS} prompts x {GROUP} completions x "
+            f"<= {MAX_NEW} new tokens per step; {ns.steps} steps per arm",
+            flush=True,
+        )
         results = {}
         for arm in ns.arms.split(","):
-            env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
-            proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--model", str(model_dir), "--steps", str(ns.steps)],
-                                  capture_output=True, text=True, env=env)
+            env = {
+                **os.environ,
+                "TRANSFORMERS_VERBOSITY": "error",
+                "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
+            }
+            proc = subprocess.run(
+                [sys.executable, __file__, "--arm", arm, "--model", str(model_dir), "--steps", str(ns.steps)],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if proc.returncode != 0:
                 print(f"{arm}: failed\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}", flush=True)
                 continue
@@ -154,8 +204,13 @@ def main() -> None:
     trl = [r["samples_per_s"] for a, r in results.items() if a.startswith("trl")]
     base = max(trl) if trl else None
     print(f"\n{'arm':<22}{'samples/s':>10}{'trainer idle':>14}{'vs TRL':>9}")
-    names = {"trl": "TRL GRPOTrainer", "trl1": "TRL, 1 thread", "depth0": "nonstop depth 0", "depth1": "nonstop depth 1",
-             "depth2": "nonstop depth 2"}
+    names = {
+        "trl": "TRL GRPOTrainer",
+        "trl1": "TRL, 1 thread",
+        "depth0": "nonstop depth 0",
+        "depth1": "nonstop depth 1",
+        "depth2": "nonstop depth 2",
+    }
     for arm, r in results.items():
         ratio = f"{r['samples_per_s'] / base:.2f}x" if base else "-"
         print(f"{names[arm]:<22}{r['samples_per_s']:>10.1f}{r['trainer_idle']:>13.0%}{ratio:>9}")

@@ -23,8 +23,15 @@ def main(overrides: list[str]) -> nonstop.RunSummary:
     summary = nonstop.train(
         # the tiny model's warm-up on these rows: a short one teaches the answer format, so the
         # exact-match reward below varies within groups (a blank model would score 0 everywhere)
-        overrides=["warmup.max_steps=200", "run.max_steps=30", "run.eval_every=10", "rollout.prompts_per_step=8",
-                   "rollout.max_new_tokens=3", "checkpoint.every_steps=null", *overrides],
+        overrides=[
+            "warmup.max_steps=200",
+            "run.max_steps=30",
+            "run.eval_every=10",
+            "rollout.prompts_per_step=8",
+            "rollout.max_new_tokens=3",
+            "checkpoint.every_steps=null",
+            *overrides,
+        ],
         dataset=make_rows(),
         columns={"prompt": "question", "answer": "solution"},
         eval_size=20,
@@ -32,8 +39,10 @@ def main(overrides: list[str]) -> nonstop.RunSummary:
         progress="plain",
     )
     final = summary.final_accuracy if summary.final_accuracy is not None else summary.base_accuracy
-    print(f"{summary.steps} steps: held-out accuracy {summary.base_accuracy:.0%} -> {final:.0%}; "
-          f"weights in {summary.final_dir}")
+    print(
+        f"{summary.steps} steps: held-out accuracy {summary.base_accuracy:.0%} -> {final:.0%}; "
+        f"weights in {summary.final_dir}"
+    )
     return summary
 
 

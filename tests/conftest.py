@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".nonstop_cache" / "inductor"))
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".nonstop_cache" / "inductor")
+)
 torch.set_num_threads(1)
 
 from nonstop.config import TinyModelConfig  # noqa: E402

@@ -185,6 +185,7 @@ def ones_reward(completion: str, answer: str) -> float:
     """Counts the '1' characters: rare under a random tiny model, quickly learnt by RL."""
     return float(completion.count("1"))
 
+
 def always_raising_reward(completion: str, answer: str) -> float:
     raise RuntimeError("reward server is down")
 
@@ -192,7 +193,6 @@ def always_raising_reward(completion: str, answer: str) -> float:
 def length_reward(completion: str, answer: str) -> float:
     """Rewards longer completions: varies even for a random model, so advantages are non-zero."""
     return float(len(completion))
-
 
 
 class DataParallelRank:
@@ -211,8 +211,14 @@ class DataParallelRank:
         from nonstop.hf import load_model
         from nonstop.trainer.parallel import ParallelTrainer
 
-        trainer = ParallelTrainer(load_model(self.model_dir), cfg, temperature, self.pad_token_id, mode=cfg.data_parallel,
-                                  max_new_tokens=max_new_tokens)
+        trainer = ParallelTrainer(
+            load_model(self.model_dir),
+            cfg,
+            temperature,
+            self.pad_token_id,
+            mode=cfg.data_parallel,
+            max_new_tokens=max_new_tokens,
+        )
         metrics = trainer.step(groups)
         params = {n: t.detach().numpy().copy() for n, t in trainer.publishable().named_parameters()}
         return {"params": params, "metrics": metrics, "version": trainer.policy_version}
@@ -306,15 +312,40 @@ def two_step_timeline(engine_cpu_s: float):
 
     from nonstop.observe.timeline import GroupLife, Timeline
 
-    groups = [GroupLife((0, i), 0.1 * i, 0.1 * i + 0.001, 0.1 * i + 0.02, 0.1 * i + 0.025, [3] * 8, (0, 0))
-              for i in range(8)]
+    groups = [
+        GroupLife((0, i), 0.1 * i, 0.1 * i + 0.001, 0.1 * i + 0.02, 0.1 * i + 0.025, [3] * 8, (0, 0)) for i in range(8)
+    ]
     orch = [dict(ev="rl_start", t=0.0, resumed=False, cpus=2, cpu_actors=True)]
-    orch += [dict(ev="group", id=[0, g.id[1]], t_admit=g.t_admit, t_gen0=g.t_gen0, t_gen1=g.t_gen1,
-                  t_done=g.t_done, lens=g.lens, v=[0, 0]) for g in groups]
-    engine = [dict(ev="busy", t0=0.1 * i + 0.002, t1=0.1 * i + 0.018, passes=3, rows=24, busy_s=0.015,
-                   cpu_s=engine_cpu_s) for i in range(8)]
-    trainer = [dict(ev="step", t0=0.8 + 0.2 * k, t1=0.9 + 0.2 * k, version=k + 1, tokens=96, samples=32,
-                    update_s=0.01, cpu_s=0.1) for k in range(2)]
+    orch += [
+        dict(
+            ev="group",
+            id=[0, g.id[1]],
+            t_admit=g.t_admit,
+            t_gen0=g.t_gen0,
+            t_gen1=g.t_gen1,
+            t_done=g.t_done,
+            lens=g.lens,
+            v=[0, 0],
+        )
+        for g in groups
+    ]
+    engine = [
+        dict(ev="busy", t0=0.1 * i + 0.002, t1=0.1 * i + 0.018, passes=3, rows=24, busy_s=0.015, cpu_s=engine_cpu_s)
+        for i in range(8)
+    ]
+    trainer = [
+        dict(
+            ev="step",
+            t0=0.8 + 0.2 * k,
+            t1=0.9 + 0.2 * k,
+            version=k + 1,
+            tokens=96,
+            samples=32,
+            update_s=0.01,
+            cpu_s=0.1,
+        )
+        for k in range(2)
+    ]
     trainer += [dict(ev="publish", t0=0.9 + 0.2 * k, t1=0.91 + 0.2 * k, version=k + 1, bytes=1) for k in range(2)]
     events = {"orchestrator": orch, "engine-0": engine, "trainer-0": trainer}
     lanes: dict[str, dict[str, list[tuple[float, float]]]] = {a: {} for a in events}

@@ -9,10 +9,9 @@ import os
 
 import pytest
 
+from helpers import Echo
 from nonstop.config import LocalRuntimeConfig, RayRuntimeConfig, RuntimeConfig
 from nonstop.runtime import ActorCallError, ActorDied, make_backend
-
-from helpers import Echo
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
 

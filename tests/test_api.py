@@ -22,9 +22,16 @@ HERE = Path(__file__).resolve().parent
 
 def fast(tiny_dir: Path, out_dir: Path, steps: int = 3) -> list[str]:
     """A given tiny model (no warm-up), a few short steps, every group trained."""
-    return [f"model.path={tiny_dir}", "warmup.enabled=false", f"run.out_dir={out_dir}", f"run.max_steps={steps}",
-            "rollout.prompts_per_step=4", "rollout.max_new_tokens=3", "rollout.filter_uniform_reward=false",
-            "checkpoint.every_steps=null"]
+    return [
+        f"model.path={tiny_dir}",
+        "warmup.enabled=false",
+        f"run.out_dir={out_dir}",
+        f"run.max_steps={steps}",
+        "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=3",
+        "rollout.filter_uniform_reward=false",
+        "checkpoint.every_steps=null",
+    ]
 
 
 def sums(n: int = 100, prompt: str = "prompt", answer: str = "answer") -> list[dict[str, str]]:
@@ -40,8 +47,13 @@ def test_list_of_dicts_with_a_lambda_reward_scored_in_this_process(tiny_dir, tmp
         seen.append((completion, answer))
         return float(len(completion))
 
-    summary = nonstop.train(overrides=fast(tiny_dir, tmp_path), dataset=rows, eval_fraction=0.1, progress="plain",
-                            reward=lambda completion, answer: length(completion, answer))
+    summary = nonstop.train(
+        overrides=fast(tiny_dir, tmp_path),
+        dataset=rows,
+        eval_fraction=0.1,
+        progress="plain",
+        reward=lambda completion, answer: length(completion, answer),
+    )
     assert isinstance(summary, nonstop.RunSummary)
     assert summary.steps == 3 and summary.policy_version == 3
     assert seen and {a for _, a in seen} <= {r["answer"] for r in sums()}  # the closure ran here, on our answers
@@ -67,9 +79,14 @@ def test_yaml_path_and_overrides_with_a_datasets_dataset_a_column_mapping_and_su
         return 0.0
 
     summary = nonstop.train(
-        path, overrides=[*fast(tiny_dir, tmp_path), "trainer.lr=3e-4"], progress="off",
-        dataset=train, eval_dataset=held, columns={"prompt": "question", "answer": "solution"},
-        reward=["helpers:length_reward", flaky], reward_weights=[0.5, 1.0],
+        path,
+        overrides=[*fast(tiny_dir, tmp_path), "trainer.lr=3e-4"],
+        progress="off",
+        dataset=train,
+        eval_dataset=held,
+        columns={"prompt": "question", "answer": "solution"},
+        reward=["helpers:length_reward", flaky],
+        reward_weights=[0.5, 1.0],
     )
     assert summary.steps == 3 and summary.run_dir == str(tmp_path / "from-yaml")
     assert summary.reward_errors["reward_raised"] > 0 and summary.drops["reward_error"] > 0  # counted, survived
@@ -78,14 +95,18 @@ def test_yaml_path_and_overrides_with_a_datasets_dataset_a_column_mapping_and_su
     assert recorded["trainer"]["lr"] == 3e-4 and recorded["run"]["max_steps"] == 3
     assert recorded["task"]["reward"] == (
         "0.5*helpers:length_reward + 1*python:"
-        "test_yaml_path_and_overrides_with_a_datasets_dataset_a_column_mapping_and_summed_rewards.<locals>.flaky")
+        "test_yaml_path_and_overrides_with_a_datasets_dataset_a_column_mapping_and_summed_rewards.<locals>.flaky"
+    )
 
 
 def test_missing_columns_and_bad_rows_fail_before_any_process_starts(tmp_path):
     out = [f"run.out_dir={tmp_path}"]
     ds = datasets.Dataset.from_list(sums(20, "q", "a"))
-    with pytest.raises(DatasetError, match=r"dataset: column\(s\) 'question' not found \(columns: prompt <- 'question', "
-                                           r"answer <- 'a'\); the dataset has \['q', 'a'\]"):
+    with pytest.raises(
+        DatasetError,
+        match=r"dataset: column\(s\) 'question' not found \(columns: prompt <- 'question', "
+        r"answer <- 'a'\); the dataset has \['q', 'a'\]",
+    ):
         nonstop.train(overrides=out, dataset=ds, columns={"prompt": "question", "answer": "a"})
     with pytest.raises(DatasetError, match=r"dataset: column\(s\) 'answer' not found"):
         nonstop.train(overrides=out, dataset=[{"prompt": "1+1="}])
@@ -124,7 +145,11 @@ def test_the_example_script_runs(tiny_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
     result = subprocess.run(
         [sys.executable, str(HERE.parent / "examples" / "python_api.py"), *fast(tiny_dir, tmp_path / "runs", steps=2)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 steps: held-out accuracy" in result.stdout

@@ -10,8 +10,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nonstop.config import ConfigError, TaskConfig, load_config
 from nonstop.engine.core import TorchEngine
-from nonstop.tasks.base import (SHIPPED, choose_base, prepare_base_model, read_provenance, sha256_file, shipped_dir,
-                                verify)
+from nonstop.tasks.base import (
+    SHIPPED,
+    choose_base,
+    prepare_base_model,
+    read_provenance,
+    sha256_file,
+    shipped_dir,
+    verify,
+)
 from nonstop.tasks.data import load_task
 from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.tasks.warmup import greedy_accuracy
@@ -38,12 +45,14 @@ def test_shipped_base_greedy_heldout_accuracy_is_the_recorded_one(kind):
     the uncertain prompts: exactly for the shipped base (none), within 1/500 for the weak one."""
     folder = shipped_dir(kind)
     prov = verify(folder)
-    data = load_task(TaskConfig(**{k: prov["task"][k] for k in ("name", "max_operand", "pad_answer", "split_seed",
-                                                                  "eval_size")}))
+    data = load_task(
+        TaskConfig(**{k: prov["task"][k] for k in ("name", "max_operand", "pad_answer", "split_seed", "eval_size")})
+    )
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     tok = AutoTokenizer.from_pretrained(folder)
-    acc = greedy_accuracy(TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval,
-                          prov["max_new_tokens"])
+    acc = greedy_accuracy(
+        TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, prov["max_new_tokens"]
+    )
     gaps = _greedy_gaps(model, tok, [ex.prompt for ex in data.eval], prov["max_new_tokens"])
     uncertain = int((gaps < 1e-4).sum())
     assert uncertain <= (0 if kind == "builtin" else 1), gaps.sort().values[:5]
@@ -69,8 +78,9 @@ def _greedy_gaps(model, tok, prompts: list[str], max_new: int) -> torch.Tensor:
 
 
 def test_default_job_starts_from_the_shipped_base_whatever_the_run_seed(tmp_path):
-    folders = {prepare_base_model(load_config(overrides=[f"run.seed={s}"]), data=None, log=lambda m: None)
-               for s in range(5)}
+    folders = {
+        prepare_base_model(load_config(overrides=[f"run.seed={s}"]), data=None, log=lambda m: None) for s in range(5)
+    }
     assert folders == {shipped_dir("builtin")}
 
 
@@ -97,10 +107,28 @@ def test_warmup_command_writes_a_base_with_its_provenance(tmp_path):
     from test_e2e import nonstop
 
     out = tmp_path / "base"
-    small = ["--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1", "--set", "model.tiny.num_heads=2",
-             "--set", "model.tiny.num_kv_heads=1", "--set", "model.tiny.intermediate_size=64",
-             "--set", "task.max_operand=9", "--set", "task.eval_size=20", "--set", "warmup.max_steps=20",
-             "--set", "warmup.eval_every=10", "--set", "warmup.seed=4"]
+    small = [
+        "--set",
+        "model.tiny.hidden_size=32",
+        "--set",
+        "model.tiny.num_layers=1",
+        "--set",
+        "model.tiny.num_heads=2",
+        "--set",
+        "model.tiny.num_kv_heads=1",
+        "--set",
+        "model.tiny.intermediate_size=64",
+        "--set",
+        "task.max_operand=9",
+        "--set",
+        "task.eval_size=20",
+        "--set",
+        "warmup.max_steps=20",
+        "--set",
+        "warmup.eval_every=10",
+        "--set",
+        "warmup.seed=4",
+    ]
     result = nonstop(["warmup", *small, "--threads", "1", "--out", str(out)], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     prov = json.loads((out / "provenance.json").read_text())
@@ -123,11 +151,14 @@ def test_shipped_teacher_is_the_recorded_bytes_and_distill_teacher_builtin_names
 
     prov = verify(SHIPPED_TEACHER)
     base = read_provenance(shipped_dir())
-    assert prov["base_accuracy"] == base["heldout_accuracy"] and prov["heldout_accuracy"] >= base["heldout_accuracy"] + 0.3
+    assert (
+        prov["base_accuracy"] == base["heldout_accuracy"] and prov["heldout_accuracy"] >= base["heldout_accuracy"] + 0.3
+    )
     assert load_config(overrides=["distill.teacher=builtin"]).distill.teacher == str(SHIPPED_TEACHER)
     check_tokenizers(str(shipped_dir("builtin_weak")), str(SHIPPED_TEACHER))  # raises if they differ
-    data = load_task(TaskConfig(**{k: base["task"][k] for k in ("name", "max_operand", "pad_answer", "split_seed",
-                                                                  "eval_size")}))
+    data = load_task(
+        TaskConfig(**{k: base["task"][k] for k in ("name", "max_operand", "pad_answer", "split_seed", "eval_size")})
+    )
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_TEACHER).eval()
     tok = AutoTokenizer.from_pretrained(SHIPPED_TEACHER)
     acc = greedy_accuracy(TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, 4)

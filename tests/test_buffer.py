@@ -33,6 +33,7 @@ def test_depth0_is_synchronous():
         assert not waiting.done()  # the next batch waits for the trainer ...
         await buf.step_done(1)
         assert await waiting == 2  # ... and starts once it published
+
     asyncio.run(go())
 
 
@@ -44,6 +45,7 @@ def test_depth1_allows_one_batch_ahead_and_depth_k_more():
             while (k := await _admit_nowait(buf, 4)) is not None:
                 admitted += k
             assert admitted == 4 * (depth + 1)
+
     asyncio.run(go())
 
 
@@ -61,6 +63,7 @@ def test_lagging_groups_are_dropped_counted_and_refunded():
         assert [g.min_version for g in batch] == [2, 3]
         assert buf.drops == {"max_lag": 1}
         assert buf.refunded == 1
+
     asyncio.run(go())
 
 
@@ -71,6 +74,7 @@ def test_refund_tops_up_a_short_batch():
         await buf.drop(_group(0), "uniform_reward")
         assert await _admit_nowait(buf, 2) == 1  # exactly the refunded group
         assert buf.drops == {"uniform_reward": 1}
+
     asyncio.run(go())
 
 
@@ -86,12 +90,14 @@ def test_unbounded_stream_enforces_max_lag():
         taken = await buf.take()
         lag = buf.policy_version - taken[0].min_version
         assert lag <= 2 and buf.drops["max_lag"] == 6  # versions 0..5 are more than 2 behind 8
+
     asyncio.run(go())
 
 
 def test_unbounded_stream_admits_at_most_max_queued_groups_ahead_of_the_trainer():
     """depth None still waits for admission once max_queued groups are admitted and untrained
     (otherwise the producer never yields and admits without end)."""
+
     async def go():
         buf = RolloutBuffer(groups_per_step=2, depth=None, max_lag=8, max_queued=5)
         assert await _admit_nowait(buf, 4) == 4
@@ -99,6 +105,7 @@ def test_unbounded_stream_admits_at_most_max_queued_groups_ahead_of_the_trainer(
         assert await _admit_nowait(buf, 4) is None
         await buf.step_done(1)  # two groups trained: two more may be admitted
         assert await _admit_nowait(buf, 4) == 2
+
     asyncio.run(go())
 
 
@@ -114,6 +121,7 @@ def test_without_refill_a_batch_trains_on_the_groups_with_signal_among_its_promp
         assert buf.drops == {"uniform_reward": 1} and buf.refunded == 0
         await buf.step_done(1)
         assert await _admit_nowait(buf, 3) == 3
+
     asyncio.run(go())
 
 
@@ -131,12 +139,14 @@ def test_without_refill_a_batch_without_any_signal_is_generated_again():
         assert await _admit_nowait(buf, 2) == 1
         await buf.put(_group(0, idx=9))
         assert [g.prompt_index for g in await take] == [7, 9]
+
     asyncio.run(go())
 
 
 def test_refill_ahead_admits_the_expected_replacements_before_the_drops():
     """Half of the first scored groups were dropped: admission anticipates that share of the groups
     still needed (and a margin), on top of the refunds, instead of waiting for each drop."""
+
     async def go():
         plain = RolloutBuffer(groups_per_step=4, depth=1, max_lag=2, max_queued=100)
         ahead = RolloutBuffer(groups_per_step=4, depth=1, max_lag=2, max_queued=100, refill_ahead=True)
@@ -154,6 +164,7 @@ def test_refill_ahead_admits_the_expected_replacements_before_the_drops():
         # (6 x 7/16 + 1) / (9/16) = 6.44 -> 6 ahead
         assert await _admit_nowait(ahead, 99) == 2 + 6
         assert await _admit_nowait(ahead, 99) is None
+
     asyncio.run(go())
 
 
@@ -170,6 +181,7 @@ def test_refill_ahead_stops_once_enough_groups_arrived_and_caps_the_drop_rate():
         assert await _admit_nowait(buf, 99) is None  # nothing still needed: no admission ahead
         await buf.step_done(1)
         assert len(await buf.take()) == 2
+
     asyncio.run(go())
 
 
@@ -205,4 +217,5 @@ def test_take_hands_the_first_groups_ahead_while_it_waits_for_the_rest():
             await buf.put(_group(0, i))
         assert [g.prompt_index for g in await buf.take(ahead, ahead_min=1)] == [4, 5, 6, 7]
         assert parts == [[0, 1]]
+
     asyncio.run(go())

@@ -44,16 +44,24 @@ def _alive(pid: int) -> bool:
 
 
 def test_version():
-    out = subprocess.run([NONSTOP, "--version"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")})
+    out = subprocess.run(
+        [NONSTOP, "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")},
+    )
     assert out.returncode == 0 and out.stdout.startswith("nonstop 0.")
 
 
-@pytest.mark.parametrize("model, words", [
-    ("does/not/exist", "model.path: no such folder: does/not/exist"),
-    ("EMPTY", "holds no config.json (empty)"),
-    ("someorg/some-model", "offline mode is on"),
-])
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        ("does/not/exist", "model.path: no such folder: does/not/exist"),
+        ("EMPTY", "holds no config.json (empty)"),
+        ("someorg/some-model", "offline mode is on"),
+    ],
+)
 def test_bad_model_paths_fail_fast_with_one_line_and_no_run_folder(tmp_path, model, words):
     if model == "EMPTY":
         model = str(tmp_path / "empty")
@@ -62,20 +70,30 @@ def test_bad_model_paths_fail_fast_with_one_line_and_no_run_folder(tmp_path, mod
     env_offline = {"HF_HUB_OFFLINE": "1"}
     os.environ.update(env_offline)
     try:
-        result = nonstop(["train", "--set", f"model.path={model}", "--set", "run.progress=plain"], cwd=tmp_path, timeout_s=120)
+        result = nonstop(
+            ["train", "--set", f"model.path={model}", "--set", "run.progress=plain"], cwd=tmp_path, timeout_s=120
+        )
     finally:
         for k in env_offline:
             os.environ.pop(k)
     took_s = time.perf_counter() - t0
-    assert result.returncode == 2 and words in result.stdout and "Traceback" not in result.stdout + result.stderr, result
+    assert result.returncode == 2 and words in result.stdout and "Traceback" not in result.stdout + result.stderr, (
+        result
+    )
     assert took_s < 60, took_s  # imports only, on a loaded machine; nothing is spawned
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
 def test_hub_id_without_network_stops_on_ctrl_c(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "HF_HUB_OFFLINE": "0"}
-    proc = subprocess.Popen([NONSTOP, "train", "--set", "model.path=someorg/some-model", "--set", "run.progress=plain"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [NONSTOP, "train", "--set", "model.path=someorg/some-model", "--set", "run.progress=plain"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     time.sleep(8)  # imports, then the hub lookup retrying against no network
     proc.send_signal(signal.SIGINT)
     t0 = time.perf_counter()
@@ -85,11 +103,18 @@ def test_hub_id_without_network_stops_on_ctrl_c(tmp_path):
     assert "Traceback" not in out, out
 
 
-@pytest.mark.parametrize("reward, words", [("exact_matc", "task.reward: unknown reward 'exact_matc'"),
-                                           ("my_pkg.rewards:score", "task.reward: cannot import 'my_pkg.rewards:score'")])
+@pytest.mark.parametrize(
+    "reward, words",
+    [
+        ("exact_matc", "task.reward: unknown reward 'exact_matc'"),
+        ("my_pkg.rewards:score", "task.reward: cannot import 'my_pkg.rewards:score'"),
+    ],
+)
 def test_bad_reward_is_refused_before_any_actor_starts(tiny_dir, tmp_path, reward, words):
     t0 = time.perf_counter()
-    result = nonstop(["train", *small_model_args(tiny_dir), "--set", f"task.reward={reward}"], cwd=tmp_path, timeout_s=120)
+    result = nonstop(
+        ["train", *small_model_args(tiny_dir), "--set", f"task.reward={reward}"], cwd=tmp_path, timeout_s=120
+    )
     assert result.returncode == 2 and words in result.stdout, result
     assert "starting" not in result.stdout and time.perf_counter() - t0 < 60
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
@@ -110,7 +135,9 @@ def test_held_out_split_is_explicit_and_said(tmp_path):
     (tmp_path / "e.jsonl").write_text("\n".join(rows[:7]) + "\n")
     path = str(tmp_path / "d.jsonl")
     data = load_task(TaskConfig(name="jsonl", dataset_path=path))
-    assert len(data.eval) == 100 and "held out 100 of 201 rows (task.eval_size=500, capped at half" in data.report.held_out
+    assert (
+        len(data.eval) == 100 and "held out 100 of 201 rows (task.eval_size=500, capped at half" in data.report.held_out
+    )
     data = load_task(TaskConfig(name="jsonl", dataset_path=path, eval_size=20))
     assert (len(data.train), len(data.eval)) == (181, 20) and "capped" not in data.report.held_out
     data = load_task(TaskConfig(name="jsonl", dataset_path=path, eval_fraction=0.05))
@@ -124,9 +151,29 @@ def test_held_out_split_is_explicit_and_said(tmp_path):
 
 def _start_run(tiny_dir, tmp_path, name, *extra):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([NONSTOP, "train", *small_model_args(tiny_dir), "--set", f"run.name={name}",
-                             "--set", "run.max_steps=100000", "--set", "run.max_time_s=null", "--set", "task.eval_size=10",
-                             "--set", "rollout.filter_uniform_reward=false", *extra], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            NONSTOP,
+            "train",
+            *small_model_args(tiny_dir),
+            "--set",
+            f"run.name={name}",
+            "--set",
+            "run.max_steps=100000",
+            "--set",
+            "run.max_time_s=null",
+            "--set",
+            "task.eval_size=10",
+            "--set",
+            "rollout.filter_uniform_reward=false",
+            *extra,
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for_line(proc, words, timeout_s=240):
@@ -144,8 +191,11 @@ def _segments(pids: list[int]) -> set[str]:
     names = set()
     for pid in pids:
         try:
-            names |= {line.split("/dev/shm/")[1].split()[0] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                      if "/dev/shm/nonstop_" in line}
+            names |= {
+                line.split("/dev/shm/")[1].split()[0]
+                for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                if "/dev/shm/nonstop_" in line
+            }
         except OSError:
             continue
     return names
@@ -169,6 +219,7 @@ def test_sigterm_stops_every_actor_and_actors_are_named_by_role(tiny_dir, tmp_pa
         cmdlines = {Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip() for p in kids}
         try:
             import setproctitle  # noqa: F401  # optional: the whole command line too (ps)
+
             assert {"nonstop: engine", "nonstop: trainer"} <= cmdlines, cmdlines
         except ImportError:
             pass
@@ -206,8 +257,15 @@ def test_killed_orchestrator_takes_its_actors_along(tiny_dir, tmp_path):
 
 @pytest.mark.slow  # a real training run (1-4 min on a loaded 2-core machine)
 def test_killed_trainer_leaves_no_segment_and_a_failed_marker(tiny_dir, tmp_path):
-    proc = _start_run(tiny_dir, tmp_path, "tk", "--set", "task.reward=helpers:kill_trainer_reward",
-                      "--set", "checkpoint.every_steps=null")
+    proc = _start_run(
+        tiny_dir,
+        tmp_path,
+        "tk",
+        "--set",
+        "task.reward=helpers:kill_trainer_reward",
+        "--set",
+        "checkpoint.every_steps=null",
+    )
     try:
         _wait_for_line(proc, "base policy held-out accuracy")
         segments = _segments(_children(proc.pid))
@@ -234,7 +292,9 @@ def test_ctrl_c_writes_a_checkpoint_that_resumes_and_a_second_stops_at_once(tiny
     step = int(out.split("interrupted: stopped at step ")[1].split()[0])
     run_dir = tmp_path / "runs" / "cc"
     assert (run_dir / "checkpoints").is_dir() and "resume with" in (run_dir / "FAILED").read_text()
-    result = nonstop(["train", "--resume", str(run_dir), "--set", f"run.max_steps={step + 2}"], cwd=tmp_path, timeout_s=400)
+    result = nonstop(
+        ["train", "--resume", str(run_dir), "--set", f"run.max_steps={step + 2}"], cwd=tmp_path, timeout_s=400
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == step + 2 and summary["prompts"]["duplicated"] == 0, summary
@@ -261,11 +321,28 @@ def test_time_budget_ends_a_run_in_which_no_batch_ever_arrives(tiny_dir, tmp_pat
     `run.max_time_s` still ends the run (it used to wait for a batch forever), with zero steps and
     the drops counted."""
     # max_consecutive_uniform out of reach: the time budget, not the no-signal rule, must end it
-    out = nonstop(["train", "--set", "task.reward=helpers:zero_reward", "--set", "run.max_time_s=4",
-                   "--set", "run.max_steps=1000", "--set", "checkpoint.every_steps=null",
-                   "--set", "rollout.max_consecutive_uniform=100000000",
-                   "--set", f"run.out_dir={tmp_path}", "--set", "run.name=flat", *small_model_args(tiny_dir)],
-                  tmp_path, timeout_s=300)
+    out = nonstop(
+        [
+            "train",
+            "--set",
+            "task.reward=helpers:zero_reward",
+            "--set",
+            "run.max_time_s=4",
+            "--set",
+            "run.max_steps=1000",
+            "--set",
+            "checkpoint.every_steps=null",
+            "--set",
+            "rollout.max_consecutive_uniform=100000000",
+            "--set",
+            f"run.out_dir={tmp_path}",
+            "--set",
+            "run.name=flat",
+            *small_model_args(tiny_dir),
+        ],
+        tmp_path,
+        timeout_s=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     s = json.loads((tmp_path / "flat" / "summary.json").read_text())
     assert s["steps"] == 0 and s["drops"]["uniform_reward"] > 0

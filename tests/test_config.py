@@ -110,12 +110,16 @@ def test_example_configs_validate():
 
 # Tagged sections: `transport.kind` and `runtime.backend` select a model with only its own fields.
 
+
 def test_kind_selects_the_transport_model_and_defaults_to_shm(tmp_path):
     assert isinstance(load_config(overrides=["transport.checksum=true"]).transport, ShmTransportConfig)
     cfg = load_config(overrides=["transport.kind=broadcast", "transport.bucket_mb=4"])
     assert cfg.transport == BroadcastTransportConfig(bucket_mb=4)
     cfg = load_config(overrides=["transport.kind=files", "transport.dir=/w", "transport.notify=http"])
-    assert isinstance(cfg.transport, FilesTransportConfig) and (cfg.transport.dir, cfg.transport.notify) == ("/w", "http")
+    assert isinstance(cfg.transport, FilesTransportConfig) and (cfg.transport.dir, cfg.transport.notify) == (
+        "/w",
+        "http",
+    )
     assert "bucket_mb" not in dump_config(load_config())  # only the chosen kind's fields are written
     path = tmp_path / "c.yaml"
     path.write_text(dump_config(cfg))
@@ -125,20 +129,34 @@ def test_kind_selects_the_transport_model_and_defaults_to_shm(tmp_path):
     assert isinstance(load_config().runtime, LocalRuntimeConfig)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["transport.bucket_mb=4"], "transport.bucket_mb: only for transport.kind 'broadcast' (kind is 'shm')"),
-    (["transport.kind=files", "transport.per_tensor=true"],
-     "transport.per_tensor: only for transport.kind 'broadcast' (kind is 'files')"),
-    (["transport.kind=broadcast", "transport.dir=/w"], "transport.dir: only for transport.kind 'files' (kind is 'broadcast')"),
-    (["runtime.ray_address=auto"], "runtime.ray_address: only for runtime.backend 'ray' (backend is 'local')"),
-    (["runtime.ray_trainer.num_gpus=1"], "runtime.ray_trainer: only for runtime.backend 'ray' (backend is 'local')"),
-    (["transport.bukcet_mb=4"], "transport.bukcet_mb: unknown field (did you mean 'bucket_mb'?)"),
-    (["transport.kind=nccl"], "transport.kind: expected one of 'shm', 'broadcast', 'files' (got 'nccl')"),
-    (["runtime.backend=slurm"], "runtime.backend: expected one of 'local', 'ray' (got 'slurm')"),
-    (["transport=shm"], "transport: expected a section (a mapping of fields) (got 'shm')"),
-    (["transport.kind=broadcast", "transport.bucket_mb=0"], "transport.bucket_mb: Input should be greater than 0"),
-    (["runtime.backend=ray", "runtime.ray_engine.num_cpus=-1"], "runtime.ray_engine.num_cpus: Input should be greater"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["transport.bucket_mb=4"], "transport.bucket_mb: only for transport.kind 'broadcast' (kind is 'shm')"),
+        (
+            ["transport.kind=files", "transport.per_tensor=true"],
+            "transport.per_tensor: only for transport.kind 'broadcast' (kind is 'files')",
+        ),
+        (
+            ["transport.kind=broadcast", "transport.dir=/w"],
+            "transport.dir: only for transport.kind 'files' (kind is 'broadcast')",
+        ),
+        (["runtime.ray_address=auto"], "runtime.ray_address: only for runtime.backend 'ray' (backend is 'local')"),
+        (
+            ["runtime.ray_trainer.num_gpus=1"],
+            "runtime.ray_trainer: only for runtime.backend 'ray' (backend is 'local')",
+        ),
+        (["transport.bukcet_mb=4"], "transport.bukcet_mb: unknown field (did you mean 'bucket_mb'?)"),
+        (["transport.kind=nccl"], "transport.kind: expected one of 'shm', 'broadcast', 'files' (got 'nccl')"),
+        (["runtime.backend=slurm"], "runtime.backend: expected one of 'local', 'ray' (got 'slurm')"),
+        (["transport=shm"], "transport: expected a section (a mapping of fields) (got 'shm')"),
+        (["transport.kind=broadcast", "transport.bucket_mb=0"], "transport.bucket_mb: Input should be greater than 0"),
+        (
+            ["runtime.backend=ray", "runtime.ray_engine.num_cpus=-1"],
+            "runtime.ray_engine.num_cpus: Input should be greater",
+        ),
+    ],
+)
 def test_field_of_another_kind_or_bad_kind_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=overrides)
@@ -150,30 +168,66 @@ def test_field_of_another_kind_or_bad_kind_is_one_clear_error(overrides, message
 # suggests makes the config valid.
 RULES = [
     (["buffer.depth=3", "buffer.max_lag=1"], r"buffer\.max_lag \(1\) < buffer\.depth \(3\)", ["buffer.reject=token"]),
-    (["trainer.ranks=2", "model.lora.enabled=true"], r"trainer\.ranks: data-parallel ranks with model\.lora",
-     ["trainer.ranks=1"]),
-    (["trainer.ranks=5", "rollout.prompts_per_step=4"], r"trainer\.ranks \(5\) > rollout\.prompts_per_step \(4\)",
-     ["trainer.ranks=4"]),
-    (["model.path=/m", "warmup.enabled=true"], r"warmup\.enabled: the warm-up trains the built-in tiny model",
-     ["warmup.enabled=false"]),
-    (["env.name=guess_number", "rollout.seed_per_prompt=true"],
-     r"rollout\.seed_per_prompt: environment runs", ["rollout.seed_per_prompt=false"]),
+    (
+        ["trainer.ranks=2", "model.lora.enabled=true"],
+        r"trainer\.ranks: data-parallel ranks with model\.lora",
+        ["trainer.ranks=1"],
+    ),
+    (
+        ["trainer.ranks=5", "rollout.prompts_per_step=4"],
+        r"trainer\.ranks \(5\) > rollout\.prompts_per_step \(4\)",
+        ["trainer.ranks=4"],
+    ),
+    (
+        ["model.path=/m", "warmup.enabled=true"],
+        r"warmup\.enabled: the warm-up trains the built-in tiny model",
+        ["warmup.enabled=false"],
+    ),
+    (
+        ["env.name=guess_number", "rollout.seed_per_prompt=true"],
+        r"rollout\.seed_per_prompt: environment runs",
+        ["rollout.seed_per_prompt=false"],
+    ),
     (["task.name=jsonl"], r"task: .*task 'jsonl' needs dataset_path", ["task.dataset_path=d.jsonl"]),
-    (["model.tiny.num_heads=3"], r"model\.tiny: .*hidden_size must be divisible by num_heads", ["model.tiny.num_heads=8"]),
-    (["model.tiny.num_kv_heads=3"], r"model\.tiny: .*num_heads must be divisible by num_kv_heads",
-     ["model.tiny.num_kv_heads=4"]),
-    (["trainer.is_lo=1.0", "trainer.is_hi=1.0"], r"trainer: .*is_lo \(1\.0\) must be below is_hi \(1\.0\)",
-     ["trainer.is_hi=1.5"]),
-    (["buffer.depth=0", "buffer.max_lag=0", "rollout.refill_ahead=true"],
-     r"rollout\.refill_ahead: admitting replacements ahead needs rollout\.refill and a bounded buffer\.depth >= 1",
-     ["rollout.refill_ahead=false"]),
+    (
+        ["model.tiny.num_heads=3"],
+        r"model\.tiny: .*hidden_size must be divisible by num_heads",
+        ["model.tiny.num_heads=8"],
+    ),
+    (
+        ["model.tiny.num_kv_heads=3"],
+        r"model\.tiny: .*num_heads must be divisible by num_kv_heads",
+        ["model.tiny.num_kv_heads=4"],
+    ),
+    (
+        ["trainer.is_lo=1.0", "trainer.is_hi=1.0"],
+        r"trainer: .*is_lo \(1\.0\) must be below is_hi \(1\.0\)",
+        ["trainer.is_hi=1.5"],
+    ),
+    (
+        ["buffer.depth=0", "buffer.max_lag=0", "rollout.refill_ahead=true"],
+        r"rollout\.refill_ahead: admitting replacements ahead needs rollout\.refill and a bounded buffer\.depth >= 1",
+        ["rollout.refill_ahead=false"],
+    ),
 ]
 
 
-@pytest.mark.parametrize("overrides,message,fix", RULES, ids=[
-    "lag_below_depth", "ranks_with_lora", "ranks_above_prompts", "warmup_with_model_path",
-    "seed_per_prompt_with_env", "jsonl_needs_dataset", "heads_divide_width", "kv_heads_divide_heads", "is_bounds",
-    "refill_ahead_at_depth_0"])
+@pytest.mark.parametrize(
+    "overrides,message,fix",
+    RULES,
+    ids=[
+        "lag_below_depth",
+        "ranks_with_lora",
+        "ranks_above_prompts",
+        "warmup_with_model_path",
+        "seed_per_prompt_with_env",
+        "jsonl_needs_dataset",
+        "heads_divide_width",
+        "kv_heads_divide_heads",
+        "is_bounds",
+        "refill_ahead_at_depth_0",
+    ],
+)
 def test_each_rule_across_fields_names_them_and_its_fix_works(overrides, message, fix):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
@@ -213,14 +267,20 @@ def test_reference_has_one_table_per_kind_and_docs_are_current():
     assert "`transport.checksum`" in ref[common:shm] and "`transport.bucket_mb`" in ref[broadcast:files]
     assert "`transport.bucket_mb`" not in ref[:broadcast] + ref[files:]
     assert "| `transport.kind` | 'shm' or 'broadcast' or 'files' | `'shm'` |" in ref
-    assert "## runtime.ray_engine (backend: ray)" in ref and "`runtime.ray_address`" in ref[ref.index("(backend: ray)"):]
-    assert (ROOT / "docs" / "config.md").read_text() == ref + "\n", "regenerate: nonstop config --markdown > docs/config.md"
+    assert (
+        "## runtime.ray_engine (backend: ray)" in ref and "`runtime.ray_address`" in ref[ref.index("(backend: ray)") :]
+    )
+    assert (ROOT / "docs" / "config.md").read_text() == ref + "\n", (
+        "regenerate: nonstop config --markdown > docs/config.md"
+    )
 
 
 def test_forward_ahead_is_on_for_one_rank_at_depth_one_and_refused_with_several_ranks():
     assert load_config().forward_ahead  # the default job: depth 1, one trainer rank
     assert load_config(overrides=["buffer.depth=null"]).forward_ahead
-    assert not load_config(overrides=["buffer.depth=0", "buffer.max_lag=0"]).forward_ahead  # seeded runs repeat bit for bit
+    assert not load_config(
+        overrides=["buffer.depth=0", "buffer.max_lag=0"]
+    ).forward_ahead  # seeded runs repeat bit for bit
     assert not load_config(overrides=["trainer.ranks=2"]).forward_ahead
     assert load_config(overrides=["buffer.depth=0", "buffer.max_lag=0", "trainer.forward_ahead=true"]).forward_ahead
     with pytest.raises(ConfigError, match=r"trainer.forward_ahead needs one trainer rank \(got trainer.ranks=2\)"):

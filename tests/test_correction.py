@@ -55,11 +55,11 @@ def test_on_policy_every_correction_reduces_to_the_uncorrected_loss(kind):
     adv = torch.tensor([1.0, -0.5, 2.0, -1.0])
     mask = torch.rand(4, 5) > 0.2
     ref_loss, _ = clipped_policy_loss(logp, behaviour, adv, mask)
-    ref_grad, = torch.autograd.grad(ref_loss, logp)
+    (ref_grad,) = torch.autograd.grad(ref_loss, logp)
     w, _ = is_weights(logp.detach(), behaviour, mask, kind)
     old = behaviour if kind == "none" else logp.detach()
     loss, stats = clipped_policy_loss(logp, old, adv, mask, weights=w)
-    grad, = torch.autograd.grad(loss, logp)
+    (grad,) = torch.autograd.grad(loss, logp)
     assert torch.allclose(w[mask], torch.ones_like(w[mask]))
     assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
     assert torch.allclose(grad, ref_grad, atol=1e-6)

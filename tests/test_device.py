@@ -21,7 +21,9 @@ def test_device_resolution_and_its_errors():
     assert resolve_dtype("auto", torch.device("cpu"), "engine.dtype") == torch.float32
     assert resolve_dtype("auto", torch.device("cuda"), "engine.dtype") == torch.bfloat16
     if not torch.cuda.is_available():
-        with pytest.raises(DeviceError, match=r"trainer.device: 'cuda:1' but torch sees no CUDA device.*trainer.device: cpu"):
+        with pytest.raises(
+            DeviceError, match=r"trainer.device: 'cuda:1' but torch sees no CUDA device.*trainer.device: cpu"
+        ):
             resolve_device("cuda:1", "trainer.device")
     with pytest.raises(ConfigError, match=r"engine.device"):
         load_config(None, ["engine.device=gpu0"])
@@ -31,8 +33,12 @@ def test_device_resolution_and_its_errors():
 @pytest.mark.parametrize("mode", ["never_stop", "abort_retry"])
 def test_a_bfloat16_engine_takes_float32_weights_through_its_host_staging_copy(tiny_dir, mode):
     trainer_model = load_model(str(tiny_dir))
-    engine = TorchEngine(load_model(str(tiny_dir), torch.bfloat16), [2], 0,
-                         settings=EngineConfig(update_mode=mode, dtype="bfloat16", device="cpu"))
+    engine = TorchEngine(
+        load_model(str(tiny_dir), torch.bfloat16),
+        [2],
+        0,
+        settings=EngineConfig(update_mode=mode, dtype="bfloat16", device="cpu"),
+    )
     assert engine.gate.staged and engine.weight_model is not engine.model  # never_stop too: the live model is bf16
     assert next(engine.weight_model.parameters()).dtype == torch.float32
     handle = plan_transport(ShmTransportConfig(), trainer_model, 1)

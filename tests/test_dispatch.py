@@ -17,24 +17,32 @@ from nonstop.types import GenerationRequest, Group, SamplingParams
 
 
 def _requests(tok, count: int, n: int, first: int = 0) -> list[GenerationRequest]:
-    return [GenerationRequest(first + i, tok(f"{first + i}+{i}=")["input_ids"], n, SamplingParams(4, 1.0))
-            for i in range(count)]
+    return [
+        GenerationRequest(first + i, tok(f"{first + i}+{i}=")["input_ids"], n, SamplingParams(4, 1.0))
+        for i in range(count)
+    ]
 
 
 def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each_version(tiny_dir, tmp_path):
     tok = load_tokenizer(str(tiny_dir))
-    cfg = Config.model_validate({
-        "model": {"path": str(tiny_dir)}, "rollout": {"prompts_per_step": 4, "group_size": 3},
-        "runtime": {"num_engines": 2}, "transport": {"kind": "broadcast", "timeout_s": 60},
-        "trainer": {"ranks": 2, "data_parallel": "fsdp2", "lr": 1e-2}, "checkpoint": {"every_steps": None},
-    })
+    cfg = Config.model_validate(
+        {
+            "model": {"path": str(tiny_dir)},
+            "rollout": {"prompts_per_step": 4, "group_size": 3},
+            "runtime": {"num_engines": 2},
+            "transport": {"kind": "broadcast", "timeout_s": 60},
+            "trainer": {"ranks": 2, "data_parallel": "fsdp2", "lr": 1e-2},
+            "checkpoint": {"every_steps": None},
+        }
+    )
 
     async def go():
         backend = make_backend(cfg.runtime)
         try:
             engines, ranks = await asyncio.gather(
                 asyncio.gather(*(spawn_engine(backend, cfg, tiny_dir, tok, i) for i in range(2))),
-                spawn_trainers(backend, cfg, tiny_dir, tok))
+                spawn_trainers(backend, cfg, tiny_dir, tok),
+            )
             await connect_transport(cfg, ranks, list(engines), backend.host)
             pool = EnginePool(list(engines))
             assert [e.name for e in pool.engines] == ["engine-0", "engine-1"]
@@ -43,8 +51,7 @@ def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each
             # one large call and two concurrent small ones: every request answered once, in order
             reqs = _requests(tok, 10, 3)
             extra_a, extra_b = _requests(tok, 1, 3, first=100), _requests(tok, 1, 3, first=200)
-            big, a, b = await asyncio.gather(pool.generate(reqs), pool.generate(extra_a),
-                                             pool.generate(extra_b))
+            big, a, b = await asyncio.gather(pool.generate(reqs), pool.generate(extra_a), pool.generate(extra_b))
             for req, samples in zip(reqs + extra_a + extra_b, big + a + b):
                 assert len(samples) == req.n and all(s.prompt_ids == req.prompt_ids for s in samples)
             assert pool.served[0] > 0 and pool.served[1] > 0 and sum(pool.served) == 36
@@ -79,7 +86,7 @@ def test_two_engines_two_fsdp2_ranks_each_prompt_once_and_every_engine_gets_each
                 with torch.no_grad():
                     logp = torch.log_softmax(saved(ids).logits[0].float(), -1)  # (L, V)
                 P = len(s.prompt_ids)
-                ours = logp[P - 1:P - 1 + len(s.completion_ids)].gather(-1, torch.tensor(s.completion_ids)[:, None])
+                ours = logp[P - 1 : P - 1 + len(s.completion_ids)].gather(-1, torch.tensor(s.completion_ids)[:, None])
                 assert torch.allclose(ours.squeeze(-1), torch.tensor(s.logprobs), atol=1e-4)
         finally:
             await backend.shutdown()

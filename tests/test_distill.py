@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import SMALL
-from nonstop.config import DistillConfig, TrainerConfig, load_config, ConfigError
+from nonstop.config import ConfigError, DistillConfig, TrainerConfig, load_config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.orchestrator.score import RewardError
@@ -35,7 +35,7 @@ def test_distill_advantages_by_hand():
     assert not distill_advantages(adv, s, teacher, mask, 1.0).requires_grad
     # normalize: k over the 5 completion tokens [1.0, -0.5, 0.0, 0.1, -0.2] has mean 0.08 and
     # population variance (0.92^2 + 0.58^2 + 0.08^2 + 0.02^2 + 0.28^2) / 5 = 0.2536
-    z = torch.tensor([[0.92, -0.58, -0.08], [0.02, -0.28, 0.0]]) / 0.2536 ** 0.5
+    z = torch.tensor([[0.92, -0.58, -0.08], [0.02, -0.28, 0.0]]) / 0.2536**0.5
     got = distill_advantages(adv, student, teacher, mask, coef=2.0, task_reward=False, normalize=True)
     assert torch.allclose(got, -2.0 * z, atol=1e-5)
     got = distill_advantages(adv, student, teacher, mask, coef=2.0, normalize=True)
@@ -44,18 +44,22 @@ def test_distill_advantages_by_hand():
 
 def test_process_advantages_by_hand():
     """Two samples of one group, one of another. Step rewards sit at each step's last token."""
-    token_rewards = torch.tensor([[0.0, 1.0, 0.0, 2.0],    # steps end at t=1 (1.0) and t=3 (2.0)
-                                  [0.0, 0.0, -1.0, 0.0],   # one step ends at t=2; t=3 is padding
-                                  [3.0, 0.0, 0.0, 0.0]])   # other group, one token
+    token_rewards = torch.tensor(
+        [
+            [0.0, 1.0, 0.0, 2.0],  # steps end at t=1 (1.0) and t=3 (2.0)
+            [0.0, 0.0, -1.0, 0.0],  # one step ends at t=2; t=3 is padding
+            [3.0, 0.0, 0.0, 0.0],
+        ]
+    )  # other group, one token
     mask = torch.tensor([[True, True, True, True], [True, True, True, False], [True, False, False, False]])
     group_of = torch.tensor([0, 0, 1])
     adv = torch.tensor([0.5, -0.5, 0.0])
     # returns: row0 [3, 3, 2, 2]; row1 [-1, -1, -1, 0]; row2 [3]
     # group 0 mean over its 7 tokens: (3+3+2+2-1-1-1)/7 = 1; group 1 mean 3
     got = process_advantages(adv, token_rewards, mask, group_of)
-    want = torch.tensor([[0.5 + 2, 0.5 + 2, 0.5 + 1, 0.5 + 1],
-                         [-0.5 - 2, -0.5 - 2, -0.5 - 2, 0.0],
-                         [0.0 + 0, 0.0, 0.0, 0.0]])
+    want = torch.tensor(
+        [[0.5 + 2, 0.5 + 2, 0.5 + 1, 0.5 + 1], [-0.5 - 2, -0.5 - 2, -0.5 - 2, 0.0], [0.0 + 0, 0.0, 0.0, 0.0]]
+    )
     assert torch.allclose(got, want)
 
 
@@ -73,8 +77,13 @@ def test_teacher_worker_matches_the_trainer_and_a_self_teacher_has_zero_kl(tiny_
         assert torch.allclose(torch.tensor(lp), torch.tensor(s.logprobs), atol=1e-4)  # same weights, same temperature
         s.teacher_logprobs, s.teacher = lp, "self@0"
         s.reward = float(len(s.completion_ids) % 2)
-    trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(lr=1e-2), 0.8, tok.pad_token_id,
-                      distill=DistillConfig(teacher=str(tiny_dir), coef=1.0))
+    trainer = Trainer(
+        load_model(str(tiny_dir)),
+        TrainerConfig(lr=1e-2),
+        0.8,
+        tok.pad_token_id,
+        distill=DistillConfig(teacher=str(tiny_dir), coef=1.0),
+    )
     metrics = trainer.step(groups)
     assert abs(metrics["teacher_kl"]) < 1e-4
 
@@ -90,8 +99,13 @@ def test_teacher_term_moves_the_student_towards_the_teacher(tiny_dir, tmp_path):
     tok = load_tokenizer(str(tiny_dir))
     engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id)
     teacher = TeacherWorker(str(other), 1.0, 1000)
-    trainer = Trainer(engine.model, TrainerConfig(lr=1e-3), 1.0, tok.pad_token_id,
-                      distill=DistillConfig(teacher=str(other), coef=1.0, task_reward=False))
+    trainer = Trainer(
+        engine.model,
+        TrainerConfig(lr=1e-3),
+        1.0,
+        tok.pad_token_id,
+        distill=DistillConfig(teacher=str(other), coef=1.0, task_reward=False),
+    )
     ids = tok("1+2=")["input_ids"]
 
     def exact_kl() -> float:
@@ -117,8 +131,11 @@ def test_teacher_with_another_tokenizer_is_refused(tiny_dir, tmp_path):
     tok = make_char_tokenizer()
     tok.add_tokens(["<think>"])
     tok.save_pretrained(other)
-    with pytest.raises(RewardError, match=r"distill.teacher: .* has another tokenizer than the student's "
-                                          r"\(129 vs 128 tokens; 1 map differently, e.g. \['<think>'\]\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"distill.teacher: .* has another tokenizer than the student's "
+        r"\(129 vs 128 tokens; 1 map differently, e.g. \['<think>'\]\)",
+    ):
         check_tokenizers(str(tiny_dir), str(other))
     check_tokenizers(str(tiny_dir), str(tiny_dir))  # the same one passes
     ident = teacher_identity(DistillConfig(teacher=str(tiny_dir)))
@@ -145,9 +162,19 @@ def test_distillation_teaches_a_long_answer_the_reward_cannot(seed, tmp_path, mo
 
     root = Path(__file__).resolve().parent.parent
     monkeypatch.chdir(root)  # the example names its files relative to the repository root
-    summary = train(root / "examples" / "tasks" / "cipher.yaml", progress="off", overrides=[
-        f"run.seed={seed}", "run.max_steps=45", "run.max_time_s=null", "run.eval_every=1000",
-        f"run.out_dir={tmp_path}", "run.name=cipher", "checkpoint.every_steps=null"])
+    summary = train(
+        root / "examples" / "tasks" / "cipher.yaml",
+        progress="off",
+        overrides=[
+            f"run.seed={seed}",
+            "run.max_steps=45",
+            "run.max_time_s=null",
+            "run.eval_every=1000",
+            f"run.out_dir={tmp_path}",
+            "run.name=cipher",
+            "checkpoint.every_steps=null",
+        ],
+    )
     recs = [json.loads(line) for line in (tmp_path / "cipher" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "teacher_kl" in r]
     assert summary.steps == 45 and len(steps) == 45

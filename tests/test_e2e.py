@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import SMALL
 from nonstop.tasks.base import read_provenance, shipped_dir
 
 HERE = Path(__file__).resolve().parent
@@ -39,8 +38,19 @@ def test_short_run_learns(tmp_path):
     async GRPO at depth 1 (refilling ahead). Over run seeds 0-2 the gain at step 60 was +15.6, +11.4
     and +13.8 points; the bar is +5."""
     result = nonstop(
-        ["train", "--set", "run.name=learn", "--set", "run.max_steps=60", "--set", "run.max_time_s=null",
-         "--set", "run.eval_every=60", "--set", "run.progress=plain"],
+        [
+            "train",
+            "--set",
+            "run.name=learn",
+            "--set",
+            "run.max_steps=60",
+            "--set",
+            "run.max_time_s=null",
+            "--set",
+            "run.eval_every=60",
+            "--set",
+            "run.progress=plain",
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -51,8 +61,20 @@ def test_short_run_learns(tmp_path):
     assert summary["steps"] == 60
     assert summary["final_accuracy"] >= summary["base_accuracy"] + 0.05, summary
     recs = records(run_dir)
-    for key in ("step", "policy_version", "reward_mean", "loss", "ratio_mean", "ratio_max", "lag_hist",
-                "generation_busy_s", "generation_idle_s", "training_busy_s", "training_idle_s", "samples_per_s"):
+    for key in (
+        "step",
+        "policy_version",
+        "reward_mean",
+        "loss",
+        "ratio_mean",
+        "ratio_max",
+        "lag_hist",
+        "generation_busy_s",
+        "generation_idle_s",
+        "training_busy_s",
+        "training_idle_s",
+        "samples_per_s",
+    ):
         assert key in recs[-1], key
     assert [r["policy_version"] for r in recs] == list(range(1, len(recs) + 1))
     # depth 1 bounds the lag by 1, and by 2 (max_lag) for a group admitted ahead (rollout.refill_ahead)
@@ -73,16 +95,45 @@ def test_short_run_learns(tmp_path):
     assert "held-out accuracy" in result.stdout and "base" in result.stdout
 
 
-@pytest.mark.parametrize("transport,sampling", [("shm", []), ("broadcast", []), ("files", []),
-                                                ("shm", ["--set", "rollout.top_k=6", "--set", "rollout.top_p=0.9"])])
+@pytest.mark.parametrize(
+    "transport,sampling",
+    [
+        ("shm", []),
+        ("broadcast", []),
+        ("files", []),
+        ("shm", ["--set", "rollout.top_k=6", "--set", "rollout.top_p=0.9"]),
+    ],
+)
 def test_depth0_first_step_is_exactly_on_policy(tiny_dir, tmp_path, transport, sampling):
     """Depth 0: ratio 1 on every step; with top-k/top-p only because the trainer replays the kept sets."""
     result = nonstop(
-        ["train", *small_model_args(tiny_dir), "--set", "buffer.depth=0", "--set", "buffer.max_lag=0",
-         "--set", "run.max_steps=4", "--set", "run.name=d0", "--set", f"transport.kind={transport}",
-         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.max_new_tokens=6",
-         "--set", "task.max_operand=9", "--set", "task.eval_size=20", "--set", "trainer.lr=1e-2",
-         "--set", "task.reward=helpers:length_reward", *sampling],
+        [
+            "train",
+            *small_model_args(tiny_dir),
+            "--set",
+            "buffer.depth=0",
+            "--set",
+            "buffer.max_lag=0",
+            "--set",
+            "run.max_steps=4",
+            "--set",
+            "run.name=d0",
+            "--set",
+            f"transport.kind={transport}",
+            "--set",
+            "rollout.filter_uniform_reward=false",
+            "--set",
+            "rollout.max_new_tokens=6",
+            "--set",
+            "task.max_operand=9",
+            "--set",
+            "task.eval_size=20",
+            "--set",
+            "trainer.lr=1e-2",
+            "--set",
+            "task.reward=helpers:length_reward",
+            *sampling,
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -104,10 +155,26 @@ def test_bad_dataset_rows_and_raising_reward_are_counted_not_fatal(tiny_dir, tmp
     lines.insert(3, json.dumps({"prompt": "1+1="}))  # no answer: line 4
     (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
     result = nonstop(
-        ["train", *small_model_args(tiny_dir), "--set", "task.name=jsonl", "--set", "task.dataset_path=data.jsonl",
-         "--set", "task.eval_size=10", "--set", "task.reward=helpers:raising_reward", "--set", "run.max_steps=3",
-         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.prompts_per_step=4",
-         "--set", "run.name=bad"],
+        [
+            "train",
+            *small_model_args(tiny_dir),
+            "--set",
+            "task.name=jsonl",
+            "--set",
+            "task.dataset_path=data.jsonl",
+            "--set",
+            "task.eval_size=10",
+            "--set",
+            "task.reward=helpers:raising_reward",
+            "--set",
+            "run.max_steps=3",
+            "--set",
+            "rollout.filter_uniform_reward=false",
+            "--set",
+            "rollout.prompts_per_step=4",
+            "--set",
+            "run.name=bad",
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -122,9 +189,20 @@ def test_bad_dataset_rows_and_raising_reward_are_counted_not_fatal(tiny_dir, tmp
 
 def test_reward_that_always_fails_stops_the_run_with_the_cause(tiny_dir, tmp_path):
     result = nonstop(
-        ["train", *small_model_args(tiny_dir), "--set", "task.reward=helpers:always_raising_reward",
-         "--set", "task.max_operand=9", "--set", "task.eval_size=10", "--set", "task.max_consecutive_reward_failures=8"],
-        cwd=tmp_path, timeout_s=300,
+        [
+            "train",
+            *small_model_args(tiny_dir),
+            "--set",
+            "task.reward=helpers:always_raising_reward",
+            "--set",
+            "task.max_operand=9",
+            "--set",
+            "task.eval_size=10",
+            "--set",
+            "task.max_consecutive_reward_failures=8",
+        ],
+        cwd=tmp_path,
+        timeout_s=300,
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "failed on 8 groups in a row" in result.stdout and "reward server is down" in result.stdout
@@ -133,10 +211,22 @@ def test_reward_that_always_fails_stops_the_run_with_the_cause(tiny_dir, tmp_pat
 def test_engine_killed_past_its_restart_budget_ends_the_run_with_a_clear_message(tiny_dir, tmp_path):
     t0 = time.monotonic()
     result = nonstop(
-        ["train", *small_model_args(tiny_dir), "--set", "task.reward=helpers:kill_engine_reward",
-         "--set", "run.max_steps=50", "--set", "task.max_operand=9", "--set", "task.eval_size=10",
-         "--set", "runtime.max_engine_restarts=1"],
-        cwd=tmp_path, timeout_s=300,
+        [
+            "train",
+            *small_model_args(tiny_dir),
+            "--set",
+            "task.reward=helpers:kill_engine_reward",
+            "--set",
+            "run.max_steps=50",
+            "--set",
+            "task.max_operand=9",
+            "--set",
+            "task.eval_size=10",
+            "--set",
+            "runtime.max_engine_restarts=1",
+        ],
+        cwd=tmp_path,
+        timeout_s=300,
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "run failed" in result.stdout
@@ -166,8 +256,21 @@ def test_default_job_meets_the_acceptance_bar(tmp_path):
     the default 190 s of RL gives on a quiet 2-core machine (433-508 measured), must gain +30
     points. The time side of the bar (<= 300 s wall, run seeds 0-4) is measured by
     bench/seeds.py, not asserted: a test must not depend on the machine's speed."""
-    result = nonstop(["train", "--set", "run.max_time_s=null", "--set", "run.max_steps=450", "--set", "run.eval_every=450",
-                      "--set", "run.progress=plain"], cwd=tmp_path, timeout_s=1800)
+    result = nonstop(
+        [
+            "train",
+            "--set",
+            "run.max_time_s=null",
+            "--set",
+            "run.max_steps=450",
+            "--set",
+            "run.eval_every=450",
+            "--set",
+            "run.progress=plain",
+        ],
+        cwd=tmp_path,
+        timeout_s=1800,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
     assert summary["steps"] == 450

@@ -15,7 +15,7 @@ def engine(tiny_dir):
 def _full_logprobs(model, prompt, completion, temperature):
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1: -1] / temperature
+        logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
@@ -108,7 +108,7 @@ def test_weights_received_before_the_first_pass_apply_to_every_token(engine, tin
 def _tempered_logits(model, prompt, completion, temperature):
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        return model(ids).logits[0, len(prompt) - 1: -1] / temperature  # (C, V)
+        return model(ids).logits[0, len(prompt) - 1 : -1] / temperature  # (C, V)
 
 
 @pytest.mark.parametrize("kw", [{"top_k": 5}, {"top_p": 0.6}, {"min_p": 0.3}, {"top_k": 8, "top_p": 0.7}])

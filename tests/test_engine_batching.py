@@ -4,7 +4,6 @@ import asyncio
 import pickle
 
 import pytest
-import torch
 
 from nonstop.config import EngineConfig
 from nonstop.engine.aio import AsyncEngine, TokenEvent
@@ -16,8 +15,13 @@ from nonstop.types import GenerationRequest, KeptIds, SamplingParams
 def _engine(tiny_dir, **settings):
     tok = load_tokenizer(str(tiny_dir))
     detok = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    eng = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id,
-                      settings=EngineConfig(**settings), detokenize=detok)
+    eng = TorchEngine(
+        load_model(str(tiny_dir)),
+        [tok.eos_token_id],
+        tok.pad_token_id,
+        settings=EngineConfig(**settings),
+        detokenize=detok,
+    )
     return eng, tok
 
 
@@ -27,11 +31,15 @@ PROMPTS = ["1+2=", "33+44=", "5=", "123+456=", "9+9=", "70+1=", "8+88=", "4+44="
 def test_continuous_batching_greedy_equals_decoding_each_request_alone(tiny_dir):
     # 3 slots for 10 requests of different lengths: most requests join a batch already in flight
     eng, tok = _engine(tiny_dir, max_concurrent_seqs=3)
-    reqs = [GenerationRequest(i, tok(p)["input_ids"], 1, SamplingParams(3 + 2 * (i % 4), 0.0))
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        GenerationRequest(i, tok(p)["input_ids"], 1, SamplingParams(3 + 2 * (i % 4), 0.0))
+        for i, p in enumerate(PROMPTS)
+    ]
     # sampled rows with truncation share the batch with the greedy ones
-    noisy = [GenerationRequest(100 + i, tok(p)["input_ids"], 1, SamplingParams(7, 1.3, top_k=5, seed=i))
-             for i, p in enumerate(PROMPTS[:4])]
+    noisy = [
+        GenerationRequest(100 + i, tok(p)["input_ids"], 1, SamplingParams(7, 1.3, top_k=5, seed=i))
+        for i, p in enumerate(PROMPTS[:4])
+    ]
     together = eng.generate(reqs + noisy)
     assert eng.scheduler.stats["decode_steps"] < sum(r.params.max_new_tokens for r in reqs)  # rows were batched
     for req, got in zip(reqs, together):
@@ -46,7 +54,7 @@ def test_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(tiny_d
     req = GenerationRequest(0, tok("12+3=")["input_ids"], 2, SamplingParams(8, 1.0, seed=42, top_p=0.9))
     alone = eng.generate([req])[0]
     others = [GenerationRequest(i, tok(p)["input_ids"], 2, SamplingParams(6, 0.9)) for i, p in enumerate(PROMPTS[:3])]
-    crowded = eng.generate(others + [req])[-1]
+    crowded = eng.generate([*others, req])[-1]
     assert [s.completion_ids for s in crowded] == [s.completion_ids for s in alone]
     assert alone[0].completion_ids != alone[1].completion_ids or alone[0].logprobs != alone[1].logprobs
 

@@ -33,8 +33,9 @@ class Publisher:
 
 def _setup(tiny_dir, mode, **kw):
     tok = load_tokenizer(str(tiny_dir))
-    eng = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id,
-                      settings=EngineConfig(update_mode=mode, **kw))
+    eng = TorchEngine(
+        load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id, settings=EngineConfig(update_mode=mode, **kw)
+    )
     new = load_model(str(tiny_dir))
     with torch.no_grad():
         for p in new.parameters():
@@ -47,7 +48,7 @@ def _setup(tiny_dir, mode, **kw):
 def _full(model, prompt, completion, temperature=1.0):
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1: -1] / temperature
+        logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 

@@ -15,10 +15,20 @@ from nonstop.orchestrator.episode_flow import EnvRun
 from nonstop.orchestrator.generate import Codec
 from nonstop.types import SamplingParams
 
+
 def test_reasoning_gym_rows_and_rewards_are_the_generator_and_its_scorer(tiny_dir):
     reasoning_gym = pytest.importorskip("reasoning_gym")
-    cfg = load_config(None, ["env.name=reasoning_gym/basic_arithmetic", "env.train_rows=16", "env.eval_rows=8",
-                             "env.max_turns=2", "env.turn_max_tokens=4", "env.max_episode_tokens=120"]).env
+    cfg = load_config(
+        None,
+        [
+            "env.name=reasoning_gym/basic_arithmetic",
+            "env.train_rows=16",
+            "env.eval_rows=8",
+            "env.max_turns=2",
+            "env.turn_max_tokens=4",
+            "env.max_episode_tokens=120",
+        ],
+    ).env
     data = builtin_task(cfg)
     train = reasoning_gym.create_dataset("basic_arithmetic", size=16, seed=1)
     assert [(r.prompt, r.answer) for r in data.train] == [(e["question"], str(e["answer"])) for e in train]
@@ -58,28 +68,34 @@ def test_episodes_over_http_against_the_server_keep_its_ids_logprobs_and_version
     """A guess_number episode whose turns go to a real server on 127.0.0.1 through the OpenAI-style
     completions endpoint: the episode is the server's sampled ids plus the env's appends, with the
     server's behaviour logprobs and versions on the model tokens."""
-    from test_episodes import Recording, RecordingEnv, _rebuild
-
     from nonstop.config import EngineConfig
     from nonstop.envs import guess
     from nonstop.envs.base import EnvLimits, SingleAgent
     from nonstop.envs.http import ClientEngine
     from nonstop.orchestrator.episodes import run_episode
     from nonstop.serve.client import HttpClient
-    from served import serving
     from nonstop.tasks.data import Example
+    from served import serving
+    from test_episodes import Recording, RecordingEnv, _rebuild
 
     tok = load_tokenizer(str(tiny_dir))
-    engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id,
-                         settings=EngineConfig(max_seq_len=64))
+    engine = TorchEngine(
+        load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id, settings=EngineConfig(max_seq_len=64)
+    )
 
     async def main():
         async with serving(AsyncEngine(engine), tok, "tiny") as url:
             client = HttpClient(url, model="tiny")
             try:
                 rec, env = Recording(ClientEngine(client)), RecordingEnv(guess.GuessNumber())
-                result = await run_episode(rec, SingleAgent(env), Example(0, "?", "9"), Codec(tok),
-                                           EnvLimits(3, 48, 3, 5.0), SamplingParams(3, 1.0))
+                result = await run_episode(
+                    rec,
+                    SingleAgent(env),
+                    Example(0, "?", "9"),
+                    Codec(tok),
+                    EnvLimits(3, 48, 3, 5.0),
+                    SamplingParams(3, 1.0),
+                )
                 return rec, env, result
             finally:
                 await client.close()

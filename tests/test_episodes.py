@@ -13,7 +13,7 @@ from nonstop.config import RolloutConfig, load_config
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.envs import guess, nim
-from nonstop.envs.base import EnvLimits, SingleAgent, Step
+from nonstop.envs.base import EnvLimits, SingleAgent
 from nonstop.envs.calculator import Calculator
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.observe.clock import Clock
@@ -109,7 +109,7 @@ def test_episode_ids_are_the_engine_samples_and_env_appends_with_the_mask_at_eve
     for prefix, sample in rec.calls:
         assert prefix == s.prompt_ids + s.completion_ids[:pos]
         n = len(sample.completion_ids)
-        assert s.logprobs[pos: pos + n] == sample.logprobs and s.versions[pos: pos + n] == sample.versions
+        assert s.logprobs[pos : pos + n] == sample.logprobs and s.versions[pos : pos + n] == sample.versions
         pos += n + len(encode_observation(codec, env.observations[rec.calls.index((prefix, sample))]))
     env_pos = [t for t, m in enumerate(s.loss_mask) if not m]
     assert env_pos and all(s.versions[t] == ENV_VERSION and s.logprobs[t] == 0.0 for t in env_pos)
@@ -126,8 +126,9 @@ def test_an_episode_spanning_a_weight_update_carries_both_versions(engine, tiny_
         for p in new.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     rec = Recording(eng, publish_after_first=new.state_dict())
-    result = asyncio.run(run_episode(rec, SingleAgent(guess.GuessNumber()), Example(0, "?", "9"), codec,
-                                     LIMITS, SamplingParams(3, 1.0)))
+    result = asyncio.run(
+        run_episode(rec, SingleAgent(guess.GuessNumber()), Example(0, "?", "9"), codec, LIMITS, SamplingParams(3, 1.0))
+    )
     s = result.samples[0]
     first, later = rec.calls[0][1], [c[1] for c in rec.calls[1:]]
     assert set(first.versions) == {0} and all(set(x.versions) == {NEW} for x in later)
@@ -139,8 +140,16 @@ def test_an_episode_spanning_a_weight_update_carries_both_versions(engine, tiny_
 
 def test_selfplay_nim_keeps_one_sequence_per_role_and_zero_sum_rewards(engine):
     eng, codec = engine
-    done, errors = asyncio.run(run_episodes(eng, nim.Nim, [Example(i, "n", "5,first") for i in range(6)], codec,
-                                            EnvLimits(8, 64, 2, 5.0), SamplingParams(2, 1.0)))
+    done, errors = asyncio.run(
+        run_episodes(
+            eng,
+            nim.Nim,
+            [Example(i, "n", "5,first") for i in range(6)],
+            codec,
+            EnvLimits(8, 64, 2, 5.0),
+            SamplingParams(2, 1.0),
+        )
+    )
     assert not errors and len(done) == 6
     for e in done:
         first, second = e.samples
@@ -177,9 +186,23 @@ def test_env_errors_and_timeouts_are_counted_and_settled_and_the_run_goes_on(eng
     rollout = RolloutConfig(prompts_per_step=8, group_size=2, filter_uniform_reward=False)
     ledger, stats, ep = Ledger(), RolloutStats(), EpisodeStats()
     buffer = RolloutBuffer(8, None, None, 64, ledger)
-    asyncio.run(produce_episodes(eng, env_player(lambda: SingleAgent(Flaky())), buffer, PromptStream(rows, seed=0, max_epochs=1),
-                                 codec, rollout, cfg.env, EnvLimits(3, 64, 3, 0.3), RoleBaselines("group", 0.9),
-                                 Clock(), stats, ep, ledger))
+    asyncio.run(
+        produce_episodes(
+            eng,
+            env_player(lambda: SingleAgent(Flaky())),
+            buffer,
+            PromptStream(rows, seed=0, max_epochs=1),
+            codec,
+            rollout,
+            cfg.env,
+            EnvLimits(3, 64, 3, 0.3),
+            RoleBaselines("group", 0.9),
+            Clock(),
+            stats,
+            ep,
+            ledger,
+        )
+    )
     assert ep.errors == Counter({"env_raised": 4, "env_timeout": 2})
     assert buffer.drops["env_error"] == 3
     assert ledger.report()["outcomes"] == {"env_error": 3} and ledger.report()["in_flight"] == 5
@@ -189,8 +212,17 @@ def test_env_errors_and_timeouts_are_counted_and_settled_and_the_run_goes_on(eng
 
 def test_reject_episode_drops_exactly_the_stale_episodes():
     def sample(episode, version, role=""):
-        return Sample([1], [3, 4, 5], [-1.0] * 3, [version, ENV_VERSION, version], "stop",
-                      loss_mask=[True, False, True], role=role, episode=episode, advantage=0.5)
+        return Sample(
+            [1],
+            [3, 4, 5],
+            [-1.0] * 3,
+            [version, ENV_VERSION, version],
+            "stop",
+            loss_mask=[True, False, True],
+            role=role,
+            episode=episode,
+            advantage=0.5,
+        )
 
     async def go():
         ledger = Ledger()
@@ -273,13 +305,15 @@ def test_trainer_recomputes_the_behaviour_logprobs_of_every_turn_and_ignores_env
 
     eng, codec = engine
     rows = [Example(i, "?", "9") for i in range(3)]
-    done, _ = asyncio.run(run_episodes(eng, lambda: SingleAgent(guess.GuessNumber()), rows, codec, LIMITS,
-                                       SamplingParams(3, 1.0)))
+    done, _ = asyncio.run(
+        run_episodes(eng, lambda: SingleAgent(guess.GuessNumber()), rows, codec, LIMITS, SamplingParams(3, 1.0))
+    )
     for k, e in enumerate(done):
         e.samples[0].advantage = [1.0, -0.5, 0.25][k]
     groups = [Group(0, "?", "9", [done[0].samples[0], done[1].samples[0]]), Group(1, "?", "9", [done[2].samples[0]])]
-    trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(lr=1e-2), temperature=1.0,
-                      pad_token_id=codec.tokenizer.pad_token_id)
+    trainer = Trainer(
+        load_model(str(tiny_dir)), TrainerConfig(lr=1e-2), temperature=1.0, pad_token_id=codec.tokenizer.pad_token_id
+    )
     batch = trainer._batch(groups)  # groups of different sizes: the samples carry their advantages
     assert batch["advantages"].tolist() == [1.0, -0.5, 0.25]
     with torch.no_grad():
@@ -287,12 +321,29 @@ def test_trainer_recomputes_the_behaviour_logprobs_of_every_turn_and_ignores_env
     m = batch["mask"]
     assert int(m.sum()) == sum(sum(e.samples[0].loss_mask) for e in done) and int((~m).sum()) > 0
     assert torch.allclose(logp[m], batch["behaviour"][m], atol=1e-4)
-    garbage = [Group(g.prompt_index, g.prompt, g.answer, [
-        Sample(s.prompt_ids, s.completion_ids, [lp if mk else -50.0 for lp, mk in zip(s.logprobs, s.loss_mask)],
-               s.versions, s.finish_reason, loss_mask=s.loss_mask, advantage=s.advantage) for s in g.samples])
-        for g in groups]
-    twin = Trainer(load_model(str(tiny_dir)), TrainerConfig(lr=1e-2), temperature=1.0,
-                   pad_token_id=codec.tokenizer.pad_token_id)
+    garbage = [
+        Group(
+            g.prompt_index,
+            g.prompt,
+            g.answer,
+            [
+                Sample(
+                    s.prompt_ids,
+                    s.completion_ids,
+                    [lp if mk else -50.0 for lp, mk in zip(s.logprobs, s.loss_mask)],
+                    s.versions,
+                    s.finish_reason,
+                    loss_mask=s.loss_mask,
+                    advantage=s.advantage,
+                )
+                for s in g.samples
+            ],
+        )
+        for g in groups
+    ]
+    twin = Trainer(
+        load_model(str(tiny_dir)), TrainerConfig(lr=1e-2), temperature=1.0, pad_token_id=codec.tokenizer.pad_token_id
+    )
     a, b = trainer.step(groups), twin.step(garbage)
     assert a["loss"] == b["loss"] and a["ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert a["lag_hist"] == {"0": a["tokens"]}  # environment tokens (version -1) are not in the histogram
@@ -322,13 +373,42 @@ def test_cli_run_on_selfplay_nim_settles_every_row_and_reports_episodes(tiny_dir
 
     from test_e2e import nonstop, small_model_args
 
-    out = nonstop(["train", "--set", "env.name=nim", "--set", "env.max_turns=5", "--set", "env.turn_max_tokens=2",
-                   "--set", "env.eval_rows=20", "--set", "buffer.reject=episode", "--set", "buffer.max_lag=1",
-                   "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=2",
-                   "--set", "rollout.filter_uniform_reward=false", "--set", "run.max_steps=4",
-                   "--set", "run.eval_every=2", "--set", "checkpoint.every_steps=null",
-                   "--set", f"run.out_dir={tmp_path}", "--set", "run.name=nim", *small_model_args(tiny_dir)],
-                  tmp_path, timeout_s=300)
+    out = nonstop(
+        [
+            "train",
+            "--set",
+            "env.name=nim",
+            "--set",
+            "env.max_turns=5",
+            "--set",
+            "env.turn_max_tokens=2",
+            "--set",
+            "env.eval_rows=20",
+            "--set",
+            "buffer.reject=episode",
+            "--set",
+            "buffer.max_lag=1",
+            "--set",
+            "rollout.prompts_per_step=4",
+            "--set",
+            "rollout.group_size=2",
+            "--set",
+            "rollout.filter_uniform_reward=false",
+            "--set",
+            "run.max_steps=4",
+            "--set",
+            "run.eval_every=2",
+            "--set",
+            "checkpoint.every_steps=null",
+            "--set",
+            f"run.out_dir={tmp_path}",
+            "--set",
+            "run.name=nim",
+            *small_model_args(tiny_dir),
+        ],
+        tmp_path,
+        timeout_s=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     s = json.loads((tmp_path / "nim" / "summary.json").read_text())
     ep, ledger = s["episodes"], s["prompts"]
@@ -358,9 +438,23 @@ def test_episodes_over_before_any_model_turn_are_dropped_and_settled(engine):
     rows = [Example(i, "?", "1") for i in range(3)]
     ledger, ep = Ledger(), EpisodeStats()
     buffer = RolloutBuffer(3, None, None, 64, ledger)
-    asyncio.run(produce_episodes(eng, env_player(OverAtOnce), buffer, PromptStream(rows, seed=0, max_epochs=1), codec,
-                                 RolloutConfig(prompts_per_step=3, group_size=2), load_config(None, ["env.name=nim"]).env,
-                                 LIMITS, RoleBaselines("group", 0.9), Clock(), RolloutStats(), ep, ledger))
+    asyncio.run(
+        produce_episodes(
+            eng,
+            env_player(OverAtOnce),
+            buffer,
+            PromptStream(rows, seed=0, max_epochs=1),
+            codec,
+            RolloutConfig(prompts_per_step=3, group_size=2),
+            load_config(None, ["env.name=nim"]).env,
+            LIMITS,
+            RoleBaselines("group", 0.9),
+            Clock(),
+            RolloutStats(),
+            ep,
+            ledger,
+        )
+    )
     assert buffer.drops == Counter({"no_model_tokens": 3}) and ledger.report()["outcomes"] == {"no_model_tokens": 3}
     assert buffer.queued == 1  # only the close marker
 
@@ -372,8 +466,12 @@ def test_env_counters_and_role_baselines_survive_a_checkpoint_round_trip():
 
     cfg = load_config(None, ["env.name=nim"]).env
     run = EnvRun.build(cfg)
-    run.baselines.assign([Sample([1], [2], [-1.0], [0], "stop", reward=r, role=role, episode=i)
-                          for i, (role, r) in enumerate([("first", 1.0), ("second", -1.0), ("first", -1.0)])])
+    run.baselines.assign(
+        [
+            Sample([1], [2], [-1.0], [0], "stop", reward=r, role=role, episode=i)
+            for i, (role, r) in enumerate([("first", 1.0), ("second", -1.0), ("first", -1.0)])
+        ]
+    )
     st = run.stats
     st.episodes, st.successes, st.truncated, st.turns, st.multi_version = 9, 4, 1, 30, 2
     st.errors.update({"env_raised": 3})
@@ -430,8 +528,21 @@ def test_episode_groups_without_signal_count_toward_max_consecutive_uniform(engi
     ledger, stats = Ledger(), RolloutStats()
     buffer = RolloutBuffer(4, None, None, 64, ledger)
     with pytest.raises(NoLearningSignal, match="rollout.max_consecutive_uniform"):
-        asyncio.run(produce_episodes(eng, env_player(AlwaysZero), buffer, PromptStream(rows, seed=0, max_epochs=1),
-                                     codec, RolloutConfig(prompts_per_step=2, group_size=2, max_consecutive_uniform=3),
-                                     load_config(None, ["env.name=nim"]).env, LIMITS, RoleBaselines("group", 0.9),
-                                     Clock(), stats, EpisodeStats(), ledger))
+        asyncio.run(
+            produce_episodes(
+                eng,
+                env_player(AlwaysZero),
+                buffer,
+                PromptStream(rows, seed=0, max_epochs=1),
+                codec,
+                RolloutConfig(prompts_per_step=2, group_size=2, max_consecutive_uniform=3),
+                load_config(None, ["env.name=nim"]).env,
+                LIMITS,
+                RoleBaselines("group", 0.9),
+                Clock(),
+                stats,
+                EpisodeStats(),
+                ledger,
+            )
+        )
     assert stats.uniform_in_row >= 3 and buffer.drops["uniform_reward"] == stats.uniform_in_row

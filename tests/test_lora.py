@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import SMALL
+from helpers import receive_weights
 from nonstop.config import (
     BroadcastTransportConfig,
     FilesTransportConfig,
@@ -21,8 +22,6 @@ from nonstop.hf import load_model
 from nonstop.lora import MergedAdapters, adapter_tensors, targeted_modules, wrap_with_peft
 from nonstop.tasks.tiny import make_tiny_model
 from nonstop.transport import open_sink, plan_transport
-
-from helpers import receive_weights
 from test_e2e import nonstop, records
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
@@ -41,7 +40,9 @@ def _trained_peft(model_dir, seed: int) -> torch.nn.Module:
 def test_target_modules_are_checked_with_clear_errors():
     model = make_tiny_model(SMALL)
     assert [n for n, _ in targeted_modules(model, LoraConfig(target_modules=("q_proj", "down_proj")))] == [
-        "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"]
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.mlp.down_proj",
+    ]
     with pytest.raises(ValueError, match="lm_head.weight is tied to model.embed_tokens.weight"):
         targeted_modules(model, LoraConfig(target_modules=("lm_head",)))
     with pytest.raises(ValueError, match="model.embed_tokens is a Embedding, only torch.nn.Linear"):
@@ -72,7 +73,9 @@ def test_engine_merge_equals_peft_and_leaves_other_weights_alone(tiny_dir):
 def test_only_adapters_travel_and_the_engine_ends_up_with_the_merged_model(tiny_dir, spawn_child):
     """Across processes over broadcast; the same target is filled by shm and files (see below)."""
     trainer_model = _trained_peft(tiny_dir, seed=2)
-    handle = plan_transport(BroadcastTransportConfig(bucket_mb=0.01, timeout_s=60, checksum=True), trainer_model, 1, LORA)
+    handle = plan_transport(
+        BroadcastTransportConfig(bucket_mb=0.01, timeout_s=60, checksum=True), trainer_model, 1, LORA
+    )
     full = sum(p.numel() * 4 for p in load_model(str(tiny_dir)).parameters())
     assert all(".lora_A." in s.name or ".lora_B." in s.name for s in handle.layout)
     assert handle.total_bytes < 0.25 * full
@@ -99,9 +102,12 @@ def test_only_adapters_travel_and_the_engine_ends_up_with_the_merged_model(tiny_
 def test_adapter_updates_through_shm_and_files_merge_like_peft(tiny_dir, tmp_path, kind):
     from nonstop.transport import open_source
 
-    cfg = FilesTransportConfig(dir=str(tmp_path / "w"), checksum=True) if kind == "files" else ShmTransportConfig(checksum=True)
-    handle = plan_transport(cfg,
-                            _trained_peft(tiny_dir, seed=0), 1, LORA)
+    cfg = (
+        FilesTransportConfig(dir=str(tmp_path / "w"), checksum=True)
+        if kind == "files"
+        else ShmTransportConfig(checksum=True)
+    )
+    handle = plan_transport(cfg, _trained_peft(tiny_dir, seed=0), 1, LORA)
     sink, engine = open_sink(handle), load_model(str(tiny_dir))
     source = open_source(handle, engine)
     x = torch.randint(0, 128, (2, 6))
@@ -132,19 +138,46 @@ def test_saved_adapter_folder_loads_with_peft(tiny_dir, tmp_path):
     x = torch.randint(0, 128, (2, 6))
     with torch.no_grad():
         assert torch.allclose(loaded(x).logits, worker.trainer.model.eval()(x).logits, atol=1e-6)
-    assert sum(p.requires_grad for p in worker.trainer.model.parameters()) == 2 * len(targeted_modules(load_model(str(tiny_dir)), LORA))
+    assert sum(p.requires_grad for p in worker.trainer.model.parameters()) == 2 * len(
+        targeted_modules(load_model(str(tiny_dir)), LORA)
+    )
 
 
 def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path):
     """Default tiny model, no warm-up, depth 0: the engine decodes with exactly the trainer's
     adapters (ratio 1), each publish carries only the adapters, and the reward goes up."""
     result = nonstop(
-        ["train", "--set", "warmup.enabled=false", "--set", "run.progress=plain", "--set", "run.name=lora",
-         "--set", "model.lora.enabled=true", "--set", "trainer.lr=1e-2", "--set", "run.max_steps=30",
-         "--set", "buffer.depth=0", "--set", "buffer.max_lag=0", "--set", "task.max_operand=9",
-         "--set", "task.eval_size=20", "--set", "task.reward=helpers:length_reward",
-         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.max_new_tokens=12",
-         "--set", "rollout.prompts_per_step=8"],
+        [
+            "train",
+            "--set",
+            "warmup.enabled=false",
+            "--set",
+            "run.progress=plain",
+            "--set",
+            "run.name=lora",
+            "--set",
+            "model.lora.enabled=true",
+            "--set",
+            "trainer.lr=1e-2",
+            "--set",
+            "run.max_steps=30",
+            "--set",
+            "buffer.depth=0",
+            "--set",
+            "buffer.max_lag=0",
+            "--set",
+            "task.max_operand=9",
+            "--set",
+            "task.eval_size=20",
+            "--set",
+            "task.reward=helpers:length_reward",
+            "--set",
+            "rollout.filter_uniform_reward=false",
+            "--set",
+            "rollout.max_new_tokens=12",
+            "--set",
+            "rollout.prompts_per_step=8",
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -153,7 +186,9 @@ def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path
     assert len(recs) == 30
     model = make_tiny_model(TinyModelConfig())  # the run's model: default shape, no warm-up
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
-    adapter_bytes = sum(4 * LoraConfig().rank * (m.in_features + m.out_features) for _, m in targeted_modules(model, LoraConfig()))
+    adapter_bytes = sum(
+        4 * LoraConfig().rank * (m.in_features + m.out_features) for _, m in targeted_modules(model, LoraConfig())
+    )
     for r in recs:
         # The engine decodes with merged weights W0 + s*B@A, the trainer with peft's x@W0 + s*(x@A)@B: the same
         # function rounded differently in float32 (measured up to 1.2e-4 in the ratio); a stale adapter would be
@@ -169,7 +204,7 @@ def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path
     # +1.16; adapters that did not train would stay within the noise of ~0.25.
     rewards = [r["reward_mean"] for r in recs]
     first = sum(rewards[:3]) / 3
-    best = max(sum(rewards[i:i + 5]) / 5 for i in range(len(rewards) - 4))
+    best = max(sum(rewards[i : i + 5]) / 5 for i in range(len(rewards) - 4))
     assert best > first + 0.5, (first, best, rewards)
     assert (run_dir / "final" / "adapter_model.safetensors").is_file()
     assert not (run_dir / "final" / "model.safetensors").exists()
@@ -179,27 +214,44 @@ def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path
 def test_lora_run_on_the_warmed_up_base_improves_held_out_accuracy(tmp_path):
     """The default task after the supervised warm-up, LoRA adapters only: accuracy goes up."""
     result = nonstop(
-        ["train", "--set", "run.name=lora", "--set", "model.lora.enabled=true", "--set", "trainer.lr=3e-3",
-         "--set", "run.max_time_s=60", "--set", "run.eval_every=20", "--set", "warmup.target_accuracy=0.2",
-         "--set", "run.progress=plain"],
+        [
+            "train",
+            "--set",
+            "run.name=lora",
+            "--set",
+            "model.lora.enabled=true",
+            "--set",
+            "trainer.lr=3e-3",
+            "--set",
+            "run.max_time_s=60",
+            "--set",
+            "run.eval_every=20",
+            "--set",
+            "warmup.target_accuracy=0.2",
+            "--set",
+            "run.progress=plain",
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "lora"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_accuracy"] >= summary["base_accuracy"] + 0.04, summary
-    assert all(r["publish_bytes"] < 0.2 * 4 * sum(p.numel() for p in make_tiny_model(TinyModelConfig()).parameters())
-               for r in records(run_dir))
+    assert all(
+        r["publish_bytes"] < 0.2 * 4 * sum(p.numel() for p in make_tiny_model(TinyModelConfig()).parameters())
+        for r in records(run_dir)
+    )
     assert (run_dir / "final" / "adapter_config.json").is_file()
 
 
-def test_resumed_lora_trainer_continues_exactly_and_hands_its_adapters_to_a_base_only_engine(tiny_dir, tmp_path, spawn_child):
+def test_resumed_lora_trainer_continues_exactly_and_hands_its_adapters_to_a_base_only_engine(
+    tiny_dir, tmp_path, spawn_child
+):
     """A checkpoint of a LoRA run holds the adapters; the resumed trainer (base + adapters + state)
     steps exactly like the original, and publishes its current version on connect, so an engine
     that loaded only the base gets it — over broadcast, whose receiver starts at that version."""
     from nonstop.hf import load_tokenizer
     from nonstop.trainer.worker import TrainerWorker
-
     from test_trainer import _stale_groups
 
     tok = load_tokenizer(str(tiny_dir))

@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from nonstop.trainer.losses import clipped_policy_loss, group_advantages, gspo_loss, kl_penalty, masked_mean, token_logprobs
+from nonstop.trainer.losses import (
+    clipped_policy_loss,
+    group_advantages,
+    gspo_loss,
+    kl_penalty,
+    masked_mean,
+    token_logprobs,
+)
 
 
 def test_group_advantages_hand_computed():
@@ -16,7 +23,7 @@ def test_group_advantages_hand_computed():
     centred = torch.tensor([[1.0, -1.0], [0.5, -0.5]])
     expected = centred / centred.std(unbiased=False)
     assert torch.allclose(group_advantages(torch.tensor([[3.0, 1.0], [1.0, 0.0]]), "batch"), expected, atol=1e-5)
-    assert expected[0, 0].item() == pytest.approx(1.0 / (0.625 ** 0.5), rel=1e-5)
+    assert expected[0, 0].item() == pytest.approx(1.0 / (0.625**0.5), rel=1e-5)
 
 
 def test_on_policy_loss_is_minus_mean_advantage():
@@ -79,7 +86,7 @@ def test_group_std_population_or_unbiased():
     pop = group_advantages(rewards, "group_std", "population")
     unb = group_advantages(rewards, "group_std", "unbiased")
     assert torch.allclose(pop, torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.0] * 4]), atol=1e-5)
-    h = 3 ** 0.5 / 2
+    h = 3**0.5 / 2
     assert torch.allclose(unb, torch.tensor([[h, -h, -h, h], [0.0] * 4]), atol=1e-5)
     assert group_advantages(rewards, "group_std").equal(pop)  # the default stays the population std
     # a group of one has no unbiased std (n - 1 = 0): its advantage is 0, not nan
@@ -148,16 +155,24 @@ def test_dual_clip_caps_negative_advantages():
     # constant), 0 on the third (clipped at 0.8, the clip's bound is a constant too)
     assert torch.allclose(logp.grad, torch.tensor([[0.5, 0.0, 0.0]]), atol=1e-6)
     # the cap comes before the importance weights: w = 1, 0.5, 1 -> 1.5, 1.5, 0.8
-    weighted, _ = clipped_policy_loss(logp, behaviour, torch.tensor([-1.0]), mask, clip_ratio_c=3.0,
-                                      weights=torch.tensor([[1.0, 0.5, 1.0]]))
+    weighted, _ = clipped_policy_loss(
+        logp, behaviour, torch.tensor([-1.0]), mask, clip_ratio_c=3.0, weights=torch.tensor([[1.0, 0.5, 1.0]])
+    )
     assert weighted.item() == pytest.approx(3.8 / 3, rel=1e-6)
     # A = +1 is never capped: min(r, clip(r)) = 1.2, 1.2, 0.5 -> -2.9 / 3 with or without c
     pos, stats = clipped_policy_loss(logp, behaviour, torch.tensor([1.0]), mask, clip_ratio_c=3.0)
     assert pos.item() == pytest.approx(-2.9 / 3, rel=1e-6) and stats["dual_clip_frac"].item() == 0.0
     # GSPO: log ratios ln 4, ln 4 -> s = 4; A = -2: max(4, 1.2) x 2 = 8, capped at 3 x 2 = 6
     g_logp = torch.log(torch.tensor([[4.0, 4.0]]))
-    g, g_stats = gspo_loss(g_logp, torch.zeros(1, 2), torch.tensor([-2.0]), torch.ones(1, 2, dtype=torch.bool),
-                           clip_eps=0.2, clip_eps_high=0.2, clip_ratio_c=3.0)
+    g, g_stats = gspo_loss(
+        g_logp,
+        torch.zeros(1, 2),
+        torch.tensor([-2.0]),
+        torch.ones(1, 2, dtype=torch.bool),
+        clip_eps=0.2,
+        clip_eps_high=0.2,
+        clip_ratio_c=3.0,
+    )
     assert g.item() == pytest.approx(6.0, rel=1e-6) and g_stats["dual_clip_frac"].item() == 1.0
 
 

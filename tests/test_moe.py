@@ -16,9 +16,14 @@ from nonstop.types import GenerationRequest, Group, Routes, SamplingParams
 
 
 def _moe(kind: str = "qwen3_moe", num_experts: int = 8, seed: int = 0):
-    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                          moe=TinyMoeConfig(kind=kind, num_experts=num_experts,
-                                            expert_intermediate_size=64 if num_experts <= 8 else 4))
+    cfg = TinyModelConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        moe=TinyMoeConfig(kind=kind, num_experts=num_experts, expert_intermediate_size=64 if num_experts <= 8 else 4),
+    )
     return make_tiny_model(cfg, seed=seed)
 
 
@@ -27,17 +32,34 @@ def _mixed_dense_moe():
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[1],
-        norm_topk_prob=False, max_position_embeddings=128, tie_word_embeddings=True))
+    return AutoModelForCausalLM.from_config(
+        Qwen3MoeConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            max_position_embeddings=128,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 def _generate(model, groups: int = 6, n: int = 4, slots: int = 12):
     """Groups of n over fewer slots than they need together: later groups join running batches."""
     engine = TorchEngine(copy.deepcopy(model), [2], 0, settings=EngineConfig(max_concurrent_seqs=slots, max_seq_len=64))
-    requests = [GenerationRequest(i, [1, 5 + i, 7, 9, 11 + i][: 3 + i % 3], n,
-                                  SamplingParams(max_new_tokens=6, temperature=1.0, seed=i)) for i in range(groups)]
+    requests = [
+        GenerationRequest(
+            i, [1, 5 + i, 7, 9, 11 + i][: 3 + i % 3], n, SamplingParams(max_new_tokens=6, temperature=1.0, seed=i)
+        )
+        for i in range(groups)
+    ]
     out = engine.generate(requests)
     if groups * n > slots:  # later groups were admitted into running batches
         assert engine.scheduler.stats["prefills"] > 1 and engine.scheduler.stats["decode_steps"] > 6
@@ -59,7 +81,9 @@ def test_recorded_routes_equal_an_independent_hf_forward(kind, num_experts):
     checked = 0
     try:
         for samples in out:
-            assert samples[0].routes is not None and samples[0].routes.prompt is samples[1].routes.prompt  # prefill shared
+            assert (
+                samples[0].routes is not None and samples[0].routes.prompt is samples[1].routes.prompt
+            )  # prefill shared
             for s in samples:
                 r = s.routes
                 k = moe_layers[0].mlp.gate.top_k
@@ -73,7 +97,9 @@ def test_recorded_routes_equal_an_independent_hf_forward(kind, num_experts):
                     logits = model(torch.tensor([s.prompt_ids + s.completion_ids[:-1]])).logits[0]
                 hf = torch.stack(caught, dim=1).numpy()  # (tokens, layers, k)
                 np.testing.assert_array_equal(np.sort(_routes_array(r), -1), np.sort(hf, -1))
-                lp = torch.log_softmax(logits[len(s.prompt_ids) - 1:], -1).gather(-1, torch.tensor(s.completion_ids)[:, None])
+                lp = torch.log_softmax(logits[len(s.prompt_ids) - 1 :], -1).gather(
+                    -1, torch.tensor(s.completion_ids)[:, None]
+                )
                 torch.testing.assert_close(lp[:, 0], torch.tensor(s.logprobs), atol=1e-5, rtol=0)
                 checked += 1
     finally:
@@ -142,8 +168,13 @@ def test_routes_that_do_not_fit_are_refused_by_name():
     s = groups[0].samples[0]
     good = s.routes
     s.routes = Routes(3, 2, 8, good.prompt, good.completion)
-    with pytest.raises(RouteShapeError, match=re.escape("sample.routes has 3 layers x top-2 of 8 experts, but the trainer's "
-                                                        "model has 2 routers (model.layers.0.mlp.gate ...)")):
+    with pytest.raises(
+        RouteShapeError,
+        match=re.escape(
+            "sample.routes has 3 layers x top-2 of 8 experts, but the trainer's "
+            "model has 2 routers (model.layers.0.mlp.gate ...)"
+        ),
+    ):
         trainer.step(groups)
     s.routes = Routes(2, 2, 8, good.prompt, good.completion[:-4])
     with pytest.raises(RouteShapeError, match="sample.routes covers"):
@@ -155,9 +186,17 @@ def test_routes_that_do_not_fit_are_refused_by_name():
     s.routes = good
     with pytest.raises(RouteShapeError, match=r"routes \[5, 2, 3\]: expected \(tokens, 2 layers, top-2\)"):
         trainer.routing.arm(torch.zeros((5, 2, 3), dtype=torch.long))  # k = 3 against top-2 routers
-    with pytest.raises(ValueError, match="trainer.routing_replay: 'r3' replays MoE routes, but the model has no top-k router"):
-        Trainer(make_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                intermediate_size=64)), TrainerConfig(routing_replay="r3"), 1.0, 0)
+    with pytest.raises(
+        ValueError, match="trainer.routing_replay: 'r3' replays MoE routes, but the model has no top-k router"
+    ):
+        Trainer(
+            make_tiny_model(
+                TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+            ),
+            TrainerConfig(routing_replay="r3"),
+            1.0,
+            0,
+        )
 
 
 def test_each_layer_uses_its_routes_exactly_once():
@@ -174,8 +213,14 @@ def test_each_layer_uses_its_routes_exactly_once():
     with pytest.raises(RuntimeError, match=r"used \[0, 0\] times instead of once by model.layers.0.mlp.gate"):
         trainer.routing.disarm()
     trainer.routing.arm(torch.full((3, 2, 2), -1, dtype=torch.long))
-    with torch.no_grad(), pytest.raises(RouteShapeError, match=r"model.layers.0.mlp.gate: recorded routes \[3, 2\] for a router "
-                                                               r"that chose \[4, 2\]"):
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            RouteShapeError,
+            match=r"model.layers.0.mlp.gate: recorded routes \[3, 2\] for a router "
+            r"that chose \[4, 2\]",
+        ),
+    ):
         trainer.model(ids)
 
 
@@ -183,9 +228,16 @@ def test_each_layer_uses_its_routes_exactly_once():
 def moe_dir(tmp_path_factory):
     from nonstop.tasks.tiny import save_tiny
 
-    cfg = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                          moe=TinyMoeConfig(kind="qwen2_moe", num_experts=4, expert_intermediate_size=16,
-                                            shared_expert_intermediate_size=32))
+    cfg = TinyModelConfig(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        moe=TinyMoeConfig(
+            kind="qwen2_moe", num_experts=4, expert_intermediate_size=16, shared_expert_intermediate_size=32
+        ),
+    )
     return save_tiny(tmp_path_factory.mktemp("moe"), cfg, seed=0)
 
 
@@ -200,8 +252,12 @@ def test_moe_weights_cross_every_transport(moe_dir, kind, spawn_child, tmp_path)
     from nonstop.transport import open_sink, open_source, plan_transport
 
     trainer_model = load_model(str(moe_dir))
-    fields = {"kind": kind, "timeout_s": 60, **({"bucket_mb": 0.01} if kind == "broadcast" else {}),
-              **({"dir": str(tmp_path / "w")} if kind == "files" else {})}
+    fields = {
+        "kind": kind,
+        "timeout_s": 60,
+        **({"bucket_mb": 0.01} if kind == "broadcast" else {}),
+        **({"dir": str(tmp_path / "w")} if kind == "files" else {}),
+    }
     handle = plan_transport(TypeAdapter(TransportConfig).validate_python(fields), trainer_model, num_engines=1)
     assert "model.layers.1.mlp.experts.gate_up_proj" in {s.name for s in handle.layout}
     sink = open_sink(handle)
@@ -247,18 +303,23 @@ def test_engine_routes_with_the_experts_it_received(moe_dir):
                 layer.mlp.gate.weight.mul_(-3.0)
                 layer.mlp.experts.gate_up_proj.add_(torch.randn(layer.mlp.experts.gate_up_proj.shape))
         sink.publish(trainer_model, 1)
-        [samples] = engine.generate([GenerationRequest(0, [1, 5, 7], 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3))])
+        [samples] = engine.generate(
+            [GenerationRequest(0, [1, 5, 7], 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3))]
+        )
         assert all(v == 1 for s in samples for v in s.versions)
         caught: list[torch.Tensor] = []
-        hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: caught.append(o[2]))
-                 for layer in trainer_model.model.layers]
+        hooks = [
+            layer.mlp.gate.register_forward_hook(lambda m, i, o: caught.append(o[2]))
+            for layer in trainer_model.model.layers
+        ]
         try:
             for s in samples:
                 caught.clear()
                 with torch.no_grad():
                     trainer_model(torch.tensor([s.prompt_ids + s.completion_ids[:-1]]))
-                np.testing.assert_array_equal(np.sort(_routes_array(s.routes), -1),
-                                              np.sort(torch.stack(caught, 1).numpy(), -1))
+                np.testing.assert_array_equal(
+                    np.sort(_routes_array(s.routes), -1), np.sort(torch.stack(caught, 1).numpy(), -1)
+                )
         finally:
             for h in hooks:
                 h.remove()
@@ -276,11 +337,37 @@ def test_pipeline_carries_routes_from_the_engine_process_to_the_trainer(moe_dir,
     from test_e2e import nonstop
 
     result = nonstop(
-        ["train", "--set", f"model.path={moe_dir}", "--set", "warmup.enabled=false", "--set", "run.progress=plain",
-         "--set", "buffer.depth=0", "--set", "buffer.max_lag=0", "--set", "run.max_steps=3", "--set", "run.name=moe",
-         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.max_new_tokens=6",
-         "--set", "rollout.prompts_per_step=8", "--set", "task.max_operand=9", "--set", "task.eval_size=20",
-         "--set", "task.reward=helpers:length_reward", "--set", f"trainer.routing_replay={replay}"],
+        [
+            "train",
+            "--set",
+            f"model.path={moe_dir}",
+            "--set",
+            "warmup.enabled=false",
+            "--set",
+            "run.progress=plain",
+            "--set",
+            "buffer.depth=0",
+            "--set",
+            "buffer.max_lag=0",
+            "--set",
+            "run.max_steps=3",
+            "--set",
+            "run.name=moe",
+            "--set",
+            "rollout.filter_uniform_reward=false",
+            "--set",
+            "rollout.max_new_tokens=6",
+            "--set",
+            "rollout.prompts_per_step=8",
+            "--set",
+            "task.max_operand=9",
+            "--set",
+            "task.eval_size=20",
+            "--set",
+            "task.reward=helpers:length_reward",
+            "--set",
+            f"trainer.routing_replay={replay}",
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -308,12 +395,17 @@ class _Publisher:
 def test_abort_retry_records_the_routes_recomputed_under_the_new_weights():
     model = _moe()
     new = _perturbed_router(model, 0.5)  # a router far enough from the old one to route differently
-    engine = TorchEngine(copy.deepcopy(model), [2], 0,
-                         settings=EngineConfig(max_concurrent_seqs=8, max_seq_len=32, update_mode="abort_retry"))
+    engine = TorchEngine(
+        copy.deepcopy(model),
+        [2],
+        0,
+        settings=EngineConfig(max_concurrent_seqs=8, max_seq_len=32, update_mode="abort_retry"),
+    )
     source = engine.weights = _Publisher(new.state_dict())
     done: list = []
-    engine.submit(GenerationRequest(0, [1, 5, 7, 9], 4, SamplingParams(max_new_tokens=8, temperature=1.0, seed=0)),
-                  done.append)
+    engine.submit(
+        GenerationRequest(0, [1, 5, 7, 9], 4, SamplingParams(max_new_tokens=8, temperature=1.0, seed=0)), done.append
+    )
     for _ in range(4):
         engine.step()
     source.ready = True
@@ -330,7 +422,9 @@ def test_abort_retry_records_the_routes_recomputed_under_the_new_weights():
             with torch.no_grad():
                 new(torch.tensor([s.prompt_ids + s.completion_ids[:-1]]))
             # prompt and prefix were re-prefilled under the new weights: every route is theirs
-            np.testing.assert_array_equal(np.sort(_routes_array(s.routes), -1), np.sort(torch.stack(caught, 1).numpy(), -1))
+            np.testing.assert_array_equal(
+                np.sort(_routes_array(s.routes), -1), np.sort(torch.stack(caught, 1).numpy(), -1)
+            )
     finally:
         for h in hooks:
             h.remove()
@@ -341,18 +435,29 @@ def test_engine_applies_qwen3_per_head_qk_norm():
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True))
+    model = AutoModelForCausalLM.from_config(
+        Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=128,
+            tie_word_embeddings=True,
+        )
+    )
     with torch.no_grad():  # norms away from 1, so skipping them would show
         for layer in model.model.layers:
             layer.self_attn.q_norm.weight.uniform_(0.2, 3.0)
             layer.self_attn.k_norm.weight.uniform_(0.2, 3.0)
-    [samples] = TorchEngine(copy.deepcopy(model), [2], 0, settings=EngineConfig(max_concurrent_seqs=4, max_seq_len=32)).generate(
-        [GenerationRequest(0, [1, 5, 7, 9], 3, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))])
+    [samples] = TorchEngine(
+        copy.deepcopy(model), [2], 0, settings=EngineConfig(max_concurrent_seqs=4, max_seq_len=32)
+    ).generate([GenerationRequest(0, [1, 5, 7, 9], 3, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))])
     for s in samples:
         assert s.routes is None
         with torch.no_grad():
-            logits = model(torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, len(s.prompt_ids) - 1: -1]
+            logits = model(torch.tensor([s.prompt_ids + s.completion_ids])).logits[0, len(s.prompt_ids) - 1 : -1]
         lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
         torch.testing.assert_close(lp, torch.tensor(s.logprobs), atol=1e-5, rtol=0)

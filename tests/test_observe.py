@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from nonstop.config import load_config
-from nonstop.orchestrator.build import _span_file
 from nonstop.observe.spans import CHUNK_S, PassRecorder, SpanLog, read_spans, span_path
 from nonstop.observe.timeline import Timeline, union_length
+from nonstop.orchestrator.build import _span_file
 from test_e2e import nonstop, records, small_model_args
 
 STEPS = 8
@@ -27,10 +27,31 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def run_dir(tiny_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("observe")
-    r = nonstop(["train", *small_model_args(tiny_dir), "--set", f"run.out_dir={out}", "--set", "run.name=obs",
-                 "--set", f"run.max_steps={STEPS}", "--set", "run.max_time_s=null", "--set", "task.eval_size=20",
-                 "--set", "rollout.prompts_per_step=8", "--set", "rollout.filter_uniform_reward=false",
-                 "--set", "checkpoint.every_steps=null", "--set", "run.eval_every=4"], cwd=out)
+    r = nonstop(
+        [
+            "train",
+            *small_model_args(tiny_dir),
+            "--set",
+            f"run.out_dir={out}",
+            "--set",
+            "run.name=obs",
+            "--set",
+            f"run.max_steps={STEPS}",
+            "--set",
+            "run.max_time_s=null",
+            "--set",
+            "task.eval_size=20",
+            "--set",
+            "rollout.prompts_per_step=8",
+            "--set",
+            "rollout.filter_uniform_reward=false",
+            "--set",
+            "checkpoint.every_steps=null",
+            "--set",
+            "run.eval_every=4",
+        ],
+        cwd=out,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return out / "obs"
 
@@ -48,8 +69,16 @@ def test_span_files_share_one_timeline(tmp_path):
         f.write('{"t0": 1.0, "t1"')  # a killed process's partial last line is skipped
     spans = read_spans(tmp_path)
     assert spans["orchestrator"][1]["t0"] == pytest.approx(1.0, abs=1e-3)
-    assert spans["engine-0"] == [{"t0": pytest.approx(0.5, abs=1e-3), "t1": pytest.approx(0.75, abs=1e-3),
-                                  "passes": 3, "rows": 30, "busy_s": 0.2, "ev": "busy"}]
+    assert spans["engine-0"] == [
+        {
+            "t0": pytest.approx(0.5, abs=1e-3),
+            "t1": pytest.approx(0.75, abs=1e-3),
+            "passes": 3,
+            "rows": 30,
+            "busy_s": 0.2,
+            "ev": "busy",
+        }
+    ]
 
 
 def test_pass_recorder_coalesces_passes_into_chunks(tmp_path):
@@ -141,9 +170,14 @@ def test_report_renders_and_loads_in_headless_chromium(run_dir, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     page = tmp_path / "page.html"
     assert sorted(p.stem for p in (tmp_path / "report").glob("*.png")) == sorted(
-        ["drops", "lag", "ratios", "rewards", "throughput", "timeline"])
-    dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
-                         capture_output=True, text=True, timeout=120).stdout
+        ["drops", "lag", "ratios", "rewards", "throughput", "timeline"]
+    )
+    dom = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert 'data-figures="6/6"' in dom and 'data-errors="0"' in dom, dom[:300]
 
 
@@ -155,8 +189,8 @@ def test_report_of_a_folder_without_spans_says_so(tmp_path):
 def test_simulate_calibrates_on_the_run_and_recommends(run_dir, tmp_path):
     """`nonstop simulate RUN_DIR` fits its costs to the run's span log, predicts the run's own
     pipeline near what the span log measured, and sweeps to a recommendation."""
-    from nonstop.planner.model import simulate
     from nonstop.planner.calibrate import calibrate
+    from nonstop.planner.model import simulate
     from nonstop.planner.params import PlanParams, Shape
 
     tl = Timeline.load(run_dir)
@@ -171,8 +205,21 @@ def test_simulate_calibrates_on_the_run_and_recommends(run_dir, tmp_path):
     assert p.cores is None or 0 < p.cores <= 32  # from the processor time the actors got
     pred = simulate(p, Shape.of(cfg))
     assert 0.5 < pred.samples_per_s / tl.samples_per_s() < 2.0  # a loose bar: this machine is shared
-    r = nonstop(["simulate", str(run_dir), "--sweep", "buffer.depth=0,1", "--sweep", "runtime.num_engines=1,2",
-                 "--write-params", str(tmp_path / "costs.json"), "--seeds", "1"], cwd=tmp_path)
+    r = nonstop(
+        [
+            "simulate",
+            str(run_dir),
+            "--sweep",
+            "buffer.depth=0,1",
+            "--sweep",
+            "runtime.num_engines=1,2",
+            "--write-params",
+            str(tmp_path / "costs.json"),
+            "--seeds",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "recommended: --set buffer.depth=" in r.stdout
     assert PlanParams.load(tmp_path / "costs.json") == p

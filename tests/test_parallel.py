@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from helpers import DataParallelRank
 from nonstop.config import ConfigError, LocalRuntimeConfig, TrainerConfig, load_config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
@@ -14,8 +15,6 @@ from nonstop.runtime import make_backend
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import rendezvous, shard_bounds
 from nonstop.types import GenerationRequest, Group, SamplingParams
-
-from helpers import DataParallelRank
 
 TEMPERATURE = 1.0
 MAX_NEW_TOKENS = 10  # the longest request of _groups: the generation budget of dr_grpo's divisor
@@ -28,8 +27,9 @@ CONFIGS = {
     "dapo": TrainerConfig(lr=1e-2, loss="dapo", overlong_filter=False),  # random tiny models rarely stop
     "dr_grpo": TrainerConfig(lr=1e-2, loss="dr_grpo"),
     "gspo": TrainerConfig(lr=1e-2, loss="gspo", clip_eps=0.2, clip_eps_high=0.2, group_std="unbiased"),
-    "reinforce_pp_kl_entropy": TrainerConfig(lr=1e-2, loss="reinforce_pp", kl_coef=0.1, kl_clamp=10.0,
-                                             entropy_coef=0.01),
+    "reinforce_pp_kl_entropy": TrainerConfig(
+        lr=1e-2, loss="reinforce_pp", kl_coef=0.1, kl_clamp=10.0, entropy_coef=0.01
+    ),
 }
 
 
@@ -41,8 +41,10 @@ def _groups(model_dir) -> tuple[list[Group], int]:
     tok = load_tokenizer(str(model_dir))
     engine = TorchEngine(load_model(str(model_dir)), [tok.eos_token_id], tok.pad_token_id)
     prompts = ["1+2=", "33+44=", "7+0=", "12+9=", "50+50="]
-    reqs = [GenerationRequest(i, tok(p)["input_ids"], 4, SamplingParams(2 + 2 * i, TEMPERATURE, seed=i))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        GenerationRequest(i, tok(p)["input_ids"], 4, SamplingParams(2 + 2 * i, TEMPERATURE, seed=i))
+        for i, p in enumerate(prompts)
+    ]
     groups = []
     for i, (p, samples) in enumerate(zip(prompts, engine.generate(reqs))):
         for j, s in enumerate(samples):
@@ -70,16 +72,18 @@ def test_two_gloo_ranks_take_the_one_rank_step_with_ddp_and_fsdp2(tiny_dir):
     async def two_ranks() -> dict[tuple[str, str], dict]:
         backend = make_backend(LocalRuntimeConfig())
         try:
-            ranks = await asyncio.gather(*(backend.spawn(f"trainer-{r}", DataParallelRank, str(tiny_dir), pad)
-                                           for r in range(2)))
+            ranks = await asyncio.gather(
+                *(backend.spawn(f"trainer-{r}", DataParallelRank, str(tiny_dir), pad) for r in range(2))
+            )
             host, port = rendezvous("127.0.0.1")
             await asyncio.gather(*(a.call("join", host, port, r, 2) for r, a in enumerate(ranks)))
             out = {}
             for mode in ("ddp", "fsdp2"):
                 for name, cfg in CONFIGS.items():
                     cfg = cfg.model_copy(update={"data_parallel": mode, "ranks": 2})
-                    r0, r1 = await asyncio.gather(*(a.call("step", cfg, groups, TEMPERATURE, MAX_NEW_TOKENS)
-                                                    for a in ranks))
+                    r0, r1 = await asyncio.gather(
+                        *(a.call("step", cfg, groups, TEMPERATURE, MAX_NEW_TOKENS) for a in ranks)
+                    )
                     out[mode, name] = r0
                     for k in r0["params"]:  # both ranks hold (or gather) the same full parameters
                         assert (r0["params"][k] == r1["params"][k]).all(), (mode, name, k)
@@ -146,7 +150,9 @@ def test_two_rank_checkpoints_resume_where_they_stood_with_ddp_and_fsdp2(tiny_di
 
             async def start(model_path: str, cfg: TrainerConfig) -> None:
                 host, port = rendezvous("127.0.0.1")
-                await asyncio.gather(*(h.call("make", model_path, cfg, pad, host, port, r, 2) for r, h in enumerate(hosts)))
+                await asyncio.gather(
+                    *(h.call("make", model_path, cfg, pad, host, port, r, 2) for r, h in enumerate(hosts))
+                )
 
             async def states() -> list:
                 return list(await asyncio.gather(*(h.call("optimizer_state") for h in hosts)))

@@ -9,23 +9,36 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.config import ConfigError, load_config
-from nonstop.planner.cli import parse_axes
-from nonstop.planner.model import simulate
-from nonstop.planner.model import Simulation
-from nonstop.planner.calibrate import PAUSE_S, Sharing, _fit_line, _ordinary_mean, effective_cores, fit_orchestrator, pauses
-from nonstop.planner.params import PlanParams, Shape
-from nonstop.observe.timeline import GroupLife, Timeline
-from nonstop.planner.sweep import recommend, sweep
-
 from helpers import two_step_timeline
+from nonstop.config import ConfigError, load_config
+from nonstop.observe.timeline import GroupLife, Timeline
+from nonstop.planner.calibrate import (
+    PAUSE_S,
+    Sharing,
+    _fit_line,
+    _ordinary_mean,
+    effective_cores,
+    fit_orchestrator,
+    pauses,
+)
+from nonstop.planner.cli import parse_axes
+from nonstop.planner.model import Simulation, simulate
+from nonstop.planner.params import PlanParams, Shape
+from nonstop.planner.sweep import recommend, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def params(**kw) -> PlanParams:
-    base = dict(pass_s=0.010, pass_row_s=0.0001, step_s=0.2, step_token_s=0.001, publish_s=0.05, apply_s=0.0,
-                groups_lens=[[4, 4, 4, 4]])
+    base = dict(
+        pass_s=0.010,
+        pass_row_s=0.0001,
+        step_s=0.2,
+        step_token_s=0.001,
+        publish_s=0.05,
+        apply_s=0.0,
+        groups_lens=[[4, 4, 4, 4]],
+    )
     return PlanParams(**{**base, **kw})
 
 
@@ -79,8 +92,7 @@ def test_stragglers_overtaken_by_later_groups_lag_more_than_the_depth():
 def test_max_lag_drops_and_refunds_stale_groups():
     """An unbounded stream with a strict max_lag drops groups (refunded) but still trains every step."""
     p = params(groups_lens=[[2, 2, 2, 80]], step_s=0.01, step_token_s=0.0)
-    shape = Shape(engines=1, depth=None, max_lag=0, prompts_per_step=2, group_size=4, slots=8, steps=15,
-                  max_queued=16)
+    shape = Shape(engines=1, depth=None, max_lag=0, prompts_per_step=2, group_size=4, slots=8, steps=15, max_queued=16)
     pred = simulate(p, shape)
     assert pred.dropped_for_lag > 0 and max(pred.lag_hist) == 0
 
@@ -111,13 +123,22 @@ def test_fits_recover_known_lines():
 
 def test_sweep_axes_set_fields_together_and_are_validated():
     assert parse_axes(("runtime.num_engines+trainer.ranks=2:1,1:2",)) == {
-        "runtime.num_engines+trainer.ranks": ["2:1", "1:2"]}
+        "runtime.num_engines+trainer.ranks": ["2:1", "1:2"]
+    }
     with pytest.raises(ConfigError, match="2 parts"):
         parse_axes(("runtime.num_engines+trainer.ranks=2",))
-    rows = sweep(params(), load_config(overrides=["run.max_steps=5"]),
-                 {"runtime.num_engines+trainer.ranks": ["1:1", "2:2"], "buffer.depth": ["0", "1"]}, seeds=1)
+    rows = sweep(
+        params(),
+        load_config(overrides=["run.max_steps=5"]),
+        {"runtime.num_engines+trainer.ranks": ["1:1", "2:2"], "buffer.depth": ["0", "1"]},
+        seeds=1,
+    )
     assert sorted((r.shape.engines, r.shape.trainer_ranks, r.shape.depth) for r in rows) == [
-        (1, 1, 0), (1, 1, 1), (2, 2, 0), (2, 2, 1)]
+        (1, 1, 0),
+        (1, 1, 1),
+        (2, 2, 0),
+        (2, 2, 1),
+    ]
     with pytest.raises(ConfigError, match="buffer.depht"):
         sweep(params(), load_config(), {"buffer.depht": ["1"]})
 
@@ -129,8 +150,12 @@ def test_worked_example_of_planning_md():
     cfg = load_config(ROOT / "examples" / "planner_32b.yaml", ["run.max_steps=20"])
     sync = simulate(p, Shape.of(cfg))
     assert sync.trainer_idle > 0.8 and sync.lag_hist.keys() == {0}
-    rows = sweep(p, cfg, {"buffer.depth": ["0", "4"], "buffer.max_lag": ["8"],
-                          "runtime.num_engines+trainer.ranks": ["8:32", "12:16"]}, seeds=1)
+    rows = sweep(
+        p,
+        cfg,
+        {"buffer.depth": ["0", "4"], "buffer.max_lag": ["8"], "runtime.num_engines+trainer.ranks": ["8:32", "12:16"]},
+        seeds=1,
+    )
     best = recommend(rows)
     assert best is not None and best.shape.depth == 4 and best.shape.engines == 12
     assert best.samples_per_s > 3 * sync.samples_per_s and best.trainer_idle < sync.trainer_idle - 0.3
@@ -220,8 +245,8 @@ def test_orchestrator_fit_recovers_its_handling_time_and_handoff():
         for k in range(n):
             groups.append(_group(i, t + 0.0001 * k, t + n * 0.0015 + 0.004))
             i += 1
-    s, l, busy = fit_orchestrator(groups)
-    assert s == pytest.approx(0.0015, abs=3e-5) and l == pytest.approx(0.004, abs=1e-4)
+    s, lat, busy = fit_orchestrator(groups)
+    assert s == pytest.approx(0.0015, abs=3e-5) and lat == pytest.approx(0.004, abs=1e-4)
     assert len(busy) == len(groups)
 
 
@@ -229,8 +254,19 @@ def test_pauses_are_silences_while_the_orchestrator_owes_work():
     """A group returned at 1.0 s and buffered at 1.3 s with nothing else logged between: one
     pause of 0.3 s; the idle time before it, when nothing was owed, is none."""
     groups = [_group(0, 0.5, 0.502), _group(1, 1.0, 1.3)]
-    orch = [dict(ev="group", id=[0, g.id[1]], t_admit=g.t_admit, t_gen0=g.t_gen0, t_gen1=g.t_gen1,
-                 t_done=g.t_done, lens=g.lens, v=[0, 0]) for g in groups]
+    orch = [
+        dict(
+            ev="group",
+            id=[0, g.id[1]],
+            t_admit=g.t_admit,
+            t_gen0=g.t_gen0,
+            t_gen1=g.t_gen1,
+            t_done=g.t_done,
+            lens=g.lens,
+            v=[0, 0],
+        )
+        for g in groups
+    ]
     tl = Timeline(Path("."), {}, {"orchestrator": orch}, groups, Counter(), {})
     assert pauses(tl) == [pytest.approx((1.0, 1.3))]
 

@@ -15,19 +15,27 @@ from pathlib import Path
 
 import pytest
 
+from helpers import two_step_timeline
+from nonstop.observe.timeline import GroupLife, Timeline
 from nonstop.planner.calibrate import admissions, engine_wake
 from nonstop.planner.model import Simulation, _Group
 from nonstop.planner.params import PlanParams, Shape
-from nonstop.observe.timeline import GroupLife, Timeline
-
-from helpers import two_step_timeline
 
 TAU = 0.010  # every pass 10 ms: no per-row cost, no sharing
 
 
 def params(**kw) -> PlanParams:
-    base = dict(pass_s=TAU, pass_row_s=0.0, step_s=0.2, step_token_s=0.0, publish_s=0.0, apply_s=0.0,
-                groups_lens=[[2, 2, 2, 2]], pickup_passes=2, return_passes=1)
+    base = dict(
+        pass_s=TAU,
+        pass_row_s=0.0,
+        step_s=0.2,
+        step_token_s=0.0,
+        publish_s=0.0,
+        apply_s=0.0,
+        groups_lens=[[2, 2, 2, 2]],
+        pickup_passes=2,
+        return_passes=1,
+    )
     return PlanParams(**{**base, **kw})
 
 
@@ -52,7 +60,10 @@ def test_a_call_to_a_busy_engine_joins_three_boundaries_later_and_is_answered_a_
     sim.on_dispatch(_Group([20, 20, 20, 20]))
     sim.at(0.015, "dispatch", _Group([2, 2, 2, 2]))
     assert answered(sim, 0.1) == [pytest.approx(0.070)]
-    assert answered(sim, 0.3) == [pytest.approx(0.070), pytest.approx(0.200)]  # the long one: the engine is idle after it
+    assert answered(sim, 0.3) == [
+        pytest.approx(0.070),
+        pytest.approx(0.200),
+    ]  # the long one: the engine is idle after it
     older = Simulation(params(pickup_passes=1, return_passes=0), SHAPE, seed=0)  # the loop as first modelled
     older.on_dispatch(_Group([20, 20, 20, 20]))
     older.at(0.015, "dispatch", _Group([2, 2, 2, 2]))
@@ -87,8 +98,9 @@ def _life(i: int, t_admit: float, gen0: float) -> GroupLife:
 
 
 def test_admissions_give_each_ones_first_delay_and_the_gap_between_its_calls():
-    groups = [_life(i, 1.0, 0.002 + 0.0001 * i) for i in range(8)] + [_life(8 + i, 2.0, 0.0005 + 0.0001 * i)
-                                                                      for i in range(3)]
+    groups = [_life(i, 1.0, 0.002 + 0.0001 * i) for i in range(8)] + [
+        _life(8 + i, 2.0, 0.0005 + 0.0001 * i) for i in range(3)
+    ]
     firsts, gap = admissions(groups)
     assert sorted(firsts) == [pytest.approx(0.0005), pytest.approx(0.002)]
     assert gap == pytest.approx(0.0001)

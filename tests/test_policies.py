@@ -68,14 +68,27 @@ def test_each_role_plays_its_own_policy_and_each_buffer_gets_only_its_part(tiny_
     ledger = Ledger(("", "b"))
     buffers = {p: RolloutBuffer(4, None, None, 64, ledger.part(p)) for p in ("", "b")}
     rollout = RolloutConfig(prompts_per_step=4, group_size=2, filter_uniform_reward=False)
-    asyncio.run(produce_episodes(RoleEngines(shared, {"b": own}), env_player(Duel), SplitIntake(buffers, False),
-                                 PromptStream(rows, seed=0, max_epochs=1), codec, rollout,
-                                 load_config(None, ["env.name=two_role_env:Duel"]).env, LIMITS,
-                                 RoleBaselines("group", 0.9), Clock(), RolloutStats(), EpisodeStats(), ledger))
+    asyncio.run(
+        produce_episodes(
+            RoleEngines(shared, {"b": own}),
+            env_player(Duel),
+            SplitIntake(buffers, False),
+            PromptStream(rows, seed=0, max_epochs=1),
+            codec,
+            rollout,
+            load_config(None, ["env.name=two_role_env:Duel"]).env,
+            LIMITS,
+            RoleBaselines("group", 0.9),
+            Clock(),
+            RolloutStats(),
+            EpisodeStats(),
+            ledger,
+        )
+    )
     a_prompt, b_prompt = codec.encode("a?"), codec.encode("b?")
     assert len(shared.prompts) == len(own.prompts) == 4 * 2 * TURNS
-    assert all(p[:len(a_prompt)] == a_prompt for p in shared.prompts)
-    assert all(p[:len(b_prompt)] == b_prompt for p in own.prompts)
+    assert all(p[: len(a_prompt)] == a_prompt for p in shared.prompts)
+    assert all(p[: len(b_prompt)] == b_prompt for p in own.prompts)
     parts = {p: _drain(b) for p, b in buffers.items()}
     for policy, role in (("", "a"), ("b", "b")):
         assert sorted(g.prompt_index for g in parts[policy]) == [0, 1, 2, 3]
@@ -108,10 +121,18 @@ def test_split_intake_admits_a_row_only_when_every_policy_admits_it():
         assert (a.admitted - a.refunded, b.admitted - b.refunded) == (1, 4)
         await intake.refund(1)
         assert (a.admitted - a.refunded, b.admitted - b.refunded) == (0, 3)
-        group = Group(0, "?", "", [Sample([1], [2], [-1.0], [0], "stop", role="a", advantage=1.0),
-                                   Sample([1], [2], [-1.0], [0], "stop", role="b", policy="b", advantage=0.0)])
+        group = Group(
+            0,
+            "?",
+            "",
+            [
+                Sample([1], [2], [-1.0], [0], "stop", role="a", advantage=1.0),
+                Sample([1], [2], [-1.0], [0], "stop", role="b", policy="b", advantage=0.0),
+            ],
+        )
         await intake.put(group)
         assert a.queued == 1 and b.queued == 0 and b.drops == Counter({"uniform_reward": 1})
+
     asyncio.run(go())
 
 
@@ -120,17 +141,20 @@ def test_policies_config_names_its_field_for_each_refusal():
     cfg = load_config(EXAMPLES / "nim_two_policies.yaml")
     assert cfg.env is not None and set(cfg.env.policies) == {"second"}
     check_roles(cfg, ("first", "second"))
-    for extra, field in ((["transport.kind=files"], "transport.kind"), (["runtime.backend=ray"], "runtime.backend"),
-                         (["model.lora.enabled=true"], "model.lora.enabled"),
-                         (["env.policies.second.pth=x"], "env.policies.second.pth")):
+    for extra, field in (
+        (["transport.kind=files"], "transport.kind"),
+        (["runtime.backend=ray"], "runtime.backend"),
+        (["model.lora.enabled=true"], "model.lora.enabled"),
+        (["env.policies.second.pth=x"], "env.policies.second.pth"),
+    ):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, base + extra)
     with pytest.raises(ConfigError, match=r"env\.policies\.third: .* no role 'third'"):
         check_roles(load_config(None, ["env.name=nim", "env.policies.third.lr=0.1"]), ("first", "second"))
     with pytest.raises(ConfigError, match="leave at least one role to the shared policy"):
-        check_roles(load_config(None, base + ["env.policies.first.lr=0.1"]), ("first", "second"))
+        check_roles(load_config(None, [*base, "env.policies.first.lr=0.1"]), ("first", "second"))
     assert "`env.policies.<name>.path`" in config_reference()
-    own = load_config(None, base + ["env.policies.second.lora=true", "env.policies.second.num_engines=2"])
+    own = load_config(None, [*base, "env.policies.second.lora=true", "env.policies.second.num_engines=2"])
     assert own.env is not None
     seen = policy_config(own, own.env.policies["second"], 0)  # what the own policy's actors are built from
     assert seen.model.lora.enabled and seen.trainer.lr == 0.001 and seen.runtime.num_engines == 2
@@ -156,8 +180,18 @@ def test_a_row_half_settled_at_a_checkpoint_goes_again_only_to_the_policies_that
 
     async def go() -> None:
         assert await intake.admit(1) == 1
-        await intake.put(Group(7, "?", "", [Sample([1], [2], [-1.0], [0], "stop", role=r, policy=p, advantage=1.0)
-                                            for r, p in (("a", ""), ("b", "b"))]))
+        await intake.put(
+            Group(
+                7,
+                "?",
+                "",
+                [
+                    Sample([1], [2], [-1.0], [0], "stop", role=r, policy=p, advantage=1.0)
+                    for r, p in (("a", ""), ("b", "b"))
+                ],
+            )
+        )
+
     asyncio.run(go())
     assert buffers[""].queued == 0 and buffers[""].refunded == 1 and buffers["b"].queued == 1
     buffers["b"].settle(_drain(buffers["b"])[0], "trained")
@@ -169,12 +203,38 @@ def test_a_row_half_settled_at_a_checkpoint_goes_again_only_to_the_policies_that
 def _duel_args(tiny_dir, out_dir, steps: int, checkpoint_every: int | None = None, *extra: str) -> list[str]:
     from test_e2e import small_model_args
 
-    return ["--set", "env.name=two_role_env:Duel", "--set", f"env.max_turns={TURNS}", "--set", "env.turn_max_tokens=3",
-            "--set", "env.max_episode_tokens=48", "--set", "env.eval_name=null", "--set", "env.policies.b.lr=0.003",
-            "--set", "task.eval_size=8", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=2",
-            "--set", f"run.max_steps={steps}", "--set", f"run.eval_every={steps}",
-            "--set", f"checkpoint.every_steps={'null' if checkpoint_every is None else checkpoint_every}",
-            "--set", f"run.out_dir={out_dir}", "--set", "run.name=duel", *small_model_args(tiny_dir), *extra]
+    return [
+        "--set",
+        "env.name=two_role_env:Duel",
+        "--set",
+        f"env.max_turns={TURNS}",
+        "--set",
+        "env.turn_max_tokens=3",
+        "--set",
+        "env.max_episode_tokens=48",
+        "--set",
+        "env.eval_name=null",
+        "--set",
+        "env.policies.b.lr=0.003",
+        "--set",
+        "task.eval_size=8",
+        "--set",
+        "rollout.prompts_per_step=4",
+        "--set",
+        "rollout.group_size=2",
+        "--set",
+        f"run.max_steps={steps}",
+        "--set",
+        f"run.eval_every={steps}",
+        "--set",
+        f"checkpoint.every_steps={'null' if checkpoint_every is None else checkpoint_every}",
+        "--set",
+        f"run.out_dir={out_dir}",
+        "--set",
+        "run.name=duel",
+        *small_model_args(tiny_dir),
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -232,7 +292,9 @@ def test_a_run_with_two_policies_resumes_each_policy_from_its_checkpoint(tiny_di
     assert own["steps"] >= saved["steps"] and own["policy_version"] == own["steps"]
     lines = [json.loads(x) for x in (run / "policies" / "b" / "metrics.jsonl").read_text().splitlines()]
     versions = [r["policy_version"] for r in lines]  # the first session may have stepped past its checkpoint
-    resumed = len(versions) - 1 - versions[::-1].index(saved["steps"] + 1) if own["steps"] > saved["steps"] else len(versions)
+    resumed = (
+        len(versions) - 1 - versions[::-1].index(saved["steps"] + 1) if own["steps"] > saved["steps"] else len(versions)
+    )
     assert versions[resumed:] == list(range(saved["steps"] + 1, own["steps"] + 1))
     assert ledger["duplicated"] == 0 and ledger["unknown"] == 0 and ledger["requeued"] >= 0
     assert set(own["samples_by_role"]) == {"b"} and set(s["policies"]["shared"]["samples_by_role"]) == {"a"}
@@ -245,9 +307,25 @@ def test_an_own_policy_trained_as_lora_adapters_sends_only_its_adapters(tiny_dir
     policy's full weights); it steps on role b's samples only and writes an adapter folder."""
     from test_e2e import nonstop
 
-    out = nonstop(["train", *_duel_args(tiny_dir, tmp_path, 3, None, "--set", "env.policies.b.lora=true",
-                                        "--set", "model.lora.rank=2", "--set", "model.lora.alpha=4")],
-                  tmp_path, timeout_s=300)
+    out = nonstop(
+        [
+            "train",
+            *_duel_args(
+                tiny_dir,
+                tmp_path,
+                3,
+                None,
+                "--set",
+                "env.policies.b.lora=true",
+                "--set",
+                "model.lora.rank=2",
+                "--set",
+                "model.lora.alpha=4",
+            ),
+        ],
+        tmp_path,
+        timeout_s=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     run = tmp_path / "duel"
     s = json.loads((run / "summary.json").read_text())

@@ -15,31 +15,77 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from nonstop.config import ConfigError, Config, load_config  # noqa: E402
+from nonstop.config import Config, ConfigError, load_config  # noqa: E402
 from nonstop.serve.protocol import BadRequest, parse_chat, parse_completion  # noqa: E402
 from test_server import _run_with_server  # noqa: E402
 
-FIELDS = ["model", "prompt", "prompt_token_ids", "messages", "max_tokens", "max_completion_tokens", "temperature",
-          "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "stream", "stream_options", "logprobs",
-          "top_logprobs", "echo", "presence_penalty", "logit_bias", "best_of", "tools", "response_format", "user"]
+FIELDS = [
+    "model",
+    "prompt",
+    "prompt_token_ids",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "presence_penalty",
+    "logit_bias",
+    "best_of",
+    "tools",
+    "response_format",
+    "user",
+]
 
 text = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF), max_size=12)  # surrogates included
-scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**80, max_value=2**80),
-                    st.floats(allow_nan=True, allow_infinity=True), text)
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(st.sampled_from(["role", "content", "type", "text",
-                                                                                        "include_usage", "x"]), inner, max_size=3)),
-                      max_leaves=12)
-message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system"]), values),
-                                 "content": st.one_of(text, values, st.lists(st.fixed_dictionaries(
-                                     {"type": st.sampled_from(["text", "image_url"]), "text": values}), max_size=3))})
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    text,
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.sampled_from(["role", "content", "type", "text", "include_usage", "x"]), inner, max_size=3),
+    ),
+    max_leaves=12,
+)
+message = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.sampled_from(["user", "system"]), values),
+        "content": st.one_of(
+            text,
+            values,
+            st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": values}), max_size=3
+            ),
+        ),
+    }
+)
 bodies = st.one_of(
     values,
     st.dictionaries(st.sampled_from(FIELDS), values, max_size=6),
-    st.fixed_dictionaries({"prompt": st.one_of(text, st.lists(st.integers(-5, 2**40), max_size=5), values)},
-                          optional={k: values for k in ("n", "seed", "max_tokens", "logprobs", "stream", "stream_options")}),
-    st.fixed_dictionaries({"messages": st.lists(message, max_size=3)},
-                          optional={k: values for k in ("logprobs", "top_logprobs", "n", "seed", "stream")}),
+    st.fixed_dictionaries(
+        {"prompt": st.one_of(text, st.lists(st.integers(-5, 2**40), max_size=5), values)},
+        optional={k: values for k in ("n", "seed", "max_tokens", "logprobs", "stream", "stream_options")},
+    ),
+    st.fixed_dictionaries(
+        {"messages": st.lists(message, max_size=3)},
+        optional={k: values for k in ("logprobs", "top_logprobs", "n", "seed", "stream")},
+    ),
 )
 
 
@@ -81,18 +127,43 @@ def test_any_body_over_http_is_2xx_or_a_json_4xx(tiny_dir):
                     out = await r.json(content_type=None)
                     assert r.status < 500, (path, body, out)
                     if r.status >= 400:
-                        assert out["error"]["message"] and out["error"]["type"] == "invalid_request_error" \
-                            or r.status == 404, (path, body, out)
+                        assert (
+                            out["error"]["message"]
+                            and out["error"]["type"] == "invalid_request_error"
+                            or r.status == 404
+                        ), (path, body, out)
         assert not aio.engine.has_work()
 
     _run_with_server(tiny_dir, body_fn)
 
 
-keys = st.sampled_from(["run.seed", "run.max_steps", "buffer.depth", "buffer.max_lag", "trainer.lr", "rollout.temperature",
-                        "task.eval_size", "task.eval_fraction", "engine.max_seq_len", "transport.kind", "runtime.num_engines",
-                        "nope", "run", "run.nope.deeper", "", " ", "a..b", "trainer.ranks"])
-raw_values = st.one_of(st.text(alphabet=string.printable, max_size=10), st.integers(-10**30, 10**30).map(str),
-                       st.sampled_from(["null", "[]", "{}", "true", "-1", "1e400", "nan", "[1, 2", "{a: b}"]))
+keys = st.sampled_from(
+    [
+        "run.seed",
+        "run.max_steps",
+        "buffer.depth",
+        "buffer.max_lag",
+        "trainer.lr",
+        "rollout.temperature",
+        "task.eval_size",
+        "task.eval_fraction",
+        "engine.max_seq_len",
+        "transport.kind",
+        "runtime.num_engines",
+        "nope",
+        "run",
+        "run.nope.deeper",
+        "",
+        " ",
+        "a..b",
+        "trainer.ranks",
+    ]
+)
+raw_values = st.one_of(
+    st.text(alphabet=string.printable, max_size=10),
+    st.integers(-(10**30), 10**30).map(str),
+    st.sampled_from(["null", "[]", "{}", "true", "-1", "1e400", "nan", "[1, 2", "{a: b}"]),
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -107,11 +178,18 @@ def test_any_overrides_give_a_config_or_a_config_error(overrides):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),
-                    lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                            st.dictionaries(st.sampled_from(["run", "buffer", "trainer", "seed", "depth",
-                                                                             "lr", "kind", "x"]), inner, max_size=3)),
-                    max_leaves=10))
+@given(
+    st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.dictionaries(
+                st.sampled_from(["run", "buffer", "trainer", "seed", "depth", "lr", "kind", "x"]), inner, max_size=3
+            ),
+        ),
+        max_leaves=10,
+    )
+)
 def test_any_yaml_tree_gives_a_config_or_a_config_error(tmp_path, tree):
     import yaml
 
@@ -121,4 +199,3 @@ def test_any_yaml_tree_gives_a_config_or_a_config_error(tmp_path, tree):
         load_config(path)
     except ConfigError as e:
         assert str(e)
-

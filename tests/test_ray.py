@@ -18,7 +18,9 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="
 def test_missing_ray_is_one_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if it were not installed
     monkeypatch.delitem(sys.modules, "nonstop.runtime.ray", raising=False)
-    with pytest.raises(ImportError, match=r"runtime.backend=ray needs Ray: install the extra with `pip install nonstop\[ray\]`"):
+    with pytest.raises(
+        ImportError, match=r"runtime.backend=ray needs Ray: install the extra with `pip install nonstop\[ray\]`"
+    ):
         make_backend(RayRuntimeConfig())
 
 
@@ -31,12 +33,40 @@ def test_short_run_on_a_local_ray_cluster_learns(tiny_dir, tmp_path):
     from test_e2e import nonstop, records, small_model_args
 
     result = nonstop(
-        ["train", *small_model_args(tiny_dir), "--set", "runtime.backend=ray", "--set", "runtime.ray_num_cpus=2",
-         "--set", "runtime.num_engines=2", "--set", "runtime.ray_engine.num_cpus=0.5", "--set", "run.name=ray",
-         "--set", "task.reward=helpers:ones_reward", "--set", "run.max_steps=25", "--set", "trainer.lr=3e-2",
-         "--set", "rollout.prompts_per_step=8", "--set", "rollout.group_size=8", "--set", "rollout.max_new_tokens=6",
-         "--set", "task.max_operand=9", "--set", "task.eval_size=10", "--set", "rollout.filter_uniform_reward=false"],
-        cwd=tmp_path, timeout_s=400,
+        [
+            "train",
+            *small_model_args(tiny_dir),
+            "--set",
+            "runtime.backend=ray",
+            "--set",
+            "runtime.ray_num_cpus=2",
+            "--set",
+            "runtime.num_engines=2",
+            "--set",
+            "runtime.ray_engine.num_cpus=0.5",
+            "--set",
+            "run.name=ray",
+            "--set",
+            "task.reward=helpers:ones_reward",
+            "--set",
+            "run.max_steps=25",
+            "--set",
+            "trainer.lr=3e-2",
+            "--set",
+            "rollout.prompts_per_step=8",
+            "--set",
+            "rollout.group_size=8",
+            "--set",
+            "rollout.max_new_tokens=6",
+            "--set",
+            "task.max_operand=9",
+            "--set",
+            "task.eval_size=10",
+            "--set",
+            "rollout.filter_uniform_reward=false",
+        ],
+        cwd=tmp_path,
+        timeout_s=400,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 engine and 1 trainer actor(s) (ray backend)" in result.stdout

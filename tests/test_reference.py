@@ -16,8 +16,8 @@ import torch
 
 from nonstop.config import load_config
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.reference import grpo_loss, left_pad, run_reference, sample
 from nonstop.orchestrator.score import partial_credit
+from nonstop.reference import grpo_loss, left_pad, run_reference, sample
 from nonstop.tasks.base import shipped_dir
 from nonstop.tasks.data import load_task
 from nonstop.trainer.core import Trainer
@@ -33,15 +33,33 @@ def test_trainer_step_makes_the_reference_update_on_the_same_batch():
     prompts = load_task(cfg.task).train[:6]
     n = cfg.rollout.group_size
     ids, mask = left_pad([tok(ex.prompt)["input_ids"] for ex in prompts for _ in range(n)], tok.pad_token_id)
-    completions, behaviour, loss_mask = sample(reference, ids, mask, cfg.rollout.max_new_tokens, cfg.rollout.temperature,
-                                               tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(3))
+    completions, behaviour, loss_mask = sample(
+        reference,
+        ids,
+        mask,
+        cfg.rollout.max_new_tokens,
+        cfg.rollout.temperature,
+        tok.eos_token_id,
+        tok.pad_token_id,
+        torch.Generator().manual_seed(3),
+    )
     texts = tok.batch_decode(completions, skip_special_tokens=True)
-    rewards = torch.tensor([partial_credit(t, prompts[i // n].answer) for i, t in enumerate(texts)]).view(len(prompts), n)
+    rewards = torch.tensor([partial_credit(t, prompts[i // n].answer) for i, t in enumerate(texts)]).view(
+        len(prompts), n
+    )
     assert (rewards.max(-1).values > rewards.min(-1).values).sum() >= 3  # the batch carries signal
 
     opt = torch.optim.AdamW(reference.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    loss = grpo_loss(reference, ids, mask, completions, behaviour, loss_mask,
-                     group_advantages(rewards, cfg.trainer.advantage_mode).reshape(-1), cfg)
+    loss = grpo_loss(
+        reference,
+        ids,
+        mask,
+        completions,
+        behaviour,
+        loss_mask,
+        group_advantages(rewards, cfg.trainer.advantage_mode).reshape(-1),
+        cfg,
+    )
     loss.backward()
     torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.trainer.max_grad_norm)
     opt.step()
@@ -52,9 +70,16 @@ def test_trainer_step_makes_the_reference_update_on_the_same_batch():
         for j in range(n):
             b = g * n + j
             C = int(loss_mask[b].sum())  # tokens up to and including EOS
-            samples.append(Sample(tok(ex.prompt)["input_ids"], completions[b, :C].tolist(), behaviour[b, :C].tolist(),
-                                  [0] * C, "stop" if completions[b, C - 1] == tok.eos_token_id else "length",
-                                  reward=float(rewards[g, j])))
+            samples.append(
+                Sample(
+                    tok(ex.prompt)["input_ids"],
+                    completions[b, :C].tolist(),
+                    behaviour[b, :C].tolist(),
+                    [0] * C,
+                    "stop" if completions[b, C - 1] == tok.eos_token_id else "length",
+                    reward=float(rewards[g, j]),
+                )
+            )
         groups.append(Group(ex.index, ex.prompt, ex.answer, samples))
     trainer = Trainer(policy, cfg.trainer, cfg.rollout.temperature, tok.pad_token_id)
     metrics = trainer.step(groups)
@@ -66,8 +91,10 @@ def test_trainer_step_makes_the_reference_update_on_the_same_batch():
     assert largest > 1e-3 and max(float((g - h).abs().max()) for g, h in grads) < 1e-4 * largest
     # Where a gradient is float noise (|g| ~ 1e-10), Adam's first step still moves the weight by
     # ~lr in the noise's sign: compare the weights where the gradient is well above rounding.
-    firm = [(p, q, h.abs() > 1e-3 * largest) for (p, q), (_, h) in
-            zip(zip(policy.parameters(), reference.parameters()), grads)]
+    firm = [
+        (p, q, h.abs() > 1e-3 * largest)
+        for (p, q), (_, h) in zip(zip(policy.parameters(), reference.parameters()), grads)
+    ]
     assert sum(int(m.sum()) for _, _, m in firm) > 0.2 * sum(p.numel() for p, _, _ in firm)
     assert max(float((p - q)[m].abs().max()) if m.any() else 0.0 for p, q, m in firm) < 1e-5
 
@@ -88,8 +115,21 @@ def test_pipeline_depth0_learns_like_the_reference_loop(tmp_path):
     ref_gain = [r[-1]["eval_accuracy"] - r[0]["eval_accuracy"] for r in ref]
     pipe_gain = []
     for seed in seeds:
-        args = ["train", "--set", f"run.name=s{seed}", "--set", f"run.seed={seed}", "--set", f"run.max_steps={steps}",
-                "--set", "run.max_time_s=null", "--set", f"run.eval_every={steps}", "--set", "run.progress=plain"]
+        args = [
+            "train",
+            "--set",
+            f"run.name=s{seed}",
+            "--set",
+            f"run.seed={seed}",
+            "--set",
+            f"run.max_steps={steps}",
+            "--set",
+            "run.max_time_s=null",
+            "--set",
+            f"run.eval_every={steps}",
+            "--set",
+            "run.progress=plain",
+        ]
         for o in over:
             args += ["--set", o]
         result = nonstop(args, cwd=tmp_path)

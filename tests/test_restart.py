@@ -61,6 +61,7 @@ def test_a_killed_engine_is_replaced_and_its_pending_prompts_generated_again(tin
             assert stats["tokens_generated"] == sum(len(s.completion_ids) for samples in results for s in samples)
         finally:
             await backend.shutdown()
+
     asyncio.run(go())
 
 
@@ -81,6 +82,7 @@ def test_a_hung_engine_is_detected_by_the_heartbeat_within_its_timeout(tiny_dir)
         finally:
             await supervisor.close()
             await backend.shutdown()
+
     asyncio.run(go())
 
 
@@ -95,6 +97,7 @@ def test_deaths_beyond_the_budget_end_with_actor_died(tiny_dir):
             assert len(engine.faults.restarts) == 1
         finally:
             await backend.shutdown()
+
     asyncio.run(go())
 
 
@@ -102,6 +105,7 @@ def test_a_replacement_that_dies_while_starting_uses_up_a_restart_and_ends_with_
     """An engine killed while its replacement is still starting (a fault that keeps recurring)
     counts as a restart, and when none is left the caller gets the budget message, not the bare
     death of the half-started replacement."""
+
     async def go():
         backend = make_backend(LocalRuntimeConfig())
         cfg = Config.model_validate({"model": {"path": str(tiny_dir)}})
@@ -119,9 +123,12 @@ def test_a_replacement_that_dies_while_starting_uses_up_a_restart_and_ends_with_
         try:
             engine = await RestartingEngine("engine", start, 2, 60.0, 60.0).begin()
             os.kill(engine.engine.actor.pid, signal.SIGKILL)
-            with pytest.raises(ActorDied, match=r"while restarting\); no restart left \(runtime.max_engine_restarts=2\)"):
+            with pytest.raises(
+                ActorDied, match=r"while restarting\); no restart left \(runtime.max_engine_restarts=2\)"
+            ):
                 await engine.generate(_requests(tok, 1))
             assert len(engine.faults.restarts) == 2
         finally:
             await backend.shutdown()
+
     asyncio.run(go())

@@ -9,10 +9,9 @@ import time
 
 import pytest
 
+from helpers import Echo
 from nonstop.config import LocalRuntimeConfig
 from nonstop.runtime import ActorDied, Supervisor, make_backend
-
-from helpers import Echo
 
 
 def _run(coro):
@@ -41,6 +40,7 @@ def test_local_death_names_the_signal_or_exit_code():
             crasher = await backend.spawn("crasher", Echo)
             with pytest.raises(ActorDied, match=r"actor 'crasher' \(pid \d+\) died \(exit code 3\)"):
                 await crasher.call("crash")
+
     _run(go())
 
 

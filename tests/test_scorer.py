@@ -74,8 +74,9 @@ def test_fail_fast_raises_at_the_first_failing_group():
     async def go():
         cfg = ScoringConfig(pool="loop")
         fn = lambda c, a: math.inf if c == "x" else 0.0  # noqa: E731
-        stage = ScoringStage([FunctionComponent("reward", fn, fn, make_runner(cfg, None, print), 1.0)], cfg,
-                             fail_fast=True)
+        stage = ScoringStage(
+            [FunctionComponent("reward", fn, fn, make_runner(cfg, None, print), 1.0)], cfg, fail_fast=True
+        )
         assert await stage.score(_group(["y", "z"])) is True
         with pytest.raises(RewardError, match=r"inf(.|\n)*task.reward_fail_fast"):
             await stage.score(_group(["y", "x"]))
@@ -135,6 +136,7 @@ def test_a_slow_rewards_rows_run_side_by_side_and_a_cheap_ones_as_one_job():
             seen[name][-1].add(threading.current_thread().name)
             time.sleep(sleep_s)
             return float(completion)
+
         return fn
 
     slow, cheap = make("slow", 5 * SPLIT_ROW_S), make("cheap", 0.0)
@@ -188,6 +190,7 @@ def test_daemon_threads_hand_back_a_batch_in_order_with_its_first_error():
 
 def test_loop_pool_blocks_the_loop():
     """The comparison point of bench/scoring.py: scoring on the loop stops everything else."""
+
     async def go():
         stage = _stage(lambda c, a: time.sleep(0.05) or 1.0, pool="loop")
         t0 = time.perf_counter()
@@ -230,8 +233,9 @@ def test_backpressure_holds_admission_while_groups_wait():
             return 1.0
 
         stage = _stage(gated, pool="thread", max_pending_groups=2)
-        tasks = [asyncio.get_running_loop().create_task(stage.score(_group(["a"], index=i)), name=f"g{i}")
-                 for i in range(2)]
+        tasks = [
+            asyncio.get_running_loop().create_task(stage.score(_group(["a"], index=i)), name=f"g{i}") for i in range(2)
+        ]
         await asyncio.sleep(0.05)
         waiting = asyncio.get_running_loop().create_task(stage.ready(), name="admission")
         await asyncio.sleep(0.05)
@@ -245,9 +249,13 @@ def test_backpressure_holds_admission_while_groups_wait():
 
 
 def test_keyword_arguments_extra_fields_async_and_group_rewards(tmp_path):
-    cfg = load_config(overrides=["task.reward=scoring_helpers:kwargs_reward",
-                                 "scoring.group_reward=scoring_helpers:rank_reward",
-                                 "scoring.group_reward_weight=10"])
+    cfg = load_config(
+        overrides=[
+            "task.reward=scoring_helpers:kwargs_reward",
+            "scoring.group_reward=scoring_helpers:rank_reward",
+            "scoring.group_reward_weight=10",
+        ]
+    )
 
     async def go():
         stage = build_scorer(cfg, None, lambda ids: "")
@@ -257,8 +265,9 @@ def test_keyword_arguments_extra_fields_async_and_group_rewards(tmp_path):
         a = build_scorer(load_config(overrides=["task.reward=scoring_helpers:async_reward"]), None, lambda ids: "")
         g2 = _group(["42", "41"])
         ok2 = await a.score(g2)
-        bad = build_scorer(load_config(overrides=["scoring.group_reward=scoring_helpers:wrong_count"]), None,
-                           lambda ids: "")
+        bad = build_scorer(
+            load_config(overrides=["scoring.group_reward=scoring_helpers:wrong_count"]), None, lambda ids: ""
+        )
         ok3 = await bad.score(_group(["1", "2"]))
         return g, ok, g2, ok2, ok3, bad
 
@@ -306,8 +315,15 @@ def test_process_pool_replaces_hung_and_dead_workers(tmp_path, monkeypatch):
     async def go():
         backend = LocalBackend(LocalRuntimeConfig())
         try:
-            cfg = load_config(overrides=["task.reward=scoring_helpers:fault_once", "scoring.pool=process",
-                                         "scoring.workers=1", "scoring.timeout_s=3", "scoring.retries=1"])
+            cfg = load_config(
+                overrides=[
+                    "task.reward=scoring_helpers:fault_once",
+                    "scoring.pool=process",
+                    "scoring.workers=1",
+                    "scoring.timeout_s=3",
+                    "scoring.retries=1",
+                ]
+            )
             stage = build_scorer(cfg, backend, lambda ids: "")
             await stage.start()
             first = stage.runner.pool.alive()[0]
@@ -336,7 +352,6 @@ def test_auto_pool_moves_a_slow_sync_reward_to_worker_processes_and_keeps_the_re
     they are up (its rewards then carry another process id); a cheap one, and a slow lambda that
     cannot reach the workers, stay in this process; each decision is said once in the log."""
     from nonstop.scoring.runners import AutoRunner
-
     from scoring_helpers import slow_pid
 
     me = float(os.getpid())
@@ -349,9 +364,11 @@ def test_auto_pool_moves_a_slow_sync_reward_to_worker_processes_and_keeps_the_re
             runner = make_runner(cfg, backend, lines.append)
             assert isinstance(runner, AutoRunner)
             slow_lambda = lambda c, a: time.sleep(0.005) or float(os.getpid())  # noqa: E731
-            parts = [FunctionComponent("reward", "scoring_helpers:slow_pid", slow_pid, runner, 30.0),
-                     FunctionComponent("cheap", "exact_match", exact_match, runner, 30.0),
-                     FunctionComponent("local", slow_lambda, slow_lambda, runner, 30.0)]
+            parts = [
+                FunctionComponent("reward", "scoring_helpers:slow_pid", slow_pid, runner, 30.0),
+                FunctionComponent("cheap", "exact_match", exact_match, runner, 30.0),
+                FunctionComponent("local", slow_lambda, slow_lambda, runner, 30.0),
+            ]
             stage = ScoringStage(parts, cfg, runner)
             seen: list[set[float]] = []
             for i in range(200):

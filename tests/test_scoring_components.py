@@ -17,10 +17,10 @@ from nonstop.runtime.local import LocalBackend
 from nonstop.scoring.build import build_scorer
 from nonstop.scoring.judge import parse_verdict
 from nonstop.scoring.process import split_steps, step_end_tokens, token_rewards
-from served import serving
 from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.trainer.core import Trainer
 from nonstop.types import Group, Sample
+from served import serving
 
 TOK = make_char_tokenizer()
 
@@ -30,8 +30,10 @@ def decode(ids):
 
 
 def _group(texts, answer="42", prompt="40+02="):
-    samples = [Sample(TOK(prompt)["input_ids"], TOK(t)["input_ids"], [-0.1] * len(t), [0] * len(t), "stop", text=t)
-               for t in texts]
+    samples = [
+        Sample(TOK(prompt)["input_ids"], TOK(t)["input_ids"], [-0.1] * len(t), [0] * len(t), "stop", text=t)
+        for t in texts
+    ]
     return Group(0, prompt, answer, samples)
 
 
@@ -45,8 +47,13 @@ def test_steps_and_their_last_tokens_by_hand():
 
 
 def test_process_rewards_through_the_stage_and_into_the_loss(tiny_dir):
-    cfg = load_config(overrides=["scoring.process_reward.fn=scoring_helpers:step_scores",
-                                 "scoring.process_reward.delimiter=+", "scoring.process_reward.coef=2"])
+    cfg = load_config(
+        overrides=[
+            "scoring.process_reward.fn=scoring_helpers:step_scores",
+            "scoring.process_reward.delimiter=+",
+            "scoring.process_reward.coef=2",
+        ]
+    )
 
     async def go():
         stage = build_scorer(cfg, None, decode)
@@ -80,8 +87,16 @@ def reward_model_dir(tmp_path_factory):
     from transformers import AutoModelForSequenceClassification, Qwen2Config
 
     path = tmp_path_factory.mktemp("rm")
-    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
     TOK.save_pretrained(path)
@@ -92,14 +107,23 @@ def reward_model_dir(tmp_path_factory):
 def test_reward_model_actor_batches_and_survives_being_killed(reward_model_dir):
     from transformers import AutoModelForSequenceClassification
 
-    cfg = load_config(overrides=[f"scoring.reward_model.path={reward_model_dir}", "scoring.reward_model.weight=2",
-                                 "scoring.reward_model.batch_size=64", "task.reward=partial_credit"])
+    cfg = load_config(
+        overrides=[
+            f"scoring.reward_model.path={reward_model_dir}",
+            "scoring.reward_model.weight=2",
+            "scoring.reward_model.batch_size=64",
+            "task.reward=partial_credit",
+        ]
+    )
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
 
     def expected(g):
         with torch.no_grad():
-            return [2 * float(model(input_ids=torch.tensor([TOK(g.prompt + s.text)["input_ids"]])).logits[0, 0])
-                    + resolve_reward("partial_credit")(s.text, g.answer) for s in g.samples]
+            return [
+                2 * float(model(input_ids=torch.tensor([TOK(g.prompt + s.text)["input_ids"]])).logits[0, 0])
+                + resolve_reward("partial_credit")(s.text, g.answer)
+                for s in g.samples
+            ]
 
     async def go():
         backend = LocalBackend(LocalRuntimeConfig())
@@ -114,7 +138,7 @@ def test_reward_model_actor_batches_and_survives_being_killed(reward_model_dir):
             os.kill(victim.pid, signal.SIGKILL)  # dies between two groups, unannounced
             g3 = _group(["9", "19"], answer="9", prompt="4+5=")
             ok3 = await stage.score(g3)
-            return stage, rm, groups + [g3], [*oks, ok3], calls_together
+            return stage, rm, [*groups, g3], [*oks, ok3], calls_together
         finally:
             await backend.shutdown()
 
@@ -128,18 +152,36 @@ def test_reward_model_actor_batches_and_survives_being_killed(reward_model_dir):
 
 def test_judge_over_a_real_openai_compatible_server(tiny_dir):
     tok = load_tokenizer(str(tiny_dir))
-    engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id,
-                         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    engine = TorchEngine(
+        load_model(str(tiny_dir)),
+        [tok.eos_token_id],
+        tok.pad_token_id,
+        detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+    )
 
     async def go():
         async with serving(AsyncEngine(engine), tok, "judge") as url:
-            any_char = build_scorer(load_config(overrides=[
-                f"scoring.judge.url={url}", "scoring.judge.pattern=(.)", "scoring.judge.missing_score=0",
-                "scoring.judge.max_tokens=1", "task.reward=exact_match"]), None, decode)
-            never = build_scorer(load_config(overrides=[
-                f"scoring.judge.url={url}", "scoring.judge.pattern=NEVER", "scoring.retries=0"]), None, decode)
-            down = build_scorer(load_config(overrides=[
-                "scoring.judge.url=http://127.0.0.1:9", "scoring.retries=1"]), None, decode)
+            any_char = build_scorer(
+                load_config(
+                    overrides=[
+                        f"scoring.judge.url={url}",
+                        "scoring.judge.pattern=(.)",
+                        "scoring.judge.missing_score=0",
+                        "scoring.judge.max_tokens=1",
+                        "task.reward=exact_match",
+                    ]
+                ),
+                None,
+                decode,
+            )
+            never = build_scorer(
+                load_config(overrides=[f"scoring.judge.url={url}", "scoring.judge.pattern=NEVER", "scoring.retries=0"]),
+                None,
+                decode,
+            )
+            down = build_scorer(
+                load_config(overrides=["scoring.judge.url=http://127.0.0.1:9", "scoring.retries=1"]), None, decode
+            )
             for st in (any_char, never, down):
                 await st.start()
             g = _group(["42", "41"])

@@ -18,12 +18,33 @@ def _dataset(tmp_path, n=10):
 
 def _run(tmp_path, tiny_dir, name, *overrides):
     result = nonstop(
-        ["train", *small_model_args(tiny_dir), "--set", "task.name=jsonl", "--set", "task.dataset_path=data.jsonl",
-         "--set", "task.eval_size=8", "--set", "run.max_epochs=1", "--set", "run.max_steps=100",
-         "--set", "rollout.filter_uniform_reward=false", "--set", "rollout.prompts_per_step=4",
-         "--set", "rollout.group_size=2", "--set", "checkpoint.every_steps=null", "--set", f"run.name={name}",
-         *[a for o in overrides for a in ("--set", o)]],
-        cwd=tmp_path, timeout_s=400,
+        [
+            "train",
+            *small_model_args(tiny_dir),
+            "--set",
+            "task.name=jsonl",
+            "--set",
+            "task.dataset_path=data.jsonl",
+            "--set",
+            "task.eval_size=8",
+            "--set",
+            "run.max_epochs=1",
+            "--set",
+            "run.max_steps=100",
+            "--set",
+            "rollout.filter_uniform_reward=false",
+            "--set",
+            "rollout.prompts_per_step=4",
+            "--set",
+            "rollout.group_size=2",
+            "--set",
+            "checkpoint.every_steps=null",
+            "--set",
+            f"run.name={name}",
+            *[a for o in overrides for a in ("--set", o)],
+        ],
+        cwd=tmp_path,
+        timeout_s=400,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / name
@@ -43,8 +64,15 @@ def _settled_once(summary, train_size, dropped):
 def test_sleeping_raising_and_hanging_rewards_in_a_run(tiny_dir, tmp_path):
     """scoring_helpers:faulty sleeps 20 ms, raises on answers ending in 1, hangs on those ending in 2."""
     rows = _dataset(tmp_path)
-    summary, recs = _run(tmp_path, tiny_dir, "faulty", "task.reward=scoring_helpers:faulty",
-                         "scoring.timeout_s=0.5", "scoring.retries=0", "task.max_consecutive_reward_failures=1000")
+    summary, recs = _run(
+        tmp_path,
+        tiny_dir,
+        "faulty",
+        "task.reward=scoring_helpers:faulty",
+        "scoring.timeout_s=0.5",
+        "scoring.retries=0",
+        "task.max_consecutive_reward_failures=1000",
+    )
     train = len(rows) - 8
     errors = summary["reward_errors"]
     assert errors["reward_raised"] > 0 and errors["reward_timeout"] > 0, errors
@@ -62,9 +90,16 @@ def test_sleeping_raising_and_hanging_rewards_in_a_run(tiny_dir, tmp_path):
 def test_faults_in_worker_processes_during_a_run(tiny_dir, tmp_path, monkeypatch):
     """scoring.pool=process: hung workers are killed and replaced, the run trains on everything else."""
     rows = _dataset(tmp_path)
-    summary, _ = _run(tmp_path, tiny_dir, "faulty-procs", "task.reward=scoring_helpers:faulty",
-                      "scoring.pool=process", "scoring.timeout_s=1", "scoring.retries=0",
-                      "task.max_consecutive_reward_failures=1000")
+    summary, _ = _run(
+        tmp_path,
+        tiny_dir,
+        "faulty-procs",
+        "task.reward=scoring_helpers:faulty",
+        "scoring.pool=process",
+        "scoring.timeout_s=1",
+        "scoring.retries=0",
+        "task.max_consecutive_reward_failures=1000",
+    )
     errors = summary["reward_errors"]
     assert errors["reward_raised"] > 0 and errors["reward_timeout"] > 0, errors
     dropped = errors["reward_raised"] // 2 + errors["reward_timeout"] + errors.get("reward_worker_died", 0)
@@ -76,8 +111,15 @@ def test_distillation_run_records_teacher_kl_and_identity(tiny_dir, tmp_path):
     """A short run whose teacher is the base itself: the KL term starts at zero and the teacher's
     identity@version reaches the trainer with every sample."""
     _dataset(tmp_path)
-    summary, recs = _run(tmp_path, tiny_dir, "distill", f"distill.teacher={tiny_dir}", "distill.version=v1",
-                         "distill.coef=0.5", "run.max_steps=3")
+    summary, recs = _run(
+        tmp_path,
+        tiny_dir,
+        "distill",
+        f"distill.teacher={tiny_dir}",
+        "distill.version=v1",
+        "distill.coef=0.5",
+        "run.max_steps=3",
+    )
     steps = [r for r in recs if not r.get("final_eval")]
     assert len(steps) == 3 and summary["steps"] == 3
     assert abs(steps[0]["teacher_kl"]) < 1e-3  # the student is the teacher at step 1
@@ -94,13 +136,28 @@ def test_reward_model_killed_mid_run(tiny_dir, tmp_path):
     from nonstop.tasks.tiny import make_char_tokenizer
 
     rm = tmp_path / "rm"
-    AutoModelForSequenceClassification.from_config(Qwen2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_labels=1, pad_token_id=0)).save_pretrained(rm)
+    AutoModelForSequenceClassification.from_config(
+        Qwen2Config(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_labels=1,
+            pad_token_id=0,
+        )
+    ).save_pretrained(rm)
     make_char_tokenizer().save_pretrained(rm)
     rows = _dataset(tmp_path)
-    summary, recs = _run(tmp_path, tiny_dir, "rm-killed", "task.reward=scoring_helpers:kill_reward_model_once",
-                         f"scoring.reward_model.path={rm}", "scoring.retries=2")
+    summary, recs = _run(
+        tmp_path,
+        tiny_dir,
+        "rm-killed",
+        "task.reward=scoring_helpers:kill_reward_model_once",
+        f"scoring.reward_model.path={rm}",
+        "scoring.retries=2",
+    )
     assert (tmp_path / "reward-model-killed").exists()
     _settled_once(summary, len(rows) - 8, summary["drops"].get("reward_error", 0))
     last = recs[-2] if recs[-1].get("final_eval") else recs[-1]

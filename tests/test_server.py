@@ -16,8 +16,8 @@ from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.serve.client import HttpClient, InProcessClient, ServerError
-from served import serving
 from nonstop.types import GenerationRequest, SamplingParams
+from served import serving
 
 NAME = "tiny-test"
 
@@ -26,8 +26,13 @@ def _run_with_server(tiny_dir, body, api_key=None, **settings):
     """Start engine + server in this loop on 127.0.0.1, run `body(url, aio, tok)`, shut down."""
     tok = load_tokenizer(str(tiny_dir))
     settings = {"max_seq_len": 64, **settings}
-    engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id,
-                         settings=EngineConfig(**settings), detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    engine = TorchEngine(
+        load_model(str(tiny_dir)),
+        [tok.eos_token_id],
+        tok.pad_token_id,
+        settings=EngineConfig(**settings),
+        detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+    )
 
     async def main():
         aio = AsyncEngine(engine)
@@ -38,8 +43,9 @@ def _run_with_server(tiny_dir, body, api_key=None, **settings):
 
 
 async def _post(session, url, body, raw=None):
-    async with session.post(url, data=raw if raw is not None else json.dumps(body),
-                            headers={"Content-Type": "application/json"}) as r:
+    async with session.post(
+        url, data=raw if raw is not None else json.dumps(body), headers={"Content-Type": "application/json"}
+    ) as r:
         return r.status, await r.json(content_type=None)
 
 
@@ -65,8 +71,11 @@ def test_completions_chat_and_streaming_round_trip_tokens(tiny_dir):
             direct = (await aio.generate([GenerationRequest(0, prompt, 1, SamplingParams(8, 0.0))]))[0][0]
             # text prompt and token prompt give the engine's own tokens back, with metadata
             for p in ("12+34=", prompt):
-                status, out = await _post(s, url + "/v1/completions", {"model": NAME, "prompt": p, "max_tokens": 8,
-                                                                       "temperature": 0, "logprobs": 1})
+                status, out = await _post(
+                    s,
+                    url + "/v1/completions",
+                    {"model": NAME, "prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 1},
+                )
                 assert status == 200 and out["object"] == "text_completion"
                 c = out["choices"][0]
                 ext = c["nonstop"]
@@ -76,29 +85,44 @@ def test_completions_chat_and_streaming_round_trip_tokens(tiny_dir):
                 assert c["logprobs"]["token_logprobs"] == ext["logprobs"]
                 assert out["usage"]["completion_tokens"] == len(direct.completion_ids)
             # streaming: the deltas add up to the non-streamed text, token by token
-            chunks = await _sse(s, url + "/v1/completions", {"prompt": "12+34=", "max_tokens": 8, "temperature": 0, "stream": True})
+            chunks = await _sse(
+                s, url + "/v1/completions", {"prompt": "12+34=", "max_tokens": 8, "temperature": 0, "stream": True}
+            )
             assert "".join(c["choices"][0]["text"] for c in chunks) == c["text"]
             assert [t for ch in chunks[:-1] for t in ch["choices"][0]["nonstop"]["token_ids"]] == direct.completion_ids
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
             # chat, plain and streamed, n = 3 with truncated sampling: masks come back per token
             msgs = [{"role": "user", "content": "2+2="}]
-            status, out = await _post(s, url + "/v1/chat/completions",
-                                      {"model": NAME, "messages": msgs, "n": 3, "max_tokens": 5, "top_k": 4, "seed": 1})
+            status, out = await _post(
+                s,
+                url + "/v1/chat/completions",
+                {"model": NAME, "messages": msgs, "n": 3, "max_tokens": 5, "top_k": 4, "seed": 1},
+            )
             assert status == 200 and len(out["choices"]) == 3
             for c in out["choices"]:
                 assert c["message"]["role"] == "assistant"
                 assert len(c["nonstop"]["sampling_mask"]) == len(c["nonstop"]["token_ids"])
                 assert all(len(m) == 4 for m in c["nonstop"]["sampling_mask"])
-            chunks = await _sse(s, url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 5, "temperature": 0, "stream": True})
+            chunks = await _sse(
+                s, url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 5, "temperature": 0, "stream": True}
+            )
             assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
             # stop strings are cut from the text, streamed or not
             free = ext["token_ids"]
             stop_text = tok.decode(free[2:4], skip_special_tokens=True)
-            status, out = await _post(s, url + "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": stop_text})
+            status, out = await _post(
+                s, url + "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": stop_text}
+            )
             full = tok.decode(free, skip_special_tokens=True)
-            assert out["choices"][0]["text"] == full[: full.find(stop_text)] and out["choices"][0]["finish_reason"] == "stop"
-            chunks = await _sse(s, url + "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                                             "stop": [stop_text], "stream": True})
+            assert (
+                out["choices"][0]["text"] == full[: full.find(stop_text)]
+                and out["choices"][0]["finish_reason"] == "stop"
+            )
+            chunks = await _sse(
+                s,
+                url + "/v1/completions",
+                {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [stop_text], "stream": True},
+            )
             assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
 
     _run_with_server(tiny_dir, body)
@@ -161,12 +185,16 @@ def test_64_concurrent_clients_and_both_clients_agree(tiny_dir):
         http = HttpClient(url, model=NAME)
         local = InProcessClient(aio, tok)
         try:
+
             async def one(i):
                 prompt = tok(f"{i}+{i}=")["input_ids"]
                 if i % 4 == 3:  # a quarter stream, through raw HTTP
                     async with aiohttp.ClientSession() as s:
-                        chunks = await _sse(s, url + "/v1/completions",
-                                            {"prompt": prompt, "max_tokens": 4 + i % 7, "stream": True, "n": 2})
+                        chunks = await _sse(
+                            s,
+                            url + "/v1/completions",
+                            {"prompt": prompt, "max_tokens": 4 + i % 7, "stream": True, "n": 2},
+                        )
                     return {c["choices"][0]["index"] for c in chunks} == {0, 1}
                 samples = await http.complete(prompt, SamplingParams(4 + i % 7, 1.0, seed=i), n=1 + i % 3)
                 return len(samples) == 1 + i % 3 and all(len(s.versions) == len(s.completion_ids) for s in samples)
@@ -191,8 +219,10 @@ def test_64_concurrent_clients_and_both_clients_agree(tiny_dir):
 def test_client_disconnect_mid_stream_frees_the_engine(tiny_dir):
     async def body(url, aio, tok):
         async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v1/completions", json={"prompt": "1=", "max_tokens": 60, "stream": True, "n": 4,
-                                                             "stop_token_ids": []}) as r:
+            async with s.post(
+                url + "/v1/completions",
+                json={"prompt": "1=", "max_tokens": 60, "stream": True, "n": 4, "stop_token_ids": []},
+            ) as r:
                 await r.content.readline()  # first event, then hang up
         for _ in range(200):
             if not aio.engine.has_work():
@@ -205,8 +235,14 @@ def test_client_disconnect_mid_stream_frees_the_engine(tiny_dir):
 
 def test_nonstop_serve_command(tiny_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "nonstop.cli", "serve", "--model", str(tiny_dir), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nonstop.cli", "serve", "--model", str(tiny_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     try:
         line = ""
         for line in proc.stdout:

@@ -28,7 +28,13 @@ def test_hostile_requests_get_4xx_naming_the_field(tiny_dir):
         ("/v1/completions", {"prompt": "1=", "seed": 2**70}, None, 400, "seed"),
         ("/v1/completions", {"prompt": "1=", "seed": 2**64 - 1, "n": 2}, None, 400, "seed"),
         ("/v1/completions", None, surrogate, 400, "prompt"),
-        ("/v1/chat/completions", None, '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            None,
+            '{"messages": [{"role": "user", "content": "\\udfff"}]}',
+            400,
+            "messages[0].content",
+        ),
         ("/v1/completions", None, "[" * 100_000 + "]" * 100_000, 400, "nested too deeply"),
         ("/v1/completions", {"prompt": ["1=", "2="]}, None, 400, "one prompt per request"),
         ("/v1/completions", {"prompt": [[5, 6], [7]]}, None, 400, "one prompt per request"),
@@ -38,12 +44,27 @@ def test_hostile_requests_get_4xx_naming_the_field(tiny_dir):
         ("/v1/completions", {"prompt": "1=", "stream_options": {"include_usage": True}}, None, 400, "stream_options"),
         ("/v1/completions", {"prompt": "1=", "top_k": 2**70}, None, 400, "top_k"),
         ("/v1/completions", {"prompt": "1=", "stop_token_ids": [2**70]}, None, 400, "stop_token_ids"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1="}], "logprobs": True, "top_logprobs": 2},
-         None, 400, "top_logprobs"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         None, 400, "messages[0].content[0]"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1="}], "tools": [{"type": "function"}]},
-         None, 400, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "1="}], "logprobs": True, "top_logprobs": 2},
+            None,
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            None,
+            400,
+            "messages[0].content[0]",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "1="}], "tools": [{"type": "function"}]},
+            None,
+            400,
+            "tools",
+        ),
     ]
 
     async def body(url, aio, tok):
@@ -58,8 +79,11 @@ def test_hostile_requests_get_4xx_naming_the_field(tiny_dir):
             got, out = await _post(s, url + "/v1/completions", None, json.dumps({"prompt": "x" * (9 * 2**20)}))
             assert got == 413 and out["error"]["type"] == "invalid_request_error"
             # the neutral values of unsupported fields are accepted, as OpenAI clients send them
-            got, out = await _post(s, url + "/v1/completions", {"prompt": "1=", "max_tokens": 2, "echo": False,
-                                                                "presence_penalty": 0, "logit_bias": {}, "best_of": 1})
+            got, out = await _post(
+                s,
+                url + "/v1/completions",
+                {"prompt": "1=", "max_tokens": 2, "echo": False, "presence_penalty": 0, "logit_bias": {}, "best_of": 1},
+            )
             assert got == 200, out
         assert not aio.engine.has_work()
 
@@ -82,7 +106,9 @@ def test_huge_prompt_is_refused_before_tokenising_and_health_stays_responsive(ti
                 return worst
 
             t0 = time.perf_counter()
-            (got, out), worst_health_s = await asyncio.gather(_post(s, url + "/v1/completions", None, huge), health_latency_s())
+            (got, out), worst_health_s = await asyncio.gather(
+                _post(s, url + "/v1/completions", None, huge), health_latency_s()
+            )
             took_s = time.perf_counter() - t0
             assert got == 400 and "characters" in out["error"]["message"] and "max_seq_len" in out["error"]["message"]
             assert took_s < 10 and worst_health_s < 2, (took_s, worst_health_s)  # generous: a shared, loaded machine
@@ -99,7 +125,9 @@ def test_chat_logprobs_content_parts_and_usage_chunk(tiny_dir):
             base = {"max_tokens": 4, "temperature": 0}
             plain = [{"role": "user", "content": "12+\n34="}]
             parts = [{"role": "user", "content": [{"type": "text", "text": "12+"}, {"type": "text", "text": "34="}]}]
-            got, a = await _post(s, url + "/v1/chat/completions", {"messages": plain, "logprobs": True, "top_logprobs": 0, **base})
+            got, a = await _post(
+                s, url + "/v1/chat/completions", {"messages": plain, "logprobs": True, "top_logprobs": 0, **base}
+            )
             assert got == 200, a
             got, b = await _post(s, url + "/v1/chat/completions", {"messages": parts, **base})
             assert got == 200, b
@@ -113,8 +141,17 @@ def test_chat_logprobs_content_parts_and_usage_chunk(tiny_dir):
             assert all(e["top_logprobs"] == [] and e["bytes"] == list(e["token"].encode()) for e in content)
             assert "logprobs" not in b["choices"][0]
             # streamed: one logprobs entry per token chunk, then a usage chunk with no choices
-            chunks = await _sse(s, url + "/v1/chat/completions", {"messages": plain, "logprobs": True, "stream": True,
-                                                                  "stream_options": {"include_usage": True}, **base})
+            chunks = await _sse(
+                s,
+                url + "/v1/chat/completions",
+                {
+                    "messages": plain,
+                    "logprobs": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    **base,
+                },
+            )
             usage = chunks[-1]
             assert usage["choices"] == [] and usage["usage"] == a["usage"]
             streamed = [e["logprob"] for ch in chunks[:-2] for e in ch["choices"][0]["logprobs"]["content"]]
@@ -136,8 +173,10 @@ def test_client_disconnect_aborts_a_non_streamed_request_with_one_log_line(tiny_
             await asyncio.sleep(0.01)
         assert not aio.engine.has_work()  # the abandoned generation was aborted, not run to its end
         async with aiohttp.ClientSession() as s:  # streamed hang-up: one line too
-            async with s.post(url + "/v1/completions", json={"prompt": "1=", "max_tokens": 4000, "stream": True, "temperature": 0,
-                                                             "stop_token_ids": []}) as r:
+            async with s.post(
+                url + "/v1/completions",
+                json={"prompt": "1=", "max_tokens": 4000, "stream": True, "temperature": 0, "stop_token_ids": []},
+            ) as r:
                 await r.content.readline()
         for _ in range(500):
             if not aio.engine.has_work():
@@ -155,13 +194,22 @@ def test_client_disconnect_aborts_a_non_streamed_request_with_one_log_line(tiny_
 def _serve(tiny_dir, cwd, *args, env=None):
     base = {k: v for k, v in os.environ.items() if k != "NONSTOP_API_KEY"}
     env = {**base, "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "nonstop.cli", "serve", "--model", str(tiny_dir), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+    return subprocess.Popen(
+        [sys.executable, "-m", "nonstop.cli", "serve", "--model", str(tiny_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd,
+    )
 
 
 def test_serve_command_refuses_bad_keys_and_ports_with_one_line(tiny_dir, tmp_path):
-    for args, env, words in ((["--api-key", ""], {}, "empty key"), (["--port", "99999"], {}, "99999"),
-                             ([], {"NONSTOP_API_KEY": " "}, "empty key")):
+    for args, env, words in (
+        (["--api-key", ""], {}, "empty key"),
+        (["--port", "99999"], {}, "99999"),
+        ([], {"NONSTOP_API_KEY": " "}, "empty key"),
+    ):
         proc = _serve(tiny_dir, tmp_path, *args, env=env)
         out = proc.communicate(timeout=120)[0]
         assert proc.returncode == 2 and words in out and "Traceback" not in out, out
@@ -185,8 +233,11 @@ def test_serve_command_takes_the_key_from_the_environment(tiny_dir, tmp_path):
         async def talk():
             async with aiohttp.ClientSession() as s:
                 denied = (await _post(s, url + "/v1/completions", {"prompt": [5], "max_tokens": 1}))[0]
-                async with s.post(url + "/v1/completions", json={"model": Path(tiny_dir).name, "prompt": [5], "max_tokens": 1},
-                                  headers={"Authorization": "Bearer from-env"}) as r:
+                async with s.post(
+                    url + "/v1/completions",
+                    json={"model": Path(tiny_dir).name, "prompt": [5], "max_tokens": 1},
+                    headers={"Authorization": "Bearer from-env"},
+                ) as r:
                     return denied, r.status
 
         assert asyncio.run(talk()) == (401, 200)

@@ -15,7 +15,7 @@ def test_char_tokenizer_round_trips_text_with_spaces():
     ids = tok(text)["input_ids"]
     assert len(ids) == len(text) and len(tok) == VOCAB_SIZE
     assert tok.decode(ids) == text
-    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text
+    assert tok.decode([*ids, tok.eos_token_id], skip_special_tokens=True) == text
 
 
 def test_saved_tiny_model_loads_through_the_auto_classes(tiny_dir):
@@ -41,7 +41,9 @@ def test_addition_splits_are_disjoint_and_zero_padded():
 def test_jsonl_rows_without_answer_are_reported_and_skipped(tmp_path):
     path = tmp_path / "d.jsonl"
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}, "not an object", {"prompt": "3+3=", "answer": 6}]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n" + json.dumps({"prompt": "4+4=", "answer": "8"}))
+    path.write_text(
+        "\n".join(json.dumps(r) for r in rows) + "\n{broken\n" + json.dumps({"prompt": "4+4=", "answer": "8"})
+    )
     pairs, report = read_jsonl(path)
     assert pairs == [("1+1=", "2"), ("4+4=", "8")]
     assert report.rows_read == 6 and report.rows_skipped == 4

@@ -42,13 +42,17 @@ def test_a_scripted_nim_game_routes_each_message_to_its_players_and_ends_zero_su
     turns = _play(["[2 5]", "take some", "[1 4]", "[0 3]"])
     first = turns[0]
     assert first.next_role == "player_0" and set(first.observations) == {"player_0", "player_1"}
-    assert all("Welcome to Nim" in first.observations[r] and "pile 2: 5" in first.observations[r] for r in first.observations)
+    assert all(
+        "Welcome to Nim" in first.observations[r] and "pile 2: 5" in first.observations[r] for r in first.observations
+    )
     after0 = turns[1]
     assert after0.next_role == "player_1"
     assert "[Player 0] [2 5]" in after0.observations["player_1"] and "pile 2: 0" in after0.observations["player_1"]
     invalid = turns[2]  # the fumbling player alone hears why, and moves again
     assert invalid.next_role == "player_1" and "invalid move" in invalid.observations["player_1"]
-    assert "[Player 1] take some" in invalid.observations["player_0"] and "invalid" not in invalid.observations["player_0"]
+    assert (
+        "[Player 1] take some" in invalid.observations["player_0"] and "invalid" not in invalid.observations["player_0"]
+    )
     last = turns[-1]
     assert last.done and last.rewards == {"player_0": 1.0, "player_1": -1.0}
     assert last.metadata["success"] and "took the last" in last.metadata["game_info"]["player_0"]["reason"]
@@ -81,8 +85,17 @@ class Heard(TextArenaGame):
 
 def test_a_tiny_model_plays_both_seats_token_exact_per_role(tmp_path):
     """Each seat's sequence is its prompt, then its model turns and exactly the game's news to it."""
-    folder = save_tiny(tmp_path / "tiny", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                          intermediate_size=64, max_position_embeddings=1024))
+    folder = save_tiny(
+        tmp_path / "tiny",
+        TinyModelConfig(
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            max_position_embeddings=1024,
+        ),
+    )
     tok = load_tokenizer(str(folder))
     codec = Codec(tok)
     engine = AsyncEngine(TorchEngine(load_model(str(folder)), [tok.eos_token_id], tok.pad_token_id))
@@ -91,8 +104,9 @@ def test_a_tiny_model_plays_both_seats_token_exact_per_role(tmp_path):
     assert [r.prompt for r in data.train] == ["Nim-v0"] * 8 and len({r.answer for r in data.train}) == 8
     assert EnvRun.build(cfg).baselines.mode == "ema"  # two seats of a zero-sum game
     Heard.made = []
-    done, errors = asyncio.run(run_episodes(engine, Heard, data.train[:4], codec, EnvLimits(4, 900, 6, 10.0),
-                                            SamplingParams(6, 1.0)))
+    done, errors = asyncio.run(
+        run_episodes(engine, Heard, data.train[:4], codec, EnvLimits(4, 900, 6, 10.0), SamplingParams(6, 1.0))
+    )
     assert not errors and len(done) == 4
     for e, game in zip(done, Heard.made):
         assert [s.role for s in e.samples] == ["player_0", "player_1"]

@@ -23,8 +23,12 @@ def test_spaces_and_newlines_survive_a_round_trip_through_a_model_folder(tiny_di
     assert memory(text)["input_ids"] == folder(text)["input_ids"] == [CHAR_ID[c] for c in text]
     assert folder.decode(folder(text)["input_ids"], skip_special_tokens=True) == text
     assert folder("07 + 45 =")["input_ids"] != folder("07+45=")["input_ids"]
-    ids = folder.apply_chat_template([{"role": "user", "content": "07 + 45 ="}], add_generation_prompt=True,
-                                     tokenize=True, chat_template=DEFAULT_CHAT_TEMPLATE)
+    ids = folder.apply_chat_template(
+        [{"role": "user", "content": "07 + 45 ="}],
+        add_generation_prompt=True,
+        tokenize=True,
+        chat_template=DEFAULT_CHAT_TEMPLATE,
+    )
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert folder.decode(ids) == "user: 07 + 45 =\nassistant: "
     assert (folder.pad_token_id, folder.bos_token_id, folder.eos_token_id, len(folder)) == (0, 1, 2, 128)

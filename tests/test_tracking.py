@@ -14,8 +14,17 @@ import pytest
 from nonstop.config import ConfigError, load_config
 from nonstop.observe.tracking import TrackingError, _need, open_sinks, scalars
 
-RECORDS = [{"step": i, "reward_mean": 0.25 * i, "drops": {"max_lag": i}, "lag_hist": {"0": 5, "1": i},
-            "prompts": [[0, i]], "final_eval": False} for i in (1, 2, 3)]
+RECORDS = [
+    {
+        "step": i,
+        "reward_mean": 0.25 * i,
+        "drops": {"max_lag": i},
+        "lag_hist": {"0": 5, "1": i},
+        "prompts": [[0, i]],
+        "final_eval": False,
+    }
+    for i in (1, 2, 3)
+]
 
 
 def write_records(tmp_path: Path, tracker: str) -> Path:
@@ -33,7 +42,10 @@ def write_records(tmp_path: Path, tracker: str) -> Path:
 
 def test_records_flatten_to_finite_scalars():
     assert scalars({"step": 2, "a": {"b": 1, "c": float("nan")}, "l": [1], "s": "x", "ok": True}) == {
-        "step": 2.0, "a/b": 1.0, "ok": 1.0}
+        "step": 2.0,
+        "a/b": 1.0,
+        "ok": 1.0,
+    }
 
 
 def test_unknown_tracker_is_a_config_error_and_a_missing_package_names_the_extra():
@@ -64,8 +76,8 @@ def _wandb_records(path: Path) -> list[bytes]:
         if room < 7 or kind == 0:  # the rest of the block is padding
             pos += room
             continue
-        length = int.from_bytes(data[pos + 4:pos + 6], "little")
-        buf += data[pos + 7:pos + 7 + length]
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             out.append(buf)
@@ -89,10 +101,17 @@ def test_wandb_offline(tmp_path, monkeypatch):
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     assert all("step" not in h for h in history)
-    assert [(h["_step"], h["reward_mean"], h["drops/max_lag"]) for h in history] == [(1, 0.25, 1), (2, 0.5, 2), (3, 0.75, 3)]
+    assert [(h["_step"], h["reward_mean"], h["drops/max_lag"]) for h in history] == [
+        (1, 0.25, 1),
+        (2, 0.5, 2),
+        (3, 0.75, 3),
+    ]
 
 
 def test_trackio_local(tmp_path, monkeypatch):
@@ -112,5 +131,8 @@ def test_mlflow_file_store(tmp_path, monkeypatch):
     client = MlflowClient((run / "mlruns").resolve().as_uri())
     (r,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, "reward_mean")] == [
-        (1, 0.25), (2, 0.5), (3, 0.75)]
+        (1, 0.25),
+        (2, 0.5),
+        (3, 0.75),
+    ]
     assert r.data.params["rollout/group_size"] == "8"

@@ -12,7 +12,10 @@ from nonstop.types import GenerationRequest, Group, SamplingParams
 
 
 def _rollouts(engine, tok, prompts, n=4, temperature=0.8):
-    reqs = [GenerationRequest(i, tok(p)["input_ids"], n, SamplingParams(5, temperature, seed=i)) for i, p in enumerate(prompts)]
+    reqs = [
+        GenerationRequest(i, tok(p)["input_ids"], n, SamplingParams(5, temperature, seed=i))
+        for i, p in enumerate(prompts)
+    ]
     groups = []
     for i, (p, samples) in enumerate(zip(prompts, engine.generate(reqs))):
         for j, s in enumerate(samples):
@@ -79,15 +82,26 @@ def _stale_groups(tok, versions_per_sample):
     samples = []
     for j, versions in enumerate(versions_per_sample):
         comp = tok("12")["input_ids"][: len(versions)]
-        samples.append(Sample(tok("1+1=")["input_ids"], comp, [-1.0] * len(comp), versions,
-                              "length" if j == 0 else "stop", reward=float(j % 2)))
+        samples.append(
+            Sample(
+                tok("1+1=")["input_ids"],
+                comp,
+                [-1.0] * len(comp),
+                versions,
+                "length" if j == 0 else "stop",
+                reward=float(j % 2),
+            )
+        )
     return [Group(0, "1+1=", "2", samples)]
 
 
 def test_token_and_sample_rejection_and_overlong_filter_are_counted(tiny_dir):
     tok = load_tokenizer(str(tiny_dir))
     versions = [[3, 5], [5, 5], [2, 3], [5, 4]]  # trainer at version 5, max_lag 1
-    cases = [("token", {"rejected_tokens": 3, "rejected_samples": 0}), ("sample", {"rejected_tokens": 4, "rejected_samples": 2})]
+    cases = [
+        ("token", {"rejected_tokens": 3, "rejected_samples": 0}),
+        ("sample", {"rejected_tokens": 4, "rejected_samples": 2}),
+    ]
     for reject, expected in cases:
         trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(), 1.0, tok.pad_token_id, max_lag=1, reject=reject)
         trainer.policy_version = 5
@@ -121,7 +135,9 @@ def _far_behind_groups(tok):
     from nonstop.types import Sample
 
     comp = tok("12")["input_ids"][:2]
-    samples = [Sample(tok("1+1=")["input_ids"], comp, [-20.0] * 2, [0, 0], "stop", reward=float(j % 2)) for j in range(4)]
+    samples = [
+        Sample(tok("1+1=")["input_ids"], comp, [-20.0] * 2, [0, 0], "stop", reward=float(j % 2)) for j in range(4)
+    ]
     return [Group(0, "1+1=", "2", samples)]
 
 
@@ -130,7 +146,7 @@ def test_dual_clip_and_group_std_in_the_trainer(tiny_dir):
     groups = _far_behind_groups(tok)
     # rewards 0, 1, 0, 1: advantages -1, +1, -1, +1 (population std 0.5), or +-sqrt(3)/2 (unbiased, 1/sqrt(1/3) x 0.5)
     unbiased = Trainer(load_model(str(tiny_dir)), TrainerConfig(group_std="unbiased"), 1.0, tok.pad_token_id)
-    h = 3 ** 0.5 / 2
+    h = 3**0.5 / 2
     assert torch.allclose(unbiased._batch(groups)["advantages"], torch.tensor([-h, h, -h, h]), atol=1e-5)
     trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(clip_ratio_c=3.0), 1.0, tok.pad_token_id)
     assert torch.allclose(trainer._batch(groups)["advantages"], torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-5)
@@ -185,8 +201,10 @@ def test_keep_sampling_mask_replays_the_engine_support(tiny_dir):
     tok = load_tokenizer(str(tiny_dir))
     engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id)
     trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(), temperature=0.9, pad_token_id=tok.pad_token_id)
-    reqs = [GenerationRequest(i, tok(p)["input_ids"], 4, SamplingParams(5, 0.9, seed=i, top_k=4, top_p=0.9))
-            for i, p in enumerate(["1+2=", "33+44="])]
+    reqs = [
+        GenerationRequest(i, tok(p)["input_ids"], 4, SamplingParams(5, 0.9, seed=i, top_k=4, top_p=0.9))
+        for i, p in enumerate(["1+2=", "33+44="])
+    ]
     groups = [Group(i, "p", "a", samples) for i, samples in enumerate(engine.generate(reqs))]
     batch = trainer._batch(groups)
     m = batch["mask"]

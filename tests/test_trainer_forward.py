@@ -28,7 +28,9 @@ def _groups(seed: int, G: int, n: int, max_prompt: int, max_completion: int, sha
         samples = []
         for j in range(n):
             c = [rng.randrange(3, 128) for _ in range(rng.randint(1, max_completion))]
-            samples.append(Sample(p if shared else prompt(), c, [-1.0] * len(c), [0] * len(c), "stop", reward=float(j % 2)))
+            samples.append(
+                Sample(p if shared else prompt(), c, [-1.0] * len(c), [0] * len(c), "stop", reward=float(j % 2))
+            )
         groups.append(Group(g, "", "", samples))
     return groups
 
@@ -49,8 +51,11 @@ def _both(trainer: Trainer, groups: list[Group]):
 
 
 @pytest.mark.parametrize("tiny", [GQA, MHA], ids=["gqa", "mha"])
-@pytest.mark.parametrize("shape", [(4, 8, 6, 5, True), (3, 4, 8, 1, True), (5, 3, 5, 6, False)],
-                         ids=["groups", "one-token-completions", "distinct-prompts"])
+@pytest.mark.parametrize(
+    "shape",
+    [(4, 8, 6, 5, True), (3, 4, 8, 1, True), (5, 3, 5, 6, False)],
+    ids=["groups", "one-token-completions", "distinct-prompts"],
+)
 def test_shared_prompt_forward_matches_the_models_own_forward(tiny, shape):
     G, n, max_prompt, max_completion, shared = shape
     trainer = Trainer(make_tiny_model(tiny, seed=1), TrainerConfig(), temperature=0.9, pad_token_id=0)
@@ -72,6 +77,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     orders, so an entry near zero can differ by more than an element-wise rtol allows (how much
     depends on the CPU's instruction set), while an ignored adapter or a wrong mask differs by O(1)."""
     return float((a - b).abs().max()) <= 1e-5 * (1.0 + float(b.abs().max()))
+
 
 def test_shared_prompt_forward_applies_lora_adapters():
     from nonstop.lora import wrap_with_peft

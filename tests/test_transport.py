@@ -6,12 +6,12 @@ import pytest
 import torch
 from pydantic import TypeAdapter
 
+from helpers import connect_then_hang, receive_weights
+from helpers import perturbed_model as _perturbed
 from nonstop.config import BroadcastTransportConfig, FilesTransportConfig, ShmTransportConfig, TransportConfig
 from nonstop.hf import load_model
-from nonstop.types import FilesOptions
 from nonstop.transport import TransportError, check_layout, model_layout, open_sink, open_source, plan_transport
-
-from helpers import connect_then_hang, perturbed_model as _perturbed, receive_weights
+from nonstop.types import FilesOptions
 
 
 def transport(**fields) -> TransportConfig:
@@ -19,11 +19,18 @@ def transport(**fields) -> TransportConfig:
     return TypeAdapter(TransportConfig).validate_python(fields)
 
 
-@pytest.mark.parametrize("kind,extra", [
-    ("shm", {}), ("broadcast", {}), ("files", {}),
-    ("shm", {"checksum": True}), ("broadcast", {"per_tensor": True, "checksum": True}), ("files", {"checksum": True}),
-    ("files", {"notify": "http"}),
-])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("shm", {}),
+        ("broadcast", {}),
+        ("files", {}),
+        ("shm", {"checksum": True}),
+        ("broadcast", {"per_tensor": True, "checksum": True}),
+        ("files", {"checksum": True}),
+        ("files", {"notify": "http"}),
+    ],
+)
 def test_round_trip_exact_weights_across_processes(tiny_dir, kind, extra, spawn_child):
     trainer_model = load_model(str(tiny_dir))
     cfg = transport(kind=kind, timeout_s=60, **({"bucket_mb": 0.01} if kind == "broadcast" else {}), **extra)
@@ -110,8 +117,13 @@ def test_layout_mismatch_is_reported_by_name(tiny_dir):
     from nonstop.tasks.tiny import make_tiny_model
 
     layout, _ = model_layout(load_model(str(tiny_dir)))
-    wider = make_tiny_model(TinyModelConfig(hidden_size=48, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64))
-    with pytest.raises(TransportError, match=r"trainer and engine parameters differ: .*embed_tokens.weight: trainer float32\[128, 32\] vs engine float32\[128, 48\]"):
+    wider = make_tiny_model(
+        TinyModelConfig(hidden_size=48, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    )
+    with pytest.raises(
+        TransportError,
+        match=r"trainer and engine parameters differ: .*embed_tokens.weight: trainer float32\[128, 32\] vs engine float32\[128, 48\]",
+    ):
         check_layout(layout, wider)
 
 
@@ -124,8 +136,11 @@ def test_silent_broadcast_peer_times_out_with_a_clear_error(tiny_dir, spawn_chil
         sink.connect()
         child.get("attached")
         t0 = time.monotonic()
-        with pytest.raises(TransportError, match=r"((engine rank\(s\) 1 did not confirm version 1 within 3 s)|"
-                                                 r"(version 1 .*failed within 3 s)).*no replacement engine joined within 1 s"):
+        with pytest.raises(
+            TransportError,
+            match=r"((engine rank\(s\) 1 did not confirm version 1 within 3 s)|"
+            r"(version 1 .*failed within 3 s)).*no replacement engine joined within 1 s",
+        ):
             sink.publish(model, 1)
         assert time.monotonic() - t0 < 3 + 1 + 10
     finally:
@@ -137,8 +152,9 @@ def test_broadcast_group_is_rebuilt_for_engines_that_replace_dead_ones(tiny_dir,
     goes out again in a rebuilt group. Rank 1 then leaves and its replacement attaches before the
     next send: that send rebuilds the group first. Every engine ends with the exact weights."""
     models = {v: _perturbed(tiny_dir, seed=v) for v in (1, 2, 3, 4)}
-    handle = plan_transport(transport(kind="broadcast", timeout_s=30, bucket_mb=0.01, rejoin_timeout_s=120),
-                            models[1], num_engines=2)
+    handle = plan_transport(
+        transport(kind="broadcast", timeout_s=30, bucket_mb=0.01, rejoin_timeout_s=120), models[1], num_engines=2
+    )
     sink = open_sink(handle)
     first = spawn_child(receive_weights, handle, str(tiny_dir), 1, 3)
     doomed = spawn_child(receive_weights, handle, str(tiny_dir), 2, 4)
@@ -158,7 +174,9 @@ def test_broadcast_group_is_rebuilt_for_engines_that_replace_dead_ones(tiny_dir,
         assert sink.replans == 1
         sink.publish(models[3], 3)
         seen, state = first.get("weights")  # rank 1 got 3 and leaves
-        assert seen[-1] == 3 and all(torch.equal(torch.from_numpy(state[k]), t) for k, t in models[3].state_dict().items())
+        assert seen[-1] == 3 and all(
+            torch.equal(torch.from_numpy(state[k]), t) for k, t in models[3].state_dict().items()
+        )
         assert first.join() == 0
         third = spawn_child(receive_weights, handle, str(tiny_dir), 1, 4)
         third.get("attached")  # registered before the next send: it rebuilds the group first
@@ -223,9 +241,19 @@ def test_corrupted_shm_slot_and_weights_file_are_rejected(tiny_dir, tmp_path):
 def _tiny_moe():
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
-    cfg = Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                         shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True)
+    cfg = Qwen2MoeConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+    )
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -249,8 +277,9 @@ def test_fused_moe_experts_reach_a_per_expert_engine_as_stored_on_disk(tmp_path,
     engine_model = _tiny_moe()
     for layer in engine_model.model.layers:
         layer.mlp.experts = torch.nn.ModuleList([_PerExpert(32, 16) for _ in range(4)])
-    handle = plan_transport(transport(kind=kind, **({"dir": str(tmp_path / "w")} if kind == "files" else {})),
-                            trainer_model, 1)
+    handle = plan_transport(
+        transport(kind=kind, **({"dir": str(tmp_path / "w")} if kind == "files" else {})), trainer_model, 1
+    )
     assert "model.layers.0.mlp.experts.gate_up_proj" in {s.name for s in handle.layout}
     assert len(handle.layout) == len(list(trainer_model.parameters()))  # tied lm_head sent once
     sink, source = open_sink(handle), open_source(handle, engine_model)
@@ -276,7 +305,9 @@ def test_per_expert_engine_with_wrong_expert_shape_is_reported(tmp_path):
     handle = plan_transport(ShmTransportConfig(), trainer_model, 1)
     sink = open_sink(handle)
     try:
-        with pytest.raises(TransportError, match=r"experts.0.gate_proj.weight: engine \[8, 32\] vs \[16, 32\] sliced from"):
+        with pytest.raises(
+            TransportError, match=r"experts.0.gate_proj.weight: engine \[8, 32\] vs \[16, 32\] sliced from"
+        ):
             open_source(handle, engine_model)
     finally:
         sink.close()

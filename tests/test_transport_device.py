@@ -12,6 +12,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from helpers import perturbed_model as _perturbed
+from helpers import receive_weights
 from nonstop.config import BroadcastTransportConfig, Config, ConfigError, ShmTransportConfig
 from nonstop.engine.updates import WeightGate
 from nonstop.hf import load_model
@@ -19,8 +21,6 @@ from nonstop.transport import TransportError, open_sink, open_source, plan_trans
 from nonstop.transport.base import FlatSender, engine_target
 from nonstop.transport.device import IpcRecord, pick_backend, receive_device
 from nonstop.transport.shm import NONE, ShmSource, _Segment
-
-from helpers import perturbed_model as _perturbed, receive_weights
 
 
 def test_gpu_paths_asked_for_a_trainer_on_the_cpu_are_refused_naming_the_field(tiny_dir):
@@ -38,14 +38,23 @@ def test_gpu_paths_asked_for_a_trainer_on_the_cpu_are_refused_naming_the_field(t
         sink.close()
 
 
-@pytest.mark.parametrize("section,message", [
-    ({"transport": {"kind": "shm", "device_path": "ipc"}, "trainer": {"device": "cpu"}},
-     r"transport.device_path: 'ipc' moves weights GPU to GPU, but trainer.device is 'cpu'"),
-    ({"transport": {"kind": "broadcast", "device_path": "nccl"}, "engine": {"device": "cpu"}},
-     r"transport.device_path: 'nccl' moves weights GPU to GPU, but engine.device is 'cpu'"),
-    ({"transport": {"kind": "shm", "device_path": "ipc"}, "engine": {"kind": "vllm"}},
-     r"transport.device_path: 'ipc' is not available with engine.kind 'vllm'"),
-])
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        (
+            {"transport": {"kind": "shm", "device_path": "ipc"}, "trainer": {"device": "cpu"}},
+            r"transport.device_path: 'ipc' moves weights GPU to GPU, but trainer.device is 'cpu'",
+        ),
+        (
+            {"transport": {"kind": "broadcast", "device_path": "nccl"}, "engine": {"device": "cpu"}},
+            r"transport.device_path: 'nccl' moves weights GPU to GPU, but engine.device is 'cpu'",
+        ),
+        (
+            {"transport": {"kind": "shm", "device_path": "ipc"}, "engine": {"kind": "vllm"}},
+            r"transport.device_path: 'ipc' is not available with engine.kind 'vllm'",
+        ),
+    ],
+)
 def test_config_refuses_a_gpu_path_that_cannot_be(section, message):
     with pytest.raises(ValidationError, match=message):
         Config.model_validate(section)
@@ -121,8 +130,11 @@ def test_shm_engine_that_cannot_map_the_gpu_slots_is_refused_under_ipc(tiny_dir)
     segment = _Segment(handle, opts, create=True)  # the header and host slots a GPU trainer's sink makes
     try:
         assert segment.num_slots == segment.num_host + 2
-        with pytest.raises(TransportError, match=r"transport.device_path 'ipc': engine rank 1 cannot map the "
-                                                 r"trainer's GPU slots: this engine receives its weights on cpu"):
+        with pytest.raises(
+            TransportError,
+            match=r"transport.device_path 'ipc': engine rank 1 cannot map the "
+            r"trainer's GPU slots: this engine receives its weights on cpu",
+        ):
             open_source(handle, load_model(str(tiny_dir)), 1)
         auto = dataclasses.replace(handle, options=dataclasses.replace(opts, device_path="auto"))
         source = open_source(auto, load_model(str(tiny_dir)), 1)  # 'auto': attaches, says it did not map them

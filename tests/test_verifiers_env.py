@@ -14,8 +14,6 @@ import torch
 
 vf = pytest.importorskip("verifiers.v1")
 
-from test_episodes import NEW, Recording  # noqa: E402
-
 from nonstop.config import ConfigError, EngineConfig, RolloutConfig, load_config  # noqa: E402
 from nonstop.engine.aio import AsyncEngine  # noqa: E402
 from nonstop.engine.core import TorchEngine  # noqa: E402
@@ -30,8 +28,9 @@ from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaseline
 from nonstop.orchestrator.episodes import ENV_VERSION, encode_observation  # noqa: E402
 from nonstop.orchestrator.generate import Codec, RolloutStats  # noqa: E402
 from nonstop.orchestrator.ledger import Ledger  # noqa: E402
-from served import serving  # noqa: E402
 from nonstop.tasks.data import PromptStream  # noqa: E402
+from served import serving  # noqa: E402
+from test_episodes import NEW, Recording  # noqa: E402
 
 RETRY = " no "
 ADDITION = "verifiers/nonstop.envs.verifiers_tasks:addition"
@@ -76,8 +75,11 @@ def _check_exact(sample, calls, codec, retry_ids, top_k):
             mask += [False] * len(retry_ids)
     assert sample.prompt_ids + sample.completion_ids == ids and sample.loss_mask == mask
     served = [(t, lp, v) for _, s in calls for t, lp, v in zip(s.completion_ids, s.logprobs, s.versions)]
-    kept = [(t, lp, v) for t, lp, v, m in zip(sample.completion_ids, sample.logprobs, sample.versions, sample.loss_mask)
-            if m]
+    kept = [
+        (t, lp, v)
+        for t, lp, v, m in zip(sample.completion_ids, sample.logprobs, sample.versions, sample.loss_mask)
+        if m
+    ]
     assert kept == served
     env = [t for t, m in enumerate(sample.loss_mask) if not m]
     assert all(sample.versions[t] == ENV_VERSION and sample.logprobs[t] == 0.0 for t in env)
@@ -93,20 +95,31 @@ def test_a_verifiers_episode_over_http_is_the_engine_samples_plus_the_env_messag
     three-turn episode (the random tiny model never adds right; each miss is answered)."""
     tok = load_tokenizer(str(tiny_dir))
     codec = Codec(tok)
-    engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id,
-                         settings=EngineConfig(max_seq_len=64))
+    engine = TorchEngine(
+        load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id, settings=EngineConfig(max_seq_len=64)
+    )
 
     async def main():
         aio = RecordingServerEngine(engine)
         async with serving(aio, tok, "tiny") as base:
             client, log = ve.train_client(f"{base}/v1", str(tiny_dir))
             try:
-                episode = await ve.play_episode(client, log, _task(), "tiny",
-                                                vf.SamplingConfig(temperature=1.0, max_tokens=3, top_k=4), max_turns=3,
-                                                retry=RETRY, tokenizer=tok, max_episode_tokens=60)
+                episode = await ve.play_episode(
+                    client,
+                    log,
+                    _task(),
+                    "tiny",
+                    vf.SamplingConfig(temperature=1.0, max_tokens=3, top_k=4),
+                    max_turns=3,
+                    retry=RETRY,
+                    tokenizer=tok,
+                    max_episode_tokens=60,
+                )
                 async with httpx.AsyncClient() as http:
-                    bad = await http.post(f"{base}/inference/v1/generate", json={
-                        "model": "tiny", "token_ids": [5, 6], "sampling_params": {"presence_penalty": 0.5}})
+                    bad = await http.post(
+                        f"{base}/inference/v1/generate",
+                        json={"model": "tiny", "token_ids": [5, 6], "sampling_params": {"presence_penalty": 0.5}},
+                    )
                     models = (await http.get(f"{base}/v1/models")).json()
                 return aio.calls, episode, bad, models
             finally:
@@ -136,14 +149,17 @@ def test_an_in_process_verifiers_episode_spanning_a_weight_update_carries_both_v
     with torch.no_grad():
         for p in new.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    rec = Recording(AsyncEngine(TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id)),
-                    publish_after_first=new.state_dict())
+    rec = Recording(
+        AsyncEngine(TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id)),
+        publish_after_first=new.state_dict(),
+    )
 
     async def main():
         client, log = ve.train_client("http://nonstop.invalid/v1", str(tiny_dir), ve.EngineTransport(rec, "tiny"))
         try:
-            return await ve.play_episode(client, log, _task(), "tiny", vf.SamplingConfig(temperature=1.0, max_tokens=3),
-                                         max_turns=3, retry=RETRY)
+            return await ve.play_episode(
+                client, log, _task(), "tiny", vf.SamplingConfig(temperature=1.0, max_tokens=3), max_turns=3, retry=RETRY
+            )
         finally:
             await client.close()
 
@@ -172,9 +188,21 @@ def test_verifiers_episodes_reach_the_buffer_as_groups_with_advantages(tiny_dir)
     buffer = RolloutBuffer(2, None, None, 64, ledger)
 
     async def main():
-        await produce_episodes(eng, player, buffer, PromptStream(ve.task_rows(tasks, 0), seed=0, max_epochs=1), codec,
-                               rollout, cfg, EnvLimits(2, 48, 3, 5.0), RoleBaselines("group", 0.9), Clock(), stats,
-                               ep, ledger)
+        await produce_episodes(
+            eng,
+            player,
+            buffer,
+            PromptStream(ve.task_rows(tasks, 0), seed=0, max_epochs=1),
+            codec,
+            rollout,
+            cfg,
+            EnvLimits(2, 48, 3, 5.0),
+            RoleBaselines("group", 0.9),
+            Clock(),
+            stats,
+            ep,
+            ledger,
+        )
         return await buffer.take()
 
     groups = asyncio.run(main())
@@ -186,7 +214,9 @@ def test_verifiers_episodes_reach_the_buffer_as_groups_with_advantages(tiny_dir)
         mean = sum(rewards) / 3
         assert all((s.advantage > 0) == (s.reward > mean) for s in g.samples if s.reward != mean)
         for s in g.samples:
-            assert s.prompt_ids == codec.encode(g.prompt) and s.loss_mask[0] and all(v == 0 for v in s.versions if v >= 0)
+            assert (
+                s.prompt_ids == codec.encode(g.prompt) and s.loss_mask[0] and all(v == 0 for v in s.versions if v >= 0)
+            )
     assert ledger.report()["in_flight"] == 2
 
 

@@ -36,20 +36,32 @@ pytestmark = pytest.mark.vllm
 
 MEAN_ABS_LOG_RATIO = 2e-5  # bounds with ~10x margin over the measured values (module docstring)
 MAX_ABS_LOG_RATIO = 5e-4
-LONG = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                       max_position_embeddings=160)  # head size 32: the smallest vLLM's CPU attention takes
+LONG = TinyModelConfig(
+    hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=160
+)  # head size 32: the smallest vLLM's CPU attention takes
 
 
 def vllm_settings(**engine) -> EngineConfig:
     return EngineConfig(kind="vllm", vllm={"kv_cache_gib": 0.25, "max_num_seqs": 64}, **engine)
 
 
-async def start(run_dir: Path, model_dir: Path, settings: EngineConfig, model: torch.nn.Module,
-                span_path: Path | None = None):
+async def start(
+    run_dir: Path, model_dir: Path, settings: EngineConfig, model: torch.nn.Module, span_path: Path | None = None
+):
     """A vLLM engine actor attached to a shm transport whose sending end is this process."""
     backend = make_backend(LocalRuntimeConfig(start_timeout_s=300), run_dir)
-    engine = EngineActor(await backend.spawn("engine", _worker(), str(model_dir), [2], 0, 0, settings=settings,
-                                             span_path=None if span_path is None else str(span_path)))
+    engine = EngineActor(
+        await backend.spawn(
+            "engine",
+            _worker(),
+            str(model_dir),
+            [2],
+            0,
+            0,
+            settings=settings,
+            span_path=None if span_path is None else str(span_path),
+        )
+    )
     sink = open_sink(plan_transport(ShmTransportConfig(), model, 1))
     await asyncio.gather(asyncio.to_thread(sink.connect), engine.connect_transport(sink.handle, 1))
     return engine, sink
@@ -85,8 +97,15 @@ def test_depth0_behaviour_logprobs_match_the_trainer_and_a_published_version_is_
     async def go():
         engine, sink = await start(tmp_path / "run", model_dir, vllm_settings(), model)
         try:
-            reqs = [GenerationRequest(i, tok(f"{3 * i:02d}+{7 * i % 100:02d}=")["input_ids"], 8,
-                                      SamplingParams(max_new_tokens=4, temperature=0.7)) for i in range(16)]
+            reqs = [
+                GenerationRequest(
+                    i,
+                    tok(f"{3 * i:02d}+{7 * i % 100:02d}=")["input_ids"],
+                    8,
+                    SamplingParams(max_new_tokens=4, temperature=0.7),
+                )
+                for i in range(16)
+            ]
             first = await engine.generate(reqs)
             with torch.no_grad():  # a different policy, far from the first
                 for p in model.parameters():
@@ -147,27 +166,34 @@ def test_an_update_mid_generation_stamps_later_tokens_and_they_match_the_new_wei
     new_d = abs_log_ratios(new, [Group(0, "", "", samples)], 1.0)
     versions = torch.tensor([v for s in samples for v in s.versions])
     mine = torch.where(versions == 0, old_d, new_d)  # each token against the weights it names
-    print(f"mid-generation: {int((versions == 1).sum())} of {len(versions)} tokens at version 1; "
-          f"mean |log ratio| {mine.mean():.2e}, max {mine.max():.2e}")
+    print(
+        f"mid-generation: {int((versions == 1).sum())} of {len(versions)} tokens at version 1; "
+        f"mean |log ratio| {mine.mean():.2e}, max {mine.max():.2e}"
+    )
     assert mine.mean() < MEAN_ABS_LOG_RATIO and mine.max() < MAX_ABS_LOG_RATIO
     assert new_d[versions == 0].mean() > 100 * MEAN_ABS_LOG_RATIO  # the versions are not interchangeable
 
 
 def test_vllm_setup_errors_name_the_fix(tmp_path):
     """Unsupported architecture and impossible memory: one line naming the field, before vLLM loads."""
-    from nonstop.engine.vllm_setup import VllmSetupError, check_architecture, check_memory
     from nonstop.config import VllmConfig
+    from nonstop.engine.vllm_setup import VllmSetupError, check_architecture, check_memory
 
     odd = tmp_path / "odd"
     save_tiny(odd, LONG)
     cfg = json.loads((odd / "config.json").read_text())
     (odd / "config.json").write_text(json.dumps({**cfg, "architectures": ["MadeUpForCausalLM"]}))
-    with pytest.raises(VllmSetupError, match=r"architecture \['MadeUpForCausalLM'\] is not supported by vLLM.*"
-                                             r"engine.kind: builtin"):
+    with pytest.raises(
+        VllmSetupError,
+        match=r"architecture \['MadeUpForCausalLM'\] is not supported by vLLM.*"
+        r"engine.kind: builtin",
+    ):
         check_architecture(str(odd))
     check_architecture(str(shipped_dir()))
     narrow = save_tiny(tmp_path / "narrow", LONG.model_copy(update={"hidden_size": 32}))
     with pytest.raises(VllmSetupError, match=r"head size 16 is not supported by vLLM's CPU attention"):
         check_architecture(str(narrow))
-    with pytest.raises(VllmSetupError, match=r"engine.vllm.kv_cache_gib: 100000.0 GiB .* lower engine.vllm.kv_cache_gib"):
+    with pytest.raises(
+        VllmSetupError, match=r"engine.vllm.kv_cache_gib: 100000.0 GiB .* lower engine.vllm.kv_cache_gib"
+    ):
         check_memory(VllmConfig(kv_cache_gib=100000))

@@ -29,10 +29,15 @@ pytestmark = pytest.mark.vllm
 
 from test_vllm import MAX_ABS_LOG_RATIO, MEAN_ABS_LOG_RATIO, start, vllm_settings  # noqa: E402
 
-MOE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                      max_position_embeddings=160,  # head size 32: vLLM's CPU attention needs >= 32
-                      moe=TinyMoeConfig(kind="qwen3_moe", num_experts=8, experts_per_token=2,
-                                        expert_intermediate_size=32))
+MOE = TinyModelConfig(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    max_position_embeddings=160,  # head size 32: vLLM's CPU attention needs >= 32
+    moe=TinyMoeConfig(kind="qwen3_moe", num_experts=8, experts_per_token=2, expert_intermediate_size=32),
+)
 
 
 def _routes(r: Routes) -> np.ndarray:
@@ -58,8 +63,12 @@ def test_vllm_routes_replayed_by_the_trainer_reproduce_its_logprobs_before_and_a
     model_dir = save_tiny(tmp_path / "moe", MOE, seed=0)
     model = load_model(str(model_dir))
     spans = tmp_path / "spans" / "engine-0.jsonl"
-    requests = [GenerationRequest(i, [1, 5 + i, 7, 9, 11 + i, 4, 8][: 3 + i % 5], 4,
-                                  SamplingParams(max_new_tokens=8, temperature=1.0)) for i in range(8)]
+    requests = [
+        GenerationRequest(
+            i, [1, 5 + i, 7, 9, 11 + i, 4, 8][: 3 + i % 5], 4, SamplingParams(max_new_tokens=8, temperature=1.0)
+        )
+        for i in range(8)
+    ]
 
     async def go():
         engine, sink = await start(tmp_path / "run", model_dir, vllm_settings(), model, span_path=spans)
@@ -85,7 +94,9 @@ def test_vllm_routes_replayed_by_the_trainer_reproduce_its_logprobs_before_and_a
                 assert s.routes.num_prompt_tokens == len(req.prompt_ids)
                 assert s.routes.num_completion_tokens == len(s.completion_ids) - 1
                 assert int(_routes(s.routes).max()) < 8
-                assert all(len(set(row)) == 2 for row in _routes(s.routes).reshape(-1, 2).tolist())  # k distinct experts
+                assert all(
+                    len(set(row)) == 2 for row in _routes(s.routes).reshape(-1, 2).tolist()
+                )  # k distinct experts
     old_groups = [Group(i, "", "", s) for i, s in enumerate(first)]
     new_groups = [Group(i, "", "", s) for i, s in enumerate(second)]
     assert all(v == 0 for g in old_groups for s in g.samples for v in s.versions)
@@ -99,10 +110,15 @@ def test_vllm_routes_replayed_by_the_trainer_reproduce_its_logprobs_before_and_a
     for weights, groups, label in ((old, old_groups, "v0"), (model, new_groups, "v1")):
         kept, m_kept = _replayed(weights, groups, "r3")
         free, m_free = _replayed(weights, groups, "none")
-        print(f"vLLM MoE {label}: r3 mean |log ratio| {kept.mean():.2e} max {kept.max():.2e}; free routing "
-              f"mismatch {m_free['routing_mismatch_frac']:.4f}, free max |log ratio| {free.max():.2e}")
+        print(
+            f"vLLM MoE {label}: r3 mean |log ratio| {kept.mean():.2e} max {kept.max():.2e}; free routing "
+            f"mismatch {m_free['routing_mismatch_frac']:.4f}, free max |log ratio| {free.max():.2e}"
+        )
         assert m_kept["routing_mismatch_frac"] == 0.0  # the replay applied to every routed token
-        assert kept.mean() < MEAN_ABS_LOG_RATIO and kept.max() < MAX_ABS_LOG_RATIO, (float(kept.mean()), float(kept.max()))
+        assert kept.mean() < MEAN_ABS_LOG_RATIO and kept.max() < MAX_ABS_LOG_RATIO, (
+            float(kept.mean()),
+            float(kept.max()),
+        )
         assert m_free["routing_mismatch_frac"] < 0.05  # one precision: the free router mostly agrees with vLLM's
     wrong, _ = _replayed(old, new_groups, "r3")  # v1's routes and tokens against v0's weights
     assert wrong.mean() > 100 * MEAN_ABS_LOG_RATIO
@@ -111,7 +127,10 @@ def test_vllm_routes_replayed_by_the_trainer_reproduce_its_logprobs_before_and_a
     events = [json.loads(line) for line in spans.read_text().splitlines()]
     assert events[0]["ev"] == "clock"
     busy = [e for e in events if e["ev"] == "busy"]
-    assert sum(e["rows"] for e in busy) == stats["tokens_generated"] and sum(e["passes"] for e in busy) == stats["forward_passes"]
+    assert (
+        sum(e["rows"] for e in busy) == stats["tokens_generated"]
+        and sum(e["passes"] for e in busy) == stats["forward_passes"]
+    )
     assert all(e["t0"] <= e["t1"] and 0 < e["busy_s"] <= e["t1"] - e["t0"] + 1e-6 for e in busy)
     [apply] = [e for e in events if e["ev"] == "apply"]
     assert apply["version"] == 1 and apply["t0"] <= apply["t1"]

@@ -40,15 +40,39 @@ START_TIMEOUT_S = 420
 def server(tmp_path_factory) -> Iterator[str]:
     """`nonstop serve --engine vllm` on the shipped base; yields its base URL."""
     cwd = tmp_path_factory.mktemp("serve")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "PYTHONUNBUFFERED": "1",
-           "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+        "PYTHONUNBUFFERED": "1",
+        "COLUMNS": "200",
+    }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nonstop.cli", "serve", "--engine", "vllm", "--model", str(shipped_dir()), "--port", "0",
-         "--set", "engine.vllm.kv_cache_gib=0.25", "--set", "engine.vllm.max_num_seqs=32"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+        [
+            sys.executable,
+            "-m",
+            "nonstop.cli",
+            "serve",
+            "--engine",
+            "vllm",
+            "--model",
+            str(shipped_dir()),
+            "--port",
+            "0",
+            "--set",
+            "engine.vllm.kv_cache_gib=0.25",
+            "--set",
+            "engine.vllm.max_num_seqs=32",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd,
+    )
     lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or []], daemon=True,
-                              name="serve-output")
+    reader = threading.Thread(
+        target=lambda: [lines.put(line) for line in proc.stdout or []], daemon=True, name="serve-output"
+    )
     reader.start()
     seen: list[str] = []
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -92,10 +116,20 @@ def test_completions_return_tokens_logprobs_and_versions_of_the_policy_vllm_samp
     async def talk(session, url):
         async with session.get(f"{url}/health") as r:
             health = await r.json()
-        outs = [await _post(session, f"{url}/v1/completions",
-                            {"prompt": p, "n": 4, "max_tokens": 4, "temperature": 0.7, "logprobs": 1}) for p in prompts]
-        seeded = [await _post(session, f"{url}/v1/completions",
-                              {"prompt": prompts[0], "max_tokens": 4, "temperature": 1.0, "seed": 7}) for _ in range(2)]
+        outs = [
+            await _post(
+                session,
+                f"{url}/v1/completions",
+                {"prompt": p, "n": 4, "max_tokens": 4, "temperature": 0.7, "logprobs": 1},
+            )
+            for p in prompts
+        ]
+        seeded = [
+            await _post(
+                session, f"{url}/v1/completions", {"prompt": prompts[0], "max_tokens": 4, "temperature": 1.0, "seed": 7}
+            )
+            for _ in range(2)
+        ]
         return health, outs, seeded
 
     health, outs, seeded = _run(talk, server)
@@ -126,8 +160,15 @@ def test_completions_return_tokens_logprobs_and_versions_of_the_policy_vllm_samp
 def test_streamed_chat_and_the_python_client(server):
     async def talk(session, url):
         chunks = []
-        body = {"messages": [{"role": "user", "content": "12+34="}], "max_tokens": 5, "temperature": 1.0, "n": 2,
-                "logprobs": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "messages": [{"role": "user", "content": "12+34="}],
+            "max_tokens": 5,
+            "temperature": 1.0,
+            "n": 2,
+            "logprobs": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with session.post(f"{url}/v1/chat/completions", json=body) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
             async for line in r.content:

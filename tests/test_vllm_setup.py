@@ -7,17 +7,23 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from test_e2e import nonstop
 
 from nonstop.config import ConfigError, load_config
+from test_e2e import nonstop
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["engine.update_mode=save_resume"], r"engine.update_mode: 'save_resume' is not possible with engine.kind 'vllm'"),
-    (["rollout.top_k=5"], r"truncated sampling is refused with engine.kind 'vllm'.*Keep Sampling Mask"),
-    (["rollout.top_p=0.9"], r"truncated sampling is refused with engine.kind 'vllm'"),
-    (["engine.group_cancel=true"], r"engine.group_cancel: not supported with engine.kind 'vllm'"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["engine.update_mode=save_resume"],
+            r"engine.update_mode: 'save_resume' is not possible with engine.kind 'vllm'",
+        ),
+        (["rollout.top_k=5"], r"truncated sampling is refused with engine.kind 'vllm'.*Keep Sampling Mask"),
+        (["rollout.top_p=0.9"], r"truncated sampling is refused with engine.kind 'vllm'"),
+        (["engine.group_cancel=true"], r"engine.group_cancel: not supported with engine.kind 'vllm'"),
+    ],
+)
 def test_what_vllm_cannot_do_is_refused_by_name(overrides, message):
     load_config(None, ["engine.kind=vllm"])  # the rest is valid
     for mode in ("never_stop", "abort_retry", "drain", "blocking"):

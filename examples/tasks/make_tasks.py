@@ -37,7 +37,10 @@ def cipher_rows(words: int = 10_000, length: int = 12, seed: int = 0) -> list[tu
 
 def main() -> None:
     write("subtraction", [(f"{a:02d}-{b:02d}=", str(a - b)) for a in range(100) for b in range(a + 1)])
-    write("reverse", [(f"rev:{''.join(w)}=", "".join(reversed(w))) for w in itertools.product("abcdefghijklmnop", repeat=3)])
+    write(
+        "reverse",
+        [(f"rev:{''.join(w)}=", "".join(reversed(w))) for w in itertools.product("abcdefghijklmnop", repeat=3)],
+    )
     write("cipher", cipher_rows())
     write("multiply", [(f"{a}*{d}=", str(a * d)) for a in range(10, 100) for d in range(2, 10)])
 

@@ -22,8 +22,12 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = ["Config", "RunSummary", "load_config", "train"]
 
-_EXPORTS = {"train": "nonstop.api", "Config": "nonstop.config", "load_config": "nonstop.config",
-            "RunSummary": "nonstop.orchestrator.records"}
+_EXPORTS = {
+    "train": "nonstop.api",
+    "Config": "nonstop.config",
+    "load_config": "nonstop.config",
+    "RunSummary": "nonstop.orchestrator.records",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -38,8 +38,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from nonstop.config import Config, ConfigError, load_config
 from nonstop.orchestrator.score import RewardError, RewardFn, resolve_reward
-from nonstop.tasks.data import (DatasetError, DatasetReport, Example, Row, TaskData, check_row, collect_rows,
-                                joined_splits, refuse_bad_rows, split_examples)
+from nonstop.tasks.data import (
+    DatasetError,
+    DatasetReport,
+    Row,
+    TaskData,
+    check_row,
+    collect_rows,
+    joined_splits,
+    refuse_bad_rows,
+    split_examples,
+)
 
 if TYPE_CHECKING:
     from nonstop.orchestrator.records import RunSummary
@@ -78,7 +87,9 @@ def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[Row], 
     """(prompt, answer) pairs of a datasets.Dataset or a list of dicts, checked like JSONL rows."""
     names = getattr(rows, "column_names", None)
     if isinstance(names, dict):  # a DatasetDict: one list of columns per split
-        raise DatasetError(f"{arg}: got a DatasetDict with splits {sorted(names)}; pass one split, e.g. {arg}=ds['train']")
+        raise DatasetError(
+            f"{arg}: got a DatasetDict with splits {sorted(names)}; pass one split, e.g. {arg}=ds['train']"
+        )
     if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Iterable):
         raise DatasetError(f"{arg}: expected a datasets.Dataset or a list of dicts, got {type(rows).__name__}")
     rows = list(rows) if names is None else rows
@@ -86,17 +97,29 @@ def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[Row], 
         names = sorted({k for row in rows if isinstance(row, Mapping) for k in row})
     missing = [c for c in mapping.values() if c not in names]
     if missing:
-        raise DatasetError(f"{arg}: column(s) {', '.join(map(repr, missing))} not found (columns: "
-                           f"{_mapping_text(mapping)}); the dataset has {names}")
+        raise DatasetError(
+            f"{arg}: column(s) {', '.join(map(repr, missing))} not found (columns: "
+            f"{_mapping_text(mapping)}); the dataset has {names}"
+        )
+
     def renamed(row: object) -> object:
         return {f: row[c] for f, c in mapping.items() if c in row} if isinstance(row, Mapping) else row
 
-    return collect_rows(((f"{arg} row {i}", check_row(renamed(row))) for i, row in enumerate(rows)), arg,
-                        hint=f" (columns: {_mapping_text(mapping)})")
+    return collect_rows(
+        ((f"{arg} row {i}", check_row(renamed(row))) for i, row in enumerate(rows)),
+        arg,
+        hint=f" (columns: {_mapping_text(mapping)})",
+    )
 
 
-def task_data(cfg: Config, dataset: Any, eval_dataset: Any, columns: Mapping[str, str] | None,
-              eval_size: int | None, eval_fraction: float | None) -> TaskData:
+def task_data(
+    cfg: Config,
+    dataset: Any,
+    eval_dataset: Any,
+    columns: Mapping[str, str] | None,
+    eval_size: int | None,
+    eval_fraction: float | None,
+) -> TaskData:
     """The train and held-out Examples of rows given in Python."""
     mapping = _mapping(columns)
     pairs, report = read_rows(dataset, mapping, "dataset")
@@ -104,7 +127,9 @@ def task_data(cfg: Config, dataset: Any, eval_dataset: Any, columns: Mapping[str
     if eval_dataset is None:
         if eval_fraction is not None:
             eval_size = max(1, round(eval_fraction * len(pairs)))
-        return split_examples(pairs, cfg.task.eval_size if eval_size is None else eval_size, cfg.task.split_seed, report)
+        return split_examples(
+            pairs, cfg.task.eval_size if eval_size is None else eval_size, cfg.task.split_seed, report
+        )
     if eval_size is not None or eval_fraction is not None:
         raise DatasetError("eval_dataset: give held-out rows, or eval_size / eval_fraction to split them off, not both")
     held, held_report = read_rows(eval_dataset, mapping, "eval_dataset")
@@ -116,8 +141,10 @@ def _callable_reward(fn: Any, arg: str) -> RewardFn:
     if isinstance(fn, str):
         return resolve_reward(fn, arg)
     if not callable(fn):
-        raise RewardError(f"{arg}: expected a callable (completion, answer) -> float, a built-in name or "
-                          f"'package.module:function', got {type(fn).__name__}")
+        raise RewardError(
+            f"{arg}: expected a callable (completion, answer) -> float, a built-in name or "
+            f"'package.module:function', got {type(fn).__name__}"
+        )
     try:
         inspect.signature(fn).bind("completion", "answer")
     except TypeError as e:
@@ -164,11 +191,19 @@ def rows_hash(data: TaskData) -> str:
     return h.hexdigest()[:16]
 
 
-def train(config: Config | str | Path | None = None, *, overrides: Sequence[str] = (),
-          dataset: Any = None, eval_dataset: Any = None, columns: Mapping[str, str] | None = None,
-          eval_size: int | None = None, eval_fraction: float | None = None,
-          reward: RewardSpec | Sequence[RewardSpec] | None = None, reward_weights: Sequence[float] | None = None,
-          progress: Literal["auto", "rich", "plain", "off"] | None = None) -> RunSummary:
+def train(
+    config: Config | str | Path | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    dataset: Any = None,
+    eval_dataset: Any = None,
+    columns: Mapping[str, str] | None = None,
+    eval_size: int | None = None,
+    eval_fraction: float | None = None,
+    reward: RewardSpec | Sequence[RewardSpec] | None = None,
+    reward_weights: Sequence[float] | None = None,
+    progress: Literal["auto", "rich", "plain", "off"] | None = None,
+) -> RunSummary:
     """Run asynchronous GRPO from Python and return its RunSummary (see the module docstring)."""
     import multiprocessing
 
@@ -178,8 +213,10 @@ def train(config: Config | str | Path | None = None, *, overrides: Sequence[str]
 
     if multiprocessing.parent_process() is not None:
         # actor processes are started with 'spawn', which imports the caller's script again
-        raise RuntimeError("nonstop.train() was called in a worker process importing your script: "
-                           "call it under `if __name__ == \"__main__\":`")
+        raise RuntimeError(
+            "nonstop.train() was called in a worker process importing your script: "
+            'call it under `if __name__ == "__main__":`'
+        )
     if isinstance(overrides, str):
         raise ConfigError("overrides: expected a list of 'key=value' strings, got one string")
     extra = [f"run.progress={progress}"] if progress is not None else []

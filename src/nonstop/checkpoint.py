@@ -99,8 +99,8 @@ def list_checkpoints(root: Path) -> list[Checkpoint]:
         return []
     found = []
     for p in root.iterdir():
-        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit():
-            found.append(Checkpoint(p, int(p.name[len(_PREFIX):])))
+        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit():
+            found.append(Checkpoint(p, int(p.name[len(_PREFIX) :])))
     return sorted(found, key=lambda c: c.step)
 
 

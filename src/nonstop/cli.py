@@ -36,8 +36,11 @@ def _summary_table(s: RunSummary) -> Table:
     base, final = s.base_accuracy, s.final_accuracy or 0.0
     t.add_row("held-out accuracy", f"base {base:.1%} -> final {final:.1%} ({100 * (final - base):+.1f} points)")
     if s.resumed_from:  # the RL clock continues across resumes; this command's wall time does not
-        t.add_row("wall time", f"{s.wall_s:.1f} s this session (resumed; {s.warmup_s:.1f} s loading the checkpoint); "
-                               f"RL {s.rl_wall_s:.1f} s over all sessions")
+        t.add_row(
+            "wall time",
+            f"{s.wall_s:.1f} s this session (resumed; {s.warmup_s:.1f} s loading the checkpoint); "
+            f"RL {s.rl_wall_s:.1f} s over all sessions",
+        )
     else:
         t.add_row("wall time", f"{s.wall_s:.1f} s total ({s.warmup_s:.1f} s base policy, {s.rl_wall_s:.1f} s RL)")
     t.add_row("steps", f"{s.steps} (policy_version {s.policy_version})")
@@ -45,11 +48,17 @@ def _summary_table(s: RunSummary) -> Table:
     t.add_row("idle", f"trainer {s.trainer_idle_frac:.0%}, engine {s.engine_idle_frac:.0%}")
     t.add_row("dropped groups", json.dumps(s.drops) if s.drops else "none")
     p, faults = s.prompts, s.engine_faults
-    t.add_row("prompts", f"{p['settled']} settled, {p['in_flight']} in flight, {p['duplicated']} duplicated, "
-                         f"{p['requeued'] + faults['requeued']} re-queued")
+    t.add_row(
+        "prompts",
+        f"{p['settled']} settled, {p['in_flight']} in flight, {p['duplicated']} duplicated, "
+        f"{p['requeued'] + faults['requeued']} re-queued",
+    )
     if faults["restarts"]:
-        t.add_row("engine restarts", f"{faults['restarts']} (detect <= {faults['max_detect_s']:.1f} s, "
-                                     f"recover <= {faults['max_recover_s']:.1f} s)")
+        t.add_row(
+            "engine restarts",
+            f"{faults['restarts']} (detect <= {faults['max_detect_s']:.1f} s, "
+            f"recover <= {faults['max_recover_s']:.1f} s)",
+        )
     if s.reward_errors:
         t.add_row("reward errors", f"{json.dumps(s.reward_errors)}; last: {s.last_reward_error}")
     t.add_row("run folder", s.run_dir)
@@ -83,9 +92,15 @@ def _sigterm_as_ctrl_c(signum: int, frame: FrameType | None) -> None:
 
 @main.command("train")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set buffer.depth=2")
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
-              help="Continue the run in this folder from its newest intact checkpoint (its config.yaml, plus --set).")
+@click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set buffer.depth=2"
+)
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="Continue the run in this folder from its newest intact checkpoint (its config.yaml, plus --set).",
+)
 def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path | None) -> None:
     """Run asynchronous GRPO. With no CONFIG, the built-in default job."""
     console = Console()
@@ -109,13 +124,25 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
             console.print(f"[yellow]interrupted:[/] {e}", highlight=False)
             sys.exit(130)
         from nonstop.orchestrator.generate import NoLearningSignal
-        from nonstop.runtime import ActorCallError, ActorDied
         from nonstop.orchestrator.score import RewardError
+        from nonstop.runtime import ActorCallError, ActorDied
         from nonstop.tasks.data import DatasetError
         from nonstop.transport import TransportError
 
-        if isinstance(e, (ActorDied, ActorCallError, DatasetError, RewardError, NoLearningSignal, TransportError,
-                          TimeoutError, RunFailed, CheckpointError)):
+        if isinstance(
+            e,
+            (
+                ActorDied,
+                ActorCallError,
+                DatasetError,
+                RewardError,
+                NoLearningSignal,
+                TransportError,
+                TimeoutError,
+                RunFailed,
+                CheckpointError,
+            ),
+        ):
             console.print(f"[red]run failed:[/] {e}", highlight=False)
             sys.exit(1)
         raise
@@ -124,22 +151,55 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
 
 @main.command("serve")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set engine.max_concurrent_seqs=32")
-@click.option("--model", "model_path", default=None, help="Model folder (default: model.path; none: a fresh tiny model).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; keep 127.0.0.1 unless you mean to expose it.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config field, e.g. --set engine.max_concurrent_seqs=32",
+)
+@click.option(
+    "--model", "model_path", default=None, help="Model folder (default: model.path; none: a fresh tiny model)."
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to bind; keep 127.0.0.1 unless you mean to expose it.",
+)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free port).")
-@click.option("--api-key", default=None, envvar="NONSTOP_API_KEY", show_envvar=True,
-              help="Require 'Authorization: Bearer KEY' on /v1/* (prefer the environment variable: arguments show in ps).")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="NONSTOP_API_KEY",
+    show_envvar=True,
+    help="Require 'Authorization: Bearer KEY' on /v1/* (prefer the environment variable: arguments show in ps).",
+)
 @click.option("--served-model-name", default=None, help="Model id clients must use (default: the folder name).")
-@click.option("--engine", "engine_kind", default=None, type=click.Choice(["builtin", "vllm"]),
-              help="Engine to serve with (default: engine.kind); vllm needs the vllm package (docs/vllm.md).")
-def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | None, host: str, port: int,
-              api_key: str | None, served_model_name: str | None, engine_kind: str | None) -> None:
+@click.option(
+    "--engine",
+    "engine_kind",
+    default=None,
+    type=click.Choice(["builtin", "vllm"]),
+    help="Engine to serve with (default: engine.kind); vllm needs the vllm package (docs/vllm.md).",
+)
+def serve_cmd(
+    config: str | None,
+    overrides: tuple[str, ...],
+    model_path: str | None,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    engine_kind: str | None,
+) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (token ids, logprobs and versions included)."""
     console = Console()
     if api_key is not None and not api_key.strip():
-        raise click.BadParameter("empty key: give a non-empty key, or leave --api-key and NONSTOP_API_KEY unset "
-                                 "to serve without one", param_hint="--api-key")
+        raise click.BadParameter(
+            "empty key: give a non-empty key, or leave --api-key and NONSTOP_API_KEY unset to serve without one",
+            param_hint="--api-key",
+        )
     if engine_kind is not None:
         overrides = (*overrides, f"engine.kind={engine_kind}")
     cfg = config_or_exit(config, overrides, console)
@@ -165,7 +225,10 @@ def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | 
     name = served_model_name or Path(path).name
 
     def ready(bound: int) -> None:
-        console.print(f"serving '{name}' on http://{host}:{bound} (/v1/completions, /v1/chat/completions, /health)", highlight=False)
+        console.print(
+            f"serving '{name}' on http://{host}:{bound} (/v1/completions, /v1/chat/completions, /health)",
+            highlight=False,
+        )
 
     try:
         asyncio.run(serve(cfg, path, host, port, api_key, name, ready))
@@ -179,9 +242,16 @@ def serve_cmd(config: str | None, overrides: tuple[str, ...], model_path: str | 
 
 @main.command("warmup")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set warmup.seed=3")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder to write the base policy and its provenance.json to (replaced if it exists).")
+@click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field, e.g. --set warmup.seed=3"
+)
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder to write the base policy and its provenance.json to (replaced if it exists).",
+)
 @click.option("--threads", default=2, show_default=True, type=int, help="torch threads of the warm-up.")
 def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, threads: int) -> None:
     """Warm the tiny model up on the task and save it as a base policy, with its provenance."""
@@ -197,21 +267,37 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
     data = load_task(cfg.task)
     model, tok, info = warm_up(cfg, data, lambda m: console.print(m, highlight=False), threads)
     torch.set_num_threads(threads)
-    heldout = greedy_accuracy(TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval,
-                              cfg.rollout.max_new_tokens)
-    command = " ".join(["nonstop warmup", *([config] if config else []), *(f"--set {o}" for o in overrides),
-                        f"--threads {threads}", f"--out {out_dir}"])
+    heldout = greedy_accuracy(
+        TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, cfg.rollout.max_new_tokens
+    )
+    command = " ".join(
+        [
+            "nonstop warmup",
+            *([config] if config else []),
+            *(f"--set {o}" for o in overrides),
+            f"--threads {threads}",
+            f"--out {out_dir}",
+        ]
+    )
     save_atomically(out_dir, model, tok, {})
     prov = build_provenance(cfg, info, heldout, out_dir / "model.safetensors", command, threads)
     (out_dir / PROVENANCE).write_text(json.dumps(prov, indent=1) + "\n")
-    console.print(f"base policy written to {out_dir}: held-out accuracy {heldout:.1%} on {len(data.eval)} prompts, "
-                  f"sha256 {prov['sha256'][:12]}", highlight=False)
+    console.print(
+        f"base policy written to {out_dir}: held-out accuracy {heldout:.1%} on {len(data.eval)} prompts, "
+        f"sha256 {prov['sha256'][:12]}",
+        highlight=False,
+    )
 
 
 @main.command("report")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
-@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Where to write the HTML page (default RUN_DIR/report.html; PNGs go beside it in report/).")
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the HTML page (default RUN_DIR/report.html; PNGs go beside it in report/).",
+)
 def report_cmd(run_dir: Path, out: Path | None) -> None:
     """Render a run's report: one self-contained HTML page with its figures (needs the `report` extra)."""
     from nonstop.observe.report import ReportError, render
@@ -226,19 +312,50 @@ def report_cmd(run_dir: Path, out: Path | None) -> None:
 
 @main.command("simulate")
 @click.argument("run_dir", required=False, type=click.Path(file_okay=False, exists=True, path_type=Path))
-@click.option("--params", "params_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
-              help="Stated costs (JSON/YAML, as --write-params writes) instead of a run's span log.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="The pipeline to predict (default: RUN_DIR's config.yaml, or the built-in default).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Change the pipeline, e.g. --set buffer.depth=2")
-@click.option("--sweep", "axes", multiple=True, metavar="KEY=V1,V2,...",
-              help="Predict every combination, e.g. --sweep runtime.num_engines=1,2 --sweep buffer.depth=0,1,2,null")
-@click.option("--max-mean-lag", type=float, default=None, help="Recommend only pipelines whose mean token lag is within this.")
+@click.option(
+    "--params",
+    "params_path",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Stated costs (JSON/YAML, as --write-params writes) instead of a run's span log.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The pipeline to predict (default: RUN_DIR's config.yaml, or the built-in default).",
+)
+@click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Change the pipeline, e.g. --set buffer.depth=2"
+)
+@click.option(
+    "--sweep",
+    "axes",
+    multiple=True,
+    metavar="KEY=V1,V2,...",
+    help="Predict every combination, e.g. --sweep runtime.num_engines=1,2 --sweep buffer.depth=0,1,2,null",
+)
+@click.option(
+    "--max-mean-lag", type=float, default=None, help="Recommend only pipelines whose mean token lag is within this."
+)
 @click.option("--seeds", default=3, show_default=True, type=int, help="Simulations averaged per prediction.")
-@click.option("--write-params", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the calibrated costs to this file (edit them to plan for other hardware).")
-def simulate_cmd(run_dir: Path | None, params_path: Path | None, config_path: str | None, overrides: tuple[str, ...],
-                 axes: tuple[str, ...], max_mean_lag: float | None, seeds: int, write_params: Path | None) -> None:
+@click.option(
+    "--write-params",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the calibrated costs to this file (edit them to plan for other hardware).",
+)
+def simulate_cmd(
+    run_dir: Path | None,
+    params_path: Path | None,
+    config_path: str | None,
+    overrides: tuple[str, ...],
+    axes: tuple[str, ...],
+    max_mean_lag: float | None,
+    seeds: int,
+    write_params: Path | None,
+) -> None:
     """Predict samples/s, idle fractions and token lag of a pipeline from a run's span log (or stated costs)."""
     console = Console()
     from nonstop.planner.cli import run_planner

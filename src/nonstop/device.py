@@ -43,8 +43,10 @@ def resolve_device(spec: str, field: str) -> torch.device:
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceError(f"{field}: '{spec}' but torch sees no CUDA device here (torch {torch.__version__}); "
-                              f"use '{field.rsplit('.', 1)[0]}.device: cpu' or 'auto', or install a CUDA build of torch")
+            raise DeviceError(
+                f"{field}: '{spec}' but torch sees no CUDA device here (torch {torch.__version__}); "
+                f"use '{field.rsplit('.', 1)[0]}.device: cpu' or 'auto', or install a CUDA build of torch"
+            )
         if (device.index or 0) >= torch.cuda.device_count():
             raise DeviceError(f"{field}: '{spec}' but only {torch.cuda.device_count()} CUDA device(s) are visible")
     return device

@@ -43,11 +43,14 @@ def targeted_modules(model: torch.nn.Module, cfg: LoraConfig) -> list[tuple[str,
             continue
         if not isinstance(module, torch.nn.Linear):
             raise ValueError(
-                f"model.lora.target_modules: {name} is a {type(module).__name__}, only torch.nn.Linear modules can be adapted")
+                f"model.lora.target_modules: {name} is a {type(module).__name__}, only torch.nn.Linear modules can be adapted"
+            )
         tied = owners[module.weight.data_ptr()]
         if len(tied) > 1:  # merging into it would change the other module too; peft adapts only this one
-            raise ValueError(f"model.lora.target_modules: {name}.weight is tied to {', '.join(t for t in tied if not t.startswith(name + '.'))}; "
-                             "tied weights cannot be adapted")
+            raise ValueError(
+                f"model.lora.target_modules: {name}.weight is tied to {', '.join(t for t in tied if not t.startswith(name + '.'))}; "
+                "tied weights cannot be adapted"
+            )
         found.append((name, module))
     if not found:
         raise ValueError(f"model.lora.target_modules: none of {list(cfg.target_modules)} matches a module of the model")
@@ -105,8 +108,14 @@ def wrap_with_peft(model: PreTrainedModel, cfg: LoraConfig, adapter_dir: str | N
     if adapter_dir is not None:
         return PeftModel.from_pretrained(model, adapter_dir, adapter_name=ADAPTER, is_trainable=True)
     # peft annotates lora_alpha as int, yet scales by lora_alpha / r in floating point: a fractional alpha works.
-    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
-                              target_modules=list(cfg.target_modules), bias="none", init_lora_weights=True)
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,  # type: ignore[arg-type]
+        target_modules=list(cfg.target_modules),
+        bias="none",
+        init_lora_weights=True,
+    )
     return get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
 
 
@@ -118,8 +127,10 @@ def adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.Tensor
     out: list[tuple[str, torch.Tensor]] = []
     for name, module in tuner.model.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-            out += [(f"{name}.lora_A.weight", _linear_weight(module.lora_A[ADAPTER])),
-                    (f"{name}.lora_B.weight", _linear_weight(module.lora_B[ADAPTER]))]
+            out += [
+                (f"{name}.lora_A.weight", _linear_weight(module.lora_A[ADAPTER])),
+                (f"{name}.lora_B.weight", _linear_weight(module.lora_B[ADAPTER])),
+            ]
     return out
 
 

@@ -43,8 +43,16 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model, ids: torch.Tensor, mask: torch.Tensor, max_new: int, temperature: float, eos_id: int,
-           pad_id: int, gen: torch.Generator | None = None):
+def sample(
+    model,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    max_new: int,
+    temperature: float,
+    eos_id: int,
+    pad_id: int,
+    gen: torch.Generator | None = None,
+):
     """Complete every row; temperature 0 is greedy. Returns tokens (B, T), behaviour logprobs
     (B, T) of the tempered distribution, and the loss mask (B, T): tokens up to and including EOS."""
     tokens, logps, alive = [], [], torch.ones(ids.shape[0], dtype=torch.bool)
@@ -62,8 +70,13 @@ def sample(model, ids: torch.Tensor, mask: torch.Tensor, max_new: int, temperatu
         if not alive.any():
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)  # (B, P + t + 1)
-        out = model(input_ids=tokens[-1].unsqueeze(-1), attention_mask=mask, position_ids=positions(mask)[:, -1:],
-                    cache=out.cache, use_cache=True)
+        out = model(
+            input_ids=tokens[-1].unsqueeze(-1),
+            attention_mask=mask,
+            position_ids=positions(mask)[:, -1:],
+            cache=out.cache,
+            use_cache=True,
+        )
     ids_bt, logp_bt = torch.stack(tokens, 1), torch.stack(logps, 1)  # (B, T)
     was_alive = torch.ones_like(ids_bt, dtype=torch.bool)
     was_alive[:, 1:] = (ids_bt[:, :-1] != eos_id).cumprod(-1).bool()  # alive when token t was sampled
@@ -82,19 +95,40 @@ def grpo_loss(model, ids, mask, completions, behaviour, loss_mask, advantages, c
     forward over prompt + completion, logprobs of the completion tokens, ratio to the behaviour."""
     full = torch.cat([ids, completions], 1)  # (B, P + T)
     full_mask = torch.cat([mask, loss_mask.long()], 1)
-    hidden = model.get_decoder()(input_ids=full, attention_mask=full_mask, position_ids=positions(full_mask),
-                                 use_cache=False).last_hidden_state  # (B, P + T, H)
+    hidden = model.get_decoder()(
+        input_ids=full, attention_mask=full_mask, position_ids=positions(full_mask), use_cache=False
+    ).last_hidden_state  # (B, P + T, H)
     P, T = ids.shape[1], completions.shape[1]  # hidden at P - 1 + t predicts completion token t
-    logp = token_logprobs(hidden[:, P - 1: P - 1 + T], model.get_output_embeddings(), completions,
-                          cfg.rollout.temperature, cfg.trainer.logprob_chunk_rows)  # (B, T)
+    logp = token_logprobs(
+        hidden[:, P - 1 : P - 1 + T],
+        model.get_output_embeddings(),
+        completions,
+        cfg.rollout.temperature,
+        cfg.trainer.logprob_chunk_rows,
+    )  # (B, T)
     assert isinstance(logp, torch.Tensor)  # without entropy: the logprobs alone
-    loss, _ = clipped_policy_loss(logp, behaviour, advantages, loss_mask, cfg.trainer.clip_low,
-                                  cfg.trainer.clip_high, cfg.trainer.norm, max_new_tokens=cfg.rollout.max_new_tokens)
+    loss, _ = clipped_policy_loss(
+        logp,
+        behaviour,
+        advantages,
+        loss_mask,
+        cfg.trainer.clip_low,
+        cfg.trainer.clip_high,
+        cfg.trainer.norm,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+    )
     return loss
 
 
-def run_reference(cfg: Config, base_dir: str, steps: int, seed: int | None = None, eval_every: int | None = None,
-                  threads: int = 2, log=None) -> list[dict]:
+def run_reference(
+    cfg: Config,
+    base_dir: str,
+    steps: int,
+    seed: int | None = None,
+    eval_every: int | None = None,
+    threads: int = 2,
+    log=None,
+) -> list[dict]:
     """Train the model at `base_dir` for `steps` GRPO steps with cfg's task, rollout and trainer
     settings; return [{step, reward_mean, groups_trained, loss, samples, seconds[, eval_accuracy]}]."""
     seed = cfg.run.seed if seed is None else seed
@@ -107,17 +141,20 @@ def run_reference(cfg: Config, base_dir: str, steps: int, seed: int | None = Non
     data, reward = load_task(cfg.task), resolve_reward(cfg.task.reward)
     stream = PromptStream(data.train, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=T.lr, weight_decay=T.weight_decay)
-    records = [{"step": 0, "samples": 0, "seconds": 0.0,
-                "eval_accuracy": accuracy(model, tok, data.eval, R.max_new_tokens)}]
+    records = [
+        {"step": 0, "samples": 0, "seconds": 0.0, "eval_accuracy": accuracy(model, tok, data.eval, R.max_new_tokens)}
+    ]
     samples, t0 = 0, time.perf_counter()
     for step in range(1, steps + 1):
         # 1-2. a batch of prompts, each repeated group_size times, sampled all at once
         draws = [stream.next() for _ in range(R.prompts_per_step)]
         prompts = [d.example for d in draws if d is not None]  # the stream is endless (no max_epochs)
-        ids, mask = left_pad([tok(ex.prompt)["input_ids"] for ex in prompts for _ in range(R.group_size)],
-                             tok.pad_token_id)
-        completions, behaviour, loss_mask = sample(model, ids, mask, R.max_new_tokens, R.temperature,
-                                                   tok.eos_token_id, tok.pad_token_id, gen)
+        ids, mask = left_pad(
+            [tok(ex.prompt)["input_ids"] for ex in prompts for _ in range(R.group_size)], tok.pad_token_id
+        )
+        completions, behaviour, loss_mask = sample(
+            model, ids, mask, R.max_new_tokens, R.temperature, tok.eos_token_id, tok.pad_token_id, gen
+        )
         samples += len(completions)
         # 3. rewards (G, n) and advantages
         texts = tok.batch_decode(completions, skip_special_tokens=True)
@@ -125,13 +162,24 @@ def run_reference(cfg: Config, base_dir: str, steps: int, seed: int | None = Non
         rewards = rewards.view(R.prompts_per_step, R.group_size)
         advantages = group_advantages(rewards, T.advantage_mode)  # (G, n)
         # 4. groups with a learning signal
-        keep = (rewards.max(-1).values > rewards.min(-1).values) if R.filter_uniform_reward \
+        keep = (
+            (rewards.max(-1).values > rewards.min(-1).values)
+            if R.filter_uniform_reward
             else torch.ones(R.prompts_per_step, dtype=torch.bool)
+        )
         record = {"step": step, "reward_mean": float(rewards.mean()), "groups_trained": int(keep.sum())}
         if keep.any():  # 5. one optimizer step on the kept groups
             rows = keep.repeat_interleave(R.group_size)  # (B,)
-            loss = grpo_loss(model, ids[rows], mask[rows], completions[rows], behaviour[rows], loss_mask[rows],
-                             advantages[keep].reshape(-1), cfg)
+            loss = grpo_loss(
+                model,
+                ids[rows],
+                mask[rows],
+                completions[rows],
+                behaviour[rows],
+                loss_mask[rows],
+                advantages[keep].reshape(-1),
+                cfg,
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), T.max_grad_norm)
@@ -149,7 +197,9 @@ def run_reference(cfg: Config, base_dir: str, steps: int, seed: int | None = Non
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Plain synchronous GRPO (the reference loop); prints one JSON line a step.")
+    ap = argparse.ArgumentParser(
+        description="Plain synchronous GRPO (the reference loop); prints one JSON line a step."
+    )
     ap.add_argument("config", nargs="?", help="YAML config (default: the built-in defaults)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--base", required=True, help="folder of the base model and tokenizer")
@@ -157,8 +207,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=None)
     a = ap.parse_args()
-    run_reference(load_config(a.config, a.overrides), a.base, a.steps, a.seed, a.eval_every,
-                  log=lambda r: print(json.dumps(r), flush=True))
+    run_reference(
+        load_config(a.config, a.overrides),
+        a.base,
+        a.steps,
+        a.seed,
+        a.eval_every,
+        log=lambda r: print(json.dumps(r), flush=True),
+    )
 
 
 if __name__ == "__main__":

@@ -17,24 +17,24 @@ if TYPE_CHECKING:
     from nonstop.engine.aio import AsyncEngine
     from nonstop.engine.core import Engine, TorchEngine
     from nonstop.engine.runner import KVRunner, Runner
+    from nonstop.engine.vllm_engine import VllmEngineWorker
+    from nonstop.engine.worker import EngineWorker
     from nonstop.envs.base import Environment, MultiAgentEnvironment, SingleAgent
     from nonstop.envs.calculator import Calculator
-    from nonstop.envs.http import ClientEngine
     from nonstop.envs.guess import GuessNumber
+    from nonstop.envs.http import ClientEngine
     from nonstop.envs.nim import Nim, NimVsScripted
     from nonstop.lora import MergedAdapters
     from nonstop.orchestrator.dispatch import EnginePool, RankGroup
+    from nonstop.orchestrator.episodes import TurnEngine
+    from nonstop.runtime.actor_clients import EngineActor, EngineService, TrainerActor
+    from nonstop.runtime.local import LocalActor, LocalBackend
+    from nonstop.runtime.ray import RayActor, RayBackend
+    from nonstop.runtime.restart import RestartingEngine
     from nonstop.scoring.base import ScoreComponent, Scorer
     from nonstop.scoring.runners import AutoRunner, LoopRunner, ProcessRunner, ThreadRunner
     from nonstop.scoring.runners import Runner as RewardRunner
     from nonstop.scoring.stage import FunctionComponent, ScoringStage
-    from nonstop.engine.vllm_engine import VllmEngineWorker
-    from nonstop.engine.worker import EngineWorker
-    from nonstop.runtime.actor_clients import EngineActor, EngineService, TrainerActor
-    from nonstop.orchestrator.episodes import TurnEngine
-    from nonstop.runtime.local import LocalActor, LocalBackend
-    from nonstop.runtime.ray import RayActor, RayBackend
-    from nonstop.runtime.restart import RestartingEngine
     from nonstop.serve.client import GenerationClient, HttpClient, InProcessClient
     from nonstop.serve.server import ServedEngine
     from nonstop.transport.base import ModelParameters, WeightSink, WeightSource, WeightTarget

@@ -98,7 +98,7 @@ class KeptIds(Sequence[list[int]]):
             t += len(self)
         if not 0 <= t < len(self):
             raise IndexError(t)
-        raw = self.data[self.offsets[t]: self.offsets[t + 1]]
+        raw = self.data[self.offsets[t] : self.offsets[t + 1]]
         if self.kinds[t] == 0:
             return array(self._code, bytes(raw)).tolist()
         bits = format(int.from_bytes(raw, "little"), "b")[::-1]

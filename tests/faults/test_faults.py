@@ -17,16 +17,36 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from test_e2e import nonstop, records, small_model_args
 
 TRAIN_PROMPTS = 80
 
 
 def epoch_args(tiny_dir: Path, name: str, reward: str, *extra: str) -> list[str]:
-    return ["train", *small_model_args(tiny_dir), "--set", f"run.name={name}", "--set", "run.max_epochs=1",
-            "--set", "run.max_time_s=null", "--set", "task.max_operand=9", "--set", "task.eval_size=20",
-            "--set", "rollout.prompts_per_step=8", "--set", "checkpoint.every_steps=2",
-            "--set", "run.eval_every=100", "--set", f"task.reward=helpers:{reward}", *extra]
+    return [
+        "train",
+        *small_model_args(tiny_dir),
+        "--set",
+        f"run.name={name}",
+        "--set",
+        "run.max_epochs=1",
+        "--set",
+        "run.max_time_s=null",
+        "--set",
+        "task.max_operand=9",
+        "--set",
+        "task.eval_size=20",
+        "--set",
+        "rollout.prompts_per_step=8",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        "run.eval_every=100",
+        "--set",
+        f"task.reward=helpers:{reward}",
+        *extra,
+    ]
 
 
 def assert_epoch_consumed_exactly_once(run_dir: Path) -> dict:
@@ -54,9 +74,19 @@ def test_sigkilled_engine_is_restarted_and_no_prompt_is_lost(tiny_dir, tmp_path)
 
 @pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
 def test_hung_engine_is_detected_killed_and_restarted(tiny_dir, tmp_path):
-    result = nonstop(epoch_args(tiny_dir, "hang", "hang_engine_once_reward",
-                                "--set", "runtime.heartbeat_interval_s=0.5", "--set", "runtime.heartbeat_timeout_s=3"),
-                     cwd=tmp_path, timeout_s=400)
+    result = nonstop(
+        epoch_args(
+            tiny_dir,
+            "hang",
+            "hang_engine_once_reward",
+            "--set",
+            "runtime.heartbeat_interval_s=0.5",
+            "--set",
+            "runtime.heartbeat_timeout_s=3",
+        ),
+        cwd=tmp_path,
+        timeout_s=400,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "hang")
     faults = summary["engine_faults"]
@@ -66,8 +96,16 @@ def test_hung_engine_is_detected_killed_and_restarted(tiny_dir, tmp_path):
 
 
 def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token(tiny_dir, tmp_path):
-    sync = ["--set", "buffer.depth=0", "--set", "buffer.max_lag=0", "--set", "rollout.filter_uniform_reward=false",
-            "--set", "rollout.seed_per_prompt=true"]
+    sync = [
+        "--set",
+        "buffer.depth=0",
+        "--set",
+        "buffer.max_lag=0",
+        "--set",
+        "rollout.filter_uniform_reward=false",
+        "--set",
+        "rollout.seed_per_prompt=true",
+    ]
     ref = nonstop(epoch_args(tiny_dir, "ref", "length_reward", *sync), cwd=tmp_path, timeout_s=400)
     assert ref.returncode == 0, ref.stdout + ref.stderr
 
@@ -89,7 +127,9 @@ def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token
     newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     assert len(json.loads((newest / "state.json").read_text())["engine_rng"]) == 1  # the engine's generator state
     at = re.search(r"resumed from .*?\(step (\d+),", resumed.stdout, re.S)
-    assert at is not None and 0 < int(at.group(1)) < max(ref_steps), resumed.stdout  # some steps were generated again after the resume
+    assert at is not None and 0 < int(at.group(1)) < max(ref_steps), (
+        resumed.stdout
+    )  # some steps were generated again after the resume
 
 
 @pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
@@ -104,8 +144,9 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path)
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
-    resumed = nonstop(["train", "--resume", str(Path("runs") / "corrupt"), "--set", "run.max_steps=8"],
-                      cwd=tmp_path, timeout_s=400)
+    resumed = nonstop(
+        ["train", "--resume", str(Path("runs") / "corrupt"), "--set", "run.max_steps=8"], cwd=tmp_path, timeout_s=400
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "step_00000006 is corrupted" in resumed.stdout and "model.safetensors fails its CRC32" in resumed.stdout
     assert "resumed from" in resumed.stdout and "step 4," in resumed.stdout
@@ -115,8 +156,11 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path)
 
 @pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
 def test_nan_loss_skips_the_step_and_the_epoch_still_completes(tiny_dir, tmp_path):
-    result = nonstop(epoch_args(tiny_dir, "nan", "overflow_reward", "--set", "trainer.max_consecutive_skips=50"),
-                     cwd=tmp_path, timeout_s=400)
+    result = nonstop(
+        epoch_args(tiny_dir, "nan", "overflow_reward", "--set", "trainer.max_consecutive_skips=50"),
+        cwd=tmp_path,
+        timeout_s=400,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "nan")
     assert summary["skipped_steps"] >= 1
@@ -125,24 +169,42 @@ def test_nan_loss_skips_the_step_and_the_epoch_still_completes(tiny_dir, tmp_pat
 
 @pytest.mark.slow  # ~1 min: a real epoch with two engines
 def test_one_of_several_engines_killed_the_others_keep_serving(tiny_dir, tmp_path):
-    result = nonstop(epoch_args(tiny_dir, "two", "kill_engine_0_once_reward", "--set", "runtime.num_engines=2"),
-                     cwd=tmp_path, timeout_s=600)
+    result = nonstop(
+        epoch_args(tiny_dir, "two", "kill_engine_0_once_reward", "--set", "runtime.num_engines=2"),
+        cwd=tmp_path,
+        timeout_s=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "two")
     faults = summary["engine_faults"]
     assert faults["restarts"] == 1 and "'engine-0'" in faults["reasons"][0], faults
-    assert len(summary["engines"]) == 2 and all(e["tokens_generated"] > 0 for e in summary["engines"]), summary["engines"]
+    assert len(summary["engines"]) == 2 and all(e["tokens_generated"] > 0 for e in summary["engines"]), summary[
+        "engines"
+    ]
 
 
 @pytest.mark.slow  # ~1-2 min: a real epoch with two engines; tests/test_transport.py re-plans the group fast
 def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_dir, tmp_path):
-    result = nonstop(epoch_args(tiny_dir, "bcast", "kill_engine_0_once_reward", "--set", "runtime.num_engines=2",
-                                "--set", "transport.kind=broadcast"), cwd=tmp_path, timeout_s=600)
+    result = nonstop(
+        epoch_args(
+            tiny_dir,
+            "bcast",
+            "kill_engine_0_once_reward",
+            "--set",
+            "runtime.num_engines=2",
+            "--set",
+            "transport.kind=broadcast",
+        ),
+        cwd=tmp_path,
+        timeout_s=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "bcast")
     faults = summary["engine_faults"]
     assert faults["restarts"] == 1 and "'engine-0'" in faults["reasons"][0], faults
-    assert len(summary["engines"]) == 2 and all(e["tokens_generated"] > 0 for e in summary["engines"]), summary["engines"]
+    assert len(summary["engines"]) == 2 and all(e["tokens_generated"] > 0 for e in summary["engines"]), summary[
+        "engines"
+    ]
     # the replacement was sent the current weights before it served: none of its groups lagged
     assert summary["drops"].get("max_lag", 0) == 0, summary["drops"]
 
@@ -150,8 +212,9 @@ def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_d
 @pytest.mark.slow  # ~2-3 min: two runs with two trainer ranks; tests/test_parallel.py checks the state fast
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_killed_trainer_rank_and_resume_with_two_ranks(tiny_dir, tmp_path, mode):
-    args = epoch_args(tiny_dir, mode, "kill_trainer_reward", "--set", "trainer.ranks=2",
-                      "--set", f"trainer.data_parallel={mode}")
+    args = epoch_args(
+        tiny_dir, mode, "kill_trainer_reward", "--set", "trainer.ranks=2", "--set", f"trainer.data_parallel={mode}"
+    )
     first = nonstop(args, cwd=tmp_path, timeout_s=600)
     assert first.returncode == 1 and "the trainer failed" in first.stdout, first.stdout + first.stderr
     run_dir = tmp_path / "runs" / mode

@@ -60,8 +60,14 @@ def _load_server(url: str, stop: threading.Event, counts: dict) -> None:
 @pytest.mark.timeout(int(SOAK_S) + 1500)  # start-up and the base evaluation on a loaded machine come on top
 def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]), "PYTHONUNBUFFERED": "1"}
-    serve = subprocess.Popen([sys.executable, "-m", "nonstop.cli", "serve", "--model", str(tiny_dir), "--port", "0"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "nonstop.cli", "serve", "--model", str(tiny_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     train = None
     stop, counts = threading.Event(), {"ok": 0, "errors": 0, "last_error": None}
     try:
@@ -73,11 +79,35 @@ def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
         load = threading.Thread(target=_load_server, args=(url, stop, counts), name="soak-load", daemon=True)
         load.start()
         train = subprocess.Popen(
-            [NONSTOP, "train", *small_model_args(tiny_dir), "--set", "run.name=soak", "--set", "run.max_steps=1000000",
-             "--set", f"run.max_time_s={SOAK_S}", "--set", "task.eval_size=20", "--set", "runtime.num_engines=2",
-             "--set", "runtime.max_engine_restarts=1000", "--set", "rollout.filter_uniform_reward=false",
-             "--set", "task.reward=helpers:kill_an_engine_every_reward", "--set", "run.eval_every=1000000"],
-            cwd=tmp_path, env=env, stdout=(tmp_path / "train.log").open("w"), stderr=subprocess.STDOUT, text=True)
+            [
+                NONSTOP,
+                "train",
+                *small_model_args(tiny_dir),
+                "--set",
+                "run.name=soak",
+                "--set",
+                "run.max_steps=1000000",
+                "--set",
+                f"run.max_time_s={SOAK_S}",
+                "--set",
+                "task.eval_size=20",
+                "--set",
+                "runtime.num_engines=2",
+                "--set",
+                "runtime.max_engine_restarts=1000",
+                "--set",
+                "rollout.filter_uniform_reward=false",
+                "--set",
+                "task.reward=helpers:kill_an_engine_every_reward",
+                "--set",
+                "run.eval_every=1000000",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=(tmp_path / "train.log").open("w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         rss = []
         deadline = time.monotonic() + SOAK_S + 600
         while train.poll() is None and time.monotonic() < deadline:
@@ -96,12 +126,14 @@ def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
                 p.wait(timeout=60)
     summary = json.loads((tmp_path / "runs" / "soak" / "summary.json").read_text())
     ledger, faults = summary["prompts"], summary["engine_faults"]
-    settled_rss = rss[len(rss) // 4:] or rss  # after start-up
+    settled_rss = rss[len(rss) // 4 :] or rss  # after start-up
     growth = (max(settled_rss) - settled_rss[0]) / settled_rss[0]
-    print(f"\nsoak {SOAK_S:.0f} s: steps {summary['steps']}, prompts settled {ledger['settled']}, in flight "
-          f"{ledger['in_flight']}, duplicated {ledger['duplicated']}, re-queued {faults['requeued']}, engine restarts "
-          f"{faults['restarts']}, server requests ok {counts['ok']} errors {counts['errors']}, orchestrator RSS "
-          f"{settled_rss[0]:.0f} -> {max(settled_rss):.0f} MiB ({growth:+.0%})")
+    print(
+        f"\nsoak {SOAK_S:.0f} s: steps {summary['steps']}, prompts settled {ledger['settled']}, in flight "
+        f"{ledger['in_flight']}, duplicated {ledger['duplicated']}, re-queued {faults['requeued']}, engine restarts "
+        f"{faults['restarts']}, server requests ok {counts['ok']} errors {counts['errors']}, orchestrator RSS "
+        f"{settled_rss[0]:.0f} -> {max(settled_rss):.0f} MiB ({growth:+.0%})"
+    )
     assert train.returncode == 0, out[-3000:]
     assert ledger["duplicated"] == 0 and ledger["unknown"] == 0, ledger
     # a run stopped by run.max_time_s leaves its admitted, untrained batches in flight (recorded,

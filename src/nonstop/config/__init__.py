@@ -24,16 +24,12 @@ from nonstop.config.root import (
     BufferConfig,
     CheckpointConfig,
     Config,
-    config_reference,
     ConfigError,
     DistillConfig,
-    dump_config,
     EngineConfig,
     EnvConfig,
     FilesTransportConfig,
-    format_validation_error,
     JudgeConfig,
-    load_config,
     LocalRuntimeConfig,
     LoraConfig,
     ModelConfig,
@@ -54,6 +50,10 @@ from nonstop.config.root import (
     TransportConfig,
     VllmConfig,
     WarmupConfig,
+    config_reference,
+    dump_config,
+    format_validation_error,
+    load_config,
 )
 
 __all__ = [

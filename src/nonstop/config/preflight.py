@@ -27,18 +27,24 @@ MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.json
 
 
 def offline() -> bool:
-    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
-               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+        for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def check_folder(folder: Path, field: str = "model.path") -> Path:
     if not (folder / "config.json").is_file():
         held = sorted(p.name for p in folder.iterdir())[:8] if folder.is_dir() else []
-        raise ConfigError(f"{field}: {folder} holds no config.json ({'files: ' + ', '.join(held) if held else 'empty'}); "
-                          "expected a folder written by save_pretrained (model and tokenizer)")
+        raise ConfigError(
+            f"{field}: {folder} holds no config.json ({'files: ' + ', '.join(held) if held else 'empty'}); "
+            "expected a folder written by save_pretrained (model and tokenizer)"
+        )
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError(f"{field}: {folder} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); save the "
-                          "tokenizer into the model folder (tokenizer.save_pretrained(folder))")
+        raise ConfigError(
+            f"{field}: {folder} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); save the "
+            "tokenizer into the model folder (tokenizer.save_pretrained(folder))"
+        )
     return folder
 
 
@@ -64,8 +70,10 @@ def resolve_model_path(path: str, hub_timeout_s: float = 20.0, field: str = "mod
     except Exception:  # not in the cache
         pass
     if offline():
-        raise ConfigError(f"{field}: {path!r} is not a local folder and not in the Hugging Face cache, and offline "
-                          "mode is on (HF_HUB_OFFLINE): download it first or give a local folder")
+        raise ConfigError(
+            f"{field}: {path!r} is not a local folder and not in the Hugging Face cache, and offline "
+            "mode is on (HF_HUB_OFFLINE): download it first or give a local folder"
+        )
     result: dict[str, object] = {}
 
     def fetch() -> None:
@@ -79,11 +87,16 @@ def resolve_model_path(path: str, hub_timeout_s: float = 20.0, field: str = "mod
     worker.join(hub_timeout_s)
     if "path" in result:
         return check_folder(Path(str(result["path"])), field)
-    why = f"{type(result['error']).__name__}: {str(result['error']).splitlines()[0][:200]}" if "error" in result \
+    why = (
+        f"{type(result['error']).__name__}: {str(result['error']).splitlines()[0][:200]}"
+        if "error" in result
         else f"no answer within {hub_timeout_s:g} s"
-    raise ConfigError(f"{field}: {path!r} is not a local folder and could not be fetched from the Hugging Face hub "
-                      f"({why}); check the name and the network, or download it and give the folder "
-                      "(set HF_HUB_OFFLINE=1 to use the local cache only)")
+    )
+    raise ConfigError(
+        f"{field}: {path!r} is not a local folder and could not be fetched from the Hugging Face hub "
+        f"({why}); check the name and the network, or download it and give the folder "
+        "(set HF_HUB_OFFLINE=1 to use the local cache only)"
+    )
 
 
 def check_reward(spec: str, field: str = "task.reward") -> None:

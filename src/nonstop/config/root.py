@@ -18,6 +18,16 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from nonstop.config.actors import (
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    PolicyConfig,
+    TinyModelConfig,
+    TinyMoeConfig,
+    TrainerConfig,
+    VllmConfig,
+)
 from nonstop.config.kinds import (
     BaseRuntimeConfig,
     BaseTransportConfig,
@@ -28,23 +38,51 @@ from nonstop.config.kinds import (
     RayRuntimeConfig,
     RuntimeConfig,
     ShmTransportConfig,
-    device_path_of,
     TransportConfig,
+    device_path_of,
 )
-from nonstop.config.actors import (EngineConfig, LoraConfig, ModelConfig, PolicyConfig, TinyModelConfig, TinyMoeConfig,
-                                   TrainerConfig, VllmConfig)
 from nonstop.config.schema import Section as _Section
-from nonstop.config.task import TaskConfig, WarmupConfig
-from nonstop.config.scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
 from nonstop.config.schema import explain, reference
+from nonstop.config.scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
+from nonstop.config.task import TaskConfig, WarmupConfig
 
 __all__ = [
-    "BaseRuntimeConfig", "BaseTransportConfig", "BroadcastTransportConfig", "BufferConfig", "CheckpointConfig",
-    "Config", "ConfigError", "DistillConfig", "JudgeConfig", "ProcessRewardConfig", "RewardModelConfig", "ScoringConfig", "EngineConfig", "EnvConfig", "FilesTransportConfig", "LocalRuntimeConfig", "LoraConfig",
-    "ModelConfig", "PolicyConfig", "RayActorResources", "RayRuntimeConfig", "RolloutConfig", "RunConfig", "RuntimeConfig",
-    "ShmTransportConfig", "TaskConfig", "TinyModelConfig", "TinyMoeConfig", "TrainerConfig", "TransportConfig",
-    "VllmConfig", "WarmupConfig",
-    "config_reference", "dump_config", "format_validation_error", "load_config",
+    "BaseRuntimeConfig",
+    "BaseTransportConfig",
+    "BroadcastTransportConfig",
+    "BufferConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DistillConfig",
+    "JudgeConfig",
+    "ProcessRewardConfig",
+    "RewardModelConfig",
+    "ScoringConfig",
+    "EngineConfig",
+    "EnvConfig",
+    "FilesTransportConfig",
+    "LocalRuntimeConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "PolicyConfig",
+    "RayActorResources",
+    "RayRuntimeConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "RuntimeConfig",
+    "ShmTransportConfig",
+    "TaskConfig",
+    "TinyModelConfig",
+    "TinyMoeConfig",
+    "TrainerConfig",
+    "TransportConfig",
+    "VllmConfig",
+    "WarmupConfig",
+    "config_reference",
+    "dump_config",
+    "format_validation_error",
+    "load_config",
 ]
 
 
@@ -230,20 +268,28 @@ class Config(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
         """Rules across sections; each message names the fields to change."""
-        if self.buffer.depth is not None and self.buffer.max_lag < self.buffer.depth and self.buffer.reject in ("group", "episode"):
+        if (
+            self.buffer.depth is not None
+            and self.buffer.max_lag < self.buffer.depth
+            and self.buffer.reject in ("group", "episode")
+        ):
             raise ValueError(
                 f"buffer.max_lag ({self.buffer.max_lag}) < buffer.depth ({self.buffer.depth}): "
                 "most groups would be generated only to be dropped; raise max_lag or lower depth"
             )
-        if self.rollout.refill_ahead and (self.buffer.depth is None or self.buffer.depth < 1 or not self.rollout.refill):
+        if self.rollout.refill_ahead and (
+            self.buffer.depth is None or self.buffer.depth < 1 or not self.rollout.refill
+        ):
             raise ValueError(
                 f"rollout.refill_ahead: admitting replacements ahead needs rollout.refill and a bounded buffer.depth "
                 f">= 1 (got refill={self.rollout.refill}, depth={self.buffer.depth}); at depth 0 a replacement "
                 "not needed would train a step late; leave rollout.refill_ahead unset or set it to false"
             )
         if self.trainer.forward_ahead and self.trainer.ranks > 1:
-            raise ValueError(f"trainer.forward_ahead needs one trainer rank (got trainer.ranks={self.trainer.ranks}): "
-                             "a rank's share of a batch is cut from the whole batch; leave it unset or false")
+            raise ValueError(
+                f"trainer.forward_ahead needs one trainer rank (got trainer.ranks={self.trainer.ranks}): "
+                "a rank's share of a batch is cut from the whole batch; leave it unset or false"
+            )
         if self.trainer.ranks > 1 and self.model.lora.enabled:
             raise ValueError("trainer.ranks: data-parallel ranks with model.lora are not supported yet; use one rank")
         if self.trainer.ranks > self.rollout.prompts_per_step:
@@ -260,8 +306,10 @@ class Config(_Section):
             self._vllm_combinations()
         self._device_path_combinations()
         if self.rollout.seed_per_prompt and self.env is not None:
-            raise ValueError("rollout.seed_per_prompt: environment runs (env) are not seeded per prompt yet; "
-                             "set rollout.seed_per_prompt=false")
+            raise ValueError(
+                "rollout.seed_per_prompt: environment runs (env) are not seeded per prompt yet; "
+                "set rollout.seed_per_prompt=false"
+            )
         if self.env is not None and self.env.policies:
             self._policies_combinations()
         return self
@@ -275,13 +323,17 @@ class Config(_Section):
             "model.lora.enabled": (self.model.lora.enabled, "no LoRA (each policy is a full model)"),
             "trainer.ranks": (self.trainer.ranks > 1, "one trainer rank per policy"),
             "distill.teacher": (self.distill.teacher is not None, "no distillation teacher"),
-            "env.name": (self.env is not None and self.env.name.startswith(("verifiers/", "textarena/")),
-                         "nonstop's own environments (verifiers/ and textarena/ play one policy)"),
+            "env.name": (
+                self.env is not None and self.env.name.startswith(("verifiers/", "textarena/")),
+                "nonstop's own environments (verifiers/ and textarena/ play one policy)",
+            ),
         }
         for name, (bad, what) in refused.items():
             if bad:
-                raise ValueError(f"{name}: env.policies (separate policies per role) supports {what} so far; "
-                                 "change it or remove env.policies")
+                raise ValueError(
+                    f"{name}: env.policies (separate policies per role) supports {what} so far; "
+                    "change it or remove env.policies"
+                )
 
     def _device_path_combinations(self) -> None:
         """A GPU-to-GPU weight path asked for by name needs both sides on a GPU and the built-in engine."""
@@ -290,17 +342,22 @@ class Config(_Section):
             return
         for field, device in (("trainer.device", self.trainer.device), ("engine.device", self.engine.device)):
             if device == "cpu":
-                raise ValueError(f"transport.device_path: '{path}' moves weights GPU to GPU, but {field} is 'cpu'; "
-                                 f"use transport.device_path 'auto' or 'host', or put {field} on a GPU")
+                raise ValueError(
+                    f"transport.device_path: '{path}' moves weights GPU to GPU, but {field} is 'cpu'; "
+                    f"use transport.device_path 'auto' or 'host', or put {field} on a GPU"
+                )
         if self.engine.kind == "vllm":
-            raise ValueError(f"transport.device_path: '{path}' is not available with engine.kind 'vllm' (it receives "
-                             f"into a host staging model and reloads from there); use 'auto' or 'host'")
+            raise ValueError(
+                f"transport.device_path: '{path}' is not available with engine.kind 'vllm' (it receives "
+                f"into a host staging model and reloads from there); use 'auto' or 'host'"
+            )
 
     def _vllm_combinations(self) -> None:
         if self.engine.update_mode == "save_resume":
             raise ValueError(
                 "engine.update_mode: 'save_resume' is not possible with engine.kind 'vllm' (vLLM cannot hand out a "
-                "sequence's KV cache to restore later); use never_stop (its pause 'keep'), abort_retry, drain or blocking")
+                "sequence's KV cache to restore later); use never_stop (its pause 'keep'), abort_retry, drain or blocking"
+            )
         if self.engine.group_cancel:
             raise ValueError("engine.group_cancel: not supported with engine.kind 'vllm'; set it to false")
         r = self.rollout
@@ -308,7 +365,8 @@ class Config(_Section):
             raise ValueError(
                 "rollout.top_k/top_p/min_p: truncated sampling is refused with engine.kind 'vllm': vLLM 0.32 does not "
                 "return the kept token set (the Keep Sampling Mask) the trainer needs to renormalise its logprobs "
-                "over; use rollout.top_k=0, top_p=1.0, min_p=0.0, or engine.kind 'builtin'")
+                "over; use rollout.top_k=0, top_p=1.0, min_p=0.0, or engine.kind 'builtin'"
+            )
 
     @model_validator(mode="after")
     def _scoring_rules(self) -> "Config":
@@ -387,7 +445,9 @@ def load_config(path: str | Path | Config | None = None, overrides: list[str] | 
         try:
             value = _parse_value(raw)
         except yaml.YAMLError as e:
-            raise ConfigError(f"--set {key.strip()}: {raw!r} is not a valid value ({getattr(e, 'problem', None) or e})") from None
+            raise ConfigError(
+                f"--set {key.strip()}: {raw!r} is not a valid value ({getattr(e, 'problem', None) or e})"
+            ) from None
         _set_dotted(tree, key.strip(), value)
     try:
         return Config.model_validate(tree)

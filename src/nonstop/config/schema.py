@@ -52,8 +52,9 @@ class Variants:
     def key_field(self) -> FieldInfo:
         """The key as the variants' shared base declares it (its docstring; the default tag)."""
         first = next(iter(self.models.values()))
-        declared = [c.model_fields[self.key] for c in first.__mro__
-                    if issubclass(c, BaseModel) and self.key in c.model_fields]
+        declared = [
+            c.model_fields[self.key] for c in first.__mro__ if issubclass(c, BaseModel) and self.key in c.model_fields
+        ]
         described = next((f for f in declared if f.description), declared[0])
         return FieldInfo.merge_field_infos(described, default=self.default)
 
@@ -171,7 +172,11 @@ def explain(err: ValidationError, root: type[BaseModel]) -> str:
 
 
 def _type_name(annotation: Any) -> str:
-    name = str(annotation).replace("typing.", "") if get_args(annotation) else getattr(annotation, "__name__", str(annotation))
+    name = (
+        str(annotation).replace("typing.", "")
+        if get_args(annotation)
+        else getattr(annotation, "__name__", str(annotation))
+    )
     name = re.sub(r"nonstop\.[\w.]+\.(\w+)", r"\1", name)  # a section by its class name, not its module path
     return name.replace("<class '", "").replace("'>", "").replace("|", "or")
 
@@ -193,8 +198,9 @@ def reference(root: type[BaseModel], title: str) -> str:
         if rows:
             lines.extend(["| field | type | default | meaning |", "|---|---|---|---|", *rows, ""])
 
-    def section(model: type[BaseModel], prefix: str, names: list[str], heading: str, intro: str = "",
-                suffix: str = "") -> None:
+    def section(
+        model: type[BaseModel], prefix: str, names: list[str], heading: str, intro: str = "", suffix: str = ""
+    ) -> None:
         rows, nested, by_name = [], [], []
         for name in names:
             field = model.model_fields[name]
@@ -211,25 +217,40 @@ def reference(root: type[BaseModel], title: str) -> str:
         if rows or intro:
             table(heading + suffix, intro, rows)
         for keyed, value_section in by_name:
-            section(value_section, f"{keyed}.<name>.", list(value_section.model_fields), f"{keyed}.<name>",
-                    " ".join((value_section.__doc__ or "").split()), suffix=suffix)
+            section(
+                value_section,
+                f"{keyed}.<name>.",
+                list(value_section.model_fields),
+                f"{keyed}.<name>",
+                " ".join((value_section.__doc__ or "").split()),
+                suffix=suffix,
+            )
         for name, field, tagged in nested:
             path = prefix + name
             sub = _section(field.annotation) or _optional_section(field.annotation)
             if sub is not None:
                 optional = _section(field.annotation) is None
-                section(sub, f"{path}.", list(sub.model_fields), path,
-                        " ".join((sub.__doc__ or "").split()) if optional else "", suffix=suffix)
+                section(
+                    sub,
+                    f"{path}.",
+                    list(sub.model_fields),
+                    path,
+                    " ".join((sub.__doc__ or "").split()) if optional else "",
+                    suffix=suffix,
+                )
                 continue
             assert tagged is not None
             common = tagged.common()
             first = next(iter(tagged.models.values()))
             tags = " or ".join(repr(t) for t in tagged.models)
             key_field = tagged.key_field()
-            table(path, f"Fields of every `{path}.{tagged.key}`; each {tagged.key} adds its own below, and a field "
-                        f"given for another {tagged.key} is an error.",
-                  [_row(f"{path}.{tagged.key}", key_field, tags)]
-                  + [_row(f"{path}.{n}", first.model_fields[n]) for n in common if n != tagged.key])
+            table(
+                path,
+                f"Fields of every `{path}.{tagged.key}`; each {tagged.key} adds its own below, and a field "
+                f"given for another {tagged.key} is an error.",
+                [_row(f"{path}.{tagged.key}", key_field, tags)]
+                + [_row(f"{path}.{n}", first.model_fields[n]) for n in common if n != tagged.key],
+            )
             for tag, variant in tagged.models.items():
                 own = [n for n in variant.model_fields if n not in common]
                 doc = " ".join((variant.__doc__ or "").split())

@@ -4,6 +4,7 @@ Rewards, environments and scorers are all named this way in a config. Every call
 error type (a bad reward is a RewardError, a bad environment a ConfigError), so the caller passes
 it in; the message always names the config field, the spec, and why it failed.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -11,7 +12,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 
-def import_callable(spec: str, field: str, error: type[Exception], kind: str, known: Iterable[str] = ()) -> Callable[..., Any]:
+def import_callable(
+    spec: str, field: str, error: type[Exception], kind: str, known: Iterable[str] = ()
+) -> Callable[..., Any]:
     """The callable that ``spec`` ('package.module:attr') names; raises ``error`` naming ``field``.
 
     ``kind`` names what is looked up ("reward", "environment") and ``known`` the built-in names the

@@ -75,10 +75,17 @@ class AsyncEngine:
         t1, cpu1 = now(), time.process_time()
         if stats["swaps"] != swaps:  # the pass began by making a new version live
             assert self.spans is not None  # _passes exists only with spans
-            self.spans.emit("apply", t0=round(t0, 6), t1=round(t0 + stats["swap_s"] - swap_s, 6),
-                            version=self.engine.policy_version)
-        self._passes.record(t0, t1, int(stats["tokens_generated"] - tokens), cpu0, cpu1,
-                            (int(stats["prefills"] - prefills), int(stats["prefill_tokens"] - prefill_tokens)))
+            self.spans.emit(
+                "apply", t0=round(t0, 6), t1=round(t0 + stats["swap_s"] - swap_s, 6), version=self.engine.policy_version
+            )
+        self._passes.record(
+            t0,
+            t1,
+            int(stats["tokens_generated"] - tokens),
+            cpu0,
+            cpu1,
+            (int(stats["prefills"] - prefills), int(stats["prefill_tokens"] - prefill_tokens)),
+        )
 
     def submit(self, request: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Future:
         """Queue a request; `queue` (bounded by the caller) receives a TokenEvent per token."""
@@ -95,6 +102,7 @@ class AsyncEngine:
 
         on_token = None
         if queue is not None:
+
             def on_token(index: int, tok: int, lp: float, version: int) -> None:
                 queue.put_nowait(TokenEvent(index, tok, lp, version))
 
@@ -137,8 +145,9 @@ class AsyncEngine:
             self._task = None
 
 
-async def stream_events(submit: Callable[[GenerationRequest, asyncio.Queue], asyncio.Future],
-                        request: GenerationRequest) -> AsyncIterator[TokenEvent | list[Sample]]:
+async def stream_events(
+    submit: Callable[[GenerationRequest, asyncio.Queue], asyncio.Future], request: GenerationRequest
+) -> AsyncIterator[TokenEvent | list[Sample]]:
     """Drive `submit(request, queue)` and yield its TokenEvents as they arrive, then its samples.
     Leaving early (a client hung up) cancels the request's future, which aborts its sequences."""
     queue: asyncio.Queue = asyncio.Queue(maxsize=request.n * request.params.max_new_tokens + 1)

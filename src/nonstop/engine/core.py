@@ -98,9 +98,13 @@ class TorchEngine:
     def tokens_generated(self) -> int:
         return int(self.scheduler.stats["tokens_generated"])
 
-    def submit(self, request: GenerationRequest, on_done: Callable[[list[Sample]], None],
-               on_fail: Callable[[BaseException], None] | None = None,
-               on_token: Callable[[int, int, float, int], None] | None = None):
+    def submit(
+        self,
+        request: GenerationRequest,
+        on_done: Callable[[list[Sample]], None],
+        on_fail: Callable[[BaseException], None] | None = None,
+        on_token: Callable[[int, int, float, int], None] | None = None,
+    ):
         return self.scheduler.submit(request, on_done, on_fail, on_token)
 
     def step(self) -> None:

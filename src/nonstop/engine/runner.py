@@ -34,7 +34,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-
 ATTN_BLOCK = 16  # decode rows per attention block when a long tail makes one padded block wasteful
 
 
@@ -55,8 +54,9 @@ class Runner(Protocol):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
-    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-              prompts: list[list[int]]) -> torch.Tensor: ...
+    def mixed(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, prompts: list[list[int]]
+    ) -> torch.Tensor: ...
 
     def move(self, src: list[int], dst: list[int], length: int) -> None: ...
 
@@ -84,8 +84,12 @@ class _Moe:
         shared = getattr(mlp, "shared_expert", None)
         self.shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if shared is not None:  # Qwen2-MoE: sigmoid(shared_expert_gate(h)) x a gated MLP, added to the experts
-            self.shared = (mlp.shared_expert_gate.weight, shared.gate_proj.weight, shared.up_proj.weight,
-                           shared.down_proj.weight)
+            self.shared = (
+                mlp.shared_expert_gate.weight,
+                shared.gate_proj.weight,
+                shared.up_proj.weight,
+                shared.down_proj.weight,
+            )
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h (N, hidden) -> top-k expert ids (N, k) long and their weights (N, k) in h's dtype."""
@@ -106,9 +110,9 @@ class _Moe:
         start = 0
         for e, n in enumerate(counts):
             if n:
-                rows = tokens[start:start + n]
+                rows = tokens[start : start + n]
                 gate, up = F.linear(h[rows], self.gate_up[e]).chunk(2, dim=-1)
-                out.index_add_(0, rows, F.linear(F.silu(gate) * up, self.down[e]) * w[start:start + n, None])
+                out.index_add_(0, rows, F.linear(F.silu(gate) * up, self.down[e]) * w[start : start + n, None])
                 start += n
         if self.shared is not None:
             ws, wg, wu, wd = self.shared
@@ -180,16 +184,21 @@ def _check_supported(model: torch.nn.Module) -> None:
         if hasattr(mlp, "experts"):
             gate, experts = getattr(mlp, "gate", None), mlp.experts
             if not all(hasattr(gate, a) for a in ("weight", "top_k", "num_experts", "norm_topk_prob")) or not all(
-                    hasattr(experts, a) for a in ("gate_up_proj", "down_proj")):
-                problems.append(f"layers.{i}.mlp: a {type(mlp).__name__} without a top-k router (gate) and fused "
-                                "experts (gate_up_proj, down_proj)")
+                hasattr(experts, a) for a in ("gate_up_proj", "down_proj")
+            ):
+                problems.append(
+                    f"layers.{i}.mlp: a {type(mlp).__name__} without a top-k router (gate) and fused "
+                    "experts (gate_up_proj, down_proj)"
+                )
             elif getattr(mlp, "shared_expert", None) is not None and not hasattr(mlp, "shared_expert_gate"):
                 problems.append(f"layers.{i}.mlp: a shared expert without shared_expert_gate")
         elif not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
             problems.append(f"layers.{i}.mlp: {type(mlp).__name__} is neither a gated MLP nor a MoE block")
     if problems:
-        raise UnsupportedModel(f"{type(model).__name__}: the engine's runner supports Llama-family decoders; "
-                               f"this model has {', '.join(problems)}")
+        raise UnsupportedModel(
+            f"{type(model).__name__}: the engine's runner supports Llama-family decoders; "
+            f"this model has {', '.join(problems)}"
+        )
 
 
 class KVRunner:
@@ -244,8 +253,10 @@ class KVRunner:
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan) -> torch.Tensor:
         """q (B, H, 1, D) of decode rows 0..B-1 against their cached keys -> (B, H * D)."""
         B, gqa = q.shape[0], self.n_kv != self.n_heads
-        out = [F.scaled_dot_product_attention(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa)
-               for a, b, t, m in plan]
+        out = [
+            F.scaled_dot_product_attention(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa)
+            for a, b, t, m in plan
+        ]
         return (out[0] if len(out) == 1 else torch.cat(out)).reshape(B, self.n_heads * self.head_dim)
 
     @property
@@ -288,7 +299,9 @@ class KVRunner:
         x = F.embedding(ids, self.embed)  # (P, L, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
             h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
-            q, k = layer.qk(F.linear(h, layer.wq, layer.bq).view(P, L, H, D), F.linear(h, layer.wk, layer.bk).view(P, L, KV, D))
+            q, k = layer.qk(
+                F.linear(h, layer.wq, layer.bq).view(P, L, H, D), F.linear(h, layer.wk, layer.bk).view(P, L, KV, D)
+            )
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = F.linear(h, layer.wv, layer.bv).view(P, L, KV, D).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -315,7 +328,9 @@ class KVRunner:
         x = F.embedding(tokens, self.embed)  # (B, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
             h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
-            q, k = layer.qk(F.linear(h, layer.wq, layer.bq).view(B, H, 1, D), F.linear(h, layer.wk, layer.bk).view(B, KV, 1, D))
+            q, k = layer.qk(
+                F.linear(h, layer.wq, layer.bq).view(B, H, 1, D), F.linear(h, layer.wk, layer.bk).view(B, KV, 1, D)
+            )
             v = F.linear(h, layer.wv, layer.bv).view(B, KV, D)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             kc[rows, :, positions] = k[:, :, 0]
@@ -326,8 +341,9 @@ class KVRunner:
         return self._logits(x)  # (B, V)
 
     @torch.inference_mode()
-    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-              prompts: list[list[int]]) -> torch.Tensor:
+    def mixed(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, prompts: list[list[int]]
+    ) -> torch.Tensor:
         """Decode rows 0..B-1 and prefill `prompts` into `slots` (all >= B) in one forward.
         Returns (B + P, V): the decode rows' logits, then each prompt's last-token logits."""
         B, P, L = tokens.shape[0], len(prompts), max(len(p) for p in prompts)
@@ -351,7 +367,9 @@ class KVRunner:
         x = F.embedding(ids, self.embed)  # (N, hidden)
         for layer, kc, vc in zip(self.layers, self.k, self.v):
             h = F.rms_norm(x, (self.hidden,), layer.ln1, layer.eps1)
-            q, k = layer.qk(F.linear(h, layer.wq, layer.bq).view(-1, H, D), F.linear(h, layer.wk, layer.bk).view(-1, KV, D))
+            q, k = layer.qk(
+                F.linear(h, layer.wq, layer.bq).view(-1, H, D), F.linear(h, layer.wk, layer.bk).view(-1, KV, D)
+            )
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = F.linear(h, layer.wv, layer.bv).view(-1, KV, D)
             kc[rows, :, positions] = k[:B]

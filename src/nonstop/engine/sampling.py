@@ -39,8 +39,13 @@ def row_params(settings: list[tuple[float, int, float, float]], generators: list
     temp, k, p, mp = zip(*settings) if settings else ((), (), (), ())
     t = torch.tensor(temp, dtype=torch.float32)
     return RowParams(
-        t, torch.tensor(k, dtype=torch.long), torch.tensor(p, dtype=torch.float32), torch.tensor(mp, dtype=torch.float32),
-        generators, any_sampled=bool((t > 0).any()), any_greedy=bool((t == 0).any()),
+        t,
+        torch.tensor(k, dtype=torch.long),
+        torch.tensor(p, dtype=torch.float32),
+        torch.tensor(mp, dtype=torch.float32),
+        generators,
+        any_sampled=bool((t > 0).any()),
+        any_greedy=bool((t == 0).any()),
         any_truncates=any(tt > 0 and (kk > 0 or pp < 1.0 or mm > 0.0) for tt, kk, pp, mm in settings),
     )
 

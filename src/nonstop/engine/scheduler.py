@@ -48,8 +48,15 @@ class RequestError(ValueError):
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, eos_token_ids: list[int], cfg: EngineConfig, gate: WeightGate | None,
-                 detokenize: Callable[[list[int]], str] | None = None, policy_version: int = 0) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        eos_token_ids: list[int],
+        cfg: EngineConfig,
+        gate: WeightGate | None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        policy_version: int = 0,
+    ) -> None:
         self.runner = runner
         self.eos = frozenset(eos_token_ids)
         self.cfg = cfg
@@ -64,9 +71,21 @@ class Scheduler:
         self.reserved_tokens = 0
         self.draining = False
         self._row_params = None
-        self.stats = {"forward_passes": 0, "prefills": 0, "decode_steps": 0, "tokens_generated": 0,
-                      "prefill_tokens": 0, "swaps": 0, "swap_s": 0.0, "max_swap_s": 0.0, "aborted_seqs": 0,
-                      "paused_seqs": 0, "groups_cancelled": 0, "groups_done": 0, "busy_s": 0.0}
+        self.stats = {
+            "forward_passes": 0,
+            "prefills": 0,
+            "decode_steps": 0,
+            "tokens_generated": 0,
+            "prefill_tokens": 0,
+            "swaps": 0,
+            "swap_s": 0.0,
+            "max_swap_s": 0.0,
+            "aborted_seqs": 0,
+            "paused_seqs": 0,
+            "groups_cancelled": 0,
+            "groups_done": 0,
+            "busy_s": 0.0,
+        }
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -82,20 +101,30 @@ class Scheduler:
             raise RequestError(f"max_new_tokens: must be at least 1 (got {p.max_new_tokens})")
         need = len(request.prompt_ids) + p.max_new_tokens
         if need > self.max_seq_len:
-            raise RequestError(f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens {p.max_new_tokens} "
-                               f"exceeds the engine's max_seq_len of {self.max_seq_len} tokens")
+            raise RequestError(
+                f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens {p.max_new_tokens} "
+                f"exceeds the engine's max_seq_len of {self.max_seq_len} tokens"
+            )
         if n * need > self.max_cached_tokens:
-            raise RequestError(f"{n} x ({len(request.prompt_ids)} prompt + {p.max_new_tokens} new) tokens exceed "
-                               f"engine.max_cached_tokens ({self.max_cached_tokens})")
+            raise RequestError(
+                f"{n} x ({len(request.prompt_ids)} prompt + {p.max_new_tokens} new) tokens exceed "
+                f"engine.max_cached_tokens ({self.max_cached_tokens})"
+            )
         if p.temperature < 0 or p.top_k < 0 or not 0.0 < p.top_p <= 1.0 or not 0.0 <= p.min_p < 1.0:
-            raise RequestError(f"sampling parameters out of range: temperature {p.temperature} (>= 0), top_k {p.top_k} "
-                               f"(>= 0), top_p {p.top_p} (0, 1], min_p {p.min_p} [0, 1)")
+            raise RequestError(
+                f"sampling parameters out of range: temperature {p.temperature} (>= 0), top_k {p.top_k} "
+                f"(>= 0), top_p {p.top_p} (0, 1], min_p {p.min_p} [0, 1)"
+            )
         if p.stop and self.detokenize is None:
             raise RequestError("stop: stop strings need an engine with a tokenizer")
 
-    def submit(self, request: GenerationRequest, on_done: Callable[[list[Sample]], None],
-               on_fail: Callable[[BaseException], None] | None = None,
-               on_token: Callable[[int, int, float, int], None] | None = None) -> Group:
+    def submit(
+        self,
+        request: GenerationRequest,
+        on_done: Callable[[list[Sample]], None],
+        on_fail: Callable[[BaseException], None] | None = None,
+        on_token: Callable[[int, int, float, int], None] | None = None,
+    ) -> Group:
         self.check(request)
         r = self.runner
         shape = (r.moe_layers, r.top_k, r.num_experts) if r.moe_layers else None
@@ -214,7 +243,7 @@ class Scheduler:
             s.routes.completion += data[i].tobytes()
         at = len(decoding)
         for seqs, prefix in zip(members, prefixes):
-            block, at = data[at:at + len(prefix)], at + len(prefix)
+            block, at = data[at : at + len(prefix)], at + len(prefix)
             P = len(seqs[0].group.request.prompt_ids)
             prompt = block[:P].tobytes()
             for s in seqs:
@@ -273,7 +302,7 @@ class Scheduler:
             rows = sub[listed]
             flat = rows.nonzero()[:, 1].tolist()
             ends = rows.sum(-1).cumsum(0).tolist()
-            for r, a, b in zip(listed, [0] + ends[:-1], ends):
+            for r, a, b in zip(listed, [0, *ends[:-1]], ends):
                 out[idx[r]] = (flat[a:b], None)
         for r, b in enumerate(as_bits):
             if b:
@@ -286,7 +315,7 @@ class Scheduler:
         if tok in self.eos or tok in g.stop_ids:
             return "stop"
         if g.stop_strings and self.detokenize is not None:
-            tail = self.detokenize(s.ids[-g.stop_window:])
+            tail = self.detokenize(s.ids[-g.stop_window :])
             if any(x in tail for x in g.stop_strings):
                 return "stop"
         if len(s.ids) >= g.request.params.max_new_tokens:

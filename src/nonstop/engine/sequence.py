@@ -19,8 +19,20 @@ from nonstop.types import FinishReason, GenerationRequest, KeptIds, Routes, Samp
 
 
 class Seq:
-    __slots__ = ("group", "index", "ids", "logprobs", "versions", "kept", "routes", "pending", "length", "row",
-                 "finish", "generator")
+    __slots__ = (
+        "group",
+        "index",
+        "ids",
+        "logprobs",
+        "versions",
+        "kept",
+        "routes",
+        "pending",
+        "length",
+        "row",
+        "finish",
+        "generator",
+    )
 
     def __init__(self, group: "Group", index: int) -> None:
         self.group, self.index = group, index
@@ -42,15 +54,27 @@ class Seq:
 
     def to_sample(self) -> Sample:
         assert self.finish is not None, "to_sample before the sequence finished"
-        return Sample(prompt_ids=list(self.group.request.prompt_ids), completion_ids=self.ids, logprobs=self.logprobs,
-                      versions=self.versions, finish_reason=self.finish, sampling_mask=self.kept, routes=self.routes)
+        return Sample(
+            prompt_ids=list(self.group.request.prompt_ids),
+            completion_ids=self.ids,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            finish_reason=self.finish,
+            sampling_mask=self.kept,
+            routes=self.routes,
+        )
 
 
 class Group:
-    def __init__(self, request: GenerationRequest, on_done: Callable[[list[Sample]], None],
-                 on_fail: Callable[[BaseException], None] | None,
-                 on_token: Callable[[int, int, float, int], None] | None, vocab_size: int,
-                 route_shape: tuple[int, int, int] | None = None) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        on_done: Callable[[list[Sample]], None],
+        on_fail: Callable[[BaseException], None] | None,
+        on_token: Callable[[int, int, float, int], None] | None,
+        vocab_size: int,
+        route_shape: tuple[int, int, int] | None = None,
+    ) -> None:
         """`route_shape`: (moe_layers, top_k, num_experts) of a MoE model, whose routes are recorded."""
         p = request.params
         self.request, self.on_done, self.on_fail, self.on_token = request, on_done, on_fail, on_token

@@ -61,8 +61,9 @@ class WeightGate:
             else:
                 self._target = copy.deepcopy(self.live).to(device, torch.float32)
             self._staged_params = list(self._target.parameters())
-            self._same_kind = all(a.device == b.device and a.dtype == b.dtype
-                                  for a, b in zip(self._live_params, self._staged_params))
+            self._same_kind = all(
+                a.device == b.device and a.dtype == b.dtype for a, b in zip(self._live_params, self._staged_params)
+            )
         return self._target
 
     @property

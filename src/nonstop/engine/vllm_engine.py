@@ -81,8 +81,9 @@ class _Group:
     queue: asyncio.Queue | None = None  # a TokenEvent per token (streaming)
 
     def finished(self, seq: _Seq) -> None:
-        self.samples[seq.index] = Sample(list(self.request.prompt_ids), seq.ids, seq.logprobs, seq.versions,
-                                         seq.finish, routes=seq.routes)
+        self.samples[seq.index] = Sample(
+            list(self.request.prompt_ids), seq.ids, seq.logprobs, seq.versions, seq.finish, routes=seq.routes
+        )
         if all(s is not None for s in self.samples) and not self.future.done():
             self.future.set_result(list(self.samples))
 
@@ -98,8 +99,16 @@ def checkpoint_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
 
 
 class VllmEngineWorker:
-    def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0,
-                 initial_version: int = 0, settings: EngineConfig | None = None, span_path: str | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        seed: int = 0,
+        initial_version: int = 0,
+        settings: EngineConfig | None = None,
+        span_path: str | None = None,
+    ) -> None:
         """The same arguments as EngineWorker; `settings.vllm` configures vLLM; `span_path`: this
         engine's span file (nonstop.observe.spans), None records nothing."""
         self.settings = settings or EngineConfig(kind="vllm")
@@ -109,12 +118,15 @@ class VllmEngineWorker:
         self.engine = start_engine(model_path, self.settings.vllm, seed)
         self.layout: RouteLayout | None = route_layout(model_path)
         if self.layout is not None:
-            [bound] = self.engine.collective_rpc("nonstop_record_routes",
-                                                 args=(self.layout.layers, self.layout.num_experts))
+            [bound] = self.engine.collective_rpc(
+                "nonstop_record_routes", args=(self.layout.layers, self.layout.num_experts)
+            )
             if bound != len(self.layout.layers):
-                raise VllmSetupError(f"model {model_path}: vLLM's model has {bound} hookable MoE routers where the "
-                                     f"checkpoint has {len(self.layout.layers)}; its routes cannot be recorded "
-                                     "(Keep Routing); use engine.kind: builtin")
+                raise VllmSetupError(
+                    f"model {model_path}: vLLM's model has {bound} hookable MoE routers where the "
+                    f"checkpoint has {len(self.layout.layers)}; its routes cannot be recorded "
+                    "(Keep Routing); use engine.kind: builtin"
+                )
         self.vllm_ids: dict[str, str] = {}  # our request id -> vLLM's (it appends a suffix)
         self._dropped: list[str] = []  # vLLM ids aborted since the last route take
         self.max_model_len = int(self.engine.model_config.max_model_len)
@@ -132,8 +144,16 @@ class VllmEngineWorker:
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.stats_: dict[str, float | int] = {
-            "forward_passes": 0, "tokens_generated": 0, "groups_done": 0, "swaps": 0, "swap_s": 0.0,
-            "max_swap_s": 0.0, "aborted_seqs": 0, "busy_s": 0.0, "routes_missing": 0}
+            "forward_passes": 0,
+            "tokens_generated": 0,
+            "groups_done": 0,
+            "swaps": 0,
+            "swap_s": 0.0,
+            "max_swap_s": 0.0,
+            "aborted_seqs": 0,
+            "busy_s": 0.0,
+            "routes_missing": 0,
+        }
 
     # --- the actor's calls ---------------------------------------------------------------
 
@@ -151,11 +171,15 @@ class VllmEngineWorker:
         if request.n < 1 or p.max_new_tokens < 1:
             raise RequestError(f"n ({request.n}) and max_new_tokens ({p.max_new_tokens}) must be at least 1")
         if len(request.prompt_ids) + p.max_new_tokens > self.max_model_len:
-            raise RequestError(f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens {p.max_new_tokens} "
-                               f"exceeds vLLM's max_model_len of {self.max_model_len} tokens")
+            raise RequestError(
+                f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens {p.max_new_tokens} "
+                f"exceeds vLLM's max_model_len of {self.max_model_len} tokens"
+            )
         if p.truncates:
-            raise RequestError("top_k/top_p/min_p: truncated sampling is refused by the vllm engine: vLLM does not "
-                               "return the kept token set (Keep Sampling Mask) the trainer needs")
+            raise RequestError(
+                "top_k/top_p/min_p: truncated sampling is refused by the vllm engine: vLLM does not "
+                "return the kept token set (Keep Sampling Mask) the trainer needs"
+            )
         if p.temperature < 0:
             raise RequestError(f"temperature: must be >= 0 (got {p.temperature})")
         if any(t < 0 or t >= self.vocab_size for t in request.prompt_ids):
@@ -286,10 +310,16 @@ class VllmEngineWorker:
 
         p = seq.group.request.params
         params = SamplingParams(
-            n=1, max_tokens=p.max_new_tokens - len(seq.ids), temperature=p.temperature,
-            seed=None if p.seed is None else p.seed + seq.index, logprobs=0,
-            stop=list(p.stop) or None, stop_token_ids=self.eos_token_ids + list(p.stop_token_ids),
-            output_kind=RequestOutputKind.DELTA, detokenize=bool(p.stop))
+            n=1,
+            max_tokens=p.max_new_tokens - len(seq.ids),
+            temperature=p.temperature,
+            seed=None if p.seed is None else p.seed + seq.index,
+            logprobs=0,
+            stop=list(p.stop) or None,
+            stop_token_ids=self.eos_token_ids + list(p.stop_token_ids),
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=bool(p.stop),
+        )
         rid = f"{seq.group.request.request_id}-{seq.index}-{next(self._ids)}"
         prompt = TokensPrompt(prompt_token_ids=list(seq.group.request.prompt_ids) + seq.ids)
         try:
@@ -340,7 +370,7 @@ class VllmEngineWorker:
             self.stats_["routes_missing"] += 1  # the trainer refuses r3 on such a sample, naming sample.routes
             return None
         routes.prompt = data[: prompt_len * routes.token_bytes]
-        routes.completion = bytearray(data[prompt_len * routes.token_bytes: rows * routes.token_bytes])
+        routes.completion = bytearray(data[prompt_len * routes.token_bytes : rows * routes.token_bytes])
         return routes
 
     def _stop(self, rids: list[str]) -> None:

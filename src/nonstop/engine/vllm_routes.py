@@ -69,6 +69,7 @@ class RouteRecorder:
         def capture(topk_ids: torch.Tensor) -> None:
             if self._sched is not None:
                 self._pass[layer] = topk_ids.detach().clone()
+
         return capture
 
     def _keep(self, runner: Any) -> None:
@@ -77,8 +78,10 @@ class RouteRecorder:
         if sched is None or not self._pass or not sched.total_num_scheduled_tokens:
             return
         if len(self._pass) != len(self.position):
-            raise RuntimeError(f"routes of {len(self._pass)} MoE layers recorded in a forward pass of a model with "
-                               f"{len(self.position)}")
+            raise RuntimeError(
+                f"routes of {len(self._pass)} MoE layers recorded in a forward pass of a model with "
+                f"{len(self.position)}"
+            )
         batch = runner.input_batch
         ids = batch.req_ids[: batch.num_reqs]
         starts = batch.num_computed_tokens_cpu[: batch.num_reqs]
@@ -92,9 +95,9 @@ class RouteRecorder:
             if n == 0:
                 continue
             buf = self.rows.setdefault(rid, bytearray())
-            del buf[int(start) * width:]  # a recomputed prefix replaces what was kept for it
+            del buf[int(start) * width :]  # a recomputed prefix replaces what was kept for it
             if len(buf) == int(start) * width:
-                buf += rows[offset:offset + n].tobytes()
+                buf += rows[offset : offset + n].tobytes()
             offset += n
 
     def take(self, finished: list[str], dropped: list[str]) -> dict[str, bytes]:

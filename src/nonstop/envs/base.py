@@ -143,8 +143,9 @@ class ToolStats:
     calls: Counter[str] = field(default_factory=Counter)
 
 
-async def call_tool(tools: Mapping[str, Tool], name: str, argument: str, timeout_s: float,
-                    stats: ToolStats | None = None) -> str:
+async def call_tool(
+    tools: Mapping[str, Tool], name: str, argument: str, timeout_s: float, stats: ToolStats | None = None
+) -> str:
     """The tool's result text, or an error text the model sees ('error: ...'); counted by outcome."""
     tool = tools.get(name)
     if tool is None:

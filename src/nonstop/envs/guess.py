@@ -41,8 +41,12 @@ class GuessNumber:
             return Step("!", metadata={"invalid": True})
         guess = int(text)
         if guess == self.hidden:
-            return Step("=", reward=1.0 - 0.1 * (self.guesses - 1), done=True,
-                        metadata={"success": True, "guesses": self.guesses})
+            return Step(
+                "=",
+                reward=1.0 - 0.1 * (self.guesses - 1),
+                done=True,
+                metadata={"success": True, "guesses": self.guesses},
+            )
         return Step("<" if self.hidden < guess else ">")
 
 

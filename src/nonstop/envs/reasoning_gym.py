@@ -30,7 +30,9 @@ def _dataset(name: str, size: int, seed: int) -> Any:
     except ImportError:
         from nonstop.config import ConfigError
 
-        raise ConfigError(f"env.name: {PREFIX}{name} needs reasoning-gym: pip install 'nonstop[reasoning-gym]'") from None
+        raise ConfigError(
+            f"env.name: {PREFIX}{name} needs reasoning-gym: pip install 'nonstop[reasoning-gym]'"
+        ) from None
     if name not in reasoning_gym.factory.DATASETS:
         from nonstop.config import ConfigError
 

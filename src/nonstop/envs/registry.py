@@ -25,9 +25,9 @@ import random
 from collections.abc import Callable
 
 from nonstop.config import ConfigError, EnvConfig
+from nonstop.config.specs import import_callable
 from nonstop.envs import calculator, guess, nim, reasoning_gym
 from nonstop.envs.base import EnvLimits, MultiAgentEnvironment, SingleAgent
-from nonstop.config.specs import import_callable
 from nonstop.tasks.data import DatasetReport, Example, TaskData
 
 VERIFIERS = "verifiers/"
@@ -36,11 +36,16 @@ TEXTARENA = "textarena/"
 Demo = Callable[[Example, random.Random, int], list[tuple[str, bool]]]
 
 _BUILTIN: dict[str, Callable[[], object]] = {
-    "guess_number": guess.GuessNumber, "calculator": calculator.Calculator,
-    "nim": nim.Nim, "nim_vs_random": nim.NimVsScripted,
+    "guess_number": guess.GuessNumber,
+    "calculator": calculator.Calculator,
+    "nim": nim.Nim,
+    "nim_vs_random": nim.NimVsScripted,
 }
 _ROWS: dict[str, Callable[[int, int], list[Example]]] = {
-    "guess_number": guess.rows, "calculator": calculator.rows, "nim": nim.rows, "nim_vs_random": nim.rows,
+    "guess_number": guess.rows,
+    "calculator": calculator.rows,
+    "nim": nim.rows,
+    "nim_vs_random": nim.rows,
 }
 DEMOS: dict[str, Demo] = {"guess_number": guess.demo, "calculator": calculator.demo, "nim": nim.demo}
 """Built-in transcripts of a weak player, for the supervised warm-up (envs/warmup.py)."""
@@ -50,8 +55,10 @@ def _resolve(name: str, field: str, cfg: EnvConfig | None = None) -> Callable[[]
     if name in _BUILTIN:
         return _BUILTIN[name]
     if name.startswith(VERIFIERS):
-        raise ConfigError(f"{field}: {name!r}: a verifiers taskset is played as a whole run's env.name, "
-                          "not as an environment of another run (e.g. env.eval_name)")
+        raise ConfigError(
+            f"{field}: {name!r}: a verifiers taskset is played as a whole run's env.name, "
+            "not as an environment of another run (e.g. env.eval_name)"
+        )
     if name.startswith(TEXTARENA):
         from nonstop.envs import textarena_env
 
@@ -65,9 +72,14 @@ def _resolve(name: str, field: str, cfg: EnvConfig | None = None) -> Callable[[]
 def as_multi_agent(env: object, field: str = "env.name") -> MultiAgentEnvironment:
     if hasattr(env, "roles"):
         return env  # type: ignore[return-value]
-    if not (inspect.iscoroutinefunction(getattr(env, "reset", None)) and inspect.iscoroutinefunction(getattr(env, "step", None))):
-        raise ConfigError(f"{field}: {type(env).__name__} is no environment: it needs async reset() and step() "
-                          "(nonstop.envs.base.Environment or MultiAgentEnvironment)")
+    if not (
+        inspect.iscoroutinefunction(getattr(env, "reset", None))
+        and inspect.iscoroutinefunction(getattr(env, "step", None))
+    ):
+        raise ConfigError(
+            f"{field}: {type(env).__name__} is no environment: it needs async reset() and step() "
+            "(nonstop.envs.base.Environment or MultiAgentEnvironment)"
+        )
     return SingleAgent(env)  # type: ignore[arg-type]  # checked above: async reset and step
 
 
@@ -76,7 +88,9 @@ def _reasoning_gym_task(name: str, cfg: EnvConfig | None) -> reasoning_gym.Reaso
     return reasoning_gym.ReasoningGymTask(name.removeprefix(reasoning_gym.PREFIX), cfg.train_rows, cfg.eval_rows)
 
 
-def env_factory(name: str, field: str = "env.name", cfg: EnvConfig | None = None) -> Callable[[], MultiAgentEnvironment]:
+def env_factory(
+    name: str, field: str = "env.name", cfg: EnvConfig | None = None
+) -> Callable[[], MultiAgentEnvironment]:
     """`cfg` sizes the rows of a task source (reasoning_gym/...); built-ins ignore it."""
     factory = _resolve(name, field, cfg)
     as_multi_agent(factory(), field)  # fail at start, naming the field, not in the first episode
@@ -99,15 +113,20 @@ def builtin_task(cfg: EnvConfig) -> TaskData | None:
         from nonstop.envs import textarena_env
 
         game = cfg.name.removeprefix(TEXTARENA)
-        return TaskData(textarena_env.rows(game, cfg.train_rows, 1), textarena_env.rows(game, cfg.eval_rows, 2),
-                        DatasetReport(rows_read=cfg.train_rows + cfg.eval_rows))
+        return TaskData(
+            textarena_env.rows(game, cfg.train_rows, 1),
+            textarena_env.rows(game, cfg.eval_rows, 2),
+            DatasetReport(rows_read=cfg.train_rows + cfg.eval_rows),
+        )
     if cfg.name.startswith(reasoning_gym.PREFIX):
         task = _reasoning_gym_task(cfg.name, cfg)
         return TaskData(task.rows(0), task.rows(1), DatasetReport(rows_read=cfg.train_rows + cfg.eval_rows))
     rows = _ROWS.get(cfg.name)
     if rows is None:
         return None
-    return TaskData(rows(cfg.train_rows, 1), rows(cfg.eval_rows, 2), DatasetReport(rows_read=cfg.train_rows + cfg.eval_rows))
+    return TaskData(
+        rows(cfg.train_rows, 1), rows(cfg.eval_rows, 2), DatasetReport(rows_read=cfg.train_rows + cfg.eval_rows)
+    )
 
 
 def limits(cfg: EnvConfig) -> EnvLimits:

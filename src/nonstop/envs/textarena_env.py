@@ -34,8 +34,9 @@ PREFIX = "textarena/"
 try:
     import textarena as ta
 except ImportError as e:
-    raise ConfigError(f"env.name: textarena games need the textarena extra: pip install 'nonstop[textarena]' ({e})") \
-        from None
+    raise ConfigError(
+        f"env.name: textarena games need the textarena extra: pip install 'nonstop[textarena]' ({e})"
+    ) from None
 
 
 def role(player_id: int) -> str:
@@ -51,7 +52,9 @@ class TextArenaGame:
         try:
             self.env = ta.make(f"{game_id}-raw")
         except ValueError:
-            raise ConfigError(f"env.name: textarena has no game {game_id!r} (see textarena.envs.registration)") from None
+            raise ConfigError(
+                f"env.name: textarena has no game {game_id!r} (see textarena.envs.registration)"
+            ) from None
         self.game_id, self.num_players = game_id, num_players
         self.roles = tuple(role(p) for p in range(num_players))
 
@@ -60,8 +63,9 @@ class TextArenaGame:
         state = self.env.state
         out = {}
         for pid, messages in state.observations.items():
-            text = "".join(f"[{state.role_mapping.get(sender, f'Player {sender}')}] {message}\n"
-                           for sender, message, _ in messages)
+            text = "".join(
+                f"[{state.role_mapping.get(sender, f'Player {sender}')}] {message}\n" for sender, message, _ in messages
+            )
             state.observations[pid] = []
             if text:
                 out[role(pid)] = text
@@ -73,8 +77,10 @@ class TextArenaGame:
             return Turn(news, role(self.env.state.current_player_id))
         rewards, game_info = self.env.close()
         rewards = {role(p): float(r) for p, r in (rewards or {}).items()}
-        meta: dict[str, Any] = {"game_info": {role(p): dict(v) for p, v in game_info.items()},
-                                "success": rewards.get(role(0), 0.0) > 0}
+        meta: dict[str, Any] = {
+            "game_info": {role(p): dict(v) for p, v in game_info.items()},
+            "success": rewards.get(role(0), 0.0) > 0,
+        }
         return Turn(news, None, rewards, meta)
 
     async def reset(self, row: Example) -> Turn:

@@ -57,8 +57,9 @@ try:
     from verifiers.v1.episode import EnvInfo, TrainRunInfo, TrainWorkInfo
     from verifiers.v1.trace import AgentInfo, TraceTask
 except ImportError as e:
-    raise ConfigError(f"env.name: verifiers environments need the verifiers extra: pip install 'nonstop[verifiers]' "
-                      f"({e})") from None
+    raise ConfigError(
+        f"env.name: verifiers environments need the verifiers extra: pip install 'nonstop[verifiers]' ({e})"
+    ) from None
 from nonstop.engine.scheduler import RequestError
 from nonstop.envs.base import EnvLimits
 from nonstop.envs.verifiers_renderer import TokenRenderer, renderer_config
@@ -77,8 +78,9 @@ class EngineTransport(httpx.AsyncBaseTransport):
     """`/inference/v1/generate` and `/v1/models` answered in process by a `TurnEngine`, with the
     JSON the HTTP route sends (serve/generate_route.py)."""
 
-    def __init__(self, engine: TurnEngine, model: str, max_model_len: int | None = None,
-                 max_tokens_default: int = 16) -> None:
+    def __init__(
+        self, engine: TurnEngine, model: str, max_model_len: int | None = None, max_tokens_default: int = 16
+    ) -> None:
         self.engine, self.model, self.max_model_len = engine, model, max_model_len
         self.max_tokens_default = max_tokens_default
         self._ids = itertools.count(1 << 41)  # apart from the episode runner's and the producer's request ids
@@ -98,8 +100,11 @@ class EngineTransport(httpx.AsyncBaseTransport):
         except BadRequest as e:
             return httpx.Response(e.status, json={"error": {"message": str(e), "param": e.param}})
         try:
-            samples = (await self.engine.generate([GenerationRequest(next(self._ids), g.call.prompt_ids or [], g.call.n,
-                                                                     g.call.params)]))[0]
+            samples = (
+                await self.engine.generate(
+                    [GenerationRequest(next(self._ids), g.call.prompt_ids or [], g.call.n, g.call.params)]
+                )
+            )[0]
         except RequestError as e:  # a request the engine cannot take (too long, bad ids): the client's 400
             return httpx.Response(400, json={"error": {"message": str(e), "param": "token_ids"}})
         self.requests += 1
@@ -122,15 +127,21 @@ class VersionLog:
         return self.by_request.pop(request_id, None)
 
 
-def train_client(base_url: str, renderer_model: str, transport: httpx.AsyncBaseTransport | None = None,
-                 api_key: str | None = None) -> tuple[TrainClient, VersionLog]:
+def train_client(
+    base_url: str, renderer_model: str, transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None
+) -> tuple[TrainClient, VersionLog]:
     """verifiers' train client against `base_url` (or `transport`), its versions logged."""
-    config = vf.TrainClientConfig(base_url=base_url, api_key_var="NONSTOP_API_KEY", renderer=renderer_config(),
-                                  renderer_model_name=renderer_model)
+    config = vf.TrainClientConfig(
+        base_url=base_url, api_key_var="NONSTOP_API_KEY", renderer=renderer_config(), renderer_model_name=renderer_model
+    )
     client = TrainClient(config)
     log = VersionLog()
-    client.client = AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0,
-                                http_client=httpx.AsyncClient(transport=transport, event_hooks={"response": [log]}))
+    client.client = AsyncOpenAI(
+        base_url=base_url,
+        api_key=api_key or "EMPTY",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=transport, event_hooks={"response": [log]}),
+    )
     return client, log
 
 
@@ -139,17 +150,29 @@ def _first_messages(task: vf.Task) -> list[vf.types.Message]:
     messages: list[vf.types.Message] = [vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []
     if isinstance(data.prompt, list):
         return messages + list(data.prompt)
-    return messages + [vf.UserMessage(content=data.prompt_text)]
+    return [*messages, vf.UserMessage(content=data.prompt_text)]
 
 
-async def play_episode(client: TrainClient, versions: VersionLog, task: vf.Task, model: str,
-                       sampling: vf.SamplingConfig, max_turns: int, retry: str, solved_at: float = 1.0,
-                       step: int = 0, run_id: str = "nonstop", max_episode_tokens: int | None = None,
-                       tokenizer: Any = None) -> vf.Episode:
+async def play_episode(
+    client: TrainClient,
+    versions: VersionLog,
+    task: vf.Task,
+    model: str,
+    sampling: vf.SamplingConfig,
+    max_turns: int,
+    retry: str,
+    solved_at: float = 1.0,
+    step: int = 0,
+    run_id: str = "nonstop",
+    max_episode_tokens: int | None = None,
+    tokenizer: Any = None,
+) -> vf.Episode:
     """One episode of `task` through verifiers' model-call path (module docstring), scored by the task.
     With `max_episode_tokens` (and the `tokenizer` to count with), no turn samples past it."""
-    trace: vf.Trace = vf.Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-                               agent=AgentInfo(config=vf.AgentConfig(model=model, sampling=sampling), name=AGENT))
+    trace: vf.Trace = vf.Trace(
+        task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        agent=AgentInfo(config=vf.AgentConfig(model=model, sampling=sampling), name=AGENT),
+    )
     node_versions: dict[str, list[int]] = trace.info.setdefault(VERSIONS_KEY, {})
     messages = _first_messages(task)
     counter = TokenRenderer(tokenizer) if tokenizer is not None else None
@@ -163,8 +186,9 @@ async def play_episode(client: TrainClient, versions: VersionLog, task: vf.Task,
                 break
             budget = min(budget or left, left)
         pending = graph.prepare_turn(trace, messages)
-        response = await client.get_response(ChatDialect(), {"model": model},
-                                             sampling.model_copy(update={"max_tokens": budget}), turn=pending)
+        response = await client.get_response(
+            ChatDialect(), {"model": model}, sampling.model_copy(update={"max_tokens": budget}), turn=pending
+        )
         node = pending.commit(response)
         sampled = versions.pop(response.id)
         if sampled is not None:
@@ -180,13 +204,21 @@ async def play_episode(client: TrainClient, versions: VersionLog, task: vf.Task,
             break
         messages.append(vf.UserMessage(content=retry))
         if counter is not None and response.tokens is not None:
-            used = (len(response.tokens.prompt_ids) + len(response.tokens.completion_ids)
-                    + len(counter._ids(message_to_wire(messages[-1]), first=False)))
+            used = (
+                len(response.tokens.prompt_ids)
+                + len(response.tokens.completion_ids)
+                + len(counter._ids(message_to_wire(messages[-1]), first=False))
+            )
     trace.is_completed = trace.ok = True
     spent = [v for vs in node_versions.values() for v in vs]
     span = vf.PolicySpan(start=min(spent), end=max(spent)) if spent else None
-    return vf.Episode(env=EnvInfo(id="nonstop"), task=trace.task, traces=[trace], ok=True,
-                      run=TrainRunInfo(id=run_id, work=TrainWorkInfo(step=step, policy=span)))
+    return vf.Episode(
+        env=EnvInfo(id="nonstop"),
+        task=trace.task,
+        traces=[trace],
+        ok=True,
+        run=TrainRunInfo(id=run_id, work=TrainWorkInfo(step=step, policy=span)),
+    )
 
 
 def _kept(mask: vf.SamplingMask | None, ids: list[int], start: int) -> list[list[int]] | None:
@@ -195,8 +227,11 @@ def _kept(mask: vf.SamplingMask | None, ids: list[int], start: int) -> list[list
     counts = np.asarray(mask.counts)
     ends = np.cumsum(counts)
     flat = np.asarray(mask.ids)
-    return [[int(x) for x in flat[e - c:e]] if c else [ids[k]]
-            for k, (c, e) in enumerate(zip(counts.tolist(), ends.tolist())) if k >= start]
+    return [
+        [int(x) for x in flat[e - c : e]] if c else [ids[k]]
+        for k, (c, e) in enumerate(zip(counts.tolist(), ends.tolist()))
+        if k >= start
+    ]
 
 
 def episode_samples(episode: vf.Episode, tokenizer: Any, index: int = 0) -> list[Sample]:
@@ -217,25 +252,40 @@ def episode_samples(episode: vf.Episode, tokenizer: Any, index: int = 0) -> list
                 sampled = sum(node.mask)
                 got = recorded.get(str(node_index[id(node)]))
                 if sampled and got is None and span is None:
-                    raise ValueError(f"episode {episode.id}: no policy version for its sampled tokens (neither "
-                                     f"trace.info[{VERSIONS_KEY!r}] nor run.work.policy)")
+                    raise ValueError(
+                        f"episode {episode.id}: no policy version for its sampled tokens (neither "
+                        f"trace.info[{VERSIONS_KEY!r}] nor run.work.policy)"
+                    )
                 own = iter(got if got is not None and len(got) == sampled else [span.start if span else 0] * sampled)
                 versions += [next(own) if m else ENV_VERSION for m in node.mask]
             start = mask.index(True)
-            out.append(Sample(
-                prompt_ids=ids[:start], completion_ids=ids[start:], logprobs=branch.logprobs[start:],
-                versions=versions[start:], finish_reason="length" if trace.is_truncated else "stop",
-                loss_mask=mask[start:], sampling_mask=_kept(branch.sampling_mask, ids, start), reward=trace.reward,
-                text=tokenizer.decode(ids[start:], skip_special_tokens=True), role=trace.agent.name, episode=index))
+            out.append(
+                Sample(
+                    prompt_ids=ids[:start],
+                    completion_ids=ids[start:],
+                    logprobs=branch.logprobs[start:],
+                    versions=versions[start:],
+                    finish_reason="length" if trace.is_truncated else "stop",
+                    loss_mask=mask[start:],
+                    sampling_mask=_kept(branch.sampling_mask, ids, start),
+                    reward=trace.reward,
+                    text=tokenizer.decode(ids[start:], skip_special_tokens=True),
+                    role=trace.agent.name,
+                    episode=index,
+                )
+            )
     return out
 
 
 def episode_result(episode: vf.Episode, tokenizer: Any, index: int, solved_at: float = 1.0) -> EpisodeResult:
     samples = episode_samples(episode, tokenizer, index)
     trace = episode.traces[0]
-    return EpisodeResult(samples, {"success": trace.reward >= solved_at, "stop": trace.stop_condition,
-                                   "verifiers_episode": episode.id}, trace.num_turns, trace.is_truncated)
-
+    return EpisodeResult(
+        samples,
+        {"success": trace.reward >= solved_at, "stop": trace.stop_condition, "verifiers_episode": episode.id},
+        trace.num_turns,
+        trace.is_truncated,
+    )
 
 
 PREFIX = "verifiers/"
@@ -249,8 +299,10 @@ def _factory(name: str) -> Any:
 
     module_name, sep, attr = name.removeprefix(PREFIX).partition(":")
     if not sep:
-        raise ConfigError(f"env.name: {name!r}: expected 'verifiers/package.module:factory' (a callable returning a "
-                          "verifiers.v1 Taskset or a list of its Tasks)")
+        raise ConfigError(
+            f"env.name: {name!r}: expected 'verifiers/package.module:factory' (a callable returning a "
+            "verifiers.v1 Taskset or a list of its Tasks)"
+        )
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
@@ -267,7 +319,7 @@ def taskset_tasks(name: str, train_rows: int, eval_rows: int) -> tuple[list[vf.T
     if len(tasks) < 2 or not all(isinstance(t, vf.Task) for t in tasks):
         raise ConfigError(f"env.name: {name!r} gave {len(tasks)} items; it needs at least 2 verifiers.v1 Tasks")
     held = min(eval_rows, max(1, len(tasks) - train_rows), len(tasks) // 2)
-    return tasks[:len(tasks) - held], tasks[len(tasks) - held:]
+    return tasks[: len(tasks) - held], tasks[len(tasks) - held :]
 
 
 def task_rows(tasks: list[vf.Task], offset: int) -> list[Example]:
@@ -279,8 +331,9 @@ class VerifiersPlayer:
     """Plays the rows of a run (an `EnvRun` player) as verifiers episodes on the run's engines, through
     `EngineTransport` (no socket), and hands them back as nonstop `EpisodeResult`s."""
 
-    def __init__(self, tasks: list[vf.Task], renderer_model: str | None, retry: str = RETRY,
-                 solved_at: float = 1.0) -> None:
+    def __init__(
+        self, tasks: list[vf.Task], renderer_model: str | None, retry: str = RETRY, solved_at: float = 1.0
+    ) -> None:
         self.tasks, self.renderer_model = tasks, renderer_model
         self.retry, self.solved_at = retry, solved_at
         self.clients: dict[int, tuple[TrainClient, VersionLog]] = {}
@@ -288,23 +341,44 @@ class VerifiersPlayer:
 
     def _client(self, engine: TurnEngine) -> tuple[TrainClient, VersionLog]:
         if self.renderer_model is None:
-            raise ConfigError("env.name: a verifiers taskset needs the model folder whose tokenizer renders its prompts")
+            raise ConfigError(
+                "env.name: a verifiers taskset needs the model folder whose tokenizer renders its prompts"
+            )
         if id(engine) not in self.clients:
-            self.clients[id(engine)] = train_client("http://nonstop.invalid/v1", self.renderer_model,
-                                                    EngineTransport(engine, MODEL))
+            self.clients[id(engine)] = train_client(
+                "http://nonstop.invalid/v1", self.renderer_model, EngineTransport(engine, MODEL)
+            )
         return self.clients[id(engine)]
 
-    async def __call__(self, engine: TurnEngine, rows: list[Example], codec: Any, limits: EnvLimits,
-                       params: SamplingParams) -> tuple[list[EpisodeResult], Counter[str]]:
+    async def __call__(
+        self, engine: TurnEngine, rows: list[Example], codec: Any, limits: EnvLimits, params: SamplingParams
+    ) -> tuple[list[EpisodeResult], Counter[str]]:
         client, log = self._client(engine)
-        sampling = vf.SamplingConfig(temperature=params.temperature, top_p=params.top_p,
-                                     max_tokens=params.max_new_tokens,
-                                     **({"top_k": params.top_k} if params.top_k else {}),
-                                     **({"min_p": params.min_p} if params.min_p else {}))
-        episodes = await asyncio.gather(*(
-            play_episode(client, log, self.tasks[int(r.answer)], MODEL, sampling, limits.max_turns, self.retry,
-                         self.solved_at, max_episode_tokens=limits.max_episode_tokens, tokenizer=codec.tokenizer)
-            for r in rows), return_exceptions=True)
+        sampling = vf.SamplingConfig(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+            **({"top_k": params.top_k} if params.top_k else {}),
+            **({"min_p": params.min_p} if params.min_p else {}),
+        )
+        episodes = await asyncio.gather(
+            *(
+                play_episode(
+                    client,
+                    log,
+                    self.tasks[int(r.answer)],
+                    MODEL,
+                    sampling,
+                    limits.max_turns,
+                    self.retry,
+                    self.solved_at,
+                    max_episode_tokens=limits.max_episode_tokens,
+                    tokenizer=codec.tokenizer,
+                )
+                for r in rows
+            ),
+            return_exceptions=True,
+        )
         done, errors = [], Counter[str]()
         for i, e in enumerate(episodes):
             if isinstance(e, BaseException):

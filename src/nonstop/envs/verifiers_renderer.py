@@ -34,17 +34,23 @@ class TokenRenderer:
         """A wire message's ids: the first as `Codec.encode` makes them, later ones without special
         tokens; an assistant turn ends with the stop token the engine sampled."""
         content = message.get("content") or ""
-        text = content if isinstance(content, str) else "\n".join(p.get("text", "") for p in content
-                                                                   if p.get("type") == "text")
+        text = (
+            content
+            if isinstance(content, str)
+            else "\n".join(p.get("text", "") for p in content if p.get("type") == "text")
+        )
         if message.get("role") == "assistant":
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + self.get_stop_token_ids()
         if not text:
             return []
-        ids = self.tokenizer(text)["input_ids"] if first else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = (
+            self.tokenizer(text)["input_ids"] if first else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        )
         return list(ids)
 
-    def render(self, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = False,
-               **_: Any) -> RenderedTokens:
+    def render(
+        self, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = False, **_: Any
+    ) -> RenderedTokens:
         ids: list[int] = []
         indices: list[int] = []
         sampled: list[bool] = []
@@ -53,16 +59,29 @@ class TokenRenderer:
             ids += piece
             indices += [i] * len(piece)
             sampled += [m.get("role") == "assistant"] * len(piece)
-        return RenderedTokens(token_ids=ids, message_indices=indices, sampled_mask=sampled, is_content=[True] * len(ids),
-                              message_roles=[m.get("role") or "" for m in messages],
-                              message_tool_names=[None] * len(messages))
+        return RenderedTokens(
+            token_ids=ids,
+            message_indices=indices,
+            sampled_mask=sampled,
+            is_content=[True] * len(ids),
+            message_roles=[m.get("role") or "" for m in messages],
+            message_tool_names=[None] * len(messages),
+        )
 
-    def render_ids(self, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = False,
-                   **_: Any) -> list[int]:
+    def render_ids(
+        self, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = False, **_: Any
+    ) -> list[int]:
         return self.render(messages).token_ids
 
-    def bridge_to_next_turn(self, previous_prompt_ids: list[int], previous_completion_ids: list[int],
-                            new_messages: list[dict], *, tools: list | None = None, **_: Any) -> RenderedTokens | None:
+    def bridge_to_next_turn(
+        self,
+        previous_prompt_ids: list[int],
+        previous_completion_ids: list[int],
+        new_messages: list[dict],
+        *,
+        tools: list | None = None,
+        **_: Any,
+    ) -> RenderedTokens | None:
         """The previous ids verbatim, then the new messages' ids (none of them an assistant turn)."""
         if any(m.get("role") == "assistant" for m in new_messages):
             return None
@@ -73,13 +92,18 @@ class TokenRenderer:
             ids += piece
             indices += [i] * len(piece)
         new = len(ids) - len(prior)
-        return RenderedTokens(token_ids=ids, message_indices=indices, sampled_mask=[False] * len(ids),
-                              is_content=[False] * len(prior) + [True] * new,
-                              message_roles=[m.get("role") or "" for m in new_messages],
-                              message_tool_names=[None] * len(new_messages))
+        return RenderedTokens(
+            token_ids=ids,
+            message_indices=indices,
+            sampled_mask=[False] * len(ids),
+            is_content=[False] * len(prior) + [True] * new,
+            message_roles=[m.get("role") or "" for m in new_messages],
+            message_tool_names=[None] * len(new_messages),
+        )
 
-    def parse_response(self, token_ids: list[int], *, tools: list | None = None,
-                       prompt_ids: list[int] | None = None) -> ParsedResponse:
+    def parse_response(
+        self, token_ids: list[int], *, tools: list | None = None, prompt_ids: list[int] | None = None
+    ) -> ParsedResponse:
         return ParsedResponse(content=self.tokenizer.decode(token_ids, skip_special_tokens=True), tool_calls=[])
 
     def get_stop_token_ids(self) -> list[int]:

@@ -46,15 +46,18 @@ def transcripts(cfg: Config, tokenizer, count: int, seed: int) -> list[tuple[lis
         ids: list[int] = []
         labels: list[int] = []
         for text, by_model in demo(rng.choice(data.train), rng, cfg.env.max_turns):
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if by_model else [])
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] + (
+                [tokenizer.eos_token_id] if by_model else []
+            )
             ids += piece
             labels += piece if by_model else [-100] * len(piece)
         out.append((ids, labels))
     return out
 
 
-def _train(model, tokenizer, examples: list[tuple[list[int], list[int]]], seed: int, steps: int,
-           log: Callable[[str], None]) -> float:
+def _train(
+    model, tokenizer, examples: list[tuple[list[int], list[int]]], seed: int, steps: int, log: Callable[[str], None]
+) -> float:
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model.train()
@@ -79,11 +82,18 @@ def _train(model, tokenizer, examples: list[tuple[list[int], list[int]]], seed: 
 def env_base(cfg: Config, log: Callable[[str], None] = print, steps: int | None = None) -> Path:
     """The folder of the warmed-up base of a built-in environment (cached)."""
     if cfg.env is None or cfg.env.name not in DEMOS:
-        raise ConfigError(f"env.name: the environment warm-up covers the built-ins {sorted(DEMOS)}; "
-                          "for another environment set model.path to your base policy")
+        raise ConfigError(
+            f"env.name: the environment warm-up covers the built-ins {sorted(DEMOS)}; "
+            "for another environment set model.path to your base policy"
+        )
     steps = steps or STEPS[cfg.env.name]
-    shaping = {"env": cfg.env.name, "max_turns": cfg.env.max_turns, "seed": cfg.run.seed, "steps": steps,
-               "format": FORMATS[cfg.env.name]}
+    shaping = {
+        "env": cfg.env.name,
+        "max_turns": cfg.env.max_turns,
+        "seed": cfg.run.seed,
+        "steps": steps,
+        "format": FORMATS[cfg.env.name],
+    }
     key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cfg.warmup.cache_dir) / f"env-{cfg.env.name}-{key}"
     if (folder / "nonstop_base.json").is_file():

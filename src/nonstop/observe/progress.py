@@ -46,15 +46,31 @@ class Progress:
 
     def _table(self, r: "StepRecord") -> Table:
         t = Table(title="nonstop train", show_header=True, header_style="bold")
-        for col in ("step", "version", "reward", "held-out acc", "samples/s", "trainer idle", "engine idle", "lag", "drops"):
+        for col in (
+            "step",
+            "version",
+            "reward",
+            "held-out acc",
+            "samples/s",
+            "trainer idle",
+            "engine idle",
+            "lag",
+            "drops",
+        ):
             t.add_column(col)
         acc = "-" if self.last_eval is None else f"{self.last_eval:.1%}"
         if self.base_eval is not None and self.last_eval is not None:
             acc += f" (base {self.base_eval:.1%})"
         t.add_row(
-            f"{r.step}/{self.total_steps}", str(r.policy_version), f"{r.reward_mean:.3f}", acc,
-            f"{r.samples_per_s:.0f}", f"{r.trainer_idle_frac:.0%}", f"{r.engine_idle_frac:.0%}",
-            _lag_text(r.lag_hist), str(sum(r.drops.values())),
+            f"{r.step}/{self.total_steps}",
+            str(r.policy_version),
+            f"{r.reward_mean:.3f}",
+            acc,
+            f"{r.samples_per_s:.0f}",
+            f"{r.trainer_idle_frac:.0%}",
+            f"{r.engine_idle_frac:.0%}",
+            _lag_text(r.lag_hist),
+            str(sum(r.drops.values())),
         )
         return t
 

@@ -32,8 +32,16 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-LANE_COLORS = {"busy": "#4C72B0", "apply": "#DD8452", "step": "#55A868", "publish": "#C44E52", "ahead": "#8DC79A",
-               "wait": "#BBBBBB", "eval": "#8172B3", "checkpoint": "#937860"}
+LANE_COLORS = {
+    "busy": "#4C72B0",
+    "apply": "#DD8452",
+    "step": "#55A868",
+    "publish": "#C44E52",
+    "ahead": "#8DC79A",
+    "wait": "#BBBBBB",
+    "eval": "#8172B3",
+    "checkpoint": "#937860",
+}
 
 
 class ReportError(RuntimeError):
@@ -72,8 +80,9 @@ def gantt(ax: Axes, tl: Timeline, lo: float, hi: float) -> None:
                 continue
             bars = [(a, b - a) for a, b in _merge(ivs, gap) if b >= lo and a <= hi]
             height = 0.35 if kind in ("apply", "publish") else 0.7
-            ax.broken_barh(bars, (row - height / 2, height), color=LANE_COLORS[kind],
-                           label=kind if kind not in seen else None)
+            ax.broken_barh(
+                bars, (row - height / 2, height), color=LANE_COLORS[kind], label=kind if kind not in seen else None
+            )
             seen.add(kind)
     ax.set_yticks(range(len(lanes)), list(reversed(lanes)))
     ax.set_xlim(lo, hi)
@@ -132,8 +141,9 @@ def fig_ratios(plt, tl: Timeline) -> Figure:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3))
     s = [r["step"] for r in tl.steps]
     if tl.steps and "ratio_mean" in tl.steps[0]:
-        a1.fill_between(s, [r["ratio_min"] for r in tl.steps], [r["ratio_max"] for r in tl.steps], alpha=0.3,
-                        label="min-max")
+        a1.fill_between(
+            s, [r["ratio_min"] for r in tl.steps], [r["ratio_max"] for r in tl.steps], alpha=0.3, label="min-max"
+        )
         a1.plot(s, [r["ratio_mean"] for r in tl.steps], lw=1, label="mean")
     a1.set_title("importance ratio pi/mu per step")
     a1.set_xlabel("step")
@@ -181,8 +191,14 @@ def fig_drops(plt, tl: Timeline) -> Figure:
     return fig
 
 
-FIGURES = {"rewards": fig_rewards, "timeline": fig_gantt, "lag": fig_lag, "ratios": fig_ratios,
-           "throughput": fig_throughput, "drops": fig_drops}
+FIGURES = {
+    "rewards": fig_rewards,
+    "timeline": fig_gantt,
+    "lag": fig_lag,
+    "ratios": fig_ratios,
+    "throughput": fig_throughput,
+    "drops": fig_drops,
+}
 
 
 def _facts(tl: Timeline, run_dir: Path) -> list[tuple[str, str]]:
@@ -191,15 +207,18 @@ def _facts(tl: Timeline, run_dir: Path) -> list[tuple[str, str]]:
     if summary_path.exists():
         s: dict[str, Any] = json.loads(summary_path.read_text())
         final = s.get("final_accuracy")
-        facts += [("held-out accuracy", f"base {s['base_accuracy']:.1%} -> final "
-                   f"{'-' if final is None else f'{final:.1%}'}"),
-                  ("steps", f"{s['steps']} (policy_version {s['policy_version']})"),
-                  ("samples/s (summary)", f"{s['samples_per_s']:.1f}")]
-    facts += [("samples/s (span log)", f"{tl.samples_per_s():.1f}"),
-              ("engine idle", f"{tl.idle_fraction('engine'):.1%}"),
-              ("trainer idle", f"{tl.idle_fraction('trainer'):.1%}"),
-              ("engines / trainer ranks", f"{len(tl.actors('engine'))} / {len(tl.actors('trainer'))}"),
-              ("groups generated / dropped", f"{len(tl.groups)} / {sum(tl.drops.values())}")]
+        facts += [
+            ("held-out accuracy", f"base {s['base_accuracy']:.1%} -> final {'-' if final is None else f'{final:.1%}'}"),
+            ("steps", f"{s['steps']} (policy_version {s['policy_version']})"),
+            ("samples/s (summary)", f"{s['samples_per_s']:.1f}"),
+        ]
+    facts += [
+        ("samples/s (span log)", f"{tl.samples_per_s():.1f}"),
+        ("engine idle", f"{tl.idle_fraction('engine'):.1%}"),
+        ("trainer idle", f"{tl.idle_fraction('trainer'):.1%}"),
+        ("engines / trainer ranks", f"{len(tl.actors('engine'))} / {len(tl.actors('trainer'))}"),
+        ("groups generated / dropped", f"{len(tl.groups)} / {sum(tl.drops.values())}"),
+    ]
     cfg_path = run_dir / "config.yaml"
     if cfg_path.exists():
         import yaml
@@ -207,8 +226,13 @@ def _facts(tl: Timeline, run_dir: Path) -> list[tuple[str, str]]:
         cfg = yaml.safe_load(cfg_path.read_text())
         facts.append(("buffer", ", ".join(f"{k} {v}" for k, v in cfg.get("buffer", {}).items())))
         r = cfg.get("rollout", {})
-        facts.append(("rollout", f"{r.get('prompts_per_step')} prompts x {r.get('group_size')} completions, "
-                                 f"max_new_tokens {r.get('max_new_tokens')}"))
+        facts.append(
+            (
+                "rollout",
+                f"{r.get('prompts_per_step')} prompts x {r.get('group_size')} completions, "
+                f"max_new_tokens {r.get('max_new_tokens')}",
+            )
+        )
     return facts
 
 
@@ -246,13 +270,16 @@ def render(run_dir: Path | str, out: Path | str | None = None) -> Path:
         fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         (png_dir / f"{name}.png").write_bytes(buf.getvalue())
-        parts.append(f'<h2>{name}</h2><img class="figure" alt="{name}" '
-                     f'src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">')
+        parts.append(
+            f'<h2>{name}</h2><img class="figure" alt="{name}" '
+            f'src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+        )
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in _facts(tl, run_dir))
     page.write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>nonstop run report</title>"
         "<style>body{font-family:sans-serif;max-width:1250px;margin:1em auto}img{max-width:100%}"
         "th{text-align:left;padding-right:1em}</style>"
         f"<script>{CHECK_SCRIPT}</script></head><body><h1>nonstop run report</h1>"
-        f"<table>{rows}</table>{''.join(parts)}</body></html>")
+        f"<table>{rows}</table>{''.join(parts)}</body></html>"
+    )
     return page

@@ -64,8 +64,10 @@ def host_cpus(cfg: Config) -> dict[str, Any]:
     """`rl_start`'s record of the processors the actors share (see the module docstring)."""
     from nonstop.device import resolve_device
 
-    cpu = all(resolve_device(spec, field).type == "cpu"
-              for spec, field in ((cfg.engine.device, "engine.device"), (cfg.trainer.device, "trainer.device")))
+    cpu = all(
+        resolve_device(spec, field).type == "cpu"
+        for spec, field in ((cfg.engine.device, "engine.device"), (cfg.trainer.device, "trainer.device"))
+    )
     return {"cpus": cpu_count(), "cpu_actors": cpu and cfg.runtime.backend == "local"}
 
 
@@ -131,8 +133,15 @@ class PassRecorder:
         self.busy_s = 0.0
         self.prefills: tuple[int, int] | None = None  # (passes that prefilled, prompt tokens), when reported
 
-    def record(self, t0: float, t1: float, rows: int, cpu0: float = 0.0, cpu1: float = 0.0,
-               prefill: tuple[int, int] | None = None) -> None:
+    def record(
+        self,
+        t0: float,
+        t1: float,
+        rows: int,
+        cpu0: float = 0.0,
+        cpu1: float = 0.0,
+        prefill: tuple[int, int] | None = None,
+    ) -> None:
         """One pass from t0 to t1 emitting `rows` tokens; cpu0, cpu1: `time.process_time()` at its
         start and end; `prefill`: (1 if it prefilled new prompts else 0, their tokens)."""
         if self.passes and t0 - self.t1 > GAP_S:
@@ -155,8 +164,16 @@ class PassRecorder:
             t1 = self.t1 if end is None else end
             cpu = (self.cpu1 if cpu_end is None else cpu_end) - self.cpu0
             extra = {} if self.prefills is None else {"prefills": self.prefills[0], "prefill_tokens": self.prefills[1]}
-            self.log.emit("busy", t0=round(self.t0, 6), t1=round(t1, 6), passes=self.passes, rows=self.rows,
-                          busy_s=round(self.busy_s, 6), cpu_s=round(cpu, 6), **extra)
+            self.log.emit(
+                "busy",
+                t0=round(self.t0, 6),
+                t1=round(t1, 6),
+                passes=self.passes,
+                rows=self.rows,
+                busy_s=round(self.busy_s, 6),
+                cpu_s=round(cpu, 6),
+                **extra,
+            )
         self.passes = self.rows = 0
         self.busy_s = 0.0
         self.prefills = None

@@ -72,8 +72,19 @@ class Timeline:
                     lane.setdefault(e["ev"], []).append((e["t0"], e["t1"]))
             lanes[actor] = lane
         orch = events.get("orchestrator", [])
-        groups = [GroupLife((e["id"][0], e["id"][1]), e["t_admit"], e["t_gen0"], e["t_gen1"], e["t_done"], e["lens"],
-                            (e["v"][0], e["v"][1]) if e["v"] else None) for e in orch if e["ev"] == "group"]
+        groups = [
+            GroupLife(
+                (e["id"][0], e["id"][1]),
+                e["t_admit"],
+                e["t_gen0"],
+                e["t_gen1"],
+                e["t_done"],
+                e["lens"],
+                (e["v"][0], e["v"][1]) if e["v"] else None,
+            )
+            for e in orch
+            if e["ev"] == "group"
+        ]
         drops = Counter(e["reason"] for e in orch if e["ev"] == "drop")
         trained = {(g[0], g[1]): e["step"] for e in orch if e["ev"] == "train" for g in e["groups"]}
         steps: list[dict[str, Any]] = []

@@ -24,7 +24,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-
 if TYPE_CHECKING:
     from nonstop.config import Config
 
@@ -94,8 +93,14 @@ class WandbTracker(_RunTracker):
         for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
             os.environ.setdefault(var, str(run_dir / "wandb" / "home"))  # not the user's ~/.cache
         wandb = _need("wandb", "wandb")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=name, dir=str(run_dir),
-                              config=config, mode=os.environ.get("WANDB_MODE", "offline"), reinit="create_new")
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", PROJECT),
+            name=name,
+            dir=str(run_dir),
+            config=config,
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            reinit="create_new",
+        )
 
 
 class TrackioTracker(_RunTracker):
@@ -134,8 +139,12 @@ def _leaves(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "trackio": TrackioTracker,
-            "mlflow": MlflowTracker}
+TRACKERS = {
+    "tensorboard": TensorBoardTracker,
+    "wandb": WandbTracker,
+    "trackio": TrackioTracker,
+    "mlflow": MlflowTracker,
+}
 
 
 class FanOut:

@@ -63,13 +63,15 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from nonstop.config import Config
-from nonstop.orchestrator.ledger import Settler
 from nonstop.observe.spans import SpanLog, now
+from nonstop.orchestrator.ledger import Settler
 from nonstop.types import Group
 
 _EMPTY_SLOT = object()  # a group without learning signal, holding its place in a batch (refill=False)
 MAX_DROP_RATE = 0.75  # a task that drops nearly every group does not make admission ahead run away
-MARGIN_SD = 2.0  # a batch short of groups waits a whole generate-and-score round trip; a surplus group trains a step later
+MARGIN_SD = (
+    2.0  # a batch short of groups waits a whole generate-and-score round trip; a surplus group trains a step later
+)
 
 
 class Intake(Protocol):
@@ -90,18 +92,37 @@ def make_buffer(cfg: Config, ledger: Settler, spans: SpanLog) -> "RolloutBuffer"
     """A run's buffer (or one policy's) as the config says; group-level max-lag rejection only
     where buffer.reject is done here ('group', 'episode'), not by the trainer."""
     in_buffer = cfg.buffer.reject in ("group", "episode")
-    return RolloutBuffer(cfg.rollout.prompts_per_step, cfg.buffer.depth, cfg.buffer.max_lag if in_buffer else None,
-                         cfg.buffer.max_queued_groups, ledger, refill=cfg.rollout.refill, spans=spans,
-                         episodes=cfg.buffer.reject == "episode", refill_ahead=cfg.refill_ahead)
+    return RolloutBuffer(
+        cfg.rollout.prompts_per_step,
+        cfg.buffer.depth,
+        cfg.buffer.max_lag if in_buffer else None,
+        cfg.buffer.max_queued_groups,
+        ledger,
+        refill=cfg.rollout.refill,
+        spans=spans,
+        episodes=cfg.buffer.reject == "episode",
+        refill_ahead=cfg.refill_ahead,
+    )
 
 
 class RolloutBuffer:
-    def __init__(self, groups_per_step: int, depth: int | None, max_lag: int | None, max_queued: int,
-                 ledger: Settler | None = None, refill: bool = True, spans: SpanLog | None = None,
-                 episodes: bool = False, refill_ahead: bool = False) -> None:
+    def __init__(
+        self,
+        groups_per_step: int,
+        depth: int | None,
+        max_lag: int | None,
+        max_queued: int,
+        ledger: Settler | None = None,
+        refill: bool = True,
+        spans: SpanLog | None = None,
+        episodes: bool = False,
+        refill_ahead: bool = False,
+    ) -> None:
         if refill_ahead and (depth is None or depth < 1):
-            raise ValueError(f"refill_ahead needs a bounded depth of at least 1, not {depth}: a group admitted "
-                             "ahead and not needed trains a step later")
+            raise ValueError(
+                f"refill_ahead needs a bounded depth of at least 1, not {depth}: a group admitted "
+                "ahead and not needed trains a step later"
+            )
         self.groups_per_step = groups_per_step
         self.refill_ahead = refill_ahead
         self.spans = spans if spans is not None else SpanLog(None)
@@ -187,8 +208,9 @@ class RolloutBuffer:
         """No more groups will come: the stream ran out. Waits for queue space like `put`."""
         await self.queue.put(None)
 
-    async def take(self, ahead: Callable[[list[Group]], Awaitable[None]] | None = None,
-                   ahead_min: int = 1) -> list[Group]:
+    async def take(
+        self, ahead: Callable[[list[Group]], Awaitable[None]] | None = None, ahead_min: int = 1
+    ) -> list[Group]:
         """The next batch for the trainer at the current policy_version (`ahead`: see the module docstring)."""
         batch: list[Group] = []
         slots = 0
@@ -224,7 +246,11 @@ class RolloutBuffer:
         their roles' samples), counted in `drops['max_lag_episode']` and in the ledger; False when
         no episode is left (the caller drops the group)."""
         assert self.max_lag is not None
-        stale = {s.episode for s in group.samples if s.min_version >= 0 and self.policy_version - s.min_version > self.max_lag}
+        stale = {
+            s.episode
+            for s in group.samples
+            if s.min_version >= 0 and self.policy_version - s.min_version > self.max_lag
+        }
         kept = [s for s in group.samples if s.episode not in stale]
         if not kept:
             return False

@@ -26,8 +26,8 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
-from nonstop.config import TransportConfig
 from nonstop.clients import Client, EngineClient, EngineStats, SamplingState, TrainerClient
+from nonstop.config import TransportConfig
 from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 
 C = TypeVar("C", bound=Client)
@@ -105,8 +105,11 @@ class EnginePool(_Several[EngineClient]):
         placed = place(self.in_flight, requests)
         parts = [(k, idx) for k, idx in enumerate(placed) if idx]
         answers = await all_or_first_error(
-            [(f"{self.engines[k].name}.generate", self._generate(k, [requests[i] for i in idx], timeout_s))
-             for k, idx in parts])
+            [
+                (f"{self.engines[k].name}.generate", self._generate(k, [requests[i] for i in idx], timeout_s))
+                for k, idx in parts
+            ]
+        )
         results: list[list[Sample]] = [[] for _ in requests]
         for (_, idx), part in zip(parts, answers):
             for i, samples in zip(idx, part):
@@ -129,7 +132,7 @@ class EnginePool(_Several[EngineClient]):
         """Member i (one engine each: a RestartingEngine) gets states[i]."""
         if len(states) != len(self.engines):
             raise ValueError(f"{len(states)} sampling states for {len(self.engines)} engines")
-        await self._each("load_sampling_states", lambda i, e: e.load_sampling_states(states[i:i + 1]))
+        await self._each("load_sampling_states", lambda i, e: e.load_sampling_states(states[i : i + 1]))
 
 
 class RankGroup(_Several[TrainerClient]):

@@ -104,31 +104,45 @@ class EpisodeStats:
             self.episode_lag.update(policy_version - v for v in oldest.values())
 
     def report(self, baselines: RoleBaselines | None = None) -> dict:
-        roles = {role: {"reward_mean": sum(r) / len(r), "win_rate": sum(x > 0 for x in r) / len(r), "n": len(r)}
-                 for role, r in self.role_rewards.items() if r}
-        for role, b in (baselines.ema.items() if baselines else ()):
+        roles = {
+            role: {"reward_mean": sum(r) / len(r), "win_rate": sum(x > 0 for x in r) / len(r), "n": len(r)}
+            for role, r in self.role_rewards.items()
+            if r
+        }
+        for role, b in baselines.ema.items() if baselines else ():
             roles.setdefault(role, {})["baseline"] = b
         self.role_rewards = {}
         n = max(self.episodes, 1)
-        return {"episodes": self.episodes, "success_rate": self.successes / n, "truncated": self.truncated,
-                "turns_mean": self.turns / n, "multi_version": self.multi_version, "errors": dict(self.errors),
-                "roles": roles, "episode_lag_hist": {str(k): v for k, v in sorted(self.episode_lag.items())}}
+        return {
+            "episodes": self.episodes,
+            "success_rate": self.successes / n,
+            "truncated": self.truncated,
+            "turns_mean": self.turns / n,
+            "multi_version": self.multi_version,
+            "errors": dict(self.errors),
+            "roles": roles,
+            "episode_lag_hist": {str(k): v for k, v in sorted(self.episode_lag.items())},
+        }
 
 
 def baseline_mode(cfg: EnvConfig, roles: int) -> str:
     return cfg.baseline or ("ema" if roles > 1 else "group")
 
 
-Player = Callable[[TurnEngine, list[Example], Codec, EnvLimits, SamplingParams],
-                  Awaitable[tuple[list[EpisodeResult], Counter[str]]]]
+Player = Callable[
+    [TurnEngine, list[Example], Codec, EnvLimits, SamplingParams], Awaitable[tuple[list[EpisodeResult], Counter[str]]]
+]
 """Plays one episode per row on the engine: the finished ones, and the failed ones counted by kind."""
 
 
 def env_player(make_env: EnvFactory) -> Player:
     """The player of a nonstop environment: `run_episodes` (orchestrator/episodes.py)."""
-    async def play(engine: TurnEngine, rows: list[Example], codec: Codec, limits: EnvLimits,
-                   params: SamplingParams) -> tuple[list[EpisodeResult], Counter[str]]:
+
+    async def play(
+        engine: TurnEngine, rows: list[Example], codec: Codec, limits: EnvLimits, params: SamplingParams
+    ) -> tuple[list[EpisodeResult], Counter[str]]:
         return await run_episodes(engine, make_env, rows, codec, limits, params)
+
     return play
 
 
@@ -152,10 +166,18 @@ class EnvRun:
             from nonstop.envs.verifiers_env import player
 
             play = player(cfg, None if base_model is None else str(base_model))
-            return cls(cfg, play, play, limits(cfg), RoleBaselines(baseline_mode(cfg, 1), cfg.ema_decay), EpisodeStats())
+            return cls(
+                cfg, play, play, limits(cfg), RoleBaselines(baseline_mode(cfg, 1), cfg.ema_decay), EpisodeStats()
+            )
         make_env = env_factory(cfg.name, "env.name", cfg)
-        return cls(cfg, env_player(make_env), env_player(env_factory(eval_name(cfg), "env.eval_name", cfg)), limits(cfg),
-                   RoleBaselines(baseline_mode(cfg, len(make_env().roles)), cfg.ema_decay), EpisodeStats())
+        return cls(
+            cfg,
+            env_player(make_env),
+            env_player(env_factory(eval_name(cfg), "env.eval_name", cfg)),
+            limits(cfg),
+            RoleBaselines(baseline_mode(cfg, len(make_env().roles)), cfg.ema_decay),
+            EpisodeStats(),
+        )
 
     def report(self) -> dict:
         return self.stats.report(self.baselines)
@@ -163,9 +185,16 @@ class EnvRun:
     def state_dict(self) -> dict:
         """The counters and per-role baselines a resumed run continues from (JSON-ready)."""
         st = self.stats
-        return {"episodes": st.episodes, "successes": st.successes, "truncated": st.truncated, "turns": st.turns,
-                "multi_version": st.multi_version, "errors": dict(st.errors),
-                "episode_lag": {str(k): v for k, v in st.episode_lag.items()}, "ema": dict(self.baselines.ema)}
+        return {
+            "episodes": st.episodes,
+            "successes": st.successes,
+            "truncated": st.truncated,
+            "turns": st.turns,
+            "multi_version": st.multi_version,
+            "errors": dict(st.errors),
+            "episode_lag": {str(k): v for k, v in st.episode_lag.items()},
+            "ema": dict(self.baselines.ema),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         st = self.stats
@@ -182,14 +211,25 @@ class EnvRun:
 
 
 async def produce_episodes(
-    engine: TurnEngine, play: Player, buffer: Intake, stream: PromptStream, codec: Codec,
-    rollout: RolloutConfig, env_cfg: EnvConfig, limits: EnvLimits, baselines: RoleBaselines,
-    clock: Clock, stats: RolloutStats, episode_stats: EpisodeStats, ledger: Ledger,
+    engine: TurnEngine,
+    play: Player,
+    buffer: Intake,
+    stream: PromptStream,
+    codec: Codec,
+    rollout: RolloutConfig,
+    env_cfg: EnvConfig,
+    limits: EnvLimits,
+    baselines: RoleBaselines,
+    clock: Clock,
+    stats: RolloutStats,
+    episode_stats: EpisodeStats,
+    ledger: Ledger,
 ) -> None:
     """Each admitted row becomes `group_size` concurrent episodes; its group goes to the buffer as
     soon as they all end, while the engines keep decoding the turns of other episodes."""
-    params = SamplingParams(limits.turn_max_tokens, rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
-                            min_p=rollout.min_p)
+    params = SamplingParams(
+        limits.turn_max_tokens, rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p, min_p=rollout.min_p
+    )
     busy = _BusyClock(clock)
 
     async def one_group(draw: Draw, t_admit: float) -> None:
@@ -201,15 +241,22 @@ async def produce_episodes(
             busy.leave()
         stats.samples += len(results)
         episode_stats.add(results)
-        group = Group(ex.index, ex.prompt, ex.answer, [s for e in results for s in e.samples if any(s.loss_mask)],
-                      epoch=draw.epoch)
+        group = Group(
+            ex.index,
+            ex.prompt,
+            ex.answer,
+            [s for e in results for s in e.samples if any(s.loss_mask)],
+            epoch=draw.epoch,
+        )
         if errors:
             episode_stats.errors.update(errors)
             episode_stats.errors_in_row += 1
             await buffer.drop(group, "env_error")
             if episode_stats.errors_in_row >= env_cfg.max_consecutive_errors:
-                raise NoLearningSignal(f"the environment failed {episode_stats.errors_in_row} episode groups in a row "
-                                       f"(env.max_consecutive_errors); errors so far: {dict(episode_stats.errors)}")
+                raise NoLearningSignal(
+                    f"the environment failed {episode_stats.errors_in_row} episode groups in a row "
+                    f"(env.max_consecutive_errors); errors so far: {dict(episode_stats.errors)}"
+                )
             return
         episode_stats.errors_in_row = 0
         if not group.samples:  # every episode ended before any model turn: nothing to train

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from nonstop.envs.base import EnvLimits, MultiAgentEnvironment, Turn
 from nonstop.orchestrator.generate import Codec
 from nonstop.tasks.data import Example
-from nonstop.types import GenerationRequest, KeptIds, Sample, SamplingParams
+from nonstop.types import GenerationRequest, Sample, SamplingParams
 
 ENV_VERSION = -1  # the policy_version of environment tokens: no policy produced them
 
@@ -115,10 +115,20 @@ class Track:
             self.kept += [[t] for t in ids]
 
     def sample(self, episode: int, truncated: bool, codec: Codec, policy: str = "") -> Sample:
-        return Sample(prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids), logprobs=list(self.logprobs),
-                      versions=list(self.versions), finish_reason="length" if truncated else "stop",
-                      loss_mask=list(self.mask), sampling_mask=self.kept, reward=self.reward,
-                      text=codec.decode(self.ids), role=self.role, episode=episode, policy=policy)
+        return Sample(
+            prompt_ids=list(self.prompt_ids),
+            completion_ids=list(self.ids),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            finish_reason="length" if truncated else "stop",
+            loss_mask=list(self.mask),
+            sampling_mask=self.kept,
+            reward=self.reward,
+            text=codec.decode(self.ids),
+            role=self.role,
+            episode=episode,
+            policy=policy,
+        )
 
 
 @dataclass
@@ -146,7 +156,9 @@ async def _env_call(call, timeout_s: float, what: str) -> Turn:
     try:
         return await asyncio.wait_for(call, timeout_s)
     except TimeoutError:
-        raise EpisodeError("env_timeout", f"environment {what} took longer than {timeout_s} s (env.step_timeout_s)") from None
+        raise EpisodeError(
+            "env_timeout", f"environment {what} took longer than {timeout_s} s (env.step_timeout_s)"
+        ) from None
     except EpisodeError:
         raise
     except Exception as e:  # an environment is user code: its failure ends this episode only
@@ -158,8 +170,15 @@ def encode_observation(codec: Codec, text: str) -> list[int]:
     return list(codec.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-async def run_episode(engine: TurnEngine, env: MultiAgentEnvironment, row: Example, codec: Codec,
-                      limits: EnvLimits, params: SamplingParams, episode: int = 0) -> EpisodeResult:
+async def run_episode(
+    engine: TurnEngine,
+    env: MultiAgentEnvironment,
+    row: Example,
+    codec: Codec,
+    limits: EnvLimits,
+    params: SamplingParams,
+    episode: int = 0,
+) -> EpisodeResult:
     """`engine` plays every role, or (RoleEngines) each role its own policy's engine."""
     engines = engine if isinstance(engine, RoleEngines) else RoleEngines(engine)
     turn = await _env_call(env.reset(row), limits.step_timeout_s, "reset")
@@ -193,18 +212,30 @@ async def run_episode(engine: TurnEngine, env: MultiAgentEnvironment, row: Examp
             tracks[role].append_env(ids)
     for role, track in tracks.items():
         track.reward = float(rewards.get(role, 0.0))
-    return EpisodeResult([tracks[r].sample(episode, truncated, codec, engines.policy(r)) for r in env.roles],
-                         dict(turn.metadata), turns, truncated)
+    return EpisodeResult(
+        [tracks[r].sample(episode, truncated, codec, engines.policy(r)) for r in env.roles],
+        dict(turn.metadata),
+        turns,
+        truncated,
+    )
 
 
 EnvFactory = Callable[[], MultiAgentEnvironment]
 
 
-async def run_episodes(engine: TurnEngine, make_env: EnvFactory, rows: list[Example], codec: Codec,
-                       limits: EnvLimits, params: SamplingParams) -> tuple[list[EpisodeResult], Counter[str]]:
+async def run_episodes(
+    engine: TurnEngine,
+    make_env: EnvFactory,
+    rows: list[Example],
+    codec: Codec,
+    limits: EnvLimits,
+    params: SamplingParams,
+) -> tuple[list[EpisodeResult], Counter[str]]:
     """One episode per row, concurrently; failed episodes are counted by kind and left out."""
-    results = await asyncio.gather(*(run_episode(engine, make_env(), r, codec, limits, params, i)
-                                     for i, r in enumerate(rows)), return_exceptions=True)
+    results = await asyncio.gather(
+        *(run_episode(engine, make_env(), r, codec, limits, params, i) for i, r in enumerate(rows)),
+        return_exceptions=True,
+    )
     errors: Counter[str] = Counter()
     done: list[EpisodeResult] = []
     for r in results:

@@ -22,14 +22,14 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from nonstop.orchestrator.buffer import Intake, RolloutBuffer
-from nonstop.config import RolloutConfig
-from nonstop.orchestrator.ledger import Ledger
-from nonstop.observe.clock import Clock
 from nonstop.clients import EngineClient
+from nonstop.config import RolloutConfig
+from nonstop.observe.clock import Clock
+from nonstop.observe.spans import SpanLog, now
+from nonstop.orchestrator.buffer import Intake, RolloutBuffer
+from nonstop.orchestrator.ledger import Ledger
 from nonstop.orchestrator.score import exact_match
 from nonstop.scoring.base import Scorer
-from nonstop.observe.spans import SpanLog, now
 from nonstop.tasks.data import Draw, Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 
@@ -101,9 +101,18 @@ class _BusyClock:
 
 
 async def produce(
-    engine: EngineClient, buffer: RolloutBuffer, stream: PromptStream, scorer: Scorer,
-    codec: Codec, cfg: RolloutConfig, clock: Clock, stats: RolloutStats, max_reward_failures: int, ledger: Ledger,
-    spans: SpanLog | None = None, seed: int | None = None,
+    engine: EngineClient,
+    buffer: RolloutBuffer,
+    stream: PromptStream,
+    scorer: Scorer,
+    codec: Codec,
+    cfg: RolloutConfig,
+    clock: Clock,
+    stats: RolloutStats,
+    max_reward_failures: int,
+    ledger: Ledger,
+    spans: SpanLog | None = None,
+    seed: int | None = None,
 ) -> None:
     """Each admitted prompt becomes its own engine call, so a group is scored and handed to the
     buffer as soon as its own completions are done, while the engine keeps decoding the others
@@ -133,10 +142,17 @@ async def produce(
             if log.enabled:
                 versions = [v for s in results[0] for v in (s.versions[:1] + s.versions[-1:])]
                 t_done = now()
-                log.emit("group", id=[draw.epoch, ex.index], t_admit=round(t_admit, 6), t_gen0=round(t_gen0, 6),
-                         t_gen1=round(t_gen1, 6), t_scored=round(t_scored if t_scored is not None else t_done, 6),
-                         t_done=round(t_done, 6), lens=[len(s.completion_ids) for s in results[0]],
-                         v=[min(versions), max(versions)] if versions else [])
+                log.emit(
+                    "group",
+                    id=[draw.epoch, ex.index],
+                    t_admit=round(t_admit, 6),
+                    t_gen0=round(t_gen0, 6),
+                    t_gen1=round(t_gen1, 6),
+                    t_scored=round(t_scored if t_scored is not None else t_done, 6),
+                    t_done=round(t_done, 6),
+                    lens=[len(s.completion_ids) for s in results[0]],
+                    v=[min(versions), max(versions)] if versions else [],
+                )
 
     async def score(ex: Example, epoch: int, samples: list[Sample]) -> tuple[Group, bool]:
         """The group of an example's samples, decoded and scored; False when its reward failed."""
@@ -182,8 +198,13 @@ async def drop_uniform(buffer: Intake, group: Group, stats: RolloutStats, max_in
 
 
 async def admit_and_run(
-    buffer: Intake, stream: PromptStream, ledger: Ledger, stats: RolloutStats, prompts_per_step: int,
-    run_group: Callable[[Draw, float], Coroutine[Any, Any, None]], task_name: str,
+    buffer: Intake,
+    stream: PromptStream,
+    ledger: Ledger,
+    stats: RolloutStats,
+    prompts_per_step: int,
+    run_group: Callable[[Draw, float], Coroutine[Any, Any, None]],
+    task_name: str,
     ready: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """The admission loop both producers share: wait for `ready` (a stage that falls behind slows

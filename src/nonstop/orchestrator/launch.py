@@ -68,10 +68,15 @@ def record_failure(run_dir: Path, error: BaseException) -> None:
     """Say in the run folder why the run stopped and whether it can be resumed."""
     from nonstop.orchestrator.recovery import RunInterrupted
 
-    what = ("was interrupted" if isinstance(error, (KeyboardInterrupt, RunInterrupted))
-            else f"failed: {type(error).__name__}: {error}")
+    what = (
+        "was interrupted"
+        if isinstance(error, (KeyboardInterrupt, RunInterrupted))
+        else f"failed: {type(error).__name__}: {error}"
+    )
     has_ckpt = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
-    hint = f"resume with `nonstop train --resume {run_dir}`" if has_ckpt else "no checkpoint was written: start it again"
+    hint = (
+        f"resume with `nonstop train --resume {run_dir}`" if has_ckpt else "no checkpoint was written: start it again"
+    )
     (run_dir / FAILED).write_text(f"this run {what}\n{hint}\n")
 
 
@@ -87,8 +92,14 @@ def run_rows(cfg: Config, data: TaskData | None = None) -> TaskData:
     return data if data is not None else load_task(cfg.task)
 
 
-def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, *,
-                 data: TaskData | None = None, reward: RewardFn | None = None) -> RunSummary:
+def run_training(
+    cfg: Config,
+    console: Console,
+    resume_dir: Path | None = None,
+    *,
+    data: TaskData | None = None,
+    reward: RewardFn | None = None,
+) -> RunSummary:
     """Everything `nonstop train` does after parsing: data, base policy, pipeline, summary.
 
     `data` replaces the task the config names (its report's problems are shown like a JSONL
@@ -117,11 +128,18 @@ def run_training(cfg: Config, console: Console, resume_dir: Path | None = None, 
         raise
 
 
-def _run(cfg: Config, console: Console, run_dir: Path, resume_dir: Path | None, data: TaskData,
-         reward: RewardFn | None, t0: float) -> RunSummary:
+def _run(
+    cfg: Config,
+    console: Console,
+    run_dir: Path,
+    resume_dir: Path | None,
+    data: TaskData,
+    reward: RewardFn | None,
+    t0: float,
+) -> RunSummary:
     from nonstop.checkpoint import latest_valid
-    from nonstop.orchestrator.pipeline import train
     from nonstop.observe.progress import Progress
+    from nonstop.orchestrator.pipeline import train
     from nonstop.tasks.base import prepare_base_model
 
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
@@ -134,7 +152,11 @@ def _run(cfg: Config, console: Console, run_dir: Path, resume_dir: Path | None, 
         progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
         ckpt = None
         if resume_dir is None:
-            if cfg.env is not None and cfg.model.path is None and not cfg.env.name.startswith(("verifiers/", "textarena/")):
+            if (
+                cfg.env is not None
+                and cfg.model.path is None
+                and not cfg.env.name.startswith(("verifiers/", "textarena/"))
+            ):
                 from nonstop.envs.warmup import env_base
 
                 base = env_base(cfg, progress.log)
@@ -148,7 +170,8 @@ def _run(cfg: Config, console: Console, run_dir: Path, resume_dir: Path | None, 
             summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward))
         except asyncio.CancelledError:  # a second Ctrl-C cancelled the run's task
             raise KeyboardInterrupt from None
-    summary = replace(summary, wall_s=time.perf_counter() - t0, warmup_s=warmup_s,
-                      dataset_rows_skipped=data.report.rows_skipped)
+    summary = replace(
+        summary, wall_s=time.perf_counter() - t0, warmup_s=warmup_s, dataset_rows_skipped=data.report.rows_skipped
+    )
     (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
     return summary

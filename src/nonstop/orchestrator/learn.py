@@ -20,11 +20,11 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
+from nonstop.observe.spans import now
 from nonstop.orchestrator.build import Run
 from nonstop.orchestrator.records import StepRecord, completions_crc32
 from nonstop.orchestrator.recovery import RunFailed, write_checkpoint
 from nonstop.runtime import ActorCallError, ActorDied
-from nonstop.observe.spans import now
 from nonstop.types import Group, PublishResult, StepResult
 
 
@@ -37,8 +37,9 @@ async def learn(run: Run) -> StepRecord | None:
         left_s = None if cfg.run.max_time_s is None else max(0.0, cfg.run.max_time_s - state.clock.wall())
         if ahead is not None:
             ahead.step = step
-        take = run.buffer.take(ahead if ahead is not None and ahead.able else None,
-                               max(1, cfg.rollout.prompts_per_step // AHEAD_PARTS))
+        take = run.buffer.take(
+            ahead if ahead is not None and ahead.able else None, max(1, cfg.rollout.prompts_per_step // AHEAD_PARTS)
+        )
         groups = await until_stopped(take, state.stop, timeout_s=left_s)
         if not groups:
             # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
@@ -55,8 +56,14 @@ async def learn(run: Run) -> StepRecord | None:
         t2 = now()
         state.clock.add("training", t2 - t0)
         spans.emit("wait", step=step, t0=round(t_wait, 6), t1=round(t0, 6), cpu=round(cpu, 6))
-        spans.emit("train", step=step, t0=round(t0, 6), t1=round(t1, 6), queued=run.buffer.queued,
-                   groups=[[g.epoch, g.prompt_index] for g in groups])
+        spans.emit(
+            "train",
+            step=step,
+            t0=round(t0, 6),
+            t1=round(t1, 6),
+            queued=run.buffer.queued,
+            groups=[[g.epoch, g.prompt_index] for g in groups],
+        )
         spans.emit("publish", step=step, version=published.policy_version, t0=round(t1, 6), t1=round(t2, 6))
         outcome = "skipped_step" if result.metrics["skipped"] else "trained"
         for g in groups:
@@ -120,8 +127,9 @@ class Ahead:
         self.able = done.groups > 0
 
 
-async def until_stopped(take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event,
-                        timeout_s: float | None = None) -> list[Group]:
+async def until_stopped(
+    take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event, timeout_s: float | None = None
+) -> list[Group]:
     """The batch `take` returns, or [] as soon as `stop` is set or `timeout_s` has passed."""
     if stop.is_set():
         take.close()
@@ -146,8 +154,9 @@ def trainer_failure(run: Run, step: int) -> Iterator[None]:
     except (ActorDied, ActorCallError) as e:
         last = run.state.last_checkpoint
         where = f"checkpoint step {last}" if last else "no checkpoint yet"
-        raise RunFailed(f"the trainer failed at step {step}: {e}\nresume with `nonstop train --resume "
-                        f"{run.run_dir}` ({where})") from e
+        raise RunFailed(
+            f"the trainer failed at step {step}: {e}\nresume with `nonstop train --resume {run.run_dir}` ({where})"
+        ) from e
 
 
 def step_record(run: Run, step: int, groups: list[Group], result: StepResult, published: PublishResult) -> StepRecord:
@@ -157,18 +166,29 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
     trainer = {k: v for k, v in result.metrics.items() if k != "samples"}
     trainer.update(publish_s=published.publish_s, publish_bytes=published.publish_bytes)
     return StepRecord(
-        step=step, policy_version=published.policy_version, time_s=round(wall, 3),
-        reward_mean=sum(rewards) / max(len(rewards), 1), prompts=[[g.epoch, g.prompt_index] for g in groups],
+        step=step,
+        policy_version=published.policy_version,
+        time_s=round(wall, 3),
+        reward_mean=sum(rewards) / max(len(rewards), 1),
+        prompts=[[g.epoch, g.prompt_index] for g in groups],
         completions_crc32=completions_crc32(groups),
-        trainer=trainer, samples_trained=result.metrics["samples"], samples_generated=stats.samples,
+        trainer=trainer,
+        samples_trained=result.metrics["samples"],
+        samples_generated=stats.samples,
         samples_per_s=stats.samples / wall if wall > 0 else 0.0,
-        generation_busy_s=round(busy["generation"], 3), generation_idle_s=round(max(0.0, wall - busy["generation"]), 3),
-        training_busy_s=round(busy["training"], 3), training_idle_s=round(max(0.0, wall - busy["training"]), 3),
-        engine_idle_frac=clock.idle_fraction("generation"), trainer_idle_frac=clock.idle_fraction("training"),
-        drops=dict(run.buffer.drops), reward_errors=dict(run.scorer.errors), buffer_queued=run.buffer.queued,
+        generation_busy_s=round(busy["generation"], 3),
+        generation_idle_s=round(max(0.0, wall - busy["generation"]), 3),
+        training_busy_s=round(busy["training"], 3),
+        training_idle_s=round(max(0.0, wall - busy["training"]), 3),
+        engine_idle_frac=clock.idle_fraction("generation"),
+        trainer_idle_frac=clock.idle_fraction("training"),
+        drops=dict(run.buffer.drops),
+        reward_errors=dict(run.scorer.errors),
+        buffer_queued=run.buffer.queued,
         engine_restarts=sum(len(e.faults.restarts) for e in run.engines),
         prompts_requeued=run.ledger.requeued + sum(e.faults.requeued for e in run.engines),
-        engine_versions=list(run.engine.versions), scoring=run.scorer.metrics(),
+        engine_versions=list(run.engine.versions),
+        scoring=run.scorer.metrics(),
         episodes=run.envs.report() if run.envs is not None else None,
         policies=run.policies.report() if run.policies is not None else None,
     )

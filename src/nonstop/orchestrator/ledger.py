@@ -95,8 +95,11 @@ class Ledger:
         if len(got) == len(self.part_names):
             del self.partial[key]
             kinds = set(got.values())
-            self.settle(epoch, index, kinds.pop() if len(kinds) == 1 else
-                        "+".join(f"{policy_label(p)}:{o}" for p, o in sorted(got.items())))
+            self.settle(
+                epoch,
+                index,
+                kinds.pop() if len(kinds) == 1 else "+".join(f"{policy_label(p)}:{o}" for p, o in sorted(got.items())),
+            )
 
     def pending(self) -> list[Draw]:
         """Drawn but not settled, in draw order: what a resume must generate again."""
@@ -114,10 +117,12 @@ class Ledger:
 
     def report(self) -> dict:
         return {
-            "settled": len(self.outcomes), "in_flight": len(self.in_flight),
+            "settled": len(self.outcomes),
+            "in_flight": len(self.in_flight),
             "outcomes": dict(Counter(self.outcomes.values())),
             "duplicated": self.duplicated_draws + self.duplicated_settlements,
-            "unknown": self.unknown_settlements, "requeued": self.requeued,
+            "unknown": self.unknown_settlements,
+            "requeued": self.requeued,
             "episodes_dropped": dict(self.episodes_dropped),
             **({"parts": dict(self.part_outcomes)} if self.part_names else {}),
         }
@@ -126,8 +131,10 @@ class Ledger:
         return {
             "outcomes": [[e, i, o] for (e, i), o in self.outcomes.items()],
             "in_flight": [[d.epoch, d.example.index] for d in self.in_flight.values()],
-            "duplicated_draws": self.duplicated_draws, "duplicated_settlements": self.duplicated_settlements,
-            "unknown_settlements": self.unknown_settlements, "requeued": self.requeued,
+            "duplicated_draws": self.duplicated_draws,
+            "duplicated_settlements": self.duplicated_settlements,
+            "unknown_settlements": self.unknown_settlements,
+            "requeued": self.requeued,
             "episodes_dropped": dict(self.episodes_dropped),
             "partial": [[e, i, got] for (e, i), got in self.partial.items()],
             "part_outcomes": dict(self.part_outcomes),

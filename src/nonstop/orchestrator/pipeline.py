@@ -29,23 +29,30 @@ from pathlib import Path
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.observe.clock import Clock
+from nonstop.observe.progress import Progress
+from nonstop.observe.spans import host_cpus, now
 from nonstop.orchestrator.build import Run, build_run
 from nonstop.orchestrator.episode_flow import produce_episodes
 from nonstop.orchestrator.generate import produce
 from nonstop.orchestrator.learn import learn
 from nonstop.orchestrator.records import RunSummary, StepRecord
-from nonstop.orchestrator.score import RewardFn
 from nonstop.orchestrator.recovery import RunInterrupted, restore, restore_engines
-from nonstop.observe.progress import Progress
+from nonstop.orchestrator.score import RewardFn
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
-from nonstop.observe.spans import host_cpus, now
 from nonstop.tasks.data import TaskData
 from nonstop.transport import release
 
 
-async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, progress: Progress,
-                resume: Checkpoint | None = None, reward: RewardFn | None = None) -> RunSummary:
+async def train(
+    cfg: Config,
+    base_model: Path,
+    data: TaskData,
+    run_dir: Path,
+    progress: Progress,
+    resume: Checkpoint | None = None,
+    reward: RewardFn | None = None,
+) -> RunSummary:
     """Spawn the actors, connect the transport, run the producer beside `learn`, save the result.
 
     With `resume`, actors start from the checkpoint's weights and state, and the data cursor and
@@ -66,16 +73,43 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         for e in run.engines:
             supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
         if run.envs is None:
-            supervisor.spawn(produce(run.engine, run.buffer, run.stream, run.scorer, run.codec, cfg.rollout,
-                                     run.state.clock, run.stats, cfg.task.max_consecutive_reward_failures,
-                                     run.ledger, run.spans, seed=cfg.run.seed if cfg.rollout.seed_per_prompt else None),
-                             name="producer")
+            supervisor.spawn(
+                produce(
+                    run.engine,
+                    run.buffer,
+                    run.stream,
+                    run.scorer,
+                    run.codec,
+                    cfg.rollout,
+                    run.state.clock,
+                    run.stats,
+                    cfg.task.max_consecutive_reward_failures,
+                    run.ledger,
+                    run.spans,
+                    seed=cfg.run.seed if cfg.rollout.seed_per_prompt else None,
+                ),
+                name="producer",
+            )
         else:
             env, policies = run.envs, run.policies
-            supervisor.spawn(produce_episodes(policies.engines(run.engine) if policies else run.engine, env.play,
-                                              policies.intake if policies else run.buffer, run.stream, run.codec,
-                                              cfg.rollout, env.cfg, env.limits, env.baselines, run.state.clock,
-                                              run.stats, env.stats, run.ledger), name="episode-producer")
+            supervisor.spawn(
+                produce_episodes(
+                    policies.engines(run.engine) if policies else run.engine,
+                    env.play,
+                    policies.intake if policies else run.buffer,
+                    run.stream,
+                    run.codec,
+                    cfg.rollout,
+                    env.cfg,
+                    env.limits,
+                    env.baselines,
+                    run.state.clock,
+                    run.stats,
+                    env.stats,
+                    run.ledger,
+                ),
+                name="episode-producer",
+            )
             if policies is not None:  # roles with their own policy: their engines' heartbeats, their learner loops
                 policies.start(supervisor, run)
         last = await supervisor.run(learn(run))
@@ -97,8 +131,9 @@ async def train(cfg: Config, base_model: Path, data: TaskData, run_dir: Path, pr
         if run is not None:
             await run.scorer.close()
         await backend.shutdown()
-        handles = ([run.transport] if run is not None and run.transport is not None else []) + \
-            (run.policies.transports() if run is not None and run.policies is not None else [])
+        handles = ([run.transport] if run is not None and run.transport is not None else []) + (
+            run.policies.transports() if run is not None and run.policies is not None else []
+        )
         if any([release(h) for h in handles]):
             progress.log("[yellow]released the shared-memory weight segment of a trainer that died[/]")
 
@@ -113,8 +148,9 @@ def stop_on_signals(run: Run) -> Callable[[], None]:
     def on_signal() -> None:
         if not run.state.stop.is_set():
             run.state.stop.set()
-            run.progress.log("[yellow]stopping after this step and writing a checkpoint "
-                             "(Ctrl-C again to stop at once)[/]")
+            run.progress.log(
+                "[yellow]stopping after this step and writing a checkpoint (Ctrl-C again to stop at once)[/]"
+            )
         elif task is not None:
             task.cancel("stop at once")
 
@@ -128,13 +164,17 @@ def stop_on_signals(run: Run) -> Callable[[], None]:
         for sig, handler in previous.items():
             loop.remove_signal_handler(sig)
             signal.signal(sig, handler)
+
     return restore
 
 
 def interrupted(run: Run, last: StepRecord | None) -> RunInterrupted:
     ckpt = run.state.last_checkpoint
-    where = (f"checkpoint step {ckpt} written; resume with `nonstop train --resume {run.run_dir}`" if ckpt is not None
-             else "no checkpoint (checkpoint.every_steps is null, or no step had finished)")
+    where = (
+        f"checkpoint step {ckpt} written; resume with `nonstop train --resume {run.run_dir}`"
+        if ckpt is not None
+        else "no checkpoint (checkpoint.every_steps is null, or no step had finished)"
+    )
     return RunInterrupted(f"stopped at step {last.step if last else 0} on request; {where}")
 
 
@@ -145,15 +185,17 @@ async def begin(run: Run, resume: Checkpoint | None) -> None:
         await restore_engines(run, resume)
     else:
         run.state.base_accuracy = await run.eval()
-        run.progress.log(f"base policy held-out accuracy: {run.state.base_accuracy:.1%} "
-                         f"on {len(run.data.eval)} prompts")
+        run.progress.log(
+            f"base policy held-out accuracy: {run.state.base_accuracy:.1%} on {len(run.data.eval)} prompts"
+        )
         run.state.clock = Clock()
     run.spans.emit("rl_start", t=round(now(), 6), resumed=resume is not None, **host_cpus(run.cfg))
     run.progress.base_eval = run.state.base_accuracy
 
 
-async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: Checkpoint | None,
-                    own_final: dict[str, str]) -> RunSummary:
+async def summarize(
+    run: Run, last: StepRecord | None, final_dir: Path, resume: Checkpoint | None, own_final: dict[str, str]
+) -> RunSummary:
     clock = run.state.clock
     engines = run.engines + (run.policies.actors if run.policies is not None else [])  # own policies' engines too
     policies = run.policies.report() if run.policies is not None else None
@@ -161,19 +203,28 @@ async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: 
         for role, accuracy in (await run.policies.evaluate(run)).items():
             policies[role].update(final_dir=own_final[role], final_accuracy=accuracy)
     return RunSummary(
-        base_accuracy=run.state.base_accuracy, final_accuracy=last.eval_accuracy if last else None,
-        steps=last.step if last else 0, policy_version=last.policy_version if last else 0,
-        rl_wall_s=clock.wall(), samples_generated=run.stats.samples,
+        base_accuracy=run.state.base_accuracy,
+        final_accuracy=last.eval_accuracy if last else None,
+        steps=last.step if last else 0,
+        policy_version=last.policy_version if last else 0,
+        rl_wall_s=clock.wall(),
+        samples_generated=run.stats.samples,
         samples_per_s=last.samples_per_s if last else 0.0,
-        engine_idle_frac=clock.idle_fraction("generation"), trainer_idle_frac=clock.idle_fraction("training"),
-        drops=dict(run.buffer.drops), reward_errors=dict(run.scorer.errors),
+        engine_idle_frac=clock.idle_fraction("generation"),
+        trainer_idle_frac=clock.idle_fraction("training"),
+        drops=dict(run.buffer.drops),
+        reward_errors=dict(run.scorer.errors),
         skipped_steps=last.skipped_steps if last else 0,
         engines=await run.engine.stats(),
-        last_reward_error=run.scorer.last_error, final_dir=str(final_dir),
+        last_reward_error=run.scorer.last_error,
+        final_dir=str(final_dir),
         prompts=run.ledger.report(),
-        engine_faults=RestartStats([r for e in engines for r in e.faults.restarts],
-                                   sum(e.faults.requeued for e in engines)).summary(),
+        engine_faults=RestartStats(
+            [r for e in engines for r in e.faults.restarts], sum(e.faults.requeued for e in engines)
+        ).summary(),
         resumed_from=str(resume.path) if resume is not None else None,
-        episodes=run.envs.report() if run.envs is not None else None, policies=policies,
-        last_checkpoint=run.state.last_checkpoint, run_dir=str(run.run_dir),
+        episodes=run.envs.report() if run.envs is not None else None,
+        policies=policies,
+        last_checkpoint=run.state.last_checkpoint,
+        run_dir=str(run.run_dir),
     )

@@ -51,7 +51,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nonstop.checkpoint import Checkpoint
+from nonstop.clients import TrainerClient
 from nonstop.config import Config, ConfigError, PolicyConfig
+from nonstop.observe.spans import SpanLog
 from nonstop.orchestrator.buffer import RolloutBuffer, make_buffer
 from nonstop.orchestrator.build import connect_transport, engine_restarter, spawn_engine, spawn_trainers
 from nonstop.orchestrator.dispatch import EnginePool
@@ -59,15 +61,13 @@ from nonstop.orchestrator.episodes import RoleEngines, TurnEngine
 from nonstop.orchestrator.ledger import Ledger, policy_label
 from nonstop.orchestrator.recovery import RunFailed
 from nonstop.orchestrator.split_intake import SplitIntake
-from nonstop.clients import TrainerClient
 from nonstop.runtime import ActorBackend, ActorCallError, ActorDied, Supervisor
 from nonstop.runtime.restart import RestartingEngine
-from nonstop.observe.spans import SpanLog
 from nonstop.types import Group, TransportHandle
 
 if TYPE_CHECKING:
-    from nonstop.orchestrator.build import Run
     from nonstop.observe.progress import Progress
+    from nonstop.orchestrator.build import Run
 
 SHARED = ""  # the policy name of the run's shared policy
 
@@ -94,9 +94,13 @@ class PolicyTally:
             self.episode_lag.update(policy_version - v for v in oldest.values())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "policy_version": self.policy_version, "reward_sum": self.reward_sum,
-                "samples_by_role": dict(self.samples_by_role),
-                "episode_lag": {str(k): v for k, v in self.episode_lag.items()}}
+        return {
+            "steps": self.steps,
+            "policy_version": self.policy_version,
+            "reward_sum": self.reward_sum,
+            "samples_by_role": dict(self.samples_by_role),
+            "episode_lag": {str(k): v for k, v in self.episode_lag.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps, self.policy_version, self.reward_sum = state["steps"], state["policy_version"], state["reward_sum"]
@@ -105,10 +109,14 @@ class PolicyTally:
 
     def report(self, buffer: RolloutBuffer) -> dict[str, Any]:
         n = sum(self.samples_by_role.values())
-        return {"steps": self.steps, "policy_version": self.policy_version,
-                "samples_by_role": dict(self.samples_by_role), "drops": dict(buffer.drops),
-                "reward_mean": self.reward_sum / n if n else None,
-                "episode_lag_hist": {str(k): v for k, v in sorted(self.episode_lag.items())}}
+        return {
+            "steps": self.steps,
+            "policy_version": self.policy_version,
+            "samples_by_role": dict(self.samples_by_role),
+            "drops": dict(buffer.drops),
+            "reward_mean": self.reward_sum / n if n else None,
+            "episode_lag_hist": {str(k): v for k, v in sorted(self.episode_lag.items())},
+        }
 
 
 @dataclass
@@ -130,12 +138,14 @@ class PolicySide:
 def policy_config(cfg: Config, own: PolicyConfig, k: int) -> Config:
     """The run's config as policy k's actors see it: its learning rate, LoRA or not, its engine count,
     its own seeds."""
-    return cfg.model_copy(update={
-        "trainer": cfg.trainer.model_copy(update={"lr": own.lr if own.lr is not None else cfg.trainer.lr}),
-        "model": cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": own.lora})}),
-        "runtime": cfg.runtime.model_copy(update={"num_engines": own.num_engines}),
-        "run": cfg.run.model_copy(update={"seed": cfg.run.seed + 1000 * (k + 1)}),
-    })
+    return cfg.model_copy(
+        update={
+            "trainer": cfg.trainer.model_copy(update={"lr": own.lr if own.lr is not None else cfg.trainer.lr}),
+            "model": cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": own.lora})}),
+            "runtime": cfg.runtime.model_copy(update={"num_engines": own.num_engines}),
+            "run": cfg.run.model_copy(update={"seed": cfg.run.seed + 1000 * (k + 1)}),
+        }
+    )
 
 
 def check_roles(cfg: Config, roles: tuple[str, ...]) -> None:
@@ -144,11 +154,14 @@ def check_roles(cfg: Config, roles: tuple[str, ...]) -> None:
     assert cfg.env is not None
     for role in cfg.env.policies:
         if role not in roles:
-            raise ConfigError(f"env.policies.{role}: environment {cfg.env.name!r} has no role {role!r}; "
-                              f"its roles: {', '.join(roles)}")
+            raise ConfigError(
+                f"env.policies.{role}: environment {cfg.env.name!r} has no role {role!r}; its roles: {', '.join(roles)}"
+            )
     if set(roles) <= set(cfg.env.policies):
-        raise ConfigError(f"env.policies: every role of {cfg.env.name!r} has its own policy; leave at least one "
-                          "role to the shared policy (run.max_steps counts its steps)")
+        raise ConfigError(
+            f"env.policies: every role of {cfg.env.name!r} has its own policy; leave at least one "
+            "role to the shared policy (run.max_steps counts its steps)"
+        )
 
 
 def check_tokenizer(role: str, path: Path, tok: Any) -> None:
@@ -156,22 +169,36 @@ def check_tokenizer(role: str, path: Path, tok: Any) -> None:
     from nonstop.hf import load_tokenizer
 
     if load_tokenizer(str(path)).get_vocab() != tok.get_vocab():
-        raise ConfigError(f"env.policies.{role}.path: {path} has another tokenizer than the run's base policy; "
-                          "every policy of an episode must share one tokenizer")
+        raise ConfigError(
+            f"env.policies.{role}.path: {path} has another tokenizer than the run's base policy; "
+            "every policy of an episode must share one tokenizer"
+        )
 
 
 def _saved(resume: Checkpoint, role: str) -> tuple[Path, int]:
     """Where a checkpoint keeps policy `role` (its trainer's folder) and the version it had."""
     saved = (resume.state.get("policies") or {}).get("own", {})
     if role not in saved:
-        raise RunFailed(f"env.policies.{role}: the checkpoint {resume.path} holds no policy {role!r} "
-                        f"(it has: {', '.join(saved) or 'none'}); resume with the run's own env.policies")
+        raise RunFailed(
+            f"env.policies.{role}: the checkpoint {resume.path} holds no policy {role!r} "
+            f"(it has: {', '.join(saved) or 'none'}); resume with the run's own env.policies"
+        )
     return resume.path / "policies" / role, int(saved[role]["policy_version"])
 
 
-async def build_side(cfg: Config, k: int, role: str, backend: ActorBackend, base_model: Path, tok: Any,
-                     ledger: Ledger, run_dir: Path, spans: SpanLog, progress: Progress,
-                     resume: Checkpoint | None = None) -> PolicySide:
+async def build_side(
+    cfg: Config,
+    k: int,
+    role: str,
+    backend: ActorBackend,
+    base_model: Path,
+    tok: Any,
+    ledger: Ledger,
+    run_dir: Path,
+    spans: SpanLog,
+    progress: Progress,
+    resume: Checkpoint | None = None,
+) -> PolicySide:
     own = cfg.env.policies[role] if cfg.env is not None else PolicyConfig()
     start = base_model
     if own.path is not None:
@@ -185,53 +212,91 @@ async def build_side(cfg: Config, k: int, role: str, backend: ActorBackend, base
         weights = folder / "model"  # with LoRA: the adapters, on top of `start`
     model_weights = start if own.lora else weights  # LoRA: engines and trainer hold the start weights
     pcfg = policy_config(cfg, own, k)
-    progress.log(f"policy {role!r}: {own.num_engines} engine and 1 trainer actor from {weights}"
-                 + (" (LoRA adapters)" if own.lora else ""))
+    progress.log(
+        f"policy {role!r}: {own.num_engines} engine and 1 trainer actor from {weights}"
+        + (" (LoRA adapters)" if own.lora else "")
+    )
     first, trainer = await asyncio.gather(
-        asyncio.gather(*(spawn_engine(backend, pcfg, model_weights, tok, i, version0, run_dir, f"{role}-engine")
-                         for i in range(own.num_engines))),
-        spawn_trainers(backend, pcfg, model_weights, tok, str(start) if resume is not None else None,
-                       adapter_path=str(weights) if folder is not None and own.lora else None, run_dir=run_dir,
-                       prefix=f"{role}-trainer"))
+        asyncio.gather(
+            *(
+                spawn_engine(backend, pcfg, model_weights, tok, i, version0, run_dir, f"{role}-engine")
+                for i in range(own.num_engines)
+            )
+        ),
+        spawn_trainers(
+            backend,
+            pcfg,
+            model_weights,
+            tok,
+            str(start) if resume is not None else None,
+            adapter_path=str(weights) if folder is not None and own.lora else None,
+            run_dir=run_dir,
+            prefix=f"{role}-trainer",
+        ),
+    )
     if folder is not None:
         await trainer.load_checkpoint(str(folder))
     handle = await connect_transport(pcfg, trainer, list(first), backend.host)
-    engines = [RestartingEngine(e.name, engine_restarter(backend, pcfg, model_weights, tok, i, version0, handle, trainer,
-                                                         run_dir, f"{role}-engine"),
-                                cfg.engine_restarts, cfg.runtime.heartbeat_interval_s, cfg.runtime.heartbeat_timeout_s,
-                                log=progress.log, engine=e)
-               for i, e in enumerate(first)]
+    engines = [
+        RestartingEngine(
+            e.name,
+            engine_restarter(
+                backend, pcfg, model_weights, tok, i, version0, handle, trainer, run_dir, f"{role}-engine"
+            ),
+            cfg.engine_restarts,
+            cfg.runtime.heartbeat_interval_s,
+            cfg.runtime.heartbeat_timeout_s,
+            log=progress.log,
+            engine=e,
+        )
+        for i, e in enumerate(first)
+    ]
     buffer = make_buffer(cfg, ledger.part(role), spans)
     return PolicySide(role, EnginePool(list(engines)), engines, trainer, handle, buffer)
 
 
-async def build_policies(cfg: Config, backend: ActorBackend, base_model: Path, tok: Any, ledger: Ledger,
-                         run_dir: Path, spans: SpanLog, progress: Progress,
-                         resume: Checkpoint | None = None) -> dict[str, PolicySide]:
+async def build_policies(
+    cfg: Config,
+    backend: ActorBackend,
+    base_model: Path,
+    tok: Any,
+    ledger: Ledger,
+    run_dir: Path,
+    spans: SpanLog,
+    progress: Progress,
+    resume: Checkpoint | None = None,
+) -> dict[str, PolicySide]:
     """Spawn and connect every own policy of cfg.env.policies (the roles were checked in check_roles);
     with `resume`, each from its weights and trainer state in the checkpoint."""
     assert cfg.env is not None
     if resume is not None:
         extra = set((resume.state.get("policies") or {}).get("own", {})) - set(cfg.env.policies)
         if extra:
-            raise RunFailed(f"env.policies: the checkpoint {resume.path} has own policies {sorted(extra)} this config "
-                            "does not name; resume with the run's own env.policies")
-    sides = await asyncio.gather(*(build_side(cfg, k, role, backend, base_model, tok, ledger, run_dir, spans, progress,
-                                              resume)
-                                   for k, role in enumerate(sorted(cfg.env.policies))))
+            raise RunFailed(
+                f"env.policies: the checkpoint {resume.path} has own policies {sorted(extra)} this config "
+                "does not name; resume with the run's own env.policies"
+            )
+    sides = await asyncio.gather(
+        *(
+            build_side(cfg, k, role, backend, base_model, tok, ledger, run_dir, spans, progress, resume)
+            for k, role in enumerate(sorted(cfg.env.policies))
+        )
+    )
     return {s.role: s for s in sides}
 
 
 class Policies:
     """The run's policies: the shared one (Run.buffer, trained by learn.py) and each role's own."""
 
-    def __init__(self, shared_buffer: RolloutBuffer, sides: dict[str, PolicySide], filter_uniform: bool,
-                 ledger: Ledger) -> None:
+    def __init__(
+        self, shared_buffer: RolloutBuffer, sides: dict[str, PolicySide], filter_uniform: bool, ledger: Ledger
+    ) -> None:
         self.sides = sides
         self.shared_tally = PolicyTally()
         self.shared_buffer = shared_buffer
-        self.intake = SplitIntake({SHARED: shared_buffer, **{r: s.buffer for r, s in sides.items()}}, filter_uniform,
-                                  ledger)
+        self.intake = SplitIntake(
+            {SHARED: shared_buffer, **{r: s.buffer for r, s in sides.items()}}, filter_uniform, ledger
+        )
 
     def engines(self, shared: TurnEngine) -> RoleEngines:
         return RoleEngines(shared, {role: side.engine for role, side in self.sides.items()})
@@ -273,8 +338,10 @@ class Policies:
         assert run.envs is not None
         r, limits = run.cfg.rollout, run.envs.limits
         params = SamplingParams(limits.turn_max_tokens, r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p)
-        return {role: await run.envs.evaluate(side.engine, run.data.eval, run.codec, params)
-                for role, side in self.sides.items()}
+        return {
+            role: await run.envs.evaluate(side.engine, run.data.eval, run.codec, params)
+            for role, side in self.sides.items()
+        }
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -291,9 +358,12 @@ class Policies:
             tokenizer.save_pretrained(folder / "policies" / role / "model")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"shared": self.shared_tally.state_dict(),
-                "own": {role: {**side.tally.state_dict(), "drops": dict(side.buffer.drops)}
-                        for role, side in self.sides.items()}}
+        return {
+            "shared": self.shared_tally.state_dict(),
+            "own": {
+                role: {**side.tally.state_dict(), "drops": dict(side.buffer.drops)} for role, side in self.sides.items()
+            },
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.shared_tally.load_state_dict(state["shared"])
@@ -326,8 +396,10 @@ async def learn_policy(side: PolicySide, run: Run) -> None:
                     result = await side.trainer.step(groups)
                     published = await side.trainer.publish()
                 except (ActorDied, ActorCallError) as e:
-                    raise RunFailed(f"the trainer of policy {side.role!r} failed at its step {tally.steps + 1}: {e}\n"
-                                    f"resume with `nonstop train --resume {run.run_dir}`") from e
+                    raise RunFailed(
+                        f"the trainer of policy {side.role!r} failed at its step {tally.steps + 1}: {e}\n"
+                        f"resume with `nonstop train --resume {run.run_dir}`"
+                    ) from e
                 outcome = "skipped_step" if result.metrics["skipped"] else "trained"
                 for g in groups:
                     side.buffer.settle(g, outcome)
@@ -337,12 +409,24 @@ async def learn_policy(side: PolicySide, run: Run) -> None:
                 await side.buffer.step_done(published.policy_version)
             rewards = [s.reward for g in groups for s in g.samples]
             metrics = {k: v for k, v in result.metrics.items() if k != "samples"}
-            records.write(json.dumps({
-                "policy": side.role, "step": tally.steps, "policy_version": published.policy_version,
-                "shared_policy_version": run.buffer.policy_version, "train_s": round(time.perf_counter() - t0, 3),
-                "reward_mean": sum(rewards) / max(len(rewards), 1), "prompts": [[g.epoch, g.prompt_index] for g in groups],
-                "samples_trained": result.metrics["samples"],
-                "roles": dict(Counter(s.role for g in groups for s in g.samples)), **metrics,
-                "publish_s": published.publish_s, "publish_bytes": published.publish_bytes,
-                "drops": dict(side.buffer.drops)}) + "\n")
+            records.write(
+                json.dumps(
+                    {
+                        "policy": side.role,
+                        "step": tally.steps,
+                        "policy_version": published.policy_version,
+                        "shared_policy_version": run.buffer.policy_version,
+                        "train_s": round(time.perf_counter() - t0, 3),
+                        "reward_mean": sum(rewards) / max(len(rewards), 1),
+                        "prompts": [[g.epoch, g.prompt_index] for g in groups],
+                        "samples_trained": result.metrics["samples"],
+                        "roles": dict(Counter(s.role for g in groups for s in g.samples)),
+                        **metrics,
+                        "publish_s": published.publish_s,
+                        "publish_bytes": published.publish_bytes,
+                        "drops": dict(side.buffer.drops),
+                    }
+                )
+                + "\n"
+            )
             records.flush()

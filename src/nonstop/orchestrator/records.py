@@ -34,7 +34,9 @@ class StepRecord:
     time_s: float  # RL wall time so far
     reward_mean: float  # over the samples trained in this step
     prompts: list[list[int]]  # [epoch, prompt index] of each group trained
-    completions_crc32: int  # of the trained groups' completion token ids: equal in two runs that trained on the same tokens
+    completions_crc32: (
+        int  # of the trained groups' completion token ids: equal in two runs that trained on the same tokens
+    )
     trainer: dict[str, Any]  # the trainer's metrics of this step and of its publish
     samples_trained: int
     samples_generated: int  # so far, by every engine
@@ -77,8 +79,12 @@ class StepRecord:
 
     def final_eval(self) -> dict[str, Any]:
         """The extra line written when the run ended between two evaluations."""
-        return {"step": self.step, "policy_version": self.policy_version, "eval_accuracy": self.eval_accuracy,
-                "final_eval": True}
+        return {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "eval_accuracy": self.eval_accuracy,
+            "final_eval": True,
+        }
 
 
 @dataclass

@@ -56,15 +56,22 @@ async def _write_checkpoint(run: "Run", step: int) -> None:
     if run.policies is not None:
         await run.policies.save_checkpoints(tmp, run.codec.tokenizer)
     state = {
-        "step": step, "policy_version": version, "base_model": str(run.base_model),
-        "base_accuracy": run.state.base_accuracy, "train_size": len(run.data.train),
-        "stream": run.stream.state_dict(), "ledger": run.ledger.state_dict(),
-        "stats": asdict(run.stats), "drops": dict(run.buffer.drops), "reward_errors": dict(run.scorer.errors),
+        "step": step,
+        "policy_version": version,
+        "base_model": str(run.base_model),
+        "base_accuracy": run.state.base_accuracy,
+        "train_size": len(run.data.train),
+        "stream": run.stream.state_dict(),
+        "ledger": run.ledger.state_dict(),
+        "stats": asdict(run.stats),
+        "drops": dict(run.buffer.drops),
+        "reward_errors": dict(run.scorer.errors),
         "clock": {"wall_s": run.state.clock.wall(), "busy_s": dict(run.state.clock.busy_s)},
         "envs": run.envs.state_dict() if run.envs is not None else None,
         "policies": run.policies.state_dict() if run.policies is not None else None,
-        "engine_rng": [{k: base64.b64encode(v).decode() for k, v in st.items()}
-                       for st in await run.engine.sampling_states()],
+        "engine_rng": [
+            {k: base64.b64encode(v).decode() for k, v in st.items()} for st in await run.engine.sampling_states()
+        ],
     }
     await asyncio.to_thread(commit, root, tmp, step, state, run.cfg.checkpoint.keep)
     run.state.last_checkpoint = step
@@ -73,8 +80,10 @@ async def _write_checkpoint(run: "Run", step: int) -> None:
 def restore(run: "Run", ckpt: Checkpoint) -> None:
     state = ckpt.state
     if state["train_size"] != len(run.data.train):
-        raise RunFailed(f"task: this config gives {len(run.data.train)} train prompts, the checkpoint's run had "
-                        f"{state['train_size']}; resume with the run's own task settings and seed")
+        raise RunFailed(
+            f"task: this config gives {len(run.data.train)} train prompts, the checkpoint's run had "
+            f"{state['train_size']}; resume with the run's own task settings and seed"
+        )
     by_index = {ex.index: ex for ex in run.data.train}
     pending = [Draw(int(e), by_index[int(i)]) for e, i in state["ledger"]["in_flight"]]
     run.stream.load_state_dict(state["stream"])
@@ -94,8 +103,10 @@ def restore(run: "Run", ckpt: Checkpoint) -> None:
     run.state.base_accuracy = state["base_accuracy"]
     run.state.first_step = state["step"] + 1
     run.state.last_checkpoint = state["step"]
-    run.progress.log(f"resumed from {ckpt.path} (step {state['step']}, policy_version {state['policy_version']}); "
-                     f"{len(pending)} in-flight prompts re-queued")
+    run.progress.log(
+        f"resumed from {ckpt.path} (step {state['step']}, policy_version {state['policy_version']}); "
+        f"{len(pending)} in-flight prompts re-queued"
+    )
 
 
 async def restore_engines(run: "Run", ckpt: Checkpoint) -> None:
@@ -105,7 +116,9 @@ async def restore_engines(run: "Run", ckpt: Checkpoint) -> None:
         return
     states = [{k: base64.b64decode(v) for k, v in st.items()} for st in saved]
     if len(states) != len(run.engines):
-        run.progress.log(f"engine sampling state not restored: the checkpoint has {len(states)} engine(s), "
-                         f"this run {len(run.engines)}")
+        run.progress.log(
+            f"engine sampling state not restored: the checkpoint has {len(states)} engine(s), "
+            f"this run {len(run.engines)}"
+        )
         return
     await run.engine.load_sampling_states(states)

@@ -54,8 +54,10 @@ class SplitIntake:
         for s in group.samples:
             if s.policy in split:
                 split[s.policy].append(s)
-        return {p: Group(group.prompt_index, group.prompt, group.answer, samples, epoch=group.epoch)
-                for p, samples in split.items()}
+        return {
+            p: Group(group.prompt_index, group.prompt, group.answer, samples, epoch=group.epoch)
+            for p, samples in split.items()
+        }
 
     async def put(self, group: Group) -> None:
         for p, part in (await self.parts(group)).items():

@@ -165,8 +165,7 @@ def pauses(tl: Timeline) -> list[Interval]:
             if took is not None:
                 owed.append((e["t1"], took["t1"]))
     owed = _union(owed)
-    return [(a, b) for a, b in zip(points, points[1:])
-            if b - a > PAUSE_S and union_length(owed, a, b) >= b - a - 1e-6]
+    return [(a, b) for a, b in zip(points, points[1:]) if b - a > PAUSE_S and union_length(owed, a, b) >= b - a - 1e-6]
 
 
 def _times(e: dict) -> list[float]:
@@ -270,8 +269,10 @@ def host_cores(tl: Timeline, cfg: Config) -> float | None:
     start = [e for e in tl.events.get("orchestrator", []) if e["ev"] == "rl_start"]
     if start and "cpus" in start[-1]:
         return float(start[-1]["cpus"]) if start[-1]["cpu_actors"] else None
-    on_cpu = all(resolve_device(spec, name).type == "cpu"
-                 for spec, name in ((cfg.engine.device, "engine.device"), (cfg.trainer.device, "trainer.device")))
+    on_cpu = all(
+        resolve_device(spec, name).type == "cpu"
+        for spec, name in ((cfg.engine.device, "engine.device"), (cfg.trainer.device, "trainer.device"))
+    )
     return float(cpu_count()) if on_cpu and cfg.runtime.backend == "local" else None
 
 
@@ -286,32 +287,42 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     paused = pauses(tl)
     call_s, loop_s, loop_busy = loop_costs(tl)
     cores = host_cores(tl, cfg)
-    busy = ([tl.engine_busy(a) for a in tl.actors("engine")] + [tl.trainer_busy(a) for a in tl.actors("trainer")]
-            + [handling + loop_busy + paused])
-    chunk_events = [e for a in tl.actors("engine") for e in tl.events[a]
-                    if e["ev"] == "busy" and e["passes"] and e["t1"] > e["t0"]]
+    busy = (
+        [tl.engine_busy(a) for a in tl.actors("engine")]
+        + [tl.trainer_busy(a) for a in tl.actors("trainer")]
+        + [handling + loop_busy + paused]
+    )
+    chunk_events = [
+        e for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "busy" and e["passes"] and e["t1"] > e["t0"]
+    ]
     if not chunk_events:
         raise ValueError(f"{tl.run_dir}: the span log holds no engine forward passes")
     if cores is not None and all("cpu_s" in e for e in chunk_events + steps):
         # processor time says what each took alone; the steps' and the chunks' wall time how shared they
         # were (both: the sharing slows every busy actor, and the engine's chunks hold most of the evidence)
-        fitted = effective_cores(busy, [(e["t0"], e["t1"], e["cpu_s"]) for e in steps + chunk_events
-                                        + [a for part in aheads for a in part]], cores)
+        fitted = effective_cores(
+            busy,
+            [(e["t0"], e["t1"], e["cpu_s"]) for e in steps + chunk_events + [a for part in aheads for a in part]],
+            cores,
+        )
         cores = cores if fitted is None else fitted  # at full speed: the host's, still shared
         per_pass = [(e["rows"] / e["passes"], e["cpu_s"] / e["passes"]) for e in chunk_events]
         work = [e["cpu_s"] + sum(a["cpu_s"] for a in part) for e, part in zip(steps, aheads)]
     else:
         sharing = Sharing(busy, cores)
         per_pass = [(e["rows"] / e["passes"], sharing.work(e["t0"], e["t1"]) / e["passes"]) for e in chunk_events]
-        work = [sharing.work(e["t0"], e["t1"]) + sum(sharing.work(a["t0"], a["t1"]) for a in part)
-                for e, part in zip(steps, aheads)]
+        work = [
+            sharing.work(e["t0"], e["t1"]) + sum(sharing.work(a["t0"], a["t1"]) for a in part)
+            for e, part in zip(steps, aheads)
+        ]
     send_s = _send_cost(tl, handling + loop_busy + paused, busy, cores)
     # weighted by passes: the fit then reproduces the total time of all passes
     chunks = [xy for e, xy in zip(chunk_events, per_pass) for _ in range(e["passes"])]
     pass_s, pass_row_s = _fit_line(*map(list, zip(*chunks)))
     # a step's forward run ahead (trainer.forward_ahead) is its work too: its time joins the step's
-    step_s, step_token_s = _fit_steps([dict(e, t0=e["t0"] - sum(a["t1"] - a["t0"] for a in part))
-                                       for e, part in zip(steps, aheads)], work)
+    step_s, step_token_s = _fit_steps(
+        [dict(e, t0=e["t0"] - sum(a["t1"] - a["t0"] for a in part)) for e, part in zip(steps, aheads)], work
+    )
     pubs = [e["t1"] - e["t0"] for e in tl.events.get("trainer-0", []) if e["ev"] == "publish"]
     applies = [e["t1"] - e["t0"] for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "apply"]
     evals = [e["t1"] - e["t0"] for e in tl.events.get("orchestrator", []) if e["ev"] == "eval"]
@@ -319,20 +330,32 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     firsts, gap_s = admissions(groups)
     wake_s, wake_call_s = engine_wake(tl)
     return PlanParams(
-        pass_s=pass_s, pass_row_s=pass_row_s, step_s=step_s, step_token_s=step_token_s,
-        publish_s=fmean(pubs) if pubs else 0.0, apply_s=fmean(applies) if applies else 0.0,
+        pass_s=pass_s,
+        pass_row_s=pass_row_s,
+        step_s=step_s,
+        step_token_s=step_token_s,
+        publish_s=fmean(pubs) if pubs else 0.0,
+        apply_s=fmean(applies) if applies else 0.0,
         groups_lens=[g.lens for g in groups],
         admit_delay_s=fmean(firsts) if firsts else 0.0,
-        admit_delays=[round(x, 6) for x in firsts[:: max(1, len(firsts) // 4000)]], admit_gap_s=gap_s,
-        deliver_delay_s=deliver_delay_s, orch_group_s=orch_group_s,
+        admit_delays=[round(x, 6) for x in firsts[:: max(1, len(firsts) // 4000)]],
+        admit_gap_s=gap_s,
+        deliver_delay_s=deliver_delay_s,
+        orch_group_s=orch_group_s,
         pause_s=fmean(b - a for a, b in paused) if paused else 0.0,
         pause_every=len(groups) / len(paused) if paused else 0.0,
-        call_sample_s=call_s / (cfg.rollout.prompts_per_step * cfg.rollout.group_size), loop_s=loop_s,
+        call_sample_s=call_s / (cfg.rollout.prompts_per_step * cfg.rollout.group_size),
+        loop_s=loop_s,
         drop_frac=uniform / len(groups) if groups and cfg.rollout.filter_uniform_reward and cfg.rollout.refill else 0.0,
         # the engine actor's loop order (engine/aio.py, runtime/local.py): a call that arrives mid-pass
         # is read after the next pass and submitted after the one after; an answer leaves after the next
-        pickup_passes=2, return_passes=1,
-        send_s=send_s, wake_s=wake_s, wake_call_s=wake_call_s, eval_s=fmean(evals) if evals else 0.0, cores=cores,
+        pickup_passes=2,
+        return_passes=1,
+        send_s=send_s,
+        wake_s=wake_s,
+        wake_call_s=wake_call_s,
+        eval_s=fmean(evals) if evals else 0.0,
+        cores=cores,
         calibrated_on=Shape.of(cfg),
     )
 

@@ -48,13 +48,27 @@ def table(rows: list[Row]) -> Table:
     for col in ("pipeline", "samples/s", "engine idle", "trainer idle", "mean lag", "lag histogram"):
         t.add_column(col)
     for r in sorted(rows, key=lambda r: -r.samples_per_s):
-        t.add_row(_short(r.overrides) or r.shape.label(), f"{r.samples_per_s:.1f}", f"{r.engine_idle:.0%}",
-                  f"{r.trainer_idle:.0%}", f"{r.mean_lag:.2f}", _lag_text(r.lag_hist))
+        t.add_row(
+            _short(r.overrides) or r.shape.label(),
+            f"{r.samples_per_s:.1f}",
+            f"{r.engine_idle:.0%}",
+            f"{r.trainer_idle:.0%}",
+            f"{r.mean_lag:.2f}",
+            _lag_text(r.lag_hist),
+        )
     return t
 
 
-def run_planner(console: Console, cfg: Config, run_dir: Path | None, params_path: Path | None,
-                axes: tuple[str, ...], max_mean_lag: float | None, seeds: int, write_params: Path | None) -> None:
+def run_planner(
+    console: Console,
+    cfg: Config,
+    run_dir: Path | None,
+    params_path: Path | None,
+    axes: tuple[str, ...],
+    max_mean_lag: float | None,
+    seeds: int,
+    write_params: Path | None,
+) -> None:
     from nonstop.observe.timeline import Timeline
 
     if run_dir is not None:
@@ -77,6 +91,9 @@ def run_planner(console: Console, cfg: Config, run_dir: Path | None, params_path
     if best is None:
         console.print(f"no pipeline keeps the mean lag within {max_mean_lag}")
     else:
-        console.print(f"recommended: {' '.join(f'--set {o}' for o in best.overrides)} "
-                      f"({best.samples_per_s:.1f} samples/s, trainer idle {best.trainer_idle:.0%}, "
-                      f"mean lag {best.mean_lag:.2f})", highlight=False)
+        console.print(
+            f"recommended: {' '.join(f'--set {o}' for o in best.overrides)} "
+            f"({best.samples_per_s:.1f} samples/s, trainer idle {best.trainer_idle:.0%}, "
+            f"mean lag {best.mean_lag:.2f})",
+            highlight=False,
+        )

@@ -112,9 +112,14 @@ class Simulation:
         wall = self.last_publish
         samples = sum(n for t, n in self.samples_done if t <= wall)
         engines = sum(min(e.busy_s, wall) for e in self.engines) / max(len(self.engines), 1)
-        return Prediction(samples / wall if wall > 0 else 0.0, 1 - engines / wall if wall else 0.0,
-                          1 - self.trainer_busy_s / wall if wall else 0.0, dict(sorted(self.lag.items())), wall,
-                          self.dropped_for_lag)
+        return Prediction(
+            samples / wall if wall > 0 else 0.0,
+            1 - engines / wall if wall else 0.0,
+            1 - self.trainer_busy_s / wall if wall else 0.0,
+            dict(sorted(self.lag.items())),
+            wall,
+            self.dropped_for_lag,
+        )
 
     # -- producer and buffer --------------------------------------------------------------
 
@@ -272,8 +277,11 @@ class Simulation:
         """How much slower every actor runs because busy actors outnumber the cores (1: not at all)."""
         if self.p.cores is None:
             return 1.0
-        busy = (sum(e.end is not None for e in self.engines) + self.s.trainer_ranks * self.trainer_busy
-                + (self.t < self.orch_free))
+        busy = (
+            sum(e.end is not None for e in self.engines)
+            + self.s.trainer_ranks * self.trainer_busy
+            + (self.t < self.orch_free)
+        )
         return max(1.0, busy / self.p.cores)
 
     def busy_changed(self, source: _Engine | None = None) -> None:

@@ -73,10 +73,18 @@ class Shape:
 
     @classmethod
     def of(cls, cfg: Config) -> "Shape":
-        return cls(cfg.runtime.num_engines, cfg.trainer.ranks, cfg.buffer.depth,
-                   cfg.buffer.max_lag if cfg.buffer.reject == "group" else None, cfg.rollout.prompts_per_step,
-                   cfg.rollout.group_size, cfg.engine.max_concurrent_seqs, cfg.run.max_steps, cfg.run.eval_every,
-                   cfg.buffer.max_queued_groups)
+        return cls(
+            cfg.runtime.num_engines,
+            cfg.trainer.ranks,
+            cfg.buffer.depth,
+            cfg.buffer.max_lag if cfg.buffer.reject == "group" else None,
+            cfg.rollout.prompts_per_step,
+            cfg.rollout.group_size,
+            cfg.engine.max_concurrent_seqs,
+            cfg.run.max_steps,
+            cfg.run.eval_every,
+            cfg.buffer.max_queued_groups,
+        )
 
 
 @dataclass(frozen=True)
@@ -113,13 +121,15 @@ class PlanParams:
     def describe(self) -> str:
         """The costs on one line, for people."""
         cores = "none" if self.cores is None else f"{self.cores:g}"
-        return (f"pass {self.pass_s * 1e3:.2f} ms + {self.pass_row_s * 1e6:.1f} us/row, step {self.step_s * 1e3:.1f} ms + "
-                f"{self.step_token_s * 1e6:.1f} us/token, publish {self.publish_s * 1e3:.1f} ms, apply "
-                f"{self.apply_s * 1e3:.1f} ms; orchestrator {self.orch_group_s * 1e3:.2f} ms/group, handoff "
-                f"{self.deliver_delay_s * 1e3:.1f} ms, pause {self.pause_s * 1e3:.0f} ms per {self.pause_every:.0f} "
-                f"groups, send {self.send_s * 1e3:.2f} ms/group, wake {self.wake_s * 1e3:.2f} ms + "
-                f"{self.wake_call_s * 1e3:.2f} ms/call, batch call {self.call_sample_s * 1e6:.1f} us/sample, loop {self.loop_s * 1e3:.1f} ms; "
-                f"drop {self.drop_frac:.2f}; shared cores {cores}; {len(self.groups_lens)} groups' completion lengths")
+        return (
+            f"pass {self.pass_s * 1e3:.2f} ms + {self.pass_row_s * 1e6:.1f} us/row, step {self.step_s * 1e3:.1f} ms + "
+            f"{self.step_token_s * 1e6:.1f} us/token, publish {self.publish_s * 1e3:.1f} ms, apply "
+            f"{self.apply_s * 1e3:.1f} ms; orchestrator {self.orch_group_s * 1e3:.2f} ms/group, handoff "
+            f"{self.deliver_delay_s * 1e3:.1f} ms, pause {self.pause_s * 1e3:.0f} ms per {self.pause_every:.0f} "
+            f"groups, send {self.send_s * 1e3:.2f} ms/group, wake {self.wake_s * 1e3:.2f} ms + "
+            f"{self.wake_call_s * 1e3:.2f} ms/call, batch call {self.call_sample_s * 1e6:.1f} us/sample, loop {self.loop_s * 1e3:.1f} ms; "
+            f"drop {self.drop_frac:.2f}; shared cores {cores}; {len(self.groups_lens)} groups' completion lengths"
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -36,9 +36,15 @@ def predict(params: PlanParams, shape: Shape, seeds: int = 3) -> Row:
     for p in preds:
         for k, v in p.lag_hist.items():
             hist[k] = hist.get(k, 0) + v
-    return Row((), shape, statistics.fmean(p.samples_per_s for p in preds),
-               statistics.fmean(p.engine_idle for p in preds), statistics.fmean(p.trainer_idle for p in preds),
-               statistics.fmean(p.mean_lag for p in preds), dict(sorted(hist.items())))
+    return Row(
+        (),
+        shape,
+        statistics.fmean(p.samples_per_s for p in preds),
+        statistics.fmean(p.engine_idle for p in preds),
+        statistics.fmean(p.trainer_idle for p in preds),
+        statistics.fmean(p.mean_lag for p in preds),
+        dict(sorted(hist.items())),
+    )
 
 
 def sweep(params: PlanParams, base: Config, axes: dict[str, list[str]], seeds: int = 3) -> list[Row]:

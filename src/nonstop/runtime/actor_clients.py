@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from nonstop.config import TransportConfig
 from nonstop.clients import EngineStats, SamplingState
+from nonstop.config import TransportConfig
 from nonstop.runtime.base import ActorHandle
 from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 

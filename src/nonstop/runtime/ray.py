@@ -41,9 +41,7 @@ try:
     import ray
     import ray.exceptions as rex
 except ImportError as e:
-    raise ImportError(
-        "runtime.backend=ray needs Ray: install the extra with `pip install nonstop[ray]`"
-    ) from e
+    raise ImportError("runtime.backend=ray needs Ray: install the extra with `pip install nonstop[ray]`") from e
 
 
 class _Shim:
@@ -94,6 +92,7 @@ def _reload_auth_settings() -> None:
     """Ray caches RAY_AUTH_MODE / RAY_AUTH_TOKEN when it is imported; re-read them as Ray's own
     `ray.init` does when it turns token auth on."""
     from ray._private.authentication.authentication_token_setup import _enable_token_auth  # noqa: F401
+
     # Private names of Ray's compiled module, absent from its type stubs.
     from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
@@ -198,8 +197,14 @@ class RayBackend:
             link = self.run_dir / "ray"
             if not link.exists():
                 link.symlink_to(self.temp_dir, target_is_directory=True)
-        ray.init(num_cpus=self.cfg.ray_num_cpus, num_gpus=self.cfg.ray_num_gpus, _temp_dir=str(self.temp_dir),
-                 _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        ray.init(
+            num_cpus=self.cfg.ray_num_cpus,
+            num_gpus=self.cfg.ray_num_gpus,
+            _temp_dir=str(self.temp_dir),
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            log_to_driver=False,
+        )
         self._started = True
 
     @property
@@ -212,14 +217,18 @@ class RayBackend:
         self._init()  # blocking once per run; ray.init wants the main thread
         res = _resources(self.cfg, name.split("-")[0], ray.cluster_resources().get("GPU", 0.0))
         # Any: Ray's stubs type an actor's methods as plain coroutines, without `.remote`.
-        handle: Any = self._cls.options(name=None, max_restarts=0, max_concurrency=1000, **res).remote(name, cls, args, kwargs)
+        handle: Any = self._cls.options(name=None, max_restarts=0, max_concurrency=1000, **res).remote(
+            name, cls, args, kwargs
+        )
         actor = RayActor(name, handle, self.cfg.call_timeout_s)
         self.actors.append(actor)
         try:
             actor.pid = await asyncio.wait_for(handle.ready.remote(), self.cfg.start_timeout_s)
         except TimeoutError:
-            raise ActorDied(f"actor {name} did not start within {self.cfg.start_timeout_s:g} s "
-                            f"(asked for {res}; free: {ray.available_resources()})") from None
+            raise ActorDied(
+                f"actor {name} did not start within {self.cfg.start_timeout_s:g} s "
+                f"(asked for {res}; free: {ray.available_resources()})"
+            ) from None
         except rex.RayActorError as e:
             raise ActorDied(f"actor {name} failed to start:\n{e}") from None
         actor.start_watch()

@@ -42,7 +42,8 @@ class RestartStats:
 
     def summary(self) -> dict:
         return {
-            "restarts": len(self.restarts), "requeued": self.requeued,
+            "restarts": len(self.restarts),
+            "requeued": self.requeued,
             "max_detect_s": max((r.detect_s for r in self.restarts), default=0.0),
             "max_recover_s": max((r.recover_s for r in self.restarts), default=0.0),
             "reasons": [r.reason for r in self.restarts],
@@ -51,8 +52,13 @@ class RestartStats:
 
 class RestartingEngine:
     def __init__(
-        self, name: str, start: Callable[[], Awaitable[EngineClient]], max_restarts: int,
-        interval_s: float, timeout_s: float, log: Callable[[str], None] = lambda msg: None,
+        self,
+        name: str,
+        start: Callable[[], Awaitable[EngineClient]],
+        max_restarts: int,
+        interval_s: float,
+        timeout_s: float,
+        log: Callable[[str], None] = lambda msg: None,
         engine: EngineClient | None = None,
     ) -> None:
         """`start()` makes a replacement (spawned, attached to the transport, ready for calls);
@@ -113,8 +119,10 @@ class RestartingEngine:
             while True:  # a replacement that dies while starting uses up a restart too
                 if len(self.faults.restarts) >= self.max_restarts:
                     raise ActorDied(f"{reason}; no restart left (runtime.max_engine_restarts={self.max_restarts})")
-                self._log(f"[yellow]{self.name}: {reason}; restarting ({len(self.faults.restarts) + 1} of at most "
-                          f"{self.max_restarts})[/]")
+                self._log(
+                    f"[yellow]{self.name}: {reason}; restarting ({len(self.faults.restarts) + 1} of at most "
+                    f"{self.max_restarts})[/]"
+                )
                 old = self.engine
                 if old is not None:
                     await old.kill()

@@ -26,14 +26,21 @@ def _shippable(spec: str | Callable[..., Any], field: str, pool: str) -> str | C
     """What travels to a reward worker with pool 'process': the name, or a callable that pickles.
     (Pool 'auto' keeps a function that does not pickle on threads.)"""
     if pool == "process" and not shippable(spec):
-        raise RewardError(f"{field}: {spec!r} cannot be sent to worker processes (it does not pickle); "
-                          "define it at module level in an importable module, or set scoring.pool=thread")
+        raise RewardError(
+            f"{field}: {spec!r} cannot be sent to worker processes (it does not pickle); "
+            "define it at module level in an importable module, or set scoring.pool=thread"
+        )
     return spec
 
 
-def build_scorer(cfg: Config, backend: ActorBackend | None, decode: Callable[[list[int]], str],
-                 reward: Callable[..., Any] | None = None, log: Callable[[str], None] = print,
-                 tokenizer_dir: str | None = None) -> ScoringStage:
+def build_scorer(
+    cfg: Config,
+    backend: ActorBackend | None,
+    decode: Callable[[list[int]], str],
+    reward: Callable[..., Any] | None = None,
+    log: Callable[[str], None] = print,
+    tokenizer_dir: str | None = None,
+) -> ScoringStage:
     """The stage of this config. `reward` replaces task.reward; `tokenizer_dir` is the student's
     tokenizer, which a distillation teacher must share."""
     sc = cfg.scoring
@@ -41,17 +48,22 @@ def build_scorer(cfg: Config, backend: ActorBackend | None, decode: Callable[[li
     spec: str | Callable[..., Any] = reward if reward is not None else cfg.task.reward
     fn = reward if reward is not None else resolve_reward(cfg.task.reward)
     components: list[ScoreComponent] = [
-        FunctionComponent("reward", _shippable(spec, "reward", sc.pool), fn, runner, sc.timeout_s)]
+        FunctionComponent("reward", _shippable(spec, "reward", sc.pool), fn, runner, sc.timeout_s)
+    ]
     if sc.group_reward is not None:
         group_fn = resolve_reward(sc.group_reward, "scoring.group_reward")
-        components.append(FunctionComponent("group_reward", sc.group_reward, group_fn, runner, sc.timeout_s,
-                                            sc.group_reward_weight, kind="group"))
+        components.append(
+            FunctionComponent(
+                "group_reward", sc.group_reward, group_fn, runner, sc.timeout_s, sc.group_reward_weight, kind="group"
+            )
+        )
     if sc.process_reward is not None:
         from nonstop.scoring.process import ProcessRewardComponent
 
         pr = sc.process_reward
-        components.append(ProcessRewardComponent(pr, resolve_reward(pr.fn, "scoring.process_reward.fn"),
-                                                 runner, sc.timeout_s, decode))
+        components.append(
+            ProcessRewardComponent(pr, resolve_reward(pr.fn, "scoring.process_reward.fn"), runner, sc.timeout_s, decode)
+        )
     if sc.reward_model is not None:
         if backend is None:
             raise RewardError("scoring.reward_model: needs an actor backend")

@@ -70,8 +70,9 @@ def _parameters(fn: Callable[..., Any]) -> tuple[frozenset[str], bool] | None:
         return _signature.__wrapped__(fn)
 
 
-def _arguments(fn: Callable[..., Any], named: dict[str, Any], extra: dict[str, Any],
-               legacy: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _arguments(
+    fn: Callable[..., Any], named: dict[str, Any], extra: dict[str, Any], legacy: tuple[Any, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     sig = _parameters(fn)
     if sig is None:  # the original contract
         return legacy, {}
@@ -94,8 +95,12 @@ def sample_call(fn: Callable[..., Any], row: RewardRow) -> Any:
 
 
 def group_call(fn: Callable[..., Any], rows: list[RewardRow]) -> Any:
-    named = {"completions": [r.completion for r in rows], "prompts": [r.prompt for r in rows],
-             "answers": [r.answer for r in rows], "extras": [r.extra for r in rows]}
+    named = {
+        "completions": [r.completion for r in rows],
+        "prompts": [r.prompt for r in rows],
+        "answers": [r.answer for r in rows],
+        "extras": [r.extra for r in rows],
+    }
     args, kwargs = _arguments(fn, named, {}, (named["completions"], named["answers"]))
     return fn(*args, **kwargs)
 

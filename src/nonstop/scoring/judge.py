@@ -59,8 +59,9 @@ class JudgeComponent:
         return str(reply["choices"][0]["text"])
 
     async def contribute(self, group: Group) -> Contribution:
-        prompts = [self.cfg.template.format(prompt=group.prompt, completion=s.text, answer=group.answer)
-                   for s in group.samples]
+        prompts = [
+            self.cfg.template.format(prompt=group.prompt, completion=s.text, answer=group.answer) for s in group.samples
+        ]
         texts = await asyncio.gather(*(self._ask(p) for p in prompts))
         scores = []
         for text in texts:

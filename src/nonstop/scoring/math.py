@@ -20,8 +20,10 @@ def _package() -> Any:
     try:
         import math_verify
     except ImportError:
-        raise RewardError("task.reward: 'math_verify' needs the math-verify package: "
-                          "pip install 'nonstop[math]' (or pip install math-verify)") from None
+        raise RewardError(
+            "task.reward: 'math_verify' needs the math-verify package: "
+            "pip install 'nonstop[math]' (or pip install math-verify)"
+        ) from None
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its warning that its own timeouts are off, per call
     return math_verify
 

@@ -45,8 +45,17 @@ class _Slot:
 
 
 class ActorPool:
-    def __init__(self, backend: ActorBackend, name: str, cls: type, args: tuple = (), kwargs: dict | None = None,
-                 size: int = 1, max_restarts: int | None = None, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        backend: ActorBackend,
+        name: str,
+        cls: type,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        size: int = 1,
+        max_restarts: int | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.backend, self.name, self.cls, self.args, self.kwargs = backend, name, cls, args, kwargs or {}
         self.size, self.max_restarts, self.log = size, max_restarts, log
         self.slots: list[_Slot] = []
@@ -67,16 +76,18 @@ class ActorPool:
         if slot.actor is not dead:
             return
         if slot.replacing is None:
-            slot.replacing = asyncio.get_running_loop().create_task(self._respawn(slot, dead, why),
-                                                                    name=f"{self.name}-replace")
+            slot.replacing = asyncio.get_running_loop().create_task(
+                self._respawn(slot, dead, why), name=f"{self.name}-replace"
+            )
         await asyncio.shield(slot.replacing)
 
     async def _respawn(self, slot: _Slot, dead: ActorHandle, why: str) -> None:
         try:
             await dead.kill()
             if self.max_restarts is not None and self.restarts >= self.max_restarts:
-                raise CallFailed("no_restart_left", f"{dead.name}: {why}; no restart left "
-                                                     f"(max_restarts={self.max_restarts})")
+                raise CallFailed(
+                    "no_restart_left", f"{dead.name}: {why}; no restart left (max_restarts={self.max_restarts})"
+                )
             self.restarts += 1
             self.log(f"[yellow]{dead.name}: {why}; starting a fresh one ({self.restarts})[/]")
             slot.actor = await self._spawn()
@@ -185,7 +196,7 @@ class Batcher:
             at = 0
             for items, fut in batch:
                 if not fut.done():
-                    fut.set_result(results[at: at + len(items)])
+                    fut.set_result(results[at : at + len(items)])
                 at += len(items)
 
     async def close(self) -> None:

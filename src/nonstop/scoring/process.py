@@ -42,8 +42,9 @@ def step_end_tokens(ids: list[int], steps: list[str], decode: Callable[[list[int
     return ends
 
 
-def token_rewards(ids: list[int], steps: list[str], scores: list[float], coef: float,
-                  decode: Callable[[list[int]], str]) -> list[float]:
+def token_rewards(
+    ids: list[int], steps: list[str], scores: list[float], coef: float, decode: Callable[[list[int]], str]
+) -> list[float]:
     out = [0.0] * len(ids)
     if ids:
         for t, score in zip(step_end_tokens(ids, steps, decode), scores):
@@ -55,16 +56,24 @@ class ProcessRewardComponent:
     name = "process_reward"
     retryable = TRANSIENT
 
-    def __init__(self, cfg: ProcessRewardConfig, fn: Callable[..., Any], runner: Runner, timeout_s: float,
-                 decode: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self,
+        cfg: ProcessRewardConfig,
+        fn: Callable[..., Any],
+        runner: Runner,
+        timeout_s: float,
+        decode: Callable[[list[int]], str],
+    ) -> None:
         self.cfg, self.fn, self.runner, self.timeout_s, self.decode = cfg, fn, runner, timeout_s, decode
 
     async def start(self) -> None:
         pass
 
     async def contribute(self, group: Group) -> Contribution:
-        rows = [RewardRow(r.prompt, r.completion, r.answer, r.extra, split_steps(r.completion, self.cfg.delimiter))
-                for r in rows_of(group)]
+        rows = [
+            RewardRow(r.prompt, r.completion, r.answer, r.extra, split_steps(r.completion, self.cfg.delimiter))
+            for r in rows_of(group)
+        ]
         outcomes = await self.runner.run("steps", self.cfg.fn, self.fn, rows, self.timeout_s)
         per_token = []
         for s, row, out in zip(group.samples, rows, outcomes):

@@ -31,8 +31,10 @@ class RewardModelWorker:
         quiet_transformers()
         self.model = AutoModelForSequenceClassification.from_pretrained(path).eval().requires_grad_(False)
         if self.model.config.num_labels != 1:
-            raise ValueError(f"scoring.reward_model: {path} has {self.model.config.num_labels} labels; "
-                             "a reward model has exactly one (its score)")
+            raise ValueError(
+                f"scoring.reward_model: {path} has {self.model.config.num_labels} labels; "
+                "a reward model has exactly one (its score)"
+            )
         self.tokenizer = load_tokenizer(path)
         self.batch_size = batch_size
 
@@ -42,7 +44,7 @@ class RewardModelWorker:
         out: list[float] = []
         with torch.no_grad():
             for lo in range(0, len(texts), self.batch_size):
-                enc = [self.tokenizer(t)["input_ids"] for t in texts[lo: lo + self.batch_size]]
+                enc = [self.tokenizer(t)["input_ids"] for t in texts[lo : lo + self.batch_size]]
                 L = max(len(x) for x in enc)
                 pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
                 ids = torch.full((len(enc), L), pad, dtype=torch.long)  # (b, L) right-padded
@@ -59,11 +61,18 @@ class RewardModelComponent:
     name = "reward_model"
     retryable = TRANSIENT
 
-    def __init__(self, cfg: RewardModelConfig, backend: ActorBackend, log: Callable[[str], None],
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, cfg: RewardModelConfig, backend: ActorBackend, log: Callable[[str], None], timeout_s: float = 120.0
+    ) -> None:
         self.cfg, self.timeout_s = cfg, timeout_s
-        self.pool = ActorPool(backend, "reward-model", RewardModelWorker, (cfg.path, cfg.batch_size),
-                              max_restarts=cfg.max_restarts, log=log)
+        self.pool = ActorPool(
+            backend,
+            "reward-model",
+            RewardModelWorker,
+            (cfg.path, cfg.batch_size),
+            max_restarts=cfg.max_restarts,
+            log=log,
+        )
         self.batcher = Batcher("reward-model", self._send, cfg.batch_size)
 
     async def _send(self, texts: list[str]) -> list[float]:

@@ -42,8 +42,14 @@ from nonstop.scoring.threads import DaemonThreads
 class Runner(Protocol):
     async def start(self) -> None: ...
 
-    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
-                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
+    async def run(
+        self,
+        kind: Kind,
+        spec: str | Callable[..., Any],
+        fn: Callable[..., Any],
+        rows: list[RewardRow],
+        timeout_s: float,
+    ) -> list[Outcome]:
         """One group's outcomes; CallFailed when the call itself failed (timeout, dead worker)."""
         ...
 
@@ -54,8 +60,14 @@ class LoopRunner:
     async def start(self) -> None:
         pass
 
-    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
-                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
+    async def run(
+        self,
+        kind: Kind,
+        spec: str | Callable[..., Any],
+        fn: Callable[..., Any],
+        rows: list[RewardRow],
+        timeout_s: float,
+    ) -> list[Outcome]:
         return await evaluate(kind, fn, rows)
 
     async def close(self) -> None:
@@ -70,8 +82,14 @@ class ThreadRunner:
     async def start(self) -> None:
         pass
 
-    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
-                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
+    async def run(
+        self,
+        kind: Kind,
+        spec: str | Callable[..., Any],
+        fn: Callable[..., Any],
+        rows: list[RewardRow],
+        timeout_s: float,
+    ) -> list[Outcome]:
         try:
             return await asyncio.wait_for(self.calls(kind, fn, rows), timeout_s)
         except TimeoutError:
@@ -88,8 +106,14 @@ class ProcessRunner:
     async def start(self) -> None:
         await self.pool.start()
 
-    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
-                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
+    async def run(
+        self,
+        kind: Kind,
+        spec: str | Callable[..., Any],
+        fn: Callable[..., Any],
+        rows: list[RewardRow],
+        timeout_s: float,
+    ) -> list[Outcome]:
         return await self.pool.call("evaluate", kind, spec, rows, timeout_s=timeout_s)
 
     async def close(self) -> None:
@@ -124,8 +148,14 @@ class AutoRunner:
     async def start(self) -> None:
         pass
 
-    async def run(self, kind: Kind, spec: str | Callable[..., Any], fn: Callable[..., Any],
-                  rows: list[RewardRow], timeout_s: float) -> list[Outcome]:
+    async def run(
+        self,
+        kind: Kind,
+        spec: str | Callable[..., Any],
+        fn: Callable[..., Any],
+        rows: list[RewardRow],
+        timeout_s: float,
+    ) -> list[Outcome]:
         key = id(fn)
         if key in self.moved and self.process is not None:
             return await self.process.run(kind, spec, fn, rows, timeout_s)
@@ -140,12 +170,16 @@ class AutoRunner:
         if self.backend is None or not shippable(spec):
             self.kept.add(id(fn))
             why = "no actor backend" if self.backend is None else "it cannot be sent to worker processes"
-            self.log(f"scoring: {name} takes {ms:.1f} ms per sample; it stays on threads ({why}: "
-                     "a module-level function in an importable module can move to processes)")
+            self.log(
+                f"scoring: {name} takes {ms:.1f} ms per sample; it stays on threads ({why}: "
+                "a module-level function in an importable module can move to processes)"
+            )
             return
         self.moved.add(id(fn))
-        self.log(f"scoring: {name} takes {ms:.1f} ms per sample; its calls move to {self.workers} worker "
-                 "processes (scoring.pool auto; 'thread' keeps them here)")
+        self.log(
+            f"scoring: {name} takes {ms:.1f} ms per sample; its calls move to {self.workers} worker "
+            "processes (scoring.pool auto; 'thread' keeps them here)"
+        )
         if self._starting is None:
             self._starting = asyncio.get_running_loop().create_task(self._start_workers(), name="scoring-workers")
 
@@ -155,8 +189,9 @@ class AutoRunner:
         try:
             await runner.start()
         except Exception as e:  # the run goes on, scored on threads as before
-            self.log(f"[yellow]scoring: worker processes did not start ({type(e).__name__}: {e}); "
-                     "rewards stay on threads[/]")
+            self.log(
+                f"[yellow]scoring: worker processes did not start ({type(e).__name__}: {e}); rewards stay on threads[/]"
+            )
             await runner.close()
             self.kept |= self.moved
             self.moved.clear()

@@ -45,8 +45,16 @@ class FunctionComponent:
 
     retryable = TRANSIENT
 
-    def __init__(self, name: str, spec: str | Callable[..., Any], fn: Callable[..., Any], runner: Runner,
-                 timeout_s: float, weight: float = 1.0, kind: Kind = "sample") -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: str | Callable[..., Any],
+        fn: Callable[..., Any],
+        runner: Runner,
+        timeout_s: float,
+        weight: float = 1.0,
+        kind: Kind = "sample",
+    ) -> None:
         self.name, self.spec, self.fn, self.runner = name, spec, fn, runner
         self.timeout_s, self.weight, self.kind = timeout_s, weight, kind
 
@@ -78,8 +86,13 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 class ScoringStage:
-    def __init__(self, components: list[ScoreComponent], cfg: ScoringConfig, runner: Runner | None = None,
-                 fail_fast: bool = False) -> None:
+    def __init__(
+        self,
+        components: list[ScoreComponent],
+        cfg: ScoringConfig,
+        runner: Runner | None = None,
+        fail_fast: bool = False,
+    ) -> None:
         self.components, self.cfg, self.runner, self.fail_fast = components, cfg, runner, fail_fast
         self.errors: Counter[str] = Counter()
         self.retried: Counter[str] = Counter()
@@ -144,8 +157,11 @@ class ScoringStage:
         return True
 
     def metrics(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"scoring_pending": self.pending, "scoring_pending_peak": self.pending_peak,
-                               "scoring_retries": dict(self.retried)}
+        out: dict[str, Any] = {
+            "scoring_pending": self.pending,
+            "scoring_pending_peak": self.pending_peak,
+            "scoring_retries": dict(self.retried),
+        }
         for name, xs in self.latencies.items():
             out[f"{name}_latency_p50_s"] = round(percentile(xs, 0.5), 6)
             out[f"{name}_latency_p99_s"] = round(percentile(xs, 0.99), 6)

@@ -41,12 +41,16 @@ def check_tokenizers(student_dir: str, teacher_dir: str) -> None:
     fix = "the teacher scores the student's token ids as they are: give it the student's tokenizer"
     if sv != tv:
         differ = sorted(t for t in set(sv) | set(tv) if sv.get(t) != tv.get(t))
-        raise RewardError(f"distill.teacher: {teacher_dir} has another tokenizer than the student's "
-                          f"({len(tv)} vs {len(sv)} tokens; {len(differ)} map differently, e.g. {differ[:3]}); {fix}")
+        raise RewardError(
+            f"distill.teacher: {teacher_dir} has another tokenizer than the student's "
+            f"({len(tv)} vs {len(sv)} tokens; {len(differ)} map differently, e.g. {differ[:3]}); {fix}"
+        )
     for special in ("eos_token_id", "pad_token_id", "bos_token_id"):
         if getattr(student, special) != getattr(teacher, special):
-            raise RewardError(f"distill.teacher: {special} is {getattr(teacher, special)} for the teacher and "
-                              f"{getattr(student, special)} for the student; {fix}")
+            raise RewardError(
+                f"distill.teacher: {special} is {getattr(teacher, special)} for the teacher and "
+                f"{getattr(student, special)} for the student; {fix}"
+            )
     vocab = AutoConfig.from_pretrained(teacher_dir).vocab_size
     if vocab < len(sv):
         raise RewardError(f"distill.teacher: the teacher's vocab_size {vocab} is below the tokenizer's {len(sv)} ids")
@@ -80,7 +84,7 @@ class TeacherWorker:
         out: list[list[float]] = []
         with torch.no_grad():
             for lo in range(0, len(seqs), self.batch_size):
-                chunk = seqs[lo: lo + self.batch_size]
+                chunk = seqs[lo : lo + self.batch_size]
                 full = [p + c for p, c in chunk]
                 L = max(len(x) for x in full)
                 ids = torch.zeros((len(full), L), dtype=torch.long)  # (b, L) right-padded
@@ -100,13 +104,25 @@ class TeacherComponent:
     name = "teacher"
     retryable = TRANSIENT
 
-    def __init__(self, cfg: DistillConfig, temperature: float, backend: ActorBackend, log: Callable[[str], None],
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        cfg: DistillConfig,
+        temperature: float,
+        backend: ActorBackend,
+        log: Callable[[str], None],
+        timeout_s: float = 120.0,
+    ) -> None:
         assert cfg.teacher is not None
         self.identity = teacher_identity(cfg)
         self.timeout_s = timeout_s
-        self.pool = ActorPool(backend, "teacher", TeacherWorker, (cfg.teacher, temperature, cfg.batch_size),
-                              max_restarts=cfg.max_restarts, log=log)
+        self.pool = ActorPool(
+            backend,
+            "teacher",
+            TeacherWorker,
+            (cfg.teacher, temperature, cfg.batch_size),
+            max_restarts=cfg.max_restarts,
+            log=log,
+        )
         self.batcher = Batcher("teacher", self._send, cfg.batch_size)
 
     async def _send(self, seqs: list[Sequence_]) -> list[list[float]]:

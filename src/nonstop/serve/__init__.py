@@ -22,8 +22,9 @@ def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
     if cfg.engine.kind == "vllm":
         from nonstop.engine.vllm_engine import VllmEngineWorker
 
-        return VllmEngineWorker(model_path, [tok.eos_token_id], tok.pad_token_id, seed=cfg.run.seed,
-                                settings=cfg.engine)
+        return VllmEngineWorker(
+            model_path, [tok.eos_token_id], tok.pad_token_id, seed=cfg.run.seed, settings=cfg.engine
+        )
     import torch
 
     from nonstop.engine.aio import AsyncEngine
@@ -31,13 +32,19 @@ def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
     from nonstop.hf import load_model
 
     torch.manual_seed(cfg.run.seed)
-    engine = TorchEngine(load_model(model_path), [tok.eos_token_id], tok.pad_token_id, settings=cfg.engine,
-                         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    engine = TorchEngine(
+        load_model(model_path),
+        [tok.eos_token_id],
+        tok.pad_token_id,
+        settings=cfg.engine,
+        detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+    )
     return AsyncEngine(engine)
 
 
-async def serve(cfg, model_path: str, host: str, port: int, api_key: str | None, model_name: str,
-                on_ready: Callable[[int], None]) -> None:
+async def serve(
+    cfg, model_path: str, host: str, port: int, api_key: str | None, model_name: str, on_ready: Callable[[int], None]
+) -> None:
     from nonstop.hf import load_tokenizer
     from nonstop.serve.server import EngineServer
 

@@ -49,7 +49,9 @@ class InProcessClient:
 
     async def chat(self, messages: list[dict[str, str]], params: SamplingParams, n: int = 1) -> list[Sample]:
         template = None if self.tokenizer.chat_template else DEFAULT_CHAT_TEMPLATE
-        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, chat_template=template)
+        enc = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, chat_template=template
+        )
         return await self.complete(enc["input_ids"] if hasattr(enc, "keys") else list(enc), params, n)
 
     async def close(self) -> None:
@@ -58,8 +60,13 @@ class InProcessClient:
 
 def _body(params: SamplingParams, n: int, model: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_k": params.top_k,
-        "top_p": params.top_p, "min_p": params.min_p, "n": n, "stop": params.stop,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "n": n,
+        "stop": params.stop,
         "stop_token_ids": params.stop_token_ids,
     }
     if params.seed is not None:
@@ -70,12 +77,19 @@ def _body(params: SamplingParams, n: int, model: str | None) -> dict[str, Any]:
 
 
 class HttpClient:
-    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
-                 timeout_s: float = 600.0, max_connections: int = 64) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout_s: float = 600.0,
+        max_connections: int = 64,
+    ) -> None:
         self.base_url, self.model = base_url.rstrip("/"), model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = aiohttp.ClientSession(
-            headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
             connector=aiohttp.TCPConnector(limit=max_connections),
         )
 

@@ -36,12 +36,28 @@ from nonstop.types import Sample, SamplingParams
 
 PATH = "/inference/v1/generate"
 
-_FREE_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "detokenize", "include_stop_str_in_output",
-              "routed_experts_prompt_start", "return_sampling_mask"}
+_FREE_KEYS = {
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "detokenize",
+    "include_stop_str_in_output",
+    "routed_experts_prompt_start",
+    "return_sampling_mask",
+}
 """sampling_params keys that change neither the tokens sampled nor their logprobs."""
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
-            "ignore_eos": False, "min_tokens": 0, "prompt_logprobs": None, "bad_words": None,
-            "allowed_token_ids": None, "structured_outputs": None, "guided_decoding": None}
+_NEUTRAL = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": None,
+    "ignore_eos": False,
+    "min_tokens": 0,
+    "prompt_logprobs": None,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "structured_outputs": None,
+    "guided_decoding": None,
+}
 """Keys nonstop does not implement, with the value that means 'not used' (accepted)."""
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "stop_token_ids", "logprobs"}
 _BODY = {"model", "token_ids", "sampling_params", "request_id", "cache_salt", "priority", "stream"}
@@ -76,9 +92,12 @@ def parse_generate(body: Any, max_tokens_default: int) -> GenerateCall:
             continue
         if key in _NEUTRAL and value in (_NEUTRAL[key], None):
             continue
-        raise BadRequest(f"sampling_params.{key}: not supported by nonstop (send {_NEUTRAL.get(key)!r} or leave it out)"
-                         if key in _NEUTRAL else f"sampling_params.{key}: unknown sampling parameter",
-                         f"sampling_params.{key}")
+        raise BadRequest(
+            f"sampling_params.{key}: not supported by nonstop (send {_NEUTRAL.get(key)!r} or leave it out)"
+            if key in _NEUTRAL
+            else f"sampling_params.{key}: unknown sampling parameter",
+            f"sampling_params.{key}",
+        )
     top_k = _number(sp, "top_k", 0, int, -1, 2**31 - 1)
     params = SamplingParams(
         max_new_tokens=_number(sp, "max_tokens", max_tokens_default, int, 1),
@@ -92,8 +111,11 @@ def parse_generate(body: Any, max_tokens_default: int) -> GenerateCall:
     )
     logprobs = sp.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or logprobs not in (0, 1)):
-        raise BadRequest(f"sampling_params.logprobs: expected 0 or 1, got {logprobs!r} (nonstop returns the sampled "
-                         "token's behaviour logprob only, not alternatives)", "sampling_params.logprobs")
+        raise BadRequest(
+            f"sampling_params.logprobs: expected 0 or 1, got {logprobs!r} (nonstop returns the sampled "
+            "token's behaviour logprob only, not alternatives)",
+            "sampling_params.logprobs",
+        )
     n = _number(sp, "n", 1, int, 1, 128)
     rid = body.get("request_id") or f"gen-{uuid.uuid4().hex[:24]}"
     if not isinstance(rid, str):
@@ -105,16 +127,28 @@ def generate_response(g: GenerateCall, samples: list[Sample]) -> dict[str, Any]:
     """vLLM's answer for the samples of one request, with the `nonstop` extension per choice."""
     choices = []
     for i, s in enumerate(samples):
-        choice: dict[str, Any] = {"index": i, "token_ids": list(s.completion_ids), "finish_reason": s.finish_reason,
-                                  "nonstop": extension(s)}
+        choice: dict[str, Any] = {
+            "index": i,
+            "token_ids": list(s.completion_ids),
+            "finish_reason": s.finish_reason,
+            "nonstop": extension(s),
+        }
         if g.call.want_logprobs:
-            choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": lp}
-                                              for t, lp in zip(s.completion_ids, s.logprobs)]}
+            choice["logprobs"] = {
+                "content": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip(s.completion_ids, s.logprobs)]
+            }
         if s.sampling_mask is not None:
             choice["sampling_mask"] = [list(m) for m in s.sampling_mask]
         choices.append(choice)
     prompt = g.call.prompt_ids or []
     completion = sum(len(s.completion_ids) for s in samples)
-    return {"request_id": g.request_id, "prompt_token_ids": list(prompt), "choices": choices,
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
-                      "total_tokens": len(prompt) + completion}}
+    return {
+        "request_id": g.request_id,
+        "prompt_token_ids": list(prompt),
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": completion,
+            "total_tokens": len(prompt) + completion,
+        },
+    }

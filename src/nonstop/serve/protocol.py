@@ -49,9 +49,21 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 """Seeds torch's generator takes for every one of the n completions (seed + index)."""
 
 UNSUPPORTED = {
-    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {}, "suffix": "",
-    "best_of": 1, "tools": [], "functions": [], "tool_choice": "none", "response_format": {"type": "text"},
-    "echo": False, "parallel_tool_calls": None, "prediction": None, "audio": None, "modalities": ["text"],
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": {},
+    "suffix": "",
+    "best_of": 1,
+    "tools": [],
+    "functions": [],
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    "echo": False,
+    "parallel_tool_calls": None,
+    "prediction": None,
+    "audio": None,
+    "modalities": ["text"],
 }
 """OpenAI fields nonstop does not implement, with the value that means 'not used' (accepted)."""
 
@@ -109,7 +121,9 @@ def _common(body: Any, max_tokens_default: int) -> tuple[SamplingParams, int, bo
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model: expected a string", "model")
-    max_tokens = _number(body, "max_completion_tokens", None, int, 1) or _number(body, "max_tokens", max_tokens_default, int, 1)
+    max_tokens = _number(body, "max_completion_tokens", None, int, 1) or _number(
+        body, "max_tokens", max_tokens_default, int, 1
+    )
     params = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, float, 0.0, 100.0),
@@ -132,9 +146,13 @@ def _include_usage(body: dict, stream: bool) -> bool:
     if opts is None:
         return False
     if not stream:
-        raise BadRequest("stream_options: only allowed with \"stream\": true", "stream_options")
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"} or not isinstance(opts.get("include_usage", False), bool):
-        raise BadRequest("stream_options: expected {\"include_usage\": true|false}", "stream_options")
+        raise BadRequest('stream_options: only allowed with "stream": true', "stream_options")
+    if (
+        not isinstance(opts, dict)
+        or set(opts) - {"include_usage"}
+        or not isinstance(opts.get("include_usage", False), bool)
+    ):
+        raise BadRequest('stream_options: expected {"include_usage": true|false}', "stream_options")
     return bool(opts.get("include_usage", False))
 
 
@@ -146,8 +164,10 @@ def _completion_logprobs(body: dict) -> bool:
         return False
     if v is True or (isinstance(v, int) and v in (0, 1)):
         return bool(v)
-    raise BadRequest(f"logprobs: expected 0 or 1, got {v!r} (nonstop returns the sampled token's logprob only, "
-                     "not alternatives)", "logprobs")
+    raise BadRequest(
+        f"logprobs: expected 0 or 1, got {v!r} (nonstop returns the sampled token's logprob only, not alternatives)",
+        "logprobs",
+    )
 
 
 def _chat_logprobs(body: dict) -> bool:
@@ -157,10 +177,13 @@ def _chat_logprobs(body: dict) -> bool:
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
         raise BadRequest(f"top_logprobs: expected a non-negative integer, got {top!r}", "top_logprobs")
     if top:
-        raise BadRequest("top_logprobs: not supported (nonstop returns the sampled token's behaviour logprob only; "
-                         "send 0 or leave it out)", "top_logprobs")
+        raise BadRequest(
+            "top_logprobs: not supported (nonstop returns the sampled token's behaviour logprob only; "
+            "send 0 or leave it out)",
+            "top_logprobs",
+        )
     if top is not None and not v:
-        raise BadRequest("top_logprobs: needs \"logprobs\": true", "top_logprobs")
+        raise BadRequest('top_logprobs: needs "logprobs": true', "top_logprobs")
     return bool(v)
 
 
@@ -193,8 +216,11 @@ def _content(m: Any, i: int) -> str:
         for j, part in enumerate(c):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"{key}[{j}]: expected a {{\"type\": \"text\", \"text\": ...}} part "
-                                 f"(got type {kind!r}; nonstop serves text only)", "messages")
+                raise BadRequest(
+                    f'{key}[{j}]: expected a {{"type": "text", "text": ...}} part '
+                    f"(got type {kind!r}; nonstop serves text only)",
+                    "messages",
+                )
         return _unicode("\n".join(part["text"] for part in c), key)
     raise BadRequest(f"{key}: expected a string or a non-empty list of text parts", "messages")
 
@@ -228,14 +254,16 @@ class TextCutter:
         """The next piece to stream: new text, minus a tail that could still start a stop string."""
         text = self.final(text)
         end = len(text) if finished else max(self.sent, len(text) - self.hold)
-        piece, self.sent = text[self.sent:end], end
+        piece, self.sent = text[self.sent : end], end
         return piece
 
 
 def extension(sample: Sample) -> dict[str, Any]:
     ext: dict[str, Any] = {
-        "prompt_token_ids": sample.prompt_ids, "token_ids": sample.completion_ids,
-        "logprobs": sample.logprobs, "policy_versions": sample.versions,
+        "prompt_token_ids": sample.prompt_ids,
+        "token_ids": sample.completion_ids,
+        "logprobs": sample.logprobs,
+        "policy_versions": sample.versions,
     }
     if sample.sampling_mask is not None:
         ext["sampling_mask"] = [list(m) for m in sample.sampling_mask]
@@ -243,7 +271,12 @@ def extension(sample: Sample) -> dict[str, Any]:
 
 
 def sample_from_extension(ext: dict[str, Any], finish_reason: str) -> Sample:
-    return Sample(prompt_ids=ext["prompt_token_ids"], completion_ids=ext["token_ids"], logprobs=ext["logprobs"],
-                  # a str from JSON: nonstop's server only ever sends 'stop' or 'length'
-                  versions=ext["policy_versions"], finish_reason=finish_reason,  # type: ignore[arg-type]
-                  sampling_mask=ext.get("sampling_mask"))
+    return Sample(
+        prompt_ids=ext["prompt_token_ids"],
+        completion_ids=ext["token_ids"],
+        logprobs=ext["logprobs"],
+        # a str from JSON: nonstop's server only ever sends 'stop' or 'length'
+        versions=ext["policy_versions"],
+        finish_reason=finish_reason,  # type: ignore[arg-type]
+        sampling_mask=ext.get("sampling_mask"),
+    )

@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import math
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -82,13 +82,22 @@ class ServeError(RuntimeError):
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
     kind = {401: "authentication_error", 404: "not_found_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status)
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status
+    )
 
 
 class EngineServer:
-    def __init__(self, engine: ServedEngine, tokenizer: Any, model_name: str, api_key: str | None = None,
-                 max_tokens_default: int = 16) -> None:
+    def __init__(
+        self,
+        engine: ServedEngine,
+        tokenizer: Any,
+        model_name: str,
+        api_key: str | None = None,
+        max_tokens_default: int = 16,
+    ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_key, self.max_tokens_default = api_key, max_tokens_default
         self.chat_template = None if tokenizer.chat_template else DEFAULT_CHAT_TEMPLATE
@@ -122,8 +131,9 @@ class EngineServer:
             await site.start()
         except OSError as e:
             await self.stop()
-            raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e} "
-                             "(choose another --port, or 0 for any free one)") from None
+            raise ServeError(
+                f"cannot listen on {host}:{port}: {e.strerror or e} (choose another --port, or 0 for any free one)"
+            ) from None
         return self._runner.addresses[0][1]
 
     async def stop(self) -> None:
@@ -159,8 +169,12 @@ class EngineServer:
         return web.json_response({"status": "ok", "model": self.model_name, **self.engine.health()})
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model_name, "object": "model", "owned_by": "nonstop",
-                "max_model_len": self.engine.max_seq_len}  # vLLM's extension, read by renderers
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "owned_by": "nonstop",
+            "max_model_len": self.engine.max_seq_len,
+        }  # vLLM's extension, read by renderers
         return web.json_response({"object": "list", "data": [card]})
 
     async def _body(self, request: web.Request) -> Any:
@@ -189,8 +203,13 @@ class EngineServer:
         call = parse_chat(await self._body(request), self.max_tokens_default)
         self._check_model(call)
         self._check_length(sum(len(m["content"]) for m in call.messages or []), call)
-        enc = await asyncio.to_thread(self.tokenizer.apply_chat_template, call.messages, add_generation_prompt=True,
-                                      tokenize=True, chat_template=self.chat_template)
+        enc = await asyncio.to_thread(
+            self.tokenizer.apply_chat_template,
+            call.messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            chat_template=self.chat_template,
+        )
         ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else list(enc)
         return await self._serve(request, call, ids, chat=True)
 
@@ -207,8 +226,11 @@ class EngineServer:
         limit = self.engine.max_seq_len
         at_least = math.ceil(chars / self._chars_per_token)
         if at_least + call.params.max_new_tokens > limit:
-            raise BadRequest(f"prompt: {chars} characters are at least {at_least} tokens, which with max_tokens "
-                             f"{call.params.max_new_tokens} exceeds the engine's max_seq_len of {limit} tokens", "prompt")
+            raise BadRequest(
+                f"prompt: {chars} characters are at least {at_least} tokens, which with max_tokens "
+                f"{call.params.max_new_tokens} exceeds the engine's max_seq_len of {limit} tokens",
+                "prompt",
+            )
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -231,12 +253,20 @@ class EngineServer:
         self.requests_served += 1
         choices = [self._choice(i, s, call, chat) for i, s in enumerate(samples)]
         completion_tokens = sum(len(s.completion_ids) for s in samples)
-        return web.json_response({
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                      "total_tokens": len(prompt_ids) + completion_tokens},
-        })
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": len(prompt_ids) + completion_tokens,
+                },
+            }
+        )
 
     def _choice(self, i: int, s: Sample, call: Call, chat: bool) -> dict[str, Any]:
         text = TextCutter(call.params.stop).final(self._text(s.completion_ids))
@@ -253,11 +283,17 @@ class EngineServer:
         """The sampled tokens' behaviour logprobs, in the chat or the legacy completions shape."""
         tokens = [self.tokenizer.decode([t]) for t in ids]
         if chat:
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")), "top_logprobs": []}
-                                for t, lp in zip(tokens, logprobs)]}
+            return {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")), "top_logprobs": []}
+                    for t, lp in zip(tokens, logprobs)
+                ]
+            }
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
 
-    async def _stream(self, request: web.Request, call: Call, req: GenerationRequest, rid: str, chat: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, call: Call, req: GenerationRequest, rid: str, chat: bool
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -269,8 +305,13 @@ class EngineServer:
             piece: dict[str, Any] = {"delta": {"content": text}} if chat else {"text": text}
             if call.want_logprobs and finish is None:
                 piece["logprobs"] = self._logprobs(ext["token_ids"], ext["logprobs"], chat)
-            chunk = {"id": rid, "object": kind, "created": created, "model": self.model_name,
-                     "choices": [{"index": index, **piece, "finish_reason": finish, "nonstop": ext}]}
+            chunk = {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "choices": [{"index": index, **piece, "finish_reason": finish, "nonstop": ext}],
+            }
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
         completion_tokens = 0
@@ -278,8 +319,16 @@ class EngineServer:
             if isinstance(item, TokenEvent):
                 ids[item.index].append(item.token_id)
                 text = cutters[item.index].delta(self._text(ids[item.index]), finished=False)
-                await send(item.index, text, None, {"token_ids": [item.token_id], "logprobs": [item.logprob],
-                                                    "policy_versions": [item.policy_version]})
+                await send(
+                    item.index,
+                    text,
+                    None,
+                    {
+                        "token_ids": [item.token_id],
+                        "logprobs": [item.logprob],
+                        "policy_versions": [item.policy_version],
+                    },
+                )
                 continue
             for i, s in enumerate(item):
                 completion_tokens += len(s.completion_ids)
@@ -287,9 +336,19 @@ class EngineServer:
                 await send(i, text, s.finish_reason, extension(s))
         if call.include_usage:
             prompt_tokens = len(req.prompt_ids)
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": prompt_tokens + completion_tokens}
-            chunk = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], "usage": usage}
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
+            chunk = {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "choices": [],
+                "usage": usage,
+            }
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -58,13 +58,21 @@ def verify(folder: str | Path) -> dict:
 
 def mismatches(cfg: Config, prov: dict) -> list[str]:
     """Config fields for which the shipped base (its provenance) was not built; [] if it fits."""
-    out = [f"model.tiny.{k} is {v} (the shipped base has {prov['tiny'][k]})"
-           for k, v in cfg.model.tiny.model_dump().items() if prov["tiny"].get(k) != v]
-    out += [f"task.{k} is {getattr(cfg.task, k)!r} (the shipped base has {prov['task'][k]!r})"
-            for k in _TASK_FIELDS if prov["task"].get(k) != getattr(cfg.task, k)]
+    out = [
+        f"model.tiny.{k} is {v} (the shipped base has {prov['tiny'][k]})"
+        for k, v in cfg.model.tiny.model_dump().items()
+        if prov["tiny"].get(k) != v
+    ]
+    out += [
+        f"task.{k} is {getattr(cfg.task, k)!r} (the shipped base has {prov['task'][k]!r})"
+        for k in _TASK_FIELDS
+        if prov["task"].get(k) != getattr(cfg.task, k)
+    ]
     if cfg.task.eval_size > prov["task"]["eval_size"]:
-        out.append(f"task.eval_size is {cfg.task.eval_size}: over the shipped base's {prov['task']['eval_size']} "
-                   "held-out prompts, so some would have been trained on")
+        out.append(
+            f"task.eval_size is {cfg.task.eval_size}: over the shipped base's {prov['task']['eval_size']} "
+            "held-out prompts, so some would have been trained on"
+        )
     return out
 
 
@@ -82,8 +90,11 @@ def choose_base(cfg: Config) -> str:
     if kind in SHIPPED:
         problems = mismatches(cfg, read_provenance(shipped_dir(kind)))
         if problems:
-            raise ConfigError(f"model.base: the shipped base '{kind}' was built for another shape or task: "
-                              + "; ".join(problems) + ". Use model.base=warmup (or auto) for this one")
+            raise ConfigError(
+                f"model.base: the shipped base '{kind}' was built for another shape or task: "
+                + "; ".join(problems)
+                + ". Use model.base=warmup (or auto) for this one"
+            )
     return kind
 
 
@@ -99,26 +110,39 @@ def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] =
     if kind in SHIPPED:
         folder = shipped_dir(kind)
         prov = verify(folder)
-        log(f"base policy: shipped '{kind}' ({prov['heldout_accuracy']:.1%} held-out when built; sha256 "
-            f"{prov['sha256'][:12]}); model.base=warmup builds one on this machine instead")
+        log(
+            f"base policy: shipped '{kind}' ({prov['heldout_accuracy']:.1%} held-out when built; sha256 "
+            f"{prov['sha256'][:12]}); model.base=warmup builds one on this machine instead"
+        )
         return folder
     return cached_base(cfg, data, warmup=kind == "warmup", log=log)
 
 
-def build_provenance(cfg: Config, info: dict, heldout_accuracy: float, weights: Path, command: str,
-                     threads: int) -> dict:
+def build_provenance(
+    cfg: Config, info: dict, heldout_accuracy: float, weights: Path, command: str, threads: int
+) -> dict:
     """Everything needed to rebuild a base and to check it is the one recorded."""
     import transformers
 
     from nonstop.tasks.warmup import warmup_seed
 
     return {
-        "command": command, "warmup_seed": warmup_seed(cfg), "warmup": cfg.warmup.model_dump(exclude={"cache_dir"}),
-        "tiny": cfg.model.tiny.model_dump(), "task": cfg.task.model_dump(exclude={"reward", "dataset_path"}),
+        "command": command,
+        "warmup_seed": warmup_seed(cfg),
+        "warmup": cfg.warmup.model_dump(exclude={"cache_dir"}),
+        "tiny": cfg.model.tiny.model_dump(),
+        "task": cfg.task.model_dump(exclude={"reward", "dataset_path"}),
         "max_new_tokens": cfg.rollout.max_new_tokens,
-        "steps": info["steps"], "gate_accuracy": info["gate_accuracy"], "gate_size": info["gate_size"],
-        "gate_curve": info["gate_curve"], "heldout_accuracy": heldout_accuracy,
-        "sha256": sha256_file(weights), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
-        "threads": threads, "seconds": round(info["seconds"], 1),
+        "steps": info["steps"],
+        "gate_accuracy": info["gate_accuracy"],
+        "gate_size": info["gate_size"],
+        "gate_curve": info["gate_curve"],
+        "heldout_accuracy": heldout_accuracy,
+        "sha256": sha256_file(weights),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "threads": threads,
+        "seconds": round(info["seconds"], 1),
     }

@@ -13,10 +13,9 @@ go through the same `check_row` and `split_examples`, so they become the same `E
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import json
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +81,7 @@ def read_jsonl(path: str | Path) -> tuple[list[Row], DatasetReport]:
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
+
     def checked_lines() -> Iterator[tuple[str, Row | str]]:
         for lineno, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
@@ -94,8 +94,9 @@ def read_jsonl(path: str | Path) -> tuple[list[Row], DatasetReport]:
     return collect_rows(checked_lines(), f"dataset {path}")
 
 
-def collect_rows(checked: Iterable[tuple[str, Row | str]], source: str,
-                 hint: str = "") -> tuple[list[Row], DatasetReport]:
+def collect_rows(
+    checked: Iterable[tuple[str, Row | str]], source: str, hint: str = ""
+) -> tuple[list[Row], DatasetReport]:
     """Keep the valid (prompt, answer) pairs of `check_row` results labelled by where each row came
     from; every bad row is counted and reported with its label (`hint` appended), never dropped
     silently. A source with no valid row at all is a DatasetError."""
@@ -113,8 +114,9 @@ def collect_rows(checked: Iterable[tuple[str, Row | str]], source: str,
     return pairs, report
 
 
-def split_examples(pairs: list[Row], eval_size: int, seed: int,
-                   report: DatasetReport, eval_fraction: float | None = None) -> TaskData:
+def split_examples(
+    pairs: list[Row], eval_size: int, seed: int, report: DatasetReport, eval_fraction: float | None = None
+) -> TaskData:
     """Shuffle with `seed` and hold out the first `eval_size` (at most half), or `eval_fraction`
     of the rows, as the eval split; `report.held_out` says what was taken and why."""
     order = list(range(len(pairs)))
@@ -125,8 +127,10 @@ def split_examples(pairs: list[Row], eval_size: int, seed: int,
     else:
         n_eval = min(eval_size, len(pairs) // 2)
         how = f"task.eval_size={eval_size}" + (", capped at half the rows" if n_eval < eval_size else "")
-    report.held_out = (f"held out {n_eval} of {len(pairs)} rows ({how}; task.eval_size, task.eval_fraction "
-                       "or task.eval_path choose the split)")
+    report.held_out = (
+        f"held out {n_eval} of {len(pairs)} rows ({how}; task.eval_size, task.eval_fraction "
+        "or task.eval_path choose the split)"
+    )
     examples = [Example(i, *pairs[i]) for i in order]
     return TaskData(train=examples[n_eval:], eval=examples[:n_eval], report=report)
 
@@ -134,8 +138,9 @@ def split_examples(pairs: list[Row], eval_size: int, seed: int,
 def refuse_bad_rows(report: DatasetReport, source: str, on_bad_row: str) -> None:
     """With task.on_bad_row=error, any skipped row stops the run before training, listing them all."""
     if on_bad_row == "error" and report.rows_skipped:
-        raise DatasetError(f"{report.rows_skipped} bad row(s) in {source} (task.on_bad_row=error):\n  "
-                           + "\n  ".join(report.problems))
+        raise DatasetError(
+            f"{report.rows_skipped} bad row(s) in {source} (task.on_bad_row=error):\n  " + "\n  ".join(report.problems)
+        )
 
 
 def load_task(cfg: TaskConfig, seed: int | None = None) -> TaskData:
@@ -154,15 +159,19 @@ def load_task(cfg: TaskConfig, seed: int | None = None) -> TaskData:
     return split_examples(pairs, cfg.eval_size, cfg.split_seed if seed is None else seed, report, cfg.eval_fraction)
 
 
-def joined_splits(pairs: list[Row], report: DatasetReport, held: list[Row],
-                  held_report: DatasetReport, source: str) -> TaskData:
+def joined_splits(
+    pairs: list[Row], report: DatasetReport, held: list[Row], held_report: DatasetReport, source: str
+) -> TaskData:
     """Train on every row of `pairs`, hold out every row of `held` (a separate file or dataset)."""
     report.rows_read += held_report.rows_read
     report.rows_skipped += held_report.rows_skipped
     report.problems += held_report.problems
     report.held_out = f"held out the {len(held)} rows of {source}; all {len(pairs)} dataset rows train"
-    return TaskData(train=[Example(i, *p) for i, p in enumerate(pairs)],
-                    eval=[Example(len(pairs) + j, *p) for j, p in enumerate(held)], report=report)
+    return TaskData(
+        train=[Example(i, *p) for i, p in enumerate(pairs)],
+        eval=[Example(len(pairs) + j, *p) for j, p in enumerate(held)],
+        report=report,
+    )
 
 
 def screen_prompts(data: TaskData, encode, limit: int, on_bad_row: str) -> list[str]:
@@ -177,8 +186,10 @@ def screen_prompts(data: TaskData, encode, limit: int, on_bad_row: str) -> list[
         for ex in split:
             n = len(encode(ex.prompt))
             if n > limit:
-                problems.append(f"prompt #{ex.index} has {n} tokens, over the limit of {limit} "
-                                "(task.max_prompt_tokens, or the model's positions minus rollout.max_new_tokens)")
+                problems.append(
+                    f"prompt #{ex.index} has {n} tokens, over the limit of {limit} "
+                    "(task.max_prompt_tokens, or the model's positions minus rollout.max_new_tokens)"
+                )
             else:
                 kept.append(ex)
         split[:] = kept
@@ -236,8 +247,12 @@ class PromptStream:
 
     def state_dict(self) -> dict:
         version, internal, gauss = self._rng.getstate()
-        return {"epoch": self.epoch, "order": list(self._order), "requeued": [list(r) for r in self._requeued],
-                "rng": [version, list(internal), gauss]}
+        return {
+            "epoch": self.epoch,
+            "order": list(self._order),
+            "requeued": [list(r) for r in self._requeued],
+            "rng": [version, list(internal), gauss],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         version, internal, gauss = state["rng"]

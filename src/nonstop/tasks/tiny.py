@@ -21,8 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, Qwen2Config, Qwen2MoeConfig,
-                          Qwen2Tokenizer, Qwen3MoeConfig)
+from transformers import (
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen2Tokenizer,
+    Qwen3MoeConfig,
+)
 
 from nonstop.config import TinyModelConfig
 
@@ -43,8 +50,15 @@ def make_char_tokenizer() -> Qwen2Tokenizer:
         vocab[_byte_level(c)] = len(vocab)
     while len(vocab) < VOCAB_SIZE:
         vocab[f"<reserved_{len(vocab)}>"] = len(vocab)
-    return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=PAD, pad_token=PAD, bos_token=BOS, eos_token=EOS,
-                          extra_special_tokens=[t for t in vocab if t.startswith("<reserved_")])
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=PAD,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        extra_special_tokens=[t for t in vocab if t.startswith("<reserved_")],
+    )
 
 
 def tiny_config(cfg: TinyModelConfig) -> PretrainedConfig:
@@ -65,8 +79,12 @@ def tiny_config(cfg: TinyModelConfig) -> PretrainedConfig:
     moe = cfg.moe
     if moe is None:
         return Qwen2Config(**common)
-    experts: dict[str, Any] = dict(num_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
-                   moe_intermediate_size=moe.expert_intermediate_size, norm_topk_prob=moe.norm_topk_prob)
+    experts: dict[str, Any] = dict(
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.experts_per_token,
+        moe_intermediate_size=moe.expert_intermediate_size,
+        norm_topk_prob=moe.norm_topk_prob,
+    )
     if moe.kind == "qwen2_moe":
         return Qwen2MoeConfig(**common, **experts, shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
     return Qwen3MoeConfig(**common, **experts)  # head_dim: hidden_size // num_heads

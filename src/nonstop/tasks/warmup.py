@@ -52,7 +52,8 @@ def _cache_key(cfg: Config) -> str:
         "task": cfg.task.model_dump(exclude={"reward"}),
         "warmup": {**cfg.warmup.model_dump(exclude={"cache_dir", "seed"}), "enabled": cfg.warmup_enabled},
         "seed": warmup_seed(cfg),
-        "max_new_tokens": cfg.rollout.max_new_tokens, "format": 2,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "format": 2,
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -77,7 +78,7 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
         attn = torch.zeros((len(batch), L), dtype=torch.long)
         for r, (p, a) in enumerate(batch):
             ids[r, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[r, len(p): len(p) + len(a)] = torch.tensor(a)
+            labels[r, len(p) : len(p) + len(a)] = torch.tensor(a)
             attn[r, : len(p) + len(a)] = 1
         loss = model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
@@ -91,8 +92,13 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
             log(f"warm-up step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%}")
             if acc >= w.target_accuracy:
                 break
-    return {"steps": step, "gate_accuracy": acc, "gate_size": len(gate), "gate_curve": curve,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "steps": step,
+        "gate_accuracy": acc,
+        "gate_size": len(gate),
+        "gate_curve": curve,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def warm_up(cfg: Config, data: TaskData, log: Callable[[str], None] = print, threads: int = 2):
@@ -135,5 +141,9 @@ def cached_base(cfg: Config, data: TaskData, warmup: bool, log: Callable[[str], 
         info["warmup"] = True
     else:
         quiet_transformers()
-        model, tokenizer, info = make_tiny_model(cfg.model.tiny, warmup_seed(cfg)), make_char_tokenizer(), {"warmup": False}
+        model, tokenizer, info = (
+            make_tiny_model(cfg.model.tiny, warmup_seed(cfg)),
+            make_char_tokenizer(),
+            {"warmup": False},
+        )
     return save_atomically(folder, model, tokenizer, {"nonstop_base.json": info})

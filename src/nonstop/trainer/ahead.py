@@ -37,12 +37,14 @@ def completions(group: Group) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(s.completion_ids) for s in group.samples)
 
 
-def by_group(groups: list[Group], logp: torch.Tensor, entropy: torch.Tensor | None) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+def by_group(
+    groups: list[Group], logp: torch.Tensor, entropy: torch.Tensor | None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """Each group's rows of a (B, T) forward of `groups`, in order."""
     row = 0
     for g in groups:
         n = len(g.samples)
-        yield logp[row:row + n], entropy[row:row + n] if entropy is not None else None
+        yield logp[row : row + n], entropy[row : row + n] if entropy is not None else None
         row += n
 
 
@@ -59,12 +61,15 @@ class AheadForwards:
         """The held forward of each group of a step at `version` (None: compute it now); empties the store."""
         held, self.held = self.held, {}
         found = [held.get((g.epoch, g.prompt_index)) for g in groups]
-        return [h if h is not None and h.version == version and h.tokens == completions(g) else None
-                for h, g in zip(found, groups)]
+        return [
+            h if h is not None and h.version == version and h.tokens == completions(g) else None
+            for h, g in zip(found, groups)
+        ]
 
 
-def assemble(found: list[Held | None], fresh: Iterator[tuple[torch.Tensor, torch.Tensor | None]], T: int,
-             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def assemble(
+    found: list[Held | None], fresh: Iterator[tuple[torch.Tensor, torch.Tensor | None]], T: int, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs [and entropy] of a batch from its groups' held rows, and from `fresh` (the
     rows of the groups without one, in order)."""
     rows = [(h.logp, h.entropy) if h is not None else next(fresh) for h in found]

@@ -37,13 +37,20 @@ from typing import NotRequired, TypedDict
 
 import torch
 
-from nonstop.hf import CausalLM
 from nonstop.config import DistillConfig, TrainerConfig
+from nonstop.hf import CausalLM
 from nonstop.trainer.ahead import AheadForwards, assemble, by_group
 from nonstop.trainer.correction import is_weights
 from nonstop.trainer.forward import prompt_shared_hidden, unsupported
+from nonstop.trainer.losses import (
+    clipped_policy_loss,
+    group_advantages,
+    gspo_loss,
+    kl_penalty,
+    masked_mean,
+    token_logprobs,
+)
 from nonstop.trainer.routing import RouterHooks, moe_routers, route_tensor
-from nonstop.trainer.losses import clipped_policy_loss, group_advantages, gspo_loss, kl_penalty, masked_mean, token_logprobs
 from nonstop.trainer.token_advantages import distill_advantages, distill_term, process_advantages
 from nonstop.types import Group
 
@@ -89,17 +96,26 @@ class Batch(TypedDict):
 
 class Trainer:
     def __init__(
-        self, model: CausalLM, cfg: TrainerConfig, temperature: float, pad_token_id: int,
-        max_lag: int | None = None, reject: str = "group", total_steps: int = 1000,
-        max_new_tokens: int | None = None, distill: DistillConfig | None = None,
+        self,
+        model: CausalLM,
+        cfg: TrainerConfig,
+        temperature: float,
+        pad_token_id: int,
+        max_lag: int | None = None,
+        reject: str = "group",
+        total_steps: int = 1000,
+        max_new_tokens: int | None = None,
+        distill: DistillConfig | None = None,
     ) -> None:
         """`max_new_tokens`: the generation budget (rollout.max_new_tokens), the constant per-sample
         divisor of the 'constant' normalisation (dr_grpo); needed by that loss only. `distill`:
         the weight of the teacher term when samples carry teacher logprobs."""
         self.distill = distill
         if cfg.norm == "constant" and max_new_tokens is None:
-            raise ValueError(f"trainer.loss {cfg.loss!r} divides by samples x rollout.max_new_tokens: "
-                             "pass max_new_tokens to the Trainer")
+            raise ValueError(
+                f"trainer.loss {cfg.loss!r} divides by samples x rollout.max_new_tokens: "
+                "pass max_new_tokens to the Trainer"
+            )
         self.max_new_tokens = max_new_tokens
         self.model = model.train()
         self.cfg = cfg
@@ -116,8 +132,10 @@ class Trainer:
         self.shared_prompts = unsupported(model) is None
         routers = moe_routers(model)
         if cfg.routing_replay == "r3" and not routers:
-            raise ValueError("trainer.routing_replay: 'r3' replays MoE routes, but the model has no top-k router "
-                             "(model.layers.{i}.mlp.gate); set trainer.routing_replay none")
+            raise ValueError(
+                "trainer.routing_replay: 'r3' replays MoE routes, but the model has no top-k router "
+                "(model.layers.{i}.mlp.gate); set trainer.routing_replay none"
+            )
         # after the reference copy, which must route freely
         self.routing = RouterHooks(routers, cfg.routing_replay == "r3") if routers else None
         self.ahead = AheadForwards()
@@ -130,7 +148,8 @@ class Trainer:
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda n: lr_factor(n, cfg.lr_warmup_steps, cfg.lr_schedule, self.total_steps))
+            self.optimizer, lambda n: lr_factor(n, cfg.lr_warmup_steps, cfg.lr_schedule, self.total_steps)
+        )
 
     # Data-parallel seam: one rank holding the whole batch needs none of this; trainer/parallel.py
     # overrides these four so that M ranks take exactly the step one rank would.
@@ -179,8 +198,10 @@ class Trainer:
             keep=None,
             group_of=torch.tensor([i for i, g in enumerate(groups) for _ in g.samples]),
         )
-        for key, values in (("token_rewards", [s.token_rewards for s in samples]),
-                            ("teacher", [s.teacher_logprobs for s in samples])):
+        for key, values in (
+            ("token_rewards", [s.token_rewards for s in samples]),
+            ("teacher", [s.teacher_logprobs for s in samples]),
+        ):
             given = [v is not None for v in values]
             if any(given):
                 if not all(given):
@@ -192,7 +213,8 @@ class Trainer:
             plen = torch.tensor([len(p) for p in distinct])  # (Q,)
             prompt_ids = torch.full((len(distinct), int(plen.max())), self.pad_token_id, dtype=torch.long)
             prompt_ids[torch.arange(prompt_ids.shape[1])[None, :] < plen[:, None]] = torch.tensor(
-                [t for p in distinct for t in p], dtype=torch.long)
+                [t for p in distinct for t in p], dtype=torch.long
+            )
             # Padded completion inputs hold token 0: causal attention keeps them from every real position.
             batch["prompt_ids"], batch["prompt_len"], batch["row_prompt"] = prompt_ids, plen, row_prompt
             batch["completion_in"] = targets[:, :-1]
@@ -201,7 +223,9 @@ class Trainer:
             seq_len = plen_rows + clen
             in_seq = torch.arange(int(seq_len.max()))[None, :] < seq_len[:, None]  # (B, L)
             ids = torch.full(in_seq.shape, self.pad_token_id, dtype=torch.long)
-            ids[in_seq] = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.completion_ids)], dtype=torch.long)
+            ids[in_seq] = torch.tensor(
+                [t for s in samples for t in (*s.prompt_ids, *s.completion_ids)], dtype=torch.long
+            )
             # Completion token t of row b sits at input position P_b + t and is predicted at P_b + t - 1.
             gather_pos = torch.where(in_completion, plen_rows[:, None] - 1 + torch.arange(T)[None, :], 0)
             batch["ids"], batch["attn"], batch["gather_pos"] = ids, in_seq.long(), gather_pos
@@ -240,8 +264,15 @@ class Trainer:
                 input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False
             ).last_hidden_state  # (B, L, H)
             hidden = states.gather(1, batch["gather_pos"].unsqueeze(-1).expand(-1, -1, states.shape[-1]))  # (B, T, H)
-        return token_logprobs(hidden, model.get_output_embeddings(), batch["targets"],
-                              self.temperature, self.cfg.logprob_chunk_rows, with_entropy, batch["keep"])
+        return token_logprobs(
+            hidden,
+            model.get_output_embeddings(),
+            batch["targets"],
+            self.temperature,
+            self.cfg.logprob_chunk_rows,
+            with_entropy,
+            batch["keep"],
+        )
 
     def _forward(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self.logprobs(batch, with_entropy=with_entropy)
@@ -255,7 +286,9 @@ class Trainer:
         self.ahead.hold(groups, self.policy_version, *self._forward(self._batch(groups), self.cfg.entropy_coef > 0))
         return len(groups)
 
-    def _policy_logprobs(self, groups: list[Group], batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    def _policy_logprobs(
+        self, groups: list[Group], batch: Batch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """(B, T) logprobs [and entropy] of the batch under the policy, and how many of its groups
         came from `forward_ahead`."""
         found = self.ahead.take(groups, self.policy_version)
@@ -292,8 +325,15 @@ class Trainer:
         if "teacher" in batch:
             if self.distill is None:
                 raise ValueError("samples carry teacher logprobs but the trainer has no distill settings")
-            adv = distill_advantages(adv, student, batch["teacher"], inside, self.distill.coef, self.distill.task_reward,
-                                     self.distill.normalize)
+            adv = distill_advantages(
+                adv,
+                student,
+                batch["teacher"],
+                inside,
+                self.distill.coef,
+                self.distill.task_reward,
+                self.distill.normalize,
+            )
             k = distill_term(student, batch["teacher"], inside)[inside]
             stats["teacher_kl"] = float(k.mean()) if k.numel() else 0.0
         return adv, stats
@@ -323,12 +363,31 @@ class Trainer:
         den = self.denominators(mask)
         norm_den = den[cfg.norm] if den else None
         if cfg.loss == "gspo":
-            loss, stats = gspo_loss(logp, old, advantages, mask, cfg.clip_low, cfg.clip_high, weights,
-                                    den["gspo"] if den else None, cfg.clip_ratio_c)
+            loss, stats = gspo_loss(
+                logp,
+                old,
+                advantages,
+                mask,
+                cfg.clip_low,
+                cfg.clip_high,
+                weights,
+                den["gspo"] if den else None,
+                cfg.clip_ratio_c,
+            )
         else:
-            loss, stats = clipped_policy_loss(logp, old, advantages, mask, cfg.clip_low, cfg.clip_high,
-                                              cfg.norm, weights, norm_den, cfg.clip_ratio_c,
-                                              self.max_new_tokens)
+            loss, stats = clipped_policy_loss(
+                logp,
+                old,
+                advantages,
+                mask,
+                cfg.clip_low,
+                cfg.clip_high,
+                cfg.norm,
+                weights,
+                norm_den,
+                cfg.clip_ratio_c,
+                self.max_new_tokens,
+            )
         extra: dict[str, float | dict[str, int]] = dict(token_stats)
         teachers = Counter(s.teacher for g in groups for s in g.samples if s.teacher is not None)
         if teachers:
@@ -336,8 +395,9 @@ class Trainer:
         if self.reference is not None:
             with torch.no_grad():
                 ref = self.logprobs(batch, self.reference)
-            kl = masked_mean(kl_penalty(logp, ref, cfg.kl_estimator, cfg.kl_clamp), mask, cfg.norm,
-                             norm_den, self.max_new_tokens)
+            kl = masked_mean(
+                kl_penalty(logp, ref, cfg.kl_estimator, cfg.kl_clamp), mask, cfg.norm, norm_den, self.max_new_tokens
+            )
             loss = loss + cfg.kl_coef * kl
             extra["kl_ref"] = float(kl.detach())
             if cfg.kl_clamp is not None:
@@ -373,7 +433,8 @@ class Trainer:
         sel = batch["mask"]
         d = (batch["behaviour"] - prox)[sel]  # log mu - log pi
         return {
-            "skipped": int(skipped), "skipped_steps": self.skipped_steps,
+            "skipped": int(skipped),
+            "skipped_steps": self.skipped_steps,
             "loss": float(loss.detach()),
             **{k: float(v) for k, v in stats.items()},
             **{k: float(v) for k, v in is_stats.items()},
@@ -381,8 +442,10 @@ class Trainer:
             "mismatch_kl_k3": float((torch.exp(-d) + d - 1).mean()) if d.numel() else 0.0,
             "log_ratio_std": float(d.std()) if d.numel() > 1 else 0.0,  # spread of log pi - log mu
             **routing,
-            **extra, **counts,
-            "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
+            **extra,
+            **counts,
+            "grad_norm": float(grad_norm),
+            "lr": self.optimizer.param_groups[0]["lr"],
             "lag_hist": {str(k): v for k, v in sorted(Counter(lag[sel].tolist()).items())},
             "samples": int(batch["targets"].shape[0]),
             "ahead_groups": ahead,

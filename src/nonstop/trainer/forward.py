@@ -50,7 +50,9 @@ def unsupported(model: torch.nn.Module) -> str | None:
     dec = getattr(lm, "model", None)
     if dec is None or not all(hasattr(dec, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "no model.{embed_tokens, layers, norm, rotary_emb}"
-    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+    if getattr(cfg, "use_sliding_window", False) or any(
+        t != "full_attention" for t in getattr(cfg, "layer_types", None) or []
+    ):
         return "sliding-window attention"
     if float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0.0:
         return "attention dropout"
@@ -97,7 +99,9 @@ def prompt_shared_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
         ap = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)  # (Q, H, Lp, D)
         out = [ap.transpose(1, 2).reshape(Np, H * D)]
         if Tc:
-            qc = _rotate(q[Np:].view(B, Tc, H, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(1, 2)  # (B, H, Tc, D)
+            qc = _rotate(q[Np:].view(B, Tc, H, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(
+                1, 2
+            )  # (B, H, Tc, D)
             kc = _rotate(k[Np:].view(B, Tc, KV, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(1, 2)
             vc = v[Np:].view(B, Tc, KV, D).transpose(1, 2)
             keys, values = torch.cat([kp[row], kc], dim=2), torch.cat([vp[row], vc], dim=2)  # (B, KV, Lp + Tc, D)

@@ -34,7 +34,9 @@ Norm = Literal["sequence", "token", "constant"]
 
 
 def group_advantages(
-    rewards: torch.Tensor, mode: AdvantageMode | Literal["std", "none"] = "group_std", std: GroupStd = "population",
+    rewards: torch.Tensor,
+    mode: AdvantageMode | Literal["std", "none"] = "group_std",
+    std: GroupStd = "population",
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Advantages from rewards (G, n) -> (G, n).
@@ -58,8 +60,13 @@ def group_advantages(
 
 
 def token_logprobs(
-    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
-    chunk_rows: int = 64, with_entropy: bool = False, keep: torch.Tensor | None = None,
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_rows: int = 64,
+    with_entropy: bool = False,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(head(hidden) / temperature) at `targets`, `chunk_rows` rows at a time.
 
@@ -83,7 +90,10 @@ def token_logprobs(
 
 
 def masked_mean(
-    x: torch.Tensor, mask: torch.Tensor, norm: Norm, denom: torch.Tensor | None = None,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    norm: Norm,
+    denom: torch.Tensor | None = None,
     max_new_tokens: int | None = None,
 ) -> torch.Tensor:
     """Reduce per-token values x (B, T) over mask (B, T) to a scalar.
@@ -174,13 +184,17 @@ def gspo_loss(
     has_tokens = (m.sum(-1) > 0).to(logp.dtype)
     loss = (per_seq * has_tokens).sum() / (has_tokens.sum().clamp_min(1.0) if denom is None else denom)
     token_ratio = torch.exp(logp - old_logp)
-    stats = _ratio_stats(token_ratio, (clipped < unclipped).unsqueeze(-1).expand_as(mask), mask,
-                         dual.unsqueeze(-1).expand_as(mask))
+    stats = _ratio_stats(
+        token_ratio, (clipped < unclipped).unsqueeze(-1).expand_as(mask), mask, dual.unsqueeze(-1).expand_as(mask)
+    )
     return loss, stats
 
 
 def kl_penalty(
-    logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3", clamp: float | None = None,
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    estimator: KLEstimator = "k3",
+    clamp: float | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi: (B, T) -> (B, T).
 
@@ -210,7 +224,10 @@ def _dual_clip(loss: torch.Tensor, adv: torch.Tensor, c: float | None) -> tuple[
 
 
 def _ratio_stats(
-    ratio: torch.Tensor, was_clipped: torch.Tensor, mask: torch.Tensor, dual_capped: torch.Tensor,
+    ratio: torch.Tensor,
+    was_clipped: torch.Tensor,
+    mask: torch.Tensor,
+    dual_capped: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         sel = mask.bool()
@@ -218,5 +235,10 @@ def _ratio_stats(
             one, zero = torch.tensor(1.0), torch.tensor(0.0)
             return {"ratio_mean": one, "ratio_min": one, "ratio_max": one, "clip_frac": zero, "dual_clip_frac": zero}
         r = ratio[sel]
-        return {"ratio_mean": r.mean(), "ratio_min": r.min(), "ratio_max": r.max(),
-                "clip_frac": was_clipped[sel].float().mean(), "dual_clip_frac": dual_capped[sel].float().mean()}
+        return {
+            "ratio_mean": r.mean(),
+            "ratio_min": r.min(),
+            "ratio_max": r.max(),
+            "clip_frac": was_clipped[sel].float().mean(),
+            "dual_clip_frac": dual_capped[sel].float().mean(),
+        }

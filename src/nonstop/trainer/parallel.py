@@ -59,8 +59,9 @@ def join_group(host: str, port: int, rank: int, world: int, timeout_s: float, cu
     """Join the trainer ranks' default process group (blocks until all `world` ranks have);
     NCCL when the model lives on a GPU (`cuda`), gloo otherwise."""
     backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def shard_bounds(num_groups: int, rank: int, world: int) -> tuple[int, int]:
@@ -94,14 +95,31 @@ class _FullParameters:
 
 
 class ParallelTrainer(Trainer):
-    def __init__(self, model: CausalLM, cfg: TrainerConfig, temperature: float, pad_token_id: int,
-                 max_lag: int | None = None, reject: str = "group", mode: Mode = "ddp", total_steps: int = 1000,
-                 max_new_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        cfg: TrainerConfig,
+        temperature: float,
+        pad_token_id: int,
+        max_lag: int | None = None,
+        reject: str = "group",
+        mode: Mode = "ddp",
+        total_steps: int = 1000,
+        max_new_tokens: int | None = None,
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParallelTrainer needs the trainer process group: call join_group first")
         self.rank, self.world, self.mode = dist.get_rank(), dist.get_world_size(), mode
-        super().__init__(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps,  # the reference stays whole
-                         max_new_tokens)
+        super().__init__(
+            model,
+            cfg,
+            temperature,
+            pad_token_id,
+            max_lag,
+            reject,
+            total_steps,  # the reference stays whole
+            max_new_tokens,
+        )
         if mode == "fsdp2":
             self.shared_prompts = False  # FSDP2 gathers a layer's parameters in that layer's forward: call it
             from torch.distributed.device_mesh import init_device_mesh
@@ -125,7 +143,7 @@ class ParallelTrainer(Trainer):
         batch = super()._batch(groups[lo:hi])
         advantages = self._advantages(groups)  # (B,) over the whole batch: 'batch' mode normalises over it
         start = sum(len(g.samples) for g in groups[:lo])
-        batch["advantages"] = advantages[start: start + sum(len(g.samples) for g in groups[lo:hi])]  # (B_r,)
+        batch["advantages"] = advantages[start : start + sum(len(g.samples) for g in groups[lo:hi])]  # (B_r,)
         self._samples = len(advantages)
         return batch
 

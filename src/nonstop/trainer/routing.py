@@ -42,8 +42,11 @@ class RouteShapeError(ValueError):
 
 
 def moe_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    return [(name, m) for name, m in model.named_modules()
-            if name.endswith("mlp.gate") and all(hasattr(m, a) for a in ("top_k", "num_experts", "norm_topk_prob"))]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if name.endswith("mlp.gate") and all(hasattr(m, a) for a in ("top_k", "num_experts", "norm_topk_prob"))
+    ]
 
 
 def router_shape(routers: list[tuple[str, torch.nn.Module]]) -> tuple[int, int, int]:
@@ -58,17 +61,21 @@ def route_tensor(samples: Sequence[Sample], length: int, routers: list[tuple[str
     for b, s in enumerate(samples):
         r = s.routes
         if r is None:
-            raise RouteShapeError(f"sample {b}: no routes recorded (sample.routes is None); trainer.routing_replay "
-                                  "'r3' needs an engine that records MoE routes (the built-in engine does)")
+            raise RouteShapeError(
+                f"sample {b}: no routes recorded (sample.routes is None); trainer.routing_replay "
+                "'r3' needs an engine that records MoE routes (the built-in engine does)"
+            )
         if (r.num_layers, r.top_k, r.num_experts) != (layers, k, experts):
             raise RouteShapeError(
                 f"sample {b}: sample.routes has {r.num_layers} layers x top-{r.top_k} of {r.num_experts} experts, but "
-                f"the trainer's model has {layers} routers ({routers[0][0]} ...) x top-{k} of {experts} experts")
+                f"the trainer's model has {layers} routers ({routers[0][0]} ...) x top-{k} of {experts} experts"
+            )
         want_c = max(len(s.completion_ids) - 1, 0)
         if r.num_prompt_tokens != len(s.prompt_ids) or r.num_completion_tokens != want_c:
             raise RouteShapeError(
                 f"sample {b}: sample.routes covers {r.num_prompt_tokens} prompt + {r.num_completion_tokens} completion "
-                f"tokens, expected {len(s.prompt_ids)} + {want_c} (every input token but the last completion token)")
+                f"tokens, expected {len(s.prompt_ids)} + {want_c} (every input token but the last completion token)"
+            )
         data = np.frombuffer(r.prompt + bytes(r.completion), dtype=np.uint8 if r.itemsize == 1 else "<u2")
         n = r.num_prompt_tokens + r.num_completion_tokens
         out[b, :n] = torch.from_numpy(data.astype(np.int16).reshape(n, layers, k))
@@ -103,8 +110,10 @@ class RouterHooks:
             return {}
         unused = [self.routers[i][0] for i, n in enumerate(used) if n != 1]
         if unused:
-            raise RuntimeError(f"recorded routes used {[used[i] for i, n in enumerate(used) if n != 1]} times instead of "
-                               f"once by {', '.join(unused)}: the forward did not pass every MoE layer exactly once")
+            raise RuntimeError(
+                f"recorded routes used {[used[i] for i, n in enumerate(used) if n != 1]} times instead of "
+                f"once by {', '.join(unused)}: the forward did not pass every MoE layer exactly once"
+            )
         routed = routes[:, 0, 0] >= 0  # (N,)
         n = int(routed.sum())
         assert self.differs is not None and self.free_differs is not None
@@ -128,8 +137,10 @@ class RouterHooks:
             logits, _, free = output  # (N, E), (N, k), (N, k)
             recorded = self.routes[:, layer].long()  # (N, k)
             if recorded.shape != free.shape:
-                raise RouteShapeError(f"{name}: recorded routes {list(recorded.shape)} for a router that chose "
-                                      f"{list(free.shape)} (tokens x k): the batch and its routes disagree")
+                raise RouteShapeError(
+                    f"{name}: recorded routes {list(recorded.shape)} for a router that chose "
+                    f"{list(free.shape)} (tokens x k): the batch and its routes disagree"
+                )
             has = recorded[:, 0] >= 0
             rec = torch.where(has[:, None], recorded, free)
             free_differs = (free.sort(-1).values != rec.sort(-1).values).any(-1)  # (N,)
@@ -143,4 +154,5 @@ class RouterHooks:
             if module.norm_topk_prob:
                 weights = weights / weights.sum(-1, keepdim=True)
             return logits, weights.to(logits.dtype), rec
+
         return hook

@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 
 
-def process_advantages(adv: torch.Tensor, token_rewards: torch.Tensor, mask: torch.Tensor,
-                       group_of: torch.Tensor) -> torch.Tensor:
+def process_advantages(
+    adv: torch.Tensor, token_rewards: torch.Tensor, mask: torch.Tensor, group_of: torch.Tensor
+) -> torch.Tensor:
     """adv (B,) or (B, T); token_rewards (B, T); mask (B, T) bool; group_of (B,) group index -> (B, T)."""
     m = mask.to(token_rewards.dtype)
     r = token_rewards * m  # (B, T)
@@ -44,9 +45,15 @@ def distill_term(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: t
     return (student_logp.detach() - teacher_logp) * mask.to(teacher_logp.dtype)
 
 
-def distill_advantages(adv: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
-                       mask: torch.Tensor, coef: float, task_reward: bool = True,
-                       normalize: bool = False) -> torch.Tensor:
+def distill_advantages(
+    adv: torch.Tensor,
+    student_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    task_reward: bool = True,
+    normalize: bool = False,
+) -> torch.Tensor:
     """adv (B,) or (B, T); logprobs (B, T); mask (B, T) -> A_t - coef * k_t (or -coef * k_t alone)."""
     m = mask.to(teacher_logp.dtype)
     k = distill_term(student_logp, teacher_logp, mask)  # (B, T)

@@ -38,16 +38,27 @@ from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, ren
 from nonstop.transport import WeightSink, open_sink, plan_transport
 from nonstop.types import AheadResult, Group, PublishResult, StepResult, TransportHandle
 
-
 SHARDED_OPTIMIZER = "optimizer"  # a checkpoint's folder of FSDP2 optimizer shards (torch.distributed.checkpoint)
 
 
 class TrainerWorker:
-    def __init__(self, model_path: str, cfg: TrainerConfig, temperature: float, pad_token_id: int, seed: int = 0,
-                 max_lag: int | None = None, reject: str = "group", reference_path: str | None = None,
-                 total_steps: int = 1000, lora: LoraConfig | None = None, adapter_path: str | None = None,
-                 max_new_tokens: int | None = None, span_path: str | None = None,
-                 distill: DistillConfig | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        cfg: TrainerConfig,
+        temperature: float,
+        pad_token_id: int,
+        seed: int = 0,
+        max_lag: int | None = None,
+        reject: str = "group",
+        reference_path: str | None = None,
+        total_steps: int = 1000,
+        lora: LoraConfig | None = None,
+        adapter_path: str | None = None,
+        max_new_tokens: int | None = None,
+        span_path: str | None = None,
+        distill: DistillConfig | None = None,
+    ):
         """`span_path`: this rank's span file (nonstop.observe.spans), None records nothing.
         `reference_path`: the KL reference weights when they differ from `model_path` (on resume).
         `max_new_tokens`: rollout.max_new_tokens, the constant divisor of dr_grpo's normalisation.
@@ -64,8 +75,9 @@ class TrainerWorker:
 
             model = wrap_with_peft(base, self.lora, adapter_path)
             reference_path = model_path  # the plain base, not a copy of the peft model
-        self.trainer = Trainer(model, cfg, temperature, pad_token_id, max_lag, reject, total_steps, max_new_tokens,
-                               distill)
+        self.trainer = Trainer(
+            model, cfg, temperature, pad_token_id, max_lag, reject, total_steps, max_new_tokens, distill
+        )
         if reference_path is not None and self.trainer.reference is not None:
             self.trainer.reference = place(load_model(reference_path), self.device).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
@@ -83,8 +95,17 @@ class TrainerWorker:
         join_group(host, port, rank, world, timeout_s, cuda=next(t.model.parameters()).is_cuda)
         if t.routing is not None:
             t.routing.close()  # the parallel trainer hooks the same routers again
-        self.trainer = ParallelTrainer(t.model, t.cfg, t.temperature, t.pad_token_id, t.max_lag, t.reject,
-                                       t.cfg.data_parallel, t.total_steps, t.max_new_tokens)
+        self.trainer = ParallelTrainer(
+            t.model,
+            t.cfg,
+            t.temperature,
+            t.pad_token_id,
+            t.max_lag,
+            t.reject,
+            t.cfg.data_parallel,
+            t.total_steps,
+            t.max_new_tokens,
+        )
         self.trainer.reference = t.reference  # the worker may have loaded it from elsewhere (resume)
         self.trainer.distill = t.distill
 
@@ -94,9 +115,14 @@ class TrainerWorker:
 
     def plan_transport(self, cfg: TransportConfig, num_engines: int, host: str | None = "127.0.0.1") -> TransportHandle:
         version = self.trainer.policy_version
-        handle = plan_transport(cfg, self.trainer.model, num_engines, self.lora,
-                                next_version=version if self._publishes_on_connect() else version + 1,
-                                host=node_host(host))
+        handle = plan_transport(
+            cfg,
+            self.trainer.model,
+            num_engines,
+            self.lora,
+            next_version=version if self._publishes_on_connect() else version + 1,
+            host=node_host(host),
+        )
         self.sink = open_sink(handle)
         self.publish_bytes = handle.total_bytes
         return handle
@@ -117,9 +143,16 @@ class TrainerWorker:
         metrics.update(train_s=train_s)
         update_s = metrics["update_s"]
         assert isinstance(update_s, float)  # Trainer.step reports it in seconds
-        self.spans.emit("step", t0=round(t0, 6), t1=round(t1, 6), version=self.trainer.policy_version,
-                        tokens=sum(g.num_tokens for g in groups), samples=sum(len(g.samples) for g in groups),
-                        update_s=round(update_s, 6), cpu_s=round(cpu_s, 6))
+        self.spans.emit(
+            "step",
+            t0=round(t0, 6),
+            t1=round(t1, 6),
+            version=self.trainer.policy_version,
+            tokens=sum(g.num_tokens for g in groups),
+            samples=sum(len(g.samples) for g in groups),
+            update_s=round(update_s, 6),
+            cpu_s=round(cpu_s, 6),
+        )
         return StepResult(self.trainer.policy_version, metrics)
 
     def forward_ahead(self, groups: list[Group]) -> AheadResult:
@@ -129,7 +162,9 @@ class TrainerWorker:
             held = self.trainer.forward_ahead(groups)
         t1 = now()
         self.busy_s += t1 - t0
-        self.spans.emit("ahead", t0=round(t0, 6), t1=round(t1, 6), groups=held, cpu_s=round(time.process_time() - cpu0, 6))
+        self.spans.emit(
+            "ahead", t0=round(t0, 6), t1=round(t1, 6), groups=held, cpu_s=round(time.process_time() - cpu0, 6)
+        )
         return AheadResult(held, t1 - t0)
 
     def publish(self, resend: bool = False) -> PublishResult:
@@ -161,7 +196,9 @@ class TrainerWorker:
         if isinstance(self.trainer, ParallelTrainer):
             self.trainer.save_full(out)  # every rank takes part; rank 0 writes
         else:
-            self.trainer.model.save_pretrained(str(out))  # with LoRA, peft records the base's path in adapter_config.json
+            self.trainer.model.save_pretrained(
+                str(out)
+            )  # with LoRA, peft records the base's path in adapter_config.json
         return str(out)
 
     def save_checkpoint(self, path: str) -> int:
@@ -173,11 +210,18 @@ class TrainerWorker:
             t.save_optimizer(out / SHARDED_OPTIMIZER)
         if isinstance(t, ParallelTrainer) and t.rank > 0:
             return t.policy_version
-        torch.save({
-            "optimizer": None if sharded else t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-            "policy_version": t.policy_version, "skipped_steps": t.skipped_steps, "skips_in_row": t.skips_in_row,
-        }, out / "trainer.pt")
+        torch.save(
+            {
+                "optimizer": None if sharded else t.optimizer.state_dict(),
+                "scheduler": t.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+                "policy_version": t.policy_version,
+                "skipped_steps": t.skipped_steps,
+                "skips_in_row": t.skips_in_row,
+            },
+            out / "trainer.pt",
+        )
         return t.policy_version
 
     def load_checkpoint(self, path: str) -> int:
@@ -187,8 +231,10 @@ class TrainerWorker:
         sharded = isinstance(t, ParallelTrainer) and t.mode == "fsdp2"
         if sharded != (state["optimizer"] is None):
             saved, now_ = ("fsdp2", "ddp or one rank") if state["optimizer"] is None else ("ddp or one rank", "fsdp2")
-            raise ValueError(f"trainer.data_parallel: the checkpoint {path} holds the optimizer state of {saved} "
-                             f"trainer ranks, this run has {now_}; resume with the checkpoint's trainer.data_parallel")
+            raise ValueError(
+                f"trainer.data_parallel: the checkpoint {path} holds the optimizer state of {saved} "
+                f"trainer ranks, this run has {now_}; resume with the checkpoint's trainer.data_parallel"
+            )
         if isinstance(t, ParallelTrainer) and sharded:
             t.load_optimizer(Path(path) / SHARDED_OPTIMIZER)
         else:
@@ -196,7 +242,11 @@ class TrainerWorker:
         t.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        t.policy_version, t.skipped_steps, t.skips_in_row = state["policy_version"], state["skipped_steps"], state["skips_in_row"]
+        t.policy_version, t.skipped_steps, t.skips_in_row = (
+            state["policy_version"],
+            state["skipped_steps"],
+            state["skips_in_row"],
+        )
         self.published_version = t.policy_version  # engines start from these weights (LoRA: connect publishes them)
         return t.policy_version
 

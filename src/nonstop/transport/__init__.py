@@ -11,8 +11,6 @@ The seam is one method on each side:
 orchestrator, at the end of a run) frees what a dead trainer could not (a shm segment).
 """
 
-from nonstop.types import TransportHandle
-
 from nonstop.transport.base import (
     TransportError,
     WeightSink,
@@ -23,10 +21,18 @@ from nonstop.transport.base import (
     open_source,
     plan_transport,
 )
+from nonstop.types import TransportHandle
 
 __all__ = [
-    "TransportError", "WeightSink", "WeightSource", "check_layout", "model_layout",
-    "open_sink", "open_source", "plan_transport", "release",
+    "TransportError",
+    "WeightSink",
+    "WeightSource",
+    "check_layout",
+    "model_layout",
+    "open_sink",
+    "open_source",
+    "plan_transport",
+    "release",
 ]
 
 

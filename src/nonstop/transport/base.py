@@ -123,7 +123,8 @@ def model_layout(model: torch.nn.Module) -> tuple[list[TensorSpec], int]:
 def check_layout(expected: list[TensorSpec], target: torch.nn.Module | list[tuple[str, torch.Tensor]]) -> None:
     """Fail clearly if the engine's tensors are not exactly the ones the trainer sends."""
     named: list[tuple[str, torch.Tensor]] = (
-        list(target.named_parameters()) if isinstance(target, torch.nn.Module) else target)
+        list(target.named_parameters()) if isinstance(target, torch.nn.Module) else target
+    )
     ours = {s.name: s for s in layout_of(named)[0]}
     theirs = {s.name: s for s in expected}
     problems = [f"missing on engine: {n}" for n in theirs.keys() - ours.keys()]
@@ -145,14 +146,12 @@ def in_layout_order(named: list[tuple[str, torch.Tensor]], layout: list[TensorSp
 
 def views(flat: torch.Tensor, layout: list[TensorSpec]) -> list[torch.Tensor]:
     """Typed, shaped views into a uint8 buffer, one per TensorSpec."""
-    return [
-        flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
-        for s in layout
-    ]
+    return [flat[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape) for s in layout]
 
 
-def bind_flat(tensors: list[torch.Tensor], layout: list[TensorSpec], total_bytes: int,
-              device: torch.device | None = None) -> torch.Tensor:
+def bind_flat(
+    tensors: list[torch.Tensor], layout: list[TensorSpec], total_bytes: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Re-home `tensors` (in layout order) into one new flat buffer on `device` (default: the
     host); returns the buffer."""
     flat = torch.empty(total_bytes, dtype=torch.uint8, device=device or "cpu")
@@ -235,8 +234,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: int,
-                   lora: LoraConfig | None = None, next_version: int = 1, host: str = "127.0.0.1") -> TransportHandle:
+def plan_transport(
+    cfg: TransportConfig,
+    model: torch.nn.Module,
+    num_engines: int,
+    lora: LoraConfig | None = None,
+    next_version: int = 1,
+    host: str = "127.0.0.1",
+) -> TransportHandle:
     """Describe the transport; with `lora` (an enabled LoraConfig) only the adapters travel.
     `next_version`: the first version the trainer will publish (above 1 after a resume).
     `host`: the trainer's address the engines reach (broadcast's store and group)."""
@@ -250,23 +255,44 @@ def plan_transport(cfg: TransportConfig, model: torch.nn.Module, num_engines: in
     if isinstance(cfg, ShmTransportConfig):
         from nonstop.transport.shm import new_segment_name
 
-        options = ShmOptions(name=new_segment_name(), device_path=plan_shm_path(cfg.device_path, trainer_device),
-                             device=str(trainer_device))
+        options = ShmOptions(
+            name=new_segment_name(),
+            device_path=plan_shm_path(cfg.device_path, trainer_device),
+            device=str(trainer_device),
+        )
     elif isinstance(cfg, FilesTransportConfig):
         import tempfile
 
         notify_at = (cfg.notify_host, free_port(cfg.notify_host)) if cfg.notify == "http" else None
-        options = FilesOptions(dir=cfg.dir or tempfile.mkdtemp(prefix="nonstop-weights-"), keep=cfg.keep,
-                               owned=cfg.dir is None, notify_at=notify_at)  # the sink removes a folder it made
+        options = FilesOptions(
+            dir=cfg.dir or tempfile.mkdtemp(prefix="nonstop-weights-"),
+            keep=cfg.keep,
+            owned=cfg.dir is None,
+            notify_at=notify_at,
+        )  # the sink removes a folder it made
     else:
         plan_broadcast_path(cfg.device_path, trainer_device)
-        options = BroadcastOptions(host=host, port=free_port(host), bucket_bytes=int(cfg.bucket_mb * 2**20),
-                                   per_tensor=cfg.per_tensor, rejoin_timeout_s=cfg.rejoin_timeout_s,
-                                   device_path=cfg.device_path, device=str(trainer_device),
-                                   member=member_device(trainer_device))
-    return TransportHandle(layout=layout, total_bytes=total, options=options, num_engines=num_engines,
-                           timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s, checksum=cfg.checksum,
-                           lora=lora, next_version=next_version)
+        options = BroadcastOptions(
+            host=host,
+            port=free_port(host),
+            bucket_bytes=int(cfg.bucket_mb * 2**20),
+            per_tensor=cfg.per_tensor,
+            rejoin_timeout_s=cfg.rejoin_timeout_s,
+            device_path=cfg.device_path,
+            device=str(trainer_device),
+            member=member_device(trainer_device),
+        )
+    return TransportHandle(
+        layout=layout,
+        total_bytes=total,
+        options=options,
+        num_engines=num_engines,
+        timeout_s=cfg.timeout_s,
+        connect_timeout_s=cfg.connect_timeout_s,
+        checksum=cfg.checksum,
+        lora=lora,
+        next_version=next_version,
+    )
 
 
 def open_sink(handle: TransportHandle) -> WeightSink:
@@ -290,8 +316,10 @@ def open_source(handle: TransportHandle, model: torch.nn.Module, rank: int = 1) 
 
     With a LoRA handle the engine receives adapters only and merges them into `model`."""
     if not 1 <= rank <= handle.num_engines:
-        raise TransportError(f"engine rank {rank} outside 1..{handle.num_engines} (the trainer planned for "
-                             f"{handle.num_engines} engine(s))")
+        raise TransportError(
+            f"engine rank {rank} outside 1..{handle.num_engines} (the trainer planned for "
+            f"{handle.num_engines} engine(s))"
+        )
     target = engine_target(model, handle.lora, handle.layout)
     check_layout(handle.layout, target.tensors())
     opts = handle.options

@@ -89,9 +89,9 @@ _BACKEND = "backend"  # the trainer's choice of gloo or nccl, set before any gro
 def _buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions) -> list[torch.Tensor]:
     """Fixed-size byte slices of the flat layout, or one slice per parameter (per_tensor)."""
     if opts.per_tensor:
-        return [flat[s.offset:s.offset + s.nbytes] for s in handle.layout]
+        return [flat[s.offset : s.offset + s.nbytes] for s in handle.layout]
     size = opts.bucket_bytes
-    return [flat[i:i + size] for i in range(0, flat.numel(), size)]
+    return [flat[i : i + size] for i in range(0, flat.numel(), size)]
 
 
 class BroadcastSink:
@@ -123,8 +123,10 @@ class BroadcastSink:
             store.wait(keys, timedelta(seconds=self.handle.connect_timeout_s))
         except Exception as e:  # the store raises DistStoreError on timeout
             missing = [k.split("/")[1] for k in keys if not store.check([k])]
-            raise TransportError(f"engine rank(s) {', '.join(missing)} did not attach to the broadcast transport "
-                                 f"within {self.handle.connect_timeout_s:g} s: {e}") from e
+            raise TransportError(
+                f"engine rank(s) {', '.join(missing)} did not attach to the broadcast transport "
+                f"within {self.handle.connect_timeout_s:g} s: {e}"
+            ) from e
         devices = {0: self.opts.member, **{r: store.get(k).decode() for r, k in enumerate(keys, start=1)}}
         try:
             backend = pick_backend(self.opts.device_path, devices)
@@ -140,8 +142,11 @@ class BroadcastSink:
             raise TransportError("broadcast transport used before connect()")
         flat = self.sender.flat(model)
         buckets = _buckets(flat, self.handle, self.opts)
-        sums = ([torch.tensor([crc32(b) for b in buckets], dtype=torch.int64, device=flat.device)]
-                if self.handle.checksum else [])
+        sums = (
+            [torch.tensor([crc32(b) for b in buckets], dtype=torch.int64, device=flat.device)]
+            if self.handle.checksum
+            else []
+        )
         while True:
             try:
                 self._send_round(buckets + sums, version)
@@ -162,8 +167,10 @@ class BroadcastSink:
             try:
                 self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend)
             except Exception as e:  # a member died again before the new group was up
-                raise TransportError(f"re-planning the broadcast group (generation {self.generation}) for version "
-                                     f"{version} failed within {self.handle.connect_timeout_s:g} s: {e}") from e
+                raise TransportError(
+                    f"re-planning the broadcast group (generation {self.generation}) for version "
+                    f"{version} failed within {self.handle.connect_timeout_s:g} s: {e}"
+                ) from e
             self.replans += 1
         # Issue every bucket before waiting on any: gloo sends them back to back, without a
         # round trip through Python between two buckets.
@@ -205,8 +212,9 @@ class BroadcastSink:
                 raise TimeoutError("rejoin_timeout_s is 0")
             self.store.wait([key], timedelta(seconds=wait_s))
         except Exception as e:  # the store raises DistStoreError on timeout
-            raise TransportError(f"{failure}; no replacement engine joined within {wait_s:g} s "
-                                 f"(transport.rejoin_timeout_s)") from e
+            raise TransportError(
+                f"{failure}; no replacement engine joined within {wait_s:g} s (transport.rejoin_timeout_s)"
+            ) from e
 
     def _await_acks(self, version: int) -> None:
         """Every engine confirms it holds the round's version; a silent or dead engine is named."""
@@ -282,12 +290,16 @@ class BroadcastSource:
         try:
             self.store.wait([_BACKEND], timedelta(seconds=self.handle.connect_timeout_s))
         except Exception as e:  # the store raises DistStoreError on timeout
-            raise TransportError(f"engine rank {self.rank}: the trainer did not settle the broadcast backend within "
-                                 f"{self.handle.connect_timeout_s:g} s: {e}") from e
+            raise TransportError(
+                f"engine rank {self.rank}: the trainer did not settle the broadcast backend within "
+                f"{self.handle.connect_timeout_s:g} s: {e}"
+            ) from e
         backend = decode_backend(self.store.get(_BACKEND), self.rank)
         if backend == "nccl" and self.device.type != "cuda":
-            raise TransportError(f"transport.device_path: the broadcast group runs on NCCL, but engine rank {self.rank} "
-                                 f"receives its weights on {self.device}; use transport.device_path 'host'")
+            raise TransportError(
+                f"transport.device_path: the broadcast group runs on NCCL, but engine rank {self.rank} "
+                f"receives its weights on {self.device}; use transport.device_path 'host'"
+            )
         return backend
 
     def _take_spare(self) -> _Buffer:
@@ -304,7 +316,9 @@ class BroadcastSource:
                     return None
                 if "timeout" in str(e).lower() or "timed out" in str(e).lower():
                     continue
-                self.error = TransportError(f"engine rank {self.rank}: lost the trainer's store while waiting for {what}: {e}")
+                self.error = TransportError(
+                    f"engine rank {self.rank}: lost the trainer's store while waiting for {what}: {e}"
+                )
                 return None
             return self.store.get(key)
         return None
@@ -335,8 +349,9 @@ class BroadcastSource:
                     self.generation = generation
                 assert self.pg is not None
                 works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
-                await_works(works, self.handle.timeout_s, lambda: self.store.check([f"r{n + 1}"]),
-                             poll=self.backend == "nccl")
+                await_works(
+                    works, self.handle.timeout_s, lambda n=n: self.store.check([f"r{n + 1}"]), poll=self.backend == "nccl"
+                )
             except Exception:  # a peer died in this round: the trainer sends it again in a new group
                 self.failed_rounds += 1
                 n += 1
@@ -344,7 +359,8 @@ class BroadcastSource:
             bad = [i for i, b in enumerate(back.buckets) if checksum and crc32(b) != int(sums[i])]
             if bad:  # never applied; the trainer learns of it through the missing acknowledgement
                 self.error = TransportError(
-                    f"engine rank {self.rank}: bucket(s) {bad} of version {version} failed their checksum; not applied")
+                    f"engine rank {self.rank}: bucket(s) {bad} of version {version} failed their checksum; not applied"
+                )
                 return
             with self.lock:
                 if self.ready is not None:  # superseded before it was applied

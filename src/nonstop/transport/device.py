@@ -48,8 +48,10 @@ def tensors_device(tensors: Iterable[torch.Tensor]) -> torch.device:
 def plan_shm_path(asked: ShmPath, trainer_device: torch.device) -> ShmPath:
     """The shm segment's mode: GPU slots only for a trainer on CUDA."""
     if asked == "ipc" and trainer_device.type != "cuda":
-        raise ConfigError(f"transport.device_path: 'ipc' maps the trainer's GPU memory, but the trainer's weights "
-                          f"are on {trainer_device} (trainer.device); use 'host' or 'auto'")
+        raise ConfigError(
+            f"transport.device_path: 'ipc' maps the trainer's GPU memory, but the trainer's weights "
+            f"are on {trainer_device} (trainer.device); use 'host' or 'auto'"
+        )
     if asked == "auto" and trainer_device.type != "cuda":
         return "host"
     return asked
@@ -58,8 +60,10 @@ def plan_shm_path(asked: ShmPath, trainer_device: torch.device) -> ShmPath:
 def plan_broadcast_path(asked: Literal["auto", "host", "nccl"], trainer_device: torch.device) -> None:
     """Refuse NCCL for a trainer on the CPU at plan time (NCCL carries only CUDA tensors)."""
     if asked == "nccl" and trainer_device.type != "cuda":
-        raise ConfigError(f"transport.device_path: 'nccl' broadcasts from the trainer's GPU, but the trainer's "
-                          f"weights are on {trainer_device} (trainer.device); use 'host' or 'auto'")
+        raise ConfigError(
+            f"transport.device_path: 'nccl' broadcasts from the trainer's GPU, but the trainer's "
+            f"weights are on {trainer_device} (trainer.device); use 'host' or 'auto'"
+        )
 
 
 def wants_device(handle: TransportHandle) -> bool:
@@ -84,6 +88,7 @@ def pick_backend(asked: Literal["auto", "host", "nccl"], members: dict[int, str]
     """The broadcast group's backend for `members` (rank -> member_device). NCCL takes only members
     on CUDA, one per GPU; 'nccl' asked where that does not hold fails naming the ranks, 'auto' falls
     back to gloo."""
+
     def who(ranks: list[int]) -> str:
         return ", ".join("the trainer" if r == 0 else f"engine rank {r}" for r in ranks)
 
@@ -93,12 +98,16 @@ def pick_backend(asked: Literal["auto", "host", "nccl"], members: dict[int, str]
     on_gpu = [d for d in members.values() if d.startswith("cuda/")]
     shared = sorted(r for r, d in members.items() if d.startswith("cuda/") and on_gpu.count(d) > 1)
     if asked == "nccl" and off:
-        raise ConfigError(f"transport.device_path: 'nccl' needs every member's weights on CUDA, but {who(off)} "
-                          f"receive(s) on the CPU (engine.device / trainer.device, or the vLLM engine, which "
-                          f"receives into a host staging model); use 'host' or 'auto'")
+        raise ConfigError(
+            f"transport.device_path: 'nccl' needs every member's weights on CUDA, but {who(off)} "
+            f"receive(s) on the CPU (engine.device / trainer.device, or the vLLM engine, which "
+            f"receives into a host staging model); use 'host' or 'auto'"
+        )
     if asked == "nccl" and shared:
-        raise ConfigError(f"transport.device_path: 'nccl' needs one GPU per member (NCCL refuses two ranks on "
-                          f"one GPU), but {who(shared)} share one; use 'ipc' with the shm transport, 'host' or 'auto'")
+        raise ConfigError(
+            f"transport.device_path: 'nccl' needs one GPU per member (NCCL refuses two ranks on "
+            f"one GPU), but {who(shared)} share one; use 'ipc' with the shm transport, 'host' or 'auto'"
+        )
     return "gloo" if off or shared else "nccl"
 
 

@@ -63,8 +63,9 @@ class FilesSink:
             meta = {"version": str(version)}
             if self.handle.checksum:
                 meta["crc32"] = str(crc32(flat))
-            _atomic_write(self.dir / f"v{version}.safetensors",
-                          lambda tmp: save_file({"flat": flat}, str(tmp), metadata=meta))
+            _atomic_write(
+                self.dir / f"v{version}.safetensors", lambda tmp: save_file({"flat": flat}, str(tmp), metadata=meta)
+            )
             _atomic_write(self.dir / MARKER, lambda tmp: tmp.write_text(str(version)))
         except OSError as e:
             raise TransportError(f"writing version {version} to {self.dir} failed: {e}") from e
@@ -73,7 +74,7 @@ class FilesSink:
         self.written.append(version)
         for old in self.written[: -self.keep]:
             (self.dir / f"v{old}.safetensors").unlink(missing_ok=True)
-        self.written = self.written[-self.keep:]
+        self.written = self.written[-self.keep :]
 
     def close(self) -> None:
         if self.server is not None:
@@ -116,7 +117,9 @@ class FilesSource:
         if "crc32" in meta and crc32(flat) != int(meta["crc32"]):
             raise TransportError(f"{path}: version {version} failed its checksum; not applied")
         if flat.numel() != self.handle.total_bytes:
-            raise TransportError(f"{path}: {flat.numel()} bytes, expected {self.handle.total_bytes} from the trainer's layout")
+            raise TransportError(
+                f"{path}: {flat.numel()} bytes, expected {self.handle.total_bytes} from the trainer's layout"
+            )
         return flat
 
     def _watch_loop(self) -> None:

@@ -89,8 +89,9 @@ def make_store(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> di
     return dist.TCPStore(opts.host, opts.port, 1 + handle.num_engines, is_master=rank == 0, timeout=connect)
 
 
-def make_group(store: dist.TCPStore, handle: TransportHandle, rank: int, generation: int,
-           backend: Backend = "gloo") -> Group:
+def make_group(
+    store: dist.TCPStore, handle: TransportHandle, rank: int, generation: int, backend: Backend = "gloo"
+) -> Group:
     """This rank's member of the group of `generation` (gloo blocks until all N + 1 ranks built
     it; NCCL connects at the first collective)."""
     world = 1 + handle.num_engines
@@ -107,7 +108,7 @@ def make_group(store: dist.TCPStore, handle: TransportHandle, rank: int, generat
 def decode_backend(value: bytes, rank: int) -> Backend:
     text = value.decode()
     if text.startswith(REFUSED):
-        raise TransportError(f"engine rank {rank}: the trainer refused the broadcast group: {text[len(REFUSED):]}")
+        raise TransportError(f"engine rank {rank}: the trainer refused the broadcast group: {text[len(REFUSED) :]}")
     if text not in ("gloo", "nccl"):
         raise TransportError(f"engine rank {rank}: unknown broadcast backend {text!r} in the trainer's store")
     return cast(Backend, text)

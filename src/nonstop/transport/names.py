@@ -34,8 +34,10 @@ def per_expert_slices(name: str, fused: torch.Tensor) -> list[tuple[str, torch.T
             out.append((f"{prefix}.{e}.down_proj.weight", fused[e]))
         else:
             half = fused.shape[1] // 2
-            out += [(f"{prefix}.{e}.gate_proj.weight", fused[e, :half]),
-                    (f"{prefix}.{e}.up_proj.weight", fused[e, half:])]
+            out += [
+                (f"{prefix}.{e}.gate_proj.weight", fused[e, :half]),
+                (f"{prefix}.{e}.up_proj.weight", fused[e, half:]),
+            ]
     return out
 
 
@@ -66,8 +68,10 @@ class PerExpertParameters:
             with torch.no_grad():
                 for n, view in slices:
                     if tuple(view.shape) != tuple(params[n].shape):
-                        raise ValueError(f"{n}: engine {list(params[n].shape)} vs {list(view.shape)} sliced from "
-                                         f"the trainer's {spec.name} {list(spec.shape)}")
+                        raise ValueError(
+                            f"{n}: engine {list(params[n].shape)} vs {list(view.shape)} sliced from "
+                            f"the trainer's {spec.name} {list(spec.shape)}"
+                        )
                     view.copy_(params[n])  # until the first update the engine keeps its own weights
                     targets.append(params[n])
             self.named.append((spec.name, fused))

@@ -32,7 +32,7 @@ class VersionServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_GET(self) -> None:
                 url = urlparse(self.path)
                 if url.path != "/version":
                     self.send_error(404)
@@ -83,14 +83,17 @@ class VersionWatcher:
         """The newest version once it is above `after` (or `after` when the slice ran out);
         None when the trainer closed its server."""
         try:
-            with urllib.request.urlopen(f"{self.url}?after={after}&wait_s={wait_s}",
-                                        timeout=wait_s + self.timeout_s) as resp:
+            with urllib.request.urlopen(
+                f"{self.url}?after={after}&wait_s={wait_s}", timeout=wait_s + self.timeout_s
+            ) as resp:
                 return int(json.loads(resp.read())["version"])
         except urllib.error.HTTPError as e:
             if e.code == 410:
                 return None
-            raise TransportError(f"notification server {self.url} answered {e.code} while waiting for a version "
-                                 f"after {after}") from e
+            raise TransportError(
+                f"notification server {self.url} answered {e.code} while waiting for a version after {after}"
+            ) from e
         except (OSError, ValueError, KeyError) as e:  # refused, reset, timed out, garbled
-            raise TransportError(f"lost the trainer's notification server {self.url} while waiting for a version "
-                                 f"after {after}: {e}") from e
+            raise TransportError(
+                f"lost the trainer's notification server {self.url} while waiting for a version after {after}: {e}"
+            ) from e

@@ -80,9 +80,8 @@ def release_segment(name: str) -> bool:
     """Unlink segment `name` if it still exists, i.e. its creator (the trainer) died without
     closing it, and drop it from the resource tracker the run's processes share, so no exit path
     leaves shared memory or a 'leaked shared_memory' warning behind. True if it had to."""
-    from multiprocessing import resource_tracker
-
     import _posixshmem  # type: ignore[import-not-found]  # CPython's POSIX shm calls, as SharedMemory uses
+    from multiprocessing import resource_tracker
 
     path = "/" + name
     try:
@@ -103,18 +102,20 @@ class _Segment:
         record = RECORD_BYTES if self.num_slots > self.num_host else 0
         total = handle.total_bytes
         self.shm = shared_memory.SharedMemory(
-            name=opts.name, create=create, size=header + record + self.num_host * total)
+            name=opts.name, create=create, size=header + record + self.num_host * total
+        )
         raw = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         words_view = raw[:header].view(torch.int64)
-        self.stamps = words_view[:self.num_slots]
-        self.crcs = words_view[self.num_slots:2 * self.num_slots]
-        self.claims = words_view[2 * self.num_slots:2 * self.num_slots + engines]
-        self.mapped = words_view[2 * self.num_slots + engines:2 * self.num_slots + 2 * engines]
-        self.record_len = words_view[2 * self.num_slots + 2 * engines:2 * self.num_slots + 2 * engines + 1]
-        self.record = raw[header:header + record]
+        self.stamps = words_view[: self.num_slots]
+        self.crcs = words_view[self.num_slots : 2 * self.num_slots]
+        self.claims = words_view[2 * self.num_slots : 2 * self.num_slots + engines]
+        self.mapped = words_view[2 * self.num_slots + engines : 2 * self.num_slots + 2 * engines]
+        self.record_len = words_view[2 * self.num_slots + 2 * engines : 2 * self.num_slots + 2 * engines + 1]
+        self.record = raw[header : header + record]
         base = header + record
-        self.slots: list[torch.Tensor | None] = [raw[base + i * total: base + (i + 1) * total]
-                                                 for i in range(self.num_host)]
+        self.slots: list[torch.Tensor | None] = [
+            raw[base + i * total : base + (i + 1) * total] for i in range(self.num_host)
+        ]
         self.slots += [None] * (self.num_slots - self.num_host)  # GPU slots, once allocated or mapped
         if create:
             self.stamps.fill_(EMPTY)
@@ -126,16 +127,16 @@ class _Segment:
         return range(self.num_host, self.num_slots)
 
     def attach_gpu(self, buffer: torch.Tensor, total: int) -> None:
-        self.slots[self.num_host:] = [buffer[i * total:(i + 1) * total] for i in range(GPU_SLOTS)]
+        self.slots[self.num_host :] = [buffer[i * total : (i + 1) * total] for i in range(GPU_SLOTS)]
 
     def write_record(self, data: bytes) -> None:
         if len(data) > self.record.numel():
             raise TransportError(f"CUDA IPC handle of {len(data)} bytes does not fit the segment's {RECORD_BYTES}")
-        self.record[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.record[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.record_len[0] = len(data)
 
     def read_record(self) -> bytes:
-        return bytes(self.record[:int(self.record_len[0])].numpy())
+        return bytes(self.record[: int(self.record_len[0])].numpy())
 
     def newest(self) -> tuple[int, int]:
         """(slot, version) of the newest complete slot; version EMPTY when there is none."""
@@ -200,14 +201,17 @@ class ShmSink:
                     holders = [r + 1 for r, c in enumerate(seg.claims.tolist()) if c in seg.gpu_slots()]
                     raise TransportError(
                         f"shared-memory segment {self.opts.name}: both GPU slots stayed claimed by engine rank(s) "
-                        f"{holders} for {self.handle.timeout_s:g} s (dead or stalled mid-copy)")
+                        f"{holders} for {self.handle.timeout_s:g} s (dead or stalled mid-copy)"
+                    )
                 time.sleep(0.001)
             if slot is not None:
                 return slot
         slot = self._free_slot(tried, range(seg.num_host))
         if slot is None:  # impossible with N + 2 slots unless the header was damaged
-            raise TransportError(f"shared-memory segment {self.opts.name}: no free slot "
-                                 f"(claims {seg.claims.tolist()}, stamps {seg.stamps.tolist()})")
+            raise TransportError(
+                f"shared-memory segment {self.opts.name}: no free slot "
+                f"(claims {seg.claims.tolist()}, stamps {seg.stamps.tolist()})"
+            )
         return slot
 
     @torch.no_grad()
@@ -243,8 +247,14 @@ class ShmSource:
     """`apply`: 'repoint' (zero copy, host slots into host tensors), 'copy' (claim, copy, release),
     or None: repoint where the slot lies on the tensors' device, else copy."""
 
-    def __init__(self, handle: TransportHandle, opts: ShmOptions, target: WeightTarget, rank: int,
-                 apply: Literal["repoint", "copy"] | None = None) -> None:
+    def __init__(
+        self,
+        handle: TransportHandle,
+        opts: ShmOptions,
+        target: WeightTarget,
+        rank: int,
+        apply: Literal["repoint", "copy"] | None = None,
+    ) -> None:
         self.handle, self.target, self.rank, self.apply = handle, target, rank, apply
         self.index = rank - 1  # this engine's claim word
         self.segment = seg = _Segment(handle, opts, create=False)
@@ -265,7 +275,9 @@ class ShmSource:
         """Map the trainer's GPU slots (CUDA IPC) if this engine's weights are on a GPU that sees them."""
         why = None
         if self.device.type != "cuda":
-            why = f"this engine receives its weights on {self.device} (engine.device, or the vLLM engine's host staging)"
+            why = (
+                f"this engine receives its weights on {self.device} (engine.device, or the vLLM engine's host staging)"
+            )
         else:
             record = IpcRecord.from_bytes(self.segment.read_record())
             buffer = record.open()
@@ -274,8 +286,10 @@ class ShmSource:
             else:
                 self.segment.attach_gpu(buffer, self.handle.total_bytes)
         if why is not None and opts.device_path == "ipc":
-            raise TransportError(f"transport.device_path 'ipc': engine rank {self.rank} cannot map the trainer's GPU "
-                                 f"slots: {why}; use transport.device_path 'auto' or 'host'")
+            raise TransportError(
+                f"transport.device_path 'ipc': engine rank {self.rank} cannot map the trainer's GPU "
+                f"slots: {why}; use transport.device_path 'auto' or 'host'"
+            )
         return why is None
 
     def maybe_update(self, model: torch.nn.Module) -> int | None:
