@@ -115,6 +115,9 @@ class RunSummary:
     dataset_rows_skipped: int = 0
     episodes: dict[str, Any] | None = None  # environment runs: the episode counters at the end
     policies: dict[str, Any] | None = None  # roles with their own policy: each policy's counters and final weights
+    pools: dict[str, Any] | None = (
+        None  # local backend: CPU seconds, busy and idle per role's pool (runtime/pinning.py)
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
