@@ -2,7 +2,8 @@
 
 `write_checkpoint(run, step)` has the trainer write its weights and optimizer/RNG state into a
 staging folder, adds the orchestrator's state (data cursor, prompt ledger, counters, clock) and
-each engine's sampling generator state, and commits it atomically (checkpoint.py). The snapshot is taken between two trainer steps:
+each engine's sampling generator state, and commits it atomically (checkpoint.py).
+The snapshot is taken between two trainer steps:
 every group of step <= `step` is settled in the ledger, and every prompt drawn but not yet
 settled (generating, or waiting in the buffer) is listed as in flight.
 
