@@ -39,8 +39,8 @@ import torch
 from nonstop.config import Config, load_config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.orchestrator.generate import Codec, exact_match_accuracy, greedy_requests
-from nonstop.orchestrator.score import exact_match
+from nonstop.scoring.rewards import exact_match
+from nonstop.tasks.codec import Codec, exact_match_accuracy, greedy_requests
 from nonstop.tasks.data import load_task
 from nonstop.tasks.warmup import cached_base
 from nonstop.trainer.core import Trainer

@@ -19,14 +19,13 @@ if TYPE_CHECKING:
     from nonstop.engine.runner import KVRunner, Runner
     from nonstop.engine.vllm_engine import VllmEngineWorker
     from nonstop.engine.worker import EngineWorker
-    from nonstop.envs.base import Environment, MultiAgentEnvironment, SingleAgent
+    from nonstop.envs.base import Environment, MultiAgentEnvironment, SingleAgent, TurnEngine
     from nonstop.envs.calculator import Calculator
     from nonstop.envs.guess import GuessNumber
     from nonstop.envs.http import ClientEngine
     from nonstop.envs.nim import Nim, NimVsScripted
     from nonstop.lora import MergedAdapters
     from nonstop.orchestrator.dispatch import EnginePool, RankGroup
-    from nonstop.orchestrator.episodes import TurnEngine
     from nonstop.runtime.actor_clients import (
         EngineActor,
         EngineService,

@@ -185,7 +185,7 @@ class RewardWorkerPool(ActorPool[RewardWorkerActor]):
 def _resolve(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     if callable(spec):
         return spec
-    from nonstop.orchestrator.score import resolve_reward
+    from nonstop.scoring.rewards import resolve_reward
 
     return resolve_reward(spec)
 

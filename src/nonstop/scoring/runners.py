@@ -32,10 +32,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from nonstop.config.scoring import ScoringConfig
-from nonstop.orchestrator.score import RewardError
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.calls import Kind, Outcome, PooledCalls, RewardRow, evaluate
 from nonstop.scoring.pool import CallFailed, RewardWorker, RewardWorkerPool
+from nonstop.scoring.rewards import RewardError
 from nonstop.scoring.threads import DaemonThreads
 
 

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nonstop.config.scoring import DistillConfig
-from nonstop.orchestrator.score import RewardError
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import Contribution
 from nonstop.scoring.pool import Batcher, TeacherPool
+from nonstop.scoring.rewards import RewardError
 from nonstop.scoring.stage import TRANSIENT
 from nonstop.types import Group
 
