@@ -4,7 +4,7 @@ Every import counts: at module level, inside functions (an import there still ti
 modules together, it only hides it until the call) and under `if TYPE_CHECKING:` (mypy follows
 it; a circle there is a circle of types). Checked:
 - the orchestrator's modules import each other without a circle, so each can be read (and
-  tested) after the ones it builds on;
+  tested) after the ones it builds on, in the order its package docstring lists them;
 - no lower layer (engine, trainer, transport, scoring, envs, tasks) imports the orchestrator:
   they are the parts the orchestrator wires together, usable without it.
 """
@@ -12,6 +12,7 @@ it; a circle there is a circle of types). Checked:
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import nonstop
@@ -117,6 +118,19 @@ def test_orchestrator_has_no_import_circle() -> None:
     assert not found, "import circles in the orchestrator:\n" + "\n".join(
         f"among {', '.join(c)}: " + " -> ".join(circle(c, deps)) for c in found
     )
+
+
+def test_the_orchestrator_docstring_lists_its_modules_in_import_order() -> None:
+    """orchestrator/__init__.py names every module once, each after every module it imports: a
+    reader can go down the list and meet nothing not yet read."""
+    deps, _ = graph()
+    doc = ast.get_docstring(ast.parse((SRC / "orchestrator" / "__init__.py").read_text())) or ""
+    listed = [f"{ORCHESTRATOR}.{m}" for m in re.findall(r"^- (\w+)\.py", doc, re.MULTILINE)]
+    assert sorted(listed) == sorted(n for n in deps if n.startswith(ORCHESTRATOR + ".")), listed
+    late = [
+        f"{m} imports {d}, listed after it" for i, m in enumerate(listed) for d in sorted(deps[m] & set(listed[i:]))
+    ]
+    assert not late, "\n".join(late)
 
 
 def test_lower_layers_do_not_import_the_orchestrator() -> None:
