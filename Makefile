@@ -2,6 +2,8 @@
 #   make demo   -> creates .venv, installs, runs the default training job
 #   make test   -> creates .venv, installs with the dev extra, runs the test suite
 #   make typecheck -> mypy over src/nonstop and bench/ (the dev extra installs it)
+#   make lint      -> ruff (pyflakes, pycodestyle, import order) and ruff's formatter, checked, not applied
+#   make format    -> apply ruff's fixes and formatter
 # torch is installed first and pinned, so pip never resolves an unpinned (CUDA) torch here.
 # GPU users: install your own torch build into .venv first, then `make demo TORCH=`.
 
@@ -11,7 +13,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test test-all typecheck bench venv venv-vllm test-vllm clean
+.PHONY: demo test test-all typecheck lint format bench venv venv-vllm test-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +36,15 @@ test-all: $(VENV)/.installed
 # mypy over src/nonstop, configured in pyproject.toml ([tool.mypy]).
 typecheck: $(VENV)/.installed
 	$(PY) -m mypy
+
+# ruff: configured in pyproject.toml ([tool.ruff]); CI fails on any finding or unformatted file.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 bench: $(VENV)/.installed
 	$(PIP) install -q -e ".[bench]"
@@ -62,7 +73,7 @@ venv-vllm: $(VLLM_VENV)/.installed
 
 # The real vLLM tests (marker `vllm`), run in .venv-vllm; `make test` deselects them.
 test-vllm: $(VLLM_VENV)/.installed
-	$(VPY) -m pytest -q -m vllm -p no:cacheprovider tests/test_vllm*.py
+	$(VPY) -m pytest -q -m vllm -p no:cacheprovider tests/vllm_engine/
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .nonstop_cache

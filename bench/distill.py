@@ -219,7 +219,8 @@ def main() -> None:
     rows = {name: summarise(r) for name, r in runs.items()}
     extra = f"; {' '.join(ns.sets)}" if ns.sets else ""
     print(
-        f"\nTask {ns.task}; student: {Path(student_dir).name} ({base:.1%}); teacher: {made} ({teacher_acc:.1%}); {label} per run; "
+        f"\nTask {ns.task}; student: {Path(student_dir).name} ({base:.1%}); "
+        f"teacher: {made} ({teacher_acc:.1%}); {label} per run; "
         f"seeds {','.join(map(str, seeds))}; coef {ns.coef:g}{', normalized' if ns.normalize else ''}{extra}"
     )
     print(

@@ -282,7 +282,8 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
     print(
-        "\n| contender | tokens/s | vs HF generate | vs raw decode forward | vs HF's raw decode forward | vs workload compute limit |"
+        "\n| contender | tokens/s | vs HF generate | vs raw decode forward "
+        "| vs HF's raw decode forward | vs workload compute limit |"
     )
     print("|---|---|---|---|---|---|")
     row(f"HF generate, padded static batches of {args.batch}", hf_tps)
@@ -306,7 +307,8 @@ def main() -> None:
     st = base["stats"]
     print(
         f"\nengine: {st['forward_passes']} forward passes, {st['decode_steps']} decode steps "
-        f"(mean {(base['tokens'] - len(reqs)) / st['decode_steps']:.1f} rows), {st['prefills']} of them with prompts packed in; "
+        f"(mean {(base['tokens'] - len(reqs)) / st['decode_steps']:.1f} rows), "
+        f"{st['prefills']} of them with prompts packed in; "
         f"best of {args.rounds} rounds each"
     )
 
@@ -364,7 +366,8 @@ def update_modes(model, reqs, args) -> None:
             mean_ms, max_ms = 1e3 * st["swap_s"] / st["swaps"], 1e3 * st["max_swap_s"]
             work = f"{mean_ms:.2f} ms ({max_ms:.2f} ms) = {mean_ms / step_ms:.2f} ({max_ms / step_ms:.2f}) step"
         print(
-            f"| {label} | {r['tokens'] / r['s']:,.0f} | {r['tokens'] / r['s'] / no_updates:.2f} | {st['swaps']} / {r['published']} "
+            f"| {label} | {r['tokens'] / r['s']:,.0f} | {r['tokens'] / r['s'] / no_updates:.2f} "
+            f"| {st['swaps']} / {r['published']} "
             f"| {work} | {st['aborted_seqs']} / {st['paused_seqs']} | {r['mean_lag']:.1f} |"
         )
     print(

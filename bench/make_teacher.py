@@ -1,7 +1,8 @@
 """Build the shipped distillation teacher, nonstop/assets/addition-teacher.
 
 The teacher of `bench/distill.py` and `distill.teacher: builtin` is the default job trained
-further: the shipped base ('builtin', 26% held-out) after `--steps` steps of RL at depth 0. It is built once and shipped, like the bases, because an RL run is
+further: the shipped base ('builtin', 26% held-out) after `--steps` steps of RL at depth 0.
+It is built once and shipped, like the bases, because an RL run is
 chaotic in floating point: rebuilt on another CPU it would be another teacher. This script
 writes the folder and its provenance.json (command, settings, held-out accuracy, sha256 of
 model.safetensors, versions, CPU capability); `nonstop.tasks.base.verify` checks the hash.

@@ -12,8 +12,8 @@ percentage points, for each way of scoring, and the steps the slow run kept of t
 Every run has the default job's trainer.forward_ahead (the forward pass of a batch's first
 groups runs while its last are scored); `--set trainer.forward_ahead=false` measures without it.
 
-    python bench/scoring.py [--quick] [--seconds 60] [--delay-ms 20] [--pools loop,thread,auto,process] [--slow-reward sync|async]
-                            [--set KEY=VALUE ...]
+    python bench/scoring.py [--quick] [--seconds 60] [--delay-ms 20] [--pools loop,thread,auto,process]
+                            [--slow-reward sync|async] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ same wall-time budget; held-out accuracy is measured every few steps. Printed pe
 wall time of RL until held-out accuracy first reached the target, the final accuracy, the mean
 lag of the trained tokens and the mean |ratio - 1| (how off-policy the batches were).
 
-    python bench/staleness.py [--seconds 45] [--target 0.45] [--depths 0,1,2,4,none] [--corrections none,tis,mis,decoupled]
+    python bench/staleness.py [--seconds 45] [--target 0.45] [--depths 0,1,2,4,none]
+                              [--corrections none,tis,mis,decoupled]
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def main() -> None:
                 )
     print(f"\nRL budget {ns.seconds:g} s per cell; target held-out accuracy {ns.target:.0%}")
     print(
-        f"{'depth':>6} {'correction':>10} {'time to target':>15} {'final acc':>10} {'mean lag':>9} {'max|r-1|':>9} {'steps':>6}"
+        f"{'depth':>6} {'correction':>10} {'time to target':>15} {'final acc':>10} "
+        f"{'mean lag':>9} {'max|r-1|':>9} {'steps':>6}"
     )
     for depth, corr, hit, r in rows:
         print(

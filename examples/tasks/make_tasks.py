@@ -1,6 +1,6 @@
 """Write the example tasks as JSONL files: one {"prompt": ..., "answer": ...} object per line.
 
-    python examples/tasks/make_tasks.py      # writes subtraction.jsonl, reverse.jsonl, multiply.jsonl, cipher.jsonl here
+    python examples/tasks/make_tasks.py  # writes subtraction.jsonl, reverse.jsonl, multiply.jsonl, cipher.jsonl here
 
 - subtraction: "73-28=" -> "45", zero-padded operands 00..99 with a >= b (5,050 prompts);
 - reverse: "rev:cab=" -> "bac", three letters from a-p (4,096 prompts);

@@ -16,7 +16,8 @@ Contract:
   1.0). With scoring.pool 'thread' (the default), 'auto' or 'loop', scoring runs in this process
   on either backend, so lambdas and closures work and are never pickled ('auto' moves a
   module-level function slower than 2 ms per sample to worker processes); 'process' needs a
-  callable that pickles (a module-level function). Rewards that raise or return a non-finite value are counted like task.reward's.
+  callable that pickles (a module-level function). Rewards that raise or return a non-finite
+  value are counted like task.reward's.
   Without `reward`, task.reward is used. config.yaml records a callable as 'module:qualname'
   when importable, else as 'python:<qualname>' (such a run cannot be resumed from the CLI).
 - The base policy: with model.path set, that model (no warm-up, as in the CLI). With the built-in
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from nonstop.config import Config, ConfigError, load_config
-from nonstop.orchestrator.score import RewardError, RewardFn, resolve_reward
+from nonstop.scoring.rewards import RewardError, RewardFn, resolve_reward
 from nonstop.tasks.data import (
     DatasetError,
     DatasetReport,

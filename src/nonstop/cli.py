@@ -1,11 +1,13 @@
 """Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop train --resume RUN_DIR`,
-`nonstop warmup --out DIR`, `nonstop config`, `nonstop report RUN_DIR`, `nonstop simulate RUN_DIR`.
+`nonstop serve --model DIR`, `nonstop warmup --out DIR`, `nonstop config`, `nonstop report RUN_DIR`,
+`nonstop simulate RUN_DIR`.
 
 `nonstop train` with no arguments runs the built-in default: the tiny model on two-operand
 addition, starting from the base policy shipped with the package, then asynchronous GRPO.
 `--resume` continues a run from its newest intact checkpoint, with the run's own config (plus
 --set). `nonstop warmup --out DIR` runs the supervised warm-up and writes the base with its
-provenance (how the shipped bases are made).
+provenance (how the shipped bases are made). `nonstop serve` puts an engine (built-in or vLLM)
+behind an OpenAI-compatible HTTP API on 127.0.0.1 (serve/).
 """
 
 from __future__ import annotations
@@ -134,8 +136,8 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
             console.print(f"[yellow]interrupted:[/] {e}", highlight=False)
             sys.exit(130)
         from nonstop.orchestrator.generate import NoLearningSignal
-        from nonstop.orchestrator.score import RewardError
         from nonstop.runtime import ActorCallError, ActorDied
+        from nonstop.scoring.rewards import RewardError
         from nonstop.tasks.data import DatasetError
         from nonstop.transport import TransportError
 

@@ -43,12 +43,14 @@ def targeted_modules(model: torch.nn.Module, cfg: LoraConfig) -> list[tuple[str,
             continue
         if not isinstance(module, torch.nn.Linear):
             raise ValueError(
-                f"model.lora.target_modules: {name} is a {type(module).__name__}, only torch.nn.Linear modules can be adapted"
+                f"model.lora.target_modules: {name} is a {type(module).__name__}, "
+                "only torch.nn.Linear modules can be adapted"
             )
         tied = owners[module.weight.data_ptr()]
         if len(tied) > 1:  # merging into it would change the other module too; peft adapts only this one
             raise ValueError(
-                f"model.lora.target_modules: {name}.weight is tied to {', '.join(t for t in tied if not t.startswith(name + '.'))}; "
+                f"model.lora.target_modules: {name}.weight is tied to "
+                f"{', '.join(t for t in tied if not t.startswith(name + '.'))}; "
                 "tied weights cannot be adapted"
             )
         found.append((name, module))
@@ -110,8 +112,8 @@ def wrap_with_peft(model: PreTrainedModel, cfg: LoraConfig, adapter_dir: str | N
     # peft annotates lora_alpha as int, yet scales by lora_alpha / r in floating point: a fractional alpha works.
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,  # type: ignore[arg-type]
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]
+        lora_dropout=cfg.dropout,
         target_modules=list(cfg.target_modules),
         bias="none",
         init_lora_weights=True,

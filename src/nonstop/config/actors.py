@@ -187,7 +187,8 @@ class TrainerConfig(_Section):
     rollout.max_new_tokens)), dapo (token mean, clip-higher, overlong filter), gspo (sequence ratio),
     reinforce_pp (batch-normalised advantages)."""
     advantage: Literal["group_std", "group_mean", "batch"] | None = None
-    """Advantage normalisation; None picks the loss's own (group_mean for dr_grpo, batch for reinforce_pp, else group_std)."""
+    """Advantage normalisation; None picks the loss's own (group_mean for dr_grpo, batch for reinforce_pp,
+    else group_std)."""
     group_std: Literal["population", "unbiased"] = "population"
     """Std estimator of the group_std advantage: 'population' (divide by n) or 'unbiased' (n - 1, as
     verl and TRL); for a fixed group size they differ by the constant factor sqrt(n / (n - 1))."""
@@ -224,7 +225,8 @@ class TrainerConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: keep lr, or decay it with a cosine to 10% at run.max_steps."""
     max_consecutive_skips: int = Field(5, ge=1)
-    """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted); this many in a row stop the run."""
+    """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted);
+    this many in a row stop the run."""
     logprob_chunk_rows: int = Field(64, ge=1)
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
     packed: bool = False

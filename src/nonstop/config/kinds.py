@@ -25,7 +25,8 @@ class BaseTransportConfig(_Section):
     newest complete slot (no copy); 'broadcast': torch.distributed broadcast in buckets (crosses hosts);
     'files': safetensors files and an atomically replaced version marker in a shared folder."""
     checksum: bool = False
-    """The receiver verifies a CRC32 of every bucket (broadcast), slot (shm) or file (files); a mismatch is never applied."""
+    """The receiver verifies a CRC32 of every bucket (broadcast), slot (shm) or file (files);
+    a mismatch is never applied."""
     timeout_s: float = Field(120.0, gt=0.0)
     """Longest a weight send or receive may take before the run fails naming the peer."""
     connect_timeout_s: float = Field(300.0, gt=0.0)
@@ -99,9 +100,11 @@ class BaseRuntimeConfig(_Section):
     """Fields every actor backend has; `backend` selects the model that adds its own."""
 
     backend: str = "local"
-    """Actor backend: 'local' spawns one OS process per actor; 'ray' makes every actor a Ray actor (extra `nonstop[ray]`)."""
+    """Actor backend: 'local' spawns one OS process per actor; 'ray' makes every actor a Ray actor
+    (extra `nonstop[ray]`)."""
     num_engines: int = Field(1, ge=1)
-    """Engine actors; a least-loaded dispatcher spreads the prompts over them and every one receives each published version."""
+    """Engine actors; a least-loaded dispatcher spreads the prompts over them and every one receives
+    each published version."""
     start_timeout_s: float = Field(180.0, gt=0.0)
     """Longest an actor may take to start (imports and model load)."""
     call_timeout_s: float = Field(600.0, gt=0.0)
@@ -130,7 +133,8 @@ class RayRuntimeConfig(BaseRuntimeConfig):
 
     backend: Literal["ray"] = "ray"
     ray_address: str | None = None
-    """Address of a running Ray cluster ('auto', 'host:port' or 'ray://host:port'); None starts a private local cluster."""
+    """Address of a running Ray cluster ('auto', 'host:port' or 'ray://host:port');
+    None starts a private local cluster."""
     ray_num_cpus: int | None = Field(None, ge=1)
     """CPUs of the private local Ray cluster; None: all of this machine's."""
     ray_num_gpus: int | None = Field(None, ge=0)

@@ -130,7 +130,8 @@ class RolloutConfig(_Section):
 
 class BufferConfig(_Section):
     depth: int | None = Field(1, ge=0)
-    """Trainer steps of rollouts that may be generated ahead: 0 synchronous, 1 double buffer, K bounded, null unbounded stream."""
+    """Trainer steps of rollouts that may be generated ahead: 0 synchronous, 1 double buffer, K bounded,
+    null unbounded stream."""
     max_lag: int = Field(2, ge=0)
     """Rollouts whose tokens are more than this many versions behind the trainer are rejected (counted)."""
     reject: Literal["group", "sample", "token", "episode"] = "group"
@@ -356,7 +357,8 @@ class Config(_Section):
         if self.engine.update_mode == "save_resume":
             raise ValueError(
                 "engine.update_mode: 'save_resume' is not possible with engine.kind 'vllm' (vLLM cannot hand out a "
-                "sequence's KV cache to restore later); use never_stop (its pause 'keep'), abort_retry, drain or blocking"
+                "sequence's KV cache to restore later); use never_stop (its pause 'keep'), abort_retry, "
+                "drain or blocking"
             )
         if self.engine.group_cancel:
             raise ValueError("engine.group_cancel: not supported with engine.kind 'vllm'; set it to false")

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator
 
 from nonstop.config.schema import Section as _Section
 
-SHIPPED_TEACHER = Path(__file__).resolve().parent / "assets" / "addition-teacher"
+SHIPPED_TEACHER = Path(__file__).resolve().parents[1] / "assets" / "addition-teacher"
 
 
 class RewardModelConfig(_Section):

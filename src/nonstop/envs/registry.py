@@ -10,8 +10,11 @@
 | `nim`           | self-play, 2 roles     | 'pile,side'                 | win rate vs `nim_vs_random` |
 | `nim_vs_random` | the policy vs a random mover | 'pile,side'           | win rate                |
 | `reasoning_gym/<dataset>` | a reasoning-gym generator (optional extra) | question, answer | score 1 |
-| `textarena/<game id>` | a textarena game, one role per player (optional extra; envs/textarena_env.py) | game id, seed | player_0's win rate |
-| `verifiers/<module:factory>` | a verifiers.v1 Taskset, played through verifiers' train client (optional extra; envs/verifiers_env.py) | the task's prompt, its position | reward >= 1 |
+| `textarena/<game id>` | a textarena game, one role per player (optional extra) | game id, seed | player_0's win rate |
+| `verifiers/<module:factory>` | a verifiers.v1 Taskset (optional extra) | task prompt, position | reward >= 1 |
+
+The textarena adapter is envs/textarena_env.py; the verifiers one, envs/verifiers_env.py, plays
+the Taskset through verifiers' train client.
 
 `builtin_task(cfg)` generates a built-in's train rows (seed 1) and held-out rows (seed 2);
 a custom environment reads its rows from the task section like single-turn prompts do.

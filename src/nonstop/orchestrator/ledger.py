@@ -13,7 +13,8 @@ stay at zero. The state is plain JSON and travels in checkpoints.
 With separate policies per role (env.policies) a row's group is split into one part per policy,
 each trained (or dropped) by its own policy's buffer and learner loop, which settle their part
 through `part(name)`: the row settles once every policy settled its part, as the part outcome
-when they agree and as 'policy:outcome+policy:outcome' (the shared policy first, then by role) when they differ; `parts` counts
+when they agree and as 'policy:outcome+policy:outcome' (the shared policy first, then by role)
+when they differ; `parts` counts
 the part outcomes by 'policy:outcome' (the shared policy is named 'shared').
 """
 

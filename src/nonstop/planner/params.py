@@ -127,7 +127,8 @@ class PlanParams:
             f"{self.apply_s * 1e3:.1f} ms; orchestrator {self.orch_group_s * 1e3:.2f} ms/group, handoff "
             f"{self.deliver_delay_s * 1e3:.1f} ms, pause {self.pause_s * 1e3:.0f} ms per {self.pause_every:.0f} "
             f"groups, send {self.send_s * 1e3:.2f} ms/group, wake {self.wake_s * 1e3:.2f} ms + "
-            f"{self.wake_call_s * 1e3:.2f} ms/call, batch call {self.call_sample_s * 1e6:.1f} us/sample, loop {self.loop_s * 1e3:.1f} ms; "
+            f"{self.wake_call_s * 1e3:.2f} ms/call, batch call {self.call_sample_s * 1e6:.1f} us/sample, "
+            f"loop {self.loop_s * 1e3:.1f} ms; "
             f"drop {self.drop_frac:.2f}; shared cores {cores}; {len(self.groups_lens)} groups' completion lengths"
         )
 

@@ -1,7 +1,8 @@
 """Sweeps and a recommendation: the planner's answer to "which pool split, depth and batch?".
 
 `sweep(params, base, axes)` predicts every combination of the `axes` (config fields, each with
-a list of values; a key `a+b` with values `x:y` sets two fields together, applied as `--set` overrides over the `base` config so every value is
+a list of values; a key `a+b` with values `x:y` sets two fields together, applied as `--set`
+overrides over the `base` config so every value is
 validated like a real run's) and returns one `Row` per combination. `recommend(rows,
 max_mean_lag)` picks the highest predicted samples/s among the rows whose predicted mean token
 lag stays within the bound (the staleness the user accepts), preferring fewer engines and

@@ -6,7 +6,8 @@ task.reward (or the Python callable `reward` from nonstop.api), scoring.group_re
 scoring.process_reward, scoring.reward_model, scoring.judge and distill.teacher. With
 `scoring.pool: process` a function must reach the worker processes: a name travels as text, a
 Python callable only if it pickles (a module-level function); a lambda or closure is refused
-with the fix (pool 'auto' keeps such a function on threads). `decode` turns completion token ids into text (the process-reward step split).
+with the fix (pool 'auto' keeps such a function on threads).
+`decode` turns completion token ids into text (the process-reward step split).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nonstop.config import Config
-from nonstop.orchestrator.score import RewardError, resolve_reward
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import ScoreComponent
+from nonstop.scoring.rewards import RewardError, resolve_reward
 from nonstop.scoring.runners import make_runner, shippable
 from nonstop.scoring.stage import FunctionComponent, ScoringStage
 

@@ -7,7 +7,8 @@ A reward function may be sync or async. Its parameters decide what it gets:
 - any other function is called as `fn(completion, answer)` (the original contract).
 Process-reward functions get `steps` (the completion cut at the delimiter) first: one with a
 parameter named `steps` (or **kwargs) is called by keyword like the above plus `steps`, any other
-as `fn(steps, answer)`; they return one float per step; group functions get the lists `prompts`, `completions`, `answers`, `extras` and
+as `fn(steps, answer)`; they return one float per step; group functions get the lists `prompts`,
+`completions`, `answers`, `extras` and
 return one float per sample. `evaluate(kind, fn, rows)` runs one group's rows and returns one
 `Outcome` per sample (for a group function: one for the group): a value, or a `Failure` saying
 why (raised, not_finite, bad_output) in words. It never raises for a fault of the function.
@@ -183,7 +184,8 @@ than such a function spends on a whole group."""
 
 
 class PooledCalls:
-    """`evaluate` over a pool of daemon threads (scoring/threads.py) that picks, per sync function, one job per group or one
+    """`evaluate` over a pool of daemon threads (scoring/threads.py) that picks, per sync function,
+    one job per group or one
     job per row, from the function's measured seconds per row: a moving average timed inside the
     jobs, so time spent waiting in the pool's queue does not count. A function starts with one job
     per group and moves over (and back) as its measured cost crosses SPLIT_ROW_S."""

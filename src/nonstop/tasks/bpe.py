@@ -10,7 +10,7 @@ byte string encodes, and a token spans as many characters as its merges joined. 
 The result is a transformers `Qwen2Tokenizer` built from the learned vocab and merges, because
 that is the class AutoTokenizer rebuilds for a folder holding a Qwen2 config.json: saved with
 `save_pretrained` beside the model, it loads back through `AutoTokenizer.from_pretrained` and
-encodes the same ids (tests/test_long_rollout.py checks it). Training is deterministic for a given
+encodes the same ids (tests/tasks/test_long_rollout.py checks it). Training is deterministic for a given
 corpus and settings (the trainer breaks frequency ties by the pair's bytes).
 """
 

@@ -21,7 +21,7 @@ distribution).
 
 Generation is pure Python: `random.Random(seed)` and integer weights (no floating point), so the
 rows are the same on every machine. The reward is exact match on the final answer (the text after
-the last '#### ', orchestrator/score.py): `Example.answer` holds the whole worked solution, which the
+the last '#### ', scoring/rewards.py): `Example.answer` holds the whole worked solution, which the
 supervised warm-up (bench/make_long_base.py) trains on, while scoring compares final answers only.
 """
 

@@ -45,6 +45,7 @@ group is aborted first, groups.py).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from datetime import timedelta
@@ -350,7 +351,10 @@ class BroadcastSource:
                 assert self.pg is not None
                 works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
                 await_works(
-                    works, self.handle.timeout_s, lambda n=n: self.store.check([f"r{n + 1}"]), poll=self.backend == "nccl"
+                    works,
+                    self.handle.timeout_s,
+                    functools.partial(self.store.check, [f"r{n + 1}"]),
+                    poll=self.backend == "nccl",
                 )
             except Exception:  # a peer died in this round: the trainer sends it again in a new group
                 self.failed_rounds += 1

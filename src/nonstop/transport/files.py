@@ -9,7 +9,8 @@ changed, reads the version, loads that file into a new buffer and points its ten
 (no copy). With `notify="http"` the trainer also serves a long-poll notification (notify.py):
 an engine thread waits on it, loads each announced version off the decode path, and
 `maybe_update` only re-points the tensors; if the notification fails (recorded in
-`notify_error`) or ends, the engine falls back to the marker, so weights keep arriving. Because the marker is renamed into place only
+`notify_error`) or ends, the engine falls back to the marker, so weights keep arriving.
+Because the marker is renamed into place only
 after the weights file is complete, a half-written update is never applied. The trainer
 keeps the newest `keep` versions.
 """

@@ -1,0 +1,121 @@
+"""textarena games as multi-agent environments, with the real textarena engine: scripted games
+check who hears what and the zero-sum rewards; a tiny model plays both seats through the
+episode runner. Skipped without the extra."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+ta = pytest.importorskip("textarena")
+
+from nonstop.config import ConfigError, TinyModelConfig, load_config  # noqa: E402
+from nonstop.engine.aio import AsyncEngine  # noqa: E402
+from nonstop.engine.core import TorchEngine  # noqa: E402
+from nonstop.envs.base import EnvLimits  # noqa: E402
+from nonstop.envs.registry import builtin_task, env_factory  # noqa: E402
+from nonstop.envs.textarena_env import TextArenaGame  # noqa: E402
+from nonstop.hf import load_model, load_tokenizer  # noqa: E402
+from nonstop.orchestrator.episode_flow import EnvRun  # noqa: E402
+from nonstop.orchestrator.episodes import encode_observation, run_episodes  # noqa: E402
+from nonstop.tasks.codec import Codec  # noqa: E402
+from nonstop.tasks.data import Example  # noqa: E402
+from nonstop.tasks.tiny import save_tiny  # noqa: E402
+from nonstop.types import SamplingParams  # noqa: E402
+
+
+def _play(moves: list[str]):
+    game = TextArenaGame("Nim-v0")
+
+    async def go():
+        turns = [await game.reset(Example(0, "Nim-v0", "7"))]
+        for move in moves:
+            turns.append(await game.step(turns[-1].next_role, move))
+        return turns
+
+    return asyncio.run(go())
+
+
+def test_a_scripted_nim_game_routes_each_message_to_its_players_and_ends_zero_sum():
+    # piles [3, 4, 5]: player 0 empties pile 2, player 1 fumbles once, then the piles run out
+    turns = _play(["[2 5]", "take some", "[1 4]", "[0 3]"])
+    first = turns[0]
+    assert first.next_role == "player_0" and set(first.observations) == {"player_0", "player_1"}
+    assert all(
+        "Welcome to Nim" in first.observations[r] and "pile 2: 5" in first.observations[r] for r in first.observations
+    )
+    after0 = turns[1]
+    assert after0.next_role == "player_1"
+    assert "[Player 0] [2 5]" in after0.observations["player_1"] and "pile 2: 0" in after0.observations["player_1"]
+    invalid = turns[2]  # the fumbling player alone hears why, and moves again
+    assert invalid.next_role == "player_1" and "invalid move" in invalid.observations["player_1"]
+    assert (
+        "[Player 1] take some" in invalid.observations["player_0"] and "invalid" not in invalid.observations["player_0"]
+    )
+    last = turns[-1]
+    assert last.done and last.rewards == {"player_0": 1.0, "player_1": -1.0}
+    assert last.metadata["success"] and "took the last" in last.metadata["game_info"]["player_0"]["reason"]
+    # nothing is heard twice: each observation is new text only
+    heard = "".join(t.observations.get("player_1", "") for t in turns)
+    assert heard.count("Welcome to Nim") == 1 and heard.count("[Player 0] [2 5]") == 1
+
+
+class Heard(TextArenaGame):
+    """The real game, keeping what it told each role (the test's independent record)."""
+
+    made: list[Heard] = []
+
+    def __init__(self) -> None:
+        super().__init__("Nim-v0")
+        self.heard: dict[str, list[str]] = {r: [] for r in self.roles}
+        Heard.made.append(self)
+
+    def _keep(self, turn):
+        for r, text in turn.observations.items():
+            self.heard[r].append(text)
+        return turn
+
+    async def reset(self, row):
+        return self._keep(await super().reset(row))
+
+    async def step(self, role_name, action):
+        return self._keep(await super().step(role_name, action))
+
+
+def test_a_tiny_model_plays_both_seats_token_exact_per_role(tmp_path):
+    """Each seat's sequence is its prompt, then its model turns and exactly the game's news to it."""
+    folder = save_tiny(
+        tmp_path / "tiny",
+        TinyModelConfig(
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            max_position_embeddings=1024,
+        ),
+    )
+    tok = load_tokenizer(str(folder))
+    codec = Codec(tok)
+    engine = AsyncEngine(TorchEngine(load_model(str(folder)), [tok.eos_token_id], tok.pad_token_id))
+    cfg = load_config(None, ["env.name=textarena/Nim-v0", "env.train_rows=8", "env.eval_rows=4"]).env
+    data = builtin_task(cfg)
+    assert [r.prompt for r in data.train] == ["Nim-v0"] * 8 and len({r.answer for r in data.train}) == 8
+    assert EnvRun.build(cfg).baselines.mode == "ema"  # two seats of a zero-sum game
+    Heard.made = []
+    done, errors = asyncio.run(
+        run_episodes(engine, Heard, data.train[:4], codec, EnvLimits(4, 900, 6, 10.0), SamplingParams(6, 1.0))
+    )
+    assert not errors and len(done) == 4
+    for e, game in zip(done, Heard.made):
+        assert [s.role for s in e.samples] == ["player_0", "player_1"]
+        assert e.truncated or sorted(s.reward for s in e.samples) == [-1.0, 1.0]
+        for s in e.samples:
+            news = game.heard[s.role]
+            assert s.prompt_ids == codec.encode(news[0]) and "Welcome to Nim" in news[0]
+            appended = [t for t, m in zip(s.completion_ids, s.loss_mask) if not m]
+            assert appended == [t for text in news[1:] for t in encode_observation(codec, text)]
+        assert sum(e.samples[0].loss_mask) > 0  # the first seat always moves (the second may lose before it does)
+    with pytest.raises(ConfigError, match="no game 'Chezz-v0'"):
+        env_factory("textarena/Chezz-v0")
