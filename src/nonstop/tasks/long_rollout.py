@@ -3,7 +3,7 @@
 A prompt names a start, a step and a number of steps; the worked solution writes one line per step
 and ends with the final answer after GSM8K's marker:
 
-    Start at 385. Add 7 each step and keep the last three digits. Steps: 03.
+    Add 7 each step and keep the last three digits. Steps: 03. Start: 385
     03: 385 + 7 = 392
     02: 392 + 7 = 399
     01: 399 + 7 = 406
@@ -11,8 +11,9 @@ and ends with the final answer after GSM8K's marker:
 
 Every line depends only on the line before it (count the steps left down by one, copy the previous
 result, add a one-digit step with its carries, keep three digits; after the line of step 01 comes
-the answer): the prompt has one layout, so even the first line copies from fixed distances, and no
-decision needs the far context. A small model learns the skill quickly, but a
+the answer). The prompt ends with the start value, right before its newline, where a line ends
+with its result: the first line copies its value from the same distance as every other line, and
+no decision needs the far context. A small model learns the skill quickly, but a
 solution is right only if every line is: accuracy falls with the number of steps, and RL has
 something to sharpen. The number of steps k is drawn from P(k) proportional to 1/k^2 on
 K_MIN..K_MAX, a discrete power law whose tail makes completions long and uneven: 16 BPE tokens per
@@ -50,7 +51,7 @@ MARKER = "#### "
 
 
 def prompt_text(start: int, add: int, steps: int) -> str:
-    return f"Start at {start:03d}. Add {add} each step and keep the last three digits. Steps: {steps:02d}.\n"
+    return f"Add {add} each step and keep the last three digits. Steps: {steps:02d}. Start: {start:03d}\n"
 
 
 def worked_solution(start: int, add: int, steps: int) -> str:
