@@ -1,7 +1,7 @@
 """Trainer time per real token: heavy-tailed batch vs uniform batch of the same token count.
 
 Two batches of the long-rollout task (nonstop.tasks.long_rollout), 8 prompts x 8 completions:
-- heavy: the completions of 64 train rows drawn at random (lengths as the task draws them:
+- heavy: 64 worked solutions of train rows drawn at random (lengths as the task draws them:
   median about 85 tokens, some several hundred);
 - uniform: 64 completions cut to one length, the heavy batch's mean, so both hold the same
   number of real completion tokens (within 64).
@@ -35,15 +35,15 @@ from nonstop.trainer.core import Trainer
 from nonstop.types import Group, Sample
 
 
-def batch_groups(tok, rows, n: int, cut: int | None, rng: random.Random) -> list[Group]:
-    """len(rows) groups of n completions each: the rows' prompts; completions drawn from `rows`'
-    solutions (all cut to `cut` tokens when given)."""
+def batch_groups(tok, prompts, solutions, n: int, cut: int | None, rng: random.Random) -> list[Group]:
+    """len(prompts) groups of n completions each; completions drawn at random from `solutions`
+    (all cut to `cut` tokens when given)."""
     groups = []
-    for g, (prompt, _) in enumerate(rows):
+    for g, prompt in enumerate(prompts):
         p = tok(prompt)["input_ids"]
         samples = []
         for j in range(n):
-            c = tok(rng.choice(rows)[1])["input_ids"] + [tok.eos_token_id]
+            c = tok(rng.choice(solutions))["input_ids"] + [tok.eos_token_id]
             c = c[:cut] if cut is not None else c
             lp = [-0.1] * len(c)
             samples.append(Sample(p, c, lp, [0] * len(c), "stop", reward=float(j % 2)))
@@ -51,15 +51,22 @@ def batch_groups(tok, rows, n: int, cut: int | None, rng: random.Random) -> list
     return groups
 
 
-def time_steps(model_dir: str, groups: list[Group], packed: bool, repeats: int) -> float:
-    trainer = Trainer(load_model(model_dir), TrainerConfig(packed=packed), temperature=1.0, pad_token_id=0)
-    trainer.step(groups)  # warm-up: allocator, first-call costs
-    times = []
+def time_steps(model_dir: str, arms: dict[str, list[Group]], packed: bool, repeats: int) -> dict[str, float]:
+    """Median seconds of one Trainer.step per arm; the arms take turns, so drift in the machine's
+    load (it is shared) falls on all of them alike."""
+    trainers = {
+        name: Trainer(load_model(model_dir), TrainerConfig(packed=packed), temperature=1.0, pad_token_id=0)
+        for name in arms
+    }
+    for name, groups in arms.items():
+        trainers[name].step(groups)  # warm-up: allocator, first-call costs
+    times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        trainer.step(groups)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, groups in arms.items():
+            t0 = time.perf_counter()
+            trainers[name].step(groups)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -77,12 +84,13 @@ def main() -> None:
     data = load_task(TaskConfig(name=task.NAME))
     rng = random.Random(ns.seed)
     pool = [(ex.prompt, ex.answer) for ex in rng.sample(data.train, 2000)]
+    prompts = [p for p, _ in pool[: ns.prompts]]
 
-    heavy = batch_groups(tok, pool[: ns.prompts], ns.group_size, None, random.Random(ns.seed))
+    heavy = batch_groups(tok, prompts, [s for _, s in pool], ns.group_size, None, random.Random(ns.seed))
     lengths = [len(s.completion_ids) for g in heavy for s in g.samples]
     mean = round(sum(lengths) / len(lengths))
-    long_enough = [r for r in pool if len(tok(r[1])["input_ids"]) + 1 >= mean]
-    uniform = batch_groups(tok, long_enough[: ns.prompts], ns.group_size, mean, random.Random(ns.seed))
+    long_enough = [s for _, s in pool if len(tok(s)["input_ids"]) + 1 >= mean]
+    uniform = batch_groups(tok, prompts, long_enough, ns.group_size, mean, random.Random(ns.seed))
     real = {"heavy": sum(lengths), "uniform": sum(len(s.completion_ids) for g in uniform for s in g.samples)}
     print(
         f"heavy batch: {real['heavy']} completion tokens, lengths median {sorted(lengths)[len(lengths) // 2]}, "
@@ -91,8 +99,7 @@ def main() -> None:
     )
     per_token: dict[tuple[str, bool], float] = {}
     for packed in (False, True):
-        for name, groups in (("uniform", uniform), ("heavy", heavy)):
-            s = time_steps(model_dir, groups, packed, ns.repeats)
+        for name, s in time_steps(model_dir, {"uniform": uniform, "heavy": heavy}, packed, ns.repeats).items():
             per_token[(name, packed)] = s / real[name]
             print(
                 f"{'packed' if packed else 'padded'} {name:8s}: {s:.3f} s/step, "
