@@ -202,6 +202,11 @@ class RunConfig(_Section):
     """Run folder name; default is a timestamp."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live display: rich on a terminal, plain lines otherwise."""
+    memory_limit_gib: float | None = Field(None, gt=0.0)
+    """Memory the run's processes may hold together, in GiB. None: what the machine has available
+    at start (the cgroup's limit minus its usage if a limit is set, else MemAvailable). The run's
+    memory plan must fit in it or the run is refused before any actor starts; it also scales the
+    engines' KV budget (engine.kv_cache_fraction). docs/memory.md."""
     spans: bool = True
     """Write the span log (RUN_DIR/spans/*.jsonl: every group's life, every actor's busy intervals),
     which `nonstop report` and `nonstop simulate` read; costs well under 1% of samples/s (docs/observability.md)."""
