@@ -103,7 +103,7 @@ def fit_run(cfg: Config, data: TaskData, model_dir: Path | None = None, machine:
     def folder_of(path: str, field: str) -> Path:
         return resolve_model_path(path, field=field) if not Path(path).is_dir() else Path(path)
 
-    plan = plan_memory(sized.cfg, shape, machine, sized.notes, folder_of)
+    plan = plan_memory(sized.cfg, shape, machine, sized.notes, folder_of, sized.seq_len)
     check_vllm_kv(sized.cfg, shape, machine.total)
     plan.check()
     return Fitted(sized.cfg, plan, shape)

@@ -174,7 +174,7 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
     p, e, params = Proc(name, count), cfg.engine, shape.params
     fewer = ("runtime.num_engines", "lower runtime.num_engines") if count > 1 else SMALLER
     recv, how = _receive_buffers(cfg, sent)
-    shm = ("transport.kind", "use transport.kind shm")
+    adapters = ("model.lora.enabled", "set model.lora.enabled=true (only the adapters travel)")
     if e.kind == "vllm":
         v = e.vllm
         vb = shape.dtype if v.dtype == "auto" else v.dtype
@@ -196,7 +196,7 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
                 "lower engine.vllm.memory_fraction",
             )
         p.add("staging", params * 4, f"{params:,} params x 4 bytes (the float32 model vLLM reloads from)", *fewer)
-        p.add("transport", recv, how, *shm)
+        p.add("transport", recv, how, *adapters)
         p.add("runtime", 2 * RUNTIME_BYTES, "the actor + vLLM's engine core", *fewer)
         return p
     gpu = _on_gpu(e.device)
@@ -222,18 +222,17 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
             "use engine.update_mode never_stop",
             on_host=not gpu or device_path_of(cfg.transport) == "host",
         )
-    p.add("transport", recv, how, *shm)
+    p.add("transport", recv, how, *adapters)
     p.add("runtime", RUNTIME_BYTES, "Python, torch, transformers", *fewer)
     return p
 
 
-def forward_tokens(cfg: Config, shape: ModelShape) -> tuple[int, int, int]:
+def forward_tokens(cfg: Config, shape: ModelShape, seq: int) -> tuple[int, int, int]:
     """(tokens one trainer rank's forward holds, its rows, completion tokens per row). Single-turn
     batches on Qwen2/Llama run each prompt once and the completions against it (trainer/forward.py):
     groups x prompt + rows x completion; otherwise (episodes, other models, fsdp2) rows x sequence."""
     r, t = cfg.rollout, cfg.trainer
     rows = math.ceil(r.prompts_per_step * r.group_size / t.ranks)
-    seq = cfg.engine.max_seq_len or shape.max_positions
     if cfg.env is not None:
         return rows * seq, rows, seq
     new = min(r.max_new_tokens, seq)
@@ -243,7 +242,9 @@ def forward_tokens(cfg: Config, shape: ModelShape) -> tuple[int, int, int]:
     return rows * seq, rows, new
 
 
-def _trainer(cfg: Config, shape: ModelShape, name: str, trained: int, extra: list[tuple[str, int, str, str]]) -> Proc:
+def _trainer(
+    cfg: Config, shape: ModelShape, name: str, trained: int, extra: list[tuple[str, int, str, str]], seq: int
+) -> Proc:
     t = cfg.trainer
     ranks = t.ranks
     p, gpu, params = Proc(name, ranks), _on_gpu(t.device), shape.params
@@ -271,7 +272,7 @@ def _trainer(cfg: Config, shape: ModelShape, name: str, trained: int, extra: lis
         )
     for item, nbytes, detail, fld in extra:
         p.add(item, nbytes, detail, fld, f"change {fld}", on_host=not gpu)
-    tokens, rows, new = forward_tokens(cfg, shape)
+    tokens, rows, new = forward_tokens(cfg, shape, seq)
     width = shape.intermediate if not shape.experts else shape.expert_intermediate * max(1, shape.experts_per_token)
     per_token = shape.layers * (10 * shape.hidden + 4 * (width + shape.shared_intermediate)) * 4
     # every chunk's log-softmax (rows x new x V) stays for backward; one chunk's logits and grads are transient
@@ -295,10 +296,14 @@ def plan_memory(
     machine: MachineMemory,
     notes: tuple[str, ...] = (),
     folder_of=None,
+    seq_len: int | None = None,
 ) -> MemoryPlan:
     """The plan of a run whose need-dependent defaults `cfg` already holds (config/sizing.py).
     `folder_of(path, field)` turns a teacher / reward model / role path into a folder with a
-    config.json (preflight.resolve_model_path); None reads the paths as they are."""
+    config.json (preflight.resolve_model_path); None reads the paths as they are. `seq_len`: the
+    run's longest sequence (sizing.run_seq_len), which bounds what trainers see; None:
+    engine.max_seq_len, else the model's positions."""
+    seq = seq_len or cfg.engine.max_seq_len or shape.max_positions
     folder_of = folder_of or (lambda path, _field: Path(path))
     lora = cfg.model.lora
     trained = shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else shape.params
@@ -311,14 +316,14 @@ def plan_memory(
         extra.append(("teacher", teacher * 4, f"{teacher:,} params x 4 bytes", "distill.teacher"))
     procs = [
         _engine(cfg, shape, "engine", cfg.runtime.num_engines, sent, machine.total),
-        _trainer(cfg, shape, "trainer", trained, extra),
+        _trainer(cfg, shape, "trainer", trained, extra, seq),
     ]
     segments = [("shm segment", cfg.runtime.num_engines)]
     for role, own in cfg.env.policies.items() if cfg.env is not None else ():
         role_shape = ModelShape.from_folder(folder_of(own.path, f"env.policies.{role}.path")) if own.path else shape
         role_sent = (role_shape.lora_params(lora.rank, lora.target_modules) if own.lora else role_shape.params) * 4
         procs.append(_engine(cfg, role_shape, f"{role}-engine", own.num_engines, role_sent, machine.total))
-        procs.append(_trainer(cfg, role_shape, f"{role}-trainer", role_sent // 4, []))
+        procs.append(_trainer(cfg, role_shape, f"{role}-trainer", role_sent // 4, [], seq))
         segments.append((f"{role} shm segment", own.num_engines))
     if cfg.scoring.reward_model is not None:
         rm = ModelShape.from_folder(folder_of(cfg.scoring.reward_model.path, "scoring.reward_model.path"))
@@ -335,13 +340,12 @@ def plan_memory(
     if cfg.transport.kind == "shm":
         for seg_name, engines in segments:
             seg = Proc(seg_name, 1)
-            seg.add(
-                "slots",
-                (engines + 2) * sent,
-                f"({engines} engines + 2) slots x {size(sent)} sent",
-                "runtime.num_engines",
-                "lower runtime.num_engines",
+            fewer = (
+                ("runtime.num_engines", "lower runtime.num_engines")
+                if engines > 1
+                else ("model.lora.enabled", "set model.lora.enabled=true (only the adapters travel)")
             )
+            seg.add("slots", (engines + 2) * sent, f"({engines} engines + 2) slots x {size(sent)} sent", *fewer)
             procs.append(seg)
     if cfg.run.memory_limit_gib is not None:
         limit, source = int(cfg.run.memory_limit_gib * GIB), "run.memory_limit_gib"

@@ -95,6 +95,8 @@ class Sized:
     cfg: Config
     notes: tuple[str, ...]
     """One line per field resolved here, e.g. 'engine.max_seq_len: 11 (longest prompt 7 + ...)'."""
+    seq_len: int
+    """The run's longest sequence (run_seq_len), whatever engine.max_seq_len says: what trainers see."""
 
 
 def engine_dtype_bytes(cfg: Config) -> int:
@@ -145,4 +147,4 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
         trainer = trainer.model_copy(update={"lr": lr})
         notes.append(f"trainer.lr: {lr:g} ({source})")
     resolved = cfg.model_copy(update={"engine": engine.model_copy(update=update), "trainer": trainer})
-    return Sized(resolved, tuple(notes))
+    return Sized(resolved, tuple(notes), seq_len)
