@@ -139,3 +139,17 @@ def test_a_loaded_model_run_resolves_and_reports_its_learning_rate(tmp_path):
     fitted = fit_run(cfg, run_rows(cfg), machine=MACHINE)
     assert fitted.cfg.trainer.lr == 4.5e-6
     assert "trainer.lr: 4.5e-06 (the rule for a loaded model of 494 M parameters" in "\n".join(fitted.plan.notes)
+
+
+def test_nonstop_config_plan_prints_the_resolved_values_and_the_plan():
+    from click.testing import CliRunner
+
+    from nonstop.cli import main
+
+    result = CliRunner().invoke(main, ["config", "--plan"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "  lr: 0.0006\n" in out and "  max_concurrent_seqs: 256\n" in out and "  max_seq_len: 10\n" in out
+    assert "# memory plan: " in out and "#   engine         x1" in out
+    refused = CliRunner().invoke(main, ["config", "--plan", "--set", "run.memory_limit_gib=0.1"])
+    assert refused.exit_code == 2 and "the run's memory plan needs" in refused.output
