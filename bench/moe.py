@@ -5,17 +5,25 @@ tokens differently; Keep Routing (trainer.routing_replay r3) makes the trainer u
 experts. Both arms start from the same warmed-up base (a supervised warm-up of the MoE model
 on addition, cached in .nonstop_cache), train synchronously (depth 0: generate a batch, score,
 one trainer step, copy the new weights into the engine, cast to bf16) for the same number of
-steps with the same seed, and report per arm: the routing mismatch fraction of the forward the
-trainer used (tokens whose expert set differs from the engine's in at least one layer), the std
-of the per-token log importance ratio log pi - log mu, and the held-out greedy accuracy (engine,
-bf16) before and after. Timings are of whatever else runs on the machine.
+steps with the same seed, and report per arm:
+- `free mism.`: mean over steps of routing_free_mismatch_frac, the fraction of routed tokens whose
+  expert set as the trainer's own router chooses it (top-k of its logits) differs from the
+  engine's in at least one layer: measured in both arms (under r3, given the replayed earlier
+  layers): zero only where the routers agree, in either arm;
+- `replayed`: routing_replayed_frac, the fraction of routed tokens whose experts the trainer's
+  forward actually computed with (read at each experts module) equal the engine's in every
+  layer; the mean and the worst step. 1.000 on every step is the evidence that r3 applied;
+  without replay it is 1 - free mismatch;
+- the std of the per-token log importance ratio log pi - log mu, and the held-out greedy
+  accuracy (engine, bf16) before and after. Timings are of whatever else runs on the machine.
 
     python bench/moe.py [--quick] [--steps N] [--seed S] [--base DIR] [--set KEY=VALUE ...]
 
 `--base DIR` starts from a base already written by `nonstop warmup examples/moe_r3.yaml --out DIR`
 instead of the cached warm-up.
 
-Last line: RESULT mismatch_none=.. mismatch_r3=.. ratio_std_none=.. ratio_std_r3=.. gain_r3=.. (points)
+Last line: RESULT free_mismatch_none=.. free_mismatch_r3=.. replayed_none=.. replayed_min_r3=..
+ratio_std_none=.. ratio_std_r3=.. gain_none=.. gain_r3=.. (points)
 """
 
 from __future__ import annotations
@@ -31,8 +39,8 @@ import torch
 from nonstop.config import Config, load_config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.orchestrator.generate import Codec, exact_match_accuracy, greedy_requests
-from nonstop.orchestrator.score import exact_match
+from nonstop.scoring.rewards import exact_match
+from nonstop.tasks.codec import Codec, exact_match_accuracy, greedy_requests
 from nonstop.tasks.data import load_task
 from nonstop.tasks.warmup import cached_base
 from nonstop.trainer.core import Trainer
@@ -61,7 +69,7 @@ def run_arm(cfg: Config, base: Path, replay: str, steps: int, eval_size: int, se
             engine.generate(greedy_requests(held_out, codec, r.max_new_tokens)), held_out, codec
         )
 
-    before, mismatch, spread, t0 = accuracy(), [], [], time.perf_counter()
+    before, mismatch, replayed, spread, t0 = accuracy(), [], [], [], time.perf_counter()
     for step in range(steps):
         examples = rng.sample(data.train, r.prompts_per_step)
         params = SamplingParams(r.max_new_tokens, r.temperature, seed=rng.randrange(1 << 30))
@@ -77,9 +85,14 @@ def run_arm(cfg: Config, base: Path, replay: str, steps: int, eval_size: int, se
         if not groups:
             continue
         metrics = trainer.step(groups)
-        frac, std = metrics["routing_mismatch_frac"], metrics["log_ratio_std"]
-        assert isinstance(frac, float) and isinstance(std, float)  # the trainer reports both as floats
-        mismatch.append(frac)
+        free, used, std = (
+            metrics["routing_free_mismatch_frac"],
+            metrics["routing_replayed_frac"],
+            metrics["log_ratio_std"],
+        )
+        assert isinstance(free, float) and isinstance(used, float) and isinstance(std, float)  # reported as floats
+        mismatch.append(free)
+        replayed.append(used)
         spread.append(std)
         with torch.no_grad():  # depth 0: the engine holds the trainer's new weights, in bf16
             for p_engine, p_trainer in zip(engine_model.parameters(), trainer.model.parameters()):
@@ -90,6 +103,8 @@ def run_arm(cfg: Config, base: Path, replay: str, steps: int, eval_size: int, se
     return {
         "replay": replay,
         "mismatch": statistics.mean(mismatch),
+        "replayed": statistics.mean(replayed),
+        "replayed_min": min(replayed),
         "ratio_std": statistics.mean(spread),
         "before": before,
         "after": after,
@@ -123,19 +138,21 @@ def main() -> None:
     base = Path(ns.base) if ns.base else cached_base(cfg, load_task(cfg.task, cfg.task.split_seed), warmup=True)
     print(f"base: {base} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(
-        f"{'routing_replay':>14} {'mismatch':>9} {'ratio std':>10} {'before':>7} {'after':>7} {'gain':>7} {'steps':>6} "
-        f"{'train s':>8}"
+        f"{'routing_replay':>14} {'free mism.':>10} {'replayed':>8} {'(worst)':>8} {'ratio std':>10} {'before':>7} "
+        f"{'after':>7} {'gain':>7} {'steps':>6} {'train s':>8}"
     )
     arms = {}
     for replay in ("none", "r3"):
         a = arms[replay] = run_arm(cfg, base, replay, steps, eval_size, ns.seed)
         print(
-            f"{replay:>14} {a['mismatch']:>9.3f} {a['ratio_std']:>10.4f} {a['before']:>7.1%} {a['after']:>7.1%} "
-            f"{100 * a['gain']:>+6.1f}p {a['steps']:>6} {a['train_s']:>8.1f}",
+            f"{replay:>14} {a['mismatch']:>10.3f} {a['replayed']:>8.3f} {a['replayed_min']:>8.3f} "
+            f"{a['ratio_std']:>10.4f} {a['before']:>7.1%} {a['after']:>7.1%} {100 * a['gain']:>+6.1f}p {a['steps']:>6} "
+            f"{a['train_s']:>8.1f}",
             flush=True,
         )
     print(
-        f"RESULT mismatch_none={arms['none']['mismatch']:.3f} mismatch_r3={arms['r3']['mismatch']:.3f} "
+        f"RESULT free_mismatch_none={arms['none']['mismatch']:.3f} free_mismatch_r3={arms['r3']['mismatch']:.3f} "
+        f"replayed_none={arms['none']['replayed']:.3f} replayed_min_r3={arms['r3']['replayed_min']:.3f} "
         f"ratio_std_none={arms['none']['ratio_std']:.4f} ratio_std_r3={arms['r3']['ratio_std']:.4f} "
         f"gain_none={100 * arms['none']['gain']:.1f} gain_r3={100 * arms['r3']['gain']:.1f}"
     )

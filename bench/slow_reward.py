@@ -11,7 +11,7 @@ import asyncio
 import os
 import time
 
-from nonstop.orchestrator.score import exact_match
+from nonstop.scoring.rewards import exact_match
 
 DELAY_S = float(os.environ.get("NONSTOP_BENCH_REWARD_DELAY_MS", "20")) / 1000
 

@@ -57,7 +57,7 @@ def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None) ->
     from trl import GRPOConfig, GRPOTrainer
 
     from nonstop.config import TaskConfig
-    from nonstop.orchestrator.score import exact_match
+    from nonstop.scoring.rewards import exact_match
     from nonstop.tasks.data import load_task
 
     data = load_task(TaskConfig(), seed=0)

@@ -153,12 +153,37 @@ def test_replay_keeps_the_depth0_ratio_at_one_under_a_perturbed_router(kind):
     assert kept_ratio.abs().max() < 2e-3  # what is left is the perturbation of the router weights itself
 
     m_free, m_kept = free.step(groups), kept.step(groups)
-    assert m_free["routing_mismatch_frac"] > 0.02
-    assert m_kept["routing_mismatch_frac"] == 0.0
-    assert m_kept["routing_free_mismatch_frac"] == pytest.approx(m_free["routing_mismatch_frac"])
+    assert m_free["routing_free_mismatch_frac"] > 0.02  # the perturbed router disagrees with the engine
+    # read at the experts: without replay they compute with the free choice, under r3 with the engine's
+    assert m_free["routing_replayed_frac"] == pytest.approx(1 - m_free["routing_free_mismatch_frac"])
+    assert m_kept["routing_replayed_frac"] == 1.0
+    # the free router is still measured under r3 (same weights, same earlier layers as the engine's)
+    assert m_kept["routing_free_mismatch_frac"] == pytest.approx(m_free["routing_free_mismatch_frac"])
     assert m_kept["log_ratio_std"] < m_free["log_ratio_std"] / 10
     # replayed experts still train the router: its gradient flows through the gathered scores
     assert all(float(layer.mlp.gate.weight.grad.abs().sum()) > 0 for layer in kept.model.model.layers)
+
+
+def test_replayed_frac_reads_the_experts_the_forward_computed_with():
+    """A hook after the replay's that puts the router's free choice back: the experts compute with it,
+    and routing_replayed_frac says so although trainer.routing_replay is r3."""
+    model = _moe()
+    groups = _groups(_generate(model))
+    kept = Trainer(_perturbed_router(model, 1e-3), TrainerConfig(routing_replay="r3"), 1.0, 0)
+
+    def undo(module, inputs, output):
+        logits, _, _ = output
+        weights, experts = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), module.top_k, -1)
+        return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), experts
+
+    hooks = [layer.mlp.gate.register_forward_hook(undo) for layer in kept.model.model.layers]
+    try:
+        m = kept.step(groups)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert m["routing_free_mismatch_frac"] > 0.02
+    assert m["routing_replayed_frac"] == pytest.approx(1 - m["routing_free_mismatch_frac"])
 
 
 def test_routes_that_do_not_fit_are_refused_by_name():
@@ -374,8 +399,9 @@ def test_pipeline_carries_routes_from_the_engine_process_to_the_trainer(moe_dir,
     recs = [json.loads(line) for line in (tmp_path / "runs" / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 3
     for r in recs:  # depth 0, one precision: the trainer routes as the engine did, ratio 1
-        assert r["routing_mismatch_frac"] == 0.0 and r["log_ratio_std"] < 1e-4, r
-        assert ("routing_free_mismatch_frac" in r) == (replay == "r3")
+        assert r["routing_free_mismatch_frac"] == 0.0 and r["routing_replayed_frac"] == 1.0, r
+        assert r["log_ratio_std"] < 1e-4, r
+
 
 
 class _Publisher:

@@ -1,14 +1,17 @@
 """Scoring components: process rewards (hand-computed), the reward model actor (batching, killed
-mid-call and restarted), the generative judge over real HTTP, math_verify."""
+mid-call and restarted), the distillation teacher actor (killed and replaced), the generative judge
+over real HTTP, math_verify; actor methods named by string only in the runtime."""
 
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 
-from nonstop.config import LocalRuntimeConfig, TrainerConfig, load_config
+import nonstop
+from nonstop.config import DistillConfig, LocalRuntimeConfig, TrainerConfig, load_config
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
@@ -16,7 +19,9 @@ from nonstop.orchestrator.score import resolve_reward
 from nonstop.runtime.local import LocalBackend
 from nonstop.scoring.build import build_scorer
 from nonstop.scoring.judge import parse_verdict
+from nonstop.scoring.pool import ActorPool, CallFailed
 from nonstop.scoring.process import split_steps, step_end_tokens, token_rewards
+from nonstop.scoring.teacher import TeacherComponent, TeacherWorker
 from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.trainer.core import Trainer
 from nonstop.types import Group, Sample
@@ -148,6 +153,54 @@ def test_reward_model_actor_batches_and_survives_being_killed(reward_model_dir):
     for g in groups:
         assert [s.reward for s in g.samples] == pytest.approx(expected(g), abs=1e-4)
     assert rm.pool.restarts == 1 and stage.retried == {"reward_model_worker_died": 1} and not stage.errors
+
+
+@pytest.mark.slow
+def test_teacher_actor_answers_as_its_worker_and_is_replaced_when_killed(tiny_dir):
+    teacher = TeacherWorker(str(tiny_dir), temperature=0.7, batch_size=8)
+    group = _group(["42", "4", "x1"])
+    want = teacher.logprobs([(s.prompt_ids, s.completion_ids) for s in group.samples])
+    log: list[str] = []
+
+    async def go():
+        backend = LocalBackend(LocalRuntimeConfig())
+        component = TeacherComponent(DistillConfig(teacher=str(tiny_dir), batch_size=2), 0.7, backend, log.append)
+        try:
+            await component.start()
+            first = await component.contribute(group)
+            victim = component.pool.alive()[0]
+            os.kill(victim.pid, signal.SIGKILL)  # dies between two calls, unannounced
+            with pytest.raises(CallFailed) as failed:
+                await component.contribute(group)
+            second = await component.contribute(group)  # on the fresh actor
+            return first, second, failed.value.reason, victim, component.pool
+        finally:
+            await component.close()
+            await backend.shutdown()
+
+    first, second, reason, victim, pool = asyncio.run(go())
+    for got in (first, second):
+        assert got.teacher is not None and got.teacher.startswith(f"{tiny_dir}@")
+        assert got.teacher_logprobs is not None
+        for lp, w in zip(got.teacher_logprobs, want):
+            assert lp == pytest.approx(w, abs=1e-5)
+    assert reason == "worker_died" and pool.restarts == 1 and not victim.is_alive()
+    assert any("starting a fresh one" in line for line in log)
+
+
+def test_actor_methods_are_named_by_string_only_in_the_runtime():
+    """The typed seams: scoring reaches its actors through typed clients (nonstop.clients), and the
+    pool over them has no string-method call to offer."""
+    src = Path(nonstop.__file__).parent
+    named = [
+        f"{path.relative_to(src)}:{n}"
+        for path in sorted(src.rglob("*.py"))
+        if path.relative_to(src).parts[0] != "runtime"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if 'call("' in line
+    ]
+    assert named == []
+    assert not hasattr(ActorPool, "call")
 
 
 def test_judge_over_a_real_openai_compatible_server(tiny_dir):

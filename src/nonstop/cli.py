@@ -126,8 +126,8 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
             console.print(f"[yellow]interrupted:[/] {e}", highlight=False)
             sys.exit(130)
         from nonstop.orchestrator.generate import NoLearningSignal
-        from nonstop.orchestrator.score import RewardError
         from nonstop.runtime import ActorCallError, ActorDied
+        from nonstop.scoring.rewards import RewardError
         from nonstop.tasks.data import DatasetError
         from nonstop.transport import TransportError
 

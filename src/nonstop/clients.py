@@ -4,7 +4,7 @@
 and the processes that generate and learn. Every implementation answers the same way whatever
 stands behind it:
 
-- one actor: `runtime.clients.EngineActor` / `TrainerActor` over an ActorHandle of either
+- one actor: `runtime.actor_clients.EngineActor` / `TrainerActor` over an ActorHandle of either
   backend (local processes or Ray); the only place besides the runtime internals where a
   method is named by a string;
 - several actors: `orchestrator.dispatch.EnginePool` (least-loaded placement of requests over
@@ -15,18 +15,28 @@ Failures: a dead actor raises ActorDied naming it, a remote exception ActorCallE
 past its timeout TimeoutError (runtime/base.py). `kill()` ends the processes at once without
 their cooperation; `stop()` asks them to close first.
 
+The scoring actors have clients of their own, built the same way: `RewardModelClient`,
+`TeacherClient` and `RewardWorkerClient`, implemented by one-actor clients in
+`runtime.actor_clients` (which raise the backend's errors above) and by the replaceable pools over
+them in `scoring.pool` (which replace a dead or hung actor and raise `CallFailed` instead).
+
 This module imports only neutral types, so neither side has to import the other.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nonstop.config import TransportConfig
 from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
 
+if TYPE_CHECKING:  # names for annotations only: scoring is a layer above this module
+    from nonstop.scoring.calls import Kind, Outcome, RewardRow
+
 EngineStats = dict[str, float | int]  # one engine's counters: policy_version and the scheduler's stats
 SamplingState = dict[str, bytes]  # one engine's sampling generator state by device ('cpu', 'cuda'); {}: none kept
+TokenSequence = tuple[list[int], list[int]]  # (prompt ids, completion ids) of one sample
 
 
 class Client(Protocol):
@@ -111,4 +121,28 @@ class TrainerClient(Client, Protocol):
 
     async def connect_transport(self) -> None:
         """Rendezvous with the engines that attached to the planned transport."""
+        ...
+
+
+class RewardModelClient(Client, Protocol):
+    async def score(self, texts: list[str], timeout_s: float) -> list[float]:
+        """The reward model's score (its single logit) of each text, prompt + completion, in
+        text order; a call not answered within `timeout_s` fails."""
+        ...
+
+
+class TeacherClient(Client, Protocol):
+    async def logprobs(self, seqs: list[TokenSequence], timeout_s: float) -> list[list[float]]:
+        """For each (prompt ids, completion ids), in order, log pi_teacher of every completion
+        token given the tokens before it; a call not answered within `timeout_s` fails."""
+        ...
+
+
+class RewardWorkerClient(Client, Protocol):
+    async def evaluate(
+        self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow], timeout_s: float
+    ) -> list[Outcome]:
+        """One group's outcomes of the reward function `spec` (a name the worker resolves, or an
+        importable callable) over `rows` (scoring/calls.py evaluate: a fault of the function is
+        an Outcome, not an error); a call not answered within `timeout_s` fails."""
         ...

@@ -27,7 +27,7 @@ import torch
 from nonstop.config import Config, load_config
 from nonstop.config.sizing import learning_rate
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.orchestrator.score import exact_match, resolve_reward
+from nonstop.scoring.rewards import exact_match, resolve_reward
 from nonstop.tasks.data import PromptStream, load_task
 from nonstop.trainer.losses import clipped_policy_loss, group_advantages, token_logprobs
 

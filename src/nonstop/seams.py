@@ -19,22 +19,34 @@ if TYPE_CHECKING:
     from nonstop.engine.runner import KVRunner, Runner
     from nonstop.engine.vllm_engine import VllmEngineWorker
     from nonstop.engine.worker import EngineWorker
-    from nonstop.envs.base import Environment, MultiAgentEnvironment, SingleAgent
+    from nonstop.envs.base import Environment, MultiAgentEnvironment, SingleAgent, TurnEngine
     from nonstop.envs.calculator import Calculator
     from nonstop.envs.guess import GuessNumber
     from nonstop.envs.http import ClientEngine
     from nonstop.envs.nim import Nim, NimVsScripted
     from nonstop.lora import MergedAdapters
     from nonstop.orchestrator.dispatch import EnginePool, RankGroup
-    from nonstop.orchestrator.episodes import TurnEngine
-    from nonstop.runtime.actor_clients import EngineActor, EngineService, TrainerActor
+    from nonstop.runtime.actor_clients import (
+        EngineActor,
+        EngineService,
+        RewardModelActor,
+        RewardModelService,
+        RewardWorkerActor,
+        RewardWorkerService,
+        TeacherActor,
+        TeacherService,
+        TrainerActor,
+    )
     from nonstop.runtime.local import LocalActor, LocalBackend
     from nonstop.runtime.ray import RayActor, RayBackend
     from nonstop.runtime.restart import RestartingEngine
     from nonstop.scoring.base import ScoreComponent, Scorer
+    from nonstop.scoring.pool import RewardModelPool, RewardWorker, RewardWorkerPool, TeacherPool
+    from nonstop.scoring.reward_model import RewardModelWorker
     from nonstop.scoring.runners import AutoRunner, LoopRunner, ProcessRunner, ThreadRunner
     from nonstop.scoring.runners import Runner as RewardRunner
     from nonstop.scoring.stage import FunctionComponent, ScoringStage
+    from nonstop.scoring.teacher import TeacherWorker
     from nonstop.serve.client import GenerationClient, HttpClient, InProcessClient
     from nonstop.serve.server import ServedEngine
     from nonstop.transport.base import ModelParameters, WeightSink, WeightSource, WeightTarget
@@ -67,6 +79,14 @@ if TYPE_CHECKING:
     scorers: list[type[Scorer]] = [ScoringStage]
     components: list[type[ScoreComponent]] = [FunctionComponent]
     reward_runners: list[type[RewardRunner]] = [LoopRunner, ThreadRunner, ProcessRunner, AutoRunner]
+
+    # Scoring actors: their clients (one actor; replaceable actors) and the object each actor serves.
+    reward_model_clients: list[type[clients.RewardModelClient]] = [RewardModelActor, RewardModelPool]
+    teacher_clients: list[type[clients.TeacherClient]] = [TeacherActor, TeacherPool]
+    reward_worker_clients: list[type[clients.RewardWorkerClient]] = [RewardWorkerActor, RewardWorkerPool]
+    reward_model_services: list[type[RewardModelService]] = [RewardModelWorker]
+    teacher_services: list[type[TeacherService]] = [TeacherWorker]
+    reward_worker_services: list[type[RewardWorkerService]] = [RewardWorker]
     generation_clients: list[type[GenerationClient]] = [InProcessClient, HttpClient]
     served_engines: list[type[ServedEngine]] = [AsyncEngine, VllmEngineWorker]
 

@@ -100,7 +100,7 @@ def resolve_model_path(path: str, hub_timeout_s: float = 20.0, field: str = "mod
 
 
 def check_reward(spec: str, field: str = "task.reward") -> None:
-    from nonstop.orchestrator.score import RewardError, resolve_reward
+    from nonstop.scoring.rewards import RewardError, resolve_reward
 
     try:
         resolve_reward(spec, field)

@@ -21,6 +21,11 @@ failure into an error observation for the model, counted in `ToolStats`, never a
 Invariants: observations are text appended after everything the episode already holds (earlier
 turns are never re-encoded); a `done` step ends the episode, and its rewards are final; rewards
 of a role are summed over its steps.
+
+What an episode is played on and what it gives back, shared by every player (nonstop's runner,
+the verifiers adapter): a `TurnEngine` completes token prefixes (the run's engines, or one
+engine per role), and an `EpisodeResult` holds one `Sample` per role, environment tokens
+tagged with `ENV_VERSION`.
 """
 
 from __future__ import annotations
@@ -33,9 +38,40 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nonstop.tasks.data import Example
+from nonstop.types import GenerationRequest, Sample
 
 Tool = Callable[[str], "str | Awaitable[str]"]
 """A tool the environment exposes: argument text in, result text out (sync or async)."""
+
+
+ENV_VERSION = -1  # the policy_version of environment tokens: no policy produced them
+
+
+class TurnEngine(Protocol):
+    """What an episode needs of an engine: complete token prefixes (EngineClient, AsyncEngine)."""
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
+
+
+@dataclass
+class EpisodeResult:
+    """One finished episode, as the producer counts and trains it."""
+
+    samples: list[Sample]  # one per role, in the environment's role order
+    metadata: dict[str, Any]  # the environment's metadata of the last step
+    turns: int
+    truncated: bool  # cut by max_turns or max_episode_tokens
+
+    @property
+    def success(self) -> bool:
+        """The environment's `success` flag, else whether the first role's reward is positive."""
+        flag = self.metadata.get("success")
+        return bool(flag) if flag is not None else self.samples[0].reward > 0
+
+    @property
+    def versions(self) -> set[int]:
+        """The policy versions of the episode's model tokens."""
+        return {v for s in self.samples for v, m in zip(s.versions, s.loss_mask) if m}
 
 
 class EnvError(RuntimeError):

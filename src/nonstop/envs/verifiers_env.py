@@ -61,9 +61,8 @@ except ImportError as e:
         f"env.name: verifiers environments need the verifiers extra: pip install 'nonstop[verifiers]' ({e})"
     ) from None
 from nonstop.engine.scheduler import RequestError
-from nonstop.envs.base import EnvLimits
+from nonstop.envs.base import ENV_VERSION, EnvLimits, EpisodeResult, TurnEngine
 from nonstop.envs.verifiers_renderer import TokenRenderer, renderer_config
-from nonstop.orchestrator.episodes import ENV_VERSION, EpisodeResult, TurnEngine
 from nonstop.serve import generate_route
 from nonstop.serve.protocol import BadRequest
 from nonstop.tasks.data import DatasetReport, Example, TaskData

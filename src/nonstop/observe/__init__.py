@@ -4,7 +4,7 @@
 |---|---|
 | `tracking.py` | `MetricsSink` (the step-record seam), `JsonlSink` (metrics.jsonl) and the tracker sinks |
 | `progress.py` | the one-line progress output of a run |
-| `clock.py` | `Clock`: busy and idle seconds per side over wall time |
+| `clock.py` | `Clock`: busy and idle seconds per side over wall time; `BusyClock`: busy while any work runs |
 | `spans.py` | `SpanLog`: per-process spans (decode passes, steps, publishes) written to `spans/` |
 | `timeline.py` | `Timeline`: spans put back together across processes, group lives, idle intervals |
 | `report.py` | `nonstop report`: the HTML report and figures of a run folder |

@@ -1,4 +1,5 @@
-"""Busy/idle accounting per side (generation, training) over a run's wall clock."""
+"""Busy/idle accounting per side (generation, training) over a run's wall clock (`Clock`), and the
+busy time of a side that runs overlapping work (`BusyClock`)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,22 @@ class Clock:
     def idle_fraction(self, side: str) -> float:
         wall = self.wall()
         return max(0.0, 1.0 - self.busy_s[side] / wall) if wall > 0 else 0.0
+
+
+class BusyClock:
+    """A side that runs overlapping pieces of work (groups in flight in the engines) is busy
+    while at least one runs: `enter()`/`leave()` around each piece, and the time from the first
+    enter to the last leave goes to `side` of `clock`."""
+
+    def __init__(self, clock: Clock, side: str = "generation") -> None:
+        self.clock, self.side, self.in_flight, self.since = clock, side, 0, 0.0
+
+    def enter(self) -> None:
+        if self.in_flight == 0:
+            self.since = time.perf_counter()
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.clock.add(self.side, time.perf_counter() - self.since)

@@ -1,15 +1,26 @@
 """The orchestrator: the flow of one training run, in the `nonstop train` process (asyncio).
 
-One file per stage of generate -> score -> buffer -> train -> publish:
-- launch.py    `run_training()`: run folder, data, base policy, pipeline, summary.json (the path
-               shared by `nonstop train` and `nonstop.train()`);
-- pipeline.py  `train()`: build the run, run the producer beside the learning loop, summarize;
-- build.py     spawn the actors, connect the weight transport, wire the stages (`Run`);
-- generate.py  the producer: admitted prompts -> engine groups (and held-out evaluation);
-- score.py     rewards for each sample;
-- buffer.py    admission by depth, the max-lag rule, drops counted;
-- learn.py     the learning loop: take, train, publish, record, checkpoint;
-- ledger.py    every drawn prompt settled once; recovery.py checkpoint and resume;
-- dispatch.py  several engines (least-loaded pool) or trainer ranks (lockstep) as one client;
-- records.py   `StepRecord` (metrics.jsonl) and `RunSummary` (summary.json).
+One file per stage of generate -> score -> buffer -> train -> publish, each importing only
+those listed before it (no circle; tests/orchestrator/test_layering.py checks it):
+- ledger.py        every drawn prompt settled once (by part, with env.policies);
+- buffer.py        admission by depth, the max-lag rule, drops counted;
+- dispatch.py      several engines (least-loaded pool) or trainer ranks (lockstep) as one client;
+- generate.py      the producer: admitted prompts -> engine groups (`Production`, `produce`), and
+                   held-out evaluation;
+- episodes.py      one multi-turn, multi-agent episode through the engines, token-exact;
+- episode_flow.py  the producer of an environment run: groups of episodes, per-role advantages;
+- split_intake.py  with env.policies, each group split into one part per policy's buffer;
+- policies.py      roles with their own policy: `PolicySide`, `PolicyTally`, `Policies`;
+- run.py           `Run` (a run's fixed wiring) and `RunState`; evaluation of its policies;
+- recovery.py      checkpoint and resume of a run's state; `RunFailed`, `RunInterrupted`;
+- actors.py        spawn engines and trainer ranks, connect the weight transport, restart engines;
+- policy_build.py  the own policies' configs, checks and actors;
+- build.py         `build_run()`: the actors and the stages wired into a `Run`;
+- step.py          one learner step (take, train, publish, settle), shared by both loops;
+- records.py       `StepRecord` (metrics.jsonl) and `RunSummary` (summary.json);
+- learn.py         the learning loops: the shared policy's `learn()`, each own policy's `learn_policy()`;
+- pipeline.py      `train()`: build the run, run the producer beside the learning loop, summarize;
+- launch.py        `run_training()`: run folder, data, base policy, pipeline, summary.json (the path
+                   shared by `nonstop train` and `nonstop.train()`).
+Reward functions are nonstop.scoring's (rewards.py); text <-> ids is nonstop.tasks.codec.
 """

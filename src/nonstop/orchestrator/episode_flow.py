@@ -1,8 +1,9 @@
 """The producer of an environment run: groups of episodes into the buffer, with per-role advantages.
 
-`produce_episodes(...)` is `generate.produce` for environments: it waits for admission, draws
-task rows (each draw recorded in the ledger), plays `rollout.group_size` episodes of each row
-concurrently on the engines (orchestrator/episodes.py) and hands the row's group to the buffer.
+`produce_episodes(production, engine, env)` is `generate.produce` for environments (the same
+`Production`, and the run's `EnvRun`): it waits for admission, draws task rows (each draw
+recorded in the ledger), plays `rollout.group_size` episodes of each row concurrently on the
+engines (orchestrator/episodes.py) and hands the row's group to the buffer.
 A group holds one `Sample` per episode and role with model tokens, tagged with its episode index
 and role, and carries its advantages (the trainer uses them as they are):
 
@@ -30,14 +31,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nonstop.config import EnvConfig, RolloutConfig
-from nonstop.envs.base import EnvLimits
-from nonstop.observe.clock import Clock
-from nonstop.orchestrator.buffer import Intake
-from nonstop.orchestrator.episodes import EnvFactory, EpisodeResult, TurnEngine, run_episodes
-from nonstop.orchestrator.generate import Codec, NoLearningSignal, RolloutStats, _BusyClock, admit_and_run, drop_uniform
-from nonstop.orchestrator.ledger import Ledger
-from nonstop.tasks.data import Draw, Example, PromptStream
+from nonstop.config import EnvConfig
+from nonstop.envs.base import EnvLimits, EpisodeResult, TurnEngine
+from nonstop.observe.clock import BusyClock
+from nonstop.orchestrator.episodes import EnvFactory, run_episodes
+from nonstop.orchestrator.generate import NoLearningSignal, Production, admit_and_run, drop_uniform
+from nonstop.tasks.codec import Codec
+from nonstop.tasks.data import Draw, Example
 from nonstop.types import Group, Sample, SamplingParams
 
 EPS = 1e-6
@@ -210,33 +210,22 @@ class EnvRun:
         return sum(e.success for e in done) / max(len(rows), 1)
 
 
-async def produce_episodes(
-    engine: TurnEngine,
-    play: Player,
-    buffer: Intake,
-    stream: PromptStream,
-    codec: Codec,
-    rollout: RolloutConfig,
-    env_cfg: EnvConfig,
-    limits: EnvLimits,
-    baselines: RoleBaselines,
-    clock: Clock,
-    stats: RolloutStats,
-    episode_stats: EpisodeStats,
-    ledger: Ledger,
-) -> None:
-    """Each admitted row becomes `group_size` concurrent episodes; its group goes to the buffer as
-    soon as they all end, while the engines keep decoding the turns of other episodes."""
+async def produce_episodes(production: Production, engine: TurnEngine, env: EnvRun) -> None:
+    """Each admitted row becomes `group_size` concurrent episodes of `env` on `engine` (a
+    RoleEngines with env.policies); its group goes to the buffer as soon as they all end, while
+    the engines keep decoding the turns of other episodes."""
+    p, rollout, limits = production, production.rollout, env.limits
+    buffer, stats, episode_stats = p.buffer, p.stats, env.stats
     params = SamplingParams(
         limits.turn_max_tokens, rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p, min_p=rollout.min_p
     )
-    busy = _BusyClock(clock)
+    busy = BusyClock(p.clock)
 
     async def one_group(draw: Draw, t_admit: float) -> None:
         ex = draw.example
         busy.enter()
         try:
-            results, errors = await play(engine, [ex] * rollout.group_size, codec, limits, params)
+            results, errors = await env.play(engine, [ex] * rollout.group_size, p.codec, limits, params)
         finally:
             busy.leave()
         stats.samples += len(results)
@@ -252,7 +241,7 @@ async def produce_episodes(
             episode_stats.errors.update(errors)
             episode_stats.errors_in_row += 1
             await buffer.drop(group, "env_error")
-            if episode_stats.errors_in_row >= env_cfg.max_consecutive_errors:
+            if episode_stats.errors_in_row >= env.cfg.max_consecutive_errors:
                 raise NoLearningSignal(
                     f"the environment failed {episode_stats.errors_in_row} episode groups in a row "
                     f"(env.max_consecutive_errors); errors so far: {dict(episode_stats.errors)}"
@@ -262,7 +251,7 @@ async def produce_episodes(
         if not group.samples:  # every episode ended before any model turn: nothing to train
             await buffer.drop(group, "no_model_tokens")
             return
-        has_signal = baselines.assign(group.samples)
+        has_signal = env.baselines.assign(group.samples)
         if not has_signal and rollout.filter_uniform_reward:
             await drop_uniform(buffer, group, stats, rollout.max_consecutive_uniform)
             return
@@ -270,4 +259,4 @@ async def produce_episodes(
         stats.groups_delivered += 1
         await buffer.put(group)
 
-    await admit_and_run(buffer, stream, ledger, stats, rollout.prompts_per_step, one_group, "episodes")
+    await admit_and_run(buffer, p.stream, p.ledger, stats, rollout.prompts_per_step, one_group, "episodes")

@@ -14,7 +14,7 @@ Per completion token of a role's `Sample` (prompt = the role's first observation
 - environment tokens: loss mask False, logprob 0.0, version -1 (no policy wrote them; the
   buffer's and the trainer's lag rules look at model tokens only), kept set = the token itself.
 So `prompt_ids + completion_ids` is exactly the concatenation of the engine's samples and the
-environment's appends, and the mask flips exactly at every boundary (tests/test_episodes.py).
+environment's appends, and the mask flips exactly at every boundary (tests/envs/test_episodes.py).
 With separate policies per role (env.policies), `engine` is a `RoleEngines`: each role's turns
 go to its own policy's engines and its Sample carries `policy` (orchestrator/policies.py).
 
@@ -22,7 +22,9 @@ Limits (`EnvLimits`): a role's turns stop at `max_turns` and its sequence at
 `max_episode_tokens` (the episode then ends truncated with the rewards it had); every reset and
 step is bounded by `step_timeout_s`. An environment that raises or times out fails its episode
 with `EpisodeError(kind)`; the producer (episode_flow.py) drops the episode's group, counted by
-kind and settled in the ledger, and the run goes on.
+kind and settled in the ledger, and the run goes on. What an episode plays on (`TurnEngine`) and
+gives back (`EpisodeResult`) is the environments' seam (envs/base.py), shared with the verifiers
+adapter.
 """
 
 from __future__ import annotations
@@ -32,20 +34,11 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
 
-from nonstop.envs.base import EnvLimits, MultiAgentEnvironment, Turn
-from nonstop.orchestrator.generate import Codec
+from nonstop.envs.base import ENV_VERSION, EnvLimits, EpisodeResult, MultiAgentEnvironment, Turn, TurnEngine
+from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example
 from nonstop.types import GenerationRequest, Sample, SamplingParams
-
-ENV_VERSION = -1  # the policy_version of environment tokens: no policy produced them
-
-
-class TurnEngine(Protocol):
-    """What an episode needs of an engine: complete token prefixes (EngineClient, AsyncEngine)."""
-
-    async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
 
 
 @dataclass(frozen=True)
@@ -129,24 +122,6 @@ class Track:
             episode=episode,
             policy=policy,
         )
-
-
-@dataclass
-class EpisodeResult:
-    samples: list[Sample]  # one per role, in the environment's role order
-    metadata: dict[str, Any]  # the environment's metadata of the last step
-    turns: int
-    truncated: bool  # cut by max_turns or max_episode_tokens
-
-    @property
-    def success(self) -> bool:
-        """The environment's `success` flag, else whether the first role's reward is positive."""
-        flag = self.metadata.get("success")
-        return bool(flag) if flag is not None else self.samples[0].reward > 0
-
-    @property
-    def versions(self) -> set[int]:
-        return {v for s in self.samples for v, m in zip(s.versions, s.loss_mask) if m}
 
 
 _request_ids = itertools.count(1 << 40)  # apart from the prompt indices single-turn requests use

@@ -1,12 +1,14 @@
 """The generate stage: rollout production and evaluation, in the orchestrator, over an EngineClient.
 
-`produce(...)` loops until the stream runs out: wait for admission from the buffer, take the
-next prompts from the stream (recording each draw in the ledger), have the engine complete
-each one `group_size` times, decode and score the groups (the scoring stage runs many groups at
-once and holds admission while too many wait for it), and hand each group to the buffer
-(or drop it, counted and settled, when its reward failed or when all its samples scored the
-same and the run filters such groups). When the stream is exhausted it closes the buffer. `evaluate(...)` measures
-greedy exact-match accuracy on held-out prompts with the engine's current weights.
+`produce(production, engine, scorer, ...)` loops until the stream runs out: wait for admission
+from the buffer, take the next prompts from the stream (recording each draw in the ledger), have
+the engine complete each one `group_size` times, decode and score the groups (the scoring stage
+runs many groups at once and holds admission while too many wait for it), and hand each group to
+the buffer (or drop it, counted and settled, when its reward failed or when all its samples
+scored the same and the run filters such groups). When the stream is exhausted it closes the
+buffer. `Production` holds what both producers (this one and episode_flow.produce_episodes)
+share; pipeline.py builds it once per run. `evaluate(...)` measures greedy exact-match accuracy
+on held-out prompts with the engine's current weights (tasks/codec.py).
 
 With a `seed` (rollout.seed_per_prompt), each group's request carries `draw_seed(seed, epoch,
 prompt index)` and the engine seeds completion i with it + i: what a prompt's completions are
@@ -17,50 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nonstop.clients import EngineClient
 from nonstop.config import RolloutConfig
-from nonstop.observe.clock import Clock
+from nonstop.observe.clock import BusyClock, Clock
 from nonstop.observe.spans import SpanLog, now
-from nonstop.orchestrator.buffer import Intake, RolloutBuffer
+from nonstop.orchestrator.buffer import Intake
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.score import exact_match
 from nonstop.scoring.base import Scorer
+from nonstop.tasks.codec import Codec, exact_match_accuracy, greedy_requests
 from nonstop.tasks.data import Draw, Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-
-MEMO_SIZE = 1 << 16
-
-
-@dataclass
-class Codec:
-    """Text <-> token ids at the orchestrator (engines work token-in, token-out). Encodings are
-    memoised (up to MEMO_SIZE texts, then the memo starts over): the prompts of a task are encoded
-    when they are screened and again at every draw."""
-
-    tokenizer: PreTrainedTokenizerBase
-    _encoded: dict[str, list[int]] = field(default_factory=dict, repr=False)
-
-    def encode(self, text: str) -> list[int]:
-        ids = self._encoded.get(text)
-        if ids is None:
-            if len(self._encoded) >= MEMO_SIZE:
-                self._encoded.clear()
-            ids = self._encoded[text] = self.tokenizer(text)["input_ids"]
-        return list(ids)  # a copy: callers own their lists
-
-    def decode(self, ids: list[int]) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        assert isinstance(text, str)  # one sequence of ids decodes to one string
-        return text
 
 
 def draw_seed(run_seed: int, epoch: int, index: int) -> int:
@@ -83,45 +55,40 @@ class RolloutStats:
     uniform_in_row: int = 0
 
 
-class _BusyClock:
-    """Generation is busy while at least one group is in flight (groups overlap in the engine)."""
+@dataclass(frozen=True)
+class Production:
+    """What both producers share, one per run: where prompts come from (`stream`, each draw
+    recorded in `ledger`) and where groups go (`buffer`: the run's buffer, or with env.policies a
+    SplitIntake over one buffer per policy), how text becomes ids, the rollout settings, and what
+    they count (generation's busy time in `clock`, `stats`, one `group` span per group in `spans`)."""
 
-    def __init__(self, clock: Clock) -> None:
-        self.clock, self.in_flight, self.since = clock, 0, 0.0
-
-    def enter(self) -> None:
-        if self.in_flight == 0:
-            self.since = time.perf_counter()
-        self.in_flight += 1
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self.clock.add("generation", time.perf_counter() - self.since)
+    buffer: Intake
+    stream: PromptStream
+    ledger: Ledger
+    codec: Codec
+    rollout: RolloutConfig
+    clock: Clock
+    stats: RolloutStats
+    spans: SpanLog = field(default_factory=lambda: SpanLog(None))
 
 
 async def produce(
+    production: Production,
     engine: EngineClient,
-    buffer: RolloutBuffer,
-    stream: PromptStream,
     scorer: Scorer,
-    codec: Codec,
-    cfg: RolloutConfig,
-    clock: Clock,
-    stats: RolloutStats,
     max_reward_failures: int,
-    ledger: Ledger,
-    spans: SpanLog | None = None,
     seed: int | None = None,
 ) -> None:
     """Each admitted prompt becomes its own engine call, so a group is scored and handed to the
     buffer as soon as its own completions are done, while the engine keeps decoding the others
     in the same continuous batch. The buffer's admission bounds the groups in flight. Each
-    group's life (admitted, generated, delivered) is one `group` event in `spans`. `seed`: the
-    run seed when every draw is sampled from its own seed (rollout.seed_per_prompt)."""
-    log = spans if spans is not None else SpanLog(None)
+    group's life (admitted, generated, delivered) is one `group` event in the span log. `seed`:
+    the run seed when every draw is sampled from its own seed (rollout.seed_per_prompt);
+    `max_reward_failures` groups in a row whose reward failed end the run (NoLearningSignal)."""
+    p = production
+    buffer, codec, cfg, stats, log = p.buffer, p.codec, p.rollout, p.stats, p.spans
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
-    busy = _BusyClock(clock)
+    busy = BusyClock(p.clock)
 
     async def one_group(draw: Draw, t_admit: float) -> None:
         ex = draw.example
@@ -181,7 +148,7 @@ async def produce(
         stats.groups_delivered += 1
         await buffer.put(group)
 
-    await admit_and_run(buffer, stream, ledger, stats, cfg.prompts_per_step, one_group, "group", ready=scorer.ready)
+    await admit_and_run(buffer, p.stream, p.ledger, stats, cfg.prompts_per_step, one_group, "group", ready=scorer.ready)
 
 
 async def drop_uniform(buffer: Intake, group: Group, stats: RolloutStats, max_in_row: int) -> None:
@@ -231,16 +198,6 @@ async def admit_and_run(
     except BaseExceptionGroup as eg:
         raise eg.exceptions[0] from None
     await buffer.close()
-
-
-def greedy_requests(examples: list[Example], codec: Codec, max_new_tokens: int) -> list[GenerationRequest]:
-    params = SamplingParams(max_new_tokens, 0.0)
-    return [GenerationRequest(i, codec.encode(ex.prompt), 1, params) for i, ex in enumerate(examples)]
-
-
-def exact_match_accuracy(results: list[list[Sample]], examples: list[Example], codec: Codec) -> float:
-    right = sum(exact_match(codec.decode(r[0].completion_ids), ex.answer) for r, ex in zip(results, examples))
-    return right / max(len(examples), 1)
 
 
 async def evaluate(engine: EngineClient, examples: list[Example], codec: Codec, max_new_tokens: int) -> float:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from nonstop.config.fit import Fitted
     from nonstop.orchestrator.records import RunSummary
-    from nonstop.orchestrator.score import RewardFn
+    from nonstop.scoring.rewards import RewardFn
     from nonstop.tasks.data import TaskData
 
 
@@ -60,7 +60,7 @@ def preflight(cfg: Config, reward: RewardFn | None) -> None:
         check_reward(cfg.task.reward)
     if cfg.env is not None and cfg.env.policies:
         from nonstop.envs.registry import env_factory
-        from nonstop.orchestrator.policies import check_roles
+        from nonstop.orchestrator.policy_build import check_roles
 
         check_roles(cfg, tuple(env_factory(cfg.env.name, "env.name", cfg.env)().roles))
         for role, own in cfg.env.policies.items():

@@ -1,30 +1,39 @@
-"""The learning loop: take a batch from the buffer, train, publish, record, checkpoint.
+"""The learning loops: the shared policy's `learn()` and each own policy's `learn_policy()`.
 
-It runs beside the producer (generate.py), which fills the buffer. Each step settles its
-groups in the prompt ledger, and tells the buffer the published version only once `publish()`
-returned, i.e. once every engine can load it: admission and the max-lag rule count from there.
-While it waits for a batch whose first groups are there (trainer.forward_ahead), the trainer
-runs their forward pass (`ahead`); that time counts as the trainer's, not as its wait.
-A trainer failure ends the run with RunFailed naming the last checkpoint to resume from. When
+Both take a batch from their buffer, train it, publish and settle it through one `train_step`
+(step.py), which also tells the buffer the published version only once `publish()` returned,
+i.e. once every engine can load it: admission and the max-lag rule count from there. They run
+beside the producer (generate.py or episode_flow.py), which fills the buffers. A trainer
+failure ends the run with RunFailed naming the run folder and the last checkpoint to resume from.
+
+`learn(run)` is the run's clock: run.max_steps, run.max_time_s and Ctrl-C count and stop it.
+Each step it records a StepRecord (metrics.jsonl, the trackers, the progress line), evaluates
+every run.eval_every steps and writes a checkpoint every checkpoint.every_steps. While it waits
+for a batch whose first groups are there (trainer.forward_ahead), the trainer runs their
+forward pass (`Ahead`); that time counts as the trainer's, not as its wait. When
 `run.state.stop` is set (the first Ctrl-C), the loop ends after the step under way, or at once
 if it is waiting for a batch, and writes a checkpoint of the last finished step (when
 checkpoints are on): the taken-but-untrained groups are in flight in the ledger, so a resume
 generates them again.
+
+`learn_policy(side, run)` (env.policies; policies.py) steps whenever its buffer has a batch,
+under the policy's lock (so a checkpoint saves its trainer state and counters at one step), and
+writes one record per step to RUN_DIR/policies/<role>/metrics.jsonl; it ends with the run.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import json
 import time
-from collections.abc import Coroutine, Iterator
+from collections import Counter
 from typing import Any
 
 from nonstop.observe.spans import now
-from nonstop.orchestrator.build import Run
+from nonstop.orchestrator.policies import PolicySide
 from nonstop.orchestrator.records import StepRecord, completions_crc32
-from nonstop.orchestrator.recovery import RunFailed, write_checkpoint
-from nonstop.runtime import ActorCallError, ActorDied
+from nonstop.orchestrator.recovery import write_checkpoint
+from nonstop.orchestrator.run import Run
+from nonstop.orchestrator.step import Trained, take_batch, train_step, trainer_failure
 from nonstop.types import Group, PublishResult, StepResult
 
 
@@ -37,44 +46,37 @@ async def learn(run: Run) -> StepRecord | None:
         left_s = None if cfg.run.max_time_s is None else max(0.0, cfg.run.max_time_s - state.clock.wall())
         if ahead is not None:
             ahead.step = step
-        take = run.buffer.take(
-            ahead if ahead is not None and ahead.able else None, max(1, cfg.rollout.prompts_per_step // AHEAD_PARTS)
+        groups = await take_batch(
+            run.buffer,
+            state.stop,
+            ahead if ahead is not None and ahead.able else None,
+            max(1, cfg.rollout.prompts_per_step // AHEAD_PARTS),
+            timeout_s=left_s,
         )
-        groups = await until_stopped(take, state.stop, timeout_s=left_s)
         if not groups:
             # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
             # budget ran out while no batch came (every group dropped, e.g. for uniform rewards)
             break
-        # Arrival order depends on how the engines happened to batch; the trainer sees one order,
-        # so the same groups give the same step (a resumed run repeats the uninterrupted one).
-        groups.sort(key=lambda g: (g.epoch, g.prompt_index))
-        t0 = now()
-        with trainer_failure(run, step):
-            result = await run.trainer.step(groups)
-            t1 = now()
-            published = await run.trainer.publish()
-        t2 = now()
-        state.clock.add("training", t2 - t0)
-        spans.emit("wait", step=step, t0=round(t_wait, 6), t1=round(t0, 6), cpu=round(cpu, 6))
+        done = await train_step(run, run.trainer, run.buffer, groups, step)
+        state.clock.add("training", done.t2 - done.t0)
+        spans.emit("wait", step=step, t0=round(t_wait, 6), t1=round(done.t0, 6), cpu=round(cpu, 6))
         spans.emit(
             "train",
             step=step,
-            t0=round(t0, 6),
-            t1=round(t1, 6),
+            t0=round(done.t0, 6),
+            t1=round(done.t1, 6),
             queued=run.buffer.queued,
             groups=[[g.epoch, g.prompt_index] for g in groups],
         )
-        spans.emit("publish", step=step, version=published.policy_version, t0=round(t1, 6), t1=round(t2, 6))
-        outcome = "skipped_step" if result.metrics["skipped"] else "trained"
-        for g in groups:
-            run.buffer.settle(g, outcome)
+        spans.emit(
+            "publish", step=step, version=done.published.policy_version, t0=round(done.t1, 6), t1=round(done.t2, 6)
+        )
         if run.envs is not None:
-            run.envs.stats.trained(groups, run.buffer.policy_version)  # lag against the version trained on
+            run.envs.stats.trained(groups, done.trained_on)  # lag against the version trained on
         if run.policies is not None:
-            run.policies.shared_trained(groups, run.buffer.policy_version, published.policy_version)
-        await run.buffer.step_done(published.policy_version)
+            run.policies.shared_trained(groups, done.trained_on, done.published.policy_version)
         out_of_time = cfg.run.max_time_s is not None and state.clock.wall() >= cfg.run.max_time_s
-        record = step_record(run, step, groups, result, published)
+        record = step_record(run, step, groups, done.result, done.published)
         if step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time:
             t_eval = now()
             record.eval_accuracy = await run.eval()
@@ -127,38 +129,6 @@ class Ahead:
         self.able = done.groups > 0
 
 
-async def until_stopped(
-    take: Coroutine[Any, Any, list[Group]], stop: asyncio.Event, timeout_s: float | None = None
-) -> list[Group]:
-    """The batch `take` returns, or [] as soon as `stop` is set or `timeout_s` has passed."""
-    if stop.is_set():
-        take.close()
-        return []
-    taking = asyncio.create_task(take, name="learn-take")
-    stopping = asyncio.create_task(stop.wait(), name="learn-stop-wait")
-    try:
-        await asyncio.wait({taking, stopping}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (taking, stopping):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(taking, stopping, return_exceptions=True)
-    return taking.result() if taking.done() and not taking.cancelled() else []
-
-
-@contextlib.contextmanager
-def trainer_failure(run: Run, step: int) -> Iterator[None]:
-    """A failing trainer (in a step, a publish or a checkpoint) ends the run with how to resume it."""
-    try:
-        yield
-    except (ActorDied, ActorCallError) as e:
-        last = run.state.last_checkpoint
-        where = f"checkpoint step {last}" if last else "no checkpoint yet"
-        raise RunFailed(
-            f"the trainer failed at step {step}: {e}\nresume with `nonstop train --resume {run.run_dir}` ({where})"
-        ) from e
-
-
 def step_record(run: Run, step: int, groups: list[Group], result: StepResult, published: PublishResult) -> StepRecord:
     clock, stats = run.state.clock, run.stats
     wall, busy = clock.wall(), clock.busy_s
@@ -192,3 +162,42 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
         episodes=run.envs.report() if run.envs is not None else None,
         policies=run.policies.report() if run.policies is not None else None,
     )
+
+
+async def learn_policy(side: PolicySide, run: Run) -> None:
+    """An own policy's learner loop: take its part of the rows, train, publish, settle, record; until the
+    run ends (its supervisor cancels the loop) or the stream ran out and its buffer is empty."""
+    path = run.run_dir / "policies" / side.role / "metrics.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as records:
+        while True:
+            groups = await take_batch(side.buffer, run.state.stop)
+            if not groups:
+                return
+            async with side.lock:
+                t0 = time.perf_counter()
+                done = await train_step(run, side.trainer, side.buffer, groups, side.tally.steps + 1, side.role)
+                side.tally.stepped(groups, done.trained_on, done.published.policy_version)
+            records.write(json.dumps(policy_record(side, run, done, time.perf_counter() - t0)) + "\n")
+            records.flush()
+
+
+def policy_record(side: PolicySide, run: Run, done: Trained, train_s: float) -> dict[str, Any]:
+    """One line of RUN_DIR/policies/<role>/metrics.jsonl: the step, its batch and the trainer's metrics."""
+    rewards = [s.reward for g in done.groups for s in g.samples]
+    metrics = {k: v for k, v in done.result.metrics.items() if k != "samples"}
+    return {
+        "policy": side.role,
+        "step": side.tally.steps,
+        "policy_version": done.published.policy_version,
+        "shared_policy_version": run.buffer.policy_version,
+        "train_s": round(train_s, 3),
+        "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "prompts": [[g.epoch, g.prompt_index] for g in done.groups],
+        "samples_trained": done.result.metrics["samples"],
+        "roles": dict(Counter(s.role for g in done.groups for s in g.samples)),
+        **metrics,
+        "publish_s": done.published.publish_s,
+        "publish_bytes": done.published.publish_bytes,
+        "drops": dict(side.buffer.drops),
+    }

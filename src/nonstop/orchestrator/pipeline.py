@@ -2,11 +2,12 @@
 
 Processes: this orchestrator (asyncio), `runtime.num_engines` engine actors behind a
 least-loaded pool, `trainer.ranks` trainer actors in lockstep (dispatch.py), all reached through
-typed clients (nonstop.clients). Rollouts flow engines -> orchestrator (generate.py, score.py) ->
-buffer (buffer.py) -> trainer ranks (learn.py) as small messages; weights flow trainer rank 0 ->
-every engine through the weight transport only, when the learning loop publishes. The producer
-task runs beside the learning loop; the supervisor re-raises its failure, and a dead actor
-fails every pending call at once, so the run ends with a message instead of a hang.
+typed clients (nonstop.clients). Rollouts flow engines -> orchestrator (generate.py, the
+scoring stage) -> buffer (buffer.py) -> trainer ranks (learn.py, step.py) as small messages;
+weights flow trainer rank 0 -> every engine through the weight transport only, when the learning
+loop publishes. The producer task runs beside the learning loop (`start_beside`); the supervisor
+re-raises its failure, and a dead actor fails every pending call at once, so the run ends with a
+message instead of a hang.
 
 Faults: each engine sits behind a RestartingEngine (heartbeat, restart, its prompts
 re-submitted); a trainer failure ends the run with a message naming the last checkpoint,
@@ -31,15 +32,16 @@ from nonstop.config import Config
 from nonstop.observe.clock import Clock
 from nonstop.observe.progress import Progress
 from nonstop.observe.spans import host_cpus, now
-from nonstop.orchestrator.build import Run, build_run
+from nonstop.orchestrator.build import build_run
 from nonstop.orchestrator.episode_flow import produce_episodes
-from nonstop.orchestrator.generate import produce
-from nonstop.orchestrator.learn import learn
+from nonstop.orchestrator.generate import Production, produce
+from nonstop.orchestrator.learn import learn, learn_policy
 from nonstop.orchestrator.records import RunSummary, StepRecord
 from nonstop.orchestrator.recovery import RunInterrupted, restore, restore_engines
-from nonstop.orchestrator.score import RewardFn
+from nonstop.orchestrator.run import Run
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
+from nonstop.scoring.rewards import RewardFn
 from nonstop.tasks.data import TaskData
 from nonstop.transport import release
 
@@ -60,7 +62,7 @@ async def train(
     `reward`, when given, is the reward function instead of task.reward."""
     backend, supervisor = make_backend(cfg.runtime, run_dir), Supervisor()
     run: Run | None = None
-    restore_signals: Callable[[], None] = lambda: None
+    restore_signals: Callable[[], None] = _nothing
     try:
         run = await build_run(cfg, backend, base_model, data, run_dir, progress, resume, reward)
         restore_signals = stop_on_signals(run)
@@ -70,48 +72,7 @@ async def train(
         gc.collect()
         gc.freeze()
         await begin(run, resume)
-        for e in run.engines:
-            supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
-        if run.envs is None:
-            supervisor.spawn(
-                produce(
-                    run.engine,
-                    run.buffer,
-                    run.stream,
-                    run.scorer,
-                    run.codec,
-                    cfg.rollout,
-                    run.state.clock,
-                    run.stats,
-                    cfg.task.max_consecutive_reward_failures,
-                    run.ledger,
-                    run.spans,
-                    seed=cfg.run.seed if cfg.rollout.seed_per_prompt else None,
-                ),
-                name="producer",
-            )
-        else:
-            env, policies = run.envs, run.policies
-            supervisor.spawn(
-                produce_episodes(
-                    policies.engines(run.engine) if policies else run.engine,
-                    env.play,
-                    policies.intake if policies else run.buffer,
-                    run.stream,
-                    run.codec,
-                    cfg.rollout,
-                    env.cfg,
-                    env.limits,
-                    env.baselines,
-                    run.state.clock,
-                    run.stats,
-                    env.stats,
-                    run.ledger,
-                ),
-                name="episode-producer",
-            )
-            if policies is not None:  # roles with their own policy: their engines' heartbeats, their learner loops
-                policies.start(supervisor, run)
+        start_beside(run, supervisor)
         last = await supervisor.run(learn(run))
         if run.state.stop.is_set():
             raise interrupted(run, last)
@@ -138,6 +99,44 @@ async def train(
             progress.log("[yellow]released the shared-memory weight segment of a trainer that died[/]")
 
 
+def start_beside(run: Run, supervisor: Supervisor) -> None:
+    """What runs beside the shared policy's learning loop, under `supervisor` (its first failure
+    ends the run): every engine's heartbeat, the producer (built on one `Production`), and with
+    env.policies each own policy's learner loop. Call it after `begin`."""
+    cfg = run.cfg
+    for e in run.engines:
+        supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
+    policies = run.policies
+    production = Production(
+        policies.intake if policies is not None else run.buffer,
+        run.stream,
+        run.ledger,
+        run.codec,
+        cfg.rollout,
+        run.state.clock,  # the RL clock as begin() started or restored it
+        run.stats,
+        run.spans,
+    )
+    if run.envs is None:
+        seed = cfg.run.seed if cfg.rollout.seed_per_prompt else None
+        supervisor.spawn(
+            produce(production, run.engine, run.scorer, cfg.task.max_consecutive_reward_failures, seed),
+            name="producer",
+        )
+    else:
+        engine = policies.engines(run.engine) if policies is not None else run.engine
+        supervisor.spawn(produce_episodes(production, engine, run.envs), name="episode-producer")
+    if policies is not None:  # roles with their own policy: their engines' heartbeats, their learner loops
+        for e in policies.actors:
+            supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
+        for role, side in policies.sides.items():
+            supervisor.spawn(learn_policy(side, run), name=f"learn-{role}")
+
+
+def _nothing() -> None:
+    """What `train` restores when it had set no signal handler yet."""
+
+
 def stop_on_signals(run: Run) -> Callable[[], None]:
     """First SIGINT/SIGTERM: set run.state.stop; second: cancel this task, which ends as a
     KeyboardInterrupt. Returns the function that puts the previous handlers back (a no-op where
@@ -158,7 +157,7 @@ def stop_on_signals(run: Run) -> Callable[[], None]:
         for sig in previous:
             loop.add_signal_handler(sig, on_signal)
     except (RuntimeError, ValueError, NotImplementedError):
-        return lambda: None
+        return _nothing
 
     def restore() -> None:
         for sig, handler in previous.items():
@@ -200,7 +199,7 @@ async def summarize(
     engines = run.engines + (run.policies.actors if run.policies is not None else [])  # own policies' engines too
     policies = run.policies.report() if run.policies is not None else None
     if run.policies is not None and policies is not None:
-        for role, accuracy in (await run.policies.evaluate(run)).items():
+        for role, accuracy in (await run.eval_own()).items():
             policies[role].update(final_dir=own_final[role], final_accuracy=accuracy)
     return RunSummary(
         base_accuracy=run.state.base_accuracy,

@@ -23,14 +23,11 @@ import base64
 import contextlib
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 from nonstop.checkpoint import Checkpoint, commit, staging_dir
 from nonstop.observe.clock import Clock
+from nonstop.orchestrator.run import Run
 from nonstop.tasks.data import Draw
-
-if TYPE_CHECKING:
-    from nonstop.orchestrator.build import Run
 
 
 class RunFailed(RuntimeError):
@@ -42,14 +39,14 @@ class RunInterrupted(RuntimeError):
     how to resume."""
 
 
-async def write_checkpoint(run: "Run", step: int) -> None:
+async def write_checkpoint(run: Run, step: int) -> None:
     """With own policies (env.policies), each one's trainer state goes under policies/<role>, taken
     while none of them trains, so its counters and the ledger's parts match its weights."""
     async with run.policies.paused() if run.policies is not None else contextlib.nullcontext():
         await _write_checkpoint(run, step)
 
 
-async def _write_checkpoint(run: "Run", step: int) -> None:
+async def _write_checkpoint(run: Run, step: int) -> None:
     root = run.run_dir / "checkpoints"
     tmp = staging_dir(root, step)
     version = await run.trainer.save_checkpoint(str(tmp))
@@ -78,7 +75,7 @@ async def _write_checkpoint(run: "Run", step: int) -> None:
     run.state.last_checkpoint = step
 
 
-def restore(run: "Run", ckpt: Checkpoint) -> None:
+def restore(run: Run, ckpt: Checkpoint) -> None:
     state = ckpt.state
     if state["train_size"] != len(run.data.train):
         raise RunFailed(
@@ -110,7 +107,7 @@ def restore(run: "Run", ckpt: Checkpoint) -> None:
     )
 
 
-async def restore_engines(run: "Run", ckpt: Checkpoint) -> None:
+async def restore_engines(run: Run, ckpt: Checkpoint) -> None:
     """Give engine i the sampling generator state engine i had at the checkpoint."""
     saved = ckpt.state.get("engine_rng")
     if saved is None:  # written before checkpoints kept it

@@ -1,4 +1,4 @@
-"""Typed clients of one actor: the role Protocols (nonstop.clients) over an ActorHandle.
+"""Typed clients of one actor: the client Protocols of nonstop.clients (engine, trainer, scoring) over an ActorHandle.
 
 These adapters and the runtime internals are the only code that names an actor method by a
 string. They add nothing to a call: errors, timeouts and ordering are the backend's (a dead
@@ -8,12 +8,16 @@ TimeoutError), so an `EngineActor` behaves the same on the local and the Ray bac
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from nonstop.clients import EngineStats, SamplingState
+from nonstop.clients import EngineStats, SamplingState, TokenSequence
 from nonstop.config import TransportConfig
 from nonstop.runtime.base import ActorHandle
 from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
+
+if TYPE_CHECKING:  # names for annotations only: scoring is a layer above the runtime
+    from nonstop.scoring.calls import Kind, Outcome, RewardRow
 
 
 class _OneActor:
@@ -107,3 +111,46 @@ class TrainerActor(_OneActor):
 
     async def join_group(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         await self.actor.call("join_group", host, port, rank, world, timeout_s)
+
+
+class RewardModelService(Protocol):
+    """The object inside a reward model actor: scoring/reward_model.py RewardModelWorker."""
+
+    def score(self, texts: list[str]) -> list[float]: ...
+
+
+class TeacherService(Protocol):
+    """The object inside a distillation teacher actor: scoring/teacher.py TeacherWorker."""
+
+    def logprobs(self, seqs: list[TokenSequence]) -> list[list[float]]: ...
+
+
+class RewardWorkerService(Protocol):
+    """The object inside a reward worker actor (scoring.pool process/auto): scoring/pool.py RewardWorker."""
+
+    async def evaluate(self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]: ...
+
+    def close(self) -> None: ...
+
+
+class RewardModelActor(_OneActor):
+    """A RewardModelClient over one reward model actor (a RewardModelService)."""
+
+    async def score(self, texts: list[str], timeout_s: float) -> list[float]:
+        return await self.actor.call("score", texts, timeout_s=timeout_s)
+
+
+class TeacherActor(_OneActor):
+    """A TeacherClient over one teacher actor (a TeacherService)."""
+
+    async def logprobs(self, seqs: list[TokenSequence], timeout_s: float) -> list[list[float]]:
+        return await self.actor.call("logprobs", seqs, timeout_s=timeout_s)
+
+
+class RewardWorkerActor(_OneActor):
+    """A RewardWorkerClient over one reward worker actor (a RewardWorkerService)."""
+
+    async def evaluate(
+        self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow], timeout_s: float
+    ) -> list[Outcome]:
+        return await self.actor.call("evaluate", kind, spec, rows, timeout_s=timeout_s)

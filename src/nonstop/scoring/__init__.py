@@ -3,8 +3,10 @@
 - base.py          the `Scorer` seam (what the orchestrator calls), `ScoreComponent`, `Contribution`;
 - stage.py         `ScoringStage`: components at once, concurrency cap, retries, backpressure,
                    latency and error accounting; the reward-function runners (loop, thread, process);
+- rewards.py       reward functions by name: the built-ins, `resolve_reward`, `RewardFn`, `RewardError`;
 - calls.py         how a reward function is called (sync/async, which arguments) and checked;
-- pool.py          `ActorPool` (replaceable actor processes) and the `RewardWorker` actor;
+- pool.py          `ActorPool` (replaceable actor processes; typed: `RewardModelPool`, `TeacherPool`,
+                   `RewardWorkerPool`) and the `RewardWorker` actor;
 - build.py         the stage of a config;
 - process.py       process rewards (steps -> per-token rewards);
 - reward_model.py  a sequence-classification reward model in its own actor;

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nonstop.config import Config
-from nonstop.scoring.rewards import RewardError, resolve_reward
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import ScoreComponent
+from nonstop.scoring.rewards import RewardError, resolve_reward
 from nonstop.scoring.runners import make_runner, shippable
 from nonstop.scoring.stage import FunctionComponent, ScoringStage
 

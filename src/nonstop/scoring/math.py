@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from nonstop.orchestrator.score import RewardError
+from nonstop.scoring.rewards import RewardError
 
 
 def _package() -> Any:

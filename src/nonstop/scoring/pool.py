@@ -1,14 +1,17 @@
 """Where scoring work runs: a replaceable pool of actor processes, and the reward worker actor.
 
 `ActorPool(backend, name, cls, args, size)` keeps `size` actors of `cls` (local processes or Ray
-actors, through the runtime seam) and sends each call to the one with the fewest calls in
-flight. A call that outlives its `timeout_s` kills its actor (a hung function cannot be
-cancelled any other way); a call whose actor died, was killed or could not answer fails too.
-Either way the actor is replaced by a fresh one (at most `max_restarts` times in all; None: no
-limit), and the call fails with `CallFailed(reason)`: 'timeout', 'worker_died' (also the calls
-that shared a killed actor), 'worker_error' (the actor itself raised), or 'no_restart_left'.
-Retrying is the caller's decision (scoring/stage.py). The reward model and the distillation
-teacher are ActorPools of one actor of their own class.
+actors, through the runtime seam), each behind its typed one-actor client (runtime/actor_clients.py),
+and sends each call to the one with the fewest calls in flight. A call that outlives its
+`timeout_s` kills its actor (a hung function cannot be cancelled any other way); a call whose
+actor died, was killed or could not answer fails too. Either way the actor is replaced by a fresh
+one (at most `max_restarts` times in all; None: no limit), and the call fails with
+`CallFailed(reason)`: 'timeout', 'worker_died' (also the calls that shared a killed actor),
+'worker_error' (the actor itself raised), or 'no_restart_left'. Retrying is the caller's decision
+(scoring/stage.py). The pool offers its actors' calls only as typed methods, one subclass per kind
+of actor: `RewardModelPool.score` (nonstop.clients.RewardModelClient), `TeacherPool.logprobs`
+(TeacherClient) and `RewardWorkerPool.evaluate` (RewardWorkerClient); the reward model and the
+distillation teacher are pools of one actor.
 
 `RewardWorker` is the actor of `scoring.pool: process`: it resolves reward functions by name
 ('package.module:function' or a built-in) or receives importable callables, and runs one
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
+from nonstop.clients import Client, TokenSequence
+from nonstop.runtime.actor_clients import RewardModelActor, RewardWorkerActor, TeacherActor
 from nonstop.runtime.base import ActorBackend, ActorCallError, ActorDied, ActorHandle
 from nonstop.scoring.calls import Kind, Outcome, PooledCalls, RewardRow
 from nonstop.scoring.threads import DaemonThreads
@@ -37,14 +42,27 @@ class CallFailed(RuntimeError):
         self.reason, self.counts = reason, counts
 
 
+class _OneActorClient(Client, Protocol):
+    actor: ActorHandle  # the handle behind the client (runtime/actor_clients.py)
+
+
+A = TypeVar("A", bound=_OneActorClient)  # the typed one-actor client of a slot
+T = TypeVar("T")
+
+
 @dataclass
-class _Slot:
-    actor: ActorHandle
+class _Slot(Generic[A]):
+    actor: A
     in_flight: int = 0
     replacing: asyncio.Task | None = None
 
 
-class ActorPool:
+class ActorPool(Generic[A]):
+    """Replaceable actors of one class behind typed one-actor clients (see the module docstring).
+
+    Subclasses name the client (`_client`) and turn each of its calls into a typed method through
+    `_on_least_loaded`; the pool itself never names an actor method."""
+
     def __init__(
         self,
         backend: ActorBackend,
@@ -58,20 +76,23 @@ class ActorPool:
     ) -> None:
         self.backend, self.name, self.cls, self.args, self.kwargs = backend, name, cls, args, kwargs or {}
         self.size, self.max_restarts, self.log = size, max_restarts, log
-        self.slots: list[_Slot] = []
+        self.slots: list[_Slot[A]] = []
         self.restarts = 0
         self._spawned = 0
 
-    async def _spawn(self) -> ActorHandle:
+    def _client(self, actor: ActorHandle) -> A:
+        raise NotImplementedError
+
+    async def _spawn(self) -> A:
         name = self.name if self.size == 1 and self._spawned == 0 else f"{self.name}-{self._spawned}"
         self._spawned += 1
-        return await self.backend.spawn(name, self.cls, *self.args, **self.kwargs)
+        return self._client(await self.backend.spawn(name, self.cls, *self.args, **self.kwargs))
 
     async def start(self) -> None:
         actors = await asyncio.gather(*(self._spawn() for _ in range(self.size)))
         self.slots = [_Slot(a) for a in actors]
 
-    async def _replace(self, slot: _Slot, dead: ActorHandle, why: str) -> None:
+    async def _replace(self, slot: _Slot[A], dead: A, why: str) -> None:
         """Kill `dead` and put a fresh actor in its slot (once, however many calls saw it fail)."""
         if slot.actor is not dead:
             return
@@ -81,7 +102,7 @@ class ActorPool:
             )
         await asyncio.shield(slot.replacing)
 
-    async def _respawn(self, slot: _Slot, dead: ActorHandle, why: str) -> None:
+    async def _respawn(self, slot: _Slot[A], dead: A, why: str) -> None:
         try:
             await dead.kill()
             if self.max_restarts is not None and self.restarts >= self.max_restarts:
@@ -94,17 +115,19 @@ class ActorPool:
         finally:
             slot.replacing = None
 
-    async def call(self, method: str, *args: Any, timeout_s: float) -> Any:
+    async def _on_least_loaded(self, what: str, timeout_s: float, call: Callable[[A], Awaitable[T]]) -> T:
+        """`call(client)` on the actor with the fewest calls in flight (`what` names it in messages);
+        the failures and replacement of the module docstring. `call` must pass `timeout_s` on."""
         slot = min(self.slots, key=lambda s: (s.replacing is not None, s.in_flight))
         if slot.replacing is not None:
             await asyncio.shield(slot.replacing)
         actor = slot.actor
         slot.in_flight += 1
         try:
-            return await actor.call(method, *args, timeout_s=timeout_s)
+            return await call(actor)
         except TimeoutError:
             await self._replace(slot, actor, f"a call took over {timeout_s:g} s")
-            raise CallFailed("timeout", f"{actor.name}.{method} did not answer within {timeout_s:g} s") from None
+            raise CallFailed("timeout", f"{actor.name}.{what} did not answer within {timeout_s:g} s") from None
         except ActorDied as e:
             await self._replace(slot, actor, "it died")
             raise CallFailed("worker_died", str(e)) from None
@@ -114,16 +137,55 @@ class ActorPool:
             slot.in_flight -= 1
 
     def alive(self) -> list[ActorHandle]:
-        return [s.actor for s in self.slots]
+        """The current actor of every slot."""
+        return [s.actor.actor for s in self.slots]
 
-    async def stop(self) -> None:
-        await asyncio.gather(*(s.actor.stop() for s in self.slots), return_exceptions=True)
+    def is_alive(self) -> bool:
+        return bool(self.slots) and all(s.actor.is_alive() for s in self.slots)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        await asyncio.gather(*(s.actor.stop(timeout_s) for s in self.slots), return_exceptions=True)
+
+    async def kill(self) -> None:
+        await asyncio.gather(*(s.actor.kill() for s in self.slots), return_exceptions=True)
+
+
+class RewardModelPool(ActorPool[RewardModelActor]):
+    """A RewardModelClient over replaceable reward model actors (scoring/reward_model.py RewardModelWorker)."""
+
+    def _client(self, actor: ActorHandle) -> RewardModelActor:
+        return RewardModelActor(actor)
+
+    async def score(self, texts: list[str], timeout_s: float) -> list[float]:
+        return await self._on_least_loaded("score", timeout_s, lambda a: a.score(texts, timeout_s))
+
+
+class TeacherPool(ActorPool[TeacherActor]):
+    """A TeacherClient over replaceable teacher actors (scoring/teacher.py TeacherWorker)."""
+
+    def _client(self, actor: ActorHandle) -> TeacherActor:
+        return TeacherActor(actor)
+
+    async def logprobs(self, seqs: list[TokenSequence], timeout_s: float) -> list[list[float]]:
+        return await self._on_least_loaded("logprobs", timeout_s, lambda a: a.logprobs(seqs, timeout_s))
+
+
+class RewardWorkerPool(ActorPool[RewardWorkerActor]):
+    """A RewardWorkerClient over replaceable RewardWorker actors (below)."""
+
+    def _client(self, actor: ActorHandle) -> RewardWorkerActor:
+        return RewardWorkerActor(actor)
+
+    async def evaluate(
+        self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow], timeout_s: float
+    ) -> list[Outcome]:
+        return await self._on_least_loaded("evaluate", timeout_s, lambda a: a.evaluate(kind, spec, rows, timeout_s))
 
 
 def _resolve(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     if callable(spec):
         return spec
-    from nonstop.orchestrator.score import resolve_reward
+    from nonstop.scoring.rewards import resolve_reward
 
     return resolve_reward(spec)
 

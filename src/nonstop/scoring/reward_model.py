@@ -5,7 +5,7 @@ model's single logit for each text (prompt + completion), `batch_size` texts per
 right-padded with an attention mask (the model reads its score at the last real token).
 `RewardModelComponent` merges the texts of the groups being scored into one call at a time
 (pool.Batcher), adds `weight` x score to each sample's reward, and restarts a dead or hung
-actor like an engine (pool.ActorPool, at most `max_restarts` times); the calls it carried fail
+actor like an engine (pool.RewardModelPool, at most `max_restarts` times); the calls it carried fail
 as 'worker_died' or 'timeout' and are retried by the stage.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from nonstop.config.scoring import RewardModelConfig
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import Contribution
-from nonstop.scoring.pool import ActorPool, Batcher, CallFailed
+from nonstop.scoring.pool import Batcher, CallFailed, RewardModelPool
 from nonstop.scoring.stage import TRANSIENT
 from nonstop.types import Group
 
@@ -65,7 +65,7 @@ class RewardModelComponent:
         self, cfg: RewardModelConfig, backend: ActorBackend, log: Callable[[str], None], timeout_s: float = 120.0
     ) -> None:
         self.cfg, self.timeout_s = cfg, timeout_s
-        self.pool = ActorPool(
+        self.pool = RewardModelPool(
             backend,
             "reward-model",
             RewardModelWorker,
@@ -76,7 +76,7 @@ class RewardModelComponent:
         self.batcher = Batcher("reward-model", self._send, cfg.batch_size)
 
     async def _send(self, texts: list[str]) -> list[float]:
-        return await self.pool.call("score", texts, timeout_s=self.timeout_s)
+        return await self.pool.score(texts, self.timeout_s)
 
     async def start(self) -> None:
         await self.pool.start()

@@ -10,7 +10,7 @@ group function), or raises `CallFailed` when the call itself failed (a timeout, 
 - `ThreadRunner` ('thread') runs sync functions in the orchestrator's daemon threads
   (scoring/threads.py; async ones on the loop). A call past its timeout is abandoned and counted,
   its thread left to finish; a call that never returns cannot keep the process alive at exit.
-- `ProcessRunner` ('process') sends calls to an ActorPool of RewardWorker processes (scoring/pool.py);
+- `ProcessRunner` ('process') sends calls to a RewardWorkerPool of RewardWorker processes (scoring/pool.py);
   a call past its timeout kills its worker, which is replaced.
 - `AutoRunner` ('auto') starts every function on threads and moves a sync function
   that measures slower than SPLIT_ROW_S per sample to worker processes, started when the first
@@ -32,10 +32,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from nonstop.config.scoring import ScoringConfig
-from nonstop.orchestrator.score import RewardError
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.calls import Kind, Outcome, PooledCalls, RewardRow, evaluate
-from nonstop.scoring.pool import ActorPool, CallFailed, RewardWorker
+from nonstop.scoring.pool import CallFailed, RewardWorker, RewardWorkerPool
+from nonstop.scoring.rewards import RewardError
 from nonstop.scoring.threads import DaemonThreads
 
 
@@ -101,7 +101,7 @@ class ThreadRunner:
 
 class ProcessRunner:
     def __init__(self, backend: ActorBackend, workers: int, threads: int, log: Callable[[str], None]) -> None:
-        self.pool = ActorPool(backend, "reward-worker", RewardWorker, (threads,), size=workers, log=log)
+        self.pool = RewardWorkerPool(backend, "reward-worker", RewardWorker, (threads,), size=workers, log=log)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -114,7 +114,7 @@ class ProcessRunner:
         rows: list[RewardRow],
         timeout_s: float,
     ) -> list[Outcome]:
-        return await self.pool.call("evaluate", kind, spec, rows, timeout_s=timeout_s)
+        return await self.pool.evaluate(kind, spec, rows, timeout_s)
 
     async def close(self) -> None:
         await self.pool.stop()

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from nonstop.config.scoring import ScoringConfig
-from nonstop.orchestrator.score import RewardError
 from nonstop.scoring.base import Contribution, ScoreComponent
 from nonstop.scoring.calls import Failure, Kind, Outcome, RewardRow
 from nonstop.scoring.pool import CallFailed
+from nonstop.scoring.rewards import RewardError
 from nonstop.scoring.runners import Runner
 from nonstop.types import Group
 

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nonstop.config.scoring import DistillConfig
-from nonstop.orchestrator.score import RewardError
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import Contribution
-from nonstop.scoring.pool import ActorPool, Batcher
+from nonstop.scoring.pool import Batcher, TeacherPool
+from nonstop.scoring.rewards import RewardError
 from nonstop.scoring.stage import TRANSIENT
 from nonstop.types import Group
 
@@ -115,7 +115,7 @@ class TeacherComponent:
         assert cfg.teacher is not None
         self.identity = teacher_identity(cfg)
         self.timeout_s = timeout_s
-        self.pool = ActorPool(
+        self.pool = TeacherPool(
             backend,
             "teacher",
             TeacherWorker,
@@ -126,7 +126,7 @@ class TeacherComponent:
         self.batcher = Batcher("teacher", self._send, cfg.batch_size)
 
     async def _send(self, seqs: list[Sequence_]) -> list[list[float]]:
-        return await self.pool.call("logprobs", seqs, timeout_s=self.timeout_s)
+        return await self.pool.logprobs(seqs, self.timeout_s)
 
     async def start(self) -> None:
         await self.pool.start()

@@ -29,7 +29,7 @@ import torch
 from nonstop.config import Config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import quiet_transformers
-from nonstop.orchestrator.generate import Codec, exact_match_accuracy, greedy_requests
+from nonstop.tasks.codec import Codec, exact_match_accuracy, greedy_requests
 from nonstop.tasks.data import Example, TaskData
 from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
 

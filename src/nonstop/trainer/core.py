@@ -22,8 +22,9 @@ forwards and runs the others' only. The loss and every statistic are still compu
 whole batch; the values agree with an unsplit forward to float rounding. Not with a
 mixture-of-experts model (routes are armed for one batch at a time): it then holds nothing.
 Reported: loss, ratio and correction statistics, the mismatch KL between behaviour and trainer
-logprobs and the spread (std) of their log ratio, the routing mismatch fractions (MoE), the
-per-token lag histogram (lag = version before the step - token version), and
+logprobs and the spread (std) of their log ratio, the routing fractions (MoE: how often the
+trainer's free router disagrees with the engine's, and how often the experts used were the
+engine's), the per-token lag histogram (lag = version before the step - token version), and
 rejections. Publishing the weights is the worker's job.
 """
 
@@ -50,7 +51,7 @@ from nonstop.trainer.losses import (
     masked_mean,
     token_logprobs,
 )
-from nonstop.trainer.routing import RouterHooks, moe_routers, route_tensor
+from nonstop.trainer.routing import RouterHooks, moe_experts, moe_routers, route_tensor
 from nonstop.trainer.token_advantages import distill_advantages, distill_term, process_advantages
 from nonstop.types import Group
 
@@ -137,7 +138,9 @@ class Trainer:
                 "(model.layers.{i}.mlp.gate); set trainer.routing_replay none"
             )
         # after the reference copy, which must route freely
-        self.routing = RouterHooks(routers, cfg.routing_replay == "r3") if routers else None
+        self.routing = (
+            RouterHooks(routers, moe_experts(model, routers), cfg.routing_replay == "r3") if routers else None
+        )
         self.ahead = AheadForwards()
         self.make_optimizer()
 

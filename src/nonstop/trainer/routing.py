@@ -14,16 +14,24 @@ Contract:
   token p, then completion token p - P_b); -1 where nothing was recorded (the last completion
   token, which predicts nothing in the loss, and padding). Every sample's routes are checked
   against the model and the token counts; a disagreement is a `RouteShapeError` naming it;
-- `RouterHooks(routers, replay)`: a forward hook on every router. `arm(routes)` with the
-  (N, layers, k) routes of the next forward's N = B x L router rows; during that forward each
-  router compares its free choice with the recorded one and, with `replay`, returns the recorded
+- `moe_experts(model, routers)`: the (name, module) of the experts beside each router
+  (`...mlp.experts`, called as `experts(hidden, top_k_index, top_k_weights)`), in the same order;
+  a router without one is a ValueError naming it;
+- `RouterHooks(routers, experts, replay)`: a forward hook on every router and a forward pre-hook
+  on every experts module. `arm(routes)` with the (N, layers, k) routes of the next forward's
+  N = B x L router rows; during that forward each router compares its free choice (the top-k of
+  the router logits it computed) with the recorded one and, with `replay`, returns the recorded
   experts with weights gathered from its own softmax at those indices (renormalised as the router
   does), so the router keeps its gradient; rows without a recorded route keep the free choice.
-  Each layer's routes are used exactly once per armed forward: a second use, or a layer left
-  unused at `disarm()`, raises. `disarm()` returns the mismatch fractions over routed tokens
-  (a token mismatches when its expert set differs in at least one layer): 'routing_mismatch_frac'
-  for the routing the forward used (0 under replay) and, under replay, 'routing_free_mismatch_frac'
-  for what the trainer's routers would have chosen given the replayed earlier layers.
+  Each experts module then reports the indices it was actually called with. Each layer's routes
+  are used exactly once per armed forward: a second use, or a layer left unused at `disarm()`,
+  raises. `disarm()` returns two fractions over routed tokens (the rows with a recorded route):
+  'routing_free_mismatch_frac', the tokens whose free expert set differs from the engine's in at
+  least one layer (under replay: given the replayed earlier layers), measured with and without
+  replay; and 'routing_replayed_frac', the tokens whose experts the forward actually computed
+  with equal the engine's in every layer, read at the experts, after every hook on the router:
+  1.0 exactly when the replay applied, 1 - routing_free_mismatch_frac without replay. {} when
+  no token had a route.
 Unarmed, the hooks change nothing (evaluation, the KL reference, which is a separate copy).
 """
 
@@ -82,45 +90,72 @@ def route_tensor(samples: Sequence[Sample], length: int, routers: list[tuple[str
     return out
 
 
+def moe_experts(
+    model: torch.nn.Module, routers: list[tuple[str, torch.nn.Module]]
+) -> list[tuple[str, torch.nn.Module]]:
+    out = []
+    for name, _ in routers:
+        experts = name.removesuffix("gate") + "experts"
+        try:
+            out.append((experts, model.get_submodule(experts)))
+        except AttributeError:
+            raise ValueError(
+                f"{name}: no {experts} beside the router; Keep Routing reads the experts each token was computed "
+                "with from a module called as experts(hidden, top_k_index, top_k_weights)"
+            ) from None
+    return out
+
+
 class RouterHooks:
-    def __init__(self, routers: list[tuple[str, torch.nn.Module]], replay: bool) -> None:
-        self.routers, self.replay = routers, replay
+    def __init__(
+        self, routers: list[tuple[str, torch.nn.Module]], experts: list[tuple[str, torch.nn.Module]], replay: bool
+    ) -> None:
+        if len(experts) != len(routers):
+            raise ValueError(f"{len(routers)} routers but {len(experts)} experts modules")
+        self.routers, self.experts, self.replay = routers, experts, replay
         self.routes: torch.Tensor | None = None
-        self.used: list[int] = []
-        self.differs: torch.Tensor | None = None  # (N,) bool: the routing used differs in some layer
-        self.free_differs: torch.Tensor | None = None
+        self.used: list[int] = []  # per layer: router calls in the armed forward
+        self.computed: list[int] = []  # per layer: experts calls in the armed forward
+        self.free_differs: torch.Tensor | None = None  # (N,) bool: the free choice differs in some layer
+        self.replayed: torch.Tensor | None = None  # (N,) bool: the experts computed with equal the recorded ones
         self.handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(routers)]
+        self.handles += [
+            m.register_forward_pre_hook(self._experts_hook(i), with_kwargs=True) for i, (_, m) in enumerate(experts)
+        ]
 
     def arm(self, routes: torch.Tensor) -> None:
         """routes: (N, layers, k) integers, -1 where nothing was recorded."""
         layers, k, _ = router_shape(self.routers)
         if routes.shape[1:] != (layers, k):
             raise RouteShapeError(f"routes {list(routes.shape)}: expected (tokens, {layers} layers, top-{k})")
-        self.routes, self.used = routes, [0] * len(self.routers)
-        self.differs = self.free_differs = None
+        self.routes, self.used, self.computed = routes, [0] * len(self.routers), [0] * len(self.experts)
+        self.free_differs = self.replayed = None
 
     def reset(self) -> None:
         """Disarm without checks (after a forward that raised)."""
         self.routes = None
 
     def disarm(self) -> dict[str, float]:
-        routes, used = self.routes, self.used
+        routes, used, computed = self.routes, self.used, self.computed
         self.routes = None
         if routes is None:
             return {}
-        unused = [self.routers[i][0] for i, n in enumerate(used) if n != 1]
-        if unused:
-            raise RuntimeError(
-                f"recorded routes used {[used[i] for i, n in enumerate(used) if n != 1]} times instead of "
-                f"once by {', '.join(unused)}: the forward did not pass every MoE layer exactly once"
-            )
+        for modules, counts, what in ((self.routers, used, "used"), (self.experts, computed, "checked")):
+            wrong = [modules[i][0] for i, n in enumerate(counts) if n != 1]
+            if wrong:
+                raise RuntimeError(
+                    f"recorded routes {what} {[n for n in counts if n != 1]} times instead of once by "
+                    f"{', '.join(wrong)}: the forward did not pass every MoE layer exactly once"
+                )
         routed = routes[:, 0, 0] >= 0  # (N,)
         n = int(routed.sum())
-        assert self.differs is not None and self.free_differs is not None
-        stats = {"routing_mismatch_frac": float(self.differs[routed].sum()) / n if n else 0.0}
-        if self.replay:
-            stats["routing_free_mismatch_frac"] = float(self.free_differs[routed].sum()) / n if n else 0.0
-        return stats
+        if not n:
+            return {}
+        assert self.free_differs is not None and self.replayed is not None
+        return {
+            "routing_free_mismatch_frac": float(self.free_differs[routed].sum()) / n,
+            "routing_replayed_frac": float(self.replayed[routed].sum()) / n,
+        }
 
     def close(self) -> None:
         for h in self.handles:
@@ -146,13 +181,35 @@ class RouterHooks:
             free_differs = (free.sort(-1).values != rec.sort(-1).values).any(-1)  # (N,)
             self.free_differs = free_differs if self.free_differs is None else self.free_differs | free_differs
             if not self.replay:
-                self.differs = self.free_differs
                 return None
-            self.differs = torch.zeros_like(free_differs) if self.differs is None else self.differs
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights = probs.gather(1, rec)  # (N, k): gradient flows to the router through its scores
             if module.norm_topk_prob:
                 weights = weights / weights.sum(-1, keepdim=True)
             return logits, weights.to(logits.dtype), rec
+
+        return hook
+
+    def _experts_hook(self, layer: int):
+        # What the experts receive, not what the router hook returned: the check must see any
+        # change made after it (another hook, a block that re-routes), so that it fails whenever
+        # the replay did not reach the computation.
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+            if self.routes is None:
+                return None
+            name = self.experts[layer][0]
+            if self.computed[layer]:
+                raise RuntimeError(f"{name}: recorded routes checked twice in one forward")
+            self.computed[layer] += 1
+            chosen = args[1] if len(args) > 1 else kwargs["top_k_index"]  # (N, k)
+            recorded = self.routes[:, layer].long()
+            if recorded.shape != chosen.shape:
+                raise RouteShapeError(
+                    f"{name}: recorded routes {list(recorded.shape)} for experts called with "
+                    f"{list(chosen.shape)} (tokens x k): the batch and its routes disagree"
+                )
+            same = (chosen.sort(-1).values == recorded.sort(-1).values).all(-1)  # (N,); rows without a route: False
+            self.replayed = same if self.replayed is None else self.replayed & same
+            return None
 
         return hook

@@ -1,11 +1,12 @@
 """Reward functions by name: the built-ins and 'package.module:function'.
 
 A reward function maps (completion_text, answer) to a float (it may also take the prompt and
-the row's extra fields by keyword: scoring/calls.py). Built-ins: `exact_match` (1.0 when the
+the row's extra fields by keyword: calls.py). Built-ins: `exact_match` (1.0 when the
 completion, stripped of whitespace, equals the answer) and `partial_credit` (exact match scores
 1.0; otherwise 0.5 x the fraction of answer characters right in place). Users name their own as
 'package.module:function'. The scoring stage that calls them, concurrently with generation and
-training, is nonstop.scoring.
+training, is stage.py; `resolve_reward` is the one place a name becomes a function (the config
+check, the stage, the process pool's workers, the reference loop).
 """
 
 from __future__ import annotations
@@ -40,8 +41,15 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "partial_cre
 OPTIONAL_REWARDS = {"math_verify": "nonstop.scoring.math"}  # built-ins whose package is an optional extra
 
 
+MOVED_FROM = "nonstop.orchestrator.score:"
+"""Where the built-ins lived before they moved here: a run's config.yaml may name one that way
+(nonstop.train() records an importable callable as 'module:qualname'), and it still resumes."""
+
+
 def resolve_reward(spec: str, field: str = "task.reward") -> RewardFn:
     """A built-in name or 'package.module:function' as a function; errors name `field`."""
+    if spec.startswith(MOVED_FROM) and spec.removeprefix(MOVED_FROM) in BUILTIN_REWARDS:
+        spec = spec.removeprefix(MOVED_FROM)
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if spec in OPTIONAL_REWARDS:
