@@ -153,8 +153,9 @@ def test_a_plan_over_the_memory_limit_is_refused_naming_the_field(tiny_dir):
         fit_run(cfg, data, machine=MachineMemory(total=2 * GIB, available=1 * GIB, source="a 1 GiB test machine"))
     assert str(err.value).startswith(
         "engine.max_concurrent_seqs: the run's memory plan needs 1.9 GiB but 1.0 GiB is available (the machine's "
-        "available memory, a 1 GiB test machine); the largest part is the engine's kv_cache, 1.0 GiB (65536 seqs x 128 tokens x 1 layers x 2 (K and "
-        "V) x 1 KV heads x 16 dims x 4 bytes); lower engine.max_concurrent_seqs or engine.max_seq_len. Plan: engine x1"
+        "available memory, a 1 GiB test machine); the largest part is the engine's kv_cache, 1.0 GiB (65536 seqs "
+        "x 128 tokens x 1 layers x 2 (K and V) x 1 KV heads x 16 dims x 4 bytes); lower engine.max_concurrent_seqs "
+        "or engine.max_seq_len. Plan: engine x1"
     )
     fit_run(load_config(cfg, ["run.memory_limit_gib=2"]), data, machine=BIG_MACHINE)  # a stated limit decides
 
