@@ -125,7 +125,7 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
         ("trainer", "weights"): params * 4,
         ("trainer", "grads"): params * 4,
         ("trainer", "optimizer"): 2 * params * 4,  # AdamW: two float32 states
-        ("trainer", "activations"): tokens * 1 * (10 * 32 + 4 * 64) * 4 + (8 + 2 * 8) * 3 * 128 * 4,
+        ("trainer", "activations"): tokens * 1 * (6 * 32 + 2 * 16 + 4 * 64) * 4 + (8 + 2 * 8) * 3 * 128 * 4,
         ("trainer", "runtime"): 300 * 1024**2,
         ("orchestrator", "runtime"): 300 * 1024**2,
         ("shm segment", "slots"): (1 + 2) * params * 4,  # N + 2 slots of the float32 weights
@@ -209,7 +209,7 @@ def test_a_small_memory_limit_is_refused_with_the_largest_part(half_b_dir):
     with pytest.raises(ConfigError) as err:
         fit_run(cfg, run_rows(cfg))
     assert str(err.value).startswith(
-        "model.lora.enabled: the run's memory plan needs 19.6 GiB but 8.0 GiB is available (run.memory_limit_gib); "
+        "model.lora.enabled: the run's memory plan needs 19.3 GiB but 8.0 GiB is available (run.memory_limit_gib); "
         "the largest part is the shm segment's slots, 5.5 GiB ((1 engines + 2) slots x 1.8 GiB sent)"
     )
     lora = load_config(cfg, ["model.lora.enabled=true", "rollout.prompts_per_step=2", "rollout.group_size=2"])
@@ -238,3 +238,23 @@ def test_plan_lists_gpu_items_apart_and_names_actors(tiny_dir):
     assert seg.host_bytes == (2 + 2) * 13_472 * 4
     lines = plan.table()
     assert lines[0].startswith("memory plan: ") and any(line.strip().startswith("engine") for line in lines[1:])
+
+
+def test_the_own_model_memory_example_fits_the_05b_shape_on_this_machine_kind(half_b_dir, tmp_path):
+    """examples/own_model_memory.yaml with a 0.5B-shaped model and a JSONL task of ~40-token prompts:
+    every need-dependent default resolves and the plan stays inside a 23 GiB machine with room to spare."""
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus {i + 1}? Answer: ", "answer": str(2 * i + 1)} for i in range(60)
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(
+        HERE.parent / "examples" / "own_model_memory.yaml",
+        [f"model.path={half_b_dir}", f"task.dataset_path={data}", "run.memory_limit_gib=23"],
+    )
+    fitted = fit_run(cfg, run_rows(cfg))
+    longest = max(len(r["prompt"]) for r in rows)  # the character tokenizer: one token per character
+    e = fitted.cfg.engine
+    assert (e.max_seq_len, e.vllm.max_model_len, e.max_concurrent_seqs) == (longest + 32, longest + 32, 256)
+    assert fitted.cfg.trainer.lr == 4.5e-6
+    assert fitted.plan.total < 20 * GIB, fitted.plan.table()

@@ -15,7 +15,9 @@ the formula it came from and the fields that change it. Figures (docs/memory.md)
 - trainer rank: float32 weights, gradients and AdamW's two float32 states of what it trains (all
   weights, or the LoRA adapters; fsdp2 shards the three over the ranks), DDP's gradient buckets,
   a KL reference or distillation teacher, and activations (an estimate: per token of the
-  forward and per layer 10 x hidden + 4 x MLP width float32 values kept for backward, plus the
+  forward and per layer 6 x hidden + 2 x KV width + 4 x MLP width float32 values kept for
+  backward (two norms' inputs and outputs, q, the attention output, k, v; the MLP's gate, up,
+  SiLU and product), plus the
   completion tokens' log-probs over the vocabulary, which autograd keeps for every chunk);
 - shm transport: N + 2 slots of the sent weights in /dev/shm, charged once to the machine;
 - every process: RUNTIME_BYTES for Python, torch and transformers (246 MiB measured).
@@ -274,13 +276,15 @@ def _trainer(
         p.add(item, nbytes, detail, fld, f"change {fld}", on_host=not gpu)
     tokens, rows, new = forward_tokens(cfg, shape, seq)
     width = shape.intermediate if not shape.experts else shape.expert_intermediate * max(1, shape.experts_per_token)
-    per_token = shape.layers * (10 * shape.hidden + 4 * (width + shape.shared_intermediate)) * 4
+    kv_width = shape.kv_heads * shape.head_dim
+    per_token = shape.layers * (6 * shape.hidden + 2 * kv_width + 4 * (width + shape.shared_intermediate)) * 4
     # every chunk's log-softmax (rows x new x V) stays for backward; one chunk's logits and grads are transient
     logit_rows = rows * (2 if t.entropy_coef > 0 else 1) + 2 * min(rows, t.logprob_chunk_rows)
     p.add(
         "activations",
         tokens * per_token + logit_rows * new * shape.vocab * 4,
-        f"estimate: {tokens} tokens x {shape.layers} layers x (10 x {shape.hidden} + 4 x {width}) x 4 bytes "
+        f"estimate: {tokens} tokens x {shape.layers} layers x (6 x {shape.hidden} + 2 x {kv_width} + 4 x {width}) "
+        "x 4 bytes "
         f"+ {logit_rows} x {new} x {shape.vocab} log-probs x 4 bytes",
         "rollout.prompts_per_step",
         "lower rollout.prompts_per_step or rollout.group_size",
