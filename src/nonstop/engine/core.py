@@ -6,6 +6,9 @@ Contract of `TorchEngine`:
   (the synchronous driver; `engine/aio.py` is the asynchronous one, sharing one decode loop
   between any number of concurrent callers);
 - `submit(...)` / `step()` / `has_work()` expose the scheduler for drivers;
+- the KV cache holds `max_concurrent_seqs` x `max_seq_len` tokens, allocated once: the settings'
+  values, which a training run resolves from its need (config/sizing.py), or, unset, the
+  model's positions (at most 4096) and as many slots as `kv_cache_fraction` allows;
 - the behaviour logprob of a token is that of the distribution actually sampled from
   (tempered, renormalised over the kept set under top-k / top-p / min-p, whose ids are recorded
   per token as the Keep Sampling Mask); greedy tokens carry the untempered log-softmax;
