@@ -73,7 +73,7 @@ venv-vllm: $(VLLM_VENV)/.installed
 
 # The real vLLM tests (marker `vllm`), run in .venv-vllm; `make test` deselects them.
 test-vllm: $(VLLM_VENV)/.installed
-	$(VPY) -m pytest -q -m vllm -p no:cacheprovider tests/test_vllm*.py
+	$(VPY) -m pytest -q -m vllm -p no:cacheprovider tests/vllm_engine/
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .nonstop_cache

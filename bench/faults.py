@@ -2,7 +2,7 @@
 
 Every row trains one epoch (80 prompts of addition 0-9, 8 per step, a checkpoint every 2
 steps) of a small random model with a length reward, through the real CLI, with one fault
-injected from inside the orchestrator by a test reward function (tests/helpers.py):
+injected from inside the orchestrator by a test reward function (tests/support/helpers.py):
 
     none        no fault (the reference for wall time)
     engine_kill SIGKILL of the engine while it generates
@@ -79,7 +79,7 @@ def epoch(model: Path, name: str, reward: str, *extra: str) -> list[str]:
         "--set",
         "run.eval_every=100",
         "--set",
-        f"task.reward=helpers:{reward}",
+        f"task.reward=support.helpers:{reward}",
         *extra,
     ]
 

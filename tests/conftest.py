@@ -1,10 +1,14 @@
-"""Shared fixtures: real tiny models saved on the fly, one thread per test process."""
+"""Shared fixtures: real tiny models saved on the fly, one thread per test process.
+
+Tests sit in folders by area (no __init__.py: basenames stay unique); shared helpers are the
+`support` package beside this file, importable because pytest puts this folder on sys.path. The
+vLLM tests are in vllm_engine/, not vllm/: on sys.path a folder named vllm would import as a
+namespace package where vLLM is not installed, and `importorskip("vllm")` would not skip."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,6 @@ from nonstop.hf import quiet_transformers  # noqa: E402
 from nonstop.tasks.tiny import save_tiny  # noqa: E402
 
 quiet_transformers()
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # helper modules (rewards for tests)
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_e2e import nonstop, records, small_model_args
+from support.cli import nonstop, records, small_model_args
 
 TRAIN_PROMPTS = 80
 
@@ -44,7 +44,7 @@ def epoch_args(tiny_dir: Path, name: str, reward: str, *extra: str) -> list[str]
         "--set",
         "run.eval_every=100",
         "--set",
-        f"task.reward=helpers:{reward}",
+        f"task.reward=support.helpers:{reward}",
         *extra,
     ]
 
@@ -183,7 +183,7 @@ def test_one_of_several_engines_killed_the_others_keep_serving(tiny_dir, tmp_pat
     ]
 
 
-@pytest.mark.slow  # ~1-2 min: a real epoch with two engines; tests/test_transport.py re-plans the group fast
+@pytest.mark.slow  # ~1-2 min: a real epoch with two engines; tests/transport/test_transport.py re-plans the group fast
 def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_dir, tmp_path):
     result = nonstop(
         epoch_args(
@@ -209,7 +209,7 @@ def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_d
     assert summary["drops"].get("max_lag", 0) == 0, summary["drops"]
 
 
-@pytest.mark.slow  # ~2-3 min: two runs with two trainer ranks; tests/test_parallel.py checks the state fast
+@pytest.mark.slow  # ~2-3 min: two runs with two trainer ranks; tests/trainer/test_parallel.py checks the state fast
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_killed_trainer_rank_and_resume_with_two_ranks(tiny_dir, tmp_path, mode):
     args = epoch_args(

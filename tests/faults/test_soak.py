@@ -24,7 +24,8 @@ import yaml
 
 from nonstop.serve.client import HttpClient
 from nonstop.types import SamplingParams
-from test_e2e import HERE, NONSTOP, small_model_args
+from support import child_env
+from support.cli import NONSTOP, small_model_args
 
 SOAK_S = min(float(os.environ.get("NONSTOP_SOAK_S", "240")), 1200.0)
 
@@ -59,7 +60,7 @@ def _load_server(url: str, stop: threading.Event, counts: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(int(SOAK_S) + 1500)  # start-up and the base evaluation on a loaded machine come on top
 def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]), "PYTHONUNBUFFERED": "1"}
+    env = child_env(PYTHONUNBUFFERED="1")
     serve = subprocess.Popen(
         [sys.executable, "-m", "nonstop.cli", "serve", "--model", str(tiny_dir), "--port", "0"],
         stdout=subprocess.PIPE,
@@ -98,7 +99,7 @@ def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
                 "--set",
                 "rollout.filter_uniform_reward=false",
                 "--set",
-                "task.reward=helpers:kill_an_engine_every_reward",
+                "task.reward=support.helpers:kill_an_engine_every_reward",
                 "--set",
                 "run.eval_every=1000000",
             ],

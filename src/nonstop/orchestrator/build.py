@@ -21,6 +21,7 @@ from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
+from nonstop.hf import load_tokenizer, max_positions
 from nonstop.observe.progress import Progress
 from nonstop.observe.spans import SpanLog
 from nonstop.observe.tracking import open_sinks
@@ -43,8 +44,6 @@ from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 
 def screen(cfg: Config, data: TaskData, codec: Codec, model_weights: Path, progress: Progress) -> None:
     """Skip prompts too long for the model's context with room for the completion."""
-    from nonstop.hf import max_positions
-
     new_tokens = cfg.env.max_episode_tokens if cfg.env is not None else cfg.rollout.max_new_tokens
     limit = cfg.task.max_prompt_tokens or max_positions(model_weights) - new_tokens
     long_prompts = screen_prompts(data, codec.encode, limit, cfg.task.on_bad_row)
@@ -70,8 +69,6 @@ async def build_run(
     and is never pickled unless scoring.pool sends it to worker processes ('process', or 'auto'
     for a slow module-level function). The scoring stage's actors (scoring/build.py) start
     beside the engines and trainers; pool 'auto' starts its workers later, if a function needs them."""
-    from nonstop.hf import load_tokenizer
-
     weights = resume.model_dir if resume is not None else base_model
     lora = cfg.model.lora.enabled  # LoRA: engines always hold the base; adapters come by transport
     model_weights = base_model if lora else weights

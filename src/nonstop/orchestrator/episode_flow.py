@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nonstop.config import EnvConfig
+from nonstop.envs import registry
 from nonstop.envs.base import EnvLimits, EpisodeResult, TurnEngine
 from nonstop.observe.clock import BusyClock
 from nonstop.orchestrator.episodes import EnvFactory, run_episodes
@@ -160,21 +161,24 @@ class EnvRun:
     @classmethod
     def build(cls, cfg: EnvConfig, base_model: Path | str | None = None) -> EnvRun:
         """`base_model` (its tokenizer) renders the prompts of a verifiers taskset (env.name 'verifiers/...')."""
-        from nonstop.envs.registry import VERIFIERS, env_factory, eval_name, limits
-
-        if cfg.name.startswith(VERIFIERS):
-            from nonstop.envs.verifiers_env import player
+        if cfg.name.startswith(registry.VERIFIERS):
+            from nonstop.envs.verifiers_env import player  # the verifiers extra: imported only when a run uses it
 
             play = player(cfg, None if base_model is None else str(base_model))
             return cls(
-                cfg, play, play, limits(cfg), RoleBaselines(baseline_mode(cfg, 1), cfg.ema_decay), EpisodeStats()
+                cfg,
+                play,
+                play,
+                registry.limits(cfg),
+                RoleBaselines(baseline_mode(cfg, 1), cfg.ema_decay),
+                EpisodeStats(),
             )
-        make_env = env_factory(cfg.name, "env.name", cfg)
+        make_env = registry.env_factory(cfg.name, "env.name", cfg)
         return cls(
             cfg,
             env_player(make_env),
-            env_player(env_factory(eval_name(cfg), "env.eval_name", cfg)),
-            limits(cfg),
+            env_player(registry.env_factory(registry.eval_name(cfg), "env.eval_name", cfg)),
+            registry.limits(cfg),
             RoleBaselines(baseline_mode(cfg, len(make_env().roles)), cfg.ema_decay),
             EpisodeStats(),
         )

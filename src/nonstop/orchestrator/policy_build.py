@@ -19,6 +19,8 @@ from typing import Any
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config, ConfigError, PolicyConfig
+from nonstop.config.preflight import resolve_model_path
+from nonstop.hf import load_tokenizer
 from nonstop.observe.progress import Progress
 from nonstop.observe.spans import SpanLog
 from nonstop.orchestrator.actors import connect_transport, engine_restarter, spawn_engine, spawn_trainers
@@ -62,8 +64,6 @@ def check_roles(cfg: Config, roles: tuple[str, ...]) -> None:
 
 def check_tokenizer(role: str, path: Path, tok: Any) -> None:
     """A policy's model must read and write the run's token ids (episodes are shared token sequences)."""
-    from nonstop.hf import load_tokenizer
-
     if load_tokenizer(str(path)).get_vocab() != tok.get_vocab():
         raise ConfigError(
             f"env.policies.{role}.path: {path} has another tokenizer than the run's base policy; "
@@ -98,8 +98,6 @@ async def build_side(
     own = cfg.env.policies[role] if cfg.env is not None else PolicyConfig()
     start = base_model
     if own.path is not None:
-        from nonstop.config.preflight import resolve_model_path
-
         start = resolve_model_path(own.path, field=f"env.policies.{role}.path")
         check_tokenizer(role, start, tok)
     weights, version0, folder = start, 0, None

@@ -1,0 +1,25 @@
+"""Helpers shared by the tests, importable as `support.*` (pytest puts tests/ on sys.path for the
+root conftest.py): child-process targets (`helpers`), reward functions named in configs by their
+dotted path (`support.scoring_helpers:...`, `support.helpers:...`), a two-role environment
+(`support.two_role_env:Duel`), an HTTP server around an engine (`served`) and the runner of the real
+CLI (`cli`).
+
+Processes that do not inherit this process's sys.path (subprocesses, Ray workers) find `support`
+and this checkout's sources through `child_env()` / `PYTHONPATH`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+ROOT = TESTS_DIR.parent
+SRC_DIR = ROOT / "src"
+EXAMPLES_DIR = ROOT / "examples"
+PYTHONPATH = os.pathsep.join([str(SRC_DIR), str(TESTS_DIR)])
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """os.environ with PYTHONPATH = this checkout's src (first: the venv's editable install may point
+    at another checkout) and tests/ (for `support.*` named in configs), plus `extra`."""
+    return {**os.environ, "PYTHONPATH": PYTHONPATH, **extra}

@@ -1,0 +1,165 @@
+"""The shipped base policies and the choice of base: same bytes, same accuracy, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nonstop.config import ConfigError, TaskConfig, load_config
+from nonstop.engine.core import TorchEngine
+from nonstop.tasks.base import (
+    SHIPPED,
+    choose_base,
+    prepare_base_model,
+    read_provenance,
+    sha256_file,
+    shipped_dir,
+    verify,
+)
+from nonstop.tasks.data import load_task
+from nonstop.tasks.tiny import make_char_tokenizer
+from nonstop.tasks.warmup import greedy_accuracy
+
+
+@pytest.mark.parametrize("kind", sorted(SHIPPED))
+def test_shipped_base_loads_and_its_bytes_are_the_recorded_ones(kind):
+    folder = shipped_dir(kind)
+    prov = verify(folder)
+    assert sha256_file(folder / "model.safetensors") == prov["sha256"]
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert model.config.model_type == "qwen2" and model.config.hidden_size == prov["tiny"]["hidden_size"]
+    assert tok("07+45=")["input_ids"] == make_char_tokenizer()("07+45=")["input_ids"]
+    assert prov["command"].startswith("nonstop warmup") and prov["torch"] and prov["cpu_capability"]
+
+
+@pytest.mark.parametrize("kind", sorted(SHIPPED))
+def test_shipped_base_greedy_heldout_accuracy_is_the_recorded_one(kind):
+    """Greedy decoding of a fixed checkpoint reproduces on any CPU unless two logits nearly tie.
+    Rounding differences between kernels (batch 1 vs 500, 1 vs 2 threads) moved these logits by at
+    most 7.6e-6. A prompt whose greedy path has a top-1 minus top-2 logit gap under 1e-4 anywhere
+    is 'uncertain' (another CPU could flip it); the accuracy must match the recorded one up to
+    the uncertain prompts: exactly for the shipped base (none), within 1/500 for the weak one."""
+    folder = shipped_dir(kind)
+    prov = verify(folder)
+    data = load_task(
+        TaskConfig(**{k: prov["task"][k] for k in ("name", "max_operand", "pad_answer", "split_seed", "eval_size")})
+    )
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    acc = greedy_accuracy(
+        TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, prov["max_new_tokens"]
+    )
+    gaps = _greedy_gaps(model, tok, [ex.prompt for ex in data.eval], prov["max_new_tokens"])
+    uncertain = int((gaps < 1e-4).sum())
+    assert uncertain <= (0 if kind == "builtin" else 1), gaps.sort().values[:5]
+    assert abs(acc - prov["heldout_accuracy"]) <= uncertain / len(data.eval) + 1e-9, (acc, prov["heldout_accuracy"])
+
+
+@torch.no_grad()
+def _greedy_gaps(model, tok, prompts: list[str], max_new: int) -> torch.Tensor:
+    """Per prompt, the smallest top-1 minus top-2 logit gap along its greedy completion (B,)."""
+    ids = torch.tensor([tok(p)["input_ids"] for p in prompts])  # the addition prompts share one length
+    alive = torch.ones(len(prompts), dtype=torch.bool)
+    gaps = torch.full((len(prompts),), float("inf"))
+    for _ in range(max_new):
+        logits = model(input_ids=ids, use_cache=False).logits[:, -1]  # (B, V)
+        top2 = logits.topk(2, dim=-1).values
+        gaps = torch.where(alive, torch.minimum(gaps, top2[:, 0] - top2[:, 1]), gaps)
+        nxt = logits.argmax(-1)
+        alive &= nxt != tok.eos_token_id
+        if not alive.any():
+            break
+        ids = torch.cat([ids, nxt.unsqueeze(-1)], -1)
+    return gaps
+
+
+def test_default_job_starts_from_the_shipped_base_whatever_the_run_seed(tmp_path):
+    folders = {
+        prepare_base_model(load_config(overrides=[f"run.seed={s}"]), data=None, log=lambda m: None) for s in range(5)
+    }
+    assert folders == {shipped_dir("builtin")}
+
+
+def test_base_choice_follows_the_shape_the_task_and_the_fields():
+    assert choose_base(load_config()) == "builtin"
+    assert choose_base(load_config(overrides=["model.base=builtin_weak"])) == "builtin_weak"
+    assert choose_base(load_config(overrides=["model.path=/some/model", "warmup.enabled=false"])) == "path"
+    assert choose_base(load_config(overrides=["warmup.enabled=false"])) == "init"
+    assert choose_base(load_config(overrides=["model.tiny.hidden_size=64"])) == "warmup"
+    assert choose_base(load_config(overrides=["task.max_operand=49"])) == "warmup"
+    assert choose_base(load_config(overrides=["task.split_seed=1"])) == "warmup"
+    assert choose_base(load_config(overrides=["task.eval_size=600"])) == "warmup"  # would test on trained prompts
+    assert choose_base(load_config(overrides=["task.eval_size=100"])) == "builtin"
+    assert choose_base(load_config(overrides=["model.base=warmup"])) == "warmup"
+    with pytest.raises(ConfigError, match=r"model.base: the shipped base 'builtin' .*model.tiny.hidden_size is 64"):
+        choose_base(load_config(overrides=["model.base=builtin", "model.tiny.hidden_size=64"]))
+    with pytest.raises(ConfigError, match="model.base: 'init' applies to the tiny model only"):
+        load_config(overrides=["model.base=init", "model.path=/some/model", "warmup.enabled=false"])
+    with pytest.raises(ConfigError, match="model.base: 'warmup' contradicts warmup.enabled=false"):
+        load_config(overrides=["model.base=warmup", "warmup.enabled=false"])
+
+
+def test_warmup_command_writes_a_base_with_its_provenance(tmp_path):
+    from support.cli import nonstop
+
+    out = tmp_path / "base"
+    small = [
+        "--set",
+        "model.tiny.hidden_size=32",
+        "--set",
+        "model.tiny.num_layers=1",
+        "--set",
+        "model.tiny.num_heads=2",
+        "--set",
+        "model.tiny.num_kv_heads=1",
+        "--set",
+        "model.tiny.intermediate_size=64",
+        "--set",
+        "task.max_operand=9",
+        "--set",
+        "task.eval_size=20",
+        "--set",
+        "warmup.max_steps=20",
+        "--set",
+        "warmup.eval_every=10",
+        "--set",
+        "warmup.seed=4",
+    ]
+    result = nonstop(["warmup", *small, "--threads", "1", "--out", str(out)], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["sha256"] == sha256_file(out / "model.safetensors")
+    assert prov["warmup_seed"] == 4 and prov["steps"] == 20 and len(prov["gate_curve"]) == 2
+    assert prov["tiny"]["hidden_size"] == 32 and prov["task"]["max_operand"] == 9
+    assert "--set warmup.seed=4" in prov["command"] and f"--out {out}" in prov["command"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    data = load_task(TaskConfig(max_operand=9, eval_size=20))
+    acc = greedy_accuracy(TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, 4)
+    assert acc == prov["heldout_accuracy"]
+
+
+def test_shipped_teacher_is_the_recorded_bytes_and_distill_teacher_builtin_names_it():
+    """bench/distill.py and `distill.teacher: builtin` use the shipped teacher: the shipped base
+    after RL, with the student's tokenizer, much stronger than the base (greedy held-out)."""
+    from nonstop.config.scoring import SHIPPED_TEACHER
+    from nonstop.scoring.teacher import check_tokenizers
+
+    prov = verify(SHIPPED_TEACHER)
+    base = read_provenance(shipped_dir())
+    assert (
+        prov["base_accuracy"] == base["heldout_accuracy"] and prov["heldout_accuracy"] >= base["heldout_accuracy"] + 0.3
+    )
+    assert load_config(overrides=["distill.teacher=builtin"]).distill.teacher == str(SHIPPED_TEACHER)
+    check_tokenizers(str(shipped_dir("builtin_weak")), str(SHIPPED_TEACHER))  # raises if they differ
+    data = load_task(
+        TaskConfig(**{k: base["task"][k] for k in ("name", "max_operand", "pad_answer", "split_seed", "eval_size")})
+    )
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_TEACHER).eval()
+    tok = AutoTokenizer.from_pretrained(SHIPPED_TEACHER)
+    acc = greedy_accuracy(TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, 4)
+    assert abs(acc - prov["heldout_accuracy"]) <= 3 / len(data.eval), (acc, prov["heldout_accuracy"])

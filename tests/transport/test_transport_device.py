@@ -1,0 +1,192 @@
+"""Device paths of the transports (transport/device.py) as far as the CPU can run them.
+
+CUDA IPC and NCCL themselves need a GPU (bench/gpu_check.py checks them there). Here: the
+choices (backend, mode, where the engine receives), the refusals, and the code the GPU paths
+share with the CPU: the broadcast rendezvous that settles the backend between real processes,
+the copying apply of the shm source under its claim, the buffers' placement.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from nonstop.config import BroadcastTransportConfig, Config, ConfigError, ShmTransportConfig
+from nonstop.engine.updates import WeightGate
+from nonstop.hf import load_model
+from nonstop.transport import TransportError, open_sink, open_source, plan_transport
+from nonstop.transport.base import FlatSender, engine_target
+from nonstop.transport.device import IpcRecord, pick_backend, receive_device
+from nonstop.transport.shm import NONE, ShmSource, _Segment
+from support.helpers import perturbed_model as _perturbed
+from support.helpers import receive_weights
+
+
+def test_gpu_paths_asked_for_a_trainer_on_the_cpu_are_refused_naming_the_field(tiny_dir):
+    model = load_model(str(tiny_dir))
+    with pytest.raises(ConfigError, match=r"transport.device_path: 'ipc' .* trainer's weights are on cpu"):
+        plan_transport(ShmTransportConfig(device_path="ipc"), model, 1)
+    with pytest.raises(ConfigError, match=r"transport.device_path: 'nccl' .* trainer's weights are on cpu"):
+        plan_transport(BroadcastTransportConfig(device_path="nccl"), model, 1)
+    auto = plan_transport(ShmTransportConfig(), model, 1)  # auto on the CPU: the host slots only
+    assert auto.options.device_path == "host"
+    sink = open_sink(auto)
+    try:
+        assert sink.segment.num_slots == sink.segment.num_host == 3 and sink.gpu_buffer is None
+    finally:
+        sink.close()
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        (
+            {"transport": {"kind": "shm", "device_path": "ipc"}, "trainer": {"device": "cpu"}},
+            r"transport.device_path: 'ipc' moves weights GPU to GPU, but trainer.device is 'cpu'",
+        ),
+        (
+            {"transport": {"kind": "broadcast", "device_path": "nccl"}, "engine": {"device": "cpu"}},
+            r"transport.device_path: 'nccl' moves weights GPU to GPU, but engine.device is 'cpu'",
+        ),
+        (
+            {"transport": {"kind": "shm", "device_path": "ipc"}, "engine": {"kind": "vllm"}},
+            r"transport.device_path: 'ipc' is not available with engine.kind 'vllm'",
+        ),
+    ],
+)
+def test_config_refuses_a_gpu_path_that_cannot_be(section, message):
+    with pytest.raises(ValidationError, match=message):
+        Config.model_validate(section)
+    Config.model_validate({**section, "transport": {**section["transport"], "device_path": "auto"}})
+
+
+def test_backend_and_receive_device_choices(tiny_dir):
+    a, b, c = "cuda/GPU-a", "cuda/GPU-b", "cuda/GPU-c"
+    assert pick_backend("auto", {0: a, 1: b, 2: c}) == "nccl"
+    assert pick_backend("auto", {0: a, 1: "cpu"}) == "gloo"
+    assert pick_backend("auto", {0: a, 1: a}) == "gloo"  # NCCL refuses two ranks on one GPU
+    assert pick_backend("host", {0: a, 1: b}) == "gloo"
+    assert pick_backend("nccl", {0: a, 1: b}) == "nccl"
+    with pytest.raises(ConfigError, match=r"'nccl' needs every member's weights on CUDA, but engine rank 2 "):
+        pick_backend("nccl", {0: a, 1: b, 2: "cpu"})
+    with pytest.raises(ConfigError, match=r"'nccl' needs one GPU per member .* the trainer, engine rank 2 share one"):
+        pick_backend("nccl", {0: a, 1: b, 2: a})
+    handle = plan_transport(ShmTransportConfig(), load_model(str(tiny_dir)), 1)
+    gpu_handle = dataclasses.replace(handle, options=dataclasses.replace(handle.options, device_path="auto"))
+    cuda = torch.device("cuda", 0)  # a device object only: nothing is allocated on it
+    assert receive_device(handle, cuda) is None  # host path: the engine keeps receiving on the host
+    assert receive_device(gpu_handle, torch.device("cpu")) is None
+    assert receive_device(gpu_handle, cuda) == cuda
+    with pytest.raises(ValueError, match="needs a CUDA tensor"):
+        IpcRecord.export(torch.zeros(4, dtype=torch.uint8))
+
+
+def test_weight_gate_receives_into_the_live_model_or_a_float32_copy_on_the_asked_device(tiny_dir):
+    live = load_model(str(tiny_dir))
+    gate = WeightGate(live, staged_mode=False)
+    assert gate.target is live  # float32 on the CPU, applied at once: no copy
+    gate.receive_on(torch.device("cpu"))
+    assert gate.target is live
+    staged = WeightGate(live, staged_mode=True)
+    assert staged.target is not live and next(staged.target.parameters()).device.type == "cpu"
+    low = WeightGate(load_model(str(tiny_dir)).to(torch.bfloat16), staged_mode=False)
+    assert next(low.target.parameters()).dtype == torch.float32  # transports write float32
+
+
+def test_shm_copying_apply_holds_its_claim_only_for_the_copy(tiny_dir):
+    """The apply a GPU engine uses (claim, copy into its own tensors, settle, release), run on host slots."""
+    models = [_perturbed(tiny_dir, seed=s) for s in (1, 2, 3, 4, 5)]
+    handle = plan_transport(ShmTransportConfig(), models[0], 1)
+    sink = open_sink(handle)
+    engine = load_model(str(tiny_dir))
+    target = engine_target(engine, None, handle.layout)
+    source = ShmSource(handle, handle.options, target, 1, apply="copy")
+    own = {n: p.data_ptr() for n, p in engine.named_parameters()}
+    try:
+        sink.publish(models[0], 1)
+        assert source.maybe_update(engine) == 1
+        assert sink.segment.claims.tolist() == [NONE]  # nothing held after the copy
+        assert {n: p.data_ptr() for n, p in engine.named_parameters()} == own  # its own memory, not the slot's
+        for v, m in enumerate(models[1:], start=2):  # the trainer may now overwrite every slot, the engine keeps v1
+            sink.publish(m, v)
+        for name, p in engine.named_parameters():
+            assert torch.equal(p, dict(models[0].named_parameters())[name]), name
+        assert source.maybe_update(engine) == 5 and source.copies == 2
+        for name, p in engine.named_parameters():
+            assert torch.equal(p, dict(models[4].named_parameters())[name]), name
+        assert source.torn_reads == 0
+    finally:
+        source.close()
+        sink.close()
+
+
+def test_shm_engine_that_cannot_map_the_gpu_slots_is_refused_under_ipc(tiny_dir):
+    """A segment planned with GPU slots ('ipc'); an engine receiving on the CPU cannot map them."""
+    model = load_model(str(tiny_dir))
+    handle = plan_transport(ShmTransportConfig(), model, 1)
+    opts = dataclasses.replace(handle.options, device_path="ipc", device="cuda:0")
+    handle = dataclasses.replace(handle, options=opts)
+    segment = _Segment(handle, opts, create=True)  # the header and host slots a GPU trainer's sink makes
+    try:
+        assert segment.num_slots == segment.num_host + 2
+        with pytest.raises(
+            TransportError,
+            match=r"transport.device_path 'ipc': engine rank 1 cannot map the "
+            r"trainer's GPU slots: this engine receives its weights on cpu",
+        ):
+            open_source(handle, load_model(str(tiny_dir)), 1)
+        auto = dataclasses.replace(handle, options=dataclasses.replace(opts, device_path="auto"))
+        source = open_source(auto, load_model(str(tiny_dir)), 1)  # 'auto': attaches, says it did not map them
+        assert segment.mapped.tolist() == [0]
+        assert source.maybe_update(model) is None
+        source.close()
+    finally:
+        segment.close(unlink=True)
+
+
+def test_flat_sender_keeps_its_buffer_on_the_asked_device(tiny_dir):
+    model = load_model(str(tiny_dir))
+    handle = plan_transport(ShmTransportConfig(), model, 1)
+    flat = FlatSender(handle, torch.device("cpu")).flat(model)
+    assert flat.device.type == "cpu"
+    first = next(model.parameters())
+    assert flat.data_ptr() <= first.data_ptr() < flat.data_ptr() + flat.numel()  # re-homed: publish reads one block
+
+
+def test_broadcast_rendezvous_settles_gloo_for_cpu_members(tiny_dir, spawn_child):
+    trainer = _perturbed(tiny_dir, seed=7)
+    handle = plan_transport(BroadcastTransportConfig(bucket_mb=0.01, timeout_s=60), trainer, 1)
+    assert handle.options.device_path == "auto"
+    sink = open_sink(handle)
+    child = spawn_child(receive_weights, handle, str(tiny_dir), 1, 1)
+    try:
+        sink.connect()
+        child.get("attached")
+        assert sink.backend == "gloo" and sink.store is not None
+        assert sink.store.get("device/1") == b"cpu" and sink.store.get("backend") == b"gloo"
+        sink.publish(trainer, 1)
+        seen, state = child.get("weights")
+        assert seen == [1]
+        for name, t in trainer.state_dict().items():
+            assert torch.equal(torch.from_numpy(state[name]), t), name
+    finally:
+        assert child.join() == 0
+        sink.close()
+
+
+def test_broadcast_refusal_reaches_the_engines(tiny_dir, spawn_child):
+    """'nccl' from a (stated) GPU trainer with an engine on the CPU: the trainer refuses at the
+    rendezvous, naming the field and the rank, and the engine's attach fails with the same words."""
+    model = load_model(str(tiny_dir))
+    handle = plan_transport(BroadcastTransportConfig(timeout_s=30, connect_timeout_s=60), model, 1)
+    opts = dataclasses.replace(handle.options, device_path="nccl", device="cuda:0", member="cuda/GPU-trainer")
+    handle = dataclasses.replace(handle, options=opts)  # as a trainer on a GPU plans it
+    sink = open_sink(handle)
+    child = spawn_child(receive_weights, handle, str(tiny_dir), 1, 1)
+    try:
+        with pytest.raises(ConfigError, match=r"'nccl' needs every member's weights on CUDA, but engine rank 1"):
+            sink.connect()
+        assert child.join() != 0  # its attach raised
+    finally:
+        sink.close()
