@@ -5,7 +5,6 @@ run that cannot fit is refused before any actor starts, naming the field to chan
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +19,8 @@ from nonstop.config.memory import plan_memory
 from nonstop.config.shape import ModelShape
 from nonstop.orchestrator.launch import run_rows
 from nonstop.tasks.tiny import make_char_tokenizer, tiny_config
+from support import EXAMPLES_DIR, child_env
 
-HERE = Path(__file__).resolve().parent
 QWEN25_05B = dict(  # Qwen2.5-0.5B's shape (issue 31), vocabulary included
     architectures=["Qwen2ForCausalLM"],
     model_type="qwen2",
@@ -163,7 +162,7 @@ def test_a_plan_over_the_memory_limit_is_refused_naming_the_field(tiny_dir):
 def test_the_old_default_reservation_of_a_05b_model_is_refused_before_any_actor(half_b_dir, tmp_path):
     """`nonstop train` with the 0.5B shape and the old engine defaults (256 x 4096): refused with the
     field and the figures, exit status 2, no run folder. No weights exist: nothing could have loaded."""
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "COLUMNS": "400"}
+    env = child_env(COLUMNS="400")
     result = subprocess.run(
         [
             sys.executable,
@@ -249,7 +248,7 @@ def test_the_own_model_memory_example_fits_the_05b_shape_on_this_machine_kind(ha
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(
-        HERE.parent / "examples" / "own_model_memory.yaml",
+        EXAMPLES_DIR / "own_model_memory.yaml",
         [f"model.path={half_b_dir}", f"task.dataset_path={data}", "run.memory_limit_gib=23"],
     )
     fitted = fit_run(cfg, run_rows(cfg))
