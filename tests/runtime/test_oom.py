@@ -12,7 +12,7 @@ import pytest
 from nonstop.config import LocalRuntimeConfig
 from nonstop.config.machine import machine_memory, oom_kills, parse_counters
 from nonstop.runtime import ActorDied, make_backend
-from nonstop.runtime.oom import death_reason, remember_plan
+from nonstop.runtime.oom import death_reason, kernel_records, oom_line, remember_plan
 from support.helpers import Echo
 
 V2_EVENTS = "low 0\nhigh 12\nmax 40\noom 3\noom_kill 2\noom_group_kill 0\n"
@@ -47,14 +47,14 @@ def test_a_sigkill_while_the_cgroup_counter_rose_names_the_oom_killer_and_the_pl
     assert now is not None
     remember_plan(lambda name: 3 * 1024**3 if name == "engine-0" else None)
     try:
-        msg = death_reason("engine-0", 41, -signal.SIGKILL, now - 1)
+        msg = death_reason("engine-0", 9_999_999, -signal.SIGKILL, now - 1)
     finally:
         remember_plan(None)
     assert msg.startswith(
-        f"actor 'engine-0' (pid 41) was killed by the kernel's OOM killer (planned: 3.0 GiB; the cgroup's "
+        f"actor 'engine-0' (pid 9999999) was killed by the kernel's OOM killer (planned: 3.0 GiB; the cgroup's "
         f"oom_kill count went {now - 1} -> {now})"
     )
-    assert death_reason("engine-0", 41, -signal.SIGKILL, now).endswith("(killed by signal 9)")  # no rise
+    assert death_reason("engine-0", 9_999_999, -signal.SIGKILL, now).endswith("(killed by signal 9)")  # no rise
 
 
 def test_a_real_child_killed_with_sigkill_reads_as_a_plain_signal():
@@ -75,3 +75,27 @@ def test_a_real_child_killed_with_sigkill_reads_as_a_plain_signal():
             await backend.shutdown()
 
     asyncio.run(go())
+
+
+KMSG = [
+    "6,1021,5312345,-;eth0: link up",
+    "3,1022,5400001,-;Memory cgroup out of memory: Killed process 4242 (python) total-vm:25912344kB, "
+    "anon-rss:23611232kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:46512kB oom_score_adj:0\n"
+    " SUBSYSTEM=memory",
+    "3,1023,5400002,-;Out of memory: Killed process 42421 (python) total-vm:1kB",
+]
+
+
+def test_the_kernels_oom_line_is_found_by_pid():
+    line = oom_line(KMSG, 4242)
+    assert line is not None and line.startswith("Memory cgroup out of memory: Killed process 4242 (python)")
+    assert "anon-rss:23611232kB" in line and "SUBSYSTEM" not in line
+    assert oom_line(KMSG, 42421) == "Out of memory: Killed process 42421 (python) total-vm:1kB"
+    assert oom_line(KMSG, 424) is None and oom_line([], 4242) is None
+    assert oom_line(["[ 12.5] Out of memory: Killed process 7 (x) total-vm:1kB"], 7).startswith("[ 12.5] Out of")
+
+
+def test_kernel_records_are_read_where_readable():
+    records = kernel_records()
+    assert isinstance(records, list) and oom_line(records, 2**31 - 1) is None  # no such pid was ever killed
+    assert kernel_records("/nonexistent/kmsg") == []
