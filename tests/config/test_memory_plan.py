@@ -124,9 +124,10 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
         ("trainer", "weights"): params * 4,
         ("trainer", "grads"): params * 4,
         ("trainer", "optimizer"): 2 * params * 4,  # AdamW: two float32 states
+        ("trainer", "step temporaries"): params * 4,  # and one parameter-sized temporary in its step
         ("trainer", "activations"): tokens * 1 * (6 * 32 + 2 * 16 + 4 * 64) * 4 + (8 + 2 * 8) * 3 * 128 * 4,
         ("trainer", "runtime"): 300 * 1024**2,
-        ("orchestrator", "runtime"): 300 * 1024**2,
+        ("orchestrator", "runtime"): 400 * 1024**2,
         ("shm segment", "slots"): (1 + 2) * params * 4,  # N + 2 slots of the float32 weights
     }
     assert fitted.plan.total == sum(items.values())
@@ -151,7 +152,7 @@ def test_a_plan_over_the_memory_limit_is_refused_naming_the_field(tiny_dir):
     with pytest.raises(ConfigError) as err:
         fit_run(cfg, data, machine=MachineMemory(total=2 * GIB, available=1 * GIB, source="a 1 GiB test machine"))
     assert str(err.value).startswith(
-        "engine.max_concurrent_seqs: the run's memory plan needs 1.9 GiB but 1.0 GiB is available (the machine's "
+        "engine.max_concurrent_seqs: the run's memory plan needs 2.0 GiB but 1.0 GiB is available (the machine's "
         "available memory, a 1 GiB test machine); the largest part is the engine's kv_cache, 1.0 GiB (65536 seqs "
         "x 128 tokens x 1 layers x 2 (K and V) x 1 KV heads x 16 dims x 4 bytes); lower engine.max_concurrent_seqs "
         "or engine.max_seq_len. Plan: engine x1"
@@ -208,12 +209,12 @@ def test_a_small_memory_limit_is_refused_with_the_largest_part(half_b_dir):
     with pytest.raises(ConfigError) as err:
         fit_run(cfg, run_rows(cfg))
     assert str(err.value).startswith(
-        "model.lora.enabled: the run's memory plan needs 19.3 GiB but 8.0 GiB is available (run.memory_limit_gib); "
+        "model.lora.enabled: the run's memory plan needs 21.2 GiB but 8.0 GiB is available (run.memory_limit_gib); "
         "the largest part is the shm segment's slots, 5.5 GiB ((1 engines + 2) slots x 1.8 GiB sent)"
     )
     lora = load_config(cfg, ["model.lora.enabled=true", "rollout.prompts_per_step=2", "rollout.group_size=2"])
     fitted = fit_run(lora, run_rows(lora))  # adapters only: their gradients, AdamW states and slots are small
-    assert fitted.plan.total < 5 * GIB
+    assert fitted.plan.total < 6 * GIB
 
 
 def test_vllm_kv_reserve_smaller_than_one_sequence_is_refused(half_b_dir):
@@ -241,7 +242,7 @@ def test_plan_lists_gpu_items_apart_and_names_actors(tiny_dir):
 
 def test_the_own_model_memory_example_fits_the_05b_shape_on_this_machine_kind(half_b_dir, tmp_path):
     """examples/own_model_memory.yaml with a 0.5B-shaped model and a JSONL task of ~40-token prompts:
-    every need-dependent default resolves and the plan stays inside a 23 GiB machine with room to spare."""
+    every need-dependent default resolves, and LoRA keeps the plan at a third of a 23 GiB machine."""
     rows = [
         {"prompt": f"Question {i}: what is {i} plus {i + 1}? Answer: ", "answer": str(2 * i + 1)} for i in range(60)
     ]
@@ -255,5 +256,5 @@ def test_the_own_model_memory_example_fits_the_05b_shape_on_this_machine_kind(ha
     longest = max(len(r["prompt"]) for r in rows)  # the character tokenizer: one token per character
     e = fitted.cfg.engine
     assert (e.max_seq_len, e.vllm.max_model_len, e.max_concurrent_seqs) == (longest + 32, longest + 32, 256)
-    assert fitted.cfg.trainer.lr == 4.5e-6
-    assert fitted.plan.total < 20 * GIB, fitted.plan.table()
+    assert fitted.cfg.trainer.lr == 4.5e-5  # the loaded-model rule, x10 for LoRA
+    assert fitted.plan.total < 8 * GIB, fitted.plan.table()

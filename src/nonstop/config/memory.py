@@ -13,14 +13,16 @@ the formula it came from and the fields that change it. Figures (docs/memory.md)
   memory), the float32 staging model it receives into, receive buffers, two runtimes (the actor
   and vLLM's engine core);
 - trainer rank: float32 weights, gradients and AdamW's two float32 states of what it trains (all
-  weights, or the LoRA adapters; fsdp2 shards the three over the ranks), DDP's gradient buckets,
+  weights, or the LoRA adapters; fsdp2 shards the three over the ranks), the parameter-sized
+  temporaries of torch's foreach AdamW step, DDP's gradient buckets,
   a KL reference or distillation teacher, and activations (an estimate: per token of the
   forward and per layer 6 x hidden + 2 x KV width + 4 x MLP width float32 values kept for
   backward (two norms' inputs and outputs, q, the attention output, k, v; the MLP's gate, up,
   SiLU and product), plus the
   completion tokens' log-probs over the vocabulary, which autograd keeps for every chunk);
 - shm transport: N + 2 slots of the sent weights in /dev/shm, charged once to the machine;
-- every process: RUNTIME_BYTES for Python, torch and transformers (246 MiB measured).
+- every process: RUNTIME_BYTES for Python, torch and transformers (246 MiB measured); the
+  orchestrator ORCHESTRATOR_BYTES (360 MiB measured with the default task).
 
 Items on a GPU are listed but not counted against the host. `MemoryPlan.check()` raises a
 ConfigError naming the field to change when the host total exceeds what the run may use
@@ -40,6 +42,8 @@ from nonstop.config.sizing import engine_dtype_bytes
 
 RUNTIME_BYTES = 300 * 1024**2
 """One process's Python + torch + transformers (246 MiB RSS measured), rounded up."""
+ORCHESTRATOR_BYTES = 400 * 1024**2
+"""The orchestrator: a runtime plus the task's rows, the tokenizer and the pipeline's state."""
 SHARED_PROMPT_TYPES = ("qwen2", "llama")
 """Models the trainer's shared-prompt forward takes (trainer/forward.py SUPPORTED_TYPES)."""
 VLLM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -263,6 +267,15 @@ def _trainer(
         *lora,
         on_host=not gpu,
     )
+    # torch's foreach AdamW makes parameter-sized temporaries in each step: without this item a
+    # 104 M-parameter trainer peaked 0.34 GiB above its plan (measured by hand, docs/memory.md)
+    p.add(
+        "step temporaries",
+        trained * 4 / shard,
+        f"AdamW foreach: 1 x {trained:,} x 4 bytes{per}",
+        *lora,
+        on_host=not gpu,
+    )
     if ranks > 1 and t.data_parallel == "ddp":
         p.add(
             "ddp buckets",
@@ -339,7 +352,9 @@ def plan_memory(
         scorer.add("runtime", RUNTIME_BYTES, "Python, torch, transformers", *rm_field)
         procs.append(scorer)
     orchestrator = Proc("orchestrator", 1)
-    orchestrator.add("runtime", RUNTIME_BYTES, "Python, torch, transformers, the task's rows", *SMALLER)
+    orchestrator.add(  # 360 MiB measured with the default task's 10,000 rows
+        "runtime", ORCHESTRATOR_BYTES, "Python, torch, transformers, the task's rows", *SMALLER
+    )
     procs.append(orchestrator)
     if cfg.transport.kind == "shm":
         for seg_name, engines in segments:
