@@ -13,7 +13,7 @@ import yaml
 
 import nonstop
 from nonstop.config import ConfigError
-from nonstop.orchestrator.score import RewardError
+from nonstop.scoring.rewards import RewardError
 from nonstop.tasks.data import DatasetError
 from support import EXAMPLES_DIR, child_env
 

@@ -12,7 +12,7 @@ from nonstop.engine.core import TorchEngine
 from nonstop.envs.registry import builtin_task, env_factory
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.orchestrator.episode_flow import EnvRun
-from nonstop.orchestrator.generate import Codec
+from nonstop.tasks.codec import Codec
 from nonstop.types import SamplingParams
 
 

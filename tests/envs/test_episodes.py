@@ -13,15 +13,16 @@ from nonstop.config import RolloutConfig, load_config
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.envs import guess, nim
-from nonstop.envs.base import EnvLimits, SingleAgent
+from nonstop.envs.base import ENV_VERSION, EnvLimits, SingleAgent
 from nonstop.envs.calculator import Calculator
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, env_player, produce_episodes
-from nonstop.orchestrator.episodes import ENV_VERSION, encode_observation, run_episode, run_episodes
-from nonstop.orchestrator.generate import Codec, RolloutStats
+from nonstop.orchestrator.episodes import encode_observation, run_episode, run_episodes
+from nonstop.orchestrator.generate import Production, RolloutStats
 from nonstop.orchestrator.ledger import Ledger
+from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Sample, SamplingParams
 from support import EXAMPLES_DIR
@@ -189,19 +190,16 @@ def test_env_errors_and_timeouts_are_counted_and_settled_and_the_run_goes_on(eng
     buffer = RolloutBuffer(8, None, None, 64, ledger)
     asyncio.run(
         produce_episodes(
+            Production(buffer, PromptStream(rows, seed=0, max_epochs=1), ledger, codec, rollout, Clock(), stats),
             eng,
-            env_player(lambda: SingleAgent(Flaky())),
-            buffer,
-            PromptStream(rows, seed=0, max_epochs=1),
-            codec,
-            rollout,
-            cfg.env,
-            EnvLimits(3, 64, 3, 0.3),
-            RoleBaselines("group", 0.9),
-            Clock(),
-            stats,
-            ep,
-            ledger,
+            EnvRun(
+                cfg.env,
+                env_player(lambda: SingleAgent(Flaky())),
+                env_player(lambda: SingleAgent(Flaky())),
+                EnvLimits(3, 64, 3, 0.3),
+                RoleBaselines("group", 0.9),
+                ep,
+            ),
         )
     )
     assert ep.errors == Counter({"env_raised": 4, "env_timeout": 2})
@@ -440,19 +438,24 @@ def test_episodes_over_before_any_model_turn_are_dropped_and_settled(engine):
     buffer = RolloutBuffer(3, None, None, 64, ledger)
     asyncio.run(
         produce_episodes(
+            Production(
+                buffer,
+                PromptStream(rows, seed=0, max_epochs=1),
+                ledger,
+                codec,
+                RolloutConfig(prompts_per_step=3, group_size=2),
+                Clock(),
+                RolloutStats(),
+            ),
             eng,
-            env_player(OverAtOnce),
-            buffer,
-            PromptStream(rows, seed=0, max_epochs=1),
-            codec,
-            RolloutConfig(prompts_per_step=3, group_size=2),
-            load_config(None, ["env.name=nim"]).env,
-            LIMITS,
-            RoleBaselines("group", 0.9),
-            Clock(),
-            RolloutStats(),
-            ep,
-            ledger,
+            EnvRun(
+                load_config(None, ["env.name=nim"]).env,
+                env_player(OverAtOnce),
+                env_player(OverAtOnce),
+                LIMITS,
+                RoleBaselines("group", 0.9),
+                ep,
+            ),
         )
     )
     assert buffer.drops == Counter({"no_model_tokens": 3}) and ledger.report()["outcomes"] == {"no_model_tokens": 3}
@@ -529,19 +532,24 @@ def test_episode_groups_without_signal_count_toward_max_consecutive_uniform(engi
     with pytest.raises(NoLearningSignal, match="rollout.max_consecutive_uniform"):
         asyncio.run(
             produce_episodes(
+                Production(
+                    buffer,
+                    PromptStream(rows, seed=0, max_epochs=1),
+                    ledger,
+                    codec,
+                    RolloutConfig(prompts_per_step=2, group_size=2, max_consecutive_uniform=3),
+                    Clock(),
+                    stats,
+                ),
                 eng,
-                env_player(AlwaysZero),
-                buffer,
-                PromptStream(rows, seed=0, max_epochs=1),
-                codec,
-                RolloutConfig(prompts_per_step=2, group_size=2, max_consecutive_uniform=3),
-                load_config(None, ["env.name=nim"]).env,
-                LIMITS,
-                RoleBaselines("group", 0.9),
-                Clock(),
-                stats,
-                EpisodeStats(),
-                ledger,
+                EnvRun(
+                    load_config(None, ["env.name=nim"]).env,
+                    env_player(AlwaysZero),
+                    env_player(AlwaysZero),
+                    LIMITS,
+                    RoleBaselines("group", 0.9),
+                    EpisodeStats(),
+                ),
             )
         )
     assert stats.uniform_in_row >= 3 and buffer.drops["uniform_reward"] == stats.uniform_in_row

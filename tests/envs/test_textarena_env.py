@@ -19,7 +19,7 @@ from nonstop.envs.textarena_env import TextArenaGame  # noqa: E402
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
 from nonstop.orchestrator.episode_flow import EnvRun  # noqa: E402
 from nonstop.orchestrator.episodes import encode_observation, run_episodes  # noqa: E402
-from nonstop.orchestrator.generate import Codec  # noqa: E402
+from nonstop.tasks.codec import Codec  # noqa: E402
 from nonstop.tasks.data import Example  # noqa: E402
 from nonstop.tasks.tiny import save_tiny  # noqa: E402
 from nonstop.types import SamplingParams  # noqa: E402

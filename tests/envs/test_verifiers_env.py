@@ -20,16 +20,17 @@ from nonstop.config import ConfigError, EngineConfig, RolloutConfig, load_config
 from nonstop.engine.aio import AsyncEngine  # noqa: E402
 from nonstop.engine.core import TorchEngine  # noqa: E402
 from nonstop.envs import verifiers_env as ve  # noqa: E402
-from nonstop.envs.base import EnvLimits  # noqa: E402
+from nonstop.envs.base import ENV_VERSION, EnvLimits  # noqa: E402
 from nonstop.envs.registry import builtin_task  # noqa: E402
 from nonstop.envs.verifiers_tasks import AdditionData, AdditionTask  # noqa: E402
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
 from nonstop.observe.clock import Clock  # noqa: E402
 from nonstop.orchestrator.buffer import RolloutBuffer  # noqa: E402
 from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, produce_episodes  # noqa: E402
-from nonstop.orchestrator.episodes import ENV_VERSION, encode_observation  # noqa: E402
-from nonstop.orchestrator.generate import Codec, RolloutStats  # noqa: E402
+from nonstop.orchestrator.episodes import encode_observation  # noqa: E402
+from nonstop.orchestrator.generate import Production, RolloutStats  # noqa: E402
 from nonstop.orchestrator.ledger import Ledger  # noqa: E402
+from nonstop.tasks.codec import Codec  # noqa: E402
 from nonstop.tasks.data import PromptStream  # noqa: E402
 from support.served import serving  # noqa: E402
 
@@ -190,19 +191,17 @@ def test_verifiers_episodes_reach_the_buffer_as_groups_with_advantages(tiny_dir)
 
     async def main():
         await produce_episodes(
+            Production(
+                buffer,
+                PromptStream(ve.task_rows(tasks, 0), seed=0, max_epochs=1),
+                ledger,
+                codec,
+                rollout,
+                Clock(),
+                stats,
+            ),
             eng,
-            player,
-            buffer,
-            PromptStream(ve.task_rows(tasks, 0), seed=0, max_epochs=1),
-            codec,
-            rollout,
-            cfg,
-            EnvLimits(2, 48, 3, 5.0),
-            RoleBaselines("group", 0.9),
-            Clock(),
-            stats,
-            ep,
-            ledger,
+            EnvRun(cfg, player, player, EnvLimits(2, 48, 3, 5.0), RoleBaselines("group", 0.9), ep),
         )
         return await buffer.take()
 

@@ -18,7 +18,7 @@ import pytest
 from nonstop.config import load_config
 from nonstop.observe.spans import CHUNK_S, PassRecorder, SpanLog, read_spans, span_path
 from nonstop.observe.timeline import Timeline, union_length
-from nonstop.orchestrator.build import _span_file
+from nonstop.orchestrator.actors import span_file
 from support.cli import nonstop, records, small_model_args
 
 STEPS = 8
@@ -113,8 +113,8 @@ def test_pass_recorder_counts_prefills_when_the_engine_reports_them(tmp_path):
 
 
 def test_spans_off_names_no_file(tmp_path):
-    assert _span_file(load_config(overrides=["run.spans=false"]), tmp_path, "engine-0") is None
-    assert _span_file(load_config(), tmp_path, "engine-0") == str(tmp_path / "spans" / "engine-0.jsonl")
+    assert span_file(load_config(overrides=["run.spans=false"]), tmp_path, "engine-0") is None
+    assert span_file(load_config(), tmp_path, "engine-0") == str(tmp_path / "spans" / "engine-0.jsonl")
 
 
 def test_union_length_clips_and_merges():

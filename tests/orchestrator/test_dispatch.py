@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from nonstop.config import Config
 from nonstop.hf import load_tokenizer
-from nonstop.orchestrator.build import connect_transport, spawn_engine, spawn_trainers
+from nonstop.orchestrator.actors import connect_transport, spawn_engine, spawn_trainers
 from nonstop.orchestrator.dispatch import EnginePool, place
 from nonstop.runtime import make_backend
 from nonstop.types import GenerationRequest, Group, SamplingParams

@@ -19,12 +19,13 @@ from nonstop.envs.base import EnvLimits
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
-from nonstop.orchestrator.episode_flow import EpisodeStats, RoleBaselines, env_player, produce_episodes
+from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, env_player, produce_episodes
 from nonstop.orchestrator.episodes import RoleEngines
-from nonstop.orchestrator.generate import Codec, RolloutStats
+from nonstop.orchestrator.generate import Production, RolloutStats
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.policies import check_roles, policy_config
+from nonstop.orchestrator.policy_build import check_roles, policy_config
 from nonstop.orchestrator.split_intake import SplitIntake
+from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample
 from support import EXAMPLES_DIR
@@ -71,19 +72,24 @@ def test_each_role_plays_its_own_policy_and_each_buffer_gets_only_its_part(tiny_
     rollout = RolloutConfig(prompts_per_step=4, group_size=2, filter_uniform_reward=False)
     asyncio.run(
         produce_episodes(
+            Production(
+                SplitIntake(buffers, False),
+                PromptStream(rows, seed=0, max_epochs=1),
+                ledger,
+                codec,
+                rollout,
+                Clock(),
+                RolloutStats(),
+            ),
             RoleEngines(shared, {"b": own}),
-            env_player(Duel),
-            SplitIntake(buffers, False),
-            PromptStream(rows, seed=0, max_epochs=1),
-            codec,
-            rollout,
-            load_config(None, ["env.name=support.two_role_env:Duel"]).env,
-            LIMITS,
-            RoleBaselines("group", 0.9),
-            Clock(),
-            RolloutStats(),
-            EpisodeStats(),
-            ledger,
+            EnvRun(
+                load_config(None, ["env.name=support.two_role_env:Duel"]).env,
+                env_player(Duel),
+                env_player(Duel),
+                LIMITS,
+                RoleBaselines("group", 0.9),
+                EpisodeStats(),
+            ),
         )
     )
     a_prompt, b_prompt = codec.encode("a?"), codec.encode("b?")

@@ -11,7 +11,7 @@ import pytest
 
 from nonstop.config import Config, LocalRuntimeConfig
 from nonstop.hf import load_tokenizer
-from nonstop.orchestrator.build import spawn_engine
+from nonstop.orchestrator.actors import spawn_engine
 from nonstop.runtime import ActorDied, Supervisor, make_backend
 from nonstop.runtime.restart import RestartingEngine
 from nonstop.types import GenerationRequest, SamplingParams

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from nonstop.config import LocalRuntimeConfig, ScoringConfig, load_config
-from nonstop.orchestrator.score import RewardError, exact_match, partial_credit, resolve_reward
 from nonstop.runtime.local import LocalBackend
 from nonstop.scoring.build import build_scorer
+from nonstop.scoring.rewards import RewardError, exact_match, partial_credit, resolve_reward
 from nonstop.scoring.runners import make_runner
 from nonstop.scoring.stage import FunctionComponent, ScoringStage, percentile
 from nonstop.types import Group, Sample
@@ -37,11 +37,13 @@ def test_builtin_rewards():
 
 def test_resolve_reward_by_import_path_and_errors():
     assert resolve_reward("exact_match") is exact_match
+    assert resolve_reward("nonstop.scoring.rewards:partial_credit") is partial_credit
+    # the built-ins' name before they moved to scoring/: a config.yaml written then still resumes
     assert resolve_reward("nonstop.orchestrator.score:partial_credit") is partial_credit
     with pytest.raises(RewardError, match="task.reward: unknown reward"):
         resolve_reward("nope")
     with pytest.raises(RewardError, match="cannot import"):
-        resolve_reward("nonstop.orchestrator.score:missing")
+        resolve_reward("nonstop.scoring.rewards:missing")
 
 
 def test_percentile_nearest_rank():

@@ -15,12 +15,12 @@ from nonstop.config import DistillConfig, LocalRuntimeConfig, TrainerConfig, loa
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.orchestrator.score import resolve_reward
 from nonstop.runtime.local import LocalBackend
 from nonstop.scoring.build import build_scorer
 from nonstop.scoring.judge import parse_verdict
 from nonstop.scoring.pool import ActorPool, CallFailed
 from nonstop.scoring.process import split_steps, step_end_tokens, token_rewards
+from nonstop.scoring.rewards import resolve_reward
 from nonstop.scoring.teacher import TeacherComponent, TeacherWorker
 from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.trainer.core import Trainer

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from nonstop.config import load_config
-from nonstop.orchestrator.score import resolve_reward
+from nonstop.scoring.rewards import resolve_reward
 from nonstop.tasks.base import choose_base
 from nonstop.tasks.data import load_task
 from support import ROOT
