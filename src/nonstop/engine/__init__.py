@@ -2,6 +2,26 @@
 
 Nothing in this package imports the trainer: requests and samples are `nonstop.types`, settings
 come from `nonstop.config`, and weights arrive through the engine end of `nonstop.transport`.
+
+The built-in engine, from the outside in:
+- core.py          the `Engine` protocol and `TorchEngine` (the synchronous driver: `generate`,
+                   `submit` / `step` for other drivers), behaviour logprobs, where new weights meet it;
+- scheduler.py     `Scheduler`: continuous batching (admission, shared prefill, decode steps,
+                   finishing), the weight-update modes, `RequestError`;
+- sequence.py      `Seq` and `Group`: the in-flight state of a request and of each completion;
+- sampling.py      `sample()`: per-row temperature/top-k/top-p/min-p, behaviour logprobs, the
+                   Keep Sampling Mask;
+- runner.py        `KVRunner`: the lean forward over a Llama-family decoder (and its MoE blocks)
+                   with a preallocated KV cache; `UnsupportedModel`;
+- updates.py       `WeightGate`: receiving a new version (poll) apart from applying it (apply);
+- aio.py           `AsyncEngine`: one decode loop on the event loop shared by every caller,
+                   `TokenEvent` streaming;
+- worker.py        `EngineWorker`: the engine actor (a TorchEngine in its own process);
+vLLM as the engine (`engine.kind: vllm`):
+- vllm_setup.py    starting vLLM in the engine process: `require_vllm`, `start_engine`,
+                   `NonstopWorkerExtension` (in-place weight reload), `VllmSetupError`;
+- vllm_engine.py   `VllmEngineWorker`: the same actor calls as EngineWorker over vLLM's scheduler;
+- vllm_routes.py   `RouteRecorder`: the experts every token vLLM computes was routed to (Keep Routing).
 """
 
 from nonstop.engine.core import Engine, TorchEngine, WeightSource

@@ -22,5 +22,5 @@ those listed before it (no circle; tests/orchestrator/test_layering.py checks it
 - pipeline.py      `train()`: build the run, run the producer beside the learning loop, summarize;
 - launch.py        `run_training()`: run folder, data, base policy, pipeline, summary.json (the path
                    shared by `nonstop train` and `nonstop.train()`).
-Reward functions are nonstop.scoring's (rewards.py); text <-> ids is nonstop.tasks.codec.
+Reward functions are nonstop.scoring's (scoring/rewards.py); text <-> ids is nonstop.tasks.codec.
 """

@@ -4,6 +4,15 @@ The orchestrator spawns actors through `ActorBackend` and talks to them through 
 role clients of runtime/actor_clients.py (nonstop.clients), never through `ActorHandle.call` itself.
 The local backend runs each actor in its own OS process; the Ray backend implements the same
 two protocols. runtime/restart.py replaces an engine that crashes or hangs.
+
+- base.py           the seam: `ActorBackend`, `ActorHandle`, `ActorDied`, `ActorCallError`, `make_backend`;
+- local.py          `LocalBackend`: one spawned OS process and one pipe per actor;
+- ray.py            `RayBackend`: the same seam with every actor a Ray actor;
+- procinfo.py       actor processes named by role in `ps`, and dying with the orchestrator;
+- actor_clients.py  typed clients of one actor (`EngineActor`, `TrainerActor`, the scoring actors):
+                    the only code that names an actor method by a string;
+- restart.py        `RestartingEngine`: an engine client that outlives crashes and hangs (heartbeat);
+- supervisor.py     `Supervisor`: the orchestrator's background tasks, a failure ending the run.
 """
 
 from nonstop.runtime.base import ActorBackend, ActorCallError, ActorDied, ActorHandle, make_backend

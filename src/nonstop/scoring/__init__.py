@@ -2,7 +2,10 @@
 
 - base.py          the `Scorer` seam (what the orchestrator calls), `ScoreComponent`, `Contribution`;
 - stage.py         `ScoringStage`: components at once, concurrency cap, retries, backpressure,
-                   latency and error accounting; the reward-function runners (loop, thread, process);
+                   latency and error accounting; `FunctionComponent` (task.reward, scoring.group_reward);
+- runners.py       where reward functions run (`scoring.pool`): the `Runner` seam, `LoopRunner`,
+                   `ThreadRunner`, `ProcessRunner`, `AutoRunner`, `make_runner`;
+- threads.py       `DaemonThreads`: a fixed pool of daemon threads, one loop wake-up per batch of calls;
 - rewards.py       reward functions by name: the built-ins, `resolve_reward`, `RewardFn`, `RewardError`;
 - calls.py         how a reward function is called (sync/async, which arguments) and checked;
 - pool.py          `ActorPool` (replaceable actor processes; typed: `RewardModelPool`, `TeacherPool`,

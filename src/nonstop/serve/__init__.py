@@ -4,6 +4,12 @@
 (the built-in engine from `cfg.engine`, or vLLM from `cfg.engine.vllm`, running in this
 process), serves until SIGINT/SIGTERM and then shuts down cleanly. A vLLM that is missing or
 cannot load the model raises VllmSetupError (a ConfigError naming the fix) before anything binds.
+
+- server.py          `EngineServer`: the aiohttp routes over any `ServedEngine` (built-in or vLLM);
+- protocol.py        OpenAI-style request parsing and response shaping, free of HTTP, with the
+                     `nonstop` extension (token ids, behaviour logprobs, policy versions);
+- generate_route.py  vLLM's token-level `POST /inference/v1/generate` (what verifiers' train client calls);
+- client.py          `GenerationClient` and its two implementations: `InProcessClient`, `HttpClient`.
 """
 
 from __future__ import annotations

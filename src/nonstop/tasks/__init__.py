@@ -1,1 +1,11 @@
-"""Built-in tasks, the tiny-model factory and the supervised warm-up."""
+"""Built-in tasks, the tiny-model factory and the supervised warm-up.
+
+- data.py    prompt sources: the built-in addition task and JSONL datasets (`load_task`, `TaskData`,
+             `Example`, `PromptStream`, `DatasetError`);
+- codec.py   `Codec`: text <-> token ids at the orchestrator; the held-out greedy accuracy;
+- tiny.py    tiny models and character tokenizers made on the fly (`make_tiny_model`,
+             `make_char_tokenizer`);
+- warmup.py  the supervised warm-up to a weak (not blank) base policy (`warm_up`, `cached_base`);
+- base.py    the base policy a run starts from (`choose_base`, `prepare_base_model`) and the
+             shipped bases with their provenance.
+"""

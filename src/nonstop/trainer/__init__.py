@@ -1,1 +1,13 @@
-"""Learning side: pure losses, the Trainer (model, optimizer, step) and its actor worker."""
+"""Learning side: pure losses, the Trainer (model, optimizer, step) and its actor worker.
+
+- losses.py            pure tensor functions of the objectives: group advantages, token logprobs,
+                       the clipped (GRPO-family) and GSPO losses, the KL penalty;
+- correction.py        `is_weights()`: off-policy importance-sampling corrections;
+- token_advantages.py  token-level advantages: process rewards and on-policy distillation;
+- forward.py           `prompt_shared_hidden()`: the forward with each distinct prompt computed once;
+- routing.py           Keep Routing in the trainer: `RouterHooks` compare or replay the engine's experts;
+- ahead.py             `AheadForwards`: forwards run ahead of their step, graph kept, assembled at the step;
+- core.py              `Trainer`: one policy-gradient step on a batch of groups, then a new policy_version;
+- parallel.py          `ParallelTrainer`: M data-parallel ranks taking exactly the one-rank step;
+- worker.py            `TrainerWorker`: the trainer actor, owner of the sending end of the weight transport.
+"""

@@ -9,6 +9,17 @@ The seam is one method on each side:
 `plan_transport` (trainer side) describes the transport in a picklable `TransportHandle`;
 `open_sink(handle)` and `open_source(handle, rank)` open the two ends; `release(handle)` (the
 orchestrator, at the end of a run) frees what a dead trainer could not (a shm segment).
+
+- base.py       the seam (`WeightSink`, `WeightSource`), the flat parameter layout and its check,
+                `plan_transport` / `open_sink` / `open_source`, `TransportError`;
+- shm.py        shared memory: one segment of N + 2 stamped slots, zero-copy apply (`ShmSink`, `ShmSource`);
+- broadcast.py  torch.distributed broadcast in buckets (`BroadcastSink`, `BroadcastSource`);
+- groups.py     the broadcast transport's process groups: build (gloo or NCCL), deadlines, retire;
+- files.py      safetensors files and a version marker in a shared folder (`FilesSink`, `FilesSource`);
+- notify.py     HTTP long-poll version notification for the files transport (`VersionServer`,
+                `VersionWatcher`);
+- device.py     device paths: weights GPU to GPU (CUDA IPC for shm, NCCL for broadcast);
+- names.py      `PerExpertParameters`: a fused-expert trainer's tensors onto a per-expert engine.
 """
 
 from nonstop.transport.base import (
