@@ -397,7 +397,7 @@ def config_cmd(config: str | None, overrides: tuple[str, ...], markdown: bool, p
         if not plan:
             click.echo(dump_config(cfg), nl=False)
             return
-        from nonstop.config.fit import fit_run
+        from nonstop.orchestrator.fit import fit_run
         from nonstop.orchestrator.launch import run_rows
 
         fitted = fit_run(cfg, run_rows(cfg))

@@ -1,4 +1,4 @@
-"""The preflight memory plan (config/shape.py, config/memory.py, config/fit.py): counts from
+"""The preflight memory plan (config/shape.py, config/memory.py, orchestrator/fit.py): counts from
 config.json equal the instantiated models', the plan's figures equal hand-computed ones, and a
 run that cannot fit is refused before any actor starts, naming the field to change."""
 
@@ -13,10 +13,10 @@ import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config
 
 from nonstop.config import ConfigError, TinyModelConfig, TinyMoeConfig, load_config
-from nonstop.config.fit import check_vllm_kv, fit_run
 from nonstop.config.machine import GIB, MachineMemory
 from nonstop.config.memory import plan_memory
 from nonstop.config.shape import ModelShape
+from nonstop.orchestrator.fit import check_vllm_kv, fit_run
 from nonstop.orchestrator.launch import run_rows
 from nonstop.tasks.tiny import make_char_tokenizer, tiny_config
 from support import EXAMPLES_DIR, child_env

@@ -9,12 +9,12 @@ import json
 import pytest
 
 from nonstop.config import EngineConfig, TrainerConfig, load_config
-from nonstop.config.fit import fit_run
 from nonstop.config.machine import GIB, MachineMemory
 from nonstop.config.sizing import engine_limits, engine_slots, learning_rate
 from nonstop.engine.core import TorchEngine
 from nonstop.engine.scheduler import RequestError
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.orchestrator.fit import fit_run
 from nonstop.orchestrator.launch import run_rows
 from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.types import GenerationRequest, SamplingParams

@@ -16,7 +16,6 @@ One module per part of the tree; everything public is re-exported here, so calle
 | `sizing.py` | defaults that follow from the run and the model: engine limits, `trainer.lr` |
 | `machine.py` | the machine's (or cgroup's) memory and OOM-kill count |
 | `memory.py` | the preflight memory plan per process, refused with the field to change |
-| `fit.py` | need -> resolved defaults -> checked plan, before any actor starts |
 | `specs.py` | `package.module:attr` specs resolved to callables, errors naming the field |
 """
 

@@ -9,7 +9,7 @@ neither and the task section of the config decides both. Errors propagate: the c
 how to show them (the CLI prints one line and exits; the API raises).
 
 Before the run folder is made, `preflight` checks what can be checked cheaply (model.path,
-task.reward), and `fit_run` (config/fit.py) resolves the defaults that follow from the run's
+task.reward), and `fit_run` (orchestrator/fit.py) resolves the defaults that follow from the run's
 need and refuses a run whose memory plan does not fit, so a mistake leaves nothing behind. The
 plan is printed at start-up and written to the run folder (memory_plan.json). A run that fails
 later leaves a FAILED file in its folder saying why and whether it can be resumed (removed when
@@ -31,7 +31,7 @@ from nonstop.config import Config, ConfigError, dump_config
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from nonstop.config.fit import Fitted
+    from nonstop.orchestrator.fit import Fitted
     from nonstop.orchestrator.records import RunSummary
     from nonstop.scoring.rewards import RewardFn
     from nonstop.tasks.data import TaskData
@@ -116,7 +116,7 @@ def run_training(
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
     t0 = time.perf_counter()
-    from nonstop.config.fit import fit_run
+    from nonstop.orchestrator.fit import fit_run
 
     if resume_dir is None:
         preflight(cfg, reward)
