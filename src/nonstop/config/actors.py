@@ -155,9 +155,14 @@ class EngineConfig(_Section):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the built-in engine runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:i
     (under Ray: the GPU Ray gave the actor, see runtime.ray_engine.num_gpus)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """The built-in engine's weights and KV cache: auto is bfloat16 on a GPU, float32 on the CPU. Other
-    than float32, behaviour logprobs differ from the (float32) trainer's: use an IS correction."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    """The built-in engine's weights and KV cache (docs/precision.md). auto: bfloat16 where the engine's
+    device computes it natively (a GPU with bf16; a CPU with avx512_bf16 or amx_bf16), else float32,
+    decided inside the engine process and recorded in its stats. None: auto for a loaded model
+    (model.path) of >= 50 M parameters; otherwise (the built-in tiny model, small saved ones) float32 on
+    the CPU and bfloat16 on a GPU, so the default job stays bit-identical on every CPU kind. Other than
+    float32, behaviour logprobs differ from a float32 trainer's (the step records' mismatch_kl):
+    trainer.correction tis or mis handles it."""
     max_concurrent_seqs: int | None = Field(None, ge=1)
     """Sequences decoded together (KV-cache slots, allocated once: the cache holds
     max_concurrent_seqs x max_seq_len tokens); a group of n needs n free slots. None: 256, or
@@ -245,6 +250,14 @@ class TrainerConfig(_Section):
     max_consecutive_skips: int = Field(5, ge=1)
     """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted);
     this many in a row stop the run."""
+    precision: Literal["auto", "float32", "bfloat16"] | None = None
+    """The dtype of the trainer's forward and backward matmuls (docs/precision.md); weights, gradients and
+    the AdamW state stay float32 (master weights). bfloat16: torch.autocast in that dtype; auto: bfloat16
+    where the trainer's device computes it natively (a GPU with bf16; a CPU with avx512_bf16 or
+    amx_bf16), else float32, decided inside the trainer process and recorded in every step record
+    (precision). None: auto for a loaded model (model.path) of >= 50 M parameters; otherwise float32: the
+    built-in tiny model's default job must end in the same place on every machine of a CPU kind, bf16
+    rounding would move it, and at small shapes bf16 is not faster on a CPU."""
     logprob_chunk_rows: int = Field(64, ge=1)
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
     ranks: int = Field(1, ge=1)

@@ -17,6 +17,10 @@ once, before any actor starts (`size_run`), so every actor gets concrete numbers
   for a loaded model (model.path) 1e-5 x sqrt(1e8 / N) for N parameters, kept within
   [1e-6, 1e-5] (about 4.5e-6 at 0.5B, 1.2e-6 at 7B), times 10 with LoRA, where only the
   adapters learn (`learning_rate`).
+- `engine.dtype` / `trainer.precision`: auto for a loaded model of at least AUTO_BF16_MIN_PARAMS
+  parameters (bf16 where the actor's device has it, decided in the actor: device.py); left None
+  otherwise, which keeps the built-in tiny model's default job in float32 on the CPU
+  (docs/precision.md).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ LOADED_LR_REF = 1e-5
 LOADED_LR_RANGE = (1e-6, 1e-5)
 LORA_LR_FACTOR = 10.0
 GIB = 1024**3
+AUTO_BF16_MIN_PARAMS = 50_000_000
+"""engine.dtype and trainer.precision left None resolve to auto from this size of loaded model up: below
+it, per-token overheads rather than matmuls bound a CPU step, so bf16 gains little and float32 keeps
+small runs (and the tests' small saved models) comparable across CPU kinds."""
 
 
 def run_seq_len(cfg: Config, longest_prompt: int, max_positions: int) -> int:
@@ -102,10 +110,10 @@ class Sized:
 def engine_dtype_bytes(cfg: Config) -> int:
     """Bytes per element of the built-in engine's weights and KV cache (dtype auto: bf16 on a GPU)."""
     spec = cfg.engine.dtype
-    if spec == "auto":
-        from nonstop.device import resolve_device
+    if spec is None or spec == "auto":  # as the engine resolves it (device.resolve_dtype), asked here too
+        from nonstop.device import resolve_device, resolve_dtype
 
-        return 2 if resolve_device(cfg.engine.device, "engine.device").type == "cuda" else 4
+        return resolve_dtype(spec, resolve_device(cfg.engine.device, "engine.device"), "engine.dtype").itemsize
     return 4 if spec == "float32" else 2
 
 
@@ -123,6 +131,16 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
     why += f", at most the model's {shape.max_positions} positions"
     engine = cfg.engine
     update: dict = {}
+    trainer = cfg.trainer
+    if cfg.model.path is not None and shape.params >= AUTO_BF16_MIN_PARAMS:  # docs/precision.md
+        why = f"a loaded model of {shape.params / 1e6:.0f} M >= {AUTO_BF16_MIN_PARAMS / 1e6:.0f} M parameters"
+        if engine.dtype is None:
+            update["dtype"] = "auto"
+            engine = engine.model_copy(update={"dtype": "auto"})
+            notes.append(f"engine.dtype: auto ({why}: bfloat16 where the engine's device has it)")
+        if trainer.precision is None:
+            trainer = trainer.model_copy(update={"precision": "auto"})
+            notes.append(f"trainer.precision: auto ({why}: bfloat16 autocast where the trainer's device has it)")
     if engine.max_seq_len is None:
         update["max_seq_len"] = seq_len
         notes.append(f"engine.max_seq_len: {seq_len} ({why})")
@@ -132,7 +150,7 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
             notes.append(f"engine.vllm.max_model_len: {seq_len} ({why})")
     if engine.max_concurrent_seqs is None:
         memory = cfg.run.memory_limit_gib * GIB if cfg.run.memory_limit_gib is not None else memory_total
-        per_token = shape.kv_bytes_per_token(engine_dtype_bytes(cfg))
+        per_token = shape.kv_bytes_per_token(engine_dtype_bytes(cfg.model_copy(update={"engine": engine})))
         budget = engine.kv_cache_fraction * memory / cfg.runtime.num_engines
         slots = engine_slots(engine.max_seq_len or seq_len, per_token, budget, cfg.rollout.group_size)
         update["max_concurrent_seqs"] = slots
@@ -142,7 +160,6 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
                 f"{engine.kv_cache_fraction:g} of {memory / GIB:.1f} GiB over {cfg.runtime.num_engines} engine(s))"
             )
     lr, source = learning_rate(cfg, shape.params if cfg.model.path is not None else None)
-    trainer = cfg.trainer
     if trainer.lr is None:
         trainer = trainer.model_copy(update={"lr": lr})
         notes.append(f"trainer.lr: {lr:g} ({source})")

@@ -33,6 +33,7 @@ from nonstop.engine.runner import KVRunner
 from nonstop.engine.sampling import keep_mask
 from nonstop.engine.scheduler import RequestError, Scheduler
 from nonstop.engine.updates import WeightGate, WeightSource
+from nonstop.observe.flops import FlopModel
 from nonstop.types import GenerationRequest, Sample
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class TorchEngine:
         # transports fill float32 tensors, on the host unless the transport has a GPU path (receive_on)
         self.gate = WeightGate(self.model, staged_mode=self.settings.update_mode != "never_stop")
         self.scheduler = Scheduler(self.runner, eos_token_ids, self.settings, self.gate, detokenize, policy_version)
+        self.scheduler.flop_model = FlopModel.of(self.model)
         if weights is not None:
             self.weights = weights
 
