@@ -153,3 +153,27 @@ def test_nonstop_config_plan_prints_the_resolved_values_and_the_plan():
     assert "# memory plan: " in out and "#   engine         x1" in out
     refused = CliRunner().invoke(main, ["config", "--plan", "--set", "run.memory_limit_gib=0.1"])
     assert refused.exit_code == 2 and "the run's memory plan needs" in refused.output
+
+
+def test_unset_precision_is_auto_for_a_large_loaded_model_only(tiny_dir):
+    """engine.dtype / trainer.precision left unset: auto from 50 M parameters of a loaded model up,
+    None (float32 on the CPU) below it and for the built-in tiny model (docs/precision.md)."""
+    from nonstop.config.shape import ModelShape
+    from nonstop.config.sizing import AUTO_BF16_MIN_PARAMS, size_run
+
+    def shape(hidden: int, layers: int) -> ModelShape:
+        return ModelShape("qwen2", hidden, layers, 8, 2, hidden // 8, 4 * hidden, 128, True, 256)
+
+    large, small = shape(1024, 8), shape(64, 1)
+    assert large.params >= AUTO_BF16_MIN_PARAMS > small.params
+    loaded = load_config(None, [f"model.path={tiny_dir}"])
+    sized = size_run(loaded, large, 8, 64 * GIB)
+    assert (sized.cfg.engine.dtype, sized.cfg.trainer.precision) == ("auto", "auto")
+    assert any(n.startswith("trainer.precision: auto") for n in sized.notes)
+    sized = size_run(loaded, small, 8, 64 * GIB)
+    assert (sized.cfg.engine.dtype, sized.cfg.trainer.precision) == (None, None)
+    sized = size_run(load_config(None, []), large, 8, 64 * GIB)  # the built-in tiny model: never resolved here
+    assert (sized.cfg.engine.dtype, sized.cfg.trainer.precision) == (None, None)
+    pinned = load_config(None, [f"model.path={tiny_dir}", "engine.dtype=float32", "trainer.precision=float32"])
+    sized = size_run(pinned, large, 8, 64 * GIB)
+    assert (sized.cfg.engine.dtype, sized.cfg.trainer.precision) == ("float32", "float32")
