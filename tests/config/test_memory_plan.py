@@ -178,6 +178,8 @@ def test_the_old_default_reservation_of_a_05b_model_is_refused_before_any_actor(
             "engine.max_concurrent_seqs=256",
             "--set",
             "engine.max_seq_len=4096",
+            "--set",
+            "engine.dtype=float32",  # unset it is auto (bf16 where the CPU has it): these are float32 figures
         ],
         cwd=tmp_path,
         env=env,
@@ -194,7 +196,9 @@ def test_the_old_default_reservation_of_a_05b_model_is_refused_before_any_actor(
 
 
 def test_the_05b_shape_on_defaults_sizes_the_cache_from_need(half_b_dir):
-    cfg = load_config(None, [f"model.path={half_b_dir}", "warmup.enabled=false", "run.memory_limit_gib=64"])
+    cfg = load_config(
+        None, [f"model.path={half_b_dir}", "warmup.enabled=false", "run.memory_limit_gib=64", "engine.dtype=float32"]
+    )
     fitted = fit_run(cfg, run_rows(cfg))
     e = fitted.cfg.engine
     assert e.max_seq_len == 6 + 4 and e.max_concurrent_seqs == 256
@@ -205,7 +209,9 @@ def test_the_05b_shape_on_defaults_sizes_the_cache_from_need(half_b_dir):
 
 
 def test_a_small_memory_limit_is_refused_with_the_largest_part(half_b_dir):
-    cfg = load_config(None, [f"model.path={half_b_dir}", "warmup.enabled=false", "run.memory_limit_gib=8"])
+    cfg = load_config(
+        None, [f"model.path={half_b_dir}", "warmup.enabled=false", "run.memory_limit_gib=8", "engine.dtype=float32"]
+    )
     with pytest.raises(ConfigError) as err:
         fit_run(cfg, run_rows(cfg))
     assert str(err.value).startswith(
