@@ -68,7 +68,8 @@ def trainer_step_s(dtype: torch.dtype, groups: list[Group], steps: int) -> tuple
 
 
 def decode_tokens_per_s(dtype: torch.dtype, prompts: int, group: int, prompt_len: int, new: int, rounds: int) -> float:
-    model = make_tiny_model(SHAPE, seed=0).to(dtype)
+    model = make_tiny_model(SHAPE, seed=0)
+    torch.nn.Module.to(model, dtype)  # transformers wraps .to with a signature mypy cannot read
     settings = EngineConfig(max_concurrent_seqs=prompts * group, max_seq_len=prompt_len + new, dtype="float32")
     engine = TorchEngine(model, [-1], 0, settings=settings)  # no EOS: every sequence decodes `new` tokens
     reqs = [GenerationRequest(i, list(range(3, 3 + prompt_len)), group, SamplingParams(new)) for i in range(prompts)]
