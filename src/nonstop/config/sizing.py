@@ -40,6 +40,9 @@ LOADED_LR_REF = 1e-5
 """trainer.lr of a loaded model of 1e8 parameters; it falls with the square root of the size."""
 LOADED_LR_RANGE = (1e-6, 1e-5)
 LORA_LR_FACTOR = 10.0
+TINY_LR_MAX_PARAMS = 10_000_000
+"""A loaded model below this size is of the tiny family (a `nonstop warmup` base, the examples' students):
+it keeps the tiny model's trainer.lr, the value those shapes were tuned with, not the rule for real models."""
 GIB = 1024**3
 AUTO_BF16_MIN_PARAMS = 50_000_000
 """engine.dtype and trainer.precision left None resolve to auto from this size of loaded model up: below
@@ -88,6 +91,8 @@ def learning_rate(cfg: Config, params: int | None) -> tuple[float, str]:
         return cfg.trainer.lr, "trainer.lr"
     if cfg.model.path is None or params is None:
         return TINY_MODEL_LR, "the built-in tiny model's"
+    if params < TINY_LR_MAX_PARAMS:
+        return TINY_MODEL_LR, f"the tiny model's, for a loaded model of {params / 1e6:.1f} M parameters (under 10 M)"
     lo, hi = LOADED_LR_RANGE
     lr = min(hi, max(lo, LOADED_LR_REF * math.sqrt(1e8 / params)))
     lora = cfg.model.lora.enabled
