@@ -107,7 +107,7 @@ def run(signal: str, cfg: Config, steps: int, seed: int, every: int) -> list[tup
     trainer = Trainer(
         model, cfg.trainer, cfg.rollout.temperature, tok.pad_token_id, distill=distill if signal == "distill" else None
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay)
     curve, kl = [], float("nan")
     for step in range(1, steps + 1):
         model.eval()

@@ -389,7 +389,13 @@ def simulate_cmd(
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
 @click.option("--markdown", is_flag=True, help="Print the reference of every field instead.")
-def config_cmd(config: str | None, overrides: tuple[str, ...], markdown: bool) -> None:
+@click.option(
+    "--plan",
+    is_flag=True,
+    help="Resolve the defaults that follow from the task and the model (engine limits, trainer.lr) and "
+    "check the memory plan, as `nonstop train` does before any actor starts (docs/memory.md).",
+)
+def config_cmd(config: str | None, overrides: tuple[str, ...], markdown: bool, plan: bool) -> None:
     """Print the fully resolved config (defaults + CONFIG + overrides) as YAML."""
     if markdown:
         from nonstop.config import config_reference
@@ -397,7 +403,16 @@ def config_cmd(config: str | None, overrides: tuple[str, ...], markdown: bool) -
         click.echo(config_reference())
         return
     try:
-        click.echo(dump_config(load_config(config, overrides)), nl=False)
+        cfg = load_config(config, overrides)
+        if not plan:
+            click.echo(dump_config(cfg), nl=False)
+            return
+        from nonstop.orchestrator.fit import fit_run
+        from nonstop.orchestrator.launch import run_rows
+
+        fitted = fit_run(cfg, run_rows(cfg))
+        click.echo(dump_config(fitted.cfg), nl=False)
+        click.echo("".join(f"# {line}\n" for line in (*fitted.plan.notes, *fitted.plan.table())), nl=False)
     except ConfigError as e:
         click.echo(str(e), err=True)
         sys.exit(2)

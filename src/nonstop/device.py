@@ -5,7 +5,14 @@ Contract:
   will use it (so under Ray, `auto` and `cuda` mean the GPU Ray gave this actor): `auto` is
   `cuda` when torch sees a GPU, else `cpu`; asking for a GPU that is not there raises
   DeviceError naming the field;
-- `resolve_dtype(spec, device, field)`: `auto` is bfloat16 on a GPU, float32 on the CPU;
+- `resolve_dtype(spec, device, field)`: `auto` is bfloat16 where `bf16_supported(device)`, else
+  float32; None (a field left unset and not resolved by the run, e.g. in tests or `nonstop
+  serve`) keeps the older rule: bfloat16 on a GPU, float32 on the CPU;
+- `bf16_supported(device)`: on a GPU torch.cuda.is_bf16_supported(); on the CPU the native bf16
+  dot-product instructions (`avx512_bf16` or `amx_bf16` in /proc/cpuinfo, or torch's AMX
+  capability): without them torch emulates bf16 matmuls and they are slower than float32. The
+  machines of this project's kind differ (some have AVX2 only), so this is asked at run time,
+  inside the actor that computes, never assumed;
 - `on(device)` is the context in which a role computes: torch's factory functions
   (`torch.zeros`, `torch.tensor`, `torch.arange`, ...) create on that device, so the engine's and
   the trainer's code stays device-agnostic; on the CPU it changes nothing.
@@ -52,12 +59,47 @@ def resolve_device(spec: str, field: str) -> torch.device:
     return device
 
 
-def resolve_dtype(spec: str, device: torch.device, field: str) -> torch.dtype:
-    if spec == "auto":
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of native bf16 dot products (AVX512-BF16 on Zen 4 / Cooper Lake, AMX on Sapphire Rapids)."""
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first CPU's feature flags; empty where the file is missing (not Linux)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether `device` computes bf16 natively (see the module docstring)."""
+    if device.type == "cuda":
+        # no GPU here: resolve_device refused already, this branch only names what a GPU would have
+        return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    if "AMX" in torch.backends.cpu.get_cpu_capability():
+        return True
+    return any(flag in cpu_flags() for flag in CPU_BF16_FLAGS)
+
+
+def resolve_dtype(spec: str | None, device: torch.device, field: str) -> torch.dtype:
+    if spec is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if spec == "auto":
+        return torch.bfloat16 if bf16_supported(device) else torch.float32
     if spec not in DTYPES:
         raise DeviceError(f"{field}: unknown dtype '{spec}' (auto, {', '.join(DTYPES)})")
     return DTYPES[spec]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32', 'bfloat16' or 'float16': the config's spelling, for records."""
+    return str(dtype).removeprefix("torch.")
 
 
 def place(model: M, device: torch.device) -> M:

@@ -25,6 +25,7 @@ import time
 import torch
 
 from nonstop.config import Config, load_config
+from nonstop.config.sizing import learning_rate
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.scoring.rewards import exact_match, resolve_reward
 from nonstop.tasks.data import PromptStream, load_task
@@ -140,7 +141,8 @@ def run_reference(
     model, tok = load_model(base_dir).train(), load_tokenizer(base_dir)
     data, reward = load_task(cfg.task), resolve_reward(cfg.task.reward)
     stream = PromptStream(data.train, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=T.lr, weight_decay=T.weight_decay)
+    lr, _ = learning_rate(cfg, sum(p.numel() for p in model.parameters()))  # the pipeline's rule (sizing.py)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=T.weight_decay)
     records = [
         {"step": 0, "samples": 0, "seconds": 0.0, "eval_accuracy": accuracy(model, tok, data.eval, R.max_new_tokens)}
     ]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nonstop.config import ConfigError, EngineConfig, ShmTransportConfig, load_config
-from nonstop.device import DeviceError, resolve_device, resolve_dtype
+from nonstop.device import DeviceError, bf16_supported, resolve_device, resolve_dtype
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model
 from nonstop.transport import open_sink, open_source, plan_transport
@@ -18,7 +18,9 @@ from nonstop.types import GenerationRequest, SamplingParams
 def test_device_resolution_and_its_errors():
     assert resolve_device("cpu", "engine.device") == torch.device("cpu")
     assert resolve_device("auto", "trainer.device").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert resolve_dtype("auto", torch.device("cpu"), "engine.dtype") == torch.float32
+    assert resolve_dtype(None, torch.device("cpu"), "engine.dtype") == torch.float32  # unset: float32 on the CPU
+    cpu_auto = torch.bfloat16 if bf16_supported(torch.device("cpu")) else torch.float32
+    assert resolve_dtype("auto", torch.device("cpu"), "engine.dtype") == cpu_auto
     assert resolve_dtype("auto", torch.device("cuda"), "engine.dtype") == torch.bfloat16
     if not torch.cuda.is_available():
         with pytest.raises(

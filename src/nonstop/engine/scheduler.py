@@ -22,6 +22,9 @@ Contract:
   to (types.Routes): the prompt's at its prefill (shared by the group), each completion token's
   when it is fed back; a re-prefill after an abort replaces the prefix's routes with the ones
   recomputed under the new weights, since later tokens attend to that recomputed KV;
+- `stats["flops"]` adds up each forward pass's FLOPs (observe/flops.py: the tokens it ran, the
+  logits it computed and the causal attention pairs) when `flop_model` is set; over
+  `stats["busy_s"]` it is the engine's achieved FLOP/s;
 - with `group_cancel`, a swap cancels every in-flight group whose oldest token is more than
   `max_lag` versions behind; the group restarts from its prompt (counted in `groups_cancelled`).
 """
@@ -40,6 +43,7 @@ from nonstop.engine.runner import Runner
 from nonstop.engine.sampling import row_params, sample
 from nonstop.engine.sequence import Group, Seq
 from nonstop.engine.updates import WeightGate
+from nonstop.observe.flops import FlopModel, causal_pairs
 from nonstop.types import FinishReason, GenerationRequest, Sample
 
 
@@ -71,7 +75,9 @@ class Scheduler:
         self.reserved_tokens = 0
         self.draining = False
         self._row_params = None
+        self.flop_model: FlopModel | None = None
         self.stats = {
+            "flops": 0.0,
             "forward_passes": 0,
             "prefills": 0,
             "decode_steps": 0,
@@ -199,6 +205,12 @@ class Scheduler:
             prefixes.append(s.group.request.prompt_ids + s.ids)
             s.length = len(prefixes[-1])
         self.reprefill = []
+        if self.flop_model is not None:  # decode rows attend to their length + 1 keys, prefixes causally
+            self.stats["flops"] += self.flop_model.forward(
+                len(decoding) + sum(len(p) for p in prefixes),
+                len(decoding) + len(prefixes),
+                sum(s.length + 1 for s in decoding) + sum(causal_pairs(0, len(p)) for p in prefixes),
+            )
         if decoding:
             tokens = torch.tensor([s.pending for s in decoding])
             positions = torch.tensor([s.length for s in decoding])

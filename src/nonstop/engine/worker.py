@@ -6,6 +6,10 @@ loop, and all concurrent calls share one continuous-batching decode loop (engine
 each call returns as soon as its own groups are done. New weights arrive through the
 transport, never through these calls; the engine applies them between two forward passes as
 `engine.update_mode` says.
+`engine.dtype` resolves here, in the engine's process (device.py: auto is bfloat16 where the
+device has it); `stats()` reports it (`bf16`), the FLOPs of every forward pass so far (`flops`,
+over `busy_s`) and this process's matmul peak in that dtype (`peak_flops_per_s`), probed once
+at start (observe/flops.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from nonstop.config import EngineConfig
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model
+from nonstop.observe.flops import matmul_peak
 from nonstop.observe.spans import SpanLog
 from nonstop.transport import WeightSource, open_source
 from nonstop.types import GenerationRequest, Sample, TransportHandle
@@ -50,7 +55,8 @@ class EngineWorker:
         torch.manual_seed(seed)
         cfg = settings or EngineConfig()
         self.device = device = resolve_device(cfg.device, "engine.device")
-        model = place(load_model(model_path, resolve_dtype(cfg.dtype, device, "engine.dtype")), device)
+        self.dtype = resolve_dtype(cfg.dtype, device, "engine.dtype")
+        model = place(load_model(model_path, self.dtype), device)
         self.engine = TorchEngine(
             model,
             eos_token_ids,
@@ -59,6 +65,7 @@ class EngineWorker:
             settings=settings,
             detokenize=load_detokenizer(model_path),
         )
+        self.peak_flops = matmul_peak(self.dtype, device)
         self.spans = SpanLog(span_path)
         self.aio = AsyncEngine(self.engine, self.spans)
         self.source: WeightSource | None = None
@@ -80,7 +87,12 @@ class EngineWorker:
         return self.engine.policy_version
 
     async def stats(self) -> dict[str, float | int]:
-        return {"policy_version": self.engine.policy_version, **self.engine.scheduler.stats}
+        return {
+            "policy_version": self.engine.policy_version,
+            **self.engine.scheduler.stats,
+            "peak_flops_per_s": self.peak_flops,
+            "bf16": int(self.dtype == torch.bfloat16),
+        }
 
     async def sampling_state(self) -> dict[str, bytes]:
         """The state of the generator that requests without a seed draw their sampling noise from

@@ -7,5 +7,6 @@
 | `clock.py` | `Clock`: busy and idle seconds per side over wall time; `BusyClock`: busy while any work runs |
 | `spans.py` | `SpanLog`: per-process spans (decode passes, steps, publishes) written to `spans/` |
 | `timeline.py` | `Timeline`: spans put back together across processes, group lives, idle intervals |
+| `flops.py` | `FlopModel` (FLOPs of a forward pass), `matmul_peak` (the machine's probed peak), `FlopTally` |
 | `report.py` | `nonstop report`: the HTML report and figures of a run folder |
 """

@@ -18,6 +18,13 @@ def _lag_text(hist: dict[str, int]) -> str:
     return " ".join(f"{k}:{v / total:.0%}" for k, v in hist.items()) or "-"
 
 
+def _mfu_text(r: "StepRecord") -> str:
+    """Achieved FLOP/s as fractions of the measured matmul peaks: 'trainer%/engine%' ('-' where unknown)."""
+    trainer = r.trainer.get("peak_frac")
+    parts = [f"{x:.0%}" if x is not None else "-" for x in (trainer, r.engine_peak_frac)]
+    return "/".join(parts)
+
+
 class Progress:
     def __init__(self, mode: str, total_steps: int, console: Console | None = None) -> None:
         self.console = console or Console(stderr=False)
@@ -56,6 +63,7 @@ class Progress:
             "engine idle",
             "lag",
             "drops",
+            "mfu trainer/engine",
         ):
             t.add_column(col)
         acc = "-" if self.last_eval is None else f"{self.last_eval:.1%}"
@@ -71,6 +79,7 @@ class Progress:
             f"{r.engine_idle_frac:.0%}",
             _lag_text(r.lag_hist),
             str(sum(r.drops.values())),
+            _mfu_text(r),
         )
         return t
 
@@ -91,7 +100,7 @@ class Progress:
                 self.log(
                     f"step {record.step:>4} v{record.policy_version} reward {record.reward_mean:.3f}{acc} "
                     f"{record.samples_per_s:.0f} samples/s trainer idle {record.trainer_idle_frac:.0%} "
-                    f"lag {_lag_text(record.lag_hist)}"
+                    f"lag {_lag_text(record.lag_hist)} mfu {_mfu_text(record)}"
                 )
 
     def stop(self) -> None:

@@ -10,6 +10,8 @@ nonstop.observe.timeline) and draws with matplotlib (the optional extra `report`
 4. importance-ratio and clip statistics per step;
 5. samples/s generated and the engines' and trainer's busy fractions over time;
 6. groups dropped, by reason, and how long groups took from admission to delivery.
+Its table of facts includes the trainer's and the engines' achieved FLOP/s and their fraction of
+the probed matmul peak (summary.json's `flops`, docs/precision.md).
 
 The page embeds every figure as a base64 PNG, so it is one file that opens anywhere; the PNGs
 are written beside it (`RUN_DIR/report/`). A small inline script checks that every figure
@@ -201,6 +203,16 @@ FIGURES = {
 }
 
 
+def _flop_facts(flops: dict[str, Any]) -> list[tuple[str, str]]:
+    """summary.json's achieved FLOP/s (observe/flops.py) as 'GFLOP/s (fraction of the probed peak)'."""
+    out = []
+    for side in ("trainer", "engine"):
+        achieved, frac = flops.get(f"{side}_flops_per_s"), flops.get(f"{side}_peak_frac")
+        if achieved is not None and frac is not None:
+            out.append((f"{side} achieved FLOP/s", f"{achieved / 1e9:.1f} GFLOP/s ({frac:.0%} of its matmul peak)"))
+    return out
+
+
 def _facts(tl: Timeline, run_dir: Path) -> list[tuple[str, str]]:
     facts: list[tuple[str, str]] = [("run folder", str(run_dir))]
     summary_path = run_dir / "summary.json"
@@ -212,6 +224,7 @@ def _facts(tl: Timeline, run_dir: Path) -> list[tuple[str, str]]:
             ("steps", f"{s['steps']} (policy_version {s['policy_version']})"),
             ("samples/s (summary)", f"{s['samples_per_s']:.1f}"),
         ]
+        facts += _flop_facts(s.get("flops") or {})
     facts += [
         ("samples/s (span log)", f"{tl.samples_per_s():.1f}"),
         ("engine idle", f"{tl.idle_fraction('engine'):.1%}"),

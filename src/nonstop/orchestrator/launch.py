@@ -9,8 +9,11 @@ neither and the task section of the config decides both. Errors propagate: the c
 how to show them (the CLI prints one line and exits; the API raises).
 
 Before the run folder is made, `preflight` checks what can be checked cheaply (model.path,
-task.reward), so a mistake leaves nothing behind. A run that fails later leaves a FAILED file
-in its folder saying why and whether it can be resumed (removed when it is resumed).
+task.reward), and `fit_run` (orchestrator/fit.py) resolves the defaults that follow from the run's
+need and refuses a run whose memory plan does not fit, so a mistake leaves nothing behind. The
+plan is printed at start-up and written to the run folder (memory_plan.json). A run that fails
+later leaves a FAILED file in its folder saying why and whether it can be resumed (removed when
+it is resumed).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from nonstop.config import Config, ConfigError, dump_config
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from nonstop.orchestrator.fit import Fitted
     from nonstop.orchestrator.records import RunSummary
     from nonstop.scoring.rewards import RewardFn
     from nonstop.tasks.data import TaskData
@@ -112,24 +116,28 @@ def run_training(
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
     t0 = time.perf_counter()
+    from nonstop.orchestrator.fit import fit_run
+
     if resume_dir is None:
         preflight(cfg, reward)
         data = run_rows(cfg, data)
+        fitted = fit_run(cfg, data)  # a run that cannot fit is refused here, before its folder exists
         run_dir = make_run_dir(cfg)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        (run_dir / "config.yaml").write_text(dump_config(cfg))  # unresolved: a resume resolves again
     else:
         run_dir = resume_dir
         (run_dir / FAILED).unlink(missing_ok=True)
         data = run_rows(cfg, data)
+        fitted = fit_run(cfg, data)
     try:
-        return _run(cfg, console, run_dir, resume_dir, data, reward, t0)
+        return _run(fitted, console, run_dir, resume_dir, data, reward, t0)
     except BaseException as e:
         record_failure(run_dir, e)
         raise
 
 
 def _run(
-    cfg: Config,
+    fitted: Fitted,
     console: Console,
     run_dir: Path,
     resume_dir: Path | None,
@@ -140,9 +148,15 @@ def _run(
     from nonstop.checkpoint import latest_valid
     from nonstop.observe.progress import Progress
     from nonstop.orchestrator.pipeline import train
+    from nonstop.runtime.oom import remember_plan
     from nonstop.tasks.base import prepare_base_model
 
+    cfg = fitted.cfg  # need-dependent defaults resolved (config/sizing.py)
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
+        for line in (*fitted.plan.notes, *fitted.plan.table()):
+            progress.log(line)
+        (run_dir / "memory_plan.json").write_text(json.dumps(fitted.plan.to_dict(), indent=2))
+        remember_plan(fitted.plan.planned)
         for problem in data.report.problems:
             progress.log(f"[yellow]dataset:[/] {problem}; row skipped")
         if data.report.rows_skipped:
@@ -170,6 +184,8 @@ def _run(
             summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward))
         except asyncio.CancelledError:  # a second Ctrl-C cancelled the run's task
             raise KeyboardInterrupt from None
+        finally:
+            remember_plan(None)
     summary = replace(
         summary, wall_s=time.perf_counter() - t0, warmup_s=warmup_s, dataset_rows_skipped=data.report.rows_skipped
     )

@@ -77,6 +77,8 @@ async def learn(run: Run) -> StepRecord | None:
             run.policies.shared_trained(groups, done.trained_on, done.published.policy_version)
         out_of_time = cfg.run.max_time_s is not None and state.clock.wall() >= cfg.run.max_time_s
         record = step_record(run, step, groups, done.result, done.published)
+        state.flops.trainer_step(done.result.metrics)
+        record.engine_flops_per_s, record.engine_peak_frac = state.flops.engines(await run.engine.stats())
         if step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time:
             t_eval = now()
             record.eval_accuracy = await run.eval()

@@ -206,6 +206,7 @@ async def summarize(
     if run.policies is not None and policies is not None:
         for role, accuracy in (await run.eval_own()).items():
             policies[role].update(final_dir=own_final[role], final_accuracy=accuracy)
+    engine_stats = await run.engine.stats()
     return RunSummary(
         base_accuracy=run.state.base_accuracy,
         final_accuracy=last.eval_accuracy if last else None,
@@ -219,7 +220,7 @@ async def summarize(
         drops=dict(run.buffer.drops),
         reward_errors=dict(run.scorer.errors),
         skipped_steps=last.skipped_steps if last else 0,
-        engines=await run.engine.stats(),
+        engines=engine_stats,
         last_reward_error=run.scorer.last_error,
         final_dir=str(final_dir),
         prompts=run.ledger.report(),
@@ -231,4 +232,5 @@ async def summarize(
         policies=policies,
         last_checkpoint=run.state.last_checkpoint,
         run_dir=str(run.run_dir),
+        flops=run.state.flops.summary(engine_stats),
     )

@@ -57,6 +57,10 @@ class StepRecord:
     scoring: dict[str, Any] = field(default_factory=dict)  # the scoring stage's metrics of this step (latency, queue)
     episodes: dict[str, Any] | None = None  # environment runs: EpisodeStats.report() (episode_flow.py)
     policies: dict[str, Any] | None = None  # roles with their own policy: Policies.report() (policies.py)
+    engine_flops_per_s: float | None = (
+        None  # the engines' achieved FLOP/s since the last record (observe/flops.py FlopTally)
+    )
+    engine_peak_frac: float | None = None  # ... as a fraction of their matmul peak; None: engines without counts
 
     @property
     def lag_hist(self) -> dict[str, int]:
@@ -72,7 +76,7 @@ class StepRecord:
         trainer = d.pop("trainer")
         scoring = d.pop("scoring")
         head = {k: d.pop(k) for k in ("step", "policy_version", "time_s", "reward_mean", "prompts")}
-        for optional in ("eval_accuracy", "episodes", "policies"):
+        for optional in ("eval_accuracy", "episodes", "policies", "engine_flops_per_s", "engine_peak_frac"):
             if d[optional] is None:
                 del d[optional]
         return {**head, **trainer, **scoring, **d}
@@ -115,6 +119,7 @@ class RunSummary:
     dataset_rows_skipped: int = 0
     episodes: dict[str, Any] | None = None  # environment runs: the episode counters at the end
     policies: dict[str, Any] | None = None  # roles with their own policy: each policy's counters and final weights
+    flops: dict[str, Any] = field(default_factory=dict)  # FlopTally.summary(): achieved FLOP/s, peak fractions
     pools: dict[str, Any] | None = (
         None  # local backend: CPU seconds, busy and idle per role's pool (runtime/pinning.py)
     )

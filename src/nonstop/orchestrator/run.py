@@ -26,6 +26,7 @@ from nonstop.clients import TrainerClient
 from nonstop.config import Config
 from nonstop.envs.base import TurnEngine
 from nonstop.observe.clock import Clock
+from nonstop.observe.flops import FlopTally
 from nonstop.observe.progress import Progress
 from nonstop.observe.spans import SpanLog
 from nonstop.observe.tracking import MetricsSink
@@ -50,6 +51,7 @@ class RunState:
     base_accuracy: float = 0.0
     first_step: int = 1
     last_checkpoint: int | None = None
+    flops: FlopTally = field(default_factory=FlopTally)  # achieved FLOP/s (not checkpointed: counts from a resume)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     """Set by the first Ctrl-C (or SIGTERM): the learning loop ends after the current step and
     writes a checkpoint."""

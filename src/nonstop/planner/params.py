@@ -73,6 +73,8 @@ class Shape:
 
     @classmethod
     def of(cls, cfg: Config) -> "Shape":
+        from nonstop.config.sizing import DEFAULT_SLOTS
+
         return cls(
             cfg.runtime.num_engines,
             cfg.trainer.ranks,
@@ -80,7 +82,7 @@ class Shape:
             cfg.buffer.max_lag if cfg.buffer.reject == "group" else None,
             cfg.rollout.prompts_per_step,
             cfg.rollout.group_size,
-            cfg.engine.max_concurrent_seqs,
+            cfg.engine.max_concurrent_seqs or DEFAULT_SLOTS,  # unset: at most 256 (config/sizing.py)
             cfg.run.max_steps,
             cfg.run.eval_every,
             cfg.buffer.max_queued_groups,

@@ -41,7 +41,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nonstop.config import BaseRuntimeConfig
+from nonstop.config.machine import oom_kills
 from nonstop.runtime.base import ActorCallError, ActorDied
+from nonstop.runtime.oom import death_reason
 from nonstop.runtime.pinning import PoolMeter, pin, role_of
 from nonstop.runtime.procinfo import die_with_parent, name_process
 
@@ -159,6 +161,7 @@ class LocalActor:
         self.pid = process.pid
         self.conn = conn
         self.call_timeout_s = call_timeout_s
+        self.oom_before = oom_kills()  # the cgroup's OOM kills so far: a rise at its death names the OOM killer
         self._ids = itertools.count()
         self._pending: dict[int | None, asyncio.Future] = {}
         self._dead: str | None = None
@@ -167,9 +170,7 @@ class LocalActor:
 
     def _death_reason(self) -> str:
         self.process.join(timeout=1.0)
-        code = self.process.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return f"actor '{self.name}' (pid {self.process.pid}) died ({how})"
+        return death_reason(self.name, self.process.pid, self.process.exitcode, self.oom_before)
 
     def _on_readable(self) -> None:
         while self._dead is None:  # every answer already waiting, in one go

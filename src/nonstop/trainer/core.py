@@ -150,7 +150,7 @@ class Trainer:
         """(Re)build the optimizer and its lr schedule over the current trainable parameters."""
         cfg = self.cfg
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda n: lr_factor(n, cfg.lr_warmup_steps, cfg.lr_schedule, self.total_steps)

@@ -19,19 +19,29 @@ reference is the plain base, and `save` / `save_checkpoint` write peft adapter f
 (adapter_config.json + adapter_model.safetensors). A LoRA trainer resumes from the base
 (`model_path`) plus `adapter_path` (the checkpoint's `model/`), and, since an engine holds only
 the base, publishes its current adapters as soon as the transport is connected.
+
+Precision (docs/precision.md): `trainer.precision` resolves here, in the trainer's process, to
+float32 or bfloat16; with bfloat16 every forward and backward runs under torch.autocast in it
+while the weights, gradients and AdamW state stay float32. Every step record carries the
+resolved `precision`, the step's FLOPs (observe/flops.py), its achieved FLOP/s over the step's
+own time plus the forwards it ran ahead, and that figure's fraction of this process's matmul
+peak in the step's dtype, probed once when the worker starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
-from nonstop.device import on, place, resolve_device
+from nonstop.device import dtype_name, on, place, resolve_device, resolve_dtype
 from nonstop.hf import CausalLM, load_model
+from nonstop.observe.flops import FlopModel, matmul_peak, rate, train_flops
 from nonstop.observe.spans import SpanLog, now
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
@@ -85,6 +95,20 @@ class TrainerWorker:
         self.published_version = self.trainer.policy_version  # what the engines hold (they start from it)
         self.busy_s = 0.0
         self.spans = SpanLog(span_path)
+        self.dtype = resolve_dtype(cfg.precision or "float32", self.device, "trainer.precision")
+        if self.dtype == torch.float16:
+            raise ValueError("trainer.precision: float16 autocast needs loss scaling; use bfloat16")
+        self.flop_model = FlopModel.of(model)
+        # LoRA: the frozen base needs activation gradients only (2 x forward instead of 3 x)
+        self.flop_factor = (2 if self.lora is not None else 3) + (1 if self.trainer.reference is not None else 0)
+        self.peak_flops = matmul_peak(self.dtype, self.device)
+        self.ahead_s = 0.0  # forwards run ahead since the last step: part of the next step's work
+
+    def _precision(self):
+        """The context of every forward and backward: autocast in bfloat16, or nothing in float32."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def rendezvous(self, host: str | None) -> tuple[str, int]:
         return rendezvous(host)
@@ -135,12 +159,22 @@ class TrainerWorker:
 
     def step(self, groups: list[Group]) -> StepResult:
         t0, cpu0 = now(), time.process_time()
-        with on(self.device):
-            metrics = self.trainer.step(groups)
+        with on(self.device), self._precision():
+            metrics: dict[str, Any] = self.trainer.step(groups)
         t1, cpu_s = now(), time.process_time() - cpu0
         train_s = t1 - t0
         self.busy_s += train_s
-        metrics.update(train_s=train_s)
+        flops = train_flops(self.flop_model, groups, self.trainer.shared_prompts, self.flop_factor)
+        achieved, frac = rate(flops, train_s + self.ahead_s, self.peak_flops)
+        self.ahead_s = 0.0
+        metrics.update(
+            train_s=train_s,
+            precision=dtype_name(self.dtype),
+            flops=flops,
+            flops_per_s=achieved,
+            peak_flops_per_s=self.peak_flops,
+            peak_frac=frac,
+        )
         update_s = metrics["update_s"]
         assert isinstance(update_s, float)  # Trainer.step reports it in seconds
         self.spans.emit(
@@ -158,10 +192,11 @@ class TrainerWorker:
     def forward_ahead(self, groups: list[Group]) -> AheadResult:
         """The forward pass of the coming batch's first groups, for the next step (trainer/ahead.py)."""
         t0, cpu0 = now(), time.process_time()
-        with on(self.device):
+        with on(self.device), self._precision():
             held = self.trainer.forward_ahead(groups)
         t1 = now()
         self.busy_s += t1 - t0
+        self.ahead_s += t1 - t0
         self.spans.emit(
             "ahead", t0=round(t0, 6), t1=round(t1, 6), groups=held, cpu_s=round(time.process_time() - cpu0, 6)
         )

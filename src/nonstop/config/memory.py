@@ -1,0 +1,373 @@
+"""The preflight memory plan: what each process of a run will hold, from config.json alone.
+
+`plan_memory(cfg, shape, machine)` takes a config whose need-dependent defaults are resolved
+(config/sizing.py) and the policy's `ModelShape`, and returns a `MemoryPlan`: per process kind
+(one engine, one trainer rank, the orchestrator, shared memory) its items in bytes, each with
+the formula it came from and the fields that change it. Figures (docs/memory.md):
+
+- engine (built-in): weights (params x engine dtype), the KV cache (slots x max_seq_len x layers
+  x 2 x KV heads x head dim x dtype: exactly what the runner allocates), a float32 staging copy
+  of the weights where the update mode applies versions later or the engine is not float32,
+  the transport's receive buffers (broadcast: 2 flat copies, files: 1, 2 with notify http);
+- engine (vLLM): its reservation (kv_cache_gib + weights, else memory_fraction x the machine's
+  memory), the float32 staging model it receives into, receive buffers, two runtimes (the actor
+  and vLLM's engine core);
+- trainer rank: float32 weights, gradients and AdamW's two float32 states of what it trains (all
+  weights, or the LoRA adapters; fsdp2 shards the three over the ranks), the parameter-sized
+  temporaries of torch's foreach AdamW step, DDP's gradient buckets,
+  a KL reference or distillation teacher, and activations (an estimate: per token of the
+  forward and per layer 6 x hidden + 2 x KV width + 4 x MLP width float32 values kept for
+  backward (two norms' inputs and outputs, q, the attention output, k, v; the MLP's gate, up,
+  SiLU and product), plus the
+  completion tokens' log-probs over the vocabulary, which autograd keeps for every chunk);
+- shm transport: N + 2 slots of the sent weights in /dev/shm, charged once to the machine;
+- every process: RUNTIME_BYTES for Python, torch and transformers (246 MiB measured); the
+  orchestrator ORCHESTRATOR_BYTES (360 MiB measured with the default task).
+
+Items on a GPU are listed but not counted against the host. `MemoryPlan.check()` raises a
+ConfigError naming the field to change when the host total exceeds what the run may use
+(run.memory_limit_gib, else the machine's available memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nonstop.config import Config, ConfigError
+from nonstop.config.machine import GIB, MachineMemory
+from nonstop.config.shape import ModelShape
+from nonstop.config.sizing import engine_dtype_bytes
+
+RUNTIME_BYTES = 300 * 1024**2
+"""One process's Python + torch + transformers (246 MiB RSS measured), rounded up."""
+ORCHESTRATOR_BYTES = 400 * 1024**2
+"""The orchestrator: a runtime plus the task's rows, the tokenizer and the pipeline's state."""
+SHARED_PROMPT_TYPES = ("qwen2", "llama")
+"""Models the trainer's shared-prompt forward takes (trainer/forward.py SUPPORTED_TYPES)."""
+VLLM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    bytes: int
+    detail: str
+    """How the figure is made, e.g. '256 seqs x 4096 tokens x 24 layers x 2 (K and V) x ...'."""
+    field: str
+    """The config field that changes it most directly, named first in a refusal."""
+    change: str
+    """What lowers it, e.g. 'lower engine.max_concurrent_seqs or engine.max_seq_len'."""
+    on_host: bool = True
+
+
+@dataclass
+class Proc:
+    name: str
+    """The process kind, as actors are named: 'engine', 'trainer', 'orchestrator', 'shm segment'."""
+    count: int
+    items: list[Item] = field(default_factory=list)
+
+    def add(self, name: str, nbytes: float, detail: str, fld: str, change: str, on_host: bool = True) -> None:
+        if nbytes > 0:
+            self.items.append(Item(name, int(nbytes), detail, fld, change, on_host))
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(i.bytes for i in self.items if i.on_host)
+
+
+def size(n: float) -> str:
+    """Bytes for people: '1.4 MiB', '25.8 GiB'."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
+@dataclass
+class MemoryPlan:
+    procs: list[Proc]
+    limit: int
+    """Bytes the run may hold (run.memory_limit_gib, else the machine's available memory)."""
+    limit_source: str
+    notes: tuple[str, ...] = ()
+    """The defaults resolved for this run (config/sizing.py)."""
+
+    @property
+    def total(self) -> int:
+        return sum(p.host_bytes * p.count for p in self.procs)
+
+    def planned(self, actor: str) -> int | None:
+        """Host bytes planned for the actor named `actor` ('engine-0', 'trainer', 'nim-engine-1')."""
+        head, _, tail = actor.rpartition("-")
+        base = head if tail.isdigit() else actor
+        for p in self.procs:
+            if p.name in (actor, base):
+                return p.host_bytes
+        return None
+
+    def check(self) -> None:
+        """ConfigError naming the field to change, with the figures, if the plan does not fit."""
+        if self.total <= self.limit:
+            return
+        proc, item = max(
+            ((p, i) for p in self.procs for i in p.items if i.on_host), key=lambda pi: pi[1].bytes * pi[0].count
+        )
+        per = f"{size(item.bytes)} per {proc.name} x {proc.count}" if proc.count > 1 else size(item.bytes)
+        raise ConfigError(
+            f"{item.field}: the run's memory plan needs {size(self.total)} but {size(self.limit)} is available "
+            f"({self.limit_source}); the largest part is the {proc.name}'s {item.name}, {per} ({item.detail}); "
+            f"{item.change}. Plan: "
+            + "; ".join(f"{p.name} x{p.count} {size(p.host_bytes)}" for p in self.procs)
+            + " (docs/memory.md; run.memory_limit_gib overrides what is available)"
+        )
+
+    def table(self) -> list[str]:
+        """The plan as a few lines for the start-up output."""
+        lines = [f"memory plan: {size(self.total)} of {size(self.limit)} available ({self.limit_source})"]
+        for p in self.procs:
+            parts = ", ".join(f"{i.name} {size(i.bytes)}{'' if i.on_host else ' (GPU)'}" for i in p.items)
+            lines.append(f"  {p.name:<14} x{p.count}  {size(p.host_bytes):>10}  {parts}")
+        return lines
+
+    def to_dict(self) -> dict:
+        return {
+            "total_bytes": self.total,
+            "limit_bytes": self.limit,
+            "limit_source": self.limit_source,
+            "fits": self.total <= self.limit,
+            "resolved": list(self.notes),
+            "processes": [
+                {
+                    "process": p.name,
+                    "count": p.count,
+                    "host_bytes_each": p.host_bytes,
+                    "items": [
+                        {"name": i.name, "bytes": i.bytes, "detail": i.detail, "field": i.field, "on_host": i.on_host}
+                        for i in p.items
+                    ],
+                }
+                for p in self.procs
+            ],
+        }
+
+
+def _on_gpu(spec: str) -> bool:
+    """Where a device setting puts a process (an impossible one fails in the actor, naming its field)."""
+    if spec == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return spec.startswith("cuda")
+
+
+def _receive_buffers(cfg: Config, sent: int) -> tuple[int, str]:
+    kind = cfg.transport.kind
+    if kind == "broadcast":
+        return 2 * sent, "2 flat copies (ready, receiving)"
+    if kind == "files":
+        copies = 2 if getattr(cfg.transport, "notify", "marker") == "http" else 1
+        return copies * sent, f"{copies} loaded version(s)"
+    return 0, ""
+
+
+SMALLER = ("model.path", "use a smaller model")
+
+
+def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, machine_total: int) -> Proc:
+    p, e, params = Proc(name, count), cfg.engine, shape.params
+    fewer = ("runtime.num_engines", "lower runtime.num_engines") if count > 1 else SMALLER
+    recv, how = _receive_buffers(cfg, sent)
+    adapters = ("model.lora.enabled", "set model.lora.enabled=true (only the adapters travel)")
+    if e.kind == "vllm":
+        v = e.vllm
+        vb = shape.dtype if v.dtype == "auto" else v.dtype
+        weights = params * VLLM_BYTES.get(vb.replace("torch.", ""), 4)
+        if v.kv_cache_gib is not None:
+            p.add(
+                "vllm reserve",
+                weights + v.kv_cache_gib * GIB,
+                f"weights + kv_cache_gib {v.kv_cache_gib:g}",
+                "engine.vllm.kv_cache_gib",
+                "lower engine.vllm.kv_cache_gib",
+            )
+        else:
+            p.add(
+                "vllm reserve",
+                max(weights, v.memory_fraction * machine_total),
+                f"memory_fraction {v.memory_fraction:g} x {size(machine_total)}",
+                "engine.vllm.memory_fraction",
+                "lower engine.vllm.memory_fraction",
+            )
+        p.add("staging", params * 4, f"{params:,} params x 4 bytes (the float32 model vLLM reloads from)", *fewer)
+        p.add("transport", recv, how, *adapters)
+        p.add("runtime", 2 * RUNTIME_BYTES, "the actor + vLLM's engine core", *fewer)
+        return p
+    gpu = _on_gpu(e.device)
+    eb = engine_dtype_bytes(cfg)
+    slots, seq = e.max_concurrent_seqs or 1, e.max_seq_len or shape.max_positions
+    p.add("weights", params * eb, f"{params:,} params x {eb} bytes", *fewer, on_host=not gpu)
+    p.add(
+        "kv_cache",
+        slots * seq * shape.kv_bytes_per_token(eb),
+        f"{slots} seqs x {seq} tokens x {shape.kv_formula(eb)}",
+        "engine.max_concurrent_seqs",
+        "lower engine.max_concurrent_seqs or engine.max_seq_len",
+        on_host=not gpu,
+    )
+    if e.update_mode != "never_stop" or eb != 4 or gpu:
+        from nonstop.config.kinds import device_path_of
+
+        p.add(
+            "staging",
+            params * 4,
+            f"float32 copy: update_mode {e.update_mode}, {eb}-byte weights",
+            "engine.update_mode",
+            "use engine.update_mode never_stop",
+            on_host=not gpu or device_path_of(cfg.transport) == "host",
+        )
+    p.add("transport", recv, how, *adapters)
+    p.add("runtime", RUNTIME_BYTES, "Python, torch, transformers", *fewer)
+    return p
+
+
+def forward_tokens(cfg: Config, shape: ModelShape, seq: int) -> tuple[int, int, int]:
+    """(tokens one trainer rank's forward holds, its rows, completion tokens per row). Single-turn
+    batches on Qwen2/Llama run each prompt once and the completions against it (trainer/forward.py):
+    groups x prompt + rows x completion; otherwise (episodes, other models, fsdp2) rows x sequence."""
+    r, t = cfg.rollout, cfg.trainer
+    rows = math.ceil(r.prompts_per_step * r.group_size / t.ranks)
+    if cfg.env is not None:
+        return rows * seq, rows, seq
+    new = min(r.max_new_tokens, seq)
+    if shape.model_type in SHARED_PROMPT_TYPES and not (t.ranks > 1 and t.data_parallel == "fsdp2"):
+        groups = math.ceil(r.prompts_per_step / t.ranks)
+        return groups * (seq - new) + rows * new, rows, new
+    return rows * seq, rows, new
+
+
+def _trainer(
+    cfg: Config, shape: ModelShape, name: str, trained: int, extra: list[tuple[str, int, str, str]], seq: int
+) -> Proc:
+    t = cfg.trainer
+    ranks = t.ranks
+    p, gpu, params = Proc(name, ranks), _on_gpu(t.device), shape.params
+    shard = ranks if ranks > 1 and t.data_parallel == "fsdp2" else 1
+    per = f" / {shard} ranks (fsdp2)" if shard > 1 else ""
+    what = "adapter " if cfg.model.lora.enabled else ""
+    lora = ("model.lora.enabled", "set model.lora.enabled=true (only adapters get gradients and optimizer state)")
+    p.add("weights", params * 4 / shard, f"{params:,} params x 4 bytes{per}", *SMALLER, on_host=not gpu)
+    p.add("grads", trained * 4 / shard, f"{trained:,} {what}params x 4 bytes{per}", *lora, on_host=not gpu)
+    p.add(
+        "optimizer",
+        trained * 8 / shard,
+        f"AdamW: 2 states x {trained:,} {what}params x 4 bytes{per}",
+        *lora,
+        on_host=not gpu,
+    )
+    # torch's foreach AdamW makes parameter-sized temporaries in each step: without this item a
+    # 104 M-parameter trainer peaked 0.34 GiB above its plan (measured by hand, docs/memory.md)
+    p.add(
+        "step temporaries",
+        trained * 4 / shard,
+        f"AdamW foreach: 1 x {trained:,} x 4 bytes{per}",
+        *lora,
+        on_host=not gpu,
+    )
+    if ranks > 1 and t.data_parallel == "ddp":
+        p.add(
+            "ddp buckets",
+            trained * 4,
+            "a copy of the gradients",
+            "trainer.ranks",
+            "lower trainer.ranks",
+            on_host=not gpu,
+        )
+    for item, nbytes, detail, fld in extra:
+        p.add(item, nbytes, detail, fld, f"change {fld}", on_host=not gpu)
+    tokens, rows, new = forward_tokens(cfg, shape, seq)
+    width = shape.intermediate if not shape.experts else shape.expert_intermediate * max(1, shape.experts_per_token)
+    kv_width = shape.kv_heads * shape.head_dim
+    per_token = shape.layers * (6 * shape.hidden + 2 * kv_width + 4 * (width + shape.shared_intermediate)) * 4
+    # every chunk's log-softmax (rows x new x V) stays for backward; one chunk's logits and grads are transient
+    logit_rows = rows * (2 if t.entropy_coef > 0 else 1) + 2 * min(rows, t.logprob_chunk_rows)
+    p.add(
+        "activations",
+        tokens * per_token + logit_rows * new * shape.vocab * 4,
+        f"estimate: {tokens} tokens x {shape.layers} layers x (6 x {shape.hidden} + 2 x {kv_width} + 4 x {width}) "
+        "x 4 bytes "
+        f"+ {logit_rows} x {new} x {shape.vocab} log-probs x 4 bytes",
+        "rollout.prompts_per_step",
+        "lower rollout.prompts_per_step or rollout.group_size",
+        on_host=not gpu,
+    )
+    p.add("runtime", RUNTIME_BYTES, "Python, torch, transformers", *SMALLER)
+    return p
+
+
+def plan_memory(
+    cfg: Config,
+    shape: ModelShape,
+    machine: MachineMemory,
+    notes: tuple[str, ...] = (),
+    folder_of=None,
+    seq_len: int | None = None,
+) -> MemoryPlan:
+    """The plan of a run whose need-dependent defaults `cfg` already holds (config/sizing.py).
+    `folder_of(path, field)` turns a teacher / reward model / role path into a folder with a
+    config.json (preflight.resolve_model_path); None reads the paths as they are. `seq_len`: the
+    run's longest sequence (sizing.run_seq_len), which bounds what trainers see; None:
+    engine.max_seq_len, else the model's positions."""
+    seq = seq_len or cfg.engine.max_seq_len or shape.max_positions
+    folder_of = folder_of or (lambda path, _field: Path(path))
+    lora = cfg.model.lora
+    trained = shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else shape.params
+    sent = trained * 4  # what the transport carries: float32 weights, or only the adapters
+    extra: list[tuple[str, int, str, str]] = []
+    if cfg.trainer.kl_coef > 0:
+        extra.append(("reference", shape.params * 4, f"{shape.params:,} params x 4 bytes", "trainer.kl_coef"))
+    if cfg.distill.teacher is not None:
+        teacher = ModelShape.from_folder(folder_of(cfg.distill.teacher, "distill.teacher")).params
+        extra.append(("teacher", teacher * 4, f"{teacher:,} params x 4 bytes", "distill.teacher"))
+    procs = [
+        _engine(cfg, shape, "engine", cfg.runtime.num_engines, sent, machine.total),
+        _trainer(cfg, shape, "trainer", trained, extra, seq),
+    ]
+    segments = [("shm segment", cfg.runtime.num_engines)]
+    for role, own in cfg.env.policies.items() if cfg.env is not None else ():
+        role_shape = ModelShape.from_folder(folder_of(own.path, f"env.policies.{role}.path")) if own.path else shape
+        role_sent = (role_shape.lora_params(lora.rank, lora.target_modules) if own.lora else role_shape.params) * 4
+        procs.append(_engine(cfg, role_shape, f"{role}-engine", own.num_engines, role_sent, machine.total))
+        procs.append(_trainer(cfg, role_shape, f"{role}-trainer", role_sent // 4, [], seq))
+        segments.append((f"{role} shm segment", own.num_engines))
+    if cfg.scoring.reward_model is not None:
+        rm = ModelShape.from_folder(folder_of(cfg.scoring.reward_model.path, "scoring.reward_model.path"))
+        scorer = Proc("reward-model", 1)
+        rm_field = ("scoring.reward_model.path", "use a smaller reward model")
+        scorer.add(
+            "weights", (rm.params - (0 if rm.tied else rm.vocab * rm.hidden)) * 4, "float32, no lm_head", *rm_field
+        )
+        scorer.add("runtime", RUNTIME_BYTES, "Python, torch, transformers", *rm_field)
+        procs.append(scorer)
+    orchestrator = Proc("orchestrator", 1)
+    orchestrator.add(  # 360 MiB measured with the default task's 10,000 rows
+        "runtime", ORCHESTRATOR_BYTES, "Python, torch, transformers, the task's rows", *SMALLER
+    )
+    procs.append(orchestrator)
+    if cfg.transport.kind == "shm":
+        for seg_name, engines in segments:
+            seg = Proc(seg_name, 1)
+            fewer = (
+                ("runtime.num_engines", "lower runtime.num_engines")
+                if engines > 1
+                else ("model.lora.enabled", "set model.lora.enabled=true (only the adapters travel)")
+            )
+            seg.add("slots", (engines + 2) * sent, f"({engines} engines + 2) slots x {size(sent)} sent", *fewer)
+            procs.append(seg)
+    if cfg.run.memory_limit_gib is not None:
+        limit, source = int(cfg.run.memory_limit_gib * GIB), "run.memory_limit_gib"
+    else:
+        limit, source = machine.available, f"the machine's available memory, {machine.source}"
+    return MemoryPlan(procs, limit, source, notes)

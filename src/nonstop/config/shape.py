@@ -1,0 +1,138 @@
+"""A model's shape from its config.json alone (no weights loaded): parameter counts and KV bytes.
+
+`ModelShape.from_config(fields)` reads the fields every Llama-family config has (Qwen2/3,
+Llama, Mistral and their MoE variants); `shape_of(cfg)` is the shape a run trains: the folder
+of `model.path` (its config.json), or the built-in tiny model's. The counts are exact for the
+architectures the built-in engine runs (tests compare them with the instantiated models):
+
+- embeddings V x h, plus an untied lm_head V x h;
+- per layer: q (h x H*D), k and v (h x KV*D each), o (H*D x h), their biases where the family
+  has them (Qwen2: q, k, v), Qwen3's per-head q/k norms (2 D), two RMSNorms (2 h), and the MLP:
+  dense 3 h I, or E experts of 3 h I_e plus the router (h x E) and, for Qwen2-MoE, a shared
+  expert (3 h I_s) and its gate (h);
+- a final RMSNorm (h).
+
+`kv_bytes_per_token(dtype_bytes)` is what one cached token costs across the layers: keys and
+values, KV heads x head dim each, in the cache's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nonstop.config import Config
+
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+LORA_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    max_positions: int
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    dtype: str = "float32"
+    """The dtype config.json records for the weights (vLLM's dtype 'auto' loads in it)."""
+
+    @classmethod
+    def from_config(cls, f: Mapping[str, Any]) -> ModelShape:
+        text = f.get("text_config")
+        if isinstance(text, Mapping):  # a multimodal wrapper: the language model's fields
+            f = {**f, **text}
+        heads = int(f["num_attention_heads"])
+        hidden = int(f["hidden_size"])
+        experts = int(f.get("num_experts") or f.get("num_local_experts") or 0)
+        return cls(
+            model_type=str(f.get("model_type", "")),
+            hidden=hidden,
+            layers=int(f["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(f.get("num_key_value_heads") or heads),
+            head_dim=int(f.get("head_dim") or hidden // heads),
+            intermediate=int(f.get("intermediate_size") or 0),
+            vocab=int(f["vocab_size"]),
+            tied=bool(f.get("tie_word_embeddings", False)),
+            max_positions=int(f.get("max_position_embeddings") or 2048),
+            experts=experts,
+            experts_per_token=int(f.get("num_experts_per_tok") or 0) if experts else 0,
+            expert_intermediate=int(f.get("moe_intermediate_size") or f.get("intermediate_size") or 0)
+            if experts
+            else 0,
+            shared_intermediate=int(f.get("shared_expert_intermediate_size") or 0) if experts else 0,
+            dtype=str(f.get("dtype") or f.get("torch_dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelShape:
+        return cls.from_config(json.loads((Path(folder) / "config.json").read_text()))
+
+    def _attention(self) -> int:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        n = h * q + 2 * h * kv + q * h
+        if self.model_type in QKV_BIAS_TYPES:
+            n += q + 2 * kv
+        if self.model_type in QK_NORM_TYPES:
+            n += 2 * self.head_dim
+        return n
+
+    def _mlp(self) -> int:
+        h = self.hidden
+        if not self.experts:
+            return 3 * h * self.intermediate
+        n = self.experts * 3 * h * self.expert_intermediate + h * self.experts
+        if self.shared_intermediate:
+            n += 3 * h * self.shared_intermediate + h
+        return n
+
+    @property
+    def layer_params(self) -> int:
+        return self._attention() + self._mlp() + 2 * self.hidden
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden
+        return embed * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+
+    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Adapter parameters of rank `rank` on the dense linear modules named in `targets`
+        (A: r x in, B: out x r); fused MoE experts take no adapters."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if not self.experts:
+            sizes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        per_layer = sum(rank * (a + b) for name, (a, b) in sizes.items() if name in targets)
+        return self.layers * per_layer
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def kv_formula(self, dtype_bytes: int) -> str:
+        heads = f"{self.kv_heads} KV heads x {self.head_dim} dims"
+        return f"{self.layers} layers x 2 (K and V) x {heads} x {dtype_bytes} bytes"
+
+
+def shape_of(cfg: Config, model_dir: str | Path | None = None) -> ModelShape:
+    """The shape of the run's policy: `model_dir`'s config.json (the resolved model.path), or the
+    built-in tiny model's when model.path is None."""
+    if model_dir is not None:
+        return ModelShape.from_folder(model_dir)
+    from nonstop.tasks.tiny import tiny_config
+
+    return ModelShape.from_config(tiny_config(cfg.model.tiny).to_dict())

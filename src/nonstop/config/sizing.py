@@ -1,0 +1,172 @@
+"""Defaults that follow from the run and the model: engine limits and the learning rate (docs/memory.md).
+
+Config fields left None here resolve in one place each, and a training run resolves them all
+once, before any actor starts (`size_run`), so every actor gets concrete numbers:
+
+- `engine.max_seq_len` / `engine.vllm.max_model_len`: what the run needs, the longest admitted
+  prompt + rollout.max_new_tokens (an environment run: env.max_episode_tokens, which bounds a
+  role's whole sequence), at most the model's max_position_embeddings (`run_seq_len`). An
+  engine built outside a run (`nonstop serve`, tests) has no run to ask: the model's
+  max_position_embeddings, at most 4096 (`engine_limits`).
+- `engine.max_concurrent_seqs`: 256, or fewer when 256 sequences of max_seq_len tokens would
+  not fit the KV budget, `engine.kv_cache_fraction` of the machine's memory (the cgroup limit,
+  else RAM; run.memory_limit_gib when set) shared by the engines, but never fewer than one
+  group (rollout.group_size) needs (`engine_slots`); the memory plan then decides whether the
+  run fits at all.
+- `trainer.lr`: 6e-4 for the built-in tiny model (the value its default job was tuned with);
+  for a loaded model (model.path) 1e-5 x sqrt(1e8 / N) for N parameters, kept within
+  [1e-6, 1e-5] (about 4.5e-6 at 0.5B, 1.2e-6 at 7B), times 10 with LoRA, where only the
+  adapters learn (`learning_rate`).
+- `engine.dtype` / `trainer.precision`: auto for a loaded model of at least AUTO_BF16_MIN_PARAMS
+  parameters (bf16 where the actor's device has it, decided in the actor: device.py); left None
+  otherwise, which keeps the built-in tiny model's default job in float32 on the CPU
+  (docs/precision.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nonstop.config import Config, EngineConfig
+from nonstop.config.actors import TINY_MODEL_LR
+from nonstop.config.shape import ModelShape
+
+DEFAULT_SLOTS = 256
+"""engine.max_concurrent_seqs when unset and the KV budget allows it."""
+UNBOUND_MAX_SEQ_LEN = 4096
+"""engine.max_seq_len of an engine built without a run (serve), when the model allows more."""
+LOADED_LR_REF = 1e-5
+"""trainer.lr of a loaded model of 1e8 parameters; it falls with the square root of the size."""
+LOADED_LR_RANGE = (1e-6, 1e-5)
+LORA_LR_FACTOR = 10.0
+TINY_LR_MAX_PARAMS = 10_000_000
+"""A loaded model below this size is of the tiny family (a `nonstop warmup` base, the examples' students):
+it keeps the tiny model's trainer.lr, the value those shapes were tuned with, not the rule for real models."""
+GIB = 1024**3
+AUTO_BF16_MIN_PARAMS = 50_000_000
+"""engine.dtype and trainer.precision left None resolve to auto from this size of loaded model up: below
+it, per-token overheads rather than matmuls bound a CPU step, so bf16 gains little and float32 keeps
+small runs (and the tests' small saved models) comparable across CPU kinds."""
+
+
+def run_seq_len(cfg: Config, longest_prompt: int, max_positions: int) -> int:
+    """The longest sequence a training run's engines see (prompt + completion), in tokens."""
+    need = cfg.env.max_episode_tokens if cfg.env is not None else longest_prompt + cfg.rollout.max_new_tokens
+    return max(2, min(need, max_positions))
+
+
+def engine_slots(seq_len: int, kv_bytes_per_token: int, budget_bytes: float, at_least: int) -> int:
+    """Sequences the built-in engine decodes together when engine.max_concurrent_seqs is unset:
+    DEFAULT_SLOTS, fewer if their KV cache would exceed `budget_bytes`, never below `at_least`."""
+    fit = int(budget_bytes // max(1, seq_len * kv_bytes_per_token))
+    return max(at_least, min(DEFAULT_SLOTS, fit))
+
+
+def engine_limits(
+    settings: EngineConfig,
+    max_positions: int,
+    kv_bytes_per_token: int,
+    memory_bytes: float | None = None,
+    engines: int = 1,
+    at_least: int = 1,
+) -> tuple[int, int]:
+    """(max_seq_len, max_concurrent_seqs) of a built-in engine: the settings where set, else an
+    engine outside a run's rule (see the module docstring). `memory_bytes` None reads the machine's."""
+    seq_len = settings.max_seq_len or min(max_positions, UNBOUND_MAX_SEQ_LEN)
+    if settings.max_concurrent_seqs is not None:
+        return seq_len, settings.max_concurrent_seqs
+    if memory_bytes is None:
+        from nonstop.config.machine import machine_memory
+
+        memory_bytes = machine_memory().total
+    budget = settings.kv_cache_fraction * memory_bytes / engines
+    return seq_len, engine_slots(seq_len, kv_bytes_per_token, budget, at_least)
+
+
+def learning_rate(cfg: Config, params: int | None) -> tuple[float, str]:
+    """trainer.lr resolved, and where the value comes from (for the start-up log).
+    `params`: the loaded model's parameter count (None: the built-in tiny model)."""
+    if cfg.trainer.lr is not None:
+        return cfg.trainer.lr, "trainer.lr"
+    if cfg.model.path is None or params is None:
+        return TINY_MODEL_LR, "the built-in tiny model's"
+    if params < TINY_LR_MAX_PARAMS:
+        return TINY_MODEL_LR, f"the tiny model's, for a loaded model of {params / 1e6:.1f} M parameters (under 10 M)"
+    lo, hi = LOADED_LR_RANGE
+    lr = min(hi, max(lo, LOADED_LR_REF * math.sqrt(1e8 / params)))
+    lora = cfg.model.lora.enabled
+    lr = float(f"{lr * (LORA_LR_FACTOR if lora else 1.0):.2g}")  # a number people can read back
+    what = f"{params / 1e6:.0f} M parameters{', LoRA' if lora else ''}"
+    return lr, f"the rule for a loaded model of {what} (docs/memory.md; set trainer.lr to choose)"
+
+
+@dataclass(frozen=True)
+class Sized:
+    """A run's config with every need-dependent default resolved, and what was resolved how."""
+
+    cfg: Config
+    notes: tuple[str, ...]
+    """One line per field resolved here, e.g. 'engine.max_seq_len: 11 (longest prompt 7 + ...)'."""
+    seq_len: int
+    """The run's longest sequence (run_seq_len), whatever engine.max_seq_len says: what trainers see."""
+
+
+def engine_dtype_bytes(cfg: Config) -> int:
+    """Bytes per element of the built-in engine's weights and KV cache (dtype auto: bf16 on a GPU)."""
+    spec = cfg.engine.dtype
+    if spec is None or spec == "auto":  # as the engine resolves it (device.resolve_dtype), asked here too
+        from nonstop.device import resolve_device, resolve_dtype
+
+        return resolve_dtype(spec, resolve_device(cfg.engine.device, "engine.device"), "engine.dtype").itemsize
+    return 4 if spec == "float32" else 2
+
+
+def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: int) -> Sized:
+    """`cfg` with engine.max_seq_len, engine.max_concurrent_seqs, engine.vllm.max_model_len and
+    trainer.lr resolved for a run whose longest admitted prompt has `longest_prompt` tokens, on
+    a machine of `memory_total` bytes (or run.memory_limit_gib)."""
+    notes: list[str] = []
+    seq_len = run_seq_len(cfg, longest_prompt, shape.max_positions)
+    why = (
+        f"env.max_episode_tokens {cfg.env.max_episode_tokens}"
+        if cfg.env is not None
+        else f"longest prompt {longest_prompt} + rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
+    )
+    why += f", at most the model's {shape.max_positions} positions"
+    engine = cfg.engine
+    update: dict = {}
+    trainer = cfg.trainer
+    if cfg.model.path is not None and shape.params >= AUTO_BF16_MIN_PARAMS:  # docs/precision.md
+        why = f"a loaded model of {shape.params / 1e6:.0f} M >= {AUTO_BF16_MIN_PARAMS / 1e6:.0f} M parameters"
+        if engine.dtype is None:
+            update["dtype"] = "auto"
+            engine = engine.model_copy(update={"dtype": "auto"})
+            notes.append(f"engine.dtype: auto ({why}: bfloat16 where the engine's device has it)")
+        if trainer.precision is None:
+            trainer = trainer.model_copy(update={"precision": "auto"})
+            notes.append(f"trainer.precision: auto ({why}: bfloat16 autocast where the trainer's device has it)")
+    if engine.max_seq_len is None:
+        update["max_seq_len"] = seq_len
+        notes.append(f"engine.max_seq_len: {seq_len} ({why})")
+    if engine.vllm.max_model_len is None:
+        update["vllm"] = engine.vllm.model_copy(update={"max_model_len": seq_len})
+        if engine.kind == "vllm":
+            notes.append(f"engine.vllm.max_model_len: {seq_len} ({why})")
+    if engine.max_concurrent_seqs is None:
+        memory = cfg.run.memory_limit_gib * GIB if cfg.run.memory_limit_gib is not None else memory_total
+        per_token = shape.kv_bytes_per_token(engine_dtype_bytes(cfg.model_copy(update={"engine": engine})))
+        budget = engine.kv_cache_fraction * memory / cfg.runtime.num_engines
+        slots = engine_slots(engine.max_seq_len or seq_len, per_token, budget, cfg.rollout.group_size)
+        update["max_concurrent_seqs"] = slots
+        if engine.kind == "builtin":
+            notes.append(
+                f"engine.max_concurrent_seqs: {slots} (at most {DEFAULT_SLOTS}, within engine.kv_cache_fraction "
+                f"{engine.kv_cache_fraction:g} of {memory / GIB:.1f} GiB over {cfg.runtime.num_engines} engine(s))"
+            )
+    lr, source = learning_rate(cfg, shape.params if cfg.model.path is not None else None)
+    if trainer.lr is None:
+        trainer = trainer.model_copy(update={"lr": lr})
+        notes.append(f"trainer.lr: {lr:g} ({source})")
+    resolved = cfg.model_copy(update={"engine": engine.model_copy(update=update), "trainer": trainer})
+    return Sized(resolved, tuple(notes), seq_len)

@@ -1,0 +1,109 @@
+"""Fitting a run to the machine before any actor starts: need -> resolved defaults -> memory plan.
+
+`fit_run(cfg, data, model_dir)` is what `run_training` calls once it has the task's rows and
+before it makes the run folder (and again on resume, where defaults resolve afresh from the
+run's config.yaml):
+
+1. the longest prompt the run admits: every train and held-out prompt tokenised with the
+   policy's tokenizer, those over the screening limit left out (task.max_prompt_tokens, else
+   the model's positions minus the completion's tokens: the rule build.screen applies);
+2. the need-dependent defaults resolved (config/sizing.py): engine.max_seq_len,
+   engine.max_concurrent_seqs, engine.vllm.max_model_len, trainer.lr;
+3. the memory plan (config/memory.py) of that resolved config, checked: a run that cannot fit
+   raises ConfigError naming the field to change. With engine.kind vllm, a KV reserve smaller
+   than one sequence of max_model_len is refused too (vLLM's own error comes only after it
+   loaded the model).
+
+Nothing here loads weights: the shape comes from config.json, the tokenizer from the model
+folder (the built-in character tokenizer for the tiny model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nonstop.config import Config, ConfigError
+from nonstop.config.machine import GIB, MachineMemory, machine_memory
+from nonstop.config.memory import VLLM_BYTES, MemoryPlan, plan_memory, size
+from nonstop.config.shape import ModelShape, shape_of
+from nonstop.config.sizing import size_run
+
+if TYPE_CHECKING:
+    from nonstop.tasks.data import TaskData
+
+
+@dataclass(frozen=True)
+class Fitted:
+    cfg: Config
+    """The run's config with its need-dependent defaults resolved: what every actor gets."""
+    plan: MemoryPlan
+    shape: ModelShape
+
+
+def longest_prompt(cfg: Config, data: TaskData, encode, max_positions: int) -> int:
+    """Tokens of the longest prompt the run admits (see step 1 of the module docstring)."""
+    new_tokens = cfg.env.max_episode_tokens if cfg.env is not None else cfg.rollout.max_new_tokens
+    limit = cfg.task.max_prompt_tokens or max_positions - new_tokens
+    prompts = sorted({ex.prompt for split in (data.train, data.eval) for ex in split})
+    lengths = [len(ids) for ids in encode(prompts)] if prompts else [1]
+    admitted = [n for n in lengths if n <= limit]
+    return max(admitted) if admitted else limit
+
+
+def _encoder(cfg: Config, model_dir: Path | None):
+    """Batch tokenisation with the policy's tokenizer: a list of texts -> a list of id lists."""
+    if model_dir is not None:
+        from nonstop.hf import load_tokenizer
+
+        tok = load_tokenizer(str(model_dir))
+    else:
+        from nonstop.tasks.tiny import make_char_tokenizer
+
+        tok = make_char_tokenizer()
+    return lambda texts: tok(texts)["input_ids"]
+
+
+def check_vllm_kv(cfg: Config, shape: ModelShape, machine_total: int) -> None:
+    """ConfigError when vLLM's KV reserve cannot hold one sequence of max_model_len tokens."""
+    v = cfg.engine.vllm
+    if cfg.engine.kind != "vllm" or v.max_model_len is None:
+        return
+    dtype = shape.dtype if v.dtype == "auto" else v.dtype
+    nbytes = VLLM_BYTES.get(dtype.replace("torch.", ""), 4)
+    weights = shape.params * nbytes
+    reserve = v.kv_cache_gib * GIB if v.kv_cache_gib is not None else v.memory_fraction * machine_total - weights
+    need = v.max_model_len * shape.kv_bytes_per_token(nbytes)
+    if need > reserve:
+        whence = (
+            f"engine.vllm.kv_cache_gib {v.kv_cache_gib:g}"
+            if v.kv_cache_gib is not None
+            else f"memory_fraction {v.memory_fraction:g} x {size(machine_total)} - weights {size(weights)}"
+        )
+        raise ConfigError(
+            f"engine.vllm.max_model_len: one sequence of {v.max_model_len} tokens needs {size(need)} of KV cache "
+            f"({shape.kv_formula(nbytes)} per token) but vLLM would keep {size(max(0, reserve))} for it ({whence}); "
+            "lower engine.vllm.max_model_len, or raise engine.vllm.memory_fraction or engine.vllm.kv_cache_gib"
+        )
+
+
+def fit_run(cfg: Config, data: TaskData, model_dir: Path | None = None, machine: MachineMemory | None = None) -> Fitted:
+    """The resolved config and its checked memory plan (see the module docstring).
+    `model_dir`: the resolved model.path folder (None: resolved here; the tiny model has none)."""
+    from nonstop.config.preflight import resolve_model_path
+
+    if model_dir is None and cfg.model.path is not None:
+        model_dir = resolve_model_path(cfg.model.path)
+    machine = machine or machine_memory()
+    shape = shape_of(cfg, model_dir)
+    longest = 0 if cfg.env is not None else longest_prompt(cfg, data, _encoder(cfg, model_dir), shape.max_positions)
+    sized = size_run(cfg, shape, longest, machine.total)
+
+    def folder_of(path: str, field: str) -> Path:
+        return resolve_model_path(path, field=field) if not Path(path).is_dir() else Path(path)
+
+    plan = plan_memory(sized.cfg, shape, machine, sized.notes, folder_of, sized.seq_len)
+    check_vllm_kv(sized.cfg, shape, machine.total)
+    plan.check()
+    return Fitted(sized.cfg, plan, shape)

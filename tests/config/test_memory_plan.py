@@ -1,0 +1,266 @@
+"""The preflight memory plan (config/shape.py, config/memory.py, orchestrator/fit.py): counts from
+config.json equal the instantiated models', the plan's figures equal hand-computed ones, and a
+run that cannot fit is refused before any actor starts, naming the field to change."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config
+
+from nonstop.config import ConfigError, TinyModelConfig, TinyMoeConfig, load_config
+from nonstop.config.machine import GIB, MachineMemory
+from nonstop.config.memory import plan_memory
+from nonstop.config.shape import ModelShape
+from nonstop.orchestrator.fit import check_vllm_kv, fit_run
+from nonstop.orchestrator.launch import run_rows
+from nonstop.tasks.tiny import make_char_tokenizer, tiny_config
+from support import EXAMPLES_DIR, child_env
+
+QWEN25_05B = dict(  # Qwen2.5-0.5B's shape (issue 31), vocabulary included
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+BIG_MACHINE = MachineMemory(total=64 * GIB, available=48 * GIB, source="a stated test machine")
+
+
+@pytest.fixture(scope="module")
+def half_b_dir(tmp_path_factory) -> Path:
+    """A folder with the 0.5B shape's config.json and a tokenizer, and no weights at all."""
+    folder = tmp_path_factory.mktemp("qwen05b-shape")
+    (folder / "config.json").write_text(json.dumps(QWEN25_05B))
+    make_char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        tiny_config(TinyModelConfig()),
+        tiny_config(TinyModelConfig(moe=TinyMoeConfig())),
+        tiny_config(TinyModelConfig(moe=TinyMoeConfig(kind="qwen2_moe"))),
+        Qwen3Config(
+            vocab_size=100,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=False,
+        ),
+        LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+        MixtralConfig(
+            vocab_size=100,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+        ),
+    ],
+    ids=["qwen2", "qwen3_moe", "qwen2_moe", "qwen3", "llama", "mixtral"],
+)
+def test_parameter_count_from_config_json_equals_the_instantiated_model(config):
+    model = AutoModelForCausalLM.from_config(config)
+    assert ModelShape.from_config(config.to_dict()).params == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen25_05b_shape_counts_and_the_issue_kv_figure():
+    shape = ModelShape.from_config(QWEN25_05B)
+    assert shape.params == 494_032_768  # Qwen2.5-0.5B's published count
+    # the old default reservation, 256 sequences x 4096 tokens: 25.8 GB (issue 31)
+    assert 256 * 4096 * shape.kv_bytes_per_token(4) == 25_769_803_776
+
+
+def small_run(tiny_dir: Path, *extra: str):
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_dir}",
+            "warmup.enabled=false",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=3",
+            *extra,
+        ],
+    )
+    return cfg, run_rows(cfg)
+
+
+def test_plan_figures_equal_hand_computed_values(tiny_dir):
+    """conftest's SMALL model: hidden 32, 1 layer, 2 heads of 16, 1 KV head, MLP 64, vocab 128, tied."""
+    cfg, data = small_run(tiny_dir)
+    params = 128 * 32 + (32 * 32 + 2 * 32 * 16 + 32 * 32) + (32 + 2 * 16) + 3 * 32 * 64 + 2 * 32 + 32
+    assert params == 13_472
+    fitted = fit_run(cfg, data, machine=BIG_MACHINE)
+    assert fitted.shape.params == params
+    e = fitted.cfg.engine
+    assert (e.max_seq_len, e.max_concurrent_seqs, e.vllm.max_model_len) == (6 + 3, 256, 9)  # "07+45=": 6 chars
+    items = {(p.name, i.name): i.bytes for p in fitted.plan.procs for i in p.items}
+    kv_per_token = 2 * 1 * 1 * 16 * 4  # K and V x layers x KV heads x head dim x float32
+    tokens = 4 * 6 + 8 * 3  # each prompt once + every completion (trainer/forward.py)
+    assert items == {
+        ("engine", "weights"): params * 4,
+        ("engine", "kv_cache"): 256 * 9 * kv_per_token,
+        ("engine", "runtime"): 300 * 1024**2,
+        ("trainer", "weights"): params * 4,
+        ("trainer", "grads"): params * 4,
+        ("trainer", "optimizer"): 2 * params * 4,  # AdamW: two float32 states
+        ("trainer", "step temporaries"): params * 4,  # and one parameter-sized temporary in its step
+        ("trainer", "activations"): tokens * 1 * (6 * 32 + 2 * 16 + 4 * 64) * 4 + (8 + 2 * 8) * 3 * 128 * 4,
+        ("trainer", "runtime"): 300 * 1024**2,
+        ("orchestrator", "runtime"): 400 * 1024**2,
+        ("shm segment", "slots"): (1 + 2) * params * 4,  # N + 2 slots of the float32 weights
+    }
+    assert fitted.plan.total == sum(items.values())
+    assert fitted.plan.limit == 48 * GIB and fitted.plan.planned("engine-0") == params * 4 + 256 * 9 * 128 + 300 * 2**20
+    record = fitted.plan.to_dict()
+    assert record["fits"] and record["total_bytes"] == fitted.plan.total
+    assert any(n.startswith("engine.max_seq_len: 9 (longest prompt 6") for n in record["resolved"])
+
+
+def test_lora_plans_adapter_gradients_and_slots(tiny_dir):
+    cfg, data = small_run(tiny_dir, "model.lora.enabled=true", "model.lora.rank=4", "transport.kind=broadcast")
+    fitted = fit_run(cfg, data, machine=BIG_MACHINE)
+    adapters = 1 * 4 * ((32 + 32) + 2 * (32 + 16) + (32 + 32) + 2 * (32 + 64) + (64 + 32))  # r x (in + out)
+    items = {(p.name, i.name): i.bytes for p in fitted.plan.procs for i in p.items}
+    assert items[("trainer", "grads")] == adapters * 4 and items[("trainer", "optimizer")] == adapters * 8
+    assert items[("engine", "transport")] == 2 * adapters * 4  # broadcast: ready + receiving adapter buffers
+    assert not any(p.name == "shm segment" for p in fitted.plan.procs)
+
+
+def test_a_plan_over_the_memory_limit_is_refused_naming_the_field(tiny_dir):
+    cfg, data = small_run(tiny_dir, "engine.max_concurrent_seqs=65536", "engine.max_seq_len=128")
+    with pytest.raises(ConfigError) as err:
+        fit_run(cfg, data, machine=MachineMemory(total=2 * GIB, available=1 * GIB, source="a 1 GiB test machine"))
+    assert str(err.value).startswith(
+        "engine.max_concurrent_seqs: the run's memory plan needs 2.0 GiB but 1.0 GiB is available (the machine's "
+        "available memory, a 1 GiB test machine); the largest part is the engine's kv_cache, 1.0 GiB (65536 seqs "
+        "x 128 tokens x 1 layers x 2 (K and V) x 1 KV heads x 16 dims x 4 bytes); lower engine.max_concurrent_seqs "
+        "or engine.max_seq_len. Plan: engine x1"
+    )
+    fit_run(load_config(cfg, ["run.memory_limit_gib=2"]), data, machine=BIG_MACHINE)  # a stated limit decides
+
+
+def test_the_old_default_reservation_of_a_05b_model_is_refused_before_any_actor(half_b_dir, tmp_path):
+    """`nonstop train` with the 0.5B shape and the old engine defaults (256 x 4096): refused with the
+    field and the figures, exit status 2, no run folder. No weights exist: nothing could have loaded."""
+    env = child_env(COLUMNS="400")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nonstop.cli",
+            "train",
+            "--set",
+            f"model.path={half_b_dir}",
+            "--set",
+            "warmup.enabled=false",
+            "--set",
+            "engine.max_concurrent_seqs=256",
+            "--set",
+            "engine.max_seq_len=4096",
+            "--set",
+            "engine.dtype=float32",  # unset it is auto (bf16 where the CPU has it): these are float32 figures
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2, out
+    assert out.startswith("engine.max_concurrent_seqs: the run's memory plan needs"), out
+    assert "the engine's kv_cache, 24.0 GiB (256 seqs x 4096 tokens x 24 layers x 2 (K and V) x 2 KV heads" in out
+    assert "lower engine.max_concurrent_seqs or engine.max_seq_len" in out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_05b_shape_on_defaults_sizes_the_cache_from_need(half_b_dir):
+    cfg = load_config(
+        None, [f"model.path={half_b_dir}", "warmup.enabled=false", "run.memory_limit_gib=64", "engine.dtype=float32"]
+    )
+    fitted = fit_run(cfg, run_rows(cfg))
+    e = fitted.cfg.engine
+    assert e.max_seq_len == 6 + 4 and e.max_concurrent_seqs == 256
+    kv = next(i for p in fitted.plan.procs for i in p.items if (p.name, i.name) == ("engine", "kv_cache"))
+    assert kv.bytes == 256 * 10 * 24 * 2 * 2 * 64 * 4  # 63 MB, not 25.8 GB
+    assert fitted.plan.limit_source == "run.memory_limit_gib"
+    assert fitted.plan.total < 23 * GIB  # fits the 23 GiB machine kind this project runs on
+
+
+def test_a_small_memory_limit_is_refused_with_the_largest_part(half_b_dir):
+    cfg = load_config(
+        None, [f"model.path={half_b_dir}", "warmup.enabled=false", "run.memory_limit_gib=8", "engine.dtype=float32"]
+    )
+    with pytest.raises(ConfigError) as err:
+        fit_run(cfg, run_rows(cfg))
+    assert str(err.value).startswith(
+        "model.lora.enabled: the run's memory plan needs 21.2 GiB but 8.0 GiB is available (run.memory_limit_gib); "
+        "the largest part is the shm segment's slots, 5.5 GiB ((1 engines + 2) slots x 1.8 GiB sent)"
+    )
+    lora = load_config(cfg, ["model.lora.enabled=true", "rollout.prompts_per_step=2", "rollout.group_size=2"])
+    fitted = fit_run(lora, run_rows(lora))  # adapters only: their gradients, AdamW states and slots are small
+    assert fitted.plan.total < 6 * GIB
+
+
+def test_vllm_kv_reserve_smaller_than_one_sequence_is_refused(half_b_dir):
+    shape = ModelShape.from_folder(half_b_dir)
+    cfg = load_config(None, [f"model.path={half_b_dir}", "warmup.enabled=false", "engine.kind=vllm"])
+    long = load_config(cfg, ["engine.vllm.max_model_len=32768"])
+    with pytest.raises(
+        ConfigError, match=r"^engine\.vllm\.max_model_len: one sequence of 32768 tokens needs 768\.0 MiB"
+    ):
+        check_vllm_kv(long, shape, int(23.5 * GIB))
+    fitted = fit_run(load_config(cfg, ["run.memory_limit_gib=64"]), run_rows(cfg), machine=BIG_MACHINE)
+    assert fitted.cfg.engine.vllm.max_model_len == 10  # the run's need, which vLLM's reserve holds
+
+
+def test_plan_lists_gpu_items_apart_and_names_actors(tiny_dir):
+    cfg, _ = small_run(tiny_dir, "engine.max_seq_len=16", "engine.max_concurrent_seqs=8", "runtime.num_engines=2")
+    plan = plan_memory(cfg, ModelShape.from_folder(tiny_dir), BIG_MACHINE)
+    assert plan.planned("engine-1") == plan.planned("engine") and plan.planned("trainer") is not None
+    assert plan.planned("judge") is None
+    seg = next(p for p in plan.procs if p.name == "shm segment")
+    assert seg.host_bytes == (2 + 2) * 13_472 * 4
+    lines = plan.table()
+    assert lines[0].startswith("memory plan: ") and any(line.strip().startswith("engine") for line in lines[1:])
+
+
+def test_the_own_model_memory_example_fits_the_05b_shape_on_this_machine_kind(half_b_dir, tmp_path):
+    """examples/own_model_memory.yaml with a 0.5B-shaped model and a JSONL task of ~40-token prompts:
+    every need-dependent default resolves, and LoRA keeps the plan at a third of a 23 GiB machine."""
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus {i + 1}? Answer: ", "answer": str(2 * i + 1)} for i in range(60)
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(
+        EXAMPLES_DIR / "own_model_memory.yaml",
+        [f"model.path={half_b_dir}", f"task.dataset_path={data}", "run.memory_limit_gib=23"],
+    )
+    fitted = fit_run(cfg, run_rows(cfg))
+    longest = max(len(r["prompt"]) for r in rows)  # the character tokenizer: one token per character
+    e = fitted.cfg.engine
+    assert (e.max_seq_len, e.vllm.max_model_len, e.max_concurrent_seqs) == (longest + 32, longest + 32, 256)
+    assert fitted.cfg.trainer.lr == 4.5e-5  # the loaded-model rule, x10 for LoRA
+    assert fitted.plan.total < 8 * GIB, fitted.plan.table()
