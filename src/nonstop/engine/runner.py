@@ -221,8 +221,11 @@ class KVRunner:
         self.layers = [_Layer(b) for b in hf.model.layers]
         dtype = self.embed.dtype
         shape = (num_slots, self.n_kv, max_seq_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        # one allocation for every layer's keys and values (2 x layers, *shape): `move` copies a
+        # slot of all of them at once; k[i] and v[i] are views of it
+        self.cache = torch.zeros((2 * len(self.layers), *shape), dtype=dtype)
+        self.k = [self.cache[2 * i] for i in range(len(self.layers))]
+        self.v = [self.cache[2 * i + 1] for i in range(len(self.layers))]
         with torch.no_grad():  # rotary tables for every position, from the model's own rotary module
             pos = torch.arange(max_seq_len)[None]
             cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=dtype), pos)
@@ -349,19 +352,28 @@ class KVRunner:
         Returns (B + P, V): the decode rows' logits, then each prompt's last-token logits."""
         B, P, L = tokens.shape[0], len(prompts), max(len(p) for p in prompts)
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        # index lists built in Python, each turned into one tensor: packed prompt token i of prompt
+        # index lists built in Python, all in one tensor: packed prompt token i of prompt
         # j sits at padded index j * L + i and goes to cache slot slots[j], position i
         slot_list = slots.tolist()
-        pad_index = torch.tensor([j * L + i for j, p in enumerate(prompts) for i in range(len(p))])  # (Np,)
-        ids = torch.cat([tokens, torch.tensor([t for p in prompts for t in p], dtype=torch.long)])  # (N,)
-        pos = torch.cat([positions, torch.tensor([i for p in prompts for i in range(len(p))], dtype=positions.dtype)])
-        where = torch.cat([self.rows[:B], torch.tensor([slot_list[j] for j, p in enumerate(prompts) for _ in p])])
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N, 1, D)
-        plan = self._plan(positions)
         keep, end = list(range(B)), B
         for p in prompts:  # the decode rows, then the packed index of each prompt's last token
             end += len(p)
             keep.append(end - 1)
+        index = torch.tensor(  # one tensor for the four index lists and the kept rows
+            [j * L + i for j, p in enumerate(prompts) for i in range(len(p))]
+            + [t for p in prompts for t in p]
+            + [i for p in prompts for i in range(len(p))]
+            + [slot_list[j] for j, p in enumerate(prompts) for _ in p]
+            + keep
+        )
+        Np = end - B
+        pad_index = index[:Np]  # (Np,)
+        ids = torch.cat([tokens, index[Np : 2 * Np]])  # (N,)
+        pos = torch.cat([positions, index[2 * Np : 3 * Np]])  # (N,)
+        where = torch.cat([self.rows[:B], index[3 * Np : 4 * Np]])  # (N,) cache slot of every token
+        last = index[4 * Np :]
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N, 1, D)
+        plan = self._plan(positions)
 
         self._routes = []
         x = F.embedding(ids, self.embed)  # (N, hidden)
@@ -391,22 +403,21 @@ class KVRunner:
             x = x + F.linear(torch.cat([ad, ap]), layer.wo, layer.bo)
             x = self._mlp(x, layer)
         self._keep_routes()
-        return self._logits(x[torch.tensor(keep)])
+        return self._logits(x[last])
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy the first `length` cached positions of slot src[i] into slot dst[i], for every i
-        (no slot may be both a source and a destination): a few slots by plain slice copies, more
-        in one indexed copy per cache tensor."""
+        (no slot may be both a source and a destination), every layer's keys and values at once: a
+        few slots by one slice copy each, more by one indexed copy."""
         if not src:
             return
+        c = self.cache  # (2 x layers, slots, kv heads, positions, head dim)
         if len(src) <= MOVE_BY_SLICES:
-            for c in self.k + self.v:
-                for a, b in zip(src, dst):
-                    c[b, :, :length].copy_(c[a, :, :length])
+            for a, b in zip(src, dst):
+                c[:, b, :, :length].copy_(c[:, a, :, :length])
             return
         s, d = torch.tensor(src), torch.tensor(dst)
-        for c in self.k + self.v:
-            c[d, :, :length] = c[s, :, :length]
+        c[:, d, :, :length] = c[:, s, :, :length]
 
     def save(self, slot: int, length: int) -> list[torch.Tensor]:
         """A private copy of one slot's cache (for pausing a sequence across a weight update)."""

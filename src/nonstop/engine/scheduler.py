@@ -200,8 +200,7 @@ class Scheduler:
             s.length = len(prefixes[-1])
         self.reprefill = []
         if decoding:
-            tokens = torch.tensor([s.pending for s in decoding])
-            positions = torch.tensor([s.length for s in decoding])
+            tokens, positions = torch.tensor([[s.pending for s in decoding], [s.length for s in decoding]])
             if heads:
                 logits = self.runner.mixed(tokens, positions, torch.tensor(heads), prefixes)
             else:
