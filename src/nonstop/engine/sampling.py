@@ -16,7 +16,7 @@ Contract of `sample(logits, rows)`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,14 +34,24 @@ class RowParams:
     any_greedy: bool
     any_truncates: bool
     unit_temperature: bool = False  # every row samples at temperature 1: the logits need no scaling
-    seeded: tuple[tuple[int, torch.Generator], ...] = ()  # (row, generator) of the rows with their own
+    seeded: tuple[tuple[int, torch.Generator], ...] = field(init=False)  # (row, generator) of the rows with their own
+
+    def __post_init__(self) -> None:
+        self.seeded = tuple((i, g) for i, g in enumerate(self.generators) if g is not None)
 
 
 def row_params(settings: list[tuple[float, int, float, float]], generators: list[torch.Generator | None]) -> RowParams:
-    """One (B, 4) tensor built from the rows' settings, its columns the per-row tensors; the flags
-    are read from the Python values (no tensor reductions)."""
-    table = torch.tensor(settings, dtype=torch.float32).view(-1, 4)  # ints and floats below 2**24 are exact
-    temps = [t for t, _, _, _ in settings]
+    """The rows' settings as one (B, 4) table whose columns are the per-row tensors, built from the
+    distinct settings (a batch usually has one or a few: torch.tensor costs per element) and the
+    flags read from those Python values (no tensor reductions)."""
+    distinct = list(dict.fromkeys(settings))
+    table = torch.tensor(distinct, dtype=torch.float32).view(-1, 4)  # ints and floats below 2**24 are exact
+    if len(distinct) > 1:
+        at = {x: i for i, x in enumerate(distinct)}
+        table = table[torch.tensor([at[x] for x in settings])]
+    else:
+        table = table.expand(len(settings), 4)
+    temps = [t for t, _, _, _ in distinct]
     return RowParams(
         table[:, 0],
         table[:, 1].long(),
@@ -50,9 +60,8 @@ def row_params(settings: list[tuple[float, int, float, float]], generators: list
         generators,
         any_sampled=any(t > 0 for t in temps),
         any_greedy=any(t == 0 for t in temps),
-        any_truncates=any(tt > 0 and (kk > 0 or pp < 1.0 or mm > 0.0) for tt, kk, pp, mm in settings),
+        any_truncates=any(tt > 0 and (kk > 0 or pp < 1.0 or mm > 0.0) for tt, kk, pp, mm in distinct),
         unit_temperature=all(t == 1.0 for t in temps),
-        seeded=tuple((i, g) for i, g in enumerate(generators) if g is not None),
     )
 
 
