@@ -48,6 +48,16 @@ def _summary_table(s: RunSummary) -> Table:
     t.add_row("steps", f"{s.steps} (policy_version {s.policy_version})")
     t.add_row("samples/s", f"{s.samples_per_s:.0f} ({s.samples_generated} generated)")
     t.add_row("idle", f"trainer {s.trainer_idle_frac:.0%}, engine {s.engine_idle_frac:.0%}")
+    if s.pools:  # pinned pools: how busy each role kept its own CPUs
+        t.add_row(
+            "CPU pools",
+            ", ".join(
+                f"{role} cpus {','.join(map(str, p['cpus']))} busy {p['busy_frac']:.0%}"
+                if p["cpus"]
+                else f"{role} {p['busy_frac']:.2f} cores"
+                for role, p in s.pools.items()
+            ),
+        )
     t.add_row("dropped groups", json.dumps(s.drops) if s.drops else "none")
     p, faults = s.prompts, s.engine_faults
     t.add_row(

@@ -8,6 +8,7 @@ One module per part of the tree; everything public is re-exported here, so calle
 | `root.py` | `Config` (the whole tree), rollout/buffer/env/checkpoint/run sections, `load_config`, `dump_config` |
 | `actors.py` | model, engine (built-in and vLLM), trainer, LoRA and per-role policy sections |
 | `kinds.py` | one model per transport kind and per runtime backend |
+| `pinning.py` | `CpuPools`: the local runtime's disjoint CPU sets per role (`runtime.pin_cpus`) |
 | `scoring.py` | the scoring stage: reward models, judges, process rewards, distillation |
 | `task.py` | the task (dataset, reward) and the supervised warm-up |
 | `schema.py` | `Section` (the frozen base model), field docs, `nonstop config --explain` |

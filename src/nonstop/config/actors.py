@@ -261,6 +261,11 @@ class TrainerConfig(_Section):
     rounding would move it, and at small shapes bf16 is not faster on a CPU."""
     logprob_chunk_rows: int = Field(64, ge=1)
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
+    packed: bool = False
+    """Pack the batch padding-free (trainer/packed.py): projections, MLPs and the LM head run on real
+    tokens only and attention on buckets of rows of similar length, so a batch of heavy-tailed
+    completion lengths costs about its real tokens, not rows x longest. With the shared-prompt
+    forward (Qwen2/Llama-shaped models); other models keep the padded forward."""
     ranks: int = Field(1, ge=1)
     """Data-parallel trainer ranks (actors); each trains on its share of the groups of a step."""
     routing_replay: Literal["none", "r3"] = "none"

@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Discriminator, Field, Tag
 
+from nonstop.config.pinning import CpuPools
 from nonstop.config.schema import Section as _Section
 from nonstop.config.schema import TagOf
 
@@ -121,6 +122,10 @@ class LocalRuntimeConfig(BaseRuntimeConfig):
     """One OS process per actor on this machine."""
 
     backend: Literal["local"] = "local"
+    pin_cpus: CpuPools | None = None
+    """Pin each role's actor processes (engines, trainer ranks, scorers) to its own CPUs, disjoint
+    sets such as {engine: '0', trainer: '1'}: pools as separate as GPUs, so a pool's idle time is
+    real (config/pinning.py). None: actors run on any CPU."""
 
 
 class RayRuntimeConfig(BaseRuntimeConfig):

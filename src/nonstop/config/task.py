@@ -15,8 +15,9 @@ from nonstop.config.schema import Section as _Section
 
 
 class TaskConfig(_Section):
-    name: Literal["addition", "jsonl"] = "addition"
-    """Built-in two-operand addition ('07+45=' -> '52'), or prompts/answers from a JSONL file."""
+    name: Literal["addition", "long_rollout", "jsonl"] = "addition"
+    """Built-in two-operand addition ('07+45=' -> '52'); 'long_rollout', modular running sums with worked
+    solutions of heavy-tailed length (docs/long_rollout.md); or prompts/answers from a JSONL file."""
     max_operand: int = Field(99, ge=1, le=9999)
     """Operands of the addition task are drawn from 0..max_operand."""
     pad_answer: bool = False

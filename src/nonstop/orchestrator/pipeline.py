@@ -72,6 +72,9 @@ async def train(
         gc.collect()
         gc.freeze()
         await begin(run, resume)
+        pools = getattr(backend, "pools", None)  # the local backend's CPU pools (runtime/pinning.py)
+        if pools is not None:
+            pools.start()
         start_beside(run, supervisor)
         last = await supervisor.run(learn(run))
         if run.state.stop.is_set():
@@ -83,7 +86,9 @@ async def train(
         run.codec.tokenizer.save_pretrained(final_dir)
         own_final = await run.policies.save_final(run_dir) if run.policies is not None else {}
         progress.stop()
-        return await summarize(run, last, final_dir, resume, own_final)
+        summary = await summarize(run, last, final_dir, resume, own_final)
+        summary.pools = pools.report() if pools is not None else None
+        return summary
     finally:
         gc.unfreeze()  # what set-up left becomes collectable again (a process may run more than one training)
         restore_signals()

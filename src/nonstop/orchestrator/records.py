@@ -120,6 +120,9 @@ class RunSummary:
     episodes: dict[str, Any] | None = None  # environment runs: the episode counters at the end
     policies: dict[str, Any] | None = None  # roles with their own policy: each policy's counters and final weights
     flops: dict[str, Any] = field(default_factory=dict)  # FlopTally.summary(): achieved FLOP/s, peak fractions
+    pools: dict[str, Any] | None = (
+        None  # local backend: CPU seconds, busy and idle per role's pool (runtime/pinning.py)
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -9,6 +9,7 @@ two protocols. runtime/restart.py replaces an engine that crashes or hangs.
 - local.py          `LocalBackend`: one spawned OS process and one pipe per actor;
 - ray.py            `RayBackend`: the same seam with every actor a Ray actor;
 - procinfo.py       actor processes named by role in `ps`, and dying with the orchestrator;
+- pinning.py        CPU pools: each role's actors pinned to its CPUs, CPU time measured per pool;
 - oom.py            why an actor died, in words: the kernel's OOM killer named, with the actor's memory plan;
 - actor_clients.py  typed clients of one actor (`EngineActor`, `TrainerActor`, the scoring actors):
                     the only code that names an actor method by a string;

@@ -4,7 +4,9 @@ Wire protocol over a duplex `multiprocessing` pipe: the parent sends `(call_id, 
 kwargs)`; the child answers `(call_id, ok, value)` where value is the result or a formatted
 remote traceback. The child sets `torch.set_num_threads(1)` before it builds its object, so
 actors never oversubscribe cores; it names itself by role (`nonstop: engine-0` in `ps`) and
-dies with the orchestrator (procinfo.py), so a killed orchestrator leaves no actor behind.
+dies with the orchestrator (procinfo.py), so a killed orchestrator leaves no actor behind. With
+`runtime.pin_cpus`, it first pins itself to its role's CPUs, and `LocalBackend.pools` measures each
+pool's CPU time (runtime/pinning.py).
 
 Call semantics (the same on every backend): the child runs an asyncio loop. Methods declared
 `async def` run as tasks on that loop, concurrently with each other, so an engine can take new
@@ -42,6 +44,7 @@ from nonstop.config import BaseRuntimeConfig
 from nonstop.config.machine import oom_kills
 from nonstop.runtime.base import ActorCallError, ActorDied
 from nonstop.runtime.oom import death_reason
+from nonstop.runtime.pinning import PoolMeter, pin, role_of
 from nonstop.runtime.procinfo import die_with_parent, name_process
 
 _READY = -1
@@ -76,7 +79,10 @@ class _Outbox:
         self._thread.join(timeout_s)
 
 
-def _child_main(conn: Connection, name: str, cls: type, args: tuple, kwargs: dict, parent_pid: int) -> None:
+def _child_main(
+    conn: Connection, name: str, cls: type, args: tuple, kwargs: dict, parent_pid: int, cpus: frozenset[int] | None
+) -> None:
+    pin(cpus)  # before torch starts its threads: they inherit the set
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when actors stop
     die_with_parent(parent_pid)
     name_process(name)
@@ -252,16 +258,24 @@ class LocalBackend:
         self.cfg = cfg
         self.ctx = mp.get_context("spawn")
         self.actors: list[LocalActor] = []
+        pools = getattr(cfg, "pin_cpus", None)  # runtime.pin_cpus (LocalRuntimeConfig)
+        self.pools = PoolMeter(pools.sets() if pools is not None else {})
+        """CPU seconds of each role's actors (runtime/pinning.py); the pipeline opens its window."""
 
     async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> LocalActor:
         parent, child = self.ctx.Pipe(duplex=True)
+        role = role_of(name)
         process = self.ctx.Process(
-            target=_child_main, args=(child, name, cls, args, kwargs, os.getpid()), name=f"nonstop-{name}", daemon=True
+            target=_child_main,
+            args=(child, name, cls, args, kwargs, os.getpid(), self.pools.sets.get(role) if role else None),
+            name=f"nonstop-{name}",
+            daemon=True,
         )
         process.start()
         child.close()
         actor = LocalActor(name, process, parent, self.cfg.call_timeout_s)
         self.actors.append(actor)
+        self.pools.add(role, process.pid)  # type: ignore[arg-type]  # a started process has a pid
         await actor.wait_ready(self.cfg.start_timeout_s)
         return actor
 

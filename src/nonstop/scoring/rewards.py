@@ -2,11 +2,13 @@
 
 A reward function maps (completion_text, answer) to a float (it may also take the prompt and
 the row's extra fields by keyword: calls.py). Built-ins: `exact_match` (1.0 when the
-completion, stripped of whitespace, equals the answer) and `partial_credit` (exact match scores
-1.0; otherwise 0.5 x the fraction of answer characters right in place). Users name their own as
-'package.module:function'. The scoring stage that calls them, concurrently with generation and
-training, is stage.py; `resolve_reward` is the one place a name becomes a function (the config
-check, the stage, the process pool's workers, the reference loop).
+completion, stripped of whitespace, equals the answer; when the answer is a worked solution ending
+in GSM8K's '#### <final answer>', when the completion has the marker and the same final answer)
+and `partial_credit` (exact match scores 1.0; otherwise 0.5 x the fraction of answer characters
+right in place). Users name their own as 'package.module:function'. The scoring stage that calls
+them, concurrently with generation and training, is stage.py; `resolve_reward` is the one place a
+name becomes a function (the config check, the stage, the process pool's workers, the reference
+loop).
 """
 
 from __future__ import annotations
@@ -23,7 +25,19 @@ class RewardError(ValueError):
     """The reward specification cannot be resolved, or (with fail-fast) a reward failed."""
 
 
+FINAL_ANSWER_MARKER = "####"
+
+
+def final_answer(text: str) -> str | None:
+    """The text after the last '####', stripped; None when `text` has no marker."""
+    _, marker, tail = text.rpartition(FINAL_ANSWER_MARKER)
+    return tail.strip() if marker else None
+
+
 def exact_match(completion: str, answer: str) -> float:
+    want = final_answer(answer)
+    if want is not None:  # a worked solution: only the final answer counts, and it must be marked
+        return 1.0 if final_answer(completion) == want else 0.0
     return 1.0 if completion.strip() == answer.strip() else 0.0
 
 

@@ -2,6 +2,8 @@
 
 - data.py    prompt sources: the built-in addition task and JSONL datasets (`load_task`, `TaskData`,
              `Example`, `PromptStream`, `DatasetError`);
+- long_rollout.py  the long-rollout task: worked solutions of heavy-tailed length (`long_rollout_rows`);
+- bpe.py     byte-level BPE tokenizers trained here with the `tokenizers` library (`train_bpe`);
 - codec.py   `Codec`: text <-> token ids at the orchestrator; the held-out greedy accuracy;
 - tiny.py    tiny models and character tokenizers made on the fly (`make_tiny_model`,
              `make_char_tokenizer`);

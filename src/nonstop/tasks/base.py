@@ -31,6 +31,9 @@ from nonstop.tasks.data import TaskData
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED = {"builtin": "addition-base", "builtin_weak": "addition-weak"}
+TASK_BASES = {"long_rollout": "long-base"}
+"""Tasks whose base is shipped only, tokenizer and shape included (no warm-up path): model.base
+'auto' or 'builtin' takes it, whatever model.tiny says. bench/make_long_base.py rebuilds it."""
 PROVENANCE = "provenance.json"
 _TASK_FIELDS = ("name", "max_operand", "pad_answer", "split_seed")
 
@@ -76,6 +79,19 @@ def mismatches(cfg: Config, prov: dict) -> list[str]:
     return out
 
 
+def task_base_problems(cfg: Config, prov: dict) -> list[str]:
+    """Why a task's own shipped base cannot serve `cfg` (held-out prompts it trained on); [] if it can."""
+    out = []
+    if cfg.task.split_seed != prov["task"]["split_seed"]:
+        out.append(f"task.split_seed is {cfg.task.split_seed} (the shipped base has {prov['task']['split_seed']})")
+    if cfg.task.eval_fraction is not None or cfg.task.eval_size > prov["task"]["eval_size"]:
+        out.append(
+            f"task.eval_size must be at most the shipped base's {prov['task']['eval_size']} held-out prompts, "
+            "without task.eval_fraction"
+        )
+    return out
+
+
 def choose_base(cfg: Config) -> str:
     """'path', 'builtin', 'builtin_weak', 'warmup' or 'init' (see the module docstring)."""
     kind = cfg.model.base
@@ -83,6 +99,16 @@ def choose_base(cfg: Config) -> str:
         if kind != "auto":
             raise ConfigError(f"model.base: '{kind}' applies to the tiny model only, but model.path is set")
         return "path"
+    if cfg.task.name in TASK_BASES:
+        if kind not in ("auto", "builtin"):
+            raise ConfigError(
+                f"model.base: task '{cfg.task.name}' starts from its shipped base (model.base auto or builtin), "
+                f"not '{kind}'; bench/make_long_base.py rebuilds that base"
+            )
+        problems = task_base_problems(cfg, read_provenance(ASSETS / TASK_BASES[cfg.task.name]))
+        if problems:
+            raise ConfigError(f"task '{cfg.task.name}': its shipped base does not fit: " + "; ".join(problems))
+        return "builtin"
     if kind == "auto":
         if cfg.warmup.enabled is False:
             return "init"
@@ -108,7 +134,7 @@ def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] =
 
         return resolve_model_path(cfg.model.path)  # type: ignore[arg-type]
     if kind in SHIPPED:
-        folder = shipped_dir(kind)
+        folder = ASSETS / TASK_BASES[cfg.task.name] if cfg.task.name in TASK_BASES else shipped_dir(kind)
         prov = verify(folder)
         log(
             f"base policy: shipped '{kind}' ({prov['heldout_accuracy']:.1%} held-out when built; sha256 "

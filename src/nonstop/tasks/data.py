@@ -148,6 +148,11 @@ def load_task(cfg: TaskConfig, seed: int | None = None) -> TaskData:
     if cfg.name == "addition":
         pairs, report = addition_examples(cfg.max_operand, cfg.pad_answer), DatasetReport()
         report.rows_read = len(pairs)
+    elif cfg.name == "long_rollout":
+        from nonstop.tasks.long_rollout import long_rollout_rows
+
+        pairs, report = long_rollout_rows(), DatasetReport()
+        report.rows_read = len(pairs)
     else:
         assert cfg.dataset_path is not None  # guaranteed by TaskConfig validation
         pairs, report = read_jsonl(cfg.dataset_path)

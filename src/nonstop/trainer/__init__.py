@@ -5,6 +5,7 @@
 - correction.py        `is_weights()`: off-policy importance-sampling corrections;
 - token_advantages.py  token-level advantages: process rewards and on-policy distillation;
 - forward.py           `prompt_shared_hidden()`: the forward with each distinct prompt computed once;
+- packed.py            `packed_logprobs()`: the same forward padding-free, real tokens only (trainer.packed);
 - routing.py           Keep Routing in the trainer: `RouterHooks` compare or replay the engine's experts;
 - ahead.py             `AheadForwards`: forwards run ahead of their step, graph kept, assembled at the step;
 - core.py              `Trainer`: one policy-gradient step on a batch of groups, then a new policy_version;

@@ -51,6 +51,7 @@ from nonstop.trainer.losses import (
     masked_mean,
     token_logprobs,
 )
+from nonstop.trainer.packed import packed_logprobs
 from nonstop.trainer.routing import RouterHooks, moe_experts, moe_routers, route_tensor
 from nonstop.trainer.token_advantages import distill_advantages, distill_term, process_advantages
 from nonstop.types import Group
@@ -90,6 +91,7 @@ class Batch(TypedDict):
     prompt_len: NotRequired[torch.Tensor]  # (Q,)
     row_prompt: NotRequired[torch.Tensor]  # (B,) index of each row's prompt
     completion_in: NotRequired[torch.Tensor]  # (B, T - 1) completion inputs after the prompt
+    completion_len: NotRequired[torch.Tensor]  # (B,) completion tokens per row (the packed forward's)
     token_rewards: NotRequired[torch.Tensor]  # (B, T) process-step rewards at step ends
     teacher: NotRequired[torch.Tensor]  # (B, T) distillation teacher's logprobs of the completion tokens
     routes: NotRequired[torch.Tensor]  # (B, L, moe_layers, k) int16, the engine's experts per input token, -1: none
@@ -220,7 +222,7 @@ class Trainer:
             )
             # Padded completion inputs hold token 0: causal attention keeps them from every real position.
             batch["prompt_ids"], batch["prompt_len"], batch["row_prompt"] = prompt_ids, plen, row_prompt
-            batch["completion_in"] = targets[:, :-1]
+            batch["completion_in"], batch["completion_len"] = targets[:, :-1], clen
         else:
             plen_rows = torch.tensor([len(s.prompt_ids) for s in samples])  # (B,)
             seq_len = plen_rows + clen
@@ -260,6 +262,8 @@ class Trainer:
     def logprobs(self, batch: Batch, model: CausalLM | None = None, with_entropy: bool = False):
         """Logprobs (B, T) of the completion tokens under `model` (default: the policy)."""
         model = model or self.model
+        if "prompt_ids" in batch and self.cfg.packed:  # real tokens only (trainer/packed.py)
+            return packed_logprobs(model, batch, self.temperature, self.cfg.logprob_chunk_rows, with_entropy)
         if "prompt_ids" in batch:
             hidden = prompt_shared_hidden(model, batch)  # (B, T, H)
         else:

@@ -1,0 +1,163 @@
+"""The padding-free training forward: real tokens only, for batches of very uneven lengths.
+
+The shared-prompt forward (trainer/forward.py) pads every completion of a batch to the longest
+one: with heavy-tailed lengths (median 85 tokens, longest 900) most of a B x T batch is padding,
+and the trainer pays for it in every projection, MLP, attention and the LM head. Here:
+
+- the distinct prompts' real tokens and the completions' real input tokens are packed into one
+  (N, hidden) matrix: embeddings, norms, q/k/v/o projections and MLPs run on real tokens only;
+- attention runs per bucket of rows of similar length (rows sorted by length, a new bucket when
+  the bucket's padded size would exceed (1 + BUCKET_WASTE) x its real size): each bucket gathers
+  its rows' queries and keys from the packed matrix, pads them to the bucket's longest row only,
+  and scatters the result back, so padding in attention is bounded, not B x T_max;
+- the LM head and log-softmax run on the real completion positions only (`packed_logprobs`), in
+  chunks no larger than the padded path's, and the result is scattered to (B, T).
+
+Contract: `packed_hidden(model, batch)` takes the shared-prompt batch of Trainer._batch plus
+`completion_len` (B,) and returns (N, hidden), the final-normed hidden states that predict the
+N = sum(completion_len) completion tokens, in row-major order (row b's tokens 0..len_b - 1, then
+row b + 1's): the same values as `prompt_shared_hidden(model, batch)[in_completion]` up to float
+rounding (the sums run in other orders). Each row's rotary positions are its own (the prompt from
+0, completion token t at P_b + t) and a row sees only its prompt and its own earlier tokens: the
+block-diagonal mask of a varlen batch, written out per bucket. Same models as forward.py
+(`unsupported`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from nonstop.trainer.forward import _decoder_model, _rotate
+from nonstop.trainer.losses import token_logprobs
+
+BUCKET_WASTE = 0.25
+"""A bucket's padded size may exceed its real size by this fraction before a new bucket starts."""
+
+
+def length_buckets(lengths: list[int], waste: float = BUCKET_WASTE) -> list[list[int]]:
+    """Row indices grouped longest first, each group's max(len) x count <= (1 + waste) x sum(len).
+    Rows of length 0 are left out (nothing to attend from)."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    real = 0
+    for i in order:
+        if buckets and lengths[buckets[-1][0]] * (len(buckets[-1]) + 1) <= (1 + waste) * (real + lengths[i]):
+            buckets[-1].append(i)
+            real += lengths[i]
+        else:
+            buckets.append([i])
+            real = lengths[i]
+    return buckets
+
+
+def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, width) indices into a packed matrix (start + t, clamped to the row's last token) and
+    the (rows, width) bool mask of real positions."""
+    t = torch.arange(width)[None, :]
+    real = t < lengths[:, None]
+    return starts[:, None] + torch.minimum(t, (lengths - 1).clamp_min(0)[:, None]), real
+
+
+def packed_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+    lm = _decoder_model(model)
+    dec, cfg = lm.model, lm.config
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    gqa = KV != H
+    plen, row = batch["prompt_len"], batch["row_prompt"]  # (Q,), (B,)
+    clen = batch["completion_len"]  # (B,)
+    cin = (clen - 1).clamp_min(0)  # completion input tokens per row (the last token is never an input)
+    B = clen.shape[0]
+    in_prompt = torch.arange(batch["prompt_ids"].shape[1])[None, :] < plen[:, None]
+    in_comp = torch.arange(batch["completion_in"].shape[1])[None, :] < cin[:, None]
+    tokens = torch.cat([batch["prompt_ids"][in_prompt], batch["completion_in"][in_comp]])  # (Np + Nc,)
+    Np = int(plen.sum())
+    p_start = torch.cumsum(plen, 0) - plen  # (Q,) where each prompt starts in the packed matrix
+    c_start = Np + torch.cumsum(cin, 0) - cin  # (B,) where each row's completion inputs start
+
+    # Rotary position of every packed token: a prompt from 0, a row's completion input t at P_b + t.
+    pos = torch.cat(
+        [
+            torch.arange(Np) - torch.repeat_interleave(p_start, plen),
+            torch.arange(int(cin.sum()))
+            - torch.repeat_interleave(c_start - Np, cin)
+            + torch.repeat_interleave(plen[row], cin),
+        ]
+    )
+    cos, sin = dec.rotary_emb(dec.embed_tokens.weight[:1], pos[None])  # (1, N, D)
+    cos, sin = cos[0][:, None], sin[0][:, None]  # (N, 1, D), broadcast over heads
+
+    p_buckets = length_buckets(plen.tolist())
+    c_buckets = length_buckets(cin.tolist())
+    x = dec.embed_tokens(tokens)  # (N, hidden)
+    for block in dec.layers:
+        attn = block.self_attn
+        h = block.input_layernorm(x)
+        q = _rotate(attn.q_proj(h).view(-1, H, D), cos, sin)  # (N, H, D)
+        k = _rotate(attn.k_proj(h).view(-1, KV, D), cos, sin)  # (N, KV, D)
+        v = attn.v_proj(h).view(-1, KV, D)
+        where, what = [], []  # each bucket's real positions and their attention outputs, put in place once
+        for rows in p_buckets:  # prompts: causal within each
+            idx, real = _padded_index(p_start[rows], plen[rows], int(plen[rows].max()))
+            a = F.scaled_dot_product_attention(
+                q[idx].transpose(1, 2), k[idx].transpose(1, 2), v[idx].transpose(1, 2), is_causal=True, enable_gqa=gqa
+            )  # (b, H, L, D)
+            where.append(idx[real])
+            what.append(a.transpose(1, 2)[real])
+        for rows in c_buckets:  # completions: their prompt's keys, then their own causally
+            r = torch.tensor(rows)
+            Lc, Lp = int(cin[r].max()), int(plen[row[r]].max())
+            ci, c_real = _padded_index(c_start[r], cin[r], Lc)
+            pi, p_real = _padded_index(p_start[row[r]], plen[row[r]], Lp)
+            keys = torch.cat([k[pi], k[ci]], dim=1).transpose(1, 2)  # (b, KV, Lp + Lc, D)
+            values = torch.cat([v[pi], v[ci]], dim=1).transpose(1, 2)
+            causal = torch.ones((Lc, Lc), dtype=torch.bool).tril()[None] & c_real[:, None, :]
+            mask = torch.cat([p_real[:, None, :].expand(-1, Lc, -1), causal], dim=-1)[:, None]  # (b, 1, Lc, Lp + Lc)
+            a = F.scaled_dot_product_attention(q[ci].transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=gqa)
+            where.append(ci[c_real])
+            what.append(a.transpose(1, 2)[c_real])
+        out = torch.zeros_like(q).index_put((torch.cat(where),), torch.cat(what))  # every position exactly once
+        x = x + attn.o_proj(out.reshape(-1, H * D))
+        x = x + block.mlp(block.post_attention_layernorm(x))
+    x = dec.norm(x)
+    # Row b's targets: token 0 predicted by its prompt's last token, token t >= 1 by its input t - 1.
+    first = x[p_start + plen - 1][row]  # (B, hidden)
+    t = torch.arange(int(clen.max()))[None, :]
+    src = torch.where(t == 0, -1, c_start[:, None] + t - 1)[t < clen[:, None]]  # (N_targets,), -1: the prompt's
+    row_of = torch.repeat_interleave(torch.arange(B), clen)
+    return torch.where((src < 0)[:, None], first[row_of], x[src.clamp_min(0)])
+
+
+def packed_logprobs(
+    model: Any,
+    batch: Mapping[str, Any],
+    temperature: float,
+    chunk_rows: int,
+    with_entropy: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) logprobs [and entropies] of the completion tokens, 0 at padding, from the packed
+    forward; the LM head sees at most chunk_rows x T positions at once, as the padded path."""
+    targets, clen = batch["targets"], batch["completion_len"]
+    B, T = targets.shape
+    inside = torch.arange(T)[None, :] < clen[:, None]  # (B, T)
+    hidden = packed_hidden(model, batch)  # (N, hidden)
+    keep = batch.get("keep")
+    got = token_logprobs(
+        hidden[:, None],
+        model.get_output_embeddings(),
+        targets[inside][:, None],
+        temperature,
+        chunk_rows * T,
+        with_entropy,
+        keep[inside][:, None] if keep is not None else None,
+    )
+    parts = got if isinstance(got, tuple) else (got,)
+    outs = []
+    for p in parts:
+        full = torch.zeros((B, T), dtype=p.dtype)
+        outs.append(full.masked_scatter(inside, p[:, 0]))
+    return (outs[0], outs[1]) if with_entropy else outs[0]
