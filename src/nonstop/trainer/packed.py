@@ -9,7 +9,8 @@ and the trainer pays for it in every projection, MLP, attention and the LM head.
 - attention runs per bucket of rows of similar length (rows sorted by length, a new bucket when
   the bucket's padded size would exceed (1 + BUCKET_WASTE) x its real size): each bucket gathers
   its rows' queries and keys from the packed matrix, pads them to the bucket's longest row only,
-  and scatters the result back, so padding in attention is bounded, not B x T_max;
+  runs causal attention (a completion row as its prompt followed by its own tokens) and scatters
+  the result back, so padding in attention is bounded, not B x T_max;
 - the LM head and log-softmax run on the real completion positions only (`packed_logprobs`), in
   chunks no larger than the padded path's, and the result is scattered to (B, T).
 
@@ -19,7 +20,7 @@ N = sum(completion_len) completion tokens, in row-major order (row b's tokens 0.
 row b + 1's): the same values as `prompt_shared_hidden(model, batch)[in_completion]` up to float
 rounding (the sums run in other orders). Each row's rotary positions are its own (the prompt from
 0, completion token t at P_b + t) and a row sees only its prompt and its own earlier tokens: the
-block-diagonal mask of a varlen batch, written out per bucket. Same models as forward.py
+block-diagonal mask of a varlen batch, as one causal mask per bucket. Same models as forward.py
 (`unsupported`).
 """
 
@@ -91,8 +92,25 @@ def packed_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
     cos, sin = dec.rotary_emb(dec.embed_tokens.weight[:1], pos[None])  # (1, N, D)
     cos, sin = cos[0][:, None], sin[0][:, None]  # (N, 1, D), broadcast over heads
 
-    p_buckets = length_buckets(plen.tolist())
-    c_buckets = length_buckets(cin.tolist())
+    # Index tensors of each attention bucket, the same in every layer. A prompt bucket: its rows'
+    # tokens, right-padded. A completion bucket: each row's prompt tokens then its completion
+    # inputs, one contiguous sequence right-padded, so plain causal attention is exactly the
+    # row's mask (its prompt, then its own earlier tokens; padding comes after every real token)
+    # and the kernel skips the masked half; the prompt's queries are recomputed there (prompts are
+    # short) and only the completion positions are kept.
+    buckets: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, width) gather index, kept positions
+    for rows in length_buckets(plen.tolist()):
+        buckets.append(_padded_index(p_start[rows], plen[rows], int(plen[rows].max())))
+    seq = torch.where(cin > 0, plen[row] + cin, 0)  # rows without completion inputs attend from nothing
+    for rows in length_buckets(seq.tolist()):
+        r = torch.tensor(rows)
+        pl, cl = plen[row[r]], cin[r]
+        t = torch.arange(int((pl + cl).max()))[None, :]
+        in_prompt = t < pl[:, None]
+        real = t < (pl + cl)[:, None]
+        idx = torch.where(in_prompt, p_start[row[r]][:, None] + t, c_start[r][:, None] + t - pl[:, None])
+        buckets.append((torch.where(real, idx, idx[:, :1]), real & ~in_prompt))
+
     x = dec.embed_tokens(tokens)  # (N, hidden)
     for block in dec.layers:
         attn = block.self_attn
@@ -100,26 +118,13 @@ def packed_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
         q = _rotate(attn.q_proj(h).view(-1, H, D), cos, sin)  # (N, H, D)
         k = _rotate(attn.k_proj(h).view(-1, KV, D), cos, sin)  # (N, KV, D)
         v = attn.v_proj(h).view(-1, KV, D)
-        where, what = [], []  # each bucket's real positions and their attention outputs, put in place once
-        for rows in p_buckets:  # prompts: causal within each
-            idx, real = _padded_index(p_start[rows], plen[rows], int(plen[rows].max()))
+        where, what = [], []  # each bucket's kept positions and their attention outputs, put in place once
+        for idx, keep in buckets:
             a = F.scaled_dot_product_attention(
                 q[idx].transpose(1, 2), k[idx].transpose(1, 2), v[idx].transpose(1, 2), is_causal=True, enable_gqa=gqa
             )  # (b, H, L, D)
-            where.append(idx[real])
-            what.append(a.transpose(1, 2)[real])
-        for rows in c_buckets:  # completions: their prompt's keys, then their own causally
-            r = torch.tensor(rows)
-            Lc, Lp = int(cin[r].max()), int(plen[row[r]].max())
-            ci, c_real = _padded_index(c_start[r], cin[r], Lc)
-            pi, p_real = _padded_index(p_start[row[r]], plen[row[r]], Lp)
-            keys = torch.cat([k[pi], k[ci]], dim=1).transpose(1, 2)  # (b, KV, Lp + Lc, D)
-            values = torch.cat([v[pi], v[ci]], dim=1).transpose(1, 2)
-            causal = torch.ones((Lc, Lc), dtype=torch.bool).tril()[None] & c_real[:, None, :]
-            mask = torch.cat([p_real[:, None, :].expand(-1, Lc, -1), causal], dim=-1)[:, None]  # (b, 1, Lc, Lp + Lc)
-            a = F.scaled_dot_product_attention(q[ci].transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=gqa)
-            where.append(ci[c_real])
-            what.append(a.transpose(1, 2)[c_real])
+            where.append(idx[keep])
+            what.append(a.transpose(1, 2)[keep])
         out = torch.zeros_like(q).index_put((torch.cat(where),), torch.cat(what))  # every position exactly once
         x = x + attn.o_proj(out.reshape(-1, H * D))
         x = x + block.mlp(block.post_attention_layernorm(x))
