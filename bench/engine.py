@@ -11,6 +11,11 @@ Sampling at temperature 1. Measured side by side in one run:
   requests queued (continuous batching: a finished sequence's slot is refilled at once);
 - raw forward: the engine's own batched decode forward on `--batch` full rows at the
   workload's mean position, no sampling and no bookkeeping (the compute limit of decoding);
+- the engine's passes replayed: the very forward passes continuous batching ran (same decode
+  rows, positions, packed prompts), through the runner alone, without sampling, scheduling or
+  cache compaction: the engine's time above it is its bookkeeping, and the replay's time above
+  the raw forward is the work of this schedule (prompts prefilled, partly filled batches while
+  the last requests drain out, attention over uneven lengths);
   for reference, the same pass through the HF model's own forward (DynamicCache);
 - workload compute limit: the raw prefill of every prompt plus raw decode forwards for every
   later token, all in full batches (the least forward work these requests need);
@@ -22,7 +27,8 @@ Sampling at temperature 1. Measured side by side in one run:
   all requests queued at once so its scheduler keeps `--batch` sequences running; EOS ignored.
   Its load and first-step warm-up are left out; each side keeps its best round.
 Run: python bench/engine.py [--requests 1024] [--rounds 3] [--batch 64] [--every 10] [--quick]
-Last line: RESULT builtin_tokens_per_s=<x> vllm_tokens_per_s=<y> (n/a without vLLM).
+Last line: RESULT builtin_tokens_per_s=<x> vs_raw_decode=<engine / raw forward> replay_vs_raw=<replay / raw
+forward> vllm_tokens_per_s=<y> (n/a without vLLM).
 """
 
 from __future__ import annotations
@@ -150,6 +156,35 @@ def raw_forward(engine: TorchEngine, batch: int, position: int, repeats: int) ->
     return (time.perf_counter() - t0) / repeats
 
 
+def record_passes(model, reqs, batch: int) -> list[tuple[str, tuple]]:
+    """The runner calls (method, arguments) of one continuous-batching run of `reqs`."""
+    engine = make_engine(model, batch)
+    runner, passes = engine.runner, []
+
+    def recorder(name: str):
+        call = getattr(runner, name)
+
+        def record(*args):
+            passes.append((name, tuple(a.clone() if isinstance(a, torch.Tensor) else list(a) for a in args)))
+            return call(*args)
+
+        return record
+
+    for name in ("decode", "mixed", "prefill"):
+        setattr(runner, name, recorder(name))
+    run_engine(engine, reqs, backlog=batch)
+    return passes
+
+
+def replay(engine: TorchEngine, passes: list[tuple[str, tuple]]) -> float:
+    """Seconds of the recorded forward passes, run back to back through the runner alone."""
+    runner = engine.runner
+    t0 = time.perf_counter()
+    for name, args in passes:
+        getattr(runner, name)(*args)
+    return time.perf_counter() - t0
+
+
 def raw_hf_forward(model, batch: int, position: int, repeats: int) -> float:
     """Seconds of one batched decode forward of the HF model itself (DynamicCache, one token per
     row at `position`; the cache is cropped back after each pass so every pass is the same)."""
@@ -244,11 +279,13 @@ def main() -> None:
     # each keeps its best (least) time
     best: dict[str, float] = {}
     raw = make_engine(model, args.batch)
+    passes = record_passes(model, reqs, args.batch)
     for _ in range(args.rounds):
         hf_s, hf_tokens = bench_hf(model, reqs, args.batch)
         base = run_engine(make_engine(model, args.batch), reqs, backlog=args.batch)
         step_s = raw_forward(raw, args.batch, mean_pos, 100)
         prefill_s = raw_prefill(raw, reqs, args.batch)
+        replay_s = replay(raw, passes)
         hf_step_s = raw_hf_forward(model, args.batch, mean_pos, 100)
         sus_s, sus_tokens = base["sustained"]
         for key, value in (
@@ -256,6 +293,7 @@ def main() -> None:
             ("engine", base["s"]),
             ("step", step_s),
             ("prefill", prefill_s),
+            ("replay", replay_s),
             ("hf_step", hf_step_s),
             ("sustained", sus_s / sus_tokens),
         ):
@@ -268,6 +306,7 @@ def main() -> None:
     limit_tps = sum(lengths) / (best["prefill"] + (sum(lengths) - len(reqs)) / args.batch * best["step"])
 
     hf_raw_tps = args.batch / best["hf_step"]
+    replay_tps = sum(lengths) / best["replay"]
     sus_tps = 1 / best["sustained"]
 
     def row(name: str, tps: float, bold: bool = False, raw_col: bool = True, limit_col: bool = True) -> None:
@@ -289,6 +328,7 @@ def main() -> None:
     row(f"HF generate, padded static batches of {args.batch}", hf_tps)
     row(f"**engine, continuous batching ({args.batch} slots)**", eng_tps, bold=True)
     row("engine, sustained (while requests were queued, before the last ones drain out)", sus_tps, bold=True)
+    row("engine's own forward passes replayed (runner alone: no sampling, scheduling or compaction)", replay_tps)
     row(
         f"raw batched decode forward, engine's runner ({args.batch} rows, position {mean_pos})",
         raw_tps,
@@ -309,7 +349,8 @@ def main() -> None:
         f"\nengine: {st['forward_passes']} forward passes, {st['decode_steps']} decode steps "
         f"(mean {(base['tokens'] - len(reqs)) / st['decode_steps']:.1f} rows), "
         f"{st['prefills']} of them with prompts packed in; "
-        f"best of {args.rounds} rounds each"
+        f"best of {args.rounds} rounds each; bookkeeping (engine - replay) "
+        f"{1 - best['replay'] / best['engine']:.0%} of the engine's time"
     )
 
     vllm_tps = bench_vllm(model, reqs, args.batch, args.rounds) if importlib.util.find_spec("vllm") else None
@@ -322,7 +363,8 @@ def main() -> None:
     if not args.quick:
         update_modes(model, reqs, args)
     print(
-        f"RESULT builtin_tokens_per_s={eng_tps:.0f} vllm_tokens_per_s="
+        f"RESULT builtin_tokens_per_s={eng_tps:.0f} vs_raw_decode={eng_tps / raw_tps:.2f} "
+        f"replay_vs_raw={replay_tps / raw_tps:.2f} vllm_tokens_per_s="
         + (f"{vllm_tps:.0f}" if vllm_tps is not None else "n/a")
     )
 

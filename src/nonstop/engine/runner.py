@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 ATTN_BLOCK = 16  # decode rows per attention block when a long tail makes one padded block wasteful
+MOVE_BY_SLICES = 8  # up to this many slots, `move` copies slot by slot (no index tensors, no gathered copy)
 
 
 class UnsupportedModel(ValueError):
@@ -220,8 +221,11 @@ class KVRunner:
         self.layers = [_Layer(b) for b in hf.model.layers]
         dtype = self.embed.dtype
         shape = (num_slots, self.n_kv, max_seq_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        # one allocation for every layer's keys and values (2 x layers, *shape): `move` copies a
+        # slot of all of them at once; k[i] and v[i] are views of it
+        self.cache = torch.zeros((2 * len(self.layers), *shape), dtype=dtype)
+        self.k = [self.cache[2 * i] for i in range(len(self.layers))]
+        self.v = [self.cache[2 * i + 1] for i in range(len(self.layers))]
         with torch.no_grad():  # rotary tables for every position, from the model's own rotary module
             pos = torch.arange(max_seq_len)[None]
             cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=dtype), pos)
@@ -348,20 +352,28 @@ class KVRunner:
         Returns (B + P, V): the decode rows' logits, then each prompt's last-token logits."""
         B, P, L = tokens.shape[0], len(prompts), max(len(p) for p in prompts)
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        lengths = [len(p) for p in prompts]
-        # packed prompt token i of prompt j sits at padded index j * L + i
-        pad_index = torch.cat([torch.arange(n) + j * L for j, n in enumerate(lengths)])  # (Np,)
-        ids = torch.cat([tokens, torch.tensor([t for p in prompts for t in p], dtype=torch.long)])  # (B + Np,)
-        pos = torch.cat([positions, torch.cat([torch.arange(n) for n in lengths])])
+        # index lists built in Python, all in one tensor: packed prompt token i of prompt
+        # j sits at padded index j * L + i and goes to cache slot slots[j], position i
+        slot_list = slots.tolist()
+        keep, end = list(range(B)), B
+        for p in prompts:  # the decode rows, then the packed index of each prompt's last token
+            end += len(p)
+            keep.append(end - 1)
+        index = torch.tensor(  # one tensor for the four index lists and the kept rows
+            [j * L + i for j, p in enumerate(prompts) for i in range(len(p))]
+            + [t for p in prompts for t in p]
+            + [i for p in prompts for i in range(len(p))]
+            + [slot_list[j] for j, p in enumerate(prompts) for _ in p]
+            + keep
+        )
+        Np = end - B
+        pad_index = index[:Np]  # (Np,)
+        ids = torch.cat([tokens, index[Np : 2 * Np]])  # (N,)
+        pos = torch.cat([positions, index[2 * Np : 3 * Np]])  # (N,)
+        where = torch.cat([self.rows[:B], index[3 * Np : 4 * Np]])  # (N,) cache slot of every token
+        last = index[4 * Np :]
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N, 1, D)
         plan = self._plan(positions)
-        rows = self.rows[:B]
-        last = torch.tensor(lengths).cumsum(0) - 1 + B  # packed index of each prompt's last token
-
-        def padded(t: torch.Tensor, heads: int) -> torch.Tensor:  # (Np, heads, D) -> (P, heads, L, D)
-            out = t.new_zeros((P * L, heads, D))
-            out[pad_index] = t
-            return out.view(P, L, heads, D).transpose(1, 2)
 
         self._routes = []
         x = F.embedding(ids, self.embed)  # (N, hidden)
@@ -372,27 +384,40 @@ class KVRunner:
             )
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = F.linear(h, layer.wv, layer.bv).view(-1, KV, D)
-            kc[rows, :, positions] = k[:B]
-            vc[rows, :, positions] = v[:B]
+            # every token's K/V goes to its slot and position in one write; the prompts' attention
+            # reads its keys back from the cache (past a prompt's end lies other data, which the
+            # causal mask keeps from every real token)
+            kc[where, :, pos] = k
+            vc[where, :, pos] = v
             ad = self._attend(q[:B, :, None, :], kc, vc, plan)
-            qp, kp, vp = padded(q[B:], H), padded(k[B:], KV), padded(v[B:], KV)
-            kc[slots, :, :L] = kp
-            vc[slots, :, :L] = vp
-            ap = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=KV != H)  # (P, H, L, D)
+            qp = q.new_zeros((P * L, H, D))
+            qp[pad_index] = q[B:]
+            ap = F.scaled_dot_product_attention(
+                qp.view(P, L, H, D).transpose(1, 2),
+                kc[slots, :, :L],
+                vc[slots, :, :L],
+                is_causal=True,
+                enable_gqa=KV != H,
+            )  # (P, H, L, D)
             ap = ap.transpose(1, 2).reshape(P * L, H * D)[pad_index]
             x = x + F.linear(torch.cat([ad, ap]), layer.wo, layer.bo)
             x = self._mlp(x, layer)
         self._keep_routes()
-        return self._logits(x[torch.cat([torch.arange(B), last])])
+        return self._logits(x[last])
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
-        """Copy the first `length` cached positions of slot src[i] into slot dst[i], for every i in
-        one indexed copy per cache tensor (no slot may be both a source and a destination)."""
+        """Copy the first `length` cached positions of slot src[i] into slot dst[i], for every i
+        (no slot may be both a source and a destination), every layer's keys and values at once: a
+        few slots by one slice copy each, more by one indexed copy."""
         if not src:
             return
+        c = self.cache  # (2 x layers, slots, kv heads, positions, head dim)
+        if len(src) <= MOVE_BY_SLICES:
+            for a, b in zip(src, dst):
+                c[:, b, :, :length].copy_(c[:, a, :, :length])
+            return
         s, d = torch.tensor(src), torch.tensor(dst)
-        for c in self.k + self.v:
-            c[d, :, :length] = c[s, :, :length]
+        c[:, d, :, :length] = c[:, s, :, :length]
 
     def save(self, slot: int, length: int) -> list[torch.Tensor]:
         """A private copy of one slot's cache (for pausing a sequence across a weight update)."""

@@ -16,7 +16,7 @@ Contract of `sample(logits, rows)`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,20 +33,35 @@ class RowParams:
     any_sampled: bool
     any_greedy: bool
     any_truncates: bool
+    unit_temperature: bool = False  # every row samples at temperature 1: the logits need no scaling
+    seeded: tuple[tuple[int, torch.Generator], ...] = field(init=False)  # (row, generator) of the rows with their own
+
+    def __post_init__(self) -> None:
+        self.seeded = tuple((i, g) for i, g in enumerate(self.generators) if g is not None)
 
 
 def row_params(settings: list[tuple[float, int, float, float]], generators: list[torch.Generator | None]) -> RowParams:
-    temp, k, p, mp = zip(*settings) if settings else ((), (), (), ())
-    t = torch.tensor(temp, dtype=torch.float32)
+    """The rows' settings as one (B, 4) table whose columns are the per-row tensors, built from the
+    distinct settings (a batch usually has one or a few: torch.tensor costs per element) and the
+    flags read from those Python values (no tensor reductions)."""
+    distinct = list(dict.fromkeys(settings))
+    table = torch.tensor(distinct, dtype=torch.float32).view(-1, 4)  # ints and floats below 2**24 are exact
+    if len(distinct) > 1:
+        at = {x: i for i, x in enumerate(distinct)}
+        table = table[torch.tensor([at[x] for x in settings])]
+    else:
+        table = table.expand(len(settings), 4)
+    temps = [t for t, _, _, _ in distinct]
     return RowParams(
-        t,
-        torch.tensor(k, dtype=torch.long),
-        torch.tensor(p, dtype=torch.float32),
-        torch.tensor(mp, dtype=torch.float32),
+        table[:, 0],
+        table[:, 1].long(),
+        table[:, 2],
+        table[:, 3],
         generators,
-        any_sampled=bool((t > 0).any()),
-        any_greedy=bool((t == 0).any()),
-        any_truncates=any(tt > 0 and (kk > 0 or pp < 1.0 or mm > 0.0) for tt, kk, pp, mm in settings),
+        any_sampled=any(t > 0 for t in temps),
+        any_greedy=any(t == 0 for t in temps),
+        any_truncates=any(tt > 0 and (kk > 0 or pp < 1.0 or mm > 0.0) for tt, kk, pp, mm in distinct),
+        unit_temperature=all(t == 1.0 for t in temps),
     )
 
 
@@ -67,7 +82,10 @@ def keep_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mi
 def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(B, V) float logits -> tokens (B,), behaviour logprobs (B,), kept (B, V) bool or None."""
     greedy = rows.temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, rows.temperature)[:, None] if rows.any_sampled else logits
+    if rows.any_sampled and not rows.unit_temperature:  # x / 1.0 == x: unit temperatures skip the division
+        scaled = logits / torch.where(greedy, 1.0, rows.temperature)[:, None]
+    else:
+        scaled = logits
     kept = None
     if rows.any_truncates:
         truncating = ~greedy & ((rows.top_k > 0) | (rows.top_p < 1.0) | (rows.min_p > 0.0))
@@ -76,9 +94,7 @@ def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.T
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
     if rows.any_sampled:
         noise = torch.empty_like(logp).exponential_()
-        for i, g in enumerate(rows.generators):
-            if g is None:
-                continue
+        for i, g in rows.seeded:
             if noise.device.type == "cpu":
                 noise[i].exponential_(generator=g)
             else:  # request generators live on the host: draw there, then move the row

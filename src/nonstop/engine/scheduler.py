@@ -212,8 +212,7 @@ class Scheduler:
                 sum(s.length + 1 for s in decoding) + sum(causal_pairs(0, len(p)) for p in prefixes),
             )
         if decoding:
-            tokens = torch.tensor([s.pending for s in decoding])
-            positions = torch.tensor([s.length for s in decoding])
+            tokens, positions = torch.tensor([[s.pending for s in decoding], [s.length for s in decoding]])
             if heads:
                 logits = self.runner.mixed(tokens, positions, torch.tensor(heads), prefixes)
             else:
@@ -230,8 +229,9 @@ class Scheduler:
                 self.runner.move(list(src), list(dst), max(lengths))
             self.stats["prefills"] += 1
             self.stats["prefill_tokens"] += sum(len(p) for p in prefixes)
-            repeat = torch.tensor([1] * len(decoding) + [len(m) for m in members])
-            logits = logits.repeat_interleave(repeat, dim=0)
+            if any(len(m) > 1 for m in members):  # each sibling samples from its prompt's logits
+                repeat = torch.tensor([1] * len(decoding) + [len(m) for m in members])
+                logits = logits.repeat_interleave(repeat, dim=0)
         if self.runner.routes is not None:
             self._record_routes(decoding, members, prefixes)
         seqs = decoding + [s for m in members for s in m]
@@ -270,7 +270,8 @@ class Scheduler:
         self.stats["forward_passes"] += 1
         tokens, logprobs, kept = sample(logits, params)
         kept_rows = self._kept_rows(seqs, kept) if kept is not None else {}
-        version, finished = self.policy_version, []
+        version, finished, eos = self.policy_version, [], self.eos
+        # one .tolist() per tensor per step; the loop touches only Python objects
         for i, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             s.ids.append(tok)
             s.logprobs.append(lp)
@@ -286,7 +287,14 @@ class Scheduler:
             g = s.group
             if g.on_token is not None:
                 g.on_token(s.index, tok, lp, version)
-            reason = self._finish_reason(s, tok)
+            if tok in eos or tok in g.stop_ids:
+                reason: FinishReason | None = "stop"
+            elif g.stop_strings:
+                reason = self._finish_reason(s, tok)
+            elif len(s.ids) >= g.max_new_tokens:
+                reason = "length"
+            else:
+                continue
             if reason is not None:
                 s.finish = reason
                 finished.append(s)

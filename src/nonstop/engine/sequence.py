@@ -82,6 +82,7 @@ class Group:
         self.reserve = request.n * (len(request.prompt_ids) + p.max_new_tokens)
         self.settings = (float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p))
         self.stop_ids = frozenset(p.stop_token_ids)
+        self.max_new_tokens = p.max_new_tokens
         self.stop_strings = tuple(p.stop)
         self.stop_window = max((len(x) for x in p.stop), default=0) + 1
         self.vocab_size = vocab_size

@@ -1,0 +1,99 @@
+"""The decode hot path's shortcuts give exactly what the plain forms give."""
+
+import torch
+
+from nonstop.config import EngineConfig, TinyModelConfig
+from nonstop.engine.core import TorchEngine
+from nonstop.engine.sampling import RowParams, row_params, sample
+from nonstop.tasks.tiny import make_tiny_model
+from nonstop.types import GenerationRequest, SamplingParams
+
+SETTINGS = [(1.0, 0, 1.0, 0.0), (0.7, 20, 0.9, 0.0), (0.0, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.05)]
+
+
+def _plain(settings, generators) -> RowParams:
+    """Row parameters built column by column, flags from tensor reductions (the reference form)."""
+    t = torch.tensor([s[0] for s in settings], dtype=torch.float32)
+    return RowParams(
+        t,
+        torch.tensor([s[1] for s in settings], dtype=torch.long),
+        torch.tensor([s[2] for s in settings], dtype=torch.float32),
+        torch.tensor([s[3] for s in settings], dtype=torch.float32),
+        generators,
+        any_sampled=bool((t > 0).any()),
+        any_greedy=bool((t == 0).any()),
+        any_truncates=any(a > 0 and (b > 0 or c < 1.0 or d > 0.0) for a, b, c, d in settings),
+    )
+
+
+def test_row_params_table_equals_the_columns_built_one_by_one():
+    for settings in ([SETTINGS[0]] * 7, [SETTINGS[i % 4] for i in range(11)], [SETTINGS[1], SETTINGS[3]], []):
+        gens = [torch.Generator().manual_seed(i) if i % 3 == 0 else None for i in range(len(settings))]
+        got, ref = row_params(settings, gens), _plain(settings, gens)
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            a, b = getattr(got, name), getattr(ref, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert (got.any_sampled, got.any_greedy, got.any_truncates) == (
+            ref.any_sampled,
+            ref.any_greedy,
+            ref.any_truncates,
+        )
+        assert got.unit_temperature == all(s[0] == 1.0 for s in settings)
+        assert [i for i, _ in got.seeded] == [i for i, g in enumerate(gens) if g is not None]
+
+
+def test_sample_with_the_table_equals_sample_with_the_plain_columns():
+    logits = torch.randn(12, 128, generator=torch.Generator().manual_seed(0)) * 3
+    for settings in ([SETTINGS[0]] * 12, [SETTINGS[i % 4] for i in range(12)]):
+        outs = []
+        for build in (row_params, _plain):
+            gens = [torch.Generator().manual_seed(i) if i % 2 else None for i in range(12)]
+            torch.manual_seed(7)
+            outs.append(sample(logits, build(settings, gens)))
+        (t1, l1, k1), (t2, l2, k2) = outs
+        assert torch.equal(t1, t2) and torch.equal(l1, l2)
+        assert (k1 is None and k2 is None) or torch.equal(k1, k2)
+
+
+def test_move_copies_several_slots_of_every_layer_either_way():
+    model = make_tiny_model(TinyModelConfig()).eval()
+    engine = TorchEngine(model, [], 0, settings=EngineConfig(max_concurrent_seqs=24, max_seq_len=32))
+    runner = engine.runner
+    runner.cache.copy_(torch.randn(runner.cache.shape))
+    assert all(k.data_ptr() != v.data_ptr() for k, v in zip(runner.k, runner.v))
+    for src, dst in (([20, 21, 23], [2, 5, 7]), (list(range(12, 24)), list(range(12)))):  # slices; one indexed copy
+        before = runner.cache.clone()
+        runner.move(src, dst, 9)
+        for a, b in zip(src, dst):
+            assert torch.equal(runner.cache[:, b, :, :9], before[:, a, :, :9])
+            assert torch.equal(runner.cache[:, b, :, 9:], before[:, b, :, 9:])  # past `length`: untouched
+        untouched = [s for s in range(24) if s not in dst]
+        assert torch.equal(runner.cache[:, untouched], before[:, untouched])
+
+
+def test_a_prompt_packed_beside_decode_rows_gets_the_kv_and_logits_of_its_own_prefill():
+    """A prompt prefilled beside decode rows (keys read back from the cache) gets the logits and the
+    cached K/V that a prefill of it alone gives."""
+    model = make_tiny_model(TinyModelConfig()).eval()
+    engine = TorchEngine(model, [], 0, settings=EngineConfig(max_concurrent_seqs=8, max_seq_len=32))
+    runner = engine.runner
+    runner.cache.copy_(torch.randn(runner.cache.shape))  # stale data past every prompt's end
+    runner.prefill(torch.arange(3), [[5, 6, 7, 8], [9, 10], [11, 12, 13]])
+    prompts = [[20, 21, 22, 23, 24], [30, 31], [40, 41, 42]]
+    mixed = runner.mixed(torch.tensor([1, 2, 3]), torch.tensor([4, 2, 3]), torch.tensor([3, 4, 5]), prompts)
+    mixed_k = [k[3:6].clone() for k in runner.k]
+    alone = runner.prefill(torch.tensor([3, 4, 5]), prompts)
+    torch.testing.assert_close(mixed[3:], alone, rtol=1e-5, atol=1e-5)
+    for k_mixed, k in zip(mixed_k, runner.k):
+        for j, p in enumerate(prompts):
+            torch.testing.assert_close(k_mixed[j, :, : len(p)], k[3 + j, :, : len(p)], rtol=1e-5, atol=1e-5)
+
+
+def test_a_seeded_batch_generates_the_same_tokens_and_logprobs_twice():
+    model = make_tiny_model(TinyModelConfig()).eval()
+    engine = TorchEngine(model, [], 0, settings=EngineConfig(max_concurrent_seqs=4, max_seq_len=48))
+    reqs = [GenerationRequest(i, [3, 4 + i, 5], 1, SamplingParams(4 + 3 * i, 1.0, seed=i)) for i in range(6)]
+    first = engine.generate(reqs)
+    again = engine.generate(reqs)
+    assert [[s.completion_ids for s in g] for g in first] == [[s.completion_ids for s in g] for g in again]
+    assert [[s.logprobs for s in g] for g in first] == [[s.logprobs for s in g] for g in again]
