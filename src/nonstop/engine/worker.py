@@ -8,8 +8,8 @@ transport, never through these calls; the engine applies them between two forwar
 `engine.update_mode` says.
 `engine.dtype` resolves here, in the engine's process (device.py: auto is bfloat16 where the
 device has it); `stats()` reports it (`bf16`), the FLOPs of every forward pass so far (`flops`,
-over `busy_s`) and this process's matmul peak in that dtype (`peak_flops_per_s`), probed once
-at start (observe/flops.py).
+over `busy_s`) and this process's matmul peak in that dtype (`peak_flops_per_s`), probed at
+start and again at exponentially spaced times, at `stats()` (observe/flops.py `PeakProbe`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from nonstop.config import EngineConfig
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model
-from nonstop.observe.flops import matmul_peak
+from nonstop.observe.flops import PeakProbe
 from nonstop.observe.spans import SpanLog
 from nonstop.transport import WeightSource, open_source
 from nonstop.types import GenerationRequest, Sample, TransportHandle
@@ -65,7 +65,7 @@ class EngineWorker:
             settings=settings,
             detokenize=load_detokenizer(model_path),
         )
-        self.peak_flops = matmul_peak(self.dtype, device)
+        self.peak = PeakProbe(self.dtype, device)
         self.spans = SpanLog(span_path)
         self.aio = AsyncEngine(self.engine, self.spans)
         self.source: WeightSource | None = None
@@ -90,7 +90,7 @@ class EngineWorker:
         return {
             "policy_version": self.engine.policy_version,
             **self.engine.scheduler.stats,
-            "peak_flops_per_s": self.peak_flops,
+            "peak_flops_per_s": self.peak.tick(),
             "bf16": int(self.dtype == torch.bfloat16),
         }
 

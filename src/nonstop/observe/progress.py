@@ -18,10 +18,10 @@ def _lag_text(hist: dict[str, int]) -> str:
     return " ".join(f"{k}:{v / total:.0%}" for k, v in hist.items()) or "-"
 
 
-def _mfu_text(r: "StepRecord") -> str:
+def _mfu_text(r: "StepRecord", engine_frac: float | None) -> str:
     """Achieved FLOP/s as fractions of the measured matmul peaks: 'trainer%/engine%' ('-' where unknown)."""
     trainer = r.trainer.get("peak_frac")
-    parts = [f"{x:.0%}" if x is not None else "-" for x in (trainer, r.engine_peak_frac)]
+    parts = [f"{x:.0%}" if x is not None else "-" for x in (trainer, engine_frac)]
     return "/".join(parts)
 
 
@@ -35,6 +35,7 @@ class Progress:
         self.live: Live | None = None
         self.last_eval: float | None = None
         self.base_eval: float | None = None
+        self.engine_frac: float | None = None  # the engines' counters are read every few seconds, not every step
         self._last_plain = 0.0
 
     def __enter__(self) -> "Progress":
@@ -79,13 +80,15 @@ class Progress:
             f"{r.engine_idle_frac:.0%}",
             _lag_text(r.lag_hist),
             str(sum(r.drops.values())),
-            _mfu_text(r),
+            _mfu_text(r, self.engine_frac),
         )
         return t
 
     def update(self, record: "StepRecord") -> None:
         if record.eval_accuracy is not None:
             self.last_eval = record.eval_accuracy
+        if record.engine_peak_frac is not None:
+            self.engine_frac = record.engine_peak_frac
         if self.mode == "rich":
             if self.live is None:
                 self.live = Live(self._table(record), console=self.console, refresh_per_second=4)
@@ -100,7 +103,7 @@ class Progress:
                 self.log(
                     f"step {record.step:>4} v{record.policy_version} reward {record.reward_mean:.3f}{acc} "
                     f"{record.samples_per_s:.0f} samples/s trainer idle {record.trainer_idle_frac:.0%} "
-                    f"lag {_lag_text(record.lag_hist)} mfu {_mfu_text(record)}"
+                    f"lag {_lag_text(record.lag_hist)} mfu {_mfu_text(record, self.engine_frac)}"
                 )
 
     def stop(self) -> None:

@@ -78,8 +78,10 @@ async def learn(run: Run) -> StepRecord | None:
         out_of_time = cfg.run.max_time_s is not None and state.clock.wall() >= cfg.run.max_time_s
         record = step_record(run, step, groups, done.result, done.published)
         state.flops.trainer_step(done.result.metrics)
-        record.engine_flops_per_s, record.engine_peak_frac = state.flops.engines(await run.engine.stats())
-        if step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time:
+        eval_due = step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time
+        if eval_due or state.flops.engines_due(now()):  # a round trip to every engine: not every step
+            record.engine_flops_per_s, record.engine_peak_frac = state.flops.engines(await run.engine.stats())
+        if eval_due:
             t_eval = now()
             record.eval_accuracy = await run.eval()
             spans.emit("eval", step=step, t0=round(t_eval, 6), t1=round(now(), 6), accuracy=record.eval_accuracy)

@@ -58,7 +58,7 @@ class StepRecord:
     episodes: dict[str, Any] | None = None  # environment runs: EpisodeStats.report() (episode_flow.py)
     policies: dict[str, Any] | None = None  # roles with their own policy: Policies.report() (policies.py)
     engine_flops_per_s: float | None = (
-        None  # the engines' achieved FLOP/s since the last record (observe/flops.py FlopTally)
+        None  # the engines' achieved FLOP/s since their last read (observe/flops.py FlopTally); None: unread
     )
     engine_peak_frac: float | None = None  # ... as a fraction of their matmul peak; None: engines without counts
 

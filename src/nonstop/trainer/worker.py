@@ -41,7 +41,7 @@ import torch
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
 from nonstop.device import dtype_name, on, place, resolve_device, resolve_dtype
 from nonstop.hf import CausalLM, load_model
-from nonstop.observe.flops import FlopModel, matmul_peak, rate, train_flops
+from nonstop.observe.flops import FlopModel, PeakProbe, rate, train_flops
 from nonstop.observe.spans import SpanLog, now
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
@@ -101,7 +101,7 @@ class TrainerWorker:
         self.flop_model = FlopModel.of(model)
         # LoRA: the frozen base needs activation gradients only (2 x forward instead of 3 x)
         self.flop_factor = (2 if self.lora is not None else 3) + (1 if self.trainer.reference is not None else 0)
-        self.peak_flops = matmul_peak(self.dtype, self.device)
+        self.peak = PeakProbe(self.dtype, self.device)
         self.ahead_s = 0.0  # forwards run ahead since the last step: part of the next step's work
 
     def _precision(self):
@@ -165,14 +165,15 @@ class TrainerWorker:
         train_s = t1 - t0
         self.busy_s += train_s
         flops = train_flops(self.flop_model, groups, self.trainer.shared_prompts, self.flop_factor)
-        achieved, frac = rate(flops, train_s + self.ahead_s, self.peak_flops)
+        peak = self.peak.tick()  # after the timed step: a probe again is not part of it
+        achieved, frac = rate(flops, train_s + self.ahead_s, peak)
         self.ahead_s = 0.0
         metrics.update(
             train_s=train_s,
             precision=dtype_name(self.dtype),
             flops=flops,
             flops_per_s=achieved,
-            peak_flops_per_s=self.peak_flops,
+            peak_flops_per_s=peak,
             peak_frac=frac,
         )
         update_s = metrics["update_s"]
