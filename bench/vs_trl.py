@@ -103,7 +103,7 @@ def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None) ->
             if ends:  # steady state only: after the first step
                 gen_s[0] += time.perf_counter() - t0
 
-    trainer._generate_and_score_completions = timed
+    setattr(trainer, "_generate_and_score_completions", timed)  # the same whether trl is typed here or not
 
     class Ends(TrainerCallback):
         def on_step_end(self, *a, **kw):
