@@ -1,0 +1,232 @@
+"""A real model shape on this machine: Qwen2.5-0.5B's shape in four arms (issue 31, docs/memory.md).
+
+The model is made here with Qwen2.5-0.5B's exact shape (hidden 896, 24 layers, 14 heads, 2 KV
+heads, MLP 4,864, vocabulary 151,936, tied embeddings: 494 M parameters), random weights, saved
+with `save_pretrained` next to nonstop's character tokenizer, as a user's model folder would be.
+Every arm is the real CLI with only `model.path` and the task set (the built-in addition task,
+`--steps` steps of 2 prompts x 8 completions, buffer depth 0 so the mismatch KL is the engine's
+and trainer's numerics alone), every other setting at its default:
+
+- full / builtin: full fine-tune, the built-in engine (precision `auto`: bf16 where this CPU has it);
+- full-fp32 / builtin: the same with `trainer.precision=float32 engine.dtype=float32`, the
+  reference of the bf16 step speedup;
+- lora / builtin: `model.lora.enabled=true`;
+- full / vllm and lora / vllm: `engine.kind=vllm`, run with .venv-vllm's interpreter (`make
+  venv-vllm`); without it these rows say so and the others still run.
+
+Per arm: peak RSS per process (VmHWM of each actor, polled every 0.5 s), the median trainer step
+(steps after the first), the trainer's achieved FLOP/s as a fraction of its measured matmul peak,
+publish time as a fraction of step time, the engine's tokens/s while busy against HF `generate`
+on the same prompts in this process, and the depth-0 mismatch KL (k3).
+
+    python bench/scale.py [--steps 5] [--arms full,full-fp32,lora,full-vllm,lora-vllm]
+
+Last line: `RESULT trainer_peak_frac=... bf16_step_speedup=... lora_mem_ratio=... publish_frac=...
+peak_rss_gib=...` (the full builtin arm's trainer fraction and publish fraction, the fp32 step
+over the bf16 step, LoRA's peak trainer RSS over full fine-tuning's, the largest process's peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+ARMS = {
+    "full": [],
+    "full-fp32": ["trainer.precision=float32", "engine.dtype=float32"],
+    "lora": ["model.lora.enabled=true"],
+    "full-vllm": ["engine.kind=vllm"],
+    "lora-vllm": ["engine.kind=vllm", "model.lora.enabled=true"],
+}
+
+
+def make_model(path: Path) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from nonstop.tasks.tiny import make_char_tokenizer
+
+    cfg = Qwen2Config(
+        vocab_size=151_936,
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        max_position_embeddings=32_768,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(path)
+    make_char_tokenizer().save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+class RssPoller:
+    """Peak RSS (VmHWM, bytes) of every process under `root_pid`, by its title (`nonstop: engine`)."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root, self.stop = root_pid, threading.Event()
+        self.peaks: dict[str, int] = {}
+        self.thread = threading.Thread(target=self.run, name="rss-poller", daemon=True)
+        self.thread.start()
+
+    def descendants(self) -> list[int]:
+        kids: dict[int, list[int]] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                kids.setdefault(ppid, []).append(int(d.name))
+        out, todo = [], [self.root]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo += kids.get(pid, [])
+        return out
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5):
+            for pid in self.descendants():
+                try:
+                    title = (Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]).decode(errors="replace")
+                    status = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                hwm = next((int(x.split()[1]) * 1024 for x in status.splitlines() if x.startswith("VmHWM:")), 0)
+                role = title.split(":", 1)[1].strip() if title.startswith("nonstop:") else "orchestrator"
+                if pid == self.root or title.startswith("nonstop:"):
+                    self.peaks[role] = max(self.peaks.get(role, 0), hwm)
+
+    def close(self) -> dict[str, int]:
+        self.stop.set()
+        self.thread.join()
+        return self.peaks
+
+
+def run_arm(name: str, model_dir: Path, steps: int, folder: Path) -> dict | None:
+    py = str(VLLM_PY) if name.endswith("vllm") else sys.executable
+    if name.endswith("vllm") and not VLLM_PY.exists():
+        return None
+    sets = [
+        f"model.path={model_dir}",
+        f"run.max_steps={steps}",
+        "run.max_time_s=null",
+        f"run.eval_every={10**6}",
+        "task.eval_size=8",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=8",
+        "rollout.filter_uniform_reward=false",
+        "buffer.depth=0",
+        "buffer.max_lag=0",
+        "checkpoint.every_steps=null",
+        f"run.out_dir={folder}",
+        f"run.name={name}",
+        "run.progress=plain",
+        *ARMS[name],
+    ]
+    args = [py, "-m", "nonstop.cli", "train", *[x for s in sets for x in ("--set", s)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.Popen(args, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    poller = RssPoller(proc.pid)
+    out, _ = proc.communicate()
+    peaks = poller.close()
+    if proc.returncode != 0:
+        print(f"{name}: failed (exit {proc.returncode})\n{out[-3000:]}", flush=True)
+        return {"arm": name, "failed": True, "peaks": peaks}
+    run_dir = folder / name
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steady = [r for r in recs if "trainer" in r][1:] or [r for r in recs if "trainer" in r]
+    tr = [r["trainer"] for r in steady]
+    eng = summary["engines"]
+    busy = sum(float(e.get("busy_s", 0.0)) for e in eng)
+    return {
+        "arm": name,
+        "failed": False,
+        "peaks": peaks,
+        "step_s": statistics.median(t["train_s"] for t in tr),
+        "precision": tr[-1].get("precision"),
+        "peak_frac": statistics.median(t.get("peak_frac", 0.0) for t in tr),
+        "publish_frac": statistics.median(t["publish_s"] / t["train_s"] for t in tr),
+        "engine_tok_s": sum(int(e.get("tokens_generated", 0)) for e in eng) / busy if busy > 0 else None,
+        "mismatch_kl": statistics.median(t.get("mismatch_kl_k3", 0.0) for t in tr),
+    }
+
+
+def hf_generate_tok_s(model_dir: Path) -> float:
+    """HF generate on 2 prompts x 8 samples of 16 new tokens (EOS off), this process, one thread."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok(["12+34=", "56+7="] * 8, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        model.generate(**ids, max_new_tokens=2, do_sample=True, pad_token_id=0)  # warm-up
+        t0 = time.perf_counter()
+        model.generate(**ids, max_new_tokens=16, min_new_tokens=16, do_sample=True, pad_token_id=0)
+    return 16 * 16 / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--arms", default=",".join(ARMS))
+    ns = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="nonstop-scale-") as tmp:
+        model_dir = Path(tmp) / "qwen2.5-0.5b-shape"
+        n = make_model(model_dir)
+        print(f"model: Qwen2.5-0.5B shape, {n / 1e6:.0f} M parameters, random weights, {model_dir}", flush=True)
+        hf = hf_generate_tok_s(model_dir)
+        print(f"HF generate (fp32, 1 thread, 16 sequences): {hf:.1f} tokens/s", flush=True)
+        rows = []
+        for name in ns.arms.split(","):
+            r = run_arm(name, model_dir, ns.steps, Path(tmp))
+            if r is None:
+                print(f"{name:>10}: not run (no .venv-vllm: make venv-vllm)", flush=True)
+                continue
+            rows.append(r)
+            print_row(r, hf)
+    by = {r["arm"]: r for r in rows if not r["failed"]}
+    full, f32, lora = by.get("full"), by.get("full-fp32"), by.get("lora")
+    speedup = f32["step_s"] / full["step_s"] if full and f32 else float("nan")
+    mem = lora["peaks"].get("trainer", 0) / full["peaks"]["trainer"] if full and lora else float("nan")
+    peak_rss = max((v for r in rows for v in r["peaks"].values()), default=0) / 2**30
+    print(
+        f"RESULT trainer_peak_frac={full['peak_frac'] if full else float('nan'):.3f} bf16_step_speedup={speedup:.2f} "
+        f"lora_mem_ratio={mem:.2f} publish_frac={full['publish_frac'] if full else float('nan'):.3f} "
+        f"peak_rss_gib={peak_rss:.1f} arms_ok={len(by)}/{len(rows)}"
+    )
+
+
+def print_row(r: dict, hf: float) -> None:
+    rss = " ".join(f"{k} {v / 2**30:.1f}G" for k, v in sorted(r["peaks"].items()))
+    if r["failed"]:
+        print(f"{r['arm']:>10}: FAILED; peak RSS {rss}", flush=True)
+        return
+    eng = f"{r['engine_tok_s']:.1f} tok/s ({r['engine_tok_s'] / hf:.2f}x HF)" if r["engine_tok_s"] else "n/a"
+    print(
+        f"{r['arm']:>10}: {r['precision']} step {r['step_s']:.2f}s, trainer {r['peak_frac']:.0%} of peak, "
+        f"publish {r['publish_frac']:.1%} of step, engine {eng}, mismatch KL {r['mismatch_kl']:.2e}; peak RSS {rss}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
