@@ -17,7 +17,7 @@ kind, so an error names the member the value meant, not every member it did not.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
 from pydantic import (
@@ -27,13 +27,17 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     Tag,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, ErrorDetails, PydanticCustomError, core_schema
 
 
 class BadRequest(ValueError):
@@ -62,15 +66,52 @@ def _unicode(v: str) -> str:
     return v
 
 
+def _whole(v: Any) -> Any:
+    """A JSON number without a fraction is an integer, as JSON Schema reads it: 16.0 is 16."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
 Text = Annotated[str, AfterValidator(_unicode)]
 """A string that is valid Unicode."""
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-Probability = Annotated[float, Field(allow_inf_nan=False)]
-Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
+# Integers are not booleans, and 16.0 is 16. The bounds come before the conversion, so that the
+# JSON schema carries them as minimum / maximum.
+_WHOLE = BeforeValidator(_whole)
+TokenId = Annotated[int, Field(ge=0, lt=2**31), _WHOLE]
+Positive = Annotated[int, Field(ge=1), _WHOLE]
+TopK = Annotated[int, Field(ge=-1, lt=2**31), _WHOLE]
+"""0 or -1: off."""
+N = Annotated[int, Field(ge=1, le=MAX_N), _WHOLE]
+ZeroOrOne = Annotated[int, Field(ge=0, le=1), _WHOLE]
+MIN_TEMPERATURE = 1e-6
+"""Temperatures are 0 (greedy) or at least this: the engine divides float32 logits by it, and a
+temperature such as 1e-40 overflows them to inf (NaN logprobs; found by the fuzz test)."""
+
+
+def _temperature(v: float) -> float:
+    if 0.0 < v < MIN_TEMPERATURE:
+        raise PydanticCustomError(
+            "temperature", "{got} is below {least}: send 0 for greedy decoding", {"got": v, "least": MIN_TEMPERATURE}
+        )
+    return v
+
+
+Temperature = Annotated[
+    float,
+    Field(ge=0.0, le=100.0, allow_inf_nan=False),
+    AfterValidator(_temperature),
+    WithJsonSchema({"anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": 100.0}]}),
+]
+"""0: greedy."""
+TopP = Annotated[float, Field(ge=1e-9, le=1.0, allow_inf_nan=False)]
+"""At least 1e-9: the engine keeps it as float32, where 1e-50 is 0 and keeps no token."""
+MinP = Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1]), _WHOLE]
 
 
 def _kind(v: Any) -> str | None:
     """The JSON kind of a decoded value: the tag of the union member meant to take it."""
+    if isinstance(v, float) and v.is_integer():
+        return "integer"
     for tag, kinds in (("boolean", bool), ("integer", int), ("number", float), ("string", str), ("array", list)):
         if isinstance(v, kinds):
             return tag
@@ -107,19 +148,40 @@ StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 M = TypeVar("M", bound=BaseModel)
 
 
-def _unsupported(neutral: Any, accept: Callable[[Any], bool] | None = None) -> Any:
-    """A field nonstop does not implement: only `neutral` (or null) is accepted."""
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 0 and 0.0 are the same number, false and 0 are not the same value."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    numbers = isinstance(a, (int, float)) and isinstance(b, (int, float))
+    return (numbers or type(a) is type(b)) and a == b
 
-    def check(v: Any) -> Any:
-        if v is not None and v != neutral and not (accept and accept(v)):
+
+@dataclass(frozen=True, eq=False)  # by identity: typing caches Annotated[...] by equal metadata, and 0 == False
+class Unsupported:
+    """Marks a field nonstop does not implement: only `neutral` (or null) is accepted, which the
+    JSON schema says too, so generated requests are valid and invalid ones are refused."""
+
+    neutral: Any
+
+    def check(self, v: Any) -> Any:
+        if v is not None and not _same(v, self.neutral):
             raise PydanticCustomError(
                 "unsupported",
                 "not supported by nonstop serve (send {neutral} or leave it out)",
-                {"neutral": json.dumps(neutral)},
+                {"neutral": json.dumps(self.neutral)},
             )
         return v
 
-    return BeforeValidator(check)
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_before_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        only = [{"const": self.neutral}] if self.neutral is not None else []
+        return {"anyOf": [*only, {"type": "null"}]}
 
 
 def _zero_or_one(v: Any) -> Any:
@@ -151,18 +213,18 @@ class SamplingFields(_Body):
 
     model: Text | None = None
     """The served model's id; any other is a 404."""
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Positive | None = None
     """Completion tokens at most (default: rollout.max_new_tokens); with the prompt, within the engine's max_seq_len."""
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Positive | None = None
     """The same as max_tokens (OpenAI's newer name); wins when both are given."""
-    temperature: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] | None = None
+    temperature: Temperature | None = None
     """0: greedy."""
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     """nonstop extension: keep the k most likely tokens (0 or -1: off)."""
-    min_p: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] | None = None
+    min_p: MinP | None = None
     """nonstop extension: keep tokens with probability >= min_p x the most likely token's."""
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    n: N | None = None
     """Completions of the one prompt."""
     seed: Seed | None = None
     """Completion i samples with seed + i."""
@@ -176,35 +238,35 @@ class SamplingFields(_Body):
     """Only with stream: true."""
     user: Text | None = None
     """Accepted and not used."""
-    presence_penalty: Annotated[float | None, _unsupported(0)] = None
+    presence_penalty: Annotated[Any, Unsupported(0)] = None
     """Not supported: 0 only."""
-    frequency_penalty: Annotated[float | None, _unsupported(0)] = None
+    frequency_penalty: Annotated[Any, Unsupported(0)] = None
     """Not supported: 0 only."""
-    repetition_penalty: Annotated[float | None, _unsupported(1)] = None
+    repetition_penalty: Annotated[Any, Unsupported(1)] = None
     """Not supported: 1 only."""
-    logit_bias: Annotated[dict[str, Any] | None, _unsupported({})] = None
+    logit_bias: Annotated[Any, Unsupported({})] = None
     """Not supported: {} only."""
-    echo: Annotated[bool | None, _unsupported(False)] = None
+    echo: Annotated[Any, Unsupported(False)] = None
     """Not supported: false only."""
-    suffix: Annotated[str | None, _unsupported("")] = None
+    suffix: Annotated[Any, Unsupported("")] = None
     """Not supported: "" only."""
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Positive | None = None
     """Not supported: equal to n only."""
-    tools: Annotated[list[Any] | None, _unsupported([])] = None
+    tools: Annotated[Any, Unsupported([])] = None
     """Not supported (nonstop serves no tools): [] only."""
-    functions: Annotated[list[Any] | None, _unsupported([])] = None
+    functions: Annotated[Any, Unsupported([])] = None
     """Not supported: [] only."""
-    tool_choice: Annotated[str | dict[str, Any] | None, _unsupported("none")] = None
+    tool_choice: Annotated[Any, Unsupported("none")] = None
     """Not supported: "none" only."""
-    parallel_tool_calls: Annotated[bool | None, _unsupported(None)] = None
+    parallel_tool_calls: Annotated[Any, Unsupported(None)] = None
     """Not supported: null only."""
-    response_format: Annotated[dict[str, Any] | None, _unsupported({"type": "text"})] = None
+    response_format: Annotated[Any, Unsupported({"type": "text"})] = None
     """Not supported: {"type": "text"} only."""
-    prediction: Annotated[dict[str, Any] | None, _unsupported(None)] = None
+    prediction: Annotated[Any, Unsupported(None)] = None
     """Not supported: null only."""
-    audio: Annotated[dict[str, Any] | None, _unsupported(None)] = None
+    audio: Annotated[Any, Unsupported(None)] = None
     """Not supported: null only."""
-    modalities: Annotated[list[str] | None, _unsupported(["text"])] = None
+    modalities: Annotated[Any, Unsupported(["text"])] = None
     """Not supported: ["text"] only."""
 
     @field_validator("stream_options")
@@ -224,6 +286,10 @@ class SamplingFields(_Body):
         return v
 
 
+_ONE_PROMPT = {"minItems": 1, "maxItems": 1}
+"""A batch of prompts is refused unless it holds one (checked in CompletionRequest, documented here)."""
+
+
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`: one prompt, as text or token ids."""
 
@@ -232,16 +298,22 @@ class CompletionRequest(SamplingFields):
         extra="allow",
         frozen=True,
         use_attribute_docstrings=True,
-        json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["prompt_token_ids"]}]},
+        # exactly one of prompt and prompt_token_ids, not null
+        json_schema_extra={
+            "oneOf": [
+                {"required": [key], "properties": {key: {"not": {"type": "null"}}}}
+                for key in ("prompt", "prompt_token_ids")
+            ]
+        },
     )
 
     prompt: (
         Annotated[
             Union[
-                Annotated[Text, Tag("string")],
-                Annotated[list[TokenId], Tag("ids")],
-                Annotated[list[Text], Tag("texts")],
-                Annotated[list[list[TokenId]], Tag("batch")],
+                Annotated[Text, Tag("string"), Field(json_schema_extra={"minLength": 1})],
+                Annotated[list[TokenId], Tag("ids"), Field(json_schema_extra={"minItems": 1})],
+                Annotated[list[Text], Tag("texts"), Field(json_schema_extra=_ONE_PROMPT)],
+                Annotated[list[list[TokenId]], Tag("batch"), Field(json_schema_extra=_ONE_PROMPT)],
             ],
             Discriminator(
                 _prompt_kind,
@@ -252,11 +324,11 @@ class CompletionRequest(SamplingFields):
         | None
     ) = None
     """Text, or token ids; a list holding one of either is a batch of one (one prompt per request)."""
-    prompt_token_ids: list[TokenId] | None = None
+    prompt_token_ids: Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})] | None = None
     """nonstop extension: the prompt as token ids (instead of prompt)."""
     logprobs: (
         Annotated[
-            Union[Annotated[bool, Tag("boolean")], Annotated[int, Field(ge=0, le=1), Tag("integer")]],
+            Union[Annotated[bool, Tag("boolean")], Annotated[ZeroOrOne, Tag("integer")]],
             _by_kind("expected 0, 1, true or false", "boolean", "integer"),
         ]
         | None
@@ -314,7 +386,16 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 class ChatMessage(BaseModel):
     """One message: text content (a string or text parts, joined with newlines)."""
 
-    model_config = ConfigDict(strict=True, extra="allow", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        strict=True,
+        extra="allow",
+        frozen=True,
+        use_attribute_docstrings=True,
+        json_schema_extra={
+            "if": {"properties": {"role": {"const": "tool"}}},
+            "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+        },
+    )
 
     role: Role
     content: Annotated[
@@ -323,9 +404,9 @@ class ChatMessage(BaseModel):
     ]
     name: Text | None = None
     """Passed to the chat template."""
-    tool_call_id: Text | None = None
+    tool_call_id: Annotated[Text, Field(min_length=1)] | None = None
     """Required on tool messages: the call this message answers."""
-    tool_calls: Annotated[list[Any] | None, _unsupported([])] = None
+    tool_calls: Annotated[Any, Unsupported([])] = None
     """Not supported (nonstop serves no tools): [] only."""
 
     @model_validator(mode="after")
@@ -346,7 +427,7 @@ class ChatRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = None
     """The sampled tokens' behaviour logprobs."""
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=0), _WHOLE] | None = None
     """0 only, with logprobs: true (nonstop has no alternatives to return)."""
 
     @field_validator("top_logprobs", mode="before")
@@ -373,17 +454,17 @@ class GenerateSamplingParams(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, use_attribute_docstrings=True)
     EXTRA: ClassVar[str] = "unknown sampling parameter"
 
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
+    max_tokens: Positive | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     """0 or -1: off."""
-    min_p: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] | None = None
+    min_p: MinP | None = None
     seed: Seed | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    n: N | None = None
     stop: Stop | None = None
     stop_token_ids: StopTokenIds | None = None
-    logprobs: Annotated[int, Field(ge=0, le=1)] | None = None
+    logprobs: ZeroOrOne | None = None
     """0 or 1: the sampled token's behaviour logprob (no alternatives)."""
     _no_alternatives = field_validator("logprobs", mode="before")(lambda v: _zero_or_one(v))
     # keys that change neither the tokens sampled nor their logprobs
@@ -394,17 +475,17 @@ class GenerateSamplingParams(BaseModel):
     routed_experts_prompt_start: Any = None
     return_sampling_mask: Any = None
     # keys nonstop does not implement, accepted at their neutral value
-    presence_penalty: Annotated[Any, _unsupported(0)] = None
-    frequency_penalty: Annotated[Any, _unsupported(0)] = None
-    repetition_penalty: Annotated[Any, _unsupported(1)] = None
-    logit_bias: Annotated[Any, _unsupported(None)] = None
-    ignore_eos: Annotated[Any, _unsupported(False)] = None
-    min_tokens: Annotated[Any, _unsupported(0)] = None
-    prompt_logprobs: Annotated[Any, _unsupported(None)] = None
-    bad_words: Annotated[Any, _unsupported(None)] = None
-    allowed_token_ids: Annotated[Any, _unsupported(None)] = None
-    structured_outputs: Annotated[Any, _unsupported(None)] = None
-    guided_decoding: Annotated[Any, _unsupported(None)] = None
+    presence_penalty: Annotated[Any, Unsupported(0)] = None
+    frequency_penalty: Annotated[Any, Unsupported(0)] = None
+    repetition_penalty: Annotated[Any, Unsupported(1)] = None
+    logit_bias: Annotated[Any, Unsupported(None)] = None
+    ignore_eos: Annotated[Any, Unsupported(False)] = None
+    min_tokens: Annotated[Any, Unsupported(0)] = None
+    prompt_logprobs: Annotated[Any, Unsupported(None)] = None
+    bad_words: Annotated[Any, Unsupported(None)] = None
+    allowed_token_ids: Annotated[Any, Unsupported(None)] = None
+    structured_outputs: Annotated[Any, Unsupported(None)] = None
+    guided_decoding: Annotated[Any, Unsupported(None)] = None
 
 
 class GenerateRequest(BaseModel):
@@ -421,7 +502,7 @@ class GenerateRequest(BaseModel):
     """Accepted (the built-in engine has no shared prefix cache to salt)."""
     priority: Any = None
     """Accepted (the built-in engine has no priorities)."""
-    stream: Annotated[bool | None, _unsupported(False)] = None
+    stream: Annotated[Any, Unsupported(False)] = None
     """Not supported: false only (one JSON answer)."""
 
 
@@ -465,6 +546,8 @@ def _message(e: ErrorDetails) -> str:
         return f"{got} is out of range: expected a value {bounds[kind].format(**ctx)}"
     if kind == "too_long":
         return f"at most {ctx.get('max_length')} items (got {ctx.get('actual_length')})"
+    if kind == "string_too_short":
+        return "must not be empty" if ctx.get("min_length") == 1 else f"at least {ctx.get('min_length')} characters"
     if kind == "too_short":
         return "must not be empty" if ctx.get("min_length") == 1 else f"at least {ctx.get('min_length')} items"
     if kind == "literal_error":

@@ -186,7 +186,9 @@ class EngineServer:
     async def schema(self, request: web.Request) -> web.Response:
         """The OpenAPI document (serve/openapi.py), built on first use."""
         if self._openapi is None:
-            self._openapi = openapi.openapi(self.model_name, api_key=self.api_key is not None)
+            self._openapi = openapi.openapi(
+                self.model_name, self.api_key is not None, self.engine.max_seq_len, self.engine.vocab_size
+            )
         return web.json_response(self._openapi)
 
     async def _body(self, request: web.Request) -> Any:
