@@ -247,14 +247,14 @@ class EngineServer:
         self.requests_served += 1
         return web.json_response(generate_route.generate_response(g, samples))
 
-    def _check_max_tokens(self, call: Call) -> None:
+    def _check_max_tokens(self, call: Call, param: str = "max_tokens") -> None:
         """max_tokens that leave no room for even a one-token prompt: the error names max_tokens."""
         limit = self.engine.max_seq_len
         if call.params.max_new_tokens >= limit:
             raise BadRequest(
-                f"max_tokens: {call.params.max_new_tokens} leaves no room for a prompt in the engine's "
+                f"{param}: {call.params.max_new_tokens} leaves no room for a prompt in the engine's "
                 f"max_seq_len of {limit} tokens (at most {limit - 1})",
-                "max_tokens",
+                param,
             )
 
     def _check_length(self, chars: int, call: Call, field: str) -> None:
@@ -277,7 +277,7 @@ class EngineServer:
         vocab = self.engine.vocab_size
         if any(t >= vocab for t in prompt_ids):
             raise BadRequest(f"{field}: token ids must be below the vocabulary size {vocab}", field)
-        self._check_max_tokens(call)
+        self._check_max_tokens(call, "sampling_params.max_tokens" if field == "token_ids" else "max_tokens")
         if len(prompt_ids) + call.params.max_new_tokens > self.engine.max_seq_len:
             raise BadRequest(
                 f"{field}: {len(prompt_ids)} tokens with max_tokens {call.params.max_new_tokens} exceed the "
