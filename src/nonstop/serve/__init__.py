@@ -24,12 +24,21 @@ if TYPE_CHECKING:
 
 
 def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
-    """The engine `cfg.engine.kind` names, with `model_path`'s weights at policy_version 0."""
+    """The engine `cfg.engine.kind` names, with `model_path`'s weights at the policy_version the
+    trainer saved them at (0 for a base model; checkpoint.saved_policy_version)."""
+    from nonstop.checkpoint import saved_policy_version
+
+    version = saved_policy_version(model_path)
     if cfg.engine.kind == "vllm":
         from nonstop.engine.vllm_engine import VllmEngineWorker
 
         return VllmEngineWorker(
-            model_path, [tok.eos_token_id], tok.pad_token_id, seed=cfg.run.seed, settings=cfg.engine
+            model_path,
+            [tok.eos_token_id],
+            tok.pad_token_id,
+            seed=cfg.run.seed,
+            initial_version=version,
+            settings=cfg.engine,
         )
     import torch
 
@@ -42,6 +51,7 @@ def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
         load_model(model_path),
         [tok.eos_token_id],
         tok.pad_token_id,
+        policy_version=version,
         settings=cfg.engine,
         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
     )
