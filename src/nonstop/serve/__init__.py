@@ -2,12 +2,17 @@
 
 `serve(cfg, model_path, ...)` loads the tokenizer, builds the engine `cfg.engine.kind` names
 (the built-in engine from `cfg.engine`, or vLLM from `cfg.engine.vllm`, running in this
-process), serves until SIGINT/SIGTERM and then shuts down cleanly. A vLLM that is missing or
+process) at the policy_version the trainer saved the weights at (nonstop_version.json, 0 for a
+base model), serves until SIGINT/SIGTERM and then shuts down cleanly. A vLLM that is missing or
 cannot load the model raises VllmSetupError (a ConfigError naming the fix) before anything binds.
 
+- schema.py          the request shapes as pydantic models: they validate every request (a 400
+                     naming the field) and give the JSON schema;
+- responses.py       the response shapes as pydantic models, with the `nonstop` extension (token
+                     ids, behaviour logprobs, policy versions); every answer is built from them;
+- openapi.py         the OpenAPI document of both, served at `GET /openapi.json` and fuzzed against;
+- protocol.py        requests as engine calls (`Call`), stop strings on text, the extension of a sample;
 - server.py          `EngineServer`: the aiohttp routes over any `ServedEngine` (built-in or vLLM);
-- protocol.py        OpenAI-style request parsing and response shaping, free of HTTP, with the
-                     `nonstop` extension (token ids, behaviour logprobs, policy versions);
 - generate_route.py  vLLM's token-level `POST /inference/v1/generate` (what verifiers' train client calls);
 - client.py          `GenerationClient` and its two implementations: `InProcessClient`, `HttpClient`.
 """
