@@ -1,16 +1,17 @@
-"""OpenAI-style request parsing and response shaping, free of HTTP.
+"""OpenAI-style requests as engine calls, free of HTTP.
 
-`parse_completion(body)` and `parse_chat(body)` turn a decoded JSON body into a `Call` (prompt
-token ids or text, sampling parameters, n, stream) or raise `BadRequest` naming the field.
-Every field is either honoured as the OpenAI API defines it or, when nonstop cannot honour it
-(`top_logprobs` > 0, `echo`, penalties, `logit_bias`, tools, ...), rejected with a 400 naming
-it: nothing is ignored silently. Text must be valid Unicode (no lone surrogates); chat
-`content` may be a string or a list of text parts (joined with newlines).
-Responses carry the OpenAI fields plus a `nonstop` extension per choice: `prompt_token_ids`,
-`token_ids`, `logprobs` (behaviour logprobs), `policy_versions` and, when the request
-truncated, `sampling_mask` (kept ids per token), so agent code round-trips tokens without
-retokenising. `TextCutter` applies stop strings to text (the stop string is not returned, as in
-the OpenAI API) and holds back, while streaming, the tail that might still become one.
+`parse_completion(body)` and `parse_chat(body)` validate a decoded JSON body against the request
+models of serve/schema.py (the schema `/openapi.json` publishes) and turn it into a `Call`
+(prompt token ids or text, sampling parameters, n, stream), or raise `BadRequest` naming the
+field. Every field is either honoured as the OpenAI API defines it or, when nonstop cannot honour
+it (`top_logprobs` > 0, `echo`, penalties, `logit_bias`, tools, ...), refused with a 400 naming
+it; a field the schema does not know is kept in `Call.unknown` for the server to log.
+`extension(sample)` is the `nonstop` extension of a choice (serve/responses.py
+`NonstopExtension`: prompt and completion token ids, behaviour logprobs, policy versions and,
+when the request truncated, the kept ids per token), so agent code round-trips tokens without
+retokenising; `sample_from_extension` reads it back. `TextCutter` applies stop strings to text
+(the stop string is not returned, as in the OpenAI API) and holds back, while streaming, the tail
+that might still become one.
 """
 
 from __future__ import annotations
