@@ -6,8 +6,10 @@ process) at the policy_version the trainer saved the weights at (nonstop_version
 base model), serves until SIGINT/SIGTERM and then shuts down cleanly. A vLLM that is missing or
 cannot load the model raises VllmSetupError (a ConfigError naming the fix) before anything binds.
 
-- schema.py          the request shapes as pydantic models: they validate every request (a 400
-                     naming the field) and give the JSON schema;
+- fields.py          the request field types: strict JSON types with the engine's bounds;
+- schema.py          the request shapes as pydantic models: they validate every request and give
+                     the JSON schema;
+- validation.py      a body against a request model, or `BadRequest` naming the field;
 - responses.py       the response shapes as pydantic models, with the `nonstop` extension (token
                      ids, behaviour logprobs, policy versions); every answer is built from them;
 - openapi.py         the OpenAPI document of both, served at `GET /openapi.json` and fuzzed against;

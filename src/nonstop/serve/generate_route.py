@@ -33,7 +33,8 @@ from typing import Any
 
 from nonstop.serve.protocol import Call, extension
 from nonstop.serve.responses import GenerateChoice, GenerateLogprobs, GenerateResponse, GenerateTokenLogprob, Usage
-from nonstop.serve.schema import GenerateRequest, GenerateSamplingParams, validate
+from nonstop.serve.schema import GenerateRequest, GenerateSamplingParams
+from nonstop.serve.validation import validate
 from nonstop.types import Sample, SamplingParams
 
 PATH = "/inference/v1/generate"

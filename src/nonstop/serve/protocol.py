@@ -21,15 +21,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from nonstop.serve.fields import SEED_RANGE
 from nonstop.serve.responses import NonstopExtension
-from nonstop.serve.schema import (
-    SEED_RANGE,
-    BadRequest,
-    ChatRequest,
-    CompletionRequest,
-    SamplingFields,
-    validate,
-)
+from nonstop.serve.schema import ChatRequest, CompletionRequest, SamplingFields
+from nonstop.serve.validation import BadRequest, validate
 from nonstop.types import Sample, SamplingParams
 
 __all__ = ["SEED_RANGE", "BadRequest", "Call", "TextCutter", "extension", "parse_chat", "parse_completion"]
