@@ -75,6 +75,7 @@ def _one_clear_line(out: str, words: str) -> None:
         ("/no/such/dir", "--model: no such folder: /no/such/dir"),
         ("empty", "holds no config.json (empty)"),
         ("weights.bin", "is a file; expected a model folder"),
+        ("step_00000100", "is a checkpoint folder; its weights are in"),
     ],
 )
 def test_a_model_path_that_is_not_a_model_is_one_line(tmp_path, model, words):
@@ -82,6 +83,9 @@ def test_a_model_path_that_is_not_a_model_is_one_line(tmp_path, model, words):
         (tmp_path / model).mkdir()
     elif model == "weights.bin":
         (tmp_path / model).write_bytes(b"\0")
+    elif model.startswith("step_"):
+        (tmp_path / model / "model").mkdir(parents=True)
+        (tmp_path / model / "model" / "config.json").write_text("{}")
     proc = _serve(tmp_path, "--model", model)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 2

@@ -35,6 +35,8 @@ def offline() -> bool:
 
 
 def check_folder(folder: Path, field: str = "model.path") -> Path:
+    if not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():
+        raise ConfigError(f"{field}: {folder} is a checkpoint folder; its weights are in {folder / 'model'}")
     if not (folder / "config.json").is_file():
         held = sorted(p.name for p in folder.iterdir())[:8] if folder.is_dir() else []
         raise ConfigError(
