@@ -116,7 +116,8 @@ def test_hub_id_with_a_silent_hub_stops_on_ctrl_c(tmp_path):
                 proc.kill()
     assert proc.returncode == 130, out
     _one_clear_line(out, "interrupted")
-    assert stopped_s < 5, stopped_s  # measured 0.1-0.3 s; the bound leaves room for a loaded machine
+    print(f"stopped {stopped_s:.2f} s after SIGINT")
+    assert stopped_s < 5, stopped_s  # measured 0.28 s; the bound leaves room for a loaded machine
 
 
 @pytest.mark.slow  # waits out the hub bound (15 s)
