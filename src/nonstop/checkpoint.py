@@ -7,6 +7,10 @@ A checkpoint is a folder `checkpoints/step_NNNNNNNN/` holding
     state.json      the orchestrator: step, data cursor (stream state), prompt ledger, counters
     manifest.json   size and CRC32 of every other file, written last
 
+Every model folder the trainer saves (a checkpoint's `model/`, a run's `final/`) also holds
+`nonstop_version.json`, the policy_version of its weights, so whatever serves them (`nonstop
+serve`) tags their tokens with it; `saved_policy_version(folder)` reads it back.
+
 It is written into a temporary sibling folder, every file and the folder are fsynced, and only
 then is the folder renamed into place (and the parent fsynced), so a crash at any point leaves
 either the complete checkpoint or no checkpoint, never half of one. On load the manifest is
@@ -25,6 +29,8 @@ from pathlib import Path
 
 _PREFIX = "step_"
 _MANIFEST = "manifest.json"
+VERSION_FILE = "nonstop_version.json"
+"""Beside the weights of every model folder the trainer saves: {"policy_version": N}."""
 
 
 class CheckpointError(RuntimeError):
@@ -134,3 +140,28 @@ def latest_valid(root: Path, report=print) -> Checkpoint:
         report(f"checkpoint {ckpt.path} is corrupted ({problem}); trying the previous one")
     detail = "; ".join(refused) if refused else "none written yet"
     raise CheckpointError(f"no usable checkpoint under {root} ({detail})")
+
+
+def write_policy_version(model_dir: Path, policy_version: int) -> None:
+    (model_dir / VERSION_FILE).write_text(json.dumps({"policy_version": policy_version}) + "\n")
+
+
+def saved_policy_version(model_dir: str | Path) -> int:
+    """The policy_version of the weights in `model_dir`, as the trainer recorded it beside them; for a
+    checkpoint's model/ written before that record existed, its state.json's; else 0 (a base model,
+    or weights from elsewhere). CheckpointError when the record is there but unreadable."""
+    folder = Path(model_dir)
+    candidates = [folder / VERSION_FILE]
+    if folder.name == "model" and folder.parent.name.startswith(_PREFIX):
+        candidates.append(folder.parent / "state.json")
+    for path in candidates:
+        if not path.is_file():
+            continue
+        try:
+            version = json.loads(path.read_text())["policy_version"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: no readable policy_version ({type(e).__name__}: {e})") from None
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise CheckpointError(f"{path}: policy_version {version!r} is not a non-negative integer")
+        return version
+    return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -207,47 +208,77 @@ def serve_cmd(
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (token ids, logprobs and versions included)."""
     console = Console()
+    signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)  # while loading; serving, serve() stops cleanly on it
+    # click reads an empty NONSTOP_API_KEY as unset, which would serve with no key at all
+    if api_key is None and "NONSTOP_API_KEY" in os.environ:
+        api_key = os.environ["NONSTOP_API_KEY"]
     if api_key is not None and not api_key.strip():
         raise click.BadParameter(
             "empty key: give a non-empty key, or leave --api-key and NONSTOP_API_KEY unset to serve without one",
-            param_hint="--api-key",
+            param_hint="--api-key / NONSTOP_API_KEY",
         )
     if engine_kind is not None:
         overrides = (*overrides, f"engine.kind={engine_kind}")
-    cfg = config_or_exit(config, overrides, console)
-    if cfg.engine.kind == "vllm":
-        from nonstop.engine.vllm_setup import preflight as vllm_preflight
+    try:
+        _serve(console, config, overrides, model_path, host, port, api_key, served_model_name)
+    except KeyboardInterrupt:  # Ctrl-C before the server runs (loading, a hub lookup); serving, it stops cleanly
+        console.print("[yellow]interrupted[/]")
+        sys.exit(130)
 
-        try:  # before a tiny model is made or anything loads
-            vllm_preflight(model_path or cfg.model.path, cfg.engine.vllm)
-        except ConfigError as e:
-            console.print(f"[red]{escape(str(e))}[/]", highlight=False)
-            sys.exit(2)
+
+def _serve(
+    console: Console,
+    config: str | None,
+    overrides: tuple[str, ...],
+    model_path: str | None,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+) -> None:
+    cfg = config_or_exit(config, overrides, console)
+    given, local = model_path or cfg.model.path, None
+    try:  # the path `nonstop train` takes: a missing folder or an unreachable hub is one line, in bounded time
+        if given is not None:
+            from nonstop.config.preflight import resolve_model_path
+
+            local = str(resolve_model_path(given, field="--model" if model_path else "model.path"))
+        if cfg.engine.kind == "vllm":
+            from nonstop.engine.vllm_setup import preflight as vllm_preflight
+
+            vllm_preflight(local, cfg.engine.vllm)  # before anything loads
+    except ConfigError as e:
+        console.print(f"[red]{escape(str(e))}[/]", highlight=False)
+        sys.exit(2)
     from nonstop.serve import serve
     from nonstop.serve.server import ServeError
 
-    path = model_path or cfg.model.path
-    if path is None:
+    if given is None or local is None:
         import tempfile
 
         from nonstop.tasks.tiny import save_tiny
 
         path = str(save_tiny(Path(tempfile.mkdtemp(prefix="nonstop-serve-")) / "tiny", cfg.model.tiny, cfg.run.seed))
         console.print(f"no model given: serving a freshly initialised tiny model from {path}")
-    name = served_model_name or Path(path).name
+        name = served_model_name or Path(path).name
+    else:
+        path, name = local, served_model_name or Path(given).name
 
     def ready(bound: int) -> None:
         console.print(
-            f"serving '{name}' on http://{host}:{bound} (/v1/completions, /v1/chat/completions, /health)",
+            f"serving '{name}' on http://{host}:{bound} (/v1/completions, /v1/chat/completions, /health, "
+            "/openapi.json)",
             highlight=False,
         )
+
+    from nonstop.checkpoint import CheckpointError
 
     try:
         asyncio.run(serve(cfg, path, host, port, api_key, name, ready))
     except ServeError as e:
         console.print(f"[red]serve failed:[/] {e}", highlight=False)
         sys.exit(1)
-    except ConfigError as e:  # the engine cannot run this model with these settings (vLLM's refusals)
+    except (ConfigError, CheckpointError) as e:  # vLLM's refusals; an unreadable nonstop_version.json
         console.print(f"[red]{escape(str(e))}[/]", highlight=False)
         sys.exit(2)
 

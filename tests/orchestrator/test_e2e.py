@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from nonstop.checkpoint import list_checkpoints, saved_policy_version
 from nonstop.tasks.base import read_provenance, shipped_dir
 from support.cli import nonstop, records, small_model_args
+from support.served import served_versions
 
 
 def test_short_run_learns(tmp_path):
@@ -127,6 +129,13 @@ def test_depth0_first_step_is_exactly_on_policy(tiny_dir, tmp_path, transport, s
     final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
     assert not torch.equal(final.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+    # the saved weights know their policy_version, and serving them tags tokens with it
+    (ckpt,) = list_checkpoints(run_dir / "checkpoints")
+    assert saved_policy_version(run_dir / "final") == saved_policy_version(ckpt.model_dir) == 4
+    if transport == "shm" and not sampling:
+        assert saved_policy_version(tiny_dir) == 0
+        health, versions = served_versions(run_dir / "final")
+        assert health == 4 and versions and set(versions) == {4}, (health, versions)
 
 
 def test_bad_dataset_rows_and_raising_reward_are_counted_not_fatal(tiny_dir, tmp_path):

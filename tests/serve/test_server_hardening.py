@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from test_server import _post, _run_with_server, _sse
 
+from nonstop.serve import generate_route
 from support import PYTHONPATH
 
 
@@ -244,3 +245,112 @@ def test_serve_command_takes_the_key_from_the_environment(tiny_dir, tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_fuzz_findings_and_new_user_requests_are_refused_naming_the_field(tiny_dir, caplog):
+    """What the fuzz test (test_fuzz.py) and a new user's session found, each pinned."""
+    chat = "/v1/chat/completions"
+    user = [{"role": "user", "content": "1="}]
+    refused = [
+        # fuzz: float32 turns these into NaN logprobs in the engine (temperature overflows the logits,
+        # top_p rounds to 0 and keeps no token)
+        ("/v1/completions", {"prompt": "1=", "temperature": 1e-40}, "temperature", "send 0 for greedy"),
+        ("/v1/completions", {"prompt": "1=", "top_p": 5e-324}, "top_p", "at least 1e-09"),
+        (
+            generate_route.PATH,
+            {"token_ids": [5], "sampling_params": {"temperature": 1e-40}},
+            "sampling_params.temperature",
+            "1e-06",
+        ),
+        # fuzz (negative data): false and 0 are different JSON values; only false is echo's neutral value
+        ("/v1/completions", {"prompt": "1=", "echo": 0}, "echo", "send false"),
+        # a new user: a plain-string stop gets the Unicode check of the list form
+        ("/v1/completions", '{"prompt": "1=", "stop": "\\ud800"}', "stop", "stop: not valid Unicode"),
+        (chat, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "messages[0].role: expected"),
+        (chat, {"messages": [*user, {"role": "tool", "content": "4"}]}, "messages", "messages[1].tool_call_id"),
+        ("/v1/completions", {"prompt": "1=", "stop_token_ids": [7] * 2_000_000}, "stop_token_ids", "at most 1024"),
+        ("/v1/completions", {"prompt": "1=", "max_tokens": 10**9}, "max_tokens", "leaves no room"),
+        (chat, {"messages": user, "max_tokens": 10**9}, "max_tokens", "leaves no room"),
+        (
+            generate_route.PATH,
+            {"token_ids": [5], "sampling_params": {"max_tokens": 10**9}},
+            "sampling_params.max_tokens",
+            "no room",
+        ),
+    ]
+
+    async def body(url, aio, tok):
+        async with aiohttp.ClientSession() as s:
+            for path, payload, param, words in refused:
+                raw = payload if isinstance(payload, str) else None  # JSON text, for a lone surrogate
+                got, out = await _post(s, url + path, payload, raw)
+                err = out["error"]
+                assert got == 400 and words in err["message"] and err["param"] == param, (path, str(payload)[:80], out)
+            # a body not sent as JSON: 415 with a JSON error, whether the type is wrong or missing
+            for headers, skip in (({"Content-Type": "text/plain"}, ()), ({}, ("Content-Type",))):
+                async with s.post(
+                    url + "/v1/completions", data=b'{"prompt": "1="}', headers=headers, skip_auto_headers=skip
+                ) as r:
+                    out = await r.json(content_type=None)
+                assert r.status == 415 and "application/json" in out["error"]["message"], (headers, out)
+                assert out["error"]["type"] == "invalid_request_error"
+            # served: whole numbers sent as floats (JSON does not tell 2 from 2.0), a tool message that
+            # answers a call, and an unknown field (accepted as OpenAI servers do, and logged once)
+            got, out = await _post(s, url + "/v1/completions", {"prompt": [5.0, 6], "max_tokens": 2.0, "n": 1.0})
+            assert got == 200 and out["choices"][0]["nonstop"]["prompt_token_ids"] == [5, 6], out
+            msgs = [*user, {"role": "tool", "content": "4", "tool_call_id": "call-1"}]
+            for _ in range(2):
+                got, out = await _post(s, url + chat, {"messages": msgs, "max_tokens": 2, "frobnicate": 1})
+                assert got == 200, out
+        assert not aio.engine.has_work()
+
+    with caplog.at_level(logging.WARNING, logger="nonstop.serve"):
+        _run_with_server(tiny_dir, body, max_seq_len=64)
+    said = [r.getMessage() for r in caplog.records if "frobnicate" in r.getMessage()]
+    assert len(said) == 1 and "ignored" in said[0], said
+
+
+def test_openai_shapes_logprobs_offsets_first_delta_role_and_openapi(tiny_dir):
+    async def body(url, aio, tok):
+        async with aiohttp.ClientSession() as s:
+            base = {"prompt": "12+34=", "max_tokens": 6, "temperature": 0}
+            got, out = await _post(s, url + "/v1/completions", {**base, "logprobs": 1})
+            assert got == 200, out
+            lp, ext = out["choices"][0]["logprobs"], out["choices"][0]["nonstop"]
+            assert lp["tokens"] == [tok.decode([t]) for t in ext["token_ids"]]
+            assert lp["top_logprobs"] == [{t: x} for t, x in zip(lp["tokens"], lp["token_logprobs"])]
+            assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+            # streamed: each chunk's offsets continue where the text streamed so far ends
+            chunks = await _sse(s, url + "/v1/completions", {**base, "logprobs": 1, "stream": True})
+            offsets = [
+                o
+                for ch in chunks
+                if "logprobs" in ch["choices"][0]
+                for o in ch["choices"][0]["logprobs"]["text_offset"]
+            ]
+            assert offsets == lp["text_offset"]
+            # chat stream: the first delta of each choice carries the role, the others do not
+            chunks = await _sse(
+                s,
+                url + "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "1="}], "max_tokens": 4, "n": 2, "stream": True},
+            )
+            firsts: dict[int, dict] = {}
+            for ch in chunks:
+                c = ch["choices"][0]
+                if c["index"] in firsts:
+                    assert "role" not in c["delta"], ch
+                else:
+                    firsts[c["index"]] = c["delta"]
+            assert set(firsts) == {0, 1} and all(d["role"] == "assistant" for d in firsts.values()), firsts
+            # the schema the server validates with, documenting every route and its bounds
+            async with s.get(url + "/openapi.json") as r:
+                doc = await r.json()
+            assert r.status == 200 and doc["openapi"].startswith("3.1")
+            assert {"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", generate_route.PATH} <= set(
+                doc["paths"]
+            )
+            max_tokens = doc["components"]["schemas"]["CompletionRequest"]["properties"]["max_tokens"]
+            assert {"minimum": 1, "maximum": 63, "type": "integer"}.items() <= max_tokens["anyOf"][0].items()
+
+    _run_with_server(tiny_dir, body)

@@ -212,6 +212,6 @@ def test_what_the_vllm_engine_cannot_do_is_a_400_naming_it(server):
         assert "truncated sampling is refused by the vllm engine" in body["error"]["message"], body
         assert "Keep Sampling Mask" in body["error"]["message"]
     assert vocab[0] == 400 and "vocabulary" in vocab[1]["error"]["message"], vocab
-    assert too_long[0] == 400 and "max_model_len" in too_long[1]["error"]["message"], too_long
+    assert too_long[0] == 400 and too_long[1]["error"]["param"] == "max_tokens", too_long  # vLLM's max_model_len
     assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
     assert fine[0] == 200, fine  # refused requests never reached vLLM; it goes on serving

@@ -6,9 +6,10 @@ tokenizer, or raises ConfigError naming `model.path` and the fix:
 - a local folder must hold config.json and a tokenizer file (what `save_pretrained` writes);
 - a path that does not exist and does not look like a hub id ('owner/name') is a missing folder;
 - a hub id is looked up in the local Hugging Face cache first; with HF_HUB_OFFLINE=1 (or
-  TRANSFORMERS_OFFLINE=1) that is the only place looked; otherwise its files are fetched with a
-  bound of `hub_timeout_s`, in a daemon thread, so no retry loop can hold the command and
-  Ctrl-C always stops it.
+  TRANSFORMERS_OFFLINE=1) that is the only place looked; otherwise the hub must answer (the
+  repository's metadata) within `hub_timeout_s`, and then its files are fetched for as long as
+  that takes, both in a daemon thread, so no retry loop or silent proxy can hold the command
+  (`nonstop train` and `nonstop serve` alike) and Ctrl-C always stops it.
 `check_reward(spec)` imports task.reward and raises ConfigError naming it if it cannot.
 """
 
@@ -34,6 +35,8 @@ def offline() -> bool:
 
 
 def check_folder(folder: Path, field: str = "model.path") -> Path:
+    if not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():
+        raise ConfigError(f"{field}: {folder} is a checkpoint folder; its weights are in {folder / 'model'}")
     if not (folder / "config.json").is_file():
         held = sorted(p.name for p in folder.iterdir())[:8] if folder.is_dir() else []
         raise ConfigError(
@@ -54,7 +57,7 @@ def _download(repo: str, local_only: bool) -> str:
     return snapshot_download(repo, allow_patterns=MODEL_FILES, local_files_only=local_only)
 
 
-def resolve_model_path(path: str, hub_timeout_s: float = 20.0, field: str = "model.path") -> Path:
+def resolve_model_path(path: str, hub_timeout_s: float = 15.0, field: str = "model.path") -> Path:
     """A local folder with the model and tokenizer `path` names (see the module docstring)."""
     local = Path(path).expanduser()
     if local.exists():
@@ -75,16 +78,23 @@ def resolve_model_path(path: str, hub_timeout_s: float = 20.0, field: str = "mod
             "mode is on (HF_HUB_OFFLINE): download it first or give a local folder"
         )
     result: dict[str, object] = {}
+    answered = threading.Event()
 
     def fetch() -> None:
         try:
+            from huggingface_hub import HfApi
+
+            HfApi().model_info(path, timeout=hub_timeout_s)  # the hub answers: the download may take its time
+            answered.set()
             result["path"] = _download(path, local_only=False)
         except Exception as e:  # reported below, in the caller's thread
             result["error"] = e
+        answered.set()
 
     worker = threading.Thread(target=fetch, name="nonstop-hub-fetch", daemon=True)
     worker.start()
-    worker.join(hub_timeout_s)
+    if answered.wait(hub_timeout_s):
+        worker.join()  # Ctrl-C interrupts the wait, and the daemon thread does not hold the exit
     if "path" in result:
         return check_folder(Path(str(result["path"])), field)
     why = (

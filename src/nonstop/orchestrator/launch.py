@@ -14,13 +14,22 @@ need and refuses a run whose memory plan does not fit, so a mistake leaves nothi
 plan is printed at start-up and written to the run folder (memory_plan.json). A run that fails
 later leaves a FAILED file in its folder saying why and whether it can be resumed (removed when
 it is resumed).
+
+A run holds its folder's lock (`run.lock`, an flock) from the moment the folder is made or chosen
+for a resume until it returns, so a second run into the same folder (a resume of a run still
+going, two resumes at once) is refused with one line naming the holder's pid; the kernel drops the
+lock when the process ends, however it ends, so a crash leaves no stale lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -48,6 +57,27 @@ def make_run_dir(cfg: Config) -> Path:
 
 
 FAILED = "FAILED"
+LOCK = "run.lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir`'s lock while the body runs; ConfigError when another process holds it."""
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the actors (O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(
+                f"run folder {run_dir} is in use by another nonstop run (pid {holder}); wait for it to end "
+                "or stop it, then resume"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def preflight(cfg: Config, reward: RewardFn | None) -> None:
@@ -120,20 +150,23 @@ def run_training(
 
     if resume_dir is None:
         preflight(cfg, reward)
-        data = run_rows(cfg, data)
-        fitted = fit_run(cfg, data)  # a run that cannot fit is refused here, before its folder exists
+        rows = run_rows(cfg, data)
+        fitted = fit_run(cfg, rows)  # a run that cannot fit is refused here, before its folder exists
         run_dir = make_run_dir(cfg)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))  # unresolved: a resume resolves again
     else:
         run_dir = resume_dir
-        (run_dir / FAILED).unlink(missing_ok=True)
-        data = run_rows(cfg, data)
-        fitted = fit_run(cfg, data)
-    try:
-        return _run(fitted, console, run_dir, resume_dir, data, reward, t0)
-    except BaseException as e:
-        record_failure(run_dir, e)
-        raise
+    with run_dir_lock(run_dir):  # before anything is written into the folder
+        if resume_dir is None:
+            (run_dir / "config.yaml").write_text(dump_config(cfg))  # unresolved: a resume resolves again
+        else:
+            (run_dir / FAILED).unlink(missing_ok=True)
+            rows = run_rows(cfg, data)
+            fitted = fit_run(cfg, rows)
+        try:
+            return _run(fitted, console, run_dir, resume_dir, rows, reward, t0)
+        except BaseException as e:
+            record_failure(run_dir, e)
+            raise
 
 
 def _run(

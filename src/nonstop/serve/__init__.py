@@ -2,12 +2,19 @@
 
 `serve(cfg, model_path, ...)` loads the tokenizer, builds the engine `cfg.engine.kind` names
 (the built-in engine from `cfg.engine`, or vLLM from `cfg.engine.vllm`, running in this
-process), serves until SIGINT/SIGTERM and then shuts down cleanly. A vLLM that is missing or
+process) at the policy_version the trainer saved the weights at (nonstop_version.json, 0 for a
+base model), serves until SIGINT/SIGTERM and then shuts down cleanly. A vLLM that is missing or
 cannot load the model raises VllmSetupError (a ConfigError naming the fix) before anything binds.
 
+- fields.py          the request field types: strict JSON types with the engine's bounds;
+- schema.py          the request shapes as pydantic models: they validate every request and give
+                     the JSON schema;
+- validation.py      a body against a request model, or `BadRequest` naming the field;
+- responses.py       the response shapes as pydantic models, with the `nonstop` extension (token
+                     ids, behaviour logprobs, policy versions); every answer is built from them;
+- openapi.py         the OpenAPI document of both, served at `GET /openapi.json` and fuzzed against;
+- protocol.py        requests as engine calls (`Call`), stop strings on text, the extension of a sample;
 - server.py          `EngineServer`: the aiohttp routes over any `ServedEngine` (built-in or vLLM);
-- protocol.py        OpenAI-style request parsing and response shaping, free of HTTP, with the
-                     `nonstop` extension (token ids, behaviour logprobs, policy versions);
 - generate_route.py  vLLM's token-level `POST /inference/v1/generate` (what verifiers' train client calls);
 - client.py          `GenerationClient` and its two implementations: `InProcessClient`, `HttpClient`.
 """
@@ -24,12 +31,21 @@ if TYPE_CHECKING:
 
 
 def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
-    """The engine `cfg.engine.kind` names, with `model_path`'s weights at policy_version 0."""
+    """The engine `cfg.engine.kind` names, with `model_path`'s weights at the policy_version the
+    trainer saved them at (0 for a base model; checkpoint.saved_policy_version)."""
+    from nonstop.checkpoint import saved_policy_version
+
+    version = saved_policy_version(model_path)
     if cfg.engine.kind == "vllm":
         from nonstop.engine.vllm_engine import VllmEngineWorker
 
         return VllmEngineWorker(
-            model_path, [tok.eos_token_id], tok.pad_token_id, seed=cfg.run.seed, settings=cfg.engine
+            model_path,
+            [tok.eos_token_id],
+            tok.pad_token_id,
+            seed=cfg.run.seed,
+            initial_version=version,
+            settings=cfg.engine,
         )
     import torch
 
@@ -42,6 +58,7 @@ def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
         load_model(model_path),
         [tok.eos_token_id],
         tok.pad_token_id,
+        policy_version=version,
         settings=cfg.engine,
         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
     )

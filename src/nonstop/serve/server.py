@@ -40,9 +40,10 @@ from aiohttp import web
 
 from nonstop.engine.aio import TokenEvent
 from nonstop.engine.scheduler import RequestError
-from nonstop.serve import generate_route
+from nonstop.serve import generate_route, openapi
+from nonstop.serve import responses as r
 from nonstop.serve.protocol import BadRequest, Call, TextCutter, extension, parse_chat, parse_completion
-from nonstop.types import GenerationRequest, Sample
+from nonstop.types import FinishReason, GenerationRequest, Sample
 
 log = logging.getLogger("nonstop.serve")
 
@@ -84,9 +85,12 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
     kind = {401: "authentication_error", 404: "not_found_error"}.get(
         status, "invalid_request_error" if status < 500 else "server_error"
     )
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status
-    )
+    detail = r.ErrorDetail(message=message, type=kind, param=param, code=status)  # type: ignore[arg-type]
+    return web.json_response(r.ErrorResponse(error=detail).json_object(), status=status)
+
+
+MAX_UNKNOWN_LOGGED = 256
+"""Distinct unknown field names logged at most (a fuzzer would otherwise fill the log)."""
 
 
 class EngineServer:
@@ -109,6 +113,8 @@ class EngineServer:
         self.requests_served = 0
         self.requests_failed = 0
         self.requests_disconnected = 0
+        self._unknown_logged: set[str] = set()
+        self._openapi: dict[str, Any] | None = None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard], client_max_size=8 * 2**20)
@@ -117,6 +123,7 @@ class EngineServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post(generate_route.PATH, self.generate)
+        app.router.add_get(openapi.PATH, self.schema)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -166,18 +173,31 @@ class EngineServer:
             return _error(500, f"internal error: {type(e).__name__}: {e}")
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": self.model_name, **self.engine.health()})
+        h = self.engine.health()
+        out = r.Health(
+            model=self.model_name, policy_version=h["policy_version"], running=h["running"], waiting=h["waiting"]
+        )
+        return web.json_response(out.json_object())
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "owned_by": "nonstop",
-            "max_model_len": self.engine.max_seq_len,
-        }  # vLLM's extension, read by renderers
-        return web.json_response({"object": "list", "data": [card]})
+        card = r.ModelCard(id=self.model_name, max_model_len=self.engine.max_seq_len)
+        return web.json_response(r.ModelList(data=[card]).json_object())
+
+    async def schema(self, request: web.Request) -> web.Response:
+        """The OpenAPI document (serve/openapi.py), built on first use."""
+        if self._openapi is None:
+            self._openapi = openapi.openapi(
+                self.model_name, self.api_key is not None, self.engine.max_seq_len, self.engine.vocab_size
+            )
+        return web.json_response(self._openapi)
 
     async def _body(self, request: web.Request) -> Any:
+        if request.content_type != "application/json":  # aiohttp reads a missing type as octet-stream
+            sent = request.headers.get("Content-Type")
+            raise BadRequest(
+                f"request body: send JSON with Content-Type: application/json (got {sent or 'no Content-Type'})",
+                status=415,
+            )
         try:
             return json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -185,24 +205,30 @@ class EngineServer:
         except RecursionError:
             raise BadRequest("request body: JSON nested too deeply") from None
 
-    def _check_model(self, call: Call) -> None:
+    def _check_model(self, call: Call, route: str) -> None:
         if call.model is not None and call.model != self.model_name:
             raise BadRequest(f"model '{call.model}' not found; this server serves '{self.model_name}'", "model", 404)
+        fresh = [k for k in call.unknown if k not in self._unknown_logged]
+        if fresh and len(self._unknown_logged) < MAX_UNKNOWN_LOGGED:  # accepted, as OpenAI servers do, but said
+            self._unknown_logged.update(fresh)
+            log.warning(
+                "%s: ignored field(s) nonstop does not know: %s", route, ", ".join(ascii(k)[:60] for k in fresh)
+            )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         call = parse_completion(await self._body(request), self.max_tokens_default)
-        self._check_model(call)
+        self._check_model(call, request.path)
         if call.prompt_ids is not None:
             return await self._serve(request, call, call.prompt_ids, chat=False)
         text = call.prompt_text or ""
-        self._check_length(len(text), call)
+        self._check_length(len(text), call, "prompt")
         ids = await asyncio.to_thread(lambda: self.tokenizer(text)["input_ids"])
         return await self._serve(request, call, ids, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         call = parse_chat(await self._body(request), self.max_tokens_default)
-        self._check_model(call)
-        self._check_length(sum(len(m["content"]) for m in call.messages or []), call)
+        self._check_model(call, request.path)
+        self._check_length(sum(len(m["content"]) for m in call.messages or []), call, "messages")
         enc = await asyncio.to_thread(
             self.tokenizer.apply_chat_template,
             call.messages,
@@ -216,141 +242,167 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.Response:
         """vLLM's token-level generate route (serve/generate_route.py), as verifiers' train client calls it."""
         g = generate_route.parse_generate(await self._body(request), self.max_tokens_default)
-        self._check_model(g.call)
-        samples = await self.engine.submit(self._request(g.call, g.call.prompt_ids or []))
+        self._check_model(g.call, request.path)
+        samples = await self.engine.submit(self._request(g.call, g.call.prompt_ids or [], "token_ids"))
         self.requests_served += 1
         return web.json_response(generate_route.generate_response(g, samples))
 
-    def _check_length(self, chars: int, call: Call) -> None:
+    def _check_max_tokens(self, call: Call, param: str = "max_tokens") -> None:
+        """max_tokens that leave no room for even a one-token prompt: the error names max_tokens."""
+        limit = self.engine.max_seq_len
+        if call.params.max_new_tokens >= limit:
+            raise BadRequest(
+                f"{param}: {call.params.max_new_tokens} leaves no room for a prompt in the engine's "
+                f"max_seq_len of {limit} tokens (at most {limit - 1})",
+                param,
+            )
+
+    def _check_length(self, chars: int, call: Call, field: str) -> None:
         """Refuse, before tokenising, a text too long to fit in the engine's max_seq_len."""
+        self._check_max_tokens(call)
         limit = self.engine.max_seq_len
         at_least = math.ceil(chars / self._chars_per_token)
         if at_least + call.params.max_new_tokens > limit:
             raise BadRequest(
-                f"prompt: {chars} characters are at least {at_least} tokens, which with max_tokens "
+                f"{field}: {chars} characters are at least {at_least} tokens, which with max_tokens "
                 f"{call.params.max_new_tokens} exceeds the engine's max_seq_len of {limit} tokens",
-                "prompt",
+                field,
             )
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _request(self, call: Call, prompt_ids: list[int]) -> GenerationRequest:
+    def _request(self, call: Call, prompt_ids: list[int], field: str) -> GenerationRequest:
         """The engine request of a validated call; a 400 for ids or lengths the engine cannot take."""
         vocab = self.engine.vocab_size
         if any(t >= vocab for t in prompt_ids):
-            raise BadRequest(f"prompt: token ids must be below the vocabulary size {vocab}", "prompt")
+            raise BadRequest(f"{field}: token ids must be below the vocabulary size {vocab}", field)
+        self._check_max_tokens(call, "sampling_params.max_tokens" if field == "token_ids" else "max_tokens")
+        if len(prompt_ids) + call.params.max_new_tokens > self.engine.max_seq_len:
+            raise BadRequest(
+                f"{field}: {len(prompt_ids)} tokens with max_tokens {call.params.max_new_tokens} exceed the "
+                f"engine's max_seq_len of {self.engine.max_seq_len} tokens",
+                field,
+            )
         req = GenerationRequest(next(self._ids), list(prompt_ids), call.n, call.params)
         self.engine.check(req)
         return req
 
     async def _serve(self, request: web.Request, call: Call, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
-        req = self._request(call, prompt_ids)
+        req = self._request(call, prompt_ids, "messages" if chat else "prompt")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if call.stream:
             return await self._stream(request, call, req, rid, chat)
         samples = await self.engine.submit(req)
         self.requests_served += 1
-        choices = [self._choice(i, s, call, chat) for i, s in enumerate(samples)]
-        completion_tokens = sum(len(s.completion_ids) for s in samples)
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": choices,
-                "usage": {
-                    "prompt_tokens": len(prompt_ids),
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": len(prompt_ids) + completion_tokens,
-                },
-            }
+        usage = _usage(len(prompt_ids), sum(len(s.completion_ids) for s in samples))
+        created, cut = int(time.time()), TextCutter(call.params.stop)
+        out: r.ChatCompletionResponse | r.CompletionResponse
+        if chat:
+            choices = [
+                r.ChatChoice(
+                    index=i,
+                    message=r.AssistantMessage(content=cut.final(self._text(s.completion_ids))),
+                    finish_reason=s.finish_reason,
+                    logprobs=self._chat_logprobs(s.completion_ids, s.logprobs) if call.want_logprobs else None,
+                    nonstop=extension(s),
+                )
+                for i, s in enumerate(samples)
+            ]
+            out = r.ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+        else:
+            texts = [
+                r.CompletionChoice(
+                    index=i,
+                    text=cut.final(self._text(s.completion_ids)),
+                    finish_reason=s.finish_reason,
+                    logprobs=self._completion_logprobs(s.completion_ids, s.logprobs) if call.want_logprobs else None,
+                    nonstop=extension(s),
+                )
+                for i, s in enumerate(samples)
+            ]
+            out = r.CompletionResponse(id=rid, created=created, model=self.model_name, choices=texts, usage=usage)
+        return web.json_response(out.json_object())
+
+    def _chat_logprobs(self, ids: list[int], logprobs: list[float]) -> r.ChatLogprobs:
+        """The sampled tokens' behaviour logprobs in the chat shape (no alternatives)."""
+        return r.ChatLogprobs(
+            content=[
+                r.ChatTokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8", "replace")), top_logprobs=[])
+                for t, lp in zip(self._tokens(ids), logprobs)
+            ]
         )
 
-    def _choice(self, i: int, s: Sample, call: Call, chat: bool) -> dict[str, Any]:
-        text = TextCutter(call.params.stop).final(self._text(s.completion_ids))
-        choice: dict[str, Any] = {"index": i, "finish_reason": s.finish_reason, "nonstop": extension(s)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if call.want_logprobs:
-            choice["logprobs"] = self._logprobs(s.completion_ids, s.logprobs, chat)
-        return choice
+    def _completion_logprobs(self, ids: list[int], logprobs: list[float], offset: int = 0) -> r.CompletionLogprobs:
+        """The legacy completions shape: each token's text, behaviour logprob, the sampled token as its
+        only 'top' entry, and where its text starts (`offset`: the characters streamed before it)."""
+        tokens = self._tokens(ids)
+        return r.CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=logprobs,
+            top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)],
+            text_offset=list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else [],
+        )
 
-    def _logprobs(self, ids: list[int], logprobs: list[float], chat: bool) -> dict[str, Any]:
-        """The sampled tokens' behaviour logprobs, in the chat or the legacy completions shape."""
-        tokens = [self.tokenizer.decode([t]) for t in ids]
-        if chat:
-            return {
-                "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")), "top_logprobs": []}
-                    for t, lp in zip(tokens, logprobs)
-                ]
-            }
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
+    def _tokens(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in ids]
 
     async def _stream(
         self, request: web.Request, call: Call, req: GenerationRequest, rid: str, chat: bool
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         ids: list[list[int]] = [[] for _ in range(req.n)]
         cutters = [TextCutter(call.params.stop) for _ in range(req.n)]
+        offsets = [0] * req.n  # characters of token text sent so far, per choice (text_offset)
+        started = [False] * req.n  # a chat choice's first chunk carries role: assistant
 
-        async def send(index: int, text: str, finish: str | None, ext: dict[str, Any]) -> None:
-            piece: dict[str, Any] = {"delta": {"content": text}} if chat else {"text": text}
-            if call.want_logprobs and finish is None:
-                piece["logprobs"] = self._logprobs(ext["token_ids"], ext["logprobs"], chat)
-            chunk = {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": self.model_name,
-                "choices": [{"index": index, **piece, "finish_reason": finish, "nonstop": ext}],
-            }
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        async def send(index: int, text: str, finish: FinishReason | None, ext: r.NonstopExtension) -> None:
+            chunk: r.ChatCompletionChunk | r.CompletionResponse
+            want = call.want_logprobs and finish is None
+            if chat:
+                delta = r.ChatDelta(role=None if started[index] else "assistant", content=text)
+                started[index] = True
+                lp = self._chat_logprobs(ext.token_ids, ext.logprobs) if want else None
+                choice = r.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp, nonstop=ext)
+                chunk = r.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice])
+            else:
+                clp = self._completion_logprobs(ext.token_ids, ext.logprobs, offsets[index]) if want else None
+                offsets[index] += sum(len(t) for t in clp.tokens) if clp is not None else 0
+                piece = r.CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=clp, nonstop=ext)
+                chunk = r.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[piece])
+            await resp.write(f"data: {json.dumps(chunk.json_object())}\n\n".encode())
 
         completion_tokens = 0
         async for item in self.engine.stream(req):
             if isinstance(item, TokenEvent):
                 ids[item.index].append(item.token_id)
                 text = cutters[item.index].delta(self._text(ids[item.index]), finished=False)
-                await send(
-                    item.index,
-                    text,
-                    None,
-                    {
-                        "token_ids": [item.token_id],
-                        "logprobs": [item.logprob],
-                        "policy_versions": [item.policy_version],
-                    },
+                one = r.NonstopExtension(
+                    token_ids=[item.token_id], logprobs=[item.logprob], policy_versions=[item.policy_version]
                 )
+                await send(item.index, text, None, one)
                 continue
             for i, s in enumerate(item):
                 completion_tokens += len(s.completion_ids)
                 text = cutters[i].delta(self._text(s.completion_ids), finished=True)
                 await send(i, text, s.finish_reason, extension(s))
         if call.include_usage:
-            prompt_tokens = len(req.prompt_ids)
-            usage = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            }
-            chunk = {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": self.model_name,
-                "choices": [],
-                "usage": usage,
-            }
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            usage = _usage(len(req.prompt_ids), completion_tokens)
+            last: r.ChatCompletionChunk | r.CompletionResponse = (
+                r.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=usage)
+                if chat
+                else r.CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage)
+            )
+            await resp.write(f"data: {json.dumps(last.json_object())}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self.requests_served += 1
         return resp
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> r.Usage:
+    return r.Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from nonstop.checkpoint import write_policy_version
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
 from nonstop.device import dtype_name, on, place, resolve_device, resolve_dtype
 from nonstop.hf import CausalLM, load_model
@@ -227,7 +228,8 @@ class TrainerWorker:
     def save(self, path: str) -> str:
         """Write the current weights with save_pretrained (safetensors): the full model, loadable
         by transformers, or with LoRA the adapter folder, loadable by peft.PeftModel.from_pretrained
-        on top of the base this run started from."""
+        on top of the base this run started from; beside it, the weights' policy_version
+        (checkpoint.VERSION_FILE), which `nonstop serve` tags their tokens with."""
         out = Path(path)
         if isinstance(self.trainer, ParallelTrainer):
             self.trainer.save_full(out)  # every rank takes part; rank 0 writes
@@ -235,6 +237,8 @@ class TrainerWorker:
             self.trainer.model.save_pretrained(
                 str(out)
             )  # with LoRA, peft records the base's path in adapter_config.json
+        if not isinstance(self.trainer, ParallelTrainer) or self.trainer.rank == 0:
+            write_policy_version(out, self.trainer.policy_version)
         return str(out)
 
     def save_checkpoint(self, path: str) -> int:
