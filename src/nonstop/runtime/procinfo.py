@@ -1,7 +1,8 @@
 """Process hygiene for actor processes: a name by role, and death with the orchestrator.
 
 `name_process(role)` makes an actor findable in `ps` and `top`: with the optional
-`setproctitle` package (extra `names`) the whole command line reads `nonstop: engine-0`;
+`setproctitle` package (extra `names`) the whole command line reads `nonstop: engine` (one
+engine) or `nonstop: engine-0` (several);
 without it, on Linux, the kernel's short name (what `top` and `ps -o comm` show, 15 bytes) is
 set through prctl. `die_with_parent()` asks Linux to send SIGTERM to this process when the
 process that spawned it dies, however it dies (SIGKILL included), so no engine or trainer is
