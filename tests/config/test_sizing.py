@@ -137,6 +137,14 @@ def test_a_loaded_model_of_the_tiny_family_keeps_the_tiny_learning_rate(params):
     assert lr == 6e-4 and "under 10 M" in why
 
 
+def test_a_task_shipped_base_takes_its_measured_learning_rate():
+    """The long-rollout base collapses at the tiny model's 6e-4 (config/sizing.py TASK_BASE_LR)."""
+    cfg = load_config(None, ["task.name=long_rollout"])
+    assert learning_rate(cfg, None) == (1e-4, "the shipped long_rollout base's")
+    assert learning_rate(load_config(cfg, ["trainer.lr=3e-4"]), None)[0] == 3e-4
+    assert learning_rate(load_config(None, []), None) == (6e-4, "the built-in tiny model's")
+
+
 def test_a_loaded_model_run_resolves_and_reports_its_learning_rate(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()

@@ -14,6 +14,8 @@ once, before any actor starts (`size_run`), so every actor gets concrete numbers
   group (rollout.group_size) needs (`engine_slots`); the memory plan then decides whether the
   run fits at all.
 - `trainer.lr`: 6e-4 for the built-in tiny model (the value its default job was tuned with);
+  a task's shipped base (`task.name: long_rollout`) takes the value measured for it
+  (TASK_BASE_LR);
   for a loaded model (model.path) 1e-5 x sqrt(1e8 / N) for N parameters, kept within
   [1e-6, 1e-5] (about 4.5e-6 at 0.5B, 1.2e-6 at 7B), times 10 with LoRA, where only the
   adapters learn (`learning_rate`).
@@ -43,6 +45,13 @@ LORA_LR_FACTOR = 10.0
 TINY_LR_MAX_PARAMS = 10_000_000
 """A loaded model below this size is of the tiny family (a `nonstop warmup` base, the examples' students):
 it keeps the tiny model's trainer.lr, the value those shapes were tuned with, not the rule for real models."""
+TASK_BASE_LR = {"long_rollout": 1e-4}
+"""trainer.lr of the bases shipped for a task (model.base auto/builtin, no model.path). The long-rollout
+base writes ~150 tokens per completion, so one update moves a whole completion's logprob ~150 times
+as far as a 4-token answer's: at the tiny model's 6e-4 (and at 1e-3) the depth-2 example's
+behaviour/trainer KL rose to 0.03-0.16 within 6 steps and the training reward fell from 0.48 to
+0.20-0.25 (the base collapsing); at 1e-4 the KL stayed near 1e-4 and held-out accuracy went from
+31% to 48% at step 10 and 53% at step 20 (docs/long_rollout.md)."""
 GIB = 1024**3
 AUTO_BF16_MIN_PARAMS = 50_000_000
 """engine.dtype and trainer.precision left None resolve to auto from this size of loaded model up: below
@@ -89,6 +98,8 @@ def learning_rate(cfg: Config, params: int | None) -> tuple[float, str]:
     `params`: the loaded model's parameter count (None: the built-in tiny model)."""
     if cfg.trainer.lr is not None:
         return cfg.trainer.lr, "trainer.lr"
+    if cfg.model.path is None and cfg.task.name in TASK_BASE_LR:
+        return TASK_BASE_LR[cfg.task.name], f"the shipped {cfg.task.name} base's"
     if cfg.model.path is None or params is None:
         return TINY_MODEL_LR, "the built-in tiny model's"
     if params < TINY_LR_MAX_PARAMS:
