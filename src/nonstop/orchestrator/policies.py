@@ -27,9 +27,10 @@ The flow, beside the shared policy's (pipeline.py, learn.py):
 Reports: `Policies.report()` (every step record and summary.json, key `policies`) per policy:
 steps, policy_version, samples trained by role (each policy trains only its roles' samples),
 drops, the mean reward of its trained samples so far and the lag histogram of its trained
-episodes, and for an own policy the newest version seen in each of its engines' tokens; an own policy also writes one line per step to RUN_DIR/policies/<role>/metrics.jsonl,
-its final weights to RUN_DIR/policies/<role>/final and its held-out score at the end
-(`final_accuracy`, measured like the shared policy's: `Run.eval_own`).
+episodes, and for an own policy the newest version seen in each of its engines' tokens
+(`engine_versions`); an own policy also writes one line per step to
+RUN_DIR/policies/<role>/metrics.jsonl, its final weights to RUN_DIR/policies/<role>/final and its
+held-out score at the end (`final_accuracy`, measured like the shared policy's: `Run.eval_own`).
 
 Checkpoints (recovery.py) hold every policy: while no own policy trains (`Policies.paused`),
 each one's trainer state goes under policies/<role> and its counters into state.json, beside
