@@ -165,15 +165,15 @@ def test_a_seat_with_its_own_policy_plays_on_its_own_engines(long_tiny):
     shared, own = engine(), engine()
     Heard.made = []
     rows = [Example(i, "Nim-v0", str(i)) for i in range(4)]
+    engines = RoleEngines(shared, {"player_0": own})
     done, errors = asyncio.run(
-        run_episodes(
-            RoleEngines(shared, {"player_0": own}), Legal, rows, codec, EnvLimits(4, 900, 6, 10.0), SamplingParams(6, 1.0)
-        )
+        run_episodes(engines, Legal, rows, codec, EnvLimits(4, 900, 6, 10.0), SamplingParams(6, 1.0))
     )
     assert not errors and len(done) == 4
     firsts = {r: {tuple(codec.encode(g.heard[r][0])) for g in Heard.made} for r in ("player_0", "player_1")}
     assert own.prompts and all(any(tuple(p[: len(f)]) == f for f in firsts["player_0"]) for p in own.prompts)
     assert all(any(tuple(p[: len(f)]) == f for f in firsts["player_1"]) for p in shared.prompts)
+
     def turns(seat: int) -> int:  # a seat's model turns in all games: the runs of loss-mask 1 in its sample
         masks = [e.samples[seat].loss_mask for e in done]
         return sum(m[t] and (t == 0 or not m[t - 1]) for m in masks for t in range(len(m)))
