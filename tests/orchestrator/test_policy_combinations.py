@@ -2,12 +2,14 @@
 the broadcast and files transports, two trainer ranks per policy, LoRA (the vLLM engine is in
 tests/vllm_engine/test_vllm_policies.py, textarena in tests/envs/test_textarena_env.py).
 
-Default tier: the two places where a second policy needed a change of code, checked on the real
-parts: two policies' files transports in one user-named folder (each its own subfolder, so
-neither applies the other's weights) and the Ray resources of an own policy's actors. Slow: the
-real CLI, the two-role Duel with role 'b' on its own policy, once per combination; each asserts
-that both policies stepped, that the own policy's engine generated with weights its own trainer
-published through the transport under test, and that the ledger counted no part twice.
+Each run is the real CLI, the two-role Duel with role 'b' on its own policy, once per
+combination; each asserts that both policies stepped, that the own policy's engine generated
+with weights its own trainer published through the transport under test, and that the ledger
+counted no part twice. The broadcast run is in the default tier (about 35-50 s: the one real
+pipeline of two policies there), the others are slow. Also in the default tier, the two places
+where a second policy needed a change of code, on the real parts: two policies' files
+transports in one user-named folder (each its own subfolder, so neither applies the other's
+weights) and the Ray resources of an own policy's actors.
 """
 
 from __future__ import annotations
@@ -116,7 +118,6 @@ def test_two_policies_on_a_ray_cluster(tiny_dir, tmp_path):
     _both_policies_trained(s, 2)
 
 
-@pytest.mark.slow
 def test_two_policies_with_broadcast_transports(tiny_dir, tmp_path):
     """Each policy's trainer broadcasts to its own engines in a process group of its own."""
     own = _both_policies_trained(_duel(tiny_dir, tmp_path, 2, "transport.kind=broadcast"), 2)
