@@ -152,6 +152,7 @@ def test_policies_config_names_its_field_for_each_refusal(tmp_path):
         (["distill.teacher=x"], "distill.teacher"),
         (["env.name=verifiers/nonstop.envs.verifiers_tasks:addition"], "env.name"),
         (["env.policies.second.pth=x"], "env.policies.second.pth"),
+        (["trainer.ranks=2", "env.policies.second.lora=true"], "env.policies.second.lora"),
     ):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, base + extra)

@@ -336,6 +336,12 @@ class Config(_Section):
                 "roles; a verifiers taskset is played as one agent (role 'agent'), so it has no role to give "
                 "a policy of its own; remove env.policies"
             )
+        for role, own in self.env.policies.items():
+            if own.lora and self.trainer.ranks > 1:
+                raise ValueError(
+                    f"env.policies.{role}.lora: data-parallel ranks (trainer.ranks={self.trainer.ranks}) with LoRA "
+                    "are not supported yet, for an own policy as for the shared one; use one rank"
+                )
 
     def _device_path_combinations(self) -> None:
         """A GPU-to-GPU weight path asked for by name needs both sides on a GPU and the built-in engine."""
