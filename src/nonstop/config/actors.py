@@ -121,6 +121,10 @@ class PolicyConfig(_Section):
     its start weights: its engines keep those weights and receive only the adapters. None: as the
     shared policy (model.lora.enabled)."""
 
+    def trains_lora(self, shared_lora: bool) -> bool:
+        """Whether this policy trains LoRA adapters: `lora`, else as the shared policy does."""
+        return self.lora if self.lora is not None else shared_lora
+
 
 class VllmConfig(_Section):
     """The vLLM engine (engine.kind: vllm, docs/vllm.md): memory it reserves and how it runs."""

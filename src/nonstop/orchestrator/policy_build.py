@@ -33,11 +33,6 @@ from nonstop.runtime import ActorBackend
 from nonstop.runtime.restart import RestartingEngine
 
 
-def own_lora(cfg: Config, own: PolicyConfig) -> bool:
-    """Whether an own policy trains LoRA adapters: its `lora`, else as the shared policy."""
-    return own.lora if own.lora is not None else cfg.model.lora.enabled
-
-
 def policy_config(cfg: Config, own: PolicyConfig, k: int, role: str) -> Config:
     """The run's config as policy k (role `role`) sees it: its learning rate, LoRA or not, its engine
     count, its own seeds; with a files transport in a folder the user named, its own subfolder
@@ -45,7 +40,7 @@ def policy_config(cfg: Config, own: PolicyConfig, k: int, role: str) -> Config:
     update = {
         "trainer": cfg.trainer.model_copy(update={"lr": own.lr if own.lr is not None else cfg.trainer.lr}),
         "model": cfg.model.model_copy(
-            update={"lora": cfg.model.lora.model_copy(update={"enabled": own_lora(cfg, own)})}
+            update={"lora": cfg.model.lora.model_copy(update={"enabled": own.trains_lora(cfg.model.lora.enabled)})}
         ),
         "runtime": cfg.runtime.model_copy(update={"num_engines": own.num_engines}),
         "run": cfg.run.model_copy(update={"seed": cfg.run.seed + 1000 * (k + 1)}),
@@ -113,7 +108,7 @@ async def build_side(
     if resume is not None:
         folder, version0 = _saved(resume, role)
         weights = folder / "model"  # with LoRA: the adapters, on top of `start`
-    lora = own_lora(cfg, own)
+    lora = own.trains_lora(cfg.model.lora.enabled)
     model_weights = start if lora else weights  # LoRA: engines and trainer hold the start weights
     pcfg = policy_config(cfg, own, k, role)
     progress.log(
