@@ -18,7 +18,8 @@ from nonstop.envs.registry import builtin_task, env_factory  # noqa: E402
 from nonstop.envs.textarena_env import TextArenaGame  # noqa: E402
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
 from nonstop.orchestrator.episode_flow import EnvRun  # noqa: E402
-from nonstop.orchestrator.episodes import encode_observation, run_episodes  # noqa: E402
+from nonstop.orchestrator.episodes import RoleEngines, encode_observation, run_episodes  # noqa: E402
+from nonstop.orchestrator.policy_build import check_roles  # noqa: E402
 from nonstop.tasks.codec import Codec  # noqa: E402
 from nonstop.tasks.data import Example  # noqa: E402
 from nonstop.tasks.tiny import save_tiny  # noqa: E402
@@ -83,10 +84,11 @@ class Heard(TextArenaGame):
         return self._keep(await super().step(role_name, action))
 
 
-def test_a_tiny_model_plays_both_seats_token_exact_per_role(tmp_path):
-    """Each seat's sequence is its prompt, then its model turns and exactly the game's news to it."""
-    folder = save_tiny(
-        tmp_path / "tiny",
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory):
+    """A tiny model with positions for textarena's long prompts."""
+    return save_tiny(
+        tmp_path_factory.mktemp("tiny"),
         TinyModelConfig(
             hidden_size=32,
             num_layers=1,
@@ -96,6 +98,11 @@ def test_a_tiny_model_plays_both_seats_token_exact_per_role(tmp_path):
             max_position_embeddings=1024,
         ),
     )
+
+
+def test_a_tiny_model_plays_both_seats_token_exact_per_role(long_tiny):
+    """Each seat's sequence is its prompt, then its model turns and exactly the game's news to it."""
+    folder = long_tiny
     tok = load_tokenizer(str(folder))
     codec = Codec(tok)
     engine = AsyncEngine(TorchEngine(load_model(str(folder)), [tok.eos_token_id], tok.pad_token_id))
@@ -119,3 +126,58 @@ def test_a_tiny_model_plays_both_seats_token_exact_per_role(tmp_path):
         assert sum(e.samples[0].loss_mask) > 0  # the first seat always moves (the second may lose before it does)
     with pytest.raises(ConfigError, match="no game 'Chezz-v0'"):
         env_factory("textarena/Chezz-v0")
+
+
+class Counting:
+    """A real in-process engine that keeps the prompt of every request it served."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine, self.prompts = engine, []
+
+    async def generate(self, requests):
+        self.prompts += [r.prompt_ids for r in requests]
+        return await self.engine.generate(requests)
+
+
+class Legal(Heard):
+    """Nim where every turn plays the first legal move (one object from the first pile left),
+    whatever the model wrote, so both seats move in every game (a random model's moves are
+    invalid, and two invalid moves end a game before the second seat moves)."""
+
+    async def step(self, role_name, action):
+        piles = self.env.state.game_state["piles"]
+        return await super().step(role_name, f"[{next(k for k, n in enumerate(piles) if n)} 1]")
+
+
+def test_a_seat_with_its_own_policy_plays_on_its_own_engines(long_tiny):
+    """env.policies.player_0 on a textarena game: the config is taken and the seats are the roles
+    checked; player_0's turns go only to its own policy's engine (their prompts start with its
+    seat's first news), player_1's only to the shared one, and each sample names its policy."""
+    cfg = load_config(None, ["env.name=textarena/Nim-v0", "env.policies.player_0.lr=0.001"])
+    assert cfg.env is not None
+    check_roles(cfg, tuple(env_factory(cfg.env.name, "env.name", cfg.env)().roles))
+    tok = load_tokenizer(str(long_tiny))
+    codec = Codec(tok)
+
+    def engine() -> Counting:
+        return Counting(AsyncEngine(TorchEngine(load_model(str(long_tiny)), [tok.eos_token_id], tok.pad_token_id)))
+
+    shared, own = engine(), engine()
+    Heard.made = []
+    rows = [Example(i, "Nim-v0", str(i)) for i in range(4)]
+    engines = RoleEngines(shared, {"player_0": own})
+    done, errors = asyncio.run(
+        run_episodes(engines, Legal, rows, codec, EnvLimits(4, 900, 6, 10.0), SamplingParams(6, 1.0))
+    )
+    assert not errors and len(done) == 4
+    firsts = {r: {tuple(codec.encode(g.heard[r][0])) for g in Heard.made} for r in ("player_0", "player_1")}
+    assert own.prompts and all(any(tuple(p[: len(f)]) == f for f in firsts["player_0"]) for p in own.prompts)
+    assert all(any(tuple(p[: len(f)]) == f for f in firsts["player_1"]) for p in shared.prompts)
+
+    def turns(seat: int) -> int:  # a seat's model turns in all games: the runs of loss-mask 1 in its sample
+        masks = [e.samples[seat].loss_mask for e in done]
+        return sum(m[t] and (t == 0 or not m[t - 1]) for m in masks for t in range(len(m)))
+
+    assert len(own.prompts) == turns(0) >= 4 and len(shared.prompts) == turns(1) >= 4  # both seats moved
+    for e in done:
+        assert [(s.role, s.policy) for s in e.samples] == [("player_0", "player_0"), ("player_1", "")]

@@ -29,7 +29,7 @@ from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample
 from support import EXAMPLES_DIR
-from support.two_role_env import TURNS, Duel
+from support.two_role_env import TURNS, Duel, duel_args
 
 LIMITS = EnvLimits(max_turns=TURNS, max_episode_tokens=48, turn_max_tokens=3, step_timeout_s=5.0)
 EXAMPLES = EXAMPLES_DIR / "envs"
@@ -143,16 +143,16 @@ def test_split_intake_admits_a_row_only_when_every_policy_admits_it():
     asyncio.run(go())
 
 
-def test_policies_config_names_its_field_for_each_refusal():
+def test_policies_config_names_its_field_for_each_refusal(tmp_path):
     base = ["env.name=nim", "env.policies.second.lr=0.001"]
     cfg = load_config(EXAMPLES / "nim_two_policies.yaml")
     assert cfg.env is not None and set(cfg.env.policies) == {"second"}
     check_roles(cfg, ("first", "second"))
     for extra, field in (
-        (["transport.kind=files"], "transport.kind"),
-        (["runtime.backend=ray"], "runtime.backend"),
-        (["model.lora.enabled=true"], "model.lora.enabled"),
+        (["distill.teacher=x"], "distill.teacher"),
+        (["env.name=verifiers/nonstop.envs.verifiers_tasks:addition"], "env.name"),
         (["env.policies.second.pth=x"], "env.policies.second.pth"),
+        (["trainer.ranks=2", "env.policies.second.lora=true"], "env.policies.second.lora"),
     ):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, base + extra)
@@ -163,9 +163,28 @@ def test_policies_config_names_its_field_for_each_refusal():
     assert "`env.policies.<name>.path`" in config_reference()
     own = load_config(None, [*base, "env.policies.second.lora=true", "env.policies.second.num_engines=2"])
     assert own.env is not None
-    seen = policy_config(own, own.env.policies["second"], 0)  # what the own policy's actors are built from
+    seen = policy_config(own, own.env.policies["second"], 0, "second")  # what the own policy's actors are built from
     assert seen.model.lora.enabled and seen.trainer.lr == 0.001 and seen.runtime.num_engines == 2
     assert seen.run.seed != own.run.seed and not own.model.lora.enabled
+    # once refused, now each combination is taken: each policy of a LoRA run trains adapters unless
+    # it says otherwise, and each writes its files-transport versions in a folder of its own
+    both = load_config(
+        None,
+        [
+            *base,
+            "model.lora.enabled=true",
+            "runtime.backend=ray",
+            "transport.kind=files",
+            f"transport.dir={tmp_path}",
+        ],
+    )
+    assert both.env is not None
+    own_cfg = policy_config(both, both.env.policies["second"], 0, "second")
+    assert own_cfg.model.lora.enabled and own_cfg.runtime.backend == "ray"
+    assert load_config(None, [*base, "trainer.ranks=2", "rollout.prompts_per_step=2"]).trainer.ranks == 2
+    assert own_cfg.transport.dir == str(tmp_path / "policy-second") != both.transport.dir
+    full = load_config(None, [*base, "model.lora.enabled=true", "env.policies.second.lora=false"])
+    assert full.env is not None and not policy_config(full, full.env.policies["second"], 0, "second").model.lora.enabled
 
 
 def test_a_row_half_settled_at_a_checkpoint_goes_again_only_to_the_policies_that_had_not_settled():
@@ -207,43 +226,6 @@ def test_a_row_half_settled_at_a_checkpoint_goes_again_only_to_the_policies_that
     assert report["parts"] == {"shared:trained": 1, "b:trained": 1}
 
 
-def _duel_args(tiny_dir, out_dir, steps: int, checkpoint_every: int | None = None, *extra: str) -> list[str]:
-    from support.cli import small_model_args
-
-    return [
-        "--set",
-        "env.name=support.two_role_env:Duel",
-        "--set",
-        f"env.max_turns={TURNS}",
-        "--set",
-        "env.turn_max_tokens=3",
-        "--set",
-        "env.max_episode_tokens=48",
-        "--set",
-        "env.eval_name=null",
-        "--set",
-        "env.policies.b.lr=0.003",
-        "--set",
-        "task.eval_size=8",
-        "--set",
-        "rollout.prompts_per_step=4",
-        "--set",
-        "rollout.group_size=2",
-        "--set",
-        f"run.max_steps={steps}",
-        "--set",
-        f"run.eval_every={steps}",
-        "--set",
-        f"checkpoint.every_steps={'null' if checkpoint_every is None else checkpoint_every}",
-        "--set",
-        f"run.out_dir={out_dir}",
-        "--set",
-        "run.name=duel",
-        *small_model_args(tiny_dir),
-        *extra,
-    ]
-
-
 @pytest.mark.slow
 def test_two_policies_train_their_own_roles_through_the_real_pipeline(tiny_dir, tmp_path):
     """Real engine and trainer processes of two policies, shm transports: role 'a' plays the shared
@@ -252,7 +234,7 @@ def test_two_policies_train_their_own_roles_through_the_real_pipeline(tiny_dir, 
     agree); every drawn row is settled once or in flight, with both parts settled."""
     from support.cli import nonstop
 
-    out = nonstop(["train", *_duel_args(tiny_dir, tmp_path, steps=4)], tmp_path, timeout_s=300)
+    out = nonstop(["train", *duel_args(tiny_dir, tmp_path, steps=4)], tmp_path, timeout_s=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     run = tmp_path / "duel"
     s = json.loads((run / "summary.json").read_text())
@@ -285,7 +267,7 @@ def test_a_run_with_two_policies_resumes_each_policy_from_its_checkpoint(tiny_di
     from nonstop.checkpoint import latest_valid
     from support.cli import nonstop
 
-    out = nonstop(["train", *_duel_args(tiny_dir, tmp_path, steps=2, checkpoint_every=2)], tmp_path, timeout_s=300)
+    out = nonstop(["train", *duel_args(tiny_dir, tmp_path, steps=2, checkpoint_every=2)], tmp_path, timeout_s=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     run = tmp_path / "duel"
     ckpt = latest_valid(run / "checkpoints")  # the manifest covers policies/<role> too
@@ -317,7 +299,7 @@ def test_an_own_policy_trained_as_lora_adapters_sends_only_its_adapters(tiny_dir
     out = nonstop(
         [
             "train",
-            *_duel_args(
+            *duel_args(
                 tiny_dir,
                 tmp_path,
                 3,

@@ -116,9 +116,14 @@ class PolicyConfig(_Section):
     """AdamW learning rate of this policy's trainer; None: trainer.lr."""
     num_engines: int = Field(1, ge=1)
     """Engine actors that generate this policy's turns."""
-    lora: bool = False
+    lora: bool | None = None
     """Train this policy as LoRA adapters (rank, alpha, target_modules, dropout of model.lora) on
-    its start weights: its engines keep those weights and receive only the adapters."""
+    its start weights: its engines keep those weights and receive only the adapters. None: as the
+    shared policy (model.lora.enabled)."""
+
+    def trains_lora(self, shared_lora: bool) -> bool:
+        """Whether this policy trains LoRA adapters: `lora`, else as the shared policy does."""
+        return self.lora if self.lora is not None else shared_lora
 
 
 class VllmConfig(_Section):

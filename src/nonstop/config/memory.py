@@ -338,7 +338,11 @@ def plan_memory(
     segments = [("shm segment", cfg.runtime.num_engines)]
     for role, own in cfg.env.policies.items() if cfg.env is not None else ():
         role_shape = ModelShape.from_folder(folder_of(own.path, f"env.policies.{role}.path")) if own.path else shape
-        role_sent = (role_shape.lora_params(lora.rank, lora.target_modules) if own.lora else role_shape.params) * 4
+        role_sent = (
+            role_shape.lora_params(lora.rank, lora.target_modules)
+            if own.trains_lora(lora.enabled)
+            else role_shape.params
+        ) * 4
         procs.append(_engine(cfg, role_shape, f"{role}-engine", own.num_engines, role_sent, machine.total))
         procs.append(_trainer(cfg, role_shape, f"{role}-trainer", role_sent // 4, [], seq))
         segments.append((f"{role} shm segment", own.num_engines))

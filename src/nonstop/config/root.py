@@ -318,29 +318,29 @@ class Config(_Section):
                 "rollout.seed_per_prompt: environment runs (env) are not seeded per prompt yet; "
                 "set rollout.seed_per_prompt=false"
             )
+        if self.env is not None and self.distill.teacher is not None:
+            raise ValueError(
+                "distill.teacher: a teacher scores samples in the scoring stage, which environment runs (env) do "
+                "not run: no episode would ever be distilled; remove distill.teacher or env"
+            )
         if self.env is not None and self.env.policies:
             self._policies_combinations()
         return self
 
     def _policies_combinations(self) -> None:
-        """Separate policies per role are built for one narrow case so far: each refusal names its field."""
-        refused = {
-            "runtime.backend": (self.runtime.backend != "local", "only the 'local' backend"),
-            "transport.kind": (self.transport.kind != "shm", "only the 'shm' transport"),
-            "engine.kind": (self.engine.kind != "builtin", "only the 'builtin' engine"),
-            "model.lora.enabled": (self.model.lora.enabled, "no LoRA (each policy is a full model)"),
-            "trainer.ranks": (self.trainer.ranks > 1, "one trainer rank per policy"),
-            "distill.teacher": (self.distill.teacher is not None, "no distillation teacher"),
-            "env.name": (
-                self.env is not None and self.env.name.startswith(("verifiers/", "textarena/")),
-                "nonstop's own environments (verifiers/ and textarena/ play one policy)",
-            ),
-        }
-        for name, (bad, what) in refused.items():
-            if bad:
+        """What separate policies per role do not take (docs/environments.md says why)."""
+        assert self.env is not None
+        if self.env.name.startswith("verifiers/"):
+            raise ValueError(
+                "env.name: env.policies (separate policies per role) needs an environment with two or more "
+                "roles; a verifiers taskset is played as one agent (role 'agent'), so it has no role to give "
+                "a policy of its own; remove env.policies"
+            )
+        for role, own in self.env.policies.items():
+            if own.lora and self.trainer.ranks > 1:
                 raise ValueError(
-                    f"{name}: env.policies (separate policies per role) supports {what} so far; "
-                    "change it or remove env.policies"
+                    f"env.policies.{role}.lora: data-parallel ranks (trainer.ranks={self.trainer.ranks}) with LoRA "
+                    "are not supported yet, for an own policy as for the shared one; use one rank"
                 )
 
     def _device_path_combinations(self) -> None:

@@ -27,18 +27,21 @@ The flow, beside the shared policy's (pipeline.py, learn.py):
 Reports: `Policies.report()` (every step record and summary.json, key `policies`) per policy:
 steps, policy_version, samples trained by role (each policy trains only its roles' samples),
 drops, the mean reward of its trained samples so far and the lag histogram of its trained
-episodes; an own policy also writes one line per step to RUN_DIR/policies/<role>/metrics.jsonl,
-its final weights to RUN_DIR/policies/<role>/final and its held-out score at the end
-(`final_accuracy`, measured like the shared policy's: `Run.eval_own`).
+episodes, and for an own policy the newest version seen in each of its engines' tokens
+(`engine_versions`); an own policy also writes one line per step to
+RUN_DIR/policies/<role>/metrics.jsonl, its final weights to RUN_DIR/policies/<role>/final and its
+held-out score at the end (`final_accuracy`, measured like the shared policy's: `Run.eval_own`).
 
 Checkpoints (recovery.py) hold every policy: while no own policy trains (`Policies.paused`),
 each one's trainer state goes under policies/<role> and its counters into state.json, beside
 the ledger's parts settled of rows still in flight; a resume starts each own policy from its
 own weights, version and optimizer state, and a re-queued row goes only to the policies that
 had not settled their part. With `lora: true` an own policy trains LoRA adapters on its start
-weights (its engines keep them; only the adapters travel). Not built yet: adapter slots on the
-shared engines, other runtimes and transports, several trainer ranks per policy (refused in
-config/root.py).
+weights (its engines keep them; only the adapters travel); by default an own policy trains
+adapters exactly when the shared one does (model.lora). Every runtime, transport and engine kind
+and several trainer ranks work per policy as for the shared one; a verifiers taskset (one role)
+and a distillation teacher are refused (config/root.py). Not built yet: adapter slots on the
+shared engines.
 """
 
 from __future__ import annotations
@@ -159,7 +162,12 @@ class Policies:
 
     def report(self) -> dict[str, Any]:
         out = {policy_label(SHARED): self.shared_tally.report(self.shared_buffer)}
-        out.update({role: side.tally.report(side.buffer) for role, side in self.sides.items()})
+        out.update(
+            {
+                role: {**side.tally.report(side.buffer), "engine_versions": list(side.engine.versions)}
+                for role, side in self.sides.items()
+            }
+        )
         return out
 
     async def save_final(self, run_dir: Path) -> dict[str, str]:

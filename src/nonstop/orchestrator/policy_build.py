@@ -1,7 +1,7 @@
 """Building the roles' own policies (env.policies): their configs, the checks, their actors.
 
-- `policy_config(cfg, own, k)`: the run's config as policy k's actors see it (its learning
-  rate, LoRA or not, its engine count, its own seeds);
+- `policy_config(cfg, own, k, role)`: the run's config as policy k's actors see it (its learning
+  rate, LoRA or not, its engine count, its own seeds, its own files-transport folder);
 - `check_roles(cfg, roles)`: every named role exists, and one is left to the shared policy
   (launch.py calls it before the run folder is made);
 - `build_policies(...)`: each own policy's engines, trainer, transport and buffer, started from
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.checkpoint import Checkpoint
-from nonstop.config import Config, ConfigError, PolicyConfig
+from nonstop.config import Config, ConfigError, FilesTransportConfig, PolicyConfig
 from nonstop.config.preflight import resolve_model_path
 from nonstop.hf import load_tokenizer
 from nonstop.observe.progress import Progress
@@ -33,17 +33,21 @@ from nonstop.runtime import ActorBackend
 from nonstop.runtime.restart import RestartingEngine
 
 
-def policy_config(cfg: Config, own: PolicyConfig, k: int) -> Config:
-    """The run's config as policy k's actors see it: its learning rate, LoRA or not, its engine count,
-    its own seeds."""
-    return cfg.model_copy(
-        update={
-            "trainer": cfg.trainer.model_copy(update={"lr": own.lr if own.lr is not None else cfg.trainer.lr}),
-            "model": cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": own.lora})}),
-            "runtime": cfg.runtime.model_copy(update={"num_engines": own.num_engines}),
-            "run": cfg.run.model_copy(update={"seed": cfg.run.seed + 1000 * (k + 1)}),
-        }
-    )
+def policy_config(cfg: Config, own: PolicyConfig, k: int, role: str) -> Config:
+    """The run's config as policy k (role `role`) sees it: its learning rate, LoRA or not, its engine
+    count, its own seeds; with a files transport in a folder the user named, its own subfolder
+    `<transport.dir>/policy-<role>` (two trainers in one folder would wipe each other's versions)."""
+    update = {
+        "trainer": cfg.trainer.model_copy(update={"lr": own.lr if own.lr is not None else cfg.trainer.lr}),
+        "model": cfg.model.model_copy(
+            update={"lora": cfg.model.lora.model_copy(update={"enabled": own.trains_lora(cfg.model.lora.enabled)})}
+        ),
+        "runtime": cfg.runtime.model_copy(update={"num_engines": own.num_engines}),
+        "run": cfg.run.model_copy(update={"seed": cfg.run.seed + 1000 * (k + 1)}),
+    }
+    if isinstance(cfg.transport, FilesTransportConfig) and cfg.transport.dir is not None:
+        update["transport"] = cfg.transport.model_copy(update={"dir": str(Path(cfg.transport.dir) / f"policy-{role}")})
+    return cfg.model_copy(update=update)
 
 
 def check_roles(cfg: Config, roles: tuple[str, ...]) -> None:
@@ -104,11 +108,12 @@ async def build_side(
     if resume is not None:
         folder, version0 = _saved(resume, role)
         weights = folder / "model"  # with LoRA: the adapters, on top of `start`
-    model_weights = start if own.lora else weights  # LoRA: engines and trainer hold the start weights
-    pcfg = policy_config(cfg, own, k)
+    lora = own.trains_lora(cfg.model.lora.enabled)
+    model_weights = start if lora else weights  # LoRA: engines and trainer hold the start weights
+    pcfg = policy_config(cfg, own, k, role)
     progress.log(
-        f"policy {role!r}: {own.num_engines} engine and 1 trainer actor from {weights}"
-        + (" (LoRA adapters)" if own.lora else "")
+        f"policy {role!r}: {own.num_engines} engine and {cfg.trainer.ranks} trainer actor(s) from {weights}"
+        + (" (LoRA adapters)" if lora else "")
     )
     first, trainer = await asyncio.gather(
         asyncio.gather(
@@ -123,7 +128,7 @@ async def build_side(
             model_weights,
             tok,
             str(start) if resume is not None else None,
-            adapter_path=str(weights) if folder is not None and own.lora else None,
+            adapter_path=str(weights) if folder is not None and lora else None,
             run_dir=run_dir,
             prefix=f"{role}-trainer",
         ),

@@ -13,7 +13,8 @@ Contract (shared with runtime/local.py):
   naming the actor and the method;
 - every actor sets `torch.set_num_threads(1)` before it builds its object.
 
-Resources: an actor's role is its name up to the first '-' ("engine-1" -> engine); engines and
+Resources: an actor's role comes from its name (runtime/pinning.py `role_of`: "engine-1" and a
+role's own policy's "b-engine" -> engine, "b-trainer-0" -> trainer); engines and
 trainer ranks get `runtime.ray_engine` / `runtime.ray_trainer` CPUs and GPUs, other actors one
 CPU. Cluster: `runtime.ray_address` connects to a running cluster; without it a private local
 cluster is started on 127.0.0.1, its temp and log folder under /tmp (Ray's socket paths must
@@ -36,6 +37,7 @@ from typing import Any
 
 from nonstop.config import RayActorResources, RayRuntimeConfig
 from nonstop.runtime.base import ActorCallError, ActorDied
+from nonstop.runtime.pinning import role_of
 
 try:
     import ray
@@ -215,7 +217,7 @@ class RayBackend:
 
     async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> RayActor:
         self._init()  # blocking once per run; ray.init wants the main thread
-        res = _resources(self.cfg, name.split("-")[0], ray.cluster_resources().get("GPU", 0.0))
+        res = _resources(self.cfg, role_of(name) or name, ray.cluster_resources().get("GPU", 0.0))
         # Any: Ray's stubs type an actor's methods as plain coroutines, without `.remote`.
         handle: Any = self._cls.options(name=None, max_restarts=0, max_concurrency=1000, **res).remote(
             name, cls, args, kwargs
