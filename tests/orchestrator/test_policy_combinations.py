@@ -125,6 +125,7 @@ def test_two_policies_on_a_ray_cluster(tiny_dir, tmp_path):
     _both_policies_trained(s, STEPS)
 
 
+@pytest.mark.slow  # a whole CLI run (25-75 s); the default tier keeps the files and Ray placement checks
 def test_two_policies_with_broadcast_transports(tiny_dir, tmp_path):
     """Each policy's trainer broadcasts to its own engines in a process group of its own."""
     own = _both_policies_trained(_duel(tiny_dir, tmp_path, STEPS, "transport.kind=broadcast"), STEPS)
