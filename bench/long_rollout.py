@@ -76,11 +76,11 @@ def records(run_dir: Path) -> list[dict]:
 
 def figures(name: str, summary: dict, recs: list[dict], target: float) -> dict:
     """One arm's row from its summary.json and metrics.jsonl."""
-    steps = [r for r in recs if "step" in r and "trainer" in r]
+    steps = [r for r in recs if "lag_hist" in r]  # step records (the trainer's metrics are flattened in)
     evals = [(r["step"], r["time_s"], r["eval_accuracy"]) for r in steps if r.get("eval_accuracy") is not None]
     lag: dict[str, int] = {}
     for r in steps:
-        for k, v in r["trainer"].get("lag_hist", {}).items():
+        for k, v in r["lag_hist"].items():
             lag[k] = lag.get(k, 0) + v
     trained_tokens = sum(lag.values())
     generated = sum(int(e.get("tokens_generated", 0)) for e in summary["engines"])

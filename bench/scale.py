@@ -151,8 +151,8 @@ def run_arm(name: str, model_dir: Path, steps: int, folder: Path) -> dict | None
     run_dir = folder / name
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     summary = json.loads((run_dir / "summary.json").read_text())
-    steady = [r for r in recs if "trainer" in r][1:] or [r for r in recs if "trainer" in r]
-    tr = [r["trainer"] for r in steady]
+    step_recs = [r for r in recs if "train_s" in r]  # step records (the trainer's metrics are flattened in)
+    tr = step_recs[1:] or step_recs
     eng = summary["engines"]
     busy = sum(float(e.get("busy_s", 0.0)) for e in eng)
     return {
