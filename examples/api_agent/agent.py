@@ -40,6 +40,11 @@ class RunFinished(Exception):
     """The endpoint refused a recorded request: the run finished training."""
 
 
+def ended(e: APIStatusError) -> bool:
+    """The run's refusal once it finished training (409), for a turn or for a reward."""
+    return e.status_code == 409 and ("finished training" in e.message or "run_ended" in e.message)
+
+
 def answer(guess_text: str, hidden: int) -> str:
     g = guess_text.strip()
     if not (g.isdigit() and 1 <= int(g) <= HIGH):
@@ -62,7 +67,7 @@ async def play(
                 extra_headers=tags or {},
             )
         except APIStatusError as e:
-            if tags is not None and e.status_code == 409 and "finished training" in e.message:
+            if tags is not None and ended(e):
                 raise RunFinished from None
             raise
         choice = out.choices[0]
@@ -95,7 +100,13 @@ async def train(client: AsyncOpenAI, model: str, group_size: int, groups_in_flig
         except RunFinished:
             finished.set()
             return
-        except (APIStatusError, APIConnectionError):  # this episode is lost; the run drops its group, counted
+        except APIStatusError as e:
+            if ended(e):
+                finished.set()
+                return
+            stats["failed_episodes"] += 1
+            raise
+        except APIConnectionError:  # this episode is lost; the run drops its group, counted
             stats["failed_episodes"] += 1
             if finished.is_set() or time.monotonic() > deadline:
                 return

@@ -9,6 +9,8 @@ import sys
 import zlib
 from pathlib import Path
 
+import pytest
+
 from support import child_env
 from support.cli import NONSTOP, records, small_model_args
 
@@ -26,6 +28,7 @@ def _crc(groups: list[dict]) -> int:
     return crc
 
 
+@pytest.mark.slow  # two processes plus the run's actors: ~1 min on an idle machine, minutes on a loaded one
 def test_agent_over_the_api_trains_on_exactly_the_recorded_tokens(tiny_dir, tmp_path):
     run_dir = tmp_path / "runs" / "agents"
     overrides = [
@@ -36,7 +39,7 @@ def test_agent_over_the_api_trains_on_exactly_the_recorded_tokens(tiny_dir, tmp_
         "rollout.filter_uniform_reward=false",  # the untrained tiny model mostly scores 0: train anyway
         "run.max_steps=3",
         "run.eval_every=100",
-        "run.max_time_s=120",
+        "run.max_time_s=300",
         "run.name=agents",
         "checkpoint.every_steps=null",
         "env.name=guess_number",
@@ -67,9 +70,9 @@ def test_agent_over_the_api_trains_on_exactly_the_recorded_tokens(tiny_dir, tmp_
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=900,
     )
-    out, _ = train.communicate(timeout=240)
+    out, _ = train.communicate(timeout=900)
     assert train.returncode == 0, out[-3000:]
     assert agent.returncode == 0, agent.stderr[-3000:]
     assert "agents endpoint: http://127.0.0.1:" in out
