@@ -171,6 +171,7 @@ def test_abandoned_group_is_dropped_counted_and_freed(tiny_dir):
         assert not rec.episodes and not rec.groups and rec.ready.empty()
         st, out = await _post(s, url + "/v1/episodes/a1/reward", {"reward": 1.0})
         assert st == 409 and "dropped" in out["error"]["message"]
+        assert rec.report()["refused"] == {"late_rewards": 1}  # not a duplicate: it was never rewarded
 
     _run(tiny_dir, body, timeout_s=0.5)
 

@@ -252,8 +252,9 @@ class EpisodeRecorder:
         ep = self.episodes.get(episode_id)
         if ep is None:
             if episode_id in self.finished:
-                self.counts["duplicate_rewards"] += 1
-                raise BadRequest(f"episode {episode_id} {self.finished[episode_id]}", None, 409)
+                how = self.finished[episode_id]
+                self.counts["late_rewards" if how.startswith("was dropped") else "duplicate_rewards"] += 1
+                raise BadRequest(f"episode {episode_id} {how}", None, 409)
             self.counts["unknown_episodes"] += 1
             raise BadRequest(f"episode {episode_id} not found (no request of it was recorded)", None, 404)
         if ep.reward is not None:
@@ -315,11 +316,19 @@ class EpisodeRecorder:
         return {
             **{k: self.counts[k] for k in ("episodes_started", "episodes_rewarded", "groups_delivered")},
             "episodes_abandoned": self.counts["episodes_abandoned"],
+            "episodes_dropped_at_run_end": self.counts["episodes_dropped_at_run_end"],
             "groups_dropped": self.counts["groups_dropped"],
             "open_episodes": len(self.episodes),
             "refused": {
                 k: self.counts[k]
-                for k in ("refused_full", "duplicate_rewards", "unknown_episodes", "diverged", "refused_after_reward")
+                for k in (
+                    "refused_full",
+                    "duplicate_rewards",
+                    "late_rewards",
+                    "unknown_episodes",
+                    "diverged",
+                    "refused_after_reward",
+                )
                 if self.counts[k]
             },
         }
@@ -359,7 +368,10 @@ class EpisodeRecorder:
             ep = self.episodes.pop(eid)
             unrewarded += ep.reward is None
             self._forget(eid, f"was dropped ({reason}: its group {group_id} was not complete)")
-        self.counts["episodes_abandoned"] += unrewarded
+        if reason == "abandoned":
+            self.counts["episodes_abandoned"] += unrewarded
+        else:  # training ended with the group still open: not the agent's fault
+            self.counts["episodes_dropped_at_run_end"] += len(group.episodes)
         self.counts["groups_dropped"] += 1
         if self.on_drop is not None and reason == "abandoned":
             self.on_drop(
