@@ -8,7 +8,12 @@ held-out success rate (win rate against the scripted random opponent for Nim), t
 points, warm-up and RL time, and the staleness of the episodes trained (drops by reason, the
 lag histogram per episode, episodes whose tokens span several versions). The last line is
 
-    RESULT multiturn_gain=<points> tool_gain=<points> selfplay_winrate_gain=<points>
+    RESULT multiturn_gain=<points> tool_gain=<points> selfplay_winrate_gain=<points> api_agent_gain=<points>
+
+`api_agent` is examples/api_agent: `nonstop train examples/api_agent/run.yaml` (agents.enabled)
+beside the example's agent program (the openai client only), which plays guess_number through
+the run's endpoint, rewards its episodes, and measures its own held-out success at temperature 0
+before and after; its gain is the agent's measure.
 
 Targets: each at least +20 points. `--quick` gives each environment 100 s of RL (about 8 minutes
 in all with the warm-ups cached; the first run also warms up, see docs/benchmarks.md).
@@ -23,6 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,12 +38,64 @@ from pathlib import Path
 from cli_run import ROOT, train
 
 EXAMPLES = ROOT / "examples" / "envs"
-KEYS = {"guess_number": "multiturn_gain", "calculator": "tool_gain", "nim_selfplay": "selfplay_winrate_gain"}
+KEYS = {
+    "guess_number": "multiturn_gain",
+    "calculator": "tool_gain",
+    "nim_selfplay": "selfplay_winrate_gain",
+    "api_agent": "api_agent_gain",
+}
+AGENT_DIR = ROOT / "examples" / "api_agent"
 ADAPTERS = {"verifiers_addition": "verifiers_gain", "textarena_nim": "textarena_winrate_gain"}
 """Plumbing runs of the ecosystem adapters (`--envs verifiers_addition,textarena_nim`); learning not required."""
 
 
+def run_api_agent(seconds: float, folder: Path, cache: Path, overrides: list[str]) -> dict:
+    """The run with agents.enabled, and the example agent beside it; the agent's own before/after measure."""
+    env = {**os.environ, "PYTHONPATH": ""}  # the agent imports nothing of nonstop
+    agent = subprocess.Popen(
+        [sys.executable, str(AGENT_DIR / "agent.py"), "--run-dir", str(folder / "runs" / "api_agent")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        s = train(
+            "api_agent",
+            folder,
+            [f"run.max_time_s={seconds}", "run.max_steps=100000", f"warmup.cache_dir={cache}", *overrides],
+            config=AGENT_DIR / "run.yaml",
+        )
+        out, err = agent.communicate(timeout=600)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if agent.returncode != 0 or not lines:
+        raise SystemExit(f"the api_agent's agent failed (exit {agent.returncode}):\n{out[-2000:]}\n{err[-2000:]}")
+    r = json.loads(lines[-1][len("RESULT ") :])
+    return {
+        "env": "api_agent",
+        "base": r["base"],
+        "final": r["final"],
+        "gain": r["final"] - r["base"],
+        "warmup_s": s["warmup_s"],
+        "rl_s": s["rl_wall_s"],
+        "steps": s["steps"],
+        "wall_s": s["cli_wall_s"],
+        "drops": s["drops"],
+        "episodes_dropped": s["agents"],
+        "lag": {},
+        "multi_version": 0,
+        "episodes": r["episodes"],
+        "errors": {},
+        "roles": {},
+    }
+
+
 def run_env(name: str, seconds: float, folder: Path, cache: Path, overrides: list[str]) -> dict:
+    if name == "api_agent":
+        return run_api_agent(seconds, folder, cache, overrides)
     s = train(
         name,
         folder,

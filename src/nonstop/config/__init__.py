@@ -23,6 +23,7 @@ One module per part of the tree; everything public is re-exported here, so calle
 from __future__ import annotations
 
 from nonstop.config.root import (
+    AgentsConfig,
     BaseRuntimeConfig,
     BaseTransportConfig,
     BroadcastTransportConfig,
@@ -67,6 +68,7 @@ __all__ = [
     "BroadcastTransportConfig",
     "BufferConfig",
     "CheckpointConfig",
+    "AgentsConfig",
     "Config",
     "config_reference",
     "ConfigError",

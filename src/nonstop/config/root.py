@@ -49,6 +49,7 @@ from nonstop.config.scoring import DistillConfig, JudgeConfig, ProcessRewardConf
 from nonstop.config.task import TaskConfig, WarmupConfig
 
 __all__ = [
+    "AgentsConfig",
     "BaseRuntimeConfig",
     "BaseTransportConfig",
     "BroadcastTransportConfig",
@@ -180,6 +181,31 @@ class EnvConfig(_Section):
     transport and policy_version); roles not named play the run's shared policy (self-play)."""
 
 
+class AgentsConfig(_Section):
+    """Agents over the API (docs/api_agents.md): the run serves an OpenAI-compatible endpoint in
+    front of its engines; episodes the agents play under an episode id and reward are its only
+    training data (groups of rollout.group_size episodes)."""
+
+    enabled: bool = False
+    """Serve the endpoint and train on the agents' rewarded episodes instead of the run's own prompts."""
+    host: str = "127.0.0.1"
+    """Address the endpoint binds (loopback by default)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the endpoint; 0 picks a free one. The bound address is printed and written to
+    RUN_DIR/endpoint.json."""
+    model_name: str = "policy"
+    """The model name the endpoint serves (what agents pass as `model`)."""
+    api_key: str | None = None
+    """When set, requests need `Authorization: Bearer <api_key>`."""
+    episode_timeout_s: float = Field(60.0, gt=0.0)
+    """A group whose episodes saw no request and no reward for this long is dropped, counted (abandoned)."""
+    max_open_episodes: int = Field(512, ge=1)
+    """Episodes held at once (open, or rewarded and waiting for training); past it new episodes get 429."""
+    linger_s: float = Field(10.0, ge=0.0)
+    """After the last trainer step, keep serving the final policy (requests without an episode id)
+    until no request came for this long, so agents can measure it."""
+
+
 class CheckpointConfig(_Section):
     every_steps: int | None = Field(50, ge=1)
     """Write a checkpoint every this many trainer steps (and at the end); None: only the final weights."""
@@ -239,6 +265,7 @@ class Config(_Section):
     distill: DistillConfig = DistillConfig()
     env: EnvConfig | None = None
     """An environment: episodes instead of single-turn prompts (None: single-turn prompts of the task)."""
+    agents: AgentsConfig = AgentsConfig()
 
     @property
     def engine_settings(self) -> EngineConfig:
@@ -293,6 +320,13 @@ class Config(_Section):
                 f">= 1 (got refill={self.rollout.refill}, depth={self.buffer.depth}); at depth 0 a replacement "
                 "not needed would train a step late; leave rollout.refill_ahead unset or set it to false"
             )
+        if self.agents.enabled and self.agents.max_open_episodes < self.rollout.group_size:
+            raise ValueError(
+                f"agents.max_open_episodes ({self.agents.max_open_episodes}) < rollout.group_size "
+                f"({self.rollout.group_size}): no group could ever complete"
+            )
+        if self.agents.enabled and self.env is not None and self.env.policies:
+            raise ValueError("agents.enabled: agents train the shared policy; env.policies is not supported with it")
         if self.trainer.forward_ahead and self.trainer.ranks > 1:
             raise ValueError(
                 f"trainer.forward_ahead needs one trainer rank (got trainer.ranks={self.trainer.ranks}): "

@@ -11,6 +11,8 @@ those listed before it (no circle; tests/orchestrator/test_layering.py checks it
                    held-out evaluation;
 - episodes.py      one multi-turn, multi-agent episode through the engines, token-exact;
 - episode_flow.py  the producer of an environment run: groups of episodes, per-role advantages;
+- agents.py        agents over the API: the run's endpoint (`AgentEndpoint`) and the producer its
+                   rewarded groups feed;
 - split_intake.py  with env.policies, each group split into one part per policy's buffer;
 - policies.py      roles with their own policy: `PolicySide`, `PolicyTally`, `Policies`;
 - run.py           `Run` (a run's fixed wiring) and `RunState`; evaluation of its policies;

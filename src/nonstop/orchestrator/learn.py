@@ -165,6 +165,7 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
         scoring=run.scorer.metrics(),
         episodes=run.envs.report() if run.envs is not None else None,
         policies=run.policies.report() if run.policies is not None else None,
+        agents=run.agents.report() if run.agents is not None else None,
     )
 
 

@@ -25,6 +25,7 @@ import asyncio
 import gc
 import signal
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint
@@ -32,6 +33,7 @@ from nonstop.config import Config
 from nonstop.observe.clock import Clock
 from nonstop.observe.progress import Progress
 from nonstop.observe.spans import host_cpus, now
+from nonstop.orchestrator.agents import AgentEndpoint, produce_agent_groups
 from nonstop.orchestrator.build import build_run
 from nonstop.orchestrator.episode_flow import produce_episodes
 from nonstop.orchestrator.generate import Production, produce
@@ -72,6 +74,10 @@ async def train(
         gc.collect()
         gc.freeze()
         await begin(run, resume)
+        if cfg.agents.enabled:  # after the base evaluation: agents then see the policy the run trains
+            run = replace(run, agents=agent_endpoint(run))
+            assert run.agents is not None
+            await run.agents.start(progress.log)
         pools = getattr(backend, "pools", None)  # the local backend's CPU pools (runtime/pinning.py)
         if pools is not None:
             pools.start()
@@ -79,6 +85,8 @@ async def train(
         last = await supervisor.run(learn(run))
         if run.state.stop.is_set():
             raise interrupted(run, last)
+        if run.agents is not None:
+            await run.agents.finish()
         run.sink.close()
         run.spans.close()
         final_dir = run_dir / "final"
@@ -94,6 +102,8 @@ async def train(
         restore_signals()
         progress.stop()
         await supervisor.close()
+        if run is not None and run.agents is not None:
+            await run.agents.stop()
         if run is not None:
             await run.scorer.close()
         await backend.shutdown()
@@ -122,7 +132,9 @@ def start_beside(run: Run, supervisor: Supervisor) -> None:
         run.stats,
         run.spans,
     )
-    if run.envs is None:
+    if run.agents is not None:  # the agents' groups are the run's only training data
+        supervisor.spawn(produce_agent_groups(production, run.agents), name="agent-producer")
+    elif run.envs is None:
         seed = cfg.run.seed if cfg.rollout.seed_per_prompt else None
         supervisor.spawn(
             produce(production, run.engine, run.scorer, cfg.task.max_consecutive_reward_failures, seed),
@@ -136,6 +148,16 @@ def start_beside(run: Run, supervisor: Supervisor) -> None:
             supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
         for role, side in policies.sides.items():
             supervisor.spawn(learn_policy(side, run), name=f"learn-{role}")
+
+
+def agent_endpoint(run: Run) -> AgentEndpoint:
+    """The run's agents endpoint over its engine pool (not started)."""
+    from nonstop.hf import max_positions
+
+    limit = run.cfg.engine.max_seq_len or max_positions(run.base_model)
+    return AgentEndpoint(
+        run.cfg, run.engine, run.codec.tokenizer, run.run_dir, lambda: run.buffer.policy_version, limit
+    )
 
 
 def _nothing() -> None:
@@ -230,6 +252,7 @@ async def summarize(
         resumed_from=str(resume.path) if resume is not None else None,
         episodes=run.envs.report() if run.envs is not None else None,
         policies=policies,
+        agents=run.agents.report() if run.agents is not None else None,
         last_checkpoint=run.state.last_checkpoint,
         run_dir=str(run.run_dir),
         flops=run.state.flops.summary(engine_stats),

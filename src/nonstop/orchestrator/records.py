@@ -57,6 +57,7 @@ class StepRecord:
     scoring: dict[str, Any] = field(default_factory=dict)  # the scoring stage's metrics of this step (latency, queue)
     episodes: dict[str, Any] | None = None  # environment runs: EpisodeStats.report() (episode_flow.py)
     policies: dict[str, Any] | None = None  # roles with their own policy: Policies.report() (policies.py)
+    agents: dict[str, Any] | None = None  # agents over the API: AgentEndpoint.report() (agents.py)
     engine_flops_per_s: float | None = (
         None  # the engines' achieved FLOP/s since their last read (observe/flops.py FlopTally); None: unread
     )
@@ -76,7 +77,7 @@ class StepRecord:
         trainer = d.pop("trainer")
         scoring = d.pop("scoring")
         head = {k: d.pop(k) for k in ("step", "policy_version", "time_s", "reward_mean", "prompts")}
-        for optional in ("eval_accuracy", "episodes", "policies", "engine_flops_per_s", "engine_peak_frac"):
+        for optional in ("eval_accuracy", "episodes", "policies", "agents", "engine_flops_per_s", "engine_peak_frac"):
             if d[optional] is None:
                 del d[optional]
         return {**head, **trainer, **scoring, **d}
@@ -119,6 +120,7 @@ class RunSummary:
     dataset_rows_skipped: int = 0
     episodes: dict[str, Any] | None = None  # environment runs: the episode counters at the end
     policies: dict[str, Any] | None = None  # roles with their own policy: each policy's counters and final weights
+    agents: dict[str, Any] | None = None  # agents over the API: episodes and groups recorded, dropped, refused
     flops: dict[str, Any] = field(default_factory=dict)  # FlopTally.summary(): achieved FLOP/s, peak fractions
     pools: dict[str, Any] | None = (
         None  # local backend: CPU seconds, busy and idle per role's pool (runtime/pinning.py)

@@ -30,6 +30,7 @@ from nonstop.observe.flops import FlopTally
 from nonstop.observe.progress import Progress
 from nonstop.observe.spans import SpanLog
 from nonstop.observe.tracking import MetricsSink
+from nonstop.orchestrator.agents import AgentEndpoint
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.dispatch import EnginePool
 from nonstop.orchestrator.episode_flow import EnvRun
@@ -79,6 +80,7 @@ class Run:
     transport: TransportHandle | None = None
     envs: EnvRun | None = None  # an environment run (cfg.env): episodes instead of single-turn groups
     policies: Policies | None = None  # roles with their own policy (cfg.env.policies; orchestrator/policies.py)
+    agents: AgentEndpoint | None = None  # agents over the API (cfg.agents; orchestrator/agents.py)
 
     async def eval(self) -> float:
         """Greedy exact-match accuracy; in an environment run, the success rate of sampled episodes."""

@@ -16,6 +16,8 @@ cannot load the model raises VllmSetupError (a ConfigError naming the fix) befor
 - protocol.py        requests as engine calls (`Call`), stop strings on text, the extension of a sample;
 - server.py          `EngineServer`: the aiohttp routes over any `ServedEngine` (built-in or vLLM);
 - generate_route.py  vLLM's token-level `POST /inference/v1/generate` (what verifiers' train client calls);
+- episodes.py        `EpisodeRecorder`: agents' episodes recorded token by token under the episode id they
+                     pass, rewarded, handed to training by group (a training run's agents endpoint);
 - client.py          `GenerationClient` and its two implementations: `InProcessClient`, `HttpClient`.
 """
 

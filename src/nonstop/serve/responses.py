@@ -33,8 +33,16 @@ class _Shape(BaseModel):
 
 class ErrorDetail(_Shape):
     message: str
-    type: Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error"]
-    """invalid_request_error (other 4xx), authentication_error (401), not_found_error (404), server_error (5xx)."""
+    type: Literal[
+        "invalid_request_error",
+        "authentication_error",
+        "not_found_error",
+        "conflict_error",
+        "rate_limit_error",
+        "server_error",
+    ]
+    """invalid_request_error (other 4xx), authentication_error (401), not_found_error (404), conflict_error (409),
+    rate_limit_error (429), server_error (5xx)."""
     param: str | None
     """The field at fault, when there is one (a path's leading names: `messages`, `sampling_params.top_k`)."""
     code: int

@@ -22,6 +22,12 @@ them. A request never reaches the engine before it is fully validated, and a cli
 disconnects (streamed or not) has its sequences aborted and gets one log line, so no bad or
 abandoned request can take the engine down. `start()` raises `ServeError` with a plain message
 when the address cannot be bound.
+
+With an `EpisodeRecorder` (serve/episodes.py: a training run's agents endpoint), a completion or
+chat request that names an episode (`X-Episode-Id` and `X-Group-Id` headers, or `episode_id` and
+`group_id` body fields) is generated from the episode's recorded tokens and recorded, and
+`POST /v1/episodes/{id}/reward` and `GET /v1/episodes/{id}` are served; requests without an
+episode id are served and not recorded.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from nonstop.engine.aio import TokenEvent
 from nonstop.engine.scheduler import RequestError
 from nonstop.serve import generate_route, openapi
 from nonstop.serve import responses as r
+from nonstop.serve.episodes import EpisodeRecorder, Turn, episode_tag
 from nonstop.serve.protocol import BadRequest, Call, TextCutter, extension, parse_chat, parse_completion
 from nonstop.types import FinishReason, GenerationRequest, Sample
 
@@ -82,7 +89,7 @@ class ServeError(RuntimeError):
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+    kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}.get(
         status, "invalid_request_error" if status < 500 else "server_error"
     )
     detail = r.ErrorDetail(message=message, type=kind, param=param, code=status)  # type: ignore[arg-type]
@@ -101,8 +108,11 @@ class EngineServer:
         model_name: str,
         api_key: str | None = None,
         max_tokens_default: int = 16,
+        recorder: EpisodeRecorder | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.recorder = recorder
+        self.activity = asyncio.Event()  # set by every request (a run's endpoint lingers while agents ask)
         self.api_key, self.max_tokens_default = api_key, max_tokens_default
         self.chat_template = None if tokenizer.chat_template else DEFAULT_CHAT_TEMPLATE
         self._ids = itertools.count()
@@ -124,6 +134,9 @@ class EngineServer:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post(generate_route.PATH, self.generate)
         app.router.add_get(openapi.PATH, self.schema)
+        if self.recorder is not None:
+            app.router.add_post("/v1/episodes/{episode_id}/reward", self.reward)
+            app.router.add_get("/v1/episodes/{episode_id}", self.episode)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -150,6 +163,7 @@ class EngineServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        self.activity.set()
         if self.api_key is not None and request.path.startswith(("/v1/", "/inference/")):
             if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
                 return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
@@ -216,8 +230,20 @@ class EngineServer:
             )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        call = parse_completion(await self._body(request), self.max_tokens_default)
+        body = await self._body(request)
+        eid, gid = episode_tag(request.headers, body)
+        call = parse_completion(body, self.max_tokens_default)
         self._check_model(call, request.path)
+        if eid is not None:
+            if call.prompt_ids is not None:
+                turn = self._begin(call, eid, gid, "prompt", ids=list(call.prompt_ids))
+            else:
+                text = call.prompt_text or ""
+                self._check_length(len(text), call, "prompt")
+                turn = self._begin(
+                    call, eid, gid, "prompt", text=text, first_ids=lambda: self.tokenizer(text)["input_ids"]
+                )
+            return await self._serve_turn(request, call, turn, chat=False)
         if call.prompt_ids is not None:
             return await self._serve(request, call, call.prompt_ids, chat=False)
         text = call.prompt_text or ""
@@ -225,10 +251,62 @@ class EngineServer:
         ids = await asyncio.to_thread(lambda: self.tokenizer(text)["input_ids"])
         return await self._serve(request, call, ids, chat=False)
 
+    def _begin(self, call: Call, eid: str, gid: str | None, param: str, **prompt: Any) -> Turn:
+        """Admit a request of a recorded episode (serve/episodes.py): one completion, on a recording server."""
+        if self.recorder is None:
+            raise BadRequest(
+                "episode_id: this server does not record episodes (a training run's agents endpoint does)",
+                "episode_id",
+            )
+        if call.n != 1:
+            raise BadRequest(f"n: a recorded episode takes one completion per request (got {call.n})", "n")
+        return self.recorder.begin_turn(eid, gid, param=param, **prompt)
+
+    async def _serve_turn(self, request: web.Request, call: Call, turn: Turn, chat: bool) -> web.StreamResponse:
+        assert self.recorder is not None
+        try:
+            return await self._serve(request, call, turn.prefix, chat, turn=turn)
+        finally:
+            self.recorder.abort_turn(turn)  # no-op after end_turn; else nothing of the turn is recorded
+
+    async def reward(self, request: web.Request) -> web.Response:
+        """`POST /v1/episodes/{id}/reward` {"reward": number}: the episode's final reward."""
+        assert self.recorder is not None
+        body = await self._body(request)
+        value = body.get("reward") if isinstance(body, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise BadRequest('reward: expected a finite number, as {"reward": 1.0}', "reward")
+        return web.json_response(self.recorder.reward(request.match_info["episode_id"], float(value)))
+
+    async def episode(self, request: web.Request) -> web.Response:
+        """`GET /v1/episodes/{id}`: what is recorded of an episode (for debugging an agent)."""
+        assert self.recorder is not None
+        return web.json_response(self.recorder.describe(request.match_info["episode_id"]))
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        call = parse_chat(await self._body(request), self.max_tokens_default)
+        body = await self._body(request)
+        eid, gid = episode_tag(request.headers, body)
+        call = parse_chat(body, self.max_tokens_default)
         self._check_model(call, request.path)
         self._check_length(sum(len(m["content"]) for m in call.messages or []), call, "messages")
+        if eid is not None:
+            # the rendered text is what a later turn must extend; the first turn's ids are the template's own
+            text = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template,
+                call.messages,
+                add_generation_prompt=True,
+                tokenize=False,
+                chat_template=self.chat_template,
+            )
+            turn = self._begin(
+                call,
+                eid,
+                gid,
+                "messages",
+                text=text,
+                first_ids=lambda: list(self.tokenizer(text, add_special_tokens=False)["input_ids"]),
+            )
+            return await self._serve_turn(request, call, turn, chat=True)
         enc = await asyncio.to_thread(
             self.tokenizer.apply_chat_template,
             call.messages,
@@ -288,13 +366,19 @@ class EngineServer:
         self.engine.check(req)
         return req
 
-    async def _serve(self, request: web.Request, call: Call, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
+    async def _serve(
+        self, request: web.Request, call: Call, prompt_ids: list[int], chat: bool, turn: Turn | None = None
+    ) -> web.StreamResponse:
         req = self._request(call, prompt_ids, "messages" if chat else "prompt")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if call.stream:
-            return await self._stream(request, call, req, rid, chat)
+            return await self._stream(request, call, req, rid, chat, turn)
         samples = await self.engine.submit(req)
         self.requests_served += 1
+        if turn is not None and self.recorder is not None:
+            self.recorder.end_turn(
+                turn, samples[0], TextCutter(call.params.stop).final(self._text(samples[0].completion_ids))
+            )
         usage = _usage(len(prompt_ids), sum(len(s.completion_ids) for s in samples))
         created, cut = int(time.time()), TextCutter(call.params.stop)
         out: r.ChatCompletionResponse | r.CompletionResponse
@@ -348,7 +432,7 @@ class EngineServer:
         return [self.tokenizer.decode([t]) for t in ids]
 
     async def _stream(
-        self, request: web.Request, call: Call, req: GenerationRequest, rid: str, chat: bool
+        self, request: web.Request, call: Call, req: GenerationRequest, rid: str, chat: bool, turn: Turn | None = None
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -386,7 +470,10 @@ class EngineServer:
                 continue
             for i, s in enumerate(item):
                 completion_tokens += len(s.completion_ids)
-                text = cutters[i].delta(self._text(s.completion_ids), finished=True)
+                full = self._text(s.completion_ids)
+                if turn is not None and self.recorder is not None:  # recorded before the client can send the next turn
+                    self.recorder.end_turn(turn, s, cutters[i].final(full))
+                text = cutters[i].delta(full, finished=True)
                 await send(i, text, s.finish_reason, extension(s))
         if call.include_usage:
             usage = _usage(len(req.prompt_ids), completion_tokens)
