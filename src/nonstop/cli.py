@@ -73,6 +73,13 @@ def _summary_table(s: RunSummary) -> Table:
         )
     if s.reward_errors:
         t.add_row("reward errors", f"{json.dumps(s.reward_errors)}; last: {s.last_reward_error}")
+    if s.doctor is not None and s.doctor["enabled"]:
+        findings = s.doctor["findings"]
+        t.add_row(
+            "doctor",
+            "\n".join(f"{f['code']} (step {f['step']}): {f['cause']}; try {'; '.join(f['try'])}" for f in findings)
+            or "no findings",
+        )
     t.add_row("run folder", s.run_dir)
     return t
 

@@ -30,6 +30,7 @@ from nonstop.config.actors import (
     TrainerConfig,
     VllmConfig,
 )
+from nonstop.config.doctor import DoctorConfig
 from nonstop.config.kinds import (
     BaseRuntimeConfig,
     BaseTransportConfig,
@@ -57,6 +58,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DistillConfig",
+    "DoctorConfig",
     "JudgeConfig",
     "ProcessRewardConfig",
     "RewardModelConfig",
@@ -194,6 +196,11 @@ class RunConfig(_Section):
     """Stop after this many passes over the train split (the last batch may be short); None: no limit."""
     max_time_s: float | None = Field(190.0, gt=0.0)
     """Stop RL after this many seconds of wall time (None: only max_steps)."""
+    max_total_s: float | None = Field(None, gt=0.0)
+    """Stop RL so that the whole command ends within about this many seconds: preparing the base
+    policy (a warm-up), starting the actors and the base evaluation count too. RL gets what they
+    left, less a few seconds for the final evaluation and save, and at most max_time_s
+    (None: no such bound). Counted per session when a run is resumed."""
     eval_every: int = Field(25, ge=1)
     """Measure held-out accuracy every this many steps (greedy decoding on the engine)."""
     seed: int = 0
@@ -239,6 +246,8 @@ class Config(_Section):
     distill: DistillConfig = DistillConfig()
     env: EnvConfig | None = None
     """An environment: episodes instead of single-turn prompts (None: single-turn prompts of the task)."""
+    doctor: DoctorConfig = DoctorConfig()
+    """The run doctor: patterns that mean the run stopped learning, with their likely cause (docs/doctor.md)."""
 
     @property
     def engine_settings(self) -> EngineConfig:
