@@ -16,7 +16,7 @@ folder given by --cache (default: a temporary one, so each invocation warms up a
 warm-up's time counts).
 
     python bench/tasks.py [--tasks compare,...] [--seeds 0,1,2] [--quick] [--total 300] [--cache DIR]
-                          [--set KEY=VALUE ...]
+                          [--keep DIR] [--set KEY=VALUE ...]
 
 --quick: seed 0 only. --set applies to every run (e.g. --set trainer.lr=3e-4).
 """
@@ -52,12 +52,13 @@ def run_task(task: str, seed: int, total_s: float, folder: Path, cache: Path, ov
         pythonpath=(TASKS,),
     )
     doctor = (s.get("doctor") or {}).get("findings", [])
+    final = s["final_accuracy"] if s["final_accuracy"] is not None else s["base_accuracy"]  # no RL step ran
     return {
         "task": task,
         "seed": seed,
         "base": s["base_accuracy"],
-        "final": s["final_accuracy"],
-        "gain": s["final_accuracy"] - s["base_accuracy"],
+        "final": final,
+        "gain": final - s["base_accuracy"],
         "warmup_s": s["warmup_s"],
         "rl_s": s["rl_wall_s"],
         "steps": s["steps"],
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--total", type=float, default=300.0, help="wall seconds per run, warm-up included")
     ap.add_argument("--cache", type=Path, default=None, help="warm-up cache folder (default: a fresh temporary one)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run folders here (default: deleted)")
     ns = ap.parse_args()
     seeds = [0] if ns.quick else [int(x) for x in ns.seeds.split(",")]
     tasks = ns.tasks.split(",")
@@ -84,9 +86,10 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory(prefix="nonstop-tasks-") as tmp:
         cache = (ns.cache or Path(tmp) / "cache").resolve()
+        folder = (ns.keep or Path(tmp)).resolve()
         for task in tasks:
             for seed in seeds:
-                r = run_task(task, seed, ns.total, Path(tmp), cache, ns.overrides)
+                r = run_task(task, seed, ns.total, folder, cache, ns.overrides)
                 rows.append(r)
                 print(
                     f"{task:>12} {seed:>4} {r['base']:>7.1%} {r['final']:>7.1%} {100 * r['gain']:>+7.1f}p "

@@ -27,15 +27,16 @@ class DoctorConfig(_Section):
     """At or above this held-out accuracy a run is solving its task: less signal and less entropy
     are then the policy being right, not collapsing, and those patterns are not reported."""
     reward_rise: float = Field(0.1, gt=0.0)
-    """Reward-without-held-out: the mean training reward must have risen at least this much over the span."""
+    """Reward-without-held-out: the reward per completion (over every group scored) rose at least this
+    much since some evaluation at least min_steps steps and flat_evals evaluations back..."""
     heldout_flat: float = Field(0.03, ge=0.0)
-    """Reward-without-held-out: while the best held-out accuracy in the span rose less than this
-    (a fraction: 0.03 is 3 points; a held-out set of 500 prompts has a standard error of ~2 points)."""
+    """... while no held-out accuracy after that evaluation exceeded its accuracy by this (a fraction:
+    0.03 is 3 points; a held-out set of 500 prompts has a standard error of about 2 points)."""
     flat_evals: int = Field(3, ge=1)
-    """Reward-without-held-out: the span is the newest this-many evaluations, measured from the one before them."""
+    """Reward-without-held-out: the evaluations a flat span must hold at least."""
     signal_min_frac: float = Field(0.1, ge=0.0, le=1.0)
-    """Signal collapse: fewer than this fraction of the newest window's generated groups had rewards
-    that differ (GRPO learns from those only)..."""
+    """Signal collapse: fewer than this fraction of the groups scored in the newest window had
+    rewards that differ (GRPO learns from those only)..."""
     signal_drop: float = Field(0.5, gt=0.0, le=1.0)
     """... and at most this fraction of the first window's."""
     entropy_min: float = Field(0.05, ge=0.0)

@@ -199,7 +199,7 @@ class RunConfig(_Section):
     max_total_s: float | None = Field(None, gt=0.0)
     """Stop RL so that the whole command ends within about this many seconds: preparing the base
     policy (a warm-up), starting the actors and the base evaluation count too. RL gets what they
-    left, less a few seconds for the final evaluation and save, and at most max_time_s
+    left, less 10 s for the last step, the final evaluation and save, and at most max_time_s
     (None: no such bound). Counted per session when a run is resumed."""
     eval_every: int = Field(25, ge=1)
     """Measure held-out accuracy every this many steps (greedy decoding on the engine)."""
@@ -276,6 +276,13 @@ class Config(_Section):
         if self.trainer.forward_ahead is not None:
             return self.trainer.forward_ahead
         return self.trainer.ranks == 1 and self.buffer.depth != 0
+
+    @property
+    def warmup_time_limit_s(self) -> float | None:
+        """warmup.max_time_s resolved: None is half of run.max_total_s (when set)."""
+        if self.warmup.max_time_s is not None:
+            return self.warmup.max_time_s
+        return self.run.max_total_s / 2 if self.run.max_total_s is not None else None
 
     @property
     def warmup_enabled(self) -> bool:

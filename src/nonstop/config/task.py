@@ -65,6 +65,11 @@ class WarmupConfig(_Section):
     """Stop the warm-up once held-out accuracy reaches this."""
     max_steps: int = Field(4000, ge=1)
     """Give up on the accuracy gate after this many steps."""
+    max_time_s: float | None = Field(None, gt=0.0)
+    """Give up on the accuracy gate after this many seconds: the base is the model as it is then
+    (nonstop_base.json records why it stopped). None: half of run.max_total_s when that is set (the
+    rest is RL's), else no limit. Not part of the warm-up cache's key: a base cut short by time is
+    kept like one that reached the gate."""
     batch_size: int = Field(64, ge=1)
     """Examples per warm-up step."""
     lr: float = Field(3e-3, gt=0.0)

@@ -187,8 +187,18 @@ def interrupted(run: Run, last: StepRecord | None) -> RunInterrupted:
     return RunInterrupted(f"stopped at step {last.step if last else 0} on request; {where}")
 
 
-FINISH_RESERVE_S = 5.0
+FINISH_RESERVE_S = 10.0
 """What run.max_total_s keeps back for the end of a run: the last step, the final evaluation, the save."""
+
+
+def rl_time_limit(max_time_s: float | None, max_total_s: float | None, elapsed_s: float, wall_s: float) -> float | None:
+    """The RL clock's limit: run.max_time_s, or what run.max_total_s leaves after `elapsed_s` of the
+    command (less FINISH_RESERVE_S), whichever comes first; `wall_s`: the RL clock now (a resumed
+    run's continues)."""
+    if max_total_s is None:
+        return max_time_s
+    left = wall_s + max(max_total_s - elapsed_s - FINISH_RESERVE_S, 0.0)
+    return left if max_time_s is None else min(max_time_s, left)
 
 
 async def begin(run: Run, resume: Checkpoint | None, started_s: float | None = None) -> None:
@@ -204,14 +214,11 @@ async def begin(run: Run, resume: Checkpoint | None, started_s: float | None = N
             f"base policy held-out accuracy: {run.state.base_accuracy:.1%} on {len(run.data.eval)} prompts"
         )
         run.state.clock = Clock()
-    limit, total = run.cfg.run.max_time_s, run.cfg.run.max_total_s
-    if total is not None:
-        left = total - (time.perf_counter() - (started_s or time.perf_counter())) - FINISH_RESERVE_S
-        limit = run.state.clock.wall() + max(left, 0.0) if limit is None else min(limit, run.state.clock.wall() + left)
-        run.progress.log(
-            f"RL time: {max(limit - run.state.clock.wall(), 0.0):.0f} s (what run.max_total_s={total:g} leaves)"
-        )
-    run.state.max_rl_s = limit
+    total, wall = run.cfg.run.max_total_s, run.state.clock.wall()
+    elapsed_s = time.perf_counter() - started_s if started_s is not None else 0.0
+    run.state.max_rl_s = rl_time_limit(run.cfg.run.max_time_s, total, elapsed_s, wall)
+    if total is not None and run.state.max_rl_s is not None:
+        run.progress.log(f"RL time: {run.state.max_rl_s - wall:.0f} s (what run.max_total_s={total:g} leaves)")
     run.state.doctor = Doctor(run.cfg.doctor, Context.of(run.cfg.model_dump()), run.state.base_accuracy)
     if resume is not None:
         for record in read_records(run.run_dir / "metrics.jsonl", upto_step=run.state.first_step - 1):
