@@ -49,7 +49,7 @@ class DoctorConfig(_Section):
     rollout.max_new_tokens."""
     clip_max_frac: float = Field(0.3, gt=0.0, le=1.0)
     """Ratio clipping: the trainer clipped at least this fraction of tokens, averaged over the newest window."""
-    below_base: float = Field(0.03, ge=0.0)
+    below_base: float = Field(0.05, ge=0.0)
     """Held-out below the base: the newest evaluations were all more than this (a fraction) under the base's."""
     below_base_evals: int = Field(2, ge=1)
     """Held-out below the base: how many of the newest evaluations must be."""

@@ -151,8 +151,23 @@ def check_reward_not_heldout(
     if s0 is not None and s1 is not None and s1 - s0 >= (end.reward - r0) / 2:
         if s1 < end.accuracy + cfg.heldout_flat:
             # the exact-match rate of sampled completions catching up with greedy decoding's: RL
-            # sharpening what the policy already answers, which need not move greedy accuracy
-            return None
+            # sharpening what the policy already answers, which need not move greedy accuracy; a
+            # finding only when held-out accuracy never rose over the base's at all
+            if max(e.accuracy for e in evals) - evals[0].accuracy >= cfg.heldout_flat:
+                return None
+            return Finding(
+                "reward_not_heldout",
+                end.step,
+                seen + f"; the sampled completions' exact match rose {_pct(s0)} -> {_pct(s1)}, toward the greedy "
+                f"answers', and held-out accuracy never rose {_pct(cfg.heldout_flat)} over the base's",
+                "RL only sharpens the answers greedy decoding already gives: the base sits where the reward "
+                "rarely tells a right answer from a wrong one on the prompts it gets wrong",
+                (
+                    "another base: warmup.seed, or a higher warmup.target_accuracy",
+                    "a partial credit for parts of the right answer",
+                    f"rollout.group_size={2 * ctx.group_size}",
+                ),
+            )
         passes = f"; each training prompt was drawn about {epochs + 1} times so far" if epochs else ""
         return Finding(
             "reward_not_heldout",
