@@ -205,3 +205,14 @@ def test_vitals_of_scored_groups():
         "rollout_entropy": pytest.approx(4.2 / 12),
     }
     assert set(got) == set(ROLLOUT_FIELDS) and v.take() == {}  # a new window each step
+
+
+def test_sharpening_toward_greedy_answers_is_a_finding_only_when_heldout_never_rose():
+    """With an exact-match reward the sampled accuracy rises toward the greedy one while greedy
+    answers stay: RL sharpening. After a held-out gain (a late plateau) that is no finding; with
+    none at all the base sits where RL cannot move it (examples/tasks/reverse.yaml, one base)."""
+    stuck = run_records(steps=300, heldout=lerp(0.25, 0.26), reward=lerp(0.10, 0.24))
+    (f,) = diagnose(stuck, 0.25, CTX)
+    assert f.code == "reward_not_heldout" and "sharpens" in f.cause and any("warmup.seed" in t for t in f.tries)
+    plateau = lambda s, n: min(0.30 + 0.004 * s, 0.60)  # noqa: E731  a gain, then a plateau from step 75
+    assert codes(run_records(steps=300, heldout=plateau, reward=lerp(0.30, 0.55)), base=0.3) == []
