@@ -271,8 +271,8 @@ def serve_cmd(
     type=click.Path(file_okay=False, path_type=Path),
     help="Folder to write the base policy and its provenance.json to (replaced if it exists).",
 )
-@click.option("--threads", default=2, show_default=True, type=int, help="torch threads of the warm-up.")
-def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, threads: int) -> None:
+@click.option("--threads", default=None, type=int, help="torch threads of the warm-up (default: warmup.threads).")
+def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, threads: int | None) -> None:
     """Warm the tiny model up on the task and save it as a base policy, with its provenance."""
     console = Console()
     cfg = config_or_exit(config, overrides, console)
@@ -284,6 +284,7 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
     from nonstop.tasks.warmup import greedy_accuracy, save_atomically, warm_up
 
     data = load_task(cfg.task)
+    threads = cfg.warmup.threads if threads is None else threads
     model, tok, info = warm_up(cfg, data, lambda m: console.print(m, highlight=False), threads)
     torch.set_num_threads(threads)
     heldout = greedy_accuracy(

@@ -76,6 +76,12 @@ class WarmupConfig(_Section):
     """AdamW learning rate of the warm-up."""
     eval_every: int = Field(50, ge=1)
     """Check the accuracy gate every this many steps."""
+    threads: int = Field(1, ge=1)
+    """torch threads of the warm-up. One: at the tiny shape a step's matmuls are too small for a
+    second thread to pay, and on a machine whose cores are busy (other jobs) two threads waiting on
+    each other ran 19x slower (200 steps of examples/tasks/subtraction.yaml: 291 s on 2 threads,
+    15 s on 1, at load 6-8 on 2 cores; docs/recipe.md). The results are the same bytes either way
+    on the machines measured."""
     cache_dir: str = ".nonstop_cache"
     """Where warmed-up base models are cached, keyed by a hash of everything that shapes them."""
     seed: int | None = None

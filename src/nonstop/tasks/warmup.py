@@ -50,7 +50,10 @@ def _cache_key(cfg: Config) -> str:
     shaping = {
         "tiny": cfg.model.tiny.model_dump(exclude_none=True),  # a dense model keeps its pre-MoE key
         "task": cfg.task.model_dump(exclude={"reward"}),
-        "warmup": {**cfg.warmup.model_dump(exclude={"cache_dir", "seed", "max_time_s"}), "enabled": cfg.warmup_enabled},
+        "warmup": {
+            **cfg.warmup.model_dump(exclude={"cache_dir", "seed", "max_time_s", "threads"}),
+            "enabled": cfg.warmup_enabled,
+        },
         "seed": warmup_seed(cfg),
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "format": 2,
@@ -109,14 +112,16 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
     }
 
 
-def warm_up(cfg: Config, data: TaskData, log: Callable[[str], None] = print, threads: int = 2):
-    """A fresh tiny model (seeded by warmup.seed, else run.seed) trained to the accuracy gate.
-    Returns (model, tokenizer, info) with info = {steps, gate_accuracy, gate_size, gate_curve, seconds}."""
+def warm_up(cfg: Config, data: TaskData, log: Callable[[str], None] = print, threads: int | None = None):
+    """A fresh tiny model (seeded by warmup.seed, else run.seed) trained to the accuracy gate on
+    `threads` torch threads (None: warmup.threads). Returns (model, tokenizer, info) with info =
+    {stopped, steps, gate_accuracy, gate_size, gate_curve, seconds}."""
+    threads = cfg.warmup.threads if threads is None else threads
     quiet_transformers()
     tokenizer = make_char_tokenizer()
     model = make_tiny_model(cfg.model.tiny, warmup_seed(cfg))
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)  # nothing else runs yet: use both cores
+    torch.set_num_threads(threads)
     try:
         info = _sft(model, tokenizer, data, cfg, log)
     finally:
