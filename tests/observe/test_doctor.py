@@ -216,3 +216,19 @@ def test_sharpening_toward_greedy_answers_is_a_finding_only_when_heldout_never_r
     assert f.code == "reward_not_heldout" and "sharpens" in f.cause and any("warmup.seed" in t for t in f.tries)
     plateau = lambda s, n: min(0.30 + 0.004 * s, 0.60)  # noqa: E731  a gain, then a plateau from step 75
     assert codes(run_records(steps=300, heldout=plateau, reward=lerp(0.30, 0.55)), base=0.3) == []
+
+
+def test_a_run_that_waits_for_signal_is_found_at_its_end():
+    """Refill with (almost) every group uniform: few steps or none, so the window checks never run;
+    at the end the groups scored since (and over the last window) say it."""
+    doctor = Doctor(DoctorConfig(), CTX, 0.0)
+    (f,) = doctor.finish({"rollout_groups": 4000, "rollout_signal_groups": 3, "rollout_reward_mean": 0.001})
+    assert f.code == "signal_collapse" and "4000 groups" in f.seen and "too weak" in f.cause
+    few = Doctor(DoctorConfig(), CTX, 0.26)
+    for r in run_records(steps=20, signal=lerp(0.01, 0.01), reward=lerp(0.99, 0.99), groups=1500):
+        few.observe(r)
+    (f,) = few.finish({})
+    assert "earn the reward alike" in f.cause and f.step == 20
+    assert Doctor(DoctorConfig(), CTX, 0.3).finish({"rollout_groups": 50, "rollout_signal_groups": 0}) == []
+    solved = Doctor(DoctorConfig(), CTX, 0.95)
+    assert solved.finish({"rollout_groups": 4000, "rollout_signal_groups": 0, "rollout_reward_mean": 1.0}) == []

@@ -41,6 +41,7 @@ from nonstop.observe.patterns import (
     check_below_base,
     check_entropy_collapse,
     check_length_at_limit,
+    check_no_step,
     check_ratio_clipping,
     check_reward_not_heldout,
     check_signal_collapse,
@@ -109,6 +110,18 @@ class Doctor:
         for f in new:
             self.found[f.code] = f
         return new
+
+    def finish(self, pending: Mapping[str, Any]) -> list[Finding]:
+        """At the end of the run, the groups scored since its last step (`pending`: Vitals.take()'s
+        fields; {} when none): a run that kept waiting for batches with signal is a finding, also
+        one too short (or stuck before its first step) for the window checks."""
+        if not self.cfg.enabled or "signal_collapse" in self.found:
+            return []
+        f = check_no_step(self._late(), pending, self.evals[-1].accuracy, self.ctx, self.cfg)
+        if f is None:
+            return []
+        self.found[f.code] = f
+        return [f]
 
 
 def read_records(path: Path, upto_step: int | None = None) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ class Context:
     max_new_tokens: int
     reward: str = "exact_match"
     group_size: int = 8
+    prompts_per_step: int = 32
     lr: float | None = None  # None: read from the step records ("lr")
 
     @classmethod
@@ -48,6 +49,7 @@ class Context:
             max_new_tokens=int(rollout.get("max_new_tokens", 4)),
             reward=str(task.get("reward", "exact_match")),
             group_size=int(rollout.get("group_size", 8)),
+            prompts_per_step=int(rollout.get("prompts_per_step", 32)),
             lr=trainer.get("lr"),
         )
 
@@ -224,13 +226,17 @@ def check_signal_collapse(
             "the policy samples the same completion for most prompts: it became confident before it was right",
             (_half_lr(lr), "rollout.temperature=1.2", "trainer.entropy_coef=0.005"),
         )
-    reward = late.mean("reward") or 0.0
+    return _alike(step, seen, late.mean("reward") or 0.0, evals[-1].accuracy, ctx)
+
+
+def _alike(step: int, seen: str, reward: float, accuracy: float, ctx: Context) -> Finding:
+    """A signal finding whose groups score alike, by how much they score."""
     seen += f"; reward per completion {reward:.3f}"
     if reward >= 0.5:  # rewards in [0, 1]: most groups earn it alike
         return Finding(
             "signal_collapse",
             step,
-            seen + f" while held-out accuracy is {_pct(evals[-1].accuracy)}",
+            seen + f" while held-out accuracy is {_pct(accuracy)}",
             "most completions earn the reward alike: the reward is met without solving the task (it pays for "
             "a format or a length), or the training prompts are learnt",
             ("a reward that pays only for right answers (task.reward)", "more distinct training prompts"),
@@ -247,6 +253,35 @@ def check_signal_collapse(
             "a partial credit for parts of the right answer",
         ),
     )
+
+
+def check_no_step(
+    late: Window, pending: Mapping[str, Any], accuracy: float, ctx: Context, cfg: DoctorConfig
+) -> Finding | None:
+    """At the end of a run: over the newest window's steps and the groups scored after the last one
+    (`pending`, the rollout fields of Vitals.take()), at least NO_STEP_BATCHES batches of groups were
+    scored and under cfg.signal_min_frac of them had rewards that differ, while the run is not
+    solving its task: it waited for batches with signal (few steps, or none, where the window
+    checks cannot run)."""
+    groups = sum(p.groups or 0 for p in late.points) + (pending.get("rollout_groups") or 0)
+    signal = sum(p.signal or 0 for p in late.points) + (pending.get("rollout_signal_groups") or 0)
+    if groups < NO_STEP_BATCHES * ctx.prompts_per_step or signal >= cfg.signal_min_frac * groups:
+        return None
+    if accuracy >= cfg.solved_accuracy:
+        return None
+    last = late.points[-1].step if late.points else 0
+    seen = (
+        f"{groups} groups were scored over the last {len(late.points)} trainer steps and after step {last}, "
+        f"{signal} of them with rewards that differ: the run waited for batches with signal"
+    )
+    rewards = [p.reward for p in late.points]
+    if pending.get("rollout_reward_mean") is not None:
+        rewards.append(float(pending["rollout_reward_mean"]))
+    return _alike(last, seen, sum(rewards) / len(rewards) if rewards else 0.0, accuracy, ctx)
+
+
+NO_STEP_BATCHES = 4
+"""check_no_step: groups of this many batches scored without a step make a finding."""
 
 
 def check_entropy_collapse(

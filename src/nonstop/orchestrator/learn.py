@@ -97,6 +97,9 @@ async def learn(run: Run) -> StepRecord | None:
             spans.emit("checkpoint", step=step, t0=round(t_ckpt, 6), t1=round(now(), 6))
         if out_of_time or state.stop.is_set():
             break
+    if state.doctor is not None:  # groups scored after the last step: did the run wait for signal?
+        for finding in state.doctor.finish(run.stats.vitals.take()):
+            run.progress.log(f"[yellow]{escape(finding.line())}[/]")
     if state.stop.is_set():
         if record is not None and cfg.checkpoint.every_steps is not None and state.last_checkpoint != record.step:
             with trainer_failure(run, record.step):
