@@ -1,10 +1,20 @@
 """Write the example tasks as JSONL files: one {"prompt": ..., "answer": ...} object per line.
 
-    python examples/tasks/make_tasks.py  # writes subtraction.jsonl, reverse.jsonl, multiply.jsonl, cipher.jsonl here
+    python examples/tasks/make_tasks.py  # writes every <task>.jsonl of the list below here
 
-- subtraction: "73-28=" -> "45", zero-padded operands 00..99 with a >= b (5,050 prompts);
+The task matrix (bench/tasks.py, docs/recipe.md), each a kind of task a user brings:
+- compare: "07?45=" -> "<", two zero-padded operands 00..99, answer one of < = > (10,000 prompts);
+- subtraction: "73-28=" -> "45", zero-padded operands 00..99 with a >= b (5,050 prompts): borrows;
+- multiply: "47*6=" -> "282", a two-digit number times one digit 2..9 (720 prompts): carries;
 - reverse: "rev:cab=" -> "bac", three letters from a-p (4,096 prompts);
-- multiply: "47*6=" -> "282", a two-digit number times one digit 2..9 (720 prompts);
+- sort: "sort:dbad=" -> "abdd", four letters from a-h sorted (4,096 prompts);
+- repeat: "ab*3=" -> "ababab", one to three letters from a-h, one to four times: answers of 1 to
+  12 letters (2,336 prompts);
+- opsum: "07#45=" -> "59", an operator the model has never seen (a#b = 2a + b, operands 00..99,
+  10,000 prompts), scored with partial credit (task_rewards.digit_credit);
+- sumdiff: "73,28=" -> "101\\n45", sum and difference of two zero-padded operands a >= b on two
+  lines (5,050 prompts): an answer of more than one line.
+And beside the matrix:
 - cipher: "enc:ggaehgehfdce=" -> "ccebfcbfdhab", twelve letters from a-h, each replaced by its
   letter in a fixed key (CIPHER_KEY); 10,000 distinct words drawn with a seeded generator, so the
   file is the same on every machine. A long answer with an exact-match reward: the task of
@@ -35,14 +45,26 @@ def cipher_rows(words: int = 10_000, length: int = 12, seed: int = 0) -> list[tu
     return rows
 
 
+def compare(a: int, b: int) -> str:
+    return "<" if a < b else ">" if a > b else "="
+
+
 def main() -> None:
-    write("subtraction", [(f"{a:02d}-{b:02d}=", str(a - b)) for a in range(100) for b in range(a + 1)])
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    below = [(a, b) for a in range(100) for b in range(a + 1)]
+    write("compare", [(f"{a:02d}?{b:02d}=", compare(a, b)) for a, b in pairs])
+    write("subtraction", [(f"{a:02d}-{b:02d}=", str(a - b)) for a, b in below])
     write(
         "reverse",
         [(f"rev:{''.join(w)}=", "".join(reversed(w))) for w in itertools.product("abcdefghijklmnop", repeat=3)],
     )
     write("cipher", cipher_rows())
     write("multiply", [(f"{a}*{d}=", str(a * d)) for a in range(10, 100) for d in range(2, 10)])
+    write("sort", [(f"sort:{''.join(w)}=", "".join(sorted(w))) for w in itertools.product("abcdefgh", repeat=4)])
+    words = ["".join(w) for n in (1, 2, 3) for w in itertools.product("abcdefgh", repeat=n)]
+    write("repeat", [(f"{w}*{k}=", w * k) for w in words for k in (1, 2, 3, 4)])
+    write("opsum", [(f"{a:02d}#{b:02d}=", str(2 * a + b)) for a, b in pairs])
+    write("sumdiff", [(f"{a:02d},{b:02d}=", f"{a + b}\n{a - b}") for a, b in below])
 
 
 if __name__ == "__main__":

@@ -74,6 +74,13 @@ def _summary_table(s: RunSummary) -> Table:
         )
     if s.reward_errors:
         t.add_row("reward errors", f"{json.dumps(s.reward_errors)}; last: {s.last_reward_error}")
+    if s.doctor is not None and s.doctor["enabled"]:
+        findings = s.doctor["findings"]
+        t.add_row(
+            "doctor",
+            "\n".join(f"{f['code']} (step {f['step']}): {f['cause']}; try {'; '.join(f['try'])}" for f in findings)
+            or "no findings",
+        )
     t.add_row("run folder", s.run_dir)
     return t
 
@@ -295,8 +302,8 @@ def _serve(
     type=click.Path(file_okay=False, path_type=Path),
     help="Folder to write the base policy and its provenance.json to (replaced if it exists).",
 )
-@click.option("--threads", default=2, show_default=True, type=int, help="torch threads of the warm-up.")
-def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, threads: int) -> None:
+@click.option("--threads", default=None, type=int, help="torch threads of the warm-up (default: warmup.threads).")
+def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, threads: int | None) -> None:
     """Warm the tiny model up on the task and save it as a base policy, with its provenance."""
     console = Console()
     cfg = config_or_exit(config, overrides, console)
@@ -308,6 +315,7 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
     from nonstop.tasks.warmup import greedy_accuracy, save_atomically, warm_up
 
     data = load_task(cfg.task)
+    threads = cfg.warmup.threads if threads is None else threads
     model, tok, info = warm_up(cfg, data, lambda m: console.print(m, highlight=False), threads)
     torch.set_num_threads(threads)
     heldout = greedy_accuracy(

@@ -209,3 +209,15 @@ def test_a_dead_trainer_ends_the_run_naming_how_to_resume_and_settles_nothing(tr
             assert f"\nresume with `nonstop train --resume {trained.run_dir}` (checkpoint step 2)" in message
 
     asyncio.run(go())
+
+
+def test_rl_time_limit_is_what_the_total_budget_leaves():
+    """run.max_total_s: RL gets what preparing the run left, less the finish reserve, at most
+    run.max_time_s; a resumed run's RL clock continues from where it was."""
+    from nonstop.orchestrator.pipeline import FINISH_RESERVE_S, rl_time_limit
+
+    assert rl_time_limit(190.0, None, 50.0, 0.0) == 190.0 and rl_time_limit(None, None, 50.0, 0.0) is None
+    assert rl_time_limit(None, 300.0, 100.0, 0.0) == 200.0 - FINISH_RESERVE_S
+    assert rl_time_limit(150.0, 300.0, 100.0, 0.0) == 150.0
+    assert rl_time_limit(None, 300.0, 100.0, 40.0) == 240.0 - FINISH_RESERVE_S
+    assert rl_time_limit(None, 60.0, 100.0, 0.0) == 0.0  # nothing left: one step, then the end

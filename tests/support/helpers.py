@@ -354,3 +354,10 @@ def two_step_timeline(engine_cpu_s: float):
             if "t0" in e and e["ev"] != "group":
                 lanes[a].setdefault(e["ev"], []).append((e["t0"], e["t1"]))
     return Timeline(Path("."), lanes, events, groups, Counter(), {})
+
+
+def three_chars_reward(completion: str, answer: str) -> float:
+    """1.0 for a completion of three characters, right or wrong: pays for a length the held-out exact
+    match does not count (the run doctor's reward-without-held-out pattern). The shipped addition
+    base writes three characters for about half the prompts (the sums over 99), so RL has signal."""
+    return 1.0 if len(completion.strip()) == 3 else 0.0

@@ -163,3 +163,26 @@ def test_shipped_teacher_is_the_recorded_bytes_and_distill_teacher_builtin_names
     tok = AutoTokenizer.from_pretrained(SHIPPED_TEACHER)
     acc = greedy_accuracy(TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, 4)
     assert abs(acc - prov["heldout_accuracy"]) <= 3 / len(data.eval), (acc, prov["heldout_accuracy"])
+
+
+def test_warmup_stops_at_its_time_limit_below_the_gate_and_says_so():
+    """warmup.max_time_s (and by default half of run.max_total_s) ends a warm-up that has not
+    reached its gate: the base is the model as it is, with why it stopped recorded."""
+    from nonstop.tasks.data import load_task
+    from nonstop.tasks.warmup import warm_up
+
+    cfg = load_config(
+        overrides=[
+            "model.tiny.hidden_size=32",
+            "model.tiny.num_layers=1",
+            "model.tiny.intermediate_size=64",
+            "task.eval_size=20",
+            "warmup.target_accuracy=1.0",
+            "warmup.max_time_s=0.001",
+        ]
+    )
+    _, _, info = warm_up(cfg, load_task(cfg.task), log=lambda m: None, threads=1)
+    assert info["stopped"] == "max_time_s" and info["steps"] == 1 and len(info["gate_curve"]) == 1
+    assert load_config(overrides=["run.max_total_s=300"]).warmup_time_limit_s == 150
+    assert load_config(overrides=["run.max_total_s=300", "warmup.max_time_s=20"]).warmup_time_limit_s == 20
+    assert load_config().warmup_time_limit_s is None

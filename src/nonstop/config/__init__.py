@@ -11,6 +11,7 @@ One module per part of the tree; everything public is re-exported here, so calle
 | `pinning.py` | `CpuPools`: the local runtime's disjoint CPU sets per role (`runtime.pin_cpus`) |
 | `scoring.py` | the scoring stage: reward models, judges, process rewards, distillation |
 | `task.py` | the task (dataset, reward) and the supervised warm-up |
+| `doctor.py` | the run doctor's thresholds (`doctor:`) |
 | `schema.py` | `Section` (the frozen base model), field docs, `nonstop config --explain` |
 | `preflight.py` | checks before any run folder or actor exists (`model.path`, `task.reward`) |
 | `shape.py` | a model's shape from its config.json: parameter counts, KV bytes per token |
@@ -32,6 +33,7 @@ from nonstop.config.root import (
     Config,
     ConfigError,
     DistillConfig,
+    DoctorConfig,
     EngineConfig,
     EnvConfig,
     FilesTransportConfig,
@@ -73,6 +75,7 @@ __all__ = [
     "config_reference",
     "ConfigError",
     "DistillConfig",
+    "DoctorConfig",
     "dump_config",
     "EngineConfig",
     "EnvConfig",

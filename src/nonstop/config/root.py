@@ -30,6 +30,7 @@ from nonstop.config.actors import (
     TrainerConfig,
     VllmConfig,
 )
+from nonstop.config.doctor import DoctorConfig
 from nonstop.config.kinds import (
     BaseRuntimeConfig,
     BaseTransportConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DistillConfig",
+    "DoctorConfig",
     "JudgeConfig",
     "ProcessRewardConfig",
     "RewardModelConfig",
@@ -220,6 +222,11 @@ class RunConfig(_Section):
     """Stop after this many passes over the train split (the last batch may be short); None: no limit."""
     max_time_s: float | None = Field(190.0, gt=0.0)
     """Stop RL after this many seconds of wall time (None: only max_steps)."""
+    max_total_s: float | None = Field(None, gt=0.0)
+    """Stop RL so that the whole command ends within about this many seconds: preparing the base
+    policy (a warm-up), starting the actors and the base evaluation count too. RL gets what they
+    left, less 10 s for the last step, the final evaluation and save, and at most max_time_s
+    (None: no such bound). Counted per session when a run is resumed."""
     eval_every: int = Field(25, ge=1)
     """Measure held-out accuracy every this many steps (greedy decoding on the engine)."""
     seed: int = 0
@@ -266,6 +273,8 @@ class Config(_Section):
     env: EnvConfig | None = None
     """An environment: episodes instead of single-turn prompts (None: single-turn prompts of the task)."""
     agents: AgentsConfig = AgentsConfig()
+    doctor: DoctorConfig = DoctorConfig()
+    """The run doctor: patterns that mean the run stopped learning, with their likely cause (docs/doctor.md)."""
 
     @property
     def engine_settings(self) -> EngineConfig:
@@ -294,6 +303,13 @@ class Config(_Section):
         if self.trainer.forward_ahead is not None:
             return self.trainer.forward_ahead
         return self.trainer.ranks == 1 and self.buffer.depth != 0
+
+    @property
+    def warmup_time_limit_s(self) -> float | None:
+        """warmup.max_time_s resolved: None is half of run.max_total_s (when set)."""
+        if self.warmup.max_time_s is not None:
+            return self.warmup.max_time_s
+        return self.run.max_total_s / 2 if self.run.max_total_s is not None else None
 
     @property
     def warmup_enabled(self) -> bool:

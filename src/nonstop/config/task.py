@@ -65,12 +65,23 @@ class WarmupConfig(_Section):
     """Stop the warm-up once held-out accuracy reaches this."""
     max_steps: int = Field(4000, ge=1)
     """Give up on the accuracy gate after this many steps."""
+    max_time_s: float | None = Field(None, gt=0.0)
+    """Give up on the accuracy gate after this many seconds: the base is the model as it is then
+    (nonstop_base.json records why it stopped). None: half of run.max_total_s when that is set (the
+    rest is RL's), else no limit. Not part of the warm-up cache's key: a base cut short by time is
+    kept like one that reached the gate."""
     batch_size: int = Field(64, ge=1)
     """Examples per warm-up step."""
     lr: float = Field(3e-3, gt=0.0)
     """AdamW learning rate of the warm-up."""
     eval_every: int = Field(50, ge=1)
     """Check the accuracy gate every this many steps."""
+    threads: int = Field(1, ge=1)
+    """torch threads of the warm-up. One: at the tiny shape a step's matmuls are too small for a
+    second thread to pay, and on a machine whose cores are busy (other jobs) two threads waiting on
+    each other ran 19x slower (200 steps of examples/tasks/subtraction.yaml: 291 s on 2 threads,
+    15 s on 1, at load 6-8 on 2 cores; docs/recipe.md). The results are the same bytes either way
+    on the machines measured."""
     cache_dir: str = ".nonstop_cache"
     """Where warmed-up base models are cached, keyed by a hash of everything that shapes them."""
     seed: int | None = None

@@ -11,7 +11,9 @@ nonstop.observe.timeline) and draws with matplotlib (the optional extra `report`
 5. samples/s generated and the engines' and trainer's busy fractions over time;
 6. groups dropped, by reason, and how long groups took from admission to delivery.
 Its table of facts includes the trainer's and the engines' achieved FLOP/s and their fraction of
-the probed matmul peak (summary.json's `flops`, docs/precision.md).
+the probed matmul peak (summary.json's `flops`, docs/precision.md). Above the figures, the run
+doctor's findings (summary.json's `doctor`; for a run without one, diagnosed from metrics.jsonl
+now, observe/doctor.py): what it saw, the likely cause, the setting to try.
 
 The page embeds every figure as a base64 PNG, so it is one file that opens anywhere; the PNGs
 are written beside it (`RUN_DIR/report/`). A small inline script checks that every figure
@@ -249,6 +251,46 @@ def _facts(tl: Timeline, run_dir: Path) -> list[tuple[str, str]]:
     return facts
 
 
+def doctor_findings(run_dir: Path, tl: Timeline | None = None) -> list[dict[str, Any]] | None:
+    """The run doctor's findings: summary.json's, else diagnosed from metrics.jsonl and config.yaml
+    (a run still going, or one that stopped early); None when the doctor was off."""
+    from nonstop.observe.doctor import Context, diagnose, read_records
+
+    summary_path, cfg_path = run_dir / "summary.json", run_dir / "config.yaml"
+    summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if summary.get("doctor") is not None:
+        return summary["doctor"]["findings"] if summary["doctor"]["enabled"] else None
+    import yaml
+
+    from nonstop.config import DoctorConfig
+
+    tree = (yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.exists() else {}
+    cfg = DoctorConfig.model_validate(tree.get("doctor") or {})
+    if not cfg.enabled:
+        return None
+    base = summary.get("base_accuracy")
+    if base is None and tl is not None:  # a run still going (or one that failed): its span log has it
+        starts = [e for e in tl.events.get("orchestrator", []) if e["ev"] == "rl_start" and "base_accuracy" in e]
+        base = starts[0]["base_accuracy"] if starts else None
+    records = read_records(run_dir / "metrics.jsonl")
+    if base is None:  # no span log either: the first evaluation stands in for the base
+        base = next((r["eval_accuracy"] for r in records if r.get("eval_accuracy") is not None), 0.0)
+    return [f.to_dict() for f in diagnose(records, base, Context.of(tree), cfg)]
+
+
+def _doctor_html(findings: list[dict[str, Any]] | None) -> str:
+    if findings is None:
+        return "<h2>doctor</h2><p>off (doctor.enabled false)</p>"
+    if not findings:
+        return "<h2>doctor</h2><p class='doctor'>no findings: none of the patterns of a run that stopped learning</p>"
+    items = "".join(
+        f"<li class='finding'><b>{html.escape(f['code'])}</b> (step {f['step']}): {html.escape(f['seen'])}. "
+        f"<br>Likely: {html.escape(f['cause'])}.<br>Try: {html.escape('; '.join(f['try']))}</li>"
+        for f in findings
+    )
+    return f"<h2>doctor</h2><ul class='doctor'>{items}</ul>"
+
+
 CHECK_SCRIPT = """
 window.addEventListener('error', function () {
   document.body.dataset.errors = String(Number(document.body.dataset.errors || 0) + 1);
@@ -293,6 +335,6 @@ def render(run_dir: Path | str, out: Path | str | None = None) -> Path:
         "<style>body{font-family:sans-serif;max-width:1250px;margin:1em auto}img{max-width:100%}"
         "th{text-align:left;padding-right:1em}</style>"
         f"<script>{CHECK_SCRIPT}</script></head><body><h1>nonstop run report</h1>"
-        f"<table>{rows}</table>{''.join(parts)}</body></html>"
+        f"<table>{rows}</table>{_doctor_html(doctor_findings(run_dir, tl))}{''.join(parts)}</body></html>"
     )
     return page

@@ -10,9 +10,10 @@ taken at the same instant, so a reader maps any file's times to wall-clock time
 there is exact up to the anchor's microseconds.
 
 Events (every time field is monotonic seconds; `t0`/`t1` bound an interval):
-- orchestrator: `rl_start` (t; cpus: processors this host lets the run use, cpu_actors: whether
-  the engines and trainer ranks compute on them, as local processes do without an accelerator:
-  the capacity planner then has them share those processors), `group` (id [epoch, prompt],
+- orchestrator: `rl_start` (t; base_accuracy: the held-out accuracy RL starts from; cpus:
+  processors this host lets the run use, cpu_actors: whether the engines and trainer ranks
+  compute on them, as local processes do without an accelerator: the capacity planner then has
+  them share those processors), `group` (id [epoch, prompt],
   t_admit, t_gen0, t_gen1, t_scored, t_done, lens: completion tokens per sample, v: [oldest,
   newest] policy_version of its tokens),
   `drop` (id, reason, t), `wait` (learning loop waiting for a batch; t0, t1, step; cpu: the

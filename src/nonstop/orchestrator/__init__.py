@@ -7,6 +7,8 @@ those listed before it (no circle; tests/orchestrator/test_layering.py checks it
 - ledger.py        every drawn prompt settled once (by part, with env.policies);
 - buffer.py        admission by depth, the max-lag rule, drops counted;
 - dispatch.py      several engines (least-loaded pool) or trainer ranks (lockstep) as one client;
+- records.py       `StepRecord` (metrics.jsonl), `RunSummary` (summary.json), `Vitals` (what the
+                   run doctor reads of the groups scored);
 - generate.py      the producer: admitted prompts -> engine groups (`Production`, `produce`), and
                    held-out evaluation;
 - episodes.py      one multi-turn, multi-agent episode through the engines, token-exact;
@@ -21,7 +23,6 @@ those listed before it (no circle; tests/orchestrator/test_layering.py checks it
 - policy_build.py  the own policies' configs, checks and actors;
 - build.py         `build_run()`: the actors and the stages wired into a `Run`;
 - step.py          one learner step (take, train, publish, settle), shared by both loops;
-- records.py       `StepRecord` (metrics.jsonl) and `RunSummary` (summary.json);
 - learn.py         the learning loops: the shared policy's `learn()`, each own policy's `learn_policy()`;
 - pipeline.py      `train()`: build the run, run the producer beside the learning loop, summarize;
 - launch.py        `run_training()`: run folder, data, base policy, pipeline, summary.json (the path

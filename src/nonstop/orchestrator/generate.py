@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from nonstop.clients import EngineClient
@@ -29,6 +29,7 @@ from nonstop.observe.clock import BusyClock, Clock
 from nonstop.observe.spans import SpanLog, now
 from nonstop.orchestrator.buffer import Intake
 from nonstop.orchestrator.ledger import Ledger
+from nonstop.orchestrator.records import Vitals
 from nonstop.scoring.base import Scorer
 from nonstop.tasks.codec import Codec, exact_match_accuracy, greedy_requests
 from nonstop.tasks.data import Draw, Example, PromptStream
@@ -53,6 +54,12 @@ class RolloutStats:
     groups_delivered: int = 0
     reward_failures_in_row: int = 0
     uniform_in_row: int = 0
+    vitals: Vitals = field(default_factory=Vitals)
+    """Sums over the groups scored since the last step record (not checkpointed: a window)."""
+
+    def counters(self) -> dict[str, int]:
+        """What a checkpoint saves (recovery.py): the counters, not the window of vitals."""
+        return {k: v for k, v in asdict(self).items() if k != "vitals"}
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,7 @@ async def produce(
                 )
             return
         stats.reward_failures_in_row = 0
+        stats.vitals.add(group)
         if cfg.filter_uniform_reward and len({s.reward for s in group.samples}) == 1:
             await drop_uniform(buffer, group, stats, cfg.max_consecutive_uniform)
             return

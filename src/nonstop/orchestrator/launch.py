@@ -214,7 +214,7 @@ def _run(
             base = Path(ckpt.state["base_model"])
         warmup_s = time.perf_counter() - t0
         try:
-            summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward))
+            summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward, started_s=t0))
         except asyncio.CancelledError:  # a second Ctrl-C cancelled the run's task
             raise KeyboardInterrupt from None
         finally:

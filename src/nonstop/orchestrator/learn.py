@@ -6,7 +6,8 @@ i.e. once every engine can load it: admission and the max-lag rule count from th
 beside the producer (generate.py or episode_flow.py), which fills the buffers. A trainer
 failure ends the run with RunFailed naming the run folder and the last checkpoint to resume from.
 
-`learn(run)` is the run's clock: run.max_steps, run.max_time_s and Ctrl-C count and stop it.
+`learn(run)` is the run's clock: run.max_steps, run.max_time_s (or what run.max_total_s left:
+`run.state.max_rl_s`) and Ctrl-C count and stop it.
 Each step it records a StepRecord (metrics.jsonl, the trackers, the progress line), evaluates
 every run.eval_every steps and writes a checkpoint every checkpoint.every_steps. While it waits
 for a batch whose first groups are there (trainer.forward_ahead), the trainer runs their
@@ -28,6 +29,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from rich.markup import escape
+
 from nonstop.observe.spans import now
 from nonstop.orchestrator.policies import PolicySide
 from nonstop.orchestrator.records import StepRecord, completions_crc32
@@ -43,7 +46,7 @@ async def learn(run: Run) -> StepRecord | None:
     ahead = Ahead(run) if cfg.forward_ahead else None
     for step in range(state.first_step, cfg.run.max_steps + 1):
         t_wait, cpu = now(), time.process_time()
-        left_s = None if cfg.run.max_time_s is None else max(0.0, cfg.run.max_time_s - state.clock.wall())
+        left_s = None if state.max_rl_s is None else max(0.0, state.max_rl_s - state.clock.wall())
         if ahead is not None:
             ahead.step = step
         groups = await take_batch(
@@ -75,7 +78,7 @@ async def learn(run: Run) -> StepRecord | None:
             run.envs.stats.trained(groups, done.trained_on)  # lag against the version trained on
         if run.policies is not None:
             run.policies.shared_trained(groups, done.trained_on, done.published.policy_version)
-        out_of_time = cfg.run.max_time_s is not None and state.clock.wall() >= cfg.run.max_time_s
+        out_of_time = state.max_rl_s is not None and state.clock.wall() >= state.max_rl_s
         record = step_record(run, step, groups, done.result, done.published)
         state.flops.trainer_step(done.result.metrics)
         eval_due = step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time
@@ -85,8 +88,10 @@ async def learn(run: Run) -> StepRecord | None:
             t_eval = now()
             record.eval_accuracy = await run.eval()
             spans.emit("eval", step=step, t0=round(t_eval, 6), t1=round(now(), 6), accuracy=record.eval_accuracy)
-        run.sink.write(record.to_dict())
+        line = record.to_dict()
+        run.sink.write(line)
         run.progress.update(record)
+        consult(run, line)
         if cfg.checkpoint.every_steps is not None and step % cfg.checkpoint.every_steps == 0:
             t_ckpt = now()
             with trainer_failure(run, step):  # the trainer may die while idle: its next call is this one
@@ -94,6 +99,9 @@ async def learn(run: Run) -> StepRecord | None:
             spans.emit("checkpoint", step=step, t0=round(t_ckpt, 6), t1=round(now(), 6))
         if out_of_time or state.stop.is_set():
             break
+    if state.doctor is not None:  # groups scored after the last step: did the run wait for signal?
+        for finding in state.doctor.finish(run.stats.vitals.take()):
+            run.progress.log(f"[yellow]{escape(finding.line())}[/]")
     if state.stop.is_set():
         if record is not None and cfg.checkpoint.every_steps is not None and state.last_checkpoint != record.step:
             with trainer_failure(run, record.step):
@@ -102,6 +110,7 @@ async def learn(run: Run) -> StepRecord | None:
     if record is not None and record.eval_accuracy is None:  # the stream ran out between two evaluations
         record.eval_accuracy = await run.eval()
         run.sink.write(record.final_eval())
+        consult(run, record.final_eval())
     if record is not None and cfg.checkpoint.every_steps is not None and state.last_checkpoint != record.step:
         with trainer_failure(run, record.step):
             await write_checkpoint(run, record.step)
@@ -131,6 +140,13 @@ class Ahead:
         run.state.clock.add("training", done.forward_s)
         run.spans.emit("ahead", step=self.step, t0=round(t0, 6), t1=round(now(), 6), groups=done.groups)
         self.able = done.groups > 0
+
+
+def consult(run: Run, line: dict[str, Any]) -> None:
+    """Hand a metrics.jsonl line to the run doctor; show each pattern it sees for the first time."""
+    if run.state.doctor is not None:
+        for finding in run.state.doctor.observe(line):
+            run.progress.log(f"[yellow]{escape(finding.line())}[/]")
 
 
 def step_record(run: Run, step: int, groups: list[Group], result: StepResult, published: PublishResult) -> StepRecord:
@@ -166,6 +182,7 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
         episodes=run.envs.report() if run.envs is not None else None,
         policies=run.policies.report() if run.policies is not None else None,
         agents=run.agents.report() if run.agents is not None else None,
+        **stats.vitals.take(),
     )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from pathlib import Path
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.observe.clock import Clock
+from nonstop.observe.doctor import Context, Doctor, read_records
 from nonstop.observe.progress import Progress
 from nonstop.observe.spans import host_cpus, now
 from nonstop.orchestrator.agents import AgentEndpoint, produce_agent_groups
@@ -56,12 +58,15 @@ async def train(
     progress: Progress,
     resume: Checkpoint | None = None,
     reward: RewardFn | None = None,
+    started_s: float | None = None,
 ) -> RunSummary:
     """Spawn the actors, connect the transport, run the producer beside `learn`, save the result.
 
     With `resume`, actors start from the checkpoint's weights and state, and the data cursor and
     ledger continue from it (prompts in flight at the checkpoint are generated again first).
-    `reward`, when given, is the reward function instead of task.reward."""
+    `reward`, when given, is the reward function instead of task.reward. `started_s`: when the
+    command started (time.perf_counter()), which run.max_total_s counts from (None: now)."""
+    started_s = time.perf_counter() if started_s is None else started_s
     backend, supervisor = make_backend(cfg.runtime, run_dir), Supervisor()
     run: Run | None = None
     restore_signals: Callable[[], None] = _nothing
@@ -73,7 +78,7 @@ async def train(
         # reward threads for 200-300 ms, about every 2 s of the run. Before the RL clock starts.
         gc.collect()
         gc.freeze()
-        await begin(run, resume)
+        await begin(run, resume, started_s)
         if cfg.agents.enabled:  # after the base evaluation: agents then see the policy the run trains
             run = replace(run, agents=agent_endpoint(run))
             assert run.agents is not None
@@ -204,8 +209,24 @@ def interrupted(run: Run, last: StepRecord | None) -> RunInterrupted:
     return RunInterrupted(f"stopped at step {last.step if last else 0} on request; {where}")
 
 
-async def begin(run: Run, resume: Checkpoint | None) -> None:
-    """Resume the orchestrator's state, or measure the base policy and start the RL clock."""
+FINISH_RESERVE_S = 10.0
+"""What run.max_total_s keeps back for the end of a run: the last step, the final evaluation, the save."""
+
+
+def rl_time_limit(max_time_s: float | None, max_total_s: float | None, elapsed_s: float, wall_s: float) -> float | None:
+    """The RL clock's limit: run.max_time_s, or what run.max_total_s leaves after `elapsed_s` of the
+    command (less FINISH_RESERVE_S), whichever comes first; `wall_s`: the RL clock now (a resumed
+    run's continues)."""
+    if max_total_s is None:
+        return max_time_s
+    left = wall_s + max(max_total_s - elapsed_s - FINISH_RESERVE_S, 0.0)
+    return left if max_time_s is None else min(max_time_s, left)
+
+
+async def begin(run: Run, resume: Checkpoint | None, started_s: float | None = None) -> None:
+    """Resume the orchestrator's state, or measure the base policy and start the RL clock; set the
+    RL clock's limit (run.max_time_s, and what run.max_total_s leaves since `started_s`); start the
+    run doctor (on resume, from the records up to the checkpoint)."""
     if resume is not None:
         restore(run, resume)
         await restore_engines(run, resume)
@@ -215,7 +236,22 @@ async def begin(run: Run, resume: Checkpoint | None) -> None:
             f"base policy held-out accuracy: {run.state.base_accuracy:.1%} on {len(run.data.eval)} prompts"
         )
         run.state.clock = Clock()
-    run.spans.emit("rl_start", t=round(now(), 6), resumed=resume is not None, **host_cpus(run.cfg))
+    total, wall = run.cfg.run.max_total_s, run.state.clock.wall()
+    elapsed_s = time.perf_counter() - started_s if started_s is not None else 0.0
+    run.state.max_rl_s = rl_time_limit(run.cfg.run.max_time_s, total, elapsed_s, wall)
+    if total is not None and run.state.max_rl_s is not None:
+        run.progress.log(f"RL time: {run.state.max_rl_s - wall:.0f} s (what run.max_total_s={total:g} leaves)")
+    run.state.doctor = Doctor(run.cfg.doctor, Context.of(run.cfg.model_dump()), run.state.base_accuracy)
+    if resume is not None:
+        for record in read_records(run.run_dir / "metrics.jsonl", upto_step=run.state.first_step - 1):
+            run.state.doctor.observe(record)  # reported in the session that first saw them
+    run.spans.emit(
+        "rl_start",
+        t=round(now(), 6),
+        resumed=resume is not None,
+        base_accuracy=run.state.base_accuracy,
+        **host_cpus(run.cfg),
+    )
     run.progress.base_eval = run.state.base_accuracy
 
 
@@ -256,4 +292,5 @@ async def summarize(
         last_checkpoint=run.state.last_checkpoint,
         run_dir=str(run.run_dir),
         flops=run.state.flops.summary(engine_stats),
+        doctor=run.state.doctor.report() if run.state.doctor is not None else None,
     )

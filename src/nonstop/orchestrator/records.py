@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nonstop.clients import EngineStats
+from nonstop.scoring.rewards import exact_match
 from nonstop.types import Group
 
 
@@ -25,6 +26,67 @@ def completions_crc32(groups: list[Group]) -> int:
         for s in g.samples:
             crc = zlib.crc32((",".join(map(str, s.completion_ids)) + ";").encode(), crc)
     return crc
+
+
+@dataclass
+class Vitals:
+    """Sums over the groups scored (trained or dropped) since the learning loop last took them: what
+    the run doctor reads (observe/doctor.py). The producer adds each scored group (`add`); each
+    step record takes the means and starts a new window (`take`)."""
+
+    groups: int = 0
+    signal: int = 0  # groups whose rewards differ: GRPO learns from these only
+    samples: int = 0
+    reward: float = 0.0
+    exact: int = 0  # completions that match their answer exactly (the held-out metric)
+    tokens: int = 0  # model tokens (an environment's tokens carry no policy logprob)
+    nll: float = 0.0  # -sum of their behaviour logprobs
+    truncated: int = 0  # completions cut at max_new_tokens
+
+    def add(self, group: Group) -> None:
+        self.groups += 1
+        self.signal += len({s.reward for s in group.samples}) > 1
+        for s in group.samples:
+            self.samples += 1
+            self.reward += s.reward
+            self.exact += exact_match(s.text, group.answer) > 0
+            self.truncated += s.finish_reason == "length"
+            if all(s.loss_mask):
+                self.tokens += len(s.logprobs)
+                self.nll -= sum(s.logprobs)
+            else:
+                model = [lp for lp, m in zip(s.logprobs, s.loss_mask) if m]
+                self.tokens += len(model)
+                self.nll -= sum(model)
+
+    def take(self) -> dict[str, Any]:
+        """The window's step-record fields (`ROLLOUT_FIELDS`; {} when no group was scored), then a new window."""
+        if not self.samples:
+            return {}
+        n = self.samples
+        out = {
+            "rollout_groups": self.groups,
+            "rollout_signal_groups": self.signal,
+            "rollout_reward_mean": self.reward / n,
+            "rollout_exact_frac": self.exact / n,
+            "rollout_tokens_mean": self.tokens / n,
+            "rollout_truncated_frac": self.truncated / n,
+            "rollout_entropy": self.nll / self.tokens if self.tokens else None,
+        }
+        self.__init__()  # type: ignore[misc]
+        return out
+
+
+ROLLOUT_FIELDS = (
+    "rollout_groups",
+    "rollout_signal_groups",
+    "rollout_reward_mean",
+    "rollout_exact_frac",
+    "rollout_tokens_mean",
+    "rollout_truncated_frac",
+    "rollout_entropy",
+)
+"""Step-record fields over every group scored since the previous step (Vitals.take)."""
 
 
 @dataclass
@@ -62,6 +124,15 @@ class StepRecord:
         None  # the engines' achieved FLOP/s since their last read (observe/flops.py FlopTally); None: unread
     )
     engine_peak_frac: float | None = None  # ... as a fraction of their matmul peak; None: engines without counts
+    # over every group scored (trained or dropped) since the previous step (Vitals.take; None where
+    # no group was, and in environment runs): what the run doctor reads (observe/doctor.py)
+    rollout_groups: int | None = None  # groups scored
+    rollout_signal_groups: int | None = None  # ... whose rewards differ (GRPO learns from these only)
+    rollout_reward_mean: float | None = None  # reward per completion (reward_mean: the trained ones only)
+    rollout_exact_frac: float | None = None  # completions that match their answer exactly
+    rollout_tokens_mean: float | None = None  # model tokens per completion
+    rollout_truncated_frac: float | None = None  # completions cut at rollout.max_new_tokens
+    rollout_entropy: float | None = None  # sampled entropy: mean -behaviour logprob, nats per model token
 
     @property
     def lag_hist(self) -> dict[str, int]:
@@ -77,7 +148,15 @@ class StepRecord:
         trainer = d.pop("trainer")
         scoring = d.pop("scoring")
         head = {k: d.pop(k) for k in ("step", "policy_version", "time_s", "reward_mean", "prompts")}
-        for optional in ("eval_accuracy", "episodes", "policies", "agents", "engine_flops_per_s", "engine_peak_frac"):
+        for optional in (
+            "eval_accuracy",
+            "episodes",
+            "policies",
+            "agents",
+            "engine_flops_per_s",
+            "engine_peak_frac",
+            *ROLLOUT_FIELDS,
+        ):
             if d[optional] is None:
                 del d[optional]
         return {**head, **trainer, **scoring, **d}
@@ -125,6 +204,7 @@ class RunSummary:
     pools: dict[str, Any] | None = (
         None  # local backend: CPU seconds, busy and idle per role's pool (runtime/pinning.py)
     )
+    doctor: dict[str, Any] | None = None  # the run doctor's findings (observe/doctor.py Doctor.report())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

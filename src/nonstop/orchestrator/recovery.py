@@ -22,7 +22,6 @@ import asyncio
 import base64
 import contextlib
 import time
-from dataclasses import asdict
 
 from nonstop.checkpoint import Checkpoint, commit, staging_dir
 from nonstop.observe.clock import Clock
@@ -61,7 +60,7 @@ async def _write_checkpoint(run: Run, step: int) -> None:
         "train_size": len(run.data.train),
         "stream": run.stream.state_dict(),
         "ledger": run.ledger.state_dict(),
-        "stats": asdict(run.stats),
+        "stats": run.stats.counters(),
         "drops": dict(run.buffer.drops),
         "reward_errors": dict(run.scorer.errors),
         "clock": {"wall_s": run.state.clock.wall(), "busy_s": dict(run.state.clock.busy_s)},

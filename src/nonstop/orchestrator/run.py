@@ -26,6 +26,7 @@ from nonstop.clients import TrainerClient
 from nonstop.config import Config
 from nonstop.envs.base import TurnEngine
 from nonstop.observe.clock import Clock
+from nonstop.observe.doctor import Doctor
 from nonstop.observe.flops import FlopTally
 from nonstop.observe.progress import Progress
 from nonstop.observe.spans import SpanLog
@@ -53,6 +54,11 @@ class RunState:
     first_step: int = 1
     last_checkpoint: int | None = None
     flops: FlopTally = field(default_factory=FlopTally)  # achieved FLOP/s (not checkpointed: counts from a resume)
+    max_rl_s: float | None = None
+    """The RL clock's limit: run.max_time_s, or less where run.max_total_s leaves less (begin() sets it)."""
+    doctor: Doctor | None = None
+    """The run doctor (observe/doctor.py), made once the base accuracy is known; on resume it reads
+    the run's metrics.jsonl up to the checkpoint again instead of being checkpointed."""
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     """Set by the first Ctrl-C (or SIGTERM): the learning loop ends after the current step and
     writes a checkpoint."""

@@ -50,7 +50,10 @@ def _cache_key(cfg: Config) -> str:
     shaping = {
         "tiny": cfg.model.tiny.model_dump(exclude_none=True),  # a dense model keeps its pre-MoE key
         "task": cfg.task.model_dump(exclude={"reward"}),
-        "warmup": {**cfg.warmup.model_dump(exclude={"cache_dir", "seed"}), "enabled": cfg.warmup_enabled},
+        "warmup": {
+            **cfg.warmup.model_dump(exclude={"cache_dir", "seed", "max_time_s", "threads"}),
+            "enabled": cfg.warmup_enabled,
+        },
         "seed": warmup_seed(cfg),
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "format": 2,
@@ -69,6 +72,7 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
         for ex in data.train
     ]
     acc, step, t0, curve = 0.0, 0, time.perf_counter(), []
+    limit_s, stopped = cfg.warmup_time_limit_s, "max_steps"
     while step < w.max_steps:
         model.train()
         batch = rng.sample(encoded, min(w.batch_size, len(encoded)))
@@ -85,14 +89,21 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
         loss.backward()
         opt.step()
         step += 1
-        if step % w.eval_every == 0:
+        out_of_time = limit_s is not None and time.perf_counter() - t0 >= limit_s
+        if step % w.eval_every == 0 or out_of_time:
             model.eval()
             acc = greedy_accuracy(engine, tokenizer, gate, cfg.rollout.max_new_tokens)
             curve.append([step, acc])
             log(f"warm-up step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%}")
             if acc >= w.target_accuracy:
+                stopped = "gate"
+                break
+            if out_of_time:
+                stopped = "max_time_s"
+                log(f"warm-up stopped by its time limit ({limit_s:.0f} s) below the gate")
                 break
     return {
+        "stopped": stopped,
         "steps": step,
         "gate_accuracy": acc,
         "gate_size": len(gate),
@@ -101,14 +112,16 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
     }
 
 
-def warm_up(cfg: Config, data: TaskData, log: Callable[[str], None] = print, threads: int = 2):
-    """A fresh tiny model (seeded by warmup.seed, else run.seed) trained to the accuracy gate.
-    Returns (model, tokenizer, info) with info = {steps, gate_accuracy, gate_size, gate_curve, seconds}."""
+def warm_up(cfg: Config, data: TaskData, log: Callable[[str], None] = print, threads: int | None = None):
+    """A fresh tiny model (seeded by warmup.seed, else run.seed) trained to the accuracy gate on
+    `threads` torch threads (None: warmup.threads). Returns (model, tokenizer, info) with info =
+    {stopped, steps, gate_accuracy, gate_size, gate_curve, seconds}."""
+    threads = cfg.warmup.threads if threads is None else threads
     quiet_transformers()
     tokenizer = make_char_tokenizer()
     model = make_tiny_model(cfg.model.tiny, warmup_seed(cfg))
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)  # nothing else runs yet: use both cores
+    torch.set_num_threads(threads)
     try:
         info = _sft(model, tokenizer, data, cfg, log)
     finally:
