@@ -150,8 +150,8 @@ def test_reasoning_gym_example_trains_through_the_cli(tiny_dir, tmp_path):
     import json
 
     pytest.importorskip("reasoning_gym")
-    from support.cli import nonstop, small_model_args
     from support import EXAMPLES_DIR
+    from support.cli import nonstop, small_model_args
 
     out = nonstop(
         [

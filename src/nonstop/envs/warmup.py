@@ -2,8 +2,9 @@
 
 The shipped tiny base knows addition, not these games. `env_base(cfg)` starts from it and
 trains it on transcripts of a weak player (envs/*.py `demo`: random guesses, a calculator used
-in half of the episodes, random Nim moves, a reasoning-gym answer right 30% of the time), with the loss on the player's tokens only and an EOS
-after each of its turns, as the engine writes turns. The result imitates that player: it plays
+in half of the episodes, random Nim moves, a reasoning-gym answer right 30% of the time), with
+the loss on the player's tokens only and an EOS after each of its turns, as the engine writes
+turns. The result imitates that player: it plays
 the format and wins sometimes, by chance, which is the "weak, not blank" base RL needs. The
 base is cached under warmup.cache_dir (keyed by the environment, its limits and the seed), so
 later runs load it in a second.
