@@ -144,7 +144,7 @@ def test_reasoning_gym_task_options_reach_the_generator_and_the_warmup_player(ti
 
 @pytest.mark.slow
 def test_reasoning_gym_example_trains_through_the_cli(tiny_dir, tmp_path):
-    """examples/envs/reasoning_gym_chain_sum.yaml through the real `nonstop train` (engine and
+    """examples/envs/reasoning_gym_arithmetic.yaml through the real `nonstop train` (engine and
     trainer processes), a few steps on the tiny model: steps train on scored episodes, held-out
     accuracy is measured, every drawn row settles once."""
     import json
@@ -156,7 +156,7 @@ def test_reasoning_gym_example_trains_through_the_cli(tiny_dir, tmp_path):
     out = nonstop(
         [
             "train",
-            str(EXAMPLES_DIR / "envs" / "reasoning_gym_chain_sum.yaml"),
+            str(EXAMPLES_DIR / "envs" / "reasoning_gym_arithmetic.yaml"),
             *small_model_args(tiny_dir),
             *("--set", "env.train_rows=64", "--set", "env.eval_rows=16", "--set", "run.max_steps=3"),
             *("--set", "run.eval_every=2", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=4"),

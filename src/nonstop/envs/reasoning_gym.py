@@ -58,7 +58,8 @@ class ReasoningGymTask:
 
     def __init__(self, name: str, train_rows: int, eval_rows: int, options: Mapping[str, Any] | None = None) -> None:
         self.name = name
-        kw = tuple(sorted((options or {}).items()))
+        # hashable, for the dataset cache: a YAML list (e.g. basic_arithmetic's operators) as a tuple
+        kw = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (options or {}).items()))
         self.splits = [_dataset(name, train_rows, 1, kw), _dataset(name, eval_rows, 2, kw)]
         self.entries: dict[str, tuple[Any, dict]] = {}
         for ds in self.splits:
