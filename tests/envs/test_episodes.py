@@ -352,11 +352,12 @@ def test_environment_examples_validate_and_name_builtin_environments():
     import importlib.util
 
     examples = sorted((EXAMPLES_DIR / "envs").glob("*.yaml"))
-    assert len(examples) == 6
+    assert len(examples) == 7
     for path in examples:
         cfg = load_config(path)
         assert cfg.env is not None
-        extra = cfg.env.name.partition("/")[0] if cfg.env.name.startswith(("verifiers/", "textarena/")) else None
+        prefixes = ("verifiers/", "textarena/", "reasoning_gym/")
+        extra = cfg.env.name.partition("/")[0] if cfg.env.name.startswith(prefixes) else None
         if extra is not None and importlib.util.find_spec(extra) is None:
             continue  # that optional extra is not installed here
         EnvRun.build(cfg.env)

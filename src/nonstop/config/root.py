@@ -176,6 +176,9 @@ class EnvConfig(_Section):
     """Task rows a built-in environment generates for training."""
     eval_rows: int = Field(200, ge=1)
     """Held-out rows of a built-in environment (another seed); one episode each per evaluation."""
+    task_options: dict[str, Any] = {}
+    """Keyword arguments of a task source's generator: for 'reasoning_gym/<dataset>', the dataset's
+    own config fields (e.g. chain_sum's min_terms, max_digits); unknown ones are refused at start."""
     max_consecutive_errors: int = Field(64, ge=1)
     """Episode groups in a row failed by the environment (raised or timed out) before the run stops."""
     policies: dict[str, PolicyConfig] = {}

@@ -88,7 +88,19 @@ def as_multi_agent(env: object, field: str = "env.name") -> MultiAgentEnvironmen
 
 def _reasoning_gym_task(name: str, cfg: EnvConfig | None) -> reasoning_gym.ReasoningGymTask:
     cfg = cfg or EnvConfig(name=name)
-    return reasoning_gym.ReasoningGymTask(name.removeprefix(reasoning_gym.PREFIX), cfg.train_rows, cfg.eval_rows)
+    return reasoning_gym.ReasoningGymTask(
+        name.removeprefix(reasoning_gym.PREFIX), cfg.train_rows, cfg.eval_rows, cfg.task_options
+    )
+
+
+def demo_of(cfg: EnvConfig) -> Demo | None:
+    """The weak player whose transcripts warm up a base for `cfg.name` (envs/warmup.py); None: no warm-up."""
+    if cfg.name.startswith(reasoning_gym.PREFIX):
+        data = builtin_task(cfg)
+        assert data is not None
+        answers = [r.answer for r in data.train]
+        return lambda row, rng, max_turns: reasoning_gym.demo(row, rng, max_turns, answers)
+    return DEMOS.get(cfg.name)
 
 
 def env_factory(

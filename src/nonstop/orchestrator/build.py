@@ -43,9 +43,14 @@ from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 
 
 def screen(cfg: Config, data: TaskData, codec: Codec, model_weights: Path, progress: Progress) -> None:
-    """Skip prompts too long for the model's context with room for the completion."""
-    new_tokens = cfg.env.max_episode_tokens if cfg.env is not None else cfg.rollout.max_new_tokens
-    limit = cfg.task.max_prompt_tokens or max_positions(model_weights) - new_tokens
+    """Skip prompts too long for the model's context with room for the completion (in an environment
+    run: for one turn within env.max_episode_tokens, which counts the prompt too)."""
+    positions = max_positions(model_weights)
+    if cfg.env is not None:
+        room = min(positions, cfg.env.max_episode_tokens) - cfg.env.turn_max_tokens
+    else:
+        room = positions - cfg.rollout.max_new_tokens
+    limit = cfg.task.max_prompt_tokens or room
     long_prompts = screen_prompts(data, codec.encode, limit, cfg.task.on_bad_row)
     for problem in long_prompts[:10]:
         progress.log(f"[yellow]dataset:[/] {problem}; skipped")
