@@ -36,6 +36,7 @@ from nonstop.config.kinds import (
     BroadcastTransportConfig,
     FilesTransportConfig,
     LocalRuntimeConfig,
+    NodeLossConfig,
     RayActorResources,
     RayRuntimeConfig,
     RuntimeConfig,
@@ -68,6 +69,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "PolicyConfig",
+    "NodeLossConfig",
     "RayActorResources",
     "RayRuntimeConfig",
     "RolloutConfig",
@@ -320,7 +322,22 @@ class Config(_Section):
             )
         if self.env is not None and self.env.policies:
             self._policies_combinations()
+        if isinstance(self.runtime, RayRuntimeConfig) and self.runtime.max_engines is not None:
+            self._growth_combinations(self.runtime.max_engines)
         return self
+
+    def _growth_combinations(self, max_engines: int) -> None:
+        """Engines that join mid-run (runtime.max_engines) need a transport a newcomer can attach to."""
+        if max_engines < self.runtime.num_engines:
+            raise ValueError(
+                f"runtime.max_engines ({max_engines}) < runtime.num_engines ({self.runtime.num_engines}): "
+                "the run starts with num_engines and grows up to max_engines"
+            )
+        if max_engines > self.runtime.num_engines and self.transport.kind == "shm":
+            raise ValueError(
+                "runtime.max_engines: engines that join on new nodes cannot reach a shared-memory segment; "
+                "use transport.kind 'broadcast' or 'files'"
+            )
 
     def _policies_combinations(self) -> None:
         """Separate policies per role are built for one narrow case so far: each refusal names its field."""
