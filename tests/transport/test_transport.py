@@ -9,6 +9,7 @@ from pydantic import TypeAdapter
 from nonstop.config import BroadcastTransportConfig, FilesTransportConfig, ShmTransportConfig, TransportConfig
 from nonstop.hf import load_model
 from nonstop.transport import TransportError, check_layout, model_layout, open_sink, open_source, plan_transport
+from nonstop.transport.base import weights_crc32
 from nonstop.types import FilesOptions
 from support.helpers import connect_then_hang, receive_weights
 from support.helpers import perturbed_model as _perturbed
@@ -188,6 +189,39 @@ def test_broadcast_group_is_rebuilt_for_engines_that_replace_dead_ones(tiny_dir,
             assert seen[-1] == 4, seen
             for name, expected in models[4].state_dict().items():
                 assert torch.equal(torch.from_numpy(state[name]), expected), name
+    finally:
+        sink.close()
+
+
+def test_broadcast_group_takes_an_engine_that_joins_after_the_start(tiny_dir, spawn_child):
+    """Planned for two engine ranks with one at the start (a node with room for the second joins
+    later): the first group is the trainer and rank 1 alone; rank 2 registers mid-run and the next
+    send rebuilds the group with it as a new member. Both end with the exact weights."""
+    models = {v: _perturbed(tiny_dir, seed=v) for v in (1, 2)}
+    handle = plan_transport(
+        transport(kind="broadcast", timeout_s=30, bucket_mb=0.01), models[1], num_engines=2, first_engines=1
+    )
+    sink = open_sink(handle)
+    first = spawn_child(receive_weights, handle, str(tiny_dir), 1, 2)
+    try:
+        sink.connect()  # does not wait for rank 2
+        first.get("attached")
+        sink.publish(models[1], 1)
+        assert sink.members == [0, 1]
+        joiner = spawn_child(receive_weights, handle, str(tiny_dir), 2, 2)
+        joiner.get("attached")
+        sink.publish(models[2], 2)
+        assert sink.members == [0, 1, 2] and sink.replans == 1
+        sent = weights_crc32([t for _, t in models[2].named_parameters()])
+        for child in (first, joiner):
+            seen, state = child.get("weights")
+            assert seen == ([1, 2] if child is first else [2]), seen
+            for name, expected in models[2].state_dict().items():
+                assert torch.equal(torch.from_numpy(state[name]), expected), name
+            received = dict(state)
+            got = weights_crc32([torch.from_numpy(received[n]) for n, _ in models[2].named_parameters()])
+            assert got == sent
+        assert weights_crc32([t for _, t in models[1].named_parameters()]) != sent
     finally:
         sink.close()
 

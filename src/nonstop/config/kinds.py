@@ -123,8 +123,10 @@ class NodeLossConfig(_Section):
     with transport.kind 'broadcast' the trainer's next publish waits for it, up to
     transport.rejoin_timeout_s)."""
     timeout_s: float = Field(300.0, gt=0.0)
-    """Longest a lost engine's replacement may wait to be placed and started; past it the attempt
-    fails and counts as one of runtime.max_engine_restarts."""
+    """Longest a lost engine's replacement may wait to be placed and started; past it that attempt
+    fails (it counts as one of runtime.max_engine_restarts) and the next one is placed as 'replace'
+    places it. A node counts as lost once Ray marks it dead (its health check: the head's
+    RAY_health_check_period_ms and RAY_health_check_failure_threshold)."""
 
 
 class BaseRuntimeConfig(_Section):

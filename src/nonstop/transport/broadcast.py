@@ -27,10 +27,13 @@ copy), and the buffer they left becomes the next back buffer; at most three buff
 (live, ready, receiving).
 
 Generations (the re-plan). A gloo group cannot take a new member, so the group is rebuilt: the
-group of generation g is a ProcessGroupGloo over the store prefix `g{g}/`, and all N + 1 ranks
-build it together. An engine that attaches after the trainer's group is up replaces a dead one
-(same rank): it registers (`joins` + 1, `join/{j}` = its rank) and waits for `welcome/{j}`, the
-round it starts at. At its next send the trainer welcomes every registered engine, starts
+group of generation g is a ProcessGroupGloo over the store prefix `g{g}/`, and all its members
+build it together. The first group holds the trainer and the engines that attach at the start
+(ranks 1..first_engines). An engine that attaches after the trainer's group is up either replaces
+a dead one (same rank) or joins (a rank up to num_engines not yet in the group: an engine on a
+node that joined the cluster): it registers (`joins` + 1, `join/{j}` = its rank) and waits for
+`welcome/{j}`, the round it starts at. At its next send the trainer welcomes every registered
+engine, adds a joining rank to the members, writes them under `members/g{g + 1}`, starts
 generation g + 1 with that round, and every member builds the new group before the broadcast
 (the survivors see the new generation in `r{n}`). A send that fails (a member died: its socket
 closed, or it did not acknowledge within timeout_s) waits up to `rejoin_timeout_s` for the
@@ -71,8 +74,12 @@ from nonstop.transport.groups import (
     ROUND_SLICE,
     Group,
     RoundAbandoned,
+    address_towards,
     await_works,
     decode_backend,
+    decode_members,
+    encode_members,
+    first_members,
     make_group,
     make_store,
     retire,
@@ -104,7 +111,8 @@ class BroadcastSink:
         self.round = 0
         self.generation = 0
         self.joins_seen = 0
-        self.replans = 0  # groups rebuilt for replacement engines
+        self.replans = 0  # groups rebuilt for replacement or joining engines
+        self.members = first_members(handle)  # transport ranks in the current group, the trainer's 0 first
         self.retired: list[Group] = []
         self.backend: Backend = "gloo"
 
@@ -113,13 +121,13 @@ class BroadcastSink:
         self.backend = self._settle_backend(self.store)
         if self.backend == "nccl":
             self.sender = FlatSender(self.handle, torch.device(self.opts.device))
-        self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend)
+        self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend, self.members, self.opts.host)
         self.store.add("joins", 0)
         self.store.set(_STARTED, "1")
 
     def _settle_backend(self, store: dist.TCPStore) -> Backend:
         """Read every engine's device, pick the backend and tell the engines (or tell them the refusal)."""
-        keys = [f"device/{r}" for r in range(1, 1 + self.handle.num_engines)]
+        keys = [f"device/{r}" for r in self.members[1:]]
         try:
             store.wait(keys, timedelta(seconds=self.handle.connect_timeout_s))
         except Exception as e:  # the store raises DistStoreError on timeout
@@ -161,12 +169,15 @@ class BroadcastSink:
         self.round += 1
         if replan:
             self.generation += 1
+            self.store.set(f"members/g{self.generation}", encode_members(self.members))
         self.store.set(f"r{self.round}", f"{version} {self.generation}")
         if replan:
             self.retired.append(self.pg)
             retire(self.pg, self.backend)
             try:
-                self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend)
+                self.pg = make_group(
+                    self.store, self.handle, 0, self.generation, self.backend, self.members, self.opts.host
+                )
             except Exception as e:  # a member died again before the new group was up
                 raise TransportError(
                     f"re-planning the broadcast group (generation {self.generation}) for version "
@@ -185,7 +196,7 @@ class BroadcastSink:
             done = sum(w.is_completed() for w in works)
             raise TransportError(
                 f"broadcast of version {version} (bucket {done + 1}/{len(tensors)}) to engine ranks "
-                f"1..{self.handle.num_engines} failed within {self.handle.timeout_s:g} s: {e}"
+                f"{encode_members(self.members[1:])} failed within {self.handle.timeout_s:g} s: {e}"
             ) from e
         self._await_acks(version)
 
@@ -194,10 +205,14 @@ class BroadcastSink:
         return self.store.add("joins", 0) > self.joins_seen
 
     def _welcome_joins(self) -> bool:
-        """Give every newly registered replacement the next round; True when there was one."""
+        """Give every newly registered engine the next round (a joining rank becomes a member);
+        True when there was one."""
         assert self.store is not None
         total = self.store.add("joins", 0)
         for j in range(self.joins_seen + 1, total + 1):
+            rank = int(self.store.get(f"join/{j}"))
+            if rank not in self.members:
+                self.members = sorted([*self.members, rank])
             self.store.set(f"welcome/{j}", str(self.round + 1))
         joined = total > self.joins_seen
         self.joins_seen = total
@@ -220,7 +235,7 @@ class BroadcastSink:
     def _await_acks(self, version: int) -> None:
         """Every engine confirms it holds the round's version; a silent or dead engine is named."""
         assert self.store is not None
-        keys = [f"ack{rank}/r{self.round}" for rank in range(1, 1 + self.handle.num_engines)]
+        keys = [f"ack{rank}/r{self.round}" for rank in self.members[1:]]
         deadline = time.monotonic() + self.handle.timeout_s
         while True:
             try:
@@ -268,12 +283,14 @@ class BroadcastSource:
         self.failed_rounds = 0  # rounds this engine could not receive (the trainer sent them again)
         self.closing = threading.Event()
         self.store = make_store(handle, opts, rank)
+        self.bind = address_towards(opts.host)  # where this member's gloo pairs listen
         self.pg: Group | None = None
         self.generation = -1
         self.retired: list[Group] = []
         self.join: int | None = None
         self.copies = 0
-        replacement = self.store.check([_STARTED])  # the group is running: this engine replaces a dead one
+        # the group is running (this engine replaces a dead one), or this rank joins it later
+        replacement = rank not in first_members(handle) or self.store.check([_STARTED])
         if not replacement:
             self.store.set(f"device/{rank}", member_device(self.device))
         self.backend = self._await_backend()
@@ -283,7 +300,7 @@ class BroadcastSource:
             self.join = self.store.add("joins", 1)
             self.store.set(f"join/{self.join}", str(rank))
         else:
-            self.pg, self.generation = make_group(self.store, handle, rank, 0, self.backend), 0
+            self.pg, self.generation = make_group(self.store, handle, rank, 0, self.backend, bind=self.bind), 0
         self.thread = threading.Thread(target=self._receive_loop, name=f"weights-rx-{rank}", daemon=True)
         self.thread.start()
 
@@ -346,7 +363,10 @@ class BroadcastSource:
                         self.retired.append(self.pg)
                         retire(self.pg, self.backend)
                     self.pg = None
-                    self.pg = make_group(self.store, self.handle, self.rank, generation, self.backend)
+                    members = decode_members(self.store.get(f"members/g{generation}"))
+                    self.pg = make_group(
+                        self.store, self.handle, self.rank, generation, self.backend, members, self.bind
+                    )
                     self.generation = generation
                 assert self.pg is not None
                 works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
