@@ -271,6 +271,13 @@ class Config(_Section):
         return self.trainer.ranks == 1 and self.buffer.depth != 0
 
     @property
+    def max_engines(self) -> int:
+        """runtime.max_engines resolved: the most engines a run has at once (runtime.num_engines
+        unless a Ray run grows as nodes join)."""
+        grow = self.runtime.max_engines if isinstance(self.runtime, RayRuntimeConfig) else None
+        return grow if grow is not None else self.runtime.num_engines
+
+    @property
     def warmup_enabled(self) -> bool:
         """warmup.enabled resolved: None is on for the built-in tiny model, off with model.path."""
         return self.warmup.enabled if self.warmup.enabled is not None else self.model.path is None

@@ -123,6 +123,8 @@ class RunSummary:
     pools: dict[str, Any] | None = (
         None  # local backend: CPU seconds, busy and idle per role's pool (runtime/pinning.py)
     )
+    # transport.checksum: [policy_version, CRC32] of the trainer's final weights and of each engine's
+    weights_crc32: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

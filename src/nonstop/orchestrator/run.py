@@ -19,6 +19,7 @@ recovery, pipeline): it imports only the stages it holds, never those.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,8 @@ class Run:
     transport: TransportHandle | None = None
     envs: EnvRun | None = None  # an environment run (cfg.env): episodes instead of single-turn groups
     policies: Policies | None = None  # roles with their own policy (cfg.env.policies; orchestrator/policies.py)
+    join: Callable[[int], Awaitable[RestartingEngine]] | None = None
+    """Starts engine i past runtime.num_engines (runtime.max_engines; grow.py adds it to the pool)."""
 
     async def eval(self) -> float:
         """Greedy exact-match accuracy; in an environment run, the success rate of sampled episodes."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 import zlib
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -231,7 +232,7 @@ def crc32(buf: torch.Tensor) -> int:
     return zlib.crc32(buf.cpu().numpy().data)
 
 
-def weights_crc32(tensors: list[torch.Tensor]) -> int:
+def weights_crc32(tensors: Iterable[torch.Tensor]) -> int:
     """CRC32 over the bytes of `tensors`, one after another (in a transport layout's order): the
     trainer's sent tensors and an engine's target give the same value exactly when the engine holds
     the trainer's weights bit for bit."""
@@ -240,6 +241,11 @@ def weights_crc32(tensors: list[torch.Tensor]) -> int:
         flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         crc = zlib.crc32(flat.numpy().data, crc)
     return crc
+
+
+def source_crc32(source: WeightSource) -> int:
+    """weights_crc32 of what an engine's end of the transport holds, in the trainer's layout order."""
+    return weights_crc32(in_layout_order(source.target.tensors(), source.handle.layout))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

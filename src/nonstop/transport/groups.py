@@ -128,7 +128,7 @@ def make_group(
         options = dist.ProcessGroupNCCL.Options()  # absent from CPU builds of torch
         options._timeout = timedelta(seconds=handle.timeout_s)
         return cast(Group, dist.ProcessGroupNCCL(prefixed, group_rank, world, options))
-    gloo = dist.ProcessGroupGloo._Options()
+    gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # absent from torch's stubs
     gloo._timeout = timedelta(seconds=handle.connect_timeout_s)
     gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
     pg = dist.ProcessGroupGloo(prefixed, group_rank, world, gloo)
