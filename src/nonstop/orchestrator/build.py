@@ -11,8 +11,9 @@ EnginePool; `trainer.ranks` trainer actors in one RankGroup (actors.py starts th
 rank 0 is transport rank 0; engine i is rank i + 1. With `runtime.max_engines`, `Run.join(i)`
 starts engine i >= num_engines the same way, for grow.py to add to the pool once it runs. With
 env.policies, each role with its own policy gets its own actors, transport and buffer
-(policy_build.py), all settling through one ledger split into parts. Before any actor starts, prompts too long for the model are skipped
-(`screen`) and the scoring stage is built, so a bad reward name fails first.
+(policy_build.py), all settling through one ledger split into parts. Before any actor starts,
+prompts too long for the model are skipped (`screen`) and the scoring stage is built, so a bad
+reward name fails first.
 """
 
 from __future__ import annotations
