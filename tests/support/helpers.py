@@ -354,3 +354,19 @@ def two_step_timeline(engine_cpu_s: float):
             if "t0" in e and e["ev"] != "group":
                 lanes[a].setdefault(e["ev"], []).append((e["t0"], e["t1"]))
     return Timeline(Path("."), lanes, events, groups, Counter(), {})
+
+
+def cluster_event_reward(completion: str, answer: str) -> float:
+    """For the multi-node tests (support/cluster.py): NONSTOP_TEST_EVENTS lists 'name@n,...'; when the
+    run has scored its n-th sample, `name` is written to the FIFO at NONSTOP_TEST_FIFO, once per
+    working directory (a resumed run does not repeat it). The harness then acts (removes a node, ...)."""
+    _calls["events"] = _calls.get("events", 0) + 1
+    for event in filter(None, os.environ.get("NONSTOP_TEST_EVENTS", "").split(",")):
+        name, at = event.split("@")
+        if _calls["events"] == int(at) and _once(f"event_{name}"):
+            fd = os.open(os.environ["NONSTOP_TEST_FIFO"], os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                os.write(fd, f"{name}\n".encode())
+            finally:
+                os.close(fd)
+    return float(len(completion))

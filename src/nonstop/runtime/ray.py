@@ -280,7 +280,9 @@ class RayBackend:
         res = _resources(self.cfg, name.split("-")[0], ray.cluster_resources().get("GPU", 0.0))
         extra, limit_s, limit = self._placement(name)
         # Any: Ray's stubs type an actor's methods as plain coroutines, without `.remote`.
-        handle: Any = self._cls.options(name=None, max_restarts=0, max_concurrency=1000, **res, **extra).remote(
+        # Named in Ray by role (`ray list actors`, a cluster's tools); the suffix keeps a replacement's name unique.
+        ray_name = f"nonstop:{name}:{secrets.token_hex(4)}"
+        handle: Any = self._cls.options(name=ray_name, max_restarts=0, max_concurrency=1000, **res, **extra).remote(
             name, cls, args, kwargs
         )
         actor = RayActor(name, handle, self.cfg.call_timeout_s)
