@@ -14,14 +14,22 @@ user would. `EventPipe` is the FIFO through which the run's reward function
 (remove a node, add one, kill the trainer). `LoopbackAudit` watches the sockets of this process
 tree (the nodes, their actors, the run) and records any address outside 127.0.0.0/8; `ray_logs_mention`
 searches Ray's logs for the machine's own non-loopback addresses.
+
+`run_scenario(...)` puts them together for one scenario of bench/cluster.py and bench/faults.py:
+a fresh cluster, one run of one epoch with events at chosen samples (`remove_engine_node`,
+`add_node`, `kill_trainer`, `stall_engine`), a resume if the run stopped, and what happened.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import secrets
+import shutil
+import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from support import child_env
-from support.cli import NONSTOP
+from support.cli import NONSTOP, small_model_args
 
 HEAD_IP = "127.0.0.2"
 # Ray's health check of the nodes, tightened for tests (names of Ray's own config entries)
@@ -267,3 +275,148 @@ def nonstop_train(
         text=True,
         timeout=timeout_s,
     )
+
+
+def cluster_args(model: Path, address: str, name: str, sets: dict[str, str]) -> list[str]:
+    """One epoch of the 80 train prompts of addition 0-9 (unless `sets` says otherwise) on the
+    cluster: engines on nodes with `engine_node`, the trainer on the node with `trainer_node`."""
+    base = {
+        "runtime.backend": "ray",
+        "runtime.ray_address": address,
+        "runtime.num_engines": "2",
+        "runtime.ray_engine.resources": "{engine_node: 1}",
+        "runtime.ray_engine.spread": "true",
+        "runtime.ray_trainer.resources": "{trainer_node: 1}",
+        "runtime.heartbeat_interval_s": "1",
+        "runtime.heartbeat_timeout_s": "15",
+        "transport.checksum": "true",
+        "run.name": name,
+        "run.max_epochs": "1",
+        "run.max_time_s": "null",
+        "task.max_operand": "9",
+        "task.eval_size": "20",
+        "rollout.prompts_per_step": "8",
+        "checkpoint.every_steps": "2",
+        "run.eval_every": "100",
+        "task.reward": "support.helpers:cluster_event_reward",
+    }
+    merged = {**base, **sets}
+    return [*small_model_args(model), *(a for k, v in merged.items() for a in ("--set", f"{k}={v}"))]
+
+
+Action = Callable[[LoopbackCluster, dict], None]
+
+
+def remove_engine_node(cluster: LoopbackCluster, record: dict) -> None:
+    """Crash the first worker node (by address) that hosts an engine."""
+    ip = next(ip for ip in sorted(cluster.nodes) if ip != HEAD_IP and cluster.engines_on(ip))
+    record["removed_engines"] = cluster.engines_on(ip)
+    record["removed_ip"] = ip
+    record["removed_at"] = cluster.remove_node(ip)
+
+
+def add_node(resources: dict[str, float], cpus: int = 1, after_s: float = 0.0) -> Action:
+    def act(cluster: LoopbackCluster, record: dict) -> None:
+        time.sleep(after_s)  # the harness's own pace: a replacement node that comes a while after the loss
+        record["added_at"] = time.time()
+        record["added_ip"] = cluster.add_node(resources, cpus).ip
+        record["added_alive_at"] = time.time()
+
+    return act
+
+
+def then(*actions: Action) -> Action:
+    def act(cluster: LoopbackCluster, record: dict) -> None:
+        for a in actions:
+            a(cluster, record)
+
+    return act
+
+
+def kill_trainer(cluster: LoopbackCluster, record: dict) -> None:
+    """SIGKILL the trainer actor on the head node."""
+    trainer = cluster.actors()["trainer"]
+    record["killed_at"] = time.time()
+    os.kill(trainer["pid"], signal.SIGKILL)
+
+
+def stall_engine(seconds: float) -> Action:
+    """Pause (SIGSTOP) an engine on a worker node for `seconds`, then let it go on (SIGCONT): to the
+    trainer and the orchestrator it is a network that stopped carrying anything to or from it."""
+
+    def act(cluster: LoopbackCluster, record: dict) -> None:
+        name, actor = next((n, a) for n, a in sorted(cluster.actors().items()) if n.startswith("engine"))
+        record["stalled_engine"], record["stalled_at"] = name, time.time()
+        os.kill(actor["pid"], signal.SIGSTOP)
+        threading.Timer(seconds, lambda: _continue(actor["pid"])).start()
+
+    return act
+
+
+def _continue(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # the run killed it meanwhile (declared hung)
+        pass
+
+
+@dataclass
+class Scenario:
+    name: str
+    head: dict[str, float]
+    workers: list[tuple[dict[str, float], int]]  # (resources, cpus) of each worker node at the start
+    sets: dict[str, str]
+    events: str  # 'name@samples,...' (support.helpers:cluster_event_reward)
+    actions: dict[str, Action]
+    head_cpus: int = 1
+    resume: bool = False  # the run is expected to stop (a dead trainer): resume it on the same cluster
+    timeout_s: float = 900
+
+
+@dataclass
+class Outcome:
+    codes: list[int]
+    output: str
+    summary: dict
+    record: dict  # what the actions did, and when (wall clock)
+    seen: list[tuple[str, float]]  # events as the harness received them
+    errors: list[str]  # actions that failed
+    foreign: list[str]  # sockets or Ray log lines off loopback
+    nodes: int  # nodes that took part
+
+
+def run_scenario(sc: Scenario, model: Path, work: Path) -> Outcome:
+    root = Path(tempfile.mkdtemp(prefix="nsc-", dir="/tmp"))  # short: Ray's socket paths are limited
+    cwd = work / sc.name
+    cwd.mkdir(parents=True)
+    audit = LoopbackAudit()
+    cluster = LoopbackCluster(root, sc.head, sc.head_cpus)
+    pipe = EventPipe(root / "events")
+    record: dict = {}
+    codes, output = [], ""
+    try:
+        for resources, cpus in sc.workers:
+            cluster.add_node(resources, cpus)
+        for event, action in sc.actions.items():
+            pipe.on(event, lambda a=action: a(cluster, record))
+        sets = {k: v.replace("{root}", str(root)) for k, v in sc.sets.items()}
+        env = {"NONSTOP_TEST_FIFO": str(root / "events"), "NONSTOP_TEST_EVENTS": sc.events}
+        runs = [cluster_args(model, cluster.address, sc.name, sets)]
+        if sc.resume:
+            runs.append(["--resume", str(Path("runs") / sc.name)])
+        for args in runs:
+            result = nonstop_train(args, cwd, cluster, sc.timeout_s, **env)
+            codes.append(result.returncode)
+            output += result.stdout + result.stderr
+            if result.returncode == 0:
+                break
+        nodes = cluster.last_octet - 1
+    finally:
+        pipe.close()
+        audit.stop()
+        cluster.shutdown()
+        foreign = sorted(audit.found) + ray_logs_mention(root, own_addresses())
+        shutil.rmtree(root, ignore_errors=True)
+    path = cwd / "runs" / sc.name / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    return Outcome(codes, output, summary, record, pipe.seen, pipe.errors, foreign, nodes)

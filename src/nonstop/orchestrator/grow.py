@@ -14,6 +14,8 @@ is reported and the run goes on with the engines it has.
 
 from __future__ import annotations
 
+import time
+
 from nonstop.orchestrator.run import Run
 from nonstop.runtime import ActorCallError, ActorDied, Supervisor
 
@@ -36,5 +38,6 @@ async def join_engine(run: Run, supervisor: Supervisor, i: int) -> None:
         return
     run.engines.append(engine)
     run.engine.add(engine)
+    run.state.joins.append({"engine": engine.name, "at": time.time()})
     supervisor.spawn(engine.heartbeat(), name=f"{engine.name}-heartbeat")
     run.progress.log(f"{engine.name} joined the pool ({len(run.engines)} engines)")

@@ -241,4 +241,5 @@ async def summarize(
         run_dir=str(run.run_dir),
         flops=run.state.flops.summary(engine_stats),
         weights_crc32=weights,
+        engine_joins=list(run.state.joins),
     )

@@ -125,6 +125,7 @@ class RunSummary:
     )
     # transport.checksum: [policy_version, CRC32] of the trainer's final weights and of each engine's
     weights_crc32: dict[str, Any] | None = None
+    engine_joins: list[dict] = field(default_factory=list)  # runtime.max_engines: each joined engine, when
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

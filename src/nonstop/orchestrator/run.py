@@ -53,6 +53,7 @@ class RunState:
     first_step: int = 1
     last_checkpoint: int | None = None
     flops: FlopTally = field(default_factory=FlopTally)  # achieved FLOP/s (not checkpointed: counts from a resume)
+    joins: list[dict] = field(default_factory=list)  # engines that joined mid-run: name, wall-clock time
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     """Set by the first Ctrl-C (or SIGTERM): the learning loop ends after the current step and
     writes a checkpoint."""
