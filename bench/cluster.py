@@ -201,14 +201,14 @@ def main() -> None:
             "exact" if r["weights_exact"] else "DIFFER",
             str(len(r["foreign"])),
         )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
     console.print(table)
     for name, r in rows.items():
         for reason in r["reasons"]:
-            console.print(f"{name}: {reason}")
-        if r["output_tail"] or r["errors"] or r["foreign"]:
-            console.print(f"[red]{name}[/]: errors {r['errors']}, off loopback {r['foreign'][:5]}\n{r['output_tail']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+            print(f"{name}: {reason}")
+        if r["output_tail"] or r["errors"] or r["foreign"]:  # plain print: the output holds brackets
+            print(f"{name}: errors {r['errors']}, off loopback {r['foreign'][:5]}\n{r['output_tail']}")
     replace = [r["recover_s"] for n, r in rows.items() if n == "grow_replace" and r["recover_s"] is not None]
     wait = [r["recover_s"] for n, r in rows.items() if n == "wait_resume" and r["recover_s"] is not None]
     joined = [r["joined_weights_exact"] for r in rows.values() if r["joined"]]
