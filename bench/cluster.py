@@ -52,8 +52,8 @@ from support.cluster import (  # noqa: E402
 )
 
 ONE_SLOT = ({"engine_node": 1.0}, 1)
-LONGER = {"task.max_operand": "19", "task.eval_size": "20"}  # 380 train prompts: room for the events
-TRAIN = 380
+LONGER = {"task.max_operand": "39", "task.eval_size": "20"}  # 1580 train prompts: room for the events
+TRAIN = 1580
 
 
 def scenarios() -> dict[str, Scenario]:
@@ -152,12 +152,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(all_runs), help="comma-separated runs")
     ap.add_argument("--json", help="write the measured rows here")
+    ap.add_argument("--keep", help="work in this folder and keep it (run folders, each run's output)")
+    ap.add_argument("--events", help="replace the runs' events (name@samples,...)")
     args = ap.parse_args()
     quiet_transformers()
     console = Console(width=160)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="nonstop-cluster-") as tmp:
-        work = Path(tmp)
+        work = Path(args.keep or tmp)
         model = save_tiny(
             work / "model",
             TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64),
@@ -165,7 +167,10 @@ def main() -> None:
         )
         for name in args.only.split(","):
             console.log(f"run {name} (head {HEAD_IP}) ...")
-            rows[name] = measure(name, run_scenario(all_runs[name], model, work))
+            sc = all_runs[name]
+            if args.events is not None:
+                sc.events = args.events
+            rows[name] = measure(name, run_scenario(sc, model, work))
     table = Table(title=f"Multi-node Ray cluster on loopback: one epoch of {TRAIN} prompts per run")
     for col in (
         "run",

@@ -58,6 +58,7 @@ def test_a_crashed_nodes_engine_is_replaced_on_the_survivor_and_no_prompt_is_los
             ),
             cwd=tmp_path,
             cluster=cluster,
+            pipe=pipe,
             timeout_s=300,
             NONSTOP_TEST_FIFO=str(root / "events"),
             NONSTOP_TEST_EVENTS="remove@160",

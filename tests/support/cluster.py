@@ -25,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -123,8 +124,9 @@ class LoopbackCluster:
 
 
 class EventPipe:
-    """A FIFO the run's reward function writes event names to; `on(name, action)` runs `action`
-    in this process when that name arrives (in the pipe's reader thread, in arrival order)."""
+    """A FIFO the run's reward function writes event names to; `on(name, action)` registers what
+    to do, and `serve(process)` runs the actions in the calling thread (Ray starts a node only from
+    the main thread) as their names arrive, until the process ends."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -134,6 +136,7 @@ class EventPipe:
         self.actions: dict[str, Callable[[], None]] = {}
         self.seen: list[tuple[str, float]] = []
         self.errors: list[str] = []
+        self.queue: queue.Queue[str] = queue.Queue()
         self.thread = threading.Thread(target=self._read, name="event-pipe", daemon=True)
         self.thread.start()
 
@@ -150,10 +153,26 @@ class EventPipe:
                 if name == "_stop":
                     return
                 self.seen.append((name, time.time()))
-                try:
-                    self.actions.get(name, lambda: None)()
-                except Exception as e:  # reported by the test, never lost in this thread
-                    self.errors.append(f"{name}: {type(e).__name__}: {e}")
+                self.queue.put(name)
+
+    def serve(self, process: subprocess.Popen, timeout_s: float) -> None:
+        """Run each event's action as it arrives, until `process` ends (killed past `timeout_s`)."""
+        threading.Thread(target=lambda: (process.wait(), self.queue.put("_exit")), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                name = self.queue.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                process.kill()
+                self.errors.append(f"the run did not end within {timeout_s:g} s")
+                process.wait()
+                return
+            if name == "_exit":
+                return
+            try:
+                self.actions.get(name, lambda: None)()
+            except Exception as e:  # reported by the caller, never lost
+                self.errors.append(f"{name}: {type(e).__name__}: {e}")
 
     def close(self) -> None:
         os.write(self.fd, b"_stop\n")
@@ -264,17 +283,22 @@ class LoopbackAudit:
 
 
 def nonstop_train(
-    args: list[str], cwd: Path, cluster: LoopbackCluster, timeout_s: float, **env: str
+    args: list[str], cwd: Path, cluster: LoopbackCluster, pipe: EventPipe, timeout_s: float, **env: str
 ) -> subprocess.CompletedProcess:
-    """`nonstop train *args` against the cluster (the caller names runtime.ray_address in `args`)."""
-    return subprocess.run(
-        [NONSTOP, "train", *args],
-        cwd=cwd,
-        env=child_env(COLUMNS="200", **cluster.env, **env),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    """`nonstop train *args` against the cluster (the caller names runtime.ray_address in `args`),
+    with the pipe's actions served in this thread while it runs."""
+    log = cwd / f"nonstop-{len(list(cwd.glob('nonstop-*.log')))}.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [NONSTOP, "train", *args],
+            cwd=cwd,
+            env=child_env(COLUMNS="200", **cluster.env, **env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        pipe.serve(process, timeout_s)
+    return subprocess.CompletedProcess(process.args, process.returncode, log.read_text(), "")
 
 
 def cluster_args(model: Path, address: str, name: str, sets: dict[str, str]) -> list[str]:
@@ -405,7 +429,7 @@ def run_scenario(sc: Scenario, model: Path, work: Path) -> Outcome:
         if sc.resume:
             runs.append(["--resume", str(Path("runs") / sc.name)])
         for args in runs:
-            result = nonstop_train(args, cwd, cluster, sc.timeout_s, **env)
+            result = nonstop_train(args, cwd, cluster, pipe, sc.timeout_s, **env)
             codes.append(result.returncode)
             output += result.stdout + result.stderr
             if result.returncode == 0:

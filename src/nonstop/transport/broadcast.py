@@ -36,10 +36,13 @@ node that joined the cluster): it registers (`joins` + 1, `join/{j}` = its rank)
 engine, adds a joining rank to the members, writes them under `members/g{g + 1}`, starts
 generation g + 1 with that round, and every member builds the new group before the broadcast
 (the survivors see the new generation in `r{n}`). A send that fails (a member died: its socket
-closed, or it did not acknowledge within timeout_s) waits up to `rejoin_timeout_s` for the
-replacement to register and is made again in a new round of a new generation, so `publish`
-returns only once every engine holds the version; if no replacement registers in time it
-raises a TransportError naming the peer and the version. A receiver whose round failed goes on
+closed, or it did not acknowledge within timeout_s) is followed by roll calls (a round whose
+key says `roll` instead of a version: every live member answers it) until every member either
+answered or has a replacement registered, up to `rejoin_timeout_s`; the send is then made again
+in a new round of a new generation, so `publish` returns only once every engine holds the
+version, and a new group never waits on a dead member. An engine that registers as a new member
+is not taken for a dead member's replacement. If a silent member is not replaced in time it
+raises a TransportError naming the ranks and the version. A receiver whose round failed goes on
 to the next round (the trainer re-plans); a checksum mismatch stops that engine's updates
 (never applied) and is raised from `maybe_update`. Groups left behind by a re-plan are kept
 until `close()`: destroying one with a dead peer would wait on its threads mid-run (an NCCL
@@ -87,6 +90,10 @@ from nonstop.transport.groups import (
 from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = "stop"
+ROLL = "roll"  # a roll call instead of a version: every live member answers `here{rank}/r{n}`
+# How long a roll call waits for the members that are alive: a live member may first have to give
+# up the failed round, which it notices within one ROUND_SLICE.
+_ROLL_WINDOW = 3 * ROUND_SLICE
 _STARTED = "started"  # set once the trainer's first group is up: an engine attaching later is a replacement
 # How long one store wait for the next round lasts before it is renewed. The trainer's close()
 # wakes the waiter at once (it sets the next round to STOP), so this only bounds log noise.
@@ -113,6 +120,7 @@ class BroadcastSink:
         self.joins_seen = 0
         self.replans = 0  # groups rebuilt for replacement or joining engines
         self.members = first_members(handle)  # transport ranks in the current group, the trainer's 0 first
+        self.fresh_group = False  # the next round starts a new generation (set after a failed round)
         self.retired: list[Group] = []
         self.backend: Backend = "gloo"
 
@@ -161,11 +169,15 @@ class BroadcastSink:
                 self._send_round(buckets + sums, version)
                 return
             except TransportError as failure:
-                self._await_replacement(failure)
+                self._await_live_members(failure)
+                self.fresh_group = True  # a group a round failed in is not used again
 
     def _send_round(self, tensors: list[torch.Tensor], version: int) -> None:
         assert self.store is not None and self.pg is not None
-        replan = self._welcome_joins()
+        if self.fresh_group or self._registered():  # a new group is due: no dead member may be in it
+            self._await_live_members(None)
+        replan = self._welcome_joins() or self.fresh_group
+        self.fresh_group = False
         self.round += 1
         if replan:
             self.generation += 1
@@ -200,9 +212,16 @@ class BroadcastSink:
             ) from e
         self._await_acks(version)
 
-    def _replacement_waiting(self) -> bool:
+    def _registered(self) -> list[int]:
+        """The ranks of the engines registered since the last welcome, in registration order."""
         assert self.store is not None
-        return self.store.add("joins", 0) > self.joins_seen
+        total = self.store.add("joins", 0)
+        return [int(self.store.get(f"join/{j}")) for j in range(self.joins_seen + 1, total + 1)]
+
+    def _replacement_waiting(self) -> bool:
+        """A member's replacement registered: the current group has a dead member. (An engine that
+        joins as a new member does not stop a round: the next round welcomes it.)"""
+        return any(rank in self.members for rank in self._registered())
 
     def _welcome_joins(self) -> bool:
         """Give every newly registered engine the next round (a joining rank becomes a member);
@@ -218,19 +237,40 @@ class BroadcastSink:
         self.joins_seen = total
         return joined
 
-    def _await_replacement(self, failure: TransportError) -> None:
-        """After a failed round: return once a replacement engine registered, else raise `failure`."""
+    def _await_live_members(self, failure: TransportError | None) -> None:
+        """Before a new group (after a failed round, or to welcome registered engines): return once
+        every member is alive or has a registered replacement, else raise. Roll calls tell the
+        living from the dead, so a new group never waits on a dead member, and an engine that
+        registered as a new member is not taken for the replacement of a dead one."""
         assert self.store is not None
         wait_s = self.opts.rejoin_timeout_s
-        key = f"join/{self.joins_seen + 1}"
+        deadline = time.monotonic() + wait_s
+        while True:
+            silent = self._roll_call()
+            missing = sorted(set(silent) - set(self._registered()))
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                why = f"{failure}; " if failure is not None else ""
+                raise TransportError(
+                    f"{why}engine rank(s) {encode_members(missing)} are gone and no replacement joined "
+                    f"within {wait_s:g} s (transport.rejoin_timeout_s)"
+                )
+
+    def _roll_call(self) -> list[int]:
+        """The members (engine ranks) that do not answer a roll call within _ROLL_WINDOW."""
+        assert self.store is not None
+        self.round += 1
+        self.store.set(f"r{self.round}", ROLL)
+        keys = {rank: f"here{rank}/r{self.round}" for rank in self.members[1:]}
         try:
-            if wait_s <= 0:
-                raise TimeoutError("rejoin_timeout_s is 0")
-            self.store.wait([key], timedelta(seconds=wait_s))
-        except Exception as e:  # the store raises DistStoreError on timeout
-            raise TransportError(
-                f"{failure}; no replacement engine joined within {wait_s:g} s (transport.rejoin_timeout_s)"
-            ) from e
+            self.store.wait(list(keys.values()), _ROLL_WINDOW)
+        except Exception:  # the store raises DistStoreError on timeout: someone is silent
+            pass
+        silent = [rank for rank, key in keys.items() if not self.store.check([key])]
+        for key in keys.values():  # the round's own key stays: a member that was slow still reads it
+            self.store.delete_key(key)
+        return silent
 
     def _await_acks(self, version: int) -> None:
         """Every engine confirms it holds the round's version; a silent or dead engine is named."""
@@ -356,6 +396,10 @@ class BroadcastSource:
             value = self._wait(f"r{n}", f"round {n}")
             if value is None or value == STOP.encode() or self.closing.is_set():
                 return
+            if value == ROLL.encode():  # the trainer asks who is alive after a failed round
+                self.store.set(f"here{self.rank}/r{n}", "1")
+                n += 1
+                continue
             version, generation = (int(x) for x in value.split())
             try:
                 if generation != self.generation:  # the trainer re-planned the group: build our member of it
