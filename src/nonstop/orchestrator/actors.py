@@ -149,17 +149,10 @@ def engine_restarter(
     current weights again, so the engine holds them before it serves a request."""
 
     async def restart_engine() -> EngineClient:
-        import sys
-        import time
-
-        print("DBG spawn", i, time.time(), file=sys.stderr, flush=True)
         engine = await spawn_engine(backend, cfg, weights, tok, i, version0, run_dir, prefix)
-        print("DBG spawned", i, time.time(), file=sys.stderr, flush=True)
         await engine.connect_transport(handle, i + 1)
-        print("DBG connected", i, time.time(), file=sys.stderr, flush=True)
         if handle.kind == "broadcast":
             await trainer.publish(resend=True)
-        print("DBG resent", i, time.time(), file=sys.stderr, flush=True)
         return engine
 
     return restart_engine
