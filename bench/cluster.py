@@ -4,17 +4,17 @@ Each run starts a fresh cluster of one raylet per node (tests/support/cluster.py
 127.0.0.2 holds the trainer (resource `trainer_node`), worker nodes on 127.0.0.3, .4, ... hold
 the engines (resource `engine_node`); every node, store and gloo group binds a loopback address.
 `nonstop train` reaches the cluster through runtime.ray_address, as a user's run does, and trains
-one epoch of addition 0-19 (380 prompts) on a small random model; events are set off by the run's
+two epochs of addition 0-39 (1580 prompts) on a small random model; events are set off by the run's
 reward function at chosen samples.
 
     grow_replace  transport broadcast, node_loss 'replace', num_engines 2, max_engines 3, one slot
                   per worker node: engine-2 waits for room. A node with two slots joins: engine-2
-                  starts there, receives the current weights and serves. Then a worker node is
-                  SIGKILLed: its engine is re-placed on the joined node's free slot.
+                  starts there, receives the current weights and serves. 3 s after it runs, a
+                  worker node is SIGKILLed: its engine is re-placed on the joined node's free slot.
     wait_resume   transport files (a folder every node sees), node_loss 'wait': a worker node is
                   SIGKILLed, its engine waits; 3 s later a node joins and the engine starts there.
-                  Then the trainer on the head node is SIGKILLed: the run stops naming
-                  `nonstop train --resume`, and the resume on the same cluster finishes the epoch.
+                  3 s after it runs, the trainer on the head node is SIGKILLed: the run stops naming
+                  `nonstop train --resume`, and the resume on the same cluster finishes the epochs.
 
 Columns: nodes that took part, prompts lost (drawn but never settled) and duplicated (settled
 twice) from the run's ledger, engine restarts, node-loss detection (node killed -> the run
@@ -49,11 +49,14 @@ from support.cluster import (  # noqa: E402
     remove_engine_node,
     run_scenario,
     then,
+    until_alive,
+    until_engine_on_added_node,
 )
 
 ONE_SLOT = ({"engine_node": 1.0}, 1)
-LONGER = {"task.max_operand": "39", "task.eval_size": "20"}  # 1580 train prompts: room for the events
-TRAIN = 1580
+# two epochs of 1580 train prompts: room for the events
+LONGER = {"task.max_operand": "39", "task.eval_size": "20", "run.max_epochs": "2"}
+TRAIN = 2 * 1580
 
 
 def scenarios() -> dict[str, Scenario]:
@@ -68,8 +71,12 @@ def scenarios() -> dict[str, Scenario]:
                 "runtime.node_loss.policy": "replace",
                 "transport.kind": "broadcast",
             },
-            events="add@80,remove@1400",
-            actions={"add": add_node({"engine_node": 2.0}, cpus=2), "remove": remove_engine_node},
+            events="add@80",
+            actions={
+                "add": then(
+                    add_node({"engine_node": 2.0}, cpus=2), until_alive("engine-2", then_s=3.0), remove_engine_node
+                )
+            },
         ),
         "wait_resume": Scenario(
             "wait_resume",
@@ -82,10 +89,14 @@ def scenarios() -> dict[str, Scenario]:
                 "transport.kind": "files",
                 "transport.dir": "{root}/shared-weights",
             },
-            events="remove@400,kill@2000",
+            events="remove@400",
             actions={
-                "remove": then(remove_engine_node, add_node({"engine_node": 1.0}, cpus=1, after_s=3.0)),
-                "kill": kill_trainer,
+                "remove": then(
+                    remove_engine_node,
+                    add_node({"engine_node": 1.0}, cpus=1, after_s=3.0),
+                    until_engine_on_added_node(then_s=3.0),
+                    kill_trainer,
+                ),
             },
             resume=True,
         ),
@@ -171,7 +182,7 @@ def main() -> None:
             if args.events is not None:
                 sc.events = args.events
             rows[name] = measure(name, run_scenario(sc, model, work))
-    table = Table(title=f"Multi-node Ray cluster on loopback: one epoch of {TRAIN} prompts per run")
+    table = Table(title=f"Multi-node Ray cluster on loopback: {TRAIN} prompts (two epochs) per run")
     for col in (
         "run",
         "completed",

@@ -83,6 +83,8 @@ def test_a_crashed_nodes_engine_is_replaced_on_the_survivor_and_no_prompt_is_los
     assert ledger["settled"] == TRAIN_PROMPTS, ledger
     assert faults["restarts"] == 1 and "left the Ray cluster" in faults["reasons"][0], faults
     assert faults["noticed_at"][0] >= removed["at"]
+    newest = sorted((tmp_path / "runs" / "lost" / "checkpoints").glob("step_*"))[-1]
+    assert (newest / "model" / "model.safetensors").exists()  # the trainer wrote into the run folder, not its own cwd
     weights = summary["weights_crc32"]
     assert all(engine == weights["trainer"] for engine in weights["engines"]), weights
     assert not remaining  # the run stopped its actors

@@ -349,6 +349,36 @@ def add_node(resources: dict[str, float], cpus: int = 1, after_s: float = 0.0) -
     return act
 
 
+def until_alive(name: str, timeout_s: float = 300.0, then_s: float = 0.0) -> Action:
+    """Wait (checking Ray's GCS every 0.5 s) until actor `name` runs, then `then_s` more seconds."""
+
+    def act(cluster: LoopbackCluster, record: dict) -> None:
+        deadline = time.monotonic() + timeout_s
+        while name not in cluster.actors():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not start within {timeout_s:g} s")
+            time.sleep(0.5)
+        record[f"{name}_alive_at"] = time.time()
+        time.sleep(then_s)
+
+    return act
+
+
+def until_engine_on_added_node(timeout_s: float = 300.0, then_s: float = 0.0) -> Action:
+    """Wait (checking Ray's GCS every 0.5 s) until an engine runs on the node `add_node` added."""
+
+    def act(cluster: LoopbackCluster, record: dict) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cluster.engines_on(record["added_ip"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no engine started on {record['added_ip']} within {timeout_s:g} s")
+            time.sleep(0.5)
+        record["engine_on_added_at"] = time.time()
+        time.sleep(then_s)
+
+    return act
+
+
 def then(*actions: Action) -> Action:
     def act(cluster: LoopbackCluster, record: dict) -> None:
         for a in actions:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.clients import EngineClient, TrainerClient
-from nonstop.config import Config
+from nonstop.config import Config, FilesTransportConfig
 from nonstop.engine.worker import EngineWorker
 from nonstop.observe.spans import span_path
 from nonstop.orchestrator.dispatch import RankGroup
@@ -124,7 +124,10 @@ async def connect_transport(
 ) -> TransportHandle:
     """Trainer rank 0 is transport rank 0; engine i is rank i + 1. `engines` attach now; engines
     up to `runtime.max_engines` may join later."""
-    handle = await trainer.plan_transport(cfg.transport, max(cfg.max_engines, len(engines)), host, len(engines))
+    transport = cfg.transport
+    if isinstance(transport, FilesTransportConfig) and transport.dir is not None:  # as this process sees it
+        transport = transport.model_copy(update={"dir": str(Path(transport.dir).resolve())})
+    handle = await trainer.plan_transport(transport, max(cfg.max_engines, len(engines)), host, len(engines))
     await asyncio.gather(
         trainer.connect_transport(), *(e.connect_transport(handle, i + 1) for i, e in enumerate(engines))
     )

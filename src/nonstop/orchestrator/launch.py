@@ -122,10 +122,10 @@ def run_training(
         preflight(cfg, reward)
         data = run_rows(cfg, data)
         fitted = fit_run(cfg, data)  # a run that cannot fit is refused here, before its folder exists
-        run_dir = make_run_dir(cfg)
+        run_dir = make_run_dir(cfg).resolve()  # absolute: actors on other nodes do not share our cwd
         (run_dir / "config.yaml").write_text(dump_config(cfg))  # unresolved: a resume resolves again
     else:
-        run_dir = resume_dir
+        run_dir = resume_dir.resolve()
         (run_dir / FAILED).unlink(missing_ok=True)
         data = run_rows(cfg, data)
         fitted = fit_run(cfg, data)
@@ -179,6 +179,7 @@ def _run(
         else:
             ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
             base = Path(ckpt.state["base_model"])
+        base = base.resolve()  # every path an actor opens is absolute: a Ray worker's cwd is its node's
         warmup_s = time.perf_counter() - t0
         try:
             summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward))
