@@ -163,7 +163,7 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
                 CheckpointError,
             ),
         ):
-            console.print(f"[red]run failed:[/] {e}", highlight=False)
+            console.print(f"[red]run failed:[/] {escape(str(e))}", highlight=False)
             sys.exit(1)
         raise
     console.print(_summary_table(summary))

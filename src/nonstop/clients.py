@@ -83,6 +83,11 @@ class EngineClient(Client, Protocol):
         """Give each engine, in engine order, the state `sampling_states` returned."""
         ...
 
+    async def weights_crc32(self) -> list[tuple[int, int]]:
+        """(policy_version, CRC32 of its weights in the transport's layout) of every engine, in
+        engine order: equal to the trainer's `weights_crc32` for an engine that holds its version."""
+        ...
+
 
 class TrainerClient(Client, Protocol):
     async def step(self, groups: list[Group]) -> StepResult:
@@ -114,9 +119,16 @@ class TrainerClient(Client, Protocol):
         """Restore the state `save_checkpoint` wrote; returns its policy_version."""
         ...
 
-    async def plan_transport(self, cfg: TransportConfig, num_engines: int, host: str | None) -> TransportHandle:
+    async def plan_transport(
+        self, cfg: TransportConfig, num_engines: int, host: str | None, first_engines: int | None = None
+    ) -> TransportHandle:
         """Open the sending end of the weight transport (transport rank 0) for `num_engines`
-        engines; `host` is where its services listen (None: this node's address)."""
+        engines, of which `first_engines` attach at the start and the others may join later (None:
+        all at the start); `host` is where its services listen (None: this node's address)."""
+        ...
+
+    async def weights_crc32(self) -> tuple[int, int]:
+        """(policy_version, CRC32 of the current weights as the transport sends them)."""
         ...
 
     async def connect_transport(self) -> None:

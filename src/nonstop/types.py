@@ -325,6 +325,9 @@ class TransportHandle:
     """Engine ranks 1..num_engines the trainer planned for (the trainer is rank 0)."""
     timeout_s: float
     connect_timeout_s: float
+    first_engines: int | None = None
+    """Engine ranks 1..first_engines attach at the start; the others join later (broadcast welcomes
+    them into a rebuilt group). None: all num_engines at the start."""
     checksum: bool = False
     lora: LoraConfig | None = None
     """With LoRA only the adapters travel, and the engine merges them into its base."""

@@ -130,6 +130,20 @@ def test_on_bad_row_error_does_not_say_skipped(tmp_path):
     assert "d.jsonl:3: missing field(s) answer" in str(e.value) and "skipped" not in str(e.value)
 
 
+def test_a_failure_message_with_brackets_is_printed_as_it_is(tmp_path):
+    """An error naming a path or a C++ source location in brackets (gloo's '[/.../pair.cc:537]')
+    is shown as one line, not turned into a traceback by the console's markup."""
+    missing = tmp_path / "[/oops]" / "d.jsonl"
+    result = nonstop(
+        ["train", "--set", "task.name=jsonl", "--set", f"task.dataset_path={missing}", "--set", "run.progress=plain"],
+        cwd=tmp_path,
+        timeout_s=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"run failed: dataset file not found: {missing}" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 def test_held_out_split_is_explicit_and_said(tmp_path):
     rows = [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(201)]
     (tmp_path / "d.jsonl").write_text("\n".join(rows) + "\n")

@@ -152,6 +152,19 @@ def test_kind_selects_the_transport_model_and_defaults_to_shm(tmp_path):
             ["runtime.backend=ray", "runtime.ray_engine.num_cpus=-1"],
             "runtime.ray_engine.num_cpus: Input should be greater",
         ),
+        (
+            ["runtime.backend=ray", "runtime.ray_engine.resources={GPU: 1}"],
+            "runtime.ray_engine.resources: 'GPU' is a built-in resource: use num_cpus / num_gpus",
+        ),
+        (
+            ["runtime.backend=ray", "runtime.ray_trainer.resources={head: 0}"],
+            "runtime.ray_trainer.resources: amount of 'head' must be > 0",
+        ),
+        (
+            ["runtime.backend=ray", "runtime.node_loss.policy=stay"],
+            "runtime.node_loss.policy: Input should be 'replace' or 'wait'",
+        ),
+        (["runtime.max_engines=3"], "runtime.max_engines: only for runtime.backend 'ray' (backend is 'local')"),
     ],
 )
 def test_field_of_another_kind_or_bad_kind_is_one_clear_error(overrides, message):
@@ -206,6 +219,16 @@ RULES = [
         r"rollout\.refill_ahead: admitting replacements ahead needs rollout\.refill and a bounded buffer\.depth >= 1",
         ["rollout.refill_ahead=false"],
     ),
+    (
+        ["runtime.backend=ray", "runtime.num_engines=2", "runtime.max_engines=1"],
+        r"runtime\.max_engines \(1\) < runtime\.num_engines \(2\)",
+        ["runtime.max_engines=2"],
+    ),
+    (
+        ["runtime.backend=ray", "runtime.max_engines=3"],
+        r"runtime\.max_engines: engines that join on new nodes cannot reach a shared-memory segment",
+        ["transport.kind=files"],
+    ),
 ]
 
 
@@ -223,6 +246,8 @@ RULES = [
         "kv_heads_divide_heads",
         "is_bounds",
         "refill_ahead_at_depth_0",
+        "max_engines_below_num_engines",
+        "growth_without_a_shared_transport",
     ],
 )
 def test_each_rule_across_fields_names_them_and_its_fix_works(overrides, message, fix):
@@ -243,6 +268,10 @@ def test_defaults_that_depend_on_other_fields_resolve_in_the_config():
     assert load_config(overrides=["model.path=/m"]).warmup_enabled is False
     assert load_config(overrides=["warmup.enabled=false"]).warmup_enabled is False
     assert cfg.rollout.refill_ahead is None and cfg.refill_ahead is True  # depth 1, max_lag 2
+    assert cfg.max_engines == 1 and load_config(overrides=["runtime.num_engines=3"]).max_engines == 3
+    grow = ["runtime.backend=ray", "runtime.num_engines=2", "transport.kind=broadcast"]
+    assert load_config(overrides=grow).max_engines == 2
+    assert load_config(overrides=[*grow, "runtime.max_engines=5"]).max_engines == 5
     for off in (["buffer.depth=0"], ["buffer.max_lag=1"], ["buffer.depth=null"], ["rollout.refill=false"]):
         assert load_config(overrides=off).refill_ahead is False, off
 

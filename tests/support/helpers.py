@@ -361,3 +361,19 @@ def three_chars_reward(completion: str, answer: str) -> float:
     match does not count (the run doctor's reward-without-held-out pattern). The shipped addition
     base writes three characters for about half the prompts (the sums over 99), so RL has signal."""
     return 1.0 if len(completion.strip()) == 3 else 0.0
+
+
+def cluster_event_reward(completion: str, answer: str) -> float:
+    """For the multi-node tests (support/cluster.py): NONSTOP_TEST_EVENTS lists 'name@n,...'; when the
+    run has scored its n-th sample, `name` is written to the FIFO at NONSTOP_TEST_FIFO, once per
+    working directory (a resumed run does not repeat it). The harness then acts (removes a node, ...)."""
+    _calls["events"] = _calls.get("events", 0) + 1
+    for event in filter(None, os.environ.get("NONSTOP_TEST_EVENTS", "").split(",")):
+        name, at = event.split("@")
+        if _calls["events"] == int(at) and _once(f"event_{name}"):
+            fd = os.open(os.environ["NONSTOP_TEST_FIFO"], os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                os.write(fd, f"{name}\n".encode())
+            finally:
+                os.close(fd)
+    return float(len(completion))

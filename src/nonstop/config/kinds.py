@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from nonstop.config.pinning import CpuPools
 from nonstop.config.schema import Section as _Section
@@ -94,6 +94,39 @@ class RayActorResources(_Section):
     """CPUs Ray reserves for each actor of this role."""
     num_gpus: float | None = Field(None, ge=0.0)
     """GPUs Ray reserves for each actor of this role; None: 1 when the cluster has GPUs, else 0."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources each actor of this role asks for, e.g. {engine_node: 1}: it then runs only
+    on nodes started with that resource (`ray start --resources='{"engine_node": 2}'`), and a node's
+    amount caps how many such actors it holds. Placement by role, explicit; {}: any node with room."""
+    spread: bool = False
+    """Place the actors of this role on as many nodes as possible (Ray's SPREAD strategy) instead of
+    packing them onto the fewest nodes first."""
+
+    @field_validator("resources")
+    @classmethod
+    def _positive_amounts(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"'{name}' is a built-in resource: use num_cpus / num_gpus")
+            if not amount > 0:
+                raise ValueError(f"amount of '{name}' must be > 0 (got {amount})")
+        return value
+
+
+class NodeLossConfig(_Section):
+    """What happens to the engines of a Ray node that leaves the cluster (runtime.node_loss)."""
+
+    policy: Literal["replace", "wait"] = "replace"
+    """'replace': each engine that went with the node starts again on any node with room for it
+    (the survivors, within runtime.ray_engine's resources); 'wait': it starts again only on a node
+    that joined after the loss, so the survivors keep their load (the other engines serve meanwhile;
+    with transport.kind 'broadcast' the trainer's next publish waits for it, up to
+    transport.rejoin_timeout_s)."""
+    timeout_s: float = Field(300.0, gt=0.0)
+    """Longest a lost engine's replacement may wait to be placed and started; past it that attempt
+    fails (it counts as one of runtime.max_engine_restarts) and the next one is placed as 'replace'
+    places it. A node counts as lost once Ray marks it dead (its health check: the head's
+    RAY_health_check_period_ms and RAY_health_check_failure_threshold)."""
 
 
 class BaseRuntimeConfig(_Section):
@@ -143,6 +176,13 @@ class RayRuntimeConfig(BaseRuntimeConfig):
     """Ray resources of each engine actor."""
     ray_trainer: RayActorResources = RayActorResources()
     """Ray resources of each trainer rank actor."""
+    max_engines: int | None = Field(None, ge=1)
+    """Engines the run may grow to as nodes join: the run starts with runtime.num_engines, and each
+    engine beyond them is asked of Ray at start and joins the pool once a node with room for it
+    (runtime.ray_engine's resources) is there: it receives the current weights, then serves. Needs
+    transport.kind 'broadcast' or 'files'. None: runtime.num_engines (no growth)."""
+    node_loss: NodeLossConfig = NodeLossConfig()
+    """What happens to the engines of a node that leaves the cluster."""
 
 
 RuntimeConfig = Annotated[

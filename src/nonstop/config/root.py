@@ -37,6 +37,7 @@ from nonstop.config.kinds import (
     BroadcastTransportConfig,
     FilesTransportConfig,
     LocalRuntimeConfig,
+    NodeLossConfig,
     RayActorResources,
     RayRuntimeConfig,
     RuntimeConfig,
@@ -71,6 +72,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "PolicyConfig",
+    "NodeLossConfig",
     "RayActorResources",
     "RayRuntimeConfig",
     "RolloutConfig",
@@ -315,6 +317,13 @@ class Config(_Section):
         return self.run.max_total_s / 2 if self.run.max_total_s is not None else None
 
     @property
+    def max_engines(self) -> int:
+        """runtime.max_engines resolved: the most engines a run has at once (runtime.num_engines
+        unless a Ray run grows as nodes join)."""
+        grow = self.runtime.max_engines if isinstance(self.runtime, RayRuntimeConfig) else None
+        return grow if grow is not None else self.runtime.num_engines
+
+    @property
     def warmup_enabled(self) -> bool:
         """warmup.enabled resolved: None is on for the built-in tiny model, off with model.path."""
         return self.warmup.enabled if self.warmup.enabled is not None else self.model.path is None
@@ -378,7 +387,22 @@ class Config(_Section):
             )
         if self.env is not None and self.env.policies:
             self._policies_combinations()
+        if isinstance(self.runtime, RayRuntimeConfig) and self.runtime.max_engines is not None:
+            self._growth_combinations(self.runtime.max_engines)
         return self
+
+    def _growth_combinations(self, max_engines: int) -> None:
+        """Engines that join mid-run (runtime.max_engines) need a transport a newcomer can attach to."""
+        if max_engines < self.runtime.num_engines:
+            raise ValueError(
+                f"runtime.max_engines ({max_engines}) < runtime.num_engines ({self.runtime.num_engines}): "
+                "the run starts with num_engines and grows up to max_engines"
+            )
+        if max_engines > self.runtime.num_engines and self.transport.kind == "shm":
+            raise ValueError(
+                "runtime.max_engines: engines that join on new nodes cannot reach a shared-memory segment; "
+                "use transport.kind 'broadcast' or 'files'"
+            )
 
     def _policies_combinations(self) -> None:
         """What separate policies per role do not take (docs/environments.md says why)."""

@@ -56,6 +56,7 @@ from nonstop.engine.aio import TokenEvent, stream_events
 from nonstop.engine.scheduler import RequestError
 from nonstop.engine.vllm_setup import RouteLayout, VllmSetupError, route_layout, start_engine
 from nonstop.observe.spans import PassRecorder, SpanLog, now
+from nonstop.transport.base import source_crc32
 from nonstop.transport.names import per_expert_slices
 from nonstop.types import FinishReason, GenerationRequest, Routes, Sample, TransportHandle
 
@@ -209,6 +210,13 @@ class VllmEngineWorker:
 
     async def stats(self) -> dict[str, float | int]:
         return {"policy_version": self.policy_version, **self.stats_}
+
+    async def weights_crc32(self) -> tuple[int, int]:
+        """(policy_version, CRC32 of the weights as this worker received them from the transport,
+        in its layout order), before they are loaded into vLLM's engine core."""
+        if self.source is None:
+            raise RuntimeError("weights_crc32: the engine is not attached to a weight transport yet")
+        return self.policy_version, source_crc32(self.source)
 
     async def sampling_state(self) -> dict[str, bytes]:
         """Empty: vLLM's sampler state lives in its engine core, out of reach; checkpoints hold

@@ -23,6 +23,7 @@ from nonstop.hf import load_model
 from nonstop.observe.flops import PeakProbe
 from nonstop.observe.spans import SpanLog
 from nonstop.transport import WeightSource, open_source
+from nonstop.transport.base import source_crc32
 from nonstop.types import GenerationRequest, Sample, TransportHandle
 
 
@@ -85,6 +86,17 @@ class EngineWorker:
     async def ping(self) -> int:
         """Heartbeat: answered on the actor's loop between two decode steps."""
         return self.engine.policy_version
+
+    async def weights_crc32(self) -> tuple[int, int]:
+        """(policy_version, CRC32 of the weights this engine decodes with, in the transport's layout
+        order; trainer/worker.py computes the same of the trainer's): taken between two decode steps."""
+        if self.source is None:
+            raise RuntimeError("weights_crc32: the engine is not attached to a weight transport yet")
+        while True:  # a version applied while the CRC ran would mix two versions: take it again
+            version = self.engine.policy_version
+            crc = source_crc32(self.source)
+            if version == self.engine.policy_version:
+                return version, crc
 
     async def stats(self) -> dict[str, float | int]:
         return {

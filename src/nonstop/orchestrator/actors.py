@@ -3,10 +3,12 @@ and how a dead engine is started again.
 
 Used for the run's shared policy (build.py) and for every role with its own policy
 (policy_build.py), which passes its own config (policy_build.policy_config) and name `prefix`.
-- `spawn_engine(...)`: engine i of `runtime.num_engines`, the built-in torch engine or vLLM;
+- `spawn_engine(...)`: engine i of `runtime.num_engines` (or of `runtime.max_engines`, for one
+  that joins mid-run), the built-in torch engine or vLLM;
 - `spawn_trainers(...)`: the `trainer.ranks` trainer actors as one RankGroup (dispatch.py);
   with several, they form their process group before anything else;
-- `connect_transport(...)`: trainer rank 0 is transport rank 0, engine i is rank i + 1;
+- `connect_transport(...)`: trainer rank 0 is transport rank 0, engine i is rank i + 1 (the
+  transport is planned for `runtime.max_engines` engines, the first ones attach at once);
 - `engine_restarter(...)`: what a RestartingEngine (runtime/restart.py) calls to replace
   engine i: a fresh actor from the same weights, attached to the same transport.
 Services the actors open for each other listen where the backend says (`ActorBackend.host`).
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.clients import EngineClient, TrainerClient
-from nonstop.config import Config
+from nonstop.config import Config, FilesTransportConfig
 from nonstop.engine.worker import EngineWorker
 from nonstop.observe.spans import span_path
 from nonstop.orchestrator.dispatch import RankGroup
@@ -51,7 +53,7 @@ async def spawn_engine(
     run_dir: Path | None = None,
     prefix: str = "engine",
 ) -> EngineActor:
-    """Engine i of `runtime.num_engines`, named `prefix` (a policy of env.policies has its own)."""
+    """Engine i of `runtime.max_engines`, named `prefix` (a policy of env.policies has its own)."""
     worker: type = EngineWorker
     if cfg.engine.kind == "vllm":
         from nonstop.engine.vllm_engine import VllmEngineWorker  # vLLM is an optional extra
@@ -59,7 +61,7 @@ async def spawn_engine(
         worker = VllmEngineWorker
     return EngineActor(
         await backend.spawn(
-            actor_names(prefix, cfg.runtime.num_engines)[i],
+            actor_names(prefix, cfg.max_engines)[i],
             worker,
             str(weights),
             [tok.eos_token_id],
@@ -120,8 +122,12 @@ async def spawn_trainers(
 async def connect_transport(
     cfg: Config, trainer: TrainerClient, engines: list[EngineClient], host: str | None
 ) -> TransportHandle:
-    """Trainer rank 0 is transport rank 0; engine i is rank i + 1."""
-    handle = await trainer.plan_transport(cfg.transport, len(engines), host)
+    """Trainer rank 0 is transport rank 0; engine i is rank i + 1. `engines` attach now; engines
+    up to `runtime.max_engines` may join later."""
+    transport = cfg.transport
+    if isinstance(transport, FilesTransportConfig) and transport.dir is not None:  # as this process sees it
+        transport = transport.model_copy(update={"dir": str(Path(transport.dir).resolve())})
+    handle = await trainer.plan_transport(transport, max(cfg.max_engines, len(engines)), host, len(engines))
     await asyncio.gather(
         trainer.connect_transport(), *(e.connect_transport(handle, i + 1) for i, e in enumerate(engines))
     )

@@ -8,10 +8,12 @@ learning loop (learn.py) update.
 Wiring: `runtime.num_engines` engine actors, each behind a RestartingEngine whose replacement
 starts from the same weights and attaches to the same transport, behind one least-loaded
 EnginePool; `trainer.ranks` trainer actors in one RankGroup (actors.py starts them). Trainer
-rank 0 is transport rank 0; engine i is rank i + 1. With env.policies, each role with its own
-policy gets its own actors, transport and buffer (policy_build.py), all settling through one
-ledger split into parts. Before any actor starts, prompts too long for the model are skipped
-(`screen`) and the scoring stage is built, so a bad reward name fails first.
+rank 0 is transport rank 0; engine i is rank i + 1. With `runtime.max_engines`, `Run.join(i)`
+starts engine i >= num_engines the same way, for grow.py to add to the pool once it runs. With
+env.policies, each role with its own policy gets its own actors, transport and buffer
+(policy_build.py), all settling through one ledger split into parts. Before any actor starts,
+prompts too long for the model are skipped (`screen`) and the scoring stage is built, so a bad
+reward name fails first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint
+from nonstop.clients import EngineClient
 from nonstop.config import Config
 from nonstop.hf import load_tokenizer, max_positions
 from nonstop.observe.progress import Progress
@@ -104,18 +107,24 @@ async def build_run(
     if resume is not None:
         await trainer.load_checkpoint(str(resume.path))
     handle = await connect_transport(cfg, trainer, list(first_engines), backend.host)
-    engines = [
-        RestartingEngine(
-            e.name,
+
+    def restarting(i: int, engine: EngineClient) -> RestartingEngine:
+        return RestartingEngine(
+            engine.name,
             engine_restarter(backend, cfg, model_weights, tok, i, version0, handle, trainer, run_dir),
             cfg.engine_restarts,
             cfg.runtime.heartbeat_interval_s,
             cfg.runtime.heartbeat_timeout_s,
             log=progress.log,
-            engine=e,
+            engine=engine,
         )
-        for i, e in enumerate(first_engines)
-    ]
+
+    async def join(i: int) -> RestartingEngine:
+        """Engine i past runtime.num_engines: placed when there is room, attached, holding the current weights."""
+        start = engine_restarter(backend, cfg, model_weights, tok, i, version0, handle, trainer, run_dir)
+        return restarting(i, await start())
+
+    engines = [restarting(i, e) for i, e in enumerate(first_engines)]
     own = sorted(cfg.env.policies) if cfg.env is not None else []
     ledger = Ledger(("", *own) if own else ())  # with own policies a row settles once each settled its part
     spans = SpanLog(span_file(cfg, run_dir, "orchestrator"))
@@ -145,4 +154,5 @@ async def build_run(
         handle,
         EnvRun.build(cfg.env, weights) if cfg.env is not None else None,
         policies,
+        join=join if cfg.max_engines > num_engines else None,
     )

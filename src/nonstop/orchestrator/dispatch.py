@@ -128,6 +128,16 @@ class EnginePool(_Several[EngineClient]):
     async def sampling_states(self) -> list[SamplingState]:
         return [st for part in await self._each("sampling_states", lambda i, e: e.sampling_states()) for st in part]
 
+    async def weights_crc32(self) -> list[tuple[int, int]]:
+        return [d for part in await self._each("weights_crc32", lambda i, e: e.weights_crc32()) for d in part]
+
+    def add(self, engine: EngineClient) -> None:
+        """A member that joined mid-run (runtime.max_engines): it takes requests from now on."""
+        self.engines.append(engine)  # the same list as `parts`
+        self.in_flight.append(0)
+        self.served.append(0)
+        self.versions.append(0)
+
     async def load_sampling_states(self, states: list[SamplingState]) -> None:
         """Member i (one engine each: a RestartingEngine) gets states[i]."""
         if len(states) != len(self.engines):
@@ -167,9 +177,14 @@ class RankGroup(_Several[TrainerClient]):
     async def load_checkpoint(self, path: str) -> int:
         return await self._all("load_checkpoint", lambda r: r.load_checkpoint(path))
 
-    async def plan_transport(self, cfg: TransportConfig, num_engines: int, host: str | None) -> TransportHandle:
+    async def plan_transport(
+        self, cfg: TransportConfig, num_engines: int, host: str | None, first_engines: int | None = None
+    ) -> TransportHandle:
         """Rank 0 alone holds the transport's sending end."""
-        return await self.lead.plan_transport(cfg, num_engines, host)
+        return await self.lead.plan_transport(cfg, num_engines, host, first_engines)
+
+    async def weights_crc32(self) -> tuple[int, int]:
+        return await self._all("weights_crc32", lambda r: r.weights_crc32())
 
     async def connect_transport(self) -> None:
         await self.lead.connect_transport()

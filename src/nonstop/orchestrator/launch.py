@@ -152,9 +152,9 @@ def run_training(
         preflight(cfg, reward)
         rows = run_rows(cfg, data)
         fitted = fit_run(cfg, rows)  # a run that cannot fit is refused here, before its folder exists
-        run_dir = make_run_dir(cfg)
+        run_dir = make_run_dir(cfg).resolve()  # absolute: actors on other nodes do not share our cwd
     else:
-        run_dir = resume_dir
+        run_dir = resume_dir.resolve()
     with run_dir_lock(run_dir):  # before anything is written into the folder
         if resume_dir is None:
             (run_dir / "config.yaml").write_text(dump_config(cfg))  # unresolved: a resume resolves again
@@ -212,6 +212,7 @@ def _run(
         else:
             ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
             base = Path(ckpt.state["base_model"])
+        base = base.resolve()  # every path an actor opens is absolute: a Ray worker's cwd is its node's
         warmup_s = time.perf_counter() - t0
         try:
             summary = asyncio.run(train(cfg, base, data, run_dir, progress, resume=ckpt, reward=reward, started_s=t0))

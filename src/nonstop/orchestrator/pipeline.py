@@ -39,6 +39,7 @@ from nonstop.orchestrator.agents import AgentEndpoint, produce_agent_groups
 from nonstop.orchestrator.build import build_run
 from nonstop.orchestrator.episode_flow import produce_episodes
 from nonstop.orchestrator.generate import Production, produce
+from nonstop.orchestrator.grow import start_joins
 from nonstop.orchestrator.learn import learn, learn_policy
 from nonstop.orchestrator.records import RunSummary, StepRecord
 from nonstop.orchestrator.recovery import RunInterrupted, restore, restore_engines
@@ -121,11 +122,13 @@ async def train(
 
 def start_beside(run: Run, supervisor: Supervisor) -> None:
     """What runs beside the shared policy's learning loop, under `supervisor` (its first failure
-    ends the run): every engine's heartbeat, the producer (built on one `Production`), and with
-    env.policies each own policy's learner loop. Call it after `begin`."""
+    ends the run): every engine's heartbeat, the engines that may join (grow.py), the producer
+    (built on one `Production`), and with env.policies each own policy's learner loop. Call it
+    after `begin`."""
     cfg = run.cfg
     for e in run.engines:
         supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
+    start_joins(run, supervisor)  # engines past runtime.num_engines, as nodes with room join
     policies = run.policies
     production = Production(
         policies.intake if policies is not None else run.buffer,
@@ -265,6 +268,10 @@ async def summarize(
         for role, accuracy in (await run.eval_own()).items():
             policies[role].update(final_dir=own_final[role], final_accuracy=accuracy)
     engine_stats = await run.engine.stats()
+    weights = None
+    if run.cfg.transport.checksum:  # end to end: what each engine decodes with against the trainer's weights
+        trainer_crc, engine_crcs = await asyncio.gather(run.trainer.weights_crc32(), run.engine.weights_crc32())
+        weights = {"trainer": list(trainer_crc), "engines": [list(d) for d in engine_crcs]}
     return RunSummary(
         base_accuracy=run.state.base_accuracy,
         final_accuracy=last.eval_accuracy if last else None,
@@ -293,4 +300,6 @@ async def summarize(
         run_dir=str(run.run_dir),
         flops=run.state.flops.summary(engine_stats),
         doctor=run.state.doctor.report() if run.state.doctor is not None else None,
+        weights_crc32=weights,
+        engine_joins=list(run.state.joins),
     )

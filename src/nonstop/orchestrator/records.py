@@ -205,6 +205,9 @@ class RunSummary:
         None  # local backend: CPU seconds, busy and idle per role's pool (runtime/pinning.py)
     )
     doctor: dict[str, Any] | None = None  # the run doctor's findings (observe/doctor.py Doctor.report())
+    # transport.checksum: [policy_version, CRC32] of the trainer's final weights and of each engine's
+    weights_crc32: dict[str, Any] | None = None
+    engine_joins: list[dict] = field(default_factory=list)  # runtime.max_engines: each joined engine, when
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

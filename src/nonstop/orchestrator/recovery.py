@@ -112,6 +112,8 @@ async def restore_engines(run: Run, ckpt: Checkpoint) -> None:
     if saved is None:  # written before checkpoints kept it
         return
     states = [{k: base64.b64decode(v) for k, v in st.items()} for st in saved]
+    if len(states) > len(run.engines) and run.join is not None:  # engines that had joined join again later
+        states = states[: len(run.engines)]
     if len(states) != len(run.engines):
         run.progress.log(
             f"engine sampling state not restored: the checkpoint has {len(states)} engine(s), "

@@ -19,6 +19,7 @@ recovery, pipeline): it imports only the stages it holds, never those.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class RunState:
     doctor: Doctor | None = None
     """The run doctor (observe/doctor.py), made once the base accuracy is known; on resume it reads
     the run's metrics.jsonl up to the checkpoint again instead of being checkpointed."""
+    joins: list[dict] = field(default_factory=list)  # engines that joined mid-run: name, wall-clock time
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     """Set by the first Ctrl-C (or SIGTERM): the learning loop ends after the current step and
     writes a checkpoint."""
@@ -87,6 +89,8 @@ class Run:
     envs: EnvRun | None = None  # an environment run (cfg.env): episodes instead of single-turn groups
     policies: Policies | None = None  # roles with their own policy (cfg.env.policies; orchestrator/policies.py)
     agents: AgentEndpoint | None = None  # agents over the API (cfg.agents; orchestrator/agents.py)
+    join: Callable[[int], Awaitable[RestartingEngine]] | None = None
+    """Starts engine i past runtime.num_engines (runtime.max_engines; grow.py adds it to the pool)."""
 
     async def eval(self) -> float:
         """Greedy exact-match accuracy; in an environment run, the success rate of sampled episodes."""

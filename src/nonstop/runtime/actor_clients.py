@@ -51,6 +51,8 @@ class EngineService(Protocol):
 
     async def load_sampling_state(self, state: dict[str, bytes]) -> None: ...
 
+    async def weights_crc32(self) -> tuple[int, int]: ...
+
     async def close(self) -> None: ...
 
 
@@ -76,6 +78,10 @@ class EngineActor(_OneActor):
         (state,) = states
         await self.actor.call("load_sampling_state", state)
 
+    async def weights_crc32(self) -> list[tuple[int, int]]:
+        version, crc = await self.actor.call("weights_crc32")  # a tuple may travel as a list
+        return [(version, crc)]
+
 
 class TrainerActor(_OneActor):
     """A TrainerClient over one trainer rank actor (trainer/worker.py TrainerWorker), plus the
@@ -99,8 +105,14 @@ class TrainerActor(_OneActor):
     async def load_checkpoint(self, path: str) -> int:
         return await self.actor.call("load_checkpoint", path)
 
-    async def plan_transport(self, cfg: TransportConfig, num_engines: int, host: str | None) -> TransportHandle:
-        return await self.actor.call("plan_transport", cfg, num_engines, host)
+    async def plan_transport(
+        self, cfg: TransportConfig, num_engines: int, host: str | None, first_engines: int | None = None
+    ) -> TransportHandle:
+        return await self.actor.call("plan_transport", cfg, num_engines, host, first_engines)
+
+    async def weights_crc32(self) -> tuple[int, int]:
+        version, crc = await self.actor.call("weights_crc32")
+        return version, crc
 
     async def connect_transport(self) -> None:
         await self.actor.call("connect_transport")

@@ -14,12 +14,22 @@ Contract (shared with runtime/local.py):
 - every actor sets `torch.set_num_threads(1)` before it builds its object.
 
 Resources: an actor's role comes from its name (runtime/pinning.py `role_of`: "engine-1" and a
-role's own policy's "b-engine" -> engine, "b-trainer-0" -> trainer); engines and
-trainer ranks get `runtime.ray_engine` / `runtime.ray_trainer` CPUs and GPUs, other actors one
-CPU. Cluster: `runtime.ray_address` connects to a running cluster; without it a private local
+role's own policy's "b-engine" -> engine, "b-trainer-0" -> trainer); engines and trainer ranks
+get `runtime.ray_engine` / `runtime.ray_trainer` CPUs, GPUs and custom resources (a role placed
+on the nodes that offer its resource), spread over nodes when asked; other actors one CPU.
+Cluster: `runtime.ray_address` connects to a running cluster; without it a private local
 cluster is started on 127.0.0.1, its temp and log folder under /tmp (Ray's socket paths must
 stay short) and linked from the run folder, with a random auth token passed through the
 environment, so nothing is written to the home folder. That cluster ends with `shutdown()`.
+
+Nodes. Each actor reports the node it runs on. When an actor dies, the backend asks Ray whether
+its node is still alive; if not, the death is a node loss (the reason says so) and the next
+actor spawned under the same name is placed by `runtime.node_loss`: 'replace' on any node with
+room, 'wait' only on a node that was not alive when the loss was seen (a Ray label selector on
+the node id, so Ray's scheduler places it when such a node joins), either way within
+`node_loss.timeout_s`. An engine whose index is at or past `runtime.num_engines` (one of
+`runtime.max_engines`) waits for room without a time limit: Ray places it when a node with room
+joins, and `spawn` returns then.
 """
 
 from __future__ import annotations
@@ -73,8 +83,10 @@ class _Shim:
             raise AttributeError(f"{type(self.obj).__name__} has no method {method!r}")
         return await (plain if plain is not None else fn(*args, **kwargs))
 
-    async def ready(self) -> int:
-        return os.getpid()
+    async def ready(self) -> tuple[int, str, str]:
+        """This actor's pid, and the id and address of the Ray node it runs on."""
+        ctx = ray.get_runtime_context()
+        return os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address()
 
     async def watch(self) -> None:
         """Never answers; the orchestrator learns of the actor's death when this call fails."""
@@ -102,15 +114,35 @@ def _reload_auth_settings() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+def _alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
 class RayActor:
     def __init__(self, name: str, actor: Any, call_timeout_s: float) -> None:
         self.name = name
         self.actor = actor
         self.call_timeout_s = call_timeout_s
         self.pid: int | None = None
+        self.node_id: str | None = None  # the Ray node it runs on, once started
+        self.node_ip: str | None = None
+        self.lost_nodes_alive: set[str] | None = None  # set when it went with its node: the nodes alive then
         self._seq = 0  # every call is numbered; the actor admits them in this order
         self._dead: str | None = None
         self._watch: asyncio.Task | None = None
+
+    async def _death(self, e: rex.RayActorError) -> str:
+        """Why the actor is gone: its node left the cluster (asked of Ray's GCS), or its own death."""
+        if self.node_id is not None and self._dead is None:
+            alive = await asyncio.to_thread(_alive_nodes)
+            # Ray's own words count too: its GCS may not have marked the node dead when the call fails
+            if self.node_id not in alive or "its node has died" in str(e):
+                self.lost_nodes_alive = alive
+                return self._died(
+                    f"actor '{self.name}' (pid {self.pid}) went with its node {self.node_ip} "
+                    f"(id {self.node_id[:12]}), which left the Ray cluster"
+                )
+        return self._died(f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}")
 
     def _died(self, reason: str) -> str:
         """Record the first reason the actor is gone (later ones do not replace it); return it."""
@@ -125,7 +157,7 @@ class RayActor:
         try:
             await self.actor.watch.remote()
         except rex.RayActorError as e:
-            self._died(f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}")
+            await self._death(e)
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         if self._dead is not None:
@@ -138,7 +170,7 @@ class RayActor:
         except TimeoutError:  # not cancelled remotely: a numbered call that never ran would block later ones
             raise TimeoutError(f"actor '{self.name}': call '{method}' did not answer within {limit_s:g} s") from None
         except rex.RayActorError as e:
-            raise ActorDied(self._died(f"actor '{self.name}' (pid {self.pid}) died: {_cause(e)}")) from None
+            raise ActorDied(await self._death(e)) from None
         except rex.RayTaskError as e:
             raise ActorCallError(f"{self.name}.{method} raised:\n{e}") from None
 
@@ -151,7 +183,7 @@ class RayActor:
         ray.kill(self.actor, no_restart=True)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        if self._dead is None:
+        if self._dead is None and self.pid is not None:  # one never placed has nothing to close
             try:
                 await asyncio.wait_for(self.actor.close.remote(), timeout_s)
             except (TimeoutError, rex.RayError):
@@ -163,12 +195,24 @@ class RayActor:
             await asyncio.gather(self._watch, return_exceptions=True)
 
 
-def _resources(cfg: RayRuntimeConfig, role: str, cluster_gpus: float) -> dict[str, float]:
+def _resources(cfg: RayRuntimeConfig, role: str, cluster_gpus: float) -> dict[str, Any]:
+    """The Ray options that place an actor of `role`: CPUs, GPUs, custom resources, strategy."""
     spec: RayActorResources | None = {"engine": cfg.ray_engine, "trainer": cfg.ray_trainer}.get(role)
     if spec is None:
         return {"num_cpus": 1.0, "num_gpus": 0.0}
     gpus = spec.num_gpus if spec.num_gpus is not None else (1.0 if cluster_gpus >= 1 else 0.0)
-    return {"num_cpus": spec.num_cpus, "num_gpus": gpus}
+    options: dict[str, Any] = {"num_cpus": spec.num_cpus, "num_gpus": gpus}
+    if spec.resources:
+        options["resources"] = dict(spec.resources)
+    if spec.spread:
+        options["scheduling_strategy"] = "SPREAD"
+    return options
+
+
+def _engine_index(name: str) -> int | None:
+    """i of an engine named 'engine-i' (None for other actors, or a lone 'engine')."""
+    role, _, tail = name.partition("-")
+    return int(tail) if role == "engine" and tail.isdigit() else None
 
 
 class RayBackend:
@@ -176,6 +220,7 @@ class RayBackend:
         self.cfg = cfg
         self.run_dir = run_dir
         self.actors: list[RayActor] = []
+        self.latest: dict[str, RayActor] = {}  # the newest actor spawned under each name
         self.temp_dir: Path | None = None
         self._started = False
         self._cls = ray.remote(_Shim)
@@ -215,21 +260,43 @@ class RayBackend:
         actors on other machines reach it."""
         return None if self.cfg.ray_address is not None else "127.0.0.1"
 
+    def _placement(self, name: str) -> tuple[dict[str, Any], float | None, str]:
+        """Extra Ray options for actor `name`, how long it may take to start (None: no limit), and
+        what the limit is named by: a node loss's replacement and a growth engine are placed
+        differently from the rest (see the module's docstring)."""
+        previous = self.latest.get(name)
+        if previous is not None and previous.lost_nodes_alive is not None:
+            loss = self.cfg.node_loss
+            limit = f"runtime.node_loss.timeout_s, policy '{loss.policy}'"
+            if loss.policy == "wait":
+                ids = ",".join(sorted(previous.lost_nodes_alive))
+                return {"label_selector": {"ray.io/node-id": f"!in({ids})"}}, loss.timeout_s, limit
+            return {}, loss.timeout_s, limit
+        index = _engine_index(name)
+        if index is not None and index >= self.cfg.num_engines:
+            return {}, None, "runtime.max_engines"
+        return {}, self.cfg.start_timeout_s, "runtime.start_timeout_s"
+
     async def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> RayActor:
         self._init()  # blocking once per run; ray.init wants the main thread
         res = _resources(self.cfg, role_of(name) or name, ray.cluster_resources().get("GPU", 0.0))
+        extra, limit_s, limit = self._placement(name)
         # Any: Ray's stubs type an actor's methods as plain coroutines, without `.remote`.
-        handle: Any = self._cls.options(name=None, max_restarts=0, max_concurrency=1000, **res).remote(
+        # Named in Ray by role (`ray list actors`, a cluster's tools); the suffix keeps a replacement's name unique.
+        ray_name = f"nonstop:{name}:{secrets.token_hex(4)}"
+        handle: Any = self._cls.options(name=ray_name, max_restarts=0, max_concurrency=1000, **res, **extra).remote(
             name, cls, args, kwargs
         )
         actor = RayActor(name, handle, self.cfg.call_timeout_s)
         self.actors.append(actor)
+        self.latest[name] = actor
         try:
-            actor.pid = await asyncio.wait_for(handle.ready.remote(), self.cfg.start_timeout_s)
+            actor.pid, actor.node_id, actor.node_ip = await asyncio.wait_for(handle.ready.remote(), limit_s)
         except TimeoutError:
+            ray.kill(handle, no_restart=True)  # withdraw the request: Ray would place it later
             raise ActorDied(
-                f"actor {name} did not start within {self.cfg.start_timeout_s:g} s "
-                f"(asked for {res}; free: {ray.available_resources()})"
+                f"actor {name} did not start within {limit_s:g} s ({limit}; asked for {res | extra}; "
+                f"free: {ray.available_resources()})"
             ) from None
         except rex.RayActorError as e:
             raise ActorDied(f"actor {name} failed to start:\n{e}") from None

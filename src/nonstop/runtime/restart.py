@@ -33,6 +33,7 @@ class Restart:
     detect_s: float  # fault -> noticed (0 for a crash seen by a call; up to interval + timeout for a hang)
     recover_s: float  # noticed -> replacement ready
     requeued: int  # prompts of the calls that were re-submitted
+    noticed_at: float = 0.0  # wall clock (time.time()) when noticed: to measure against a fault made outside
 
 
 @dataclass
@@ -47,6 +48,8 @@ class RestartStats:
             "max_detect_s": max((r.detect_s for r in self.restarts), default=0.0),
             "max_recover_s": max((r.recover_s for r in self.restarts), default=0.0),
             "reasons": [r.reason for r in self.restarts],
+            "noticed_at": [r.noticed_at for r in self.restarts],
+            "recover_s": [r.recover_s for r in self.restarts],
         }
 
 
@@ -110,11 +113,15 @@ class RestartingEngine:
     async def load_sampling_states(self, states: list[SamplingState]) -> None:
         await self._retry(lambda e: e.load_sampling_states(states))
 
+    async def weights_crc32(self) -> list[tuple[int, int]]:
+        return await self._retry(lambda e: e.weights_crc32())
+
     async def _restart(self, generation: int, reason: str, noticed: float) -> None:
         async with self._lock:
             if generation != self.generation:
                 return  # another call already replaced that engine
             detect_s = noticed - self._hung_since if self._hung_since is not None else 0.0
+            noticed_at = time.time() - (time.monotonic() - noticed)
             self._hung_since = None
             while True:  # a replacement that dies while starting uses up a restart too
                 if len(self.faults.restarts) >= self.max_restarts:
@@ -131,7 +138,7 @@ class RestartingEngine:
                     replacement = await self._start()
                 except ActorDied as e:
                     replacement, died = None, e
-                self.faults.restarts.append(Restart(reason, detect_s, time.monotonic() - t0, 0))
+                self.faults.restarts.append(Restart(reason, detect_s, time.monotonic() - t0, 0, noticed_at))
                 if replacement is None:
                     reason = f"{died} (while restarting)"
                     continue

@@ -47,6 +47,7 @@ from nonstop.observe.spans import SpanLog, now
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
+from nonstop.transport.base import sent_tensors, weights_crc32
 from nonstop.types import AheadResult, Group, PublishResult, StepResult, TransportHandle
 
 SHARDED_OPTIMIZER = "optimizer"  # a checkpoint's folder of FSDP2 optimizer shards (torch.distributed.checkpoint)
@@ -138,7 +139,9 @@ class TrainerWorker:
         """A resumed LoRA trainer's engines hold only the base: they need the adapters at once."""
         return self.lora is not None and self.trainer.policy_version > 0
 
-    def plan_transport(self, cfg: TransportConfig, num_engines: int, host: str | None = "127.0.0.1") -> TransportHandle:
+    def plan_transport(
+        self, cfg: TransportConfig, num_engines: int, host: str | None = "127.0.0.1", first_engines: int | None = None
+    ) -> TransportHandle:
         version = self.trainer.policy_version
         handle = plan_transport(
             cfg,
@@ -147,6 +150,7 @@ class TrainerWorker:
             self.lora,
             next_version=version if self._publishes_on_connect() else version + 1,
             host=node_host(host),
+            first_engines=first_engines,
         )
         self.sink = open_sink(handle)
         self.publish_bytes = handle.total_bytes
@@ -224,6 +228,14 @@ class TrainerWorker:
         if sent:
             self.spans.emit("publish", t0=round(t0, 6), t1=round(t1, 6), version=version, bytes=self.publish_bytes)
         return PublishResult(version, publish_s, self.publish_bytes)
+
+    def weights_crc32(self) -> tuple[int, int]:
+        """(policy_version, CRC32 of the current weights as the transport sends them): an engine that
+        holds this version exactly reports the same from its own `weights_crc32`. Every rank takes
+        part (FSDP2 gathers each parameter)."""
+        weights = self.trainer.publishable()
+        named = sent_tensors(weights, self.lora) if self.lora is not None else weights.named_parameters()
+        return self.trainer.policy_version, weights_crc32(t for _, t in named)
 
     def save(self, path: str) -> str:
         """Write the current weights with save_pretrained (safetensors): the full model, loadable

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 import zlib
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -42,6 +43,9 @@ class WeightSink(Protocol):
 
 class WeightSource(Protocol):
     """Engine-side end of a weight transport."""
+
+    handle: TransportHandle
+    target: "WeightTarget"
 
     def maybe_update(self, model: torch.nn.Module) -> int | None:
         """If a newer complete version is available, make `model` hold it and return it.
@@ -228,6 +232,22 @@ def crc32(buf: torch.Tensor) -> int:
     return zlib.crc32(buf.cpu().numpy().data)
 
 
+def weights_crc32(tensors: Iterable[torch.Tensor]) -> int:
+    """CRC32 over the bytes of `tensors`, one after another (in a transport layout's order): the
+    trainer's sent tensors and an engine's target give the same value exactly when the engine holds
+    the trainer's weights bit for bit."""
+    crc = 0
+    for t in tensors:
+        flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        crc = zlib.crc32(flat.numpy().data, crc)
+    return crc
+
+
+def source_crc32(source: WeightSource) -> int:
+    """weights_crc32 of what an engine's end of the transport holds, in the trainer's layout order."""
+    return weights_crc32(in_layout_order(source.target.tensors(), source.handle.layout))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -241,10 +261,13 @@ def plan_transport(
     lora: LoraConfig | None = None,
     next_version: int = 1,
     host: str = "127.0.0.1",
+    first_engines: int | None = None,
 ) -> TransportHandle:
     """Describe the transport; with `lora` (an enabled LoraConfig) only the adapters travel.
     `next_version`: the first version the trainer will publish (above 1 after a resume).
-    `host`: the trainer's address the engines reach (broadcast's store and group)."""
+    `host`: the trainer's address the engines reach (broadcast's store and group).
+    `first_engines`: engine ranks 1..first_engines attach at the start, the others of
+    1..num_engines may join later (None: all of them at the start)."""
     from nonstop.transport.device import member_device, plan_broadcast_path, plan_shm_path, tensors_device
 
     lora = lora if lora is not None and lora.enabled else None
@@ -287,6 +310,7 @@ def plan_transport(
         total_bytes=total,
         options=options,
         num_engines=num_engines,
+        first_engines=num_engines if first_engines is None else first_engines,
         timeout_s=cfg.timeout_s,
         connect_timeout_s=cfg.connect_timeout_s,
         checksum=cfg.checksum,

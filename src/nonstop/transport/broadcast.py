@@ -27,16 +27,22 @@ copy), and the buffer they left becomes the next back buffer; at most three buff
 (live, ready, receiving).
 
 Generations (the re-plan). A gloo group cannot take a new member, so the group is rebuilt: the
-group of generation g is a ProcessGroupGloo over the store prefix `g{g}/`, and all N + 1 ranks
-build it together. An engine that attaches after the trainer's group is up replaces a dead one
-(same rank): it registers (`joins` + 1, `join/{j}` = its rank) and waits for `welcome/{j}`, the
-round it starts at. At its next send the trainer welcomes every registered engine, starts
+group of generation g is a ProcessGroupGloo over the store prefix `g{g}/`, and all its members
+build it together. The first group holds the trainer and the engines that attach at the start
+(ranks 1..first_engines). An engine that attaches after the trainer's group is up either replaces
+a dead one (same rank) or joins (a rank up to num_engines not yet in the group: an engine on a
+node that joined the cluster): it registers (`joins` + 1, `join/{j}` = its rank) and waits for
+`welcome/{j}`, the round it starts at. At its next send the trainer welcomes every registered
+engine, adds a joining rank to the members, writes them under `members/g{g + 1}`, starts
 generation g + 1 with that round, and every member builds the new group before the broadcast
 (the survivors see the new generation in `r{n}`). A send that fails (a member died: its socket
-closed, or it did not acknowledge within timeout_s) waits up to `rejoin_timeout_s` for the
-replacement to register and is made again in a new round of a new generation, so `publish`
-returns only once every engine holds the version; if no replacement registers in time it
-raises a TransportError naming the peer and the version. A receiver whose round failed goes on
+closed, or it did not acknowledge within timeout_s) is followed by roll calls (a round whose
+key says `roll` instead of a version: every live member answers it) until every member either
+answered or has a replacement registered, up to `rejoin_timeout_s`; the send is then made again
+in a new round of a new generation, so `publish` returns only once every engine holds the
+version, and a new group never waits on a dead member. An engine that registers as a new member
+is not taken for a dead member's replacement. If a silent member is not replaced in time it
+raises a TransportError naming the ranks and the version. A receiver whose round failed goes on
 to the next round (the trainer re-plans); a checksum mismatch stops that engine's updates
 (never applied) and is raised from `maybe_update`. Groups left behind by a re-plan are kept
 until `close()`: destroying one with a dead peer would wait on its threads mid-run (an NCCL
@@ -71,8 +77,12 @@ from nonstop.transport.groups import (
     ROUND_SLICE,
     Group,
     RoundAbandoned,
+    address_towards,
     await_works,
     decode_backend,
+    decode_members,
+    encode_members,
+    first_members,
     make_group,
     make_store,
     retire,
@@ -80,6 +90,10 @@ from nonstop.transport.groups import (
 from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = "stop"
+ROLL = "roll"  # a roll call instead of a version: every live member answers `here{rank}/r{n}`
+# How long a roll call waits for the members that are alive: a live member may first have to give
+# up the failed round, which it notices within one ROUND_SLICE.
+_ROLL_WINDOW = 3 * ROUND_SLICE
 _STARTED = "started"  # set once the trainer's first group is up: an engine attaching later is a replacement
 # How long one store wait for the next round lasts before it is renewed. The trainer's close()
 # wakes the waiter at once (it sets the next round to STOP), so this only bounds log noise.
@@ -104,7 +118,9 @@ class BroadcastSink:
         self.round = 0
         self.generation = 0
         self.joins_seen = 0
-        self.replans = 0  # groups rebuilt for replacement engines
+        self.replans = 0  # groups rebuilt for replacement or joining engines
+        self.members = first_members(handle)  # transport ranks in the current group, the trainer's 0 first
+        self.fresh_group = False  # the next round starts a new generation (set after a failed round)
         self.retired: list[Group] = []
         self.backend: Backend = "gloo"
 
@@ -113,13 +129,13 @@ class BroadcastSink:
         self.backend = self._settle_backend(self.store)
         if self.backend == "nccl":
             self.sender = FlatSender(self.handle, torch.device(self.opts.device))
-        self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend)
+        self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend, self.members, self.opts.host)
         self.store.add("joins", 0)
         self.store.set(_STARTED, "1")
 
     def _settle_backend(self, store: dist.TCPStore) -> Backend:
         """Read every engine's device, pick the backend and tell the engines (or tell them the refusal)."""
-        keys = [f"device/{r}" for r in range(1, 1 + self.handle.num_engines)]
+        keys = [f"device/{r}" for r in self.members[1:]]
         try:
             store.wait(keys, timedelta(seconds=self.handle.connect_timeout_s))
         except Exception as e:  # the store raises DistStoreError on timeout
@@ -153,20 +169,27 @@ class BroadcastSink:
                 self._send_round(buckets + sums, version)
                 return
             except TransportError as failure:
-                self._await_replacement(failure)
+                self._await_live_members(failure)
+                self.fresh_group = True  # a group a round failed in is not used again
 
     def _send_round(self, tensors: list[torch.Tensor], version: int) -> None:
         assert self.store is not None and self.pg is not None
-        replan = self._welcome_joins()
+        if self.fresh_group or self._registered():  # a new group is due: no dead member may be in it
+            self._await_live_members(None)
+        replan = self._welcome_joins() or self.fresh_group
+        self.fresh_group = False
         self.round += 1
         if replan:
             self.generation += 1
+            self.store.set(f"members/g{self.generation}", encode_members(self.members))
         self.store.set(f"r{self.round}", f"{version} {self.generation}")
         if replan:
             self.retired.append(self.pg)
             retire(self.pg, self.backend)
             try:
-                self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend)
+                self.pg = make_group(
+                    self.store, self.handle, 0, self.generation, self.backend, self.members, self.opts.host
+                )
             except Exception as e:  # a member died again before the new group was up
                 raise TransportError(
                     f"re-planning the broadcast group (generation {self.generation}) for version "
@@ -185,42 +208,74 @@ class BroadcastSink:
             done = sum(w.is_completed() for w in works)
             raise TransportError(
                 f"broadcast of version {version} (bucket {done + 1}/{len(tensors)}) to engine ranks "
-                f"1..{self.handle.num_engines} failed within {self.handle.timeout_s:g} s: {e}"
+                f"{encode_members(self.members[1:])} failed within {self.handle.timeout_s:g} s: {e}"
             ) from e
         self._await_acks(version)
 
-    def _replacement_waiting(self) -> bool:
+    def _registered(self) -> list[int]:
+        """The ranks of the engines registered since the last welcome, in registration order."""
         assert self.store is not None
-        return self.store.add("joins", 0) > self.joins_seen
+        total = self.store.add("joins", 0)
+        return [int(self.store.get(f"join/{j}")) for j in range(self.joins_seen + 1, total + 1)]
+
+    def _replacement_waiting(self) -> bool:
+        """A member's replacement registered: the current group has a dead member. (An engine that
+        joins as a new member does not stop a round: the next round welcomes it.)"""
+        return any(rank in self.members for rank in self._registered())
 
     def _welcome_joins(self) -> bool:
-        """Give every newly registered replacement the next round; True when there was one."""
+        """Give every newly registered engine the next round (a joining rank becomes a member);
+        True when there was one."""
         assert self.store is not None
         total = self.store.add("joins", 0)
         for j in range(self.joins_seen + 1, total + 1):
+            rank = int(self.store.get(f"join/{j}"))
+            if rank not in self.members:
+                self.members = sorted([*self.members, rank])
             self.store.set(f"welcome/{j}", str(self.round + 1))
         joined = total > self.joins_seen
         self.joins_seen = total
         return joined
 
-    def _await_replacement(self, failure: TransportError) -> None:
-        """After a failed round: return once a replacement engine registered, else raise `failure`."""
+    def _await_live_members(self, failure: TransportError | None) -> None:
+        """Before a new group (after a failed round, or to welcome registered engines): return once
+        every member is alive or has a registered replacement, else raise. Roll calls tell the
+        living from the dead, so a new group never waits on a dead member, and an engine that
+        registered as a new member is not taken for the replacement of a dead one."""
         assert self.store is not None
         wait_s = self.opts.rejoin_timeout_s
-        key = f"join/{self.joins_seen + 1}"
+        deadline = time.monotonic() + wait_s
+        while True:
+            silent = self._roll_call()
+            missing = sorted(set(silent) - set(self._registered()))
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                why = f"{failure}; " if failure is not None else ""
+                raise TransportError(
+                    f"{why}engine rank(s) {encode_members(missing)} are gone and no replacement joined "
+                    f"within {wait_s:g} s (transport.rejoin_timeout_s)"
+                )
+
+    def _roll_call(self) -> list[int]:
+        """The members (engine ranks) that do not answer a roll call within _ROLL_WINDOW."""
+        assert self.store is not None
+        self.round += 1
+        self.store.set(f"r{self.round}", ROLL)
+        keys = {rank: f"here{rank}/r{self.round}" for rank in self.members[1:]}
         try:
-            if wait_s <= 0:
-                raise TimeoutError("rejoin_timeout_s is 0")
-            self.store.wait([key], timedelta(seconds=wait_s))
-        except Exception as e:  # the store raises DistStoreError on timeout
-            raise TransportError(
-                f"{failure}; no replacement engine joined within {wait_s:g} s (transport.rejoin_timeout_s)"
-            ) from e
+            self.store.wait(list(keys.values()), _ROLL_WINDOW)
+        except Exception:  # the store raises DistStoreError on timeout: someone is silent
+            pass
+        silent = [rank for rank, key in keys.items() if not self.store.check([key])]
+        for key in keys.values():  # the round's own key stays: a member that was slow still reads it
+            self.store.delete_key(key)
+        return silent
 
     def _await_acks(self, version: int) -> None:
         """Every engine confirms it holds the round's version; a silent or dead engine is named."""
         assert self.store is not None
-        keys = [f"ack{rank}/r{self.round}" for rank in range(1, 1 + self.handle.num_engines)]
+        keys = [f"ack{rank}/r{self.round}" for rank in self.members[1:]]
         deadline = time.monotonic() + self.handle.timeout_s
         while True:
             try:
@@ -268,12 +323,14 @@ class BroadcastSource:
         self.failed_rounds = 0  # rounds this engine could not receive (the trainer sent them again)
         self.closing = threading.Event()
         self.store = make_store(handle, opts, rank)
+        self.bind = address_towards(opts.host)  # where this member's gloo pairs listen
         self.pg: Group | None = None
         self.generation = -1
         self.retired: list[Group] = []
         self.join: int | None = None
         self.copies = 0
-        replacement = self.store.check([_STARTED])  # the group is running: this engine replaces a dead one
+        # the group is running (this engine replaces a dead one), or this rank joins it later
+        replacement = rank not in first_members(handle) or self.store.check([_STARTED])
         if not replacement:
             self.store.set(f"device/{rank}", member_device(self.device))
         self.backend = self._await_backend()
@@ -283,7 +340,7 @@ class BroadcastSource:
             self.join = self.store.add("joins", 1)
             self.store.set(f"join/{self.join}", str(rank))
         else:
-            self.pg, self.generation = make_group(self.store, handle, rank, 0, self.backend), 0
+            self.pg, self.generation = make_group(self.store, handle, rank, 0, self.backend, bind=self.bind), 0
         self.thread = threading.Thread(target=self._receive_loop, name=f"weights-rx-{rank}", daemon=True)
         self.thread.start()
 
@@ -339,6 +396,10 @@ class BroadcastSource:
             value = self._wait(f"r{n}", f"round {n}")
             if value is None or value == STOP.encode() or self.closing.is_set():
                 return
+            if value == ROLL.encode():  # the trainer asks who is alive after a failed round
+                self.store.set(f"here{self.rank}/r{n}", "1")
+                n += 1
+                continue
             version, generation = (int(x) for x in value.split())
             try:
                 if generation != self.generation:  # the trainer re-planned the group: build our member of it
@@ -346,7 +407,10 @@ class BroadcastSource:
                         self.retired.append(self.pg)
                         retire(self.pg, self.backend)
                     self.pg = None
-                    self.pg = make_group(self.store, self.handle, self.rank, generation, self.backend)
+                    members = decode_members(self.store.get(f"members/g{generation}"))
+                    self.pg = make_group(
+                        self.store, self.handle, self.rank, generation, self.backend, members, self.bind
+                    )
                     self.generation = generation
                 assert self.pg is not None
                 works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]

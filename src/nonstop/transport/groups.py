@@ -3,11 +3,16 @@ store, waiting on its works within a deadline, and retiring one that a failed ro
 
 A group is built directly from a `ProcessGroupGloo` / `ProcessGroupNCCL` over a `PrefixStore`
 (one prefix per generation, broadcast.py), never through `init_process_group`, so it is
-separate from any training group and from the default group.
+separate from any training group and from the default group. Its members are transport ranks
+(the trainer's 0 first); a member's rank in the group is its place in that list, so a group can
+take engines that join after the start. Each gloo member listens on an address given to it (the
+trainer: its store's host; an engine: its own address on the route to that host), never on
+whatever the machine's host name resolves to.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -84,25 +89,59 @@ def retire(pg: Group, backend: Backend) -> None:
                 pass
 
 
+def first_members(handle: TransportHandle) -> list[int]:
+    """The transport ranks of the first group: the trainer and the engines that attach at the start."""
+    first = handle.num_engines if handle.first_engines is None else handle.first_engines
+    return list(range(1 + first))
+
+
 def make_store(handle: TransportHandle, opts: BroadcastOptions, rank: int) -> dist.TCPStore:
+    """The trainer's store (rank 0 serves it and waits for the first engines), or a client of it."""
     connect = timedelta(seconds=handle.connect_timeout_s)
-    return dist.TCPStore(opts.host, opts.port, 1 + handle.num_engines, is_master=rank == 0, timeout=connect)
+    return dist.TCPStore(opts.host, opts.port, len(first_members(handle)), is_master=rank == 0, timeout=connect)
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (the kernel picks it; connecting a UDP
+    socket sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
 
 
 def make_group(
-    store: dist.TCPStore, handle: TransportHandle, rank: int, generation: int, backend: Backend = "gloo"
+    store: dist.TCPStore,
+    handle: TransportHandle,
+    rank: int,
+    generation: int,
+    backend: Backend = "gloo",
+    members: list[int] | None = None,
+    bind: str = "127.0.0.1",
 ) -> Group:
-    """This rank's member of the group of `generation` (gloo blocks until all N + 1 ranks built
-    it; NCCL connects at the first collective)."""
-    world = 1 + handle.num_engines
+    """Transport rank `rank`'s member of the group of `generation`, whose members are the
+    transport ranks `members` (None: the first group's); gloo blocks until every member built it
+    and listens on `bind`; NCCL connects at the first collective."""
+    members = first_members(handle) if members is None else members
+    world, group_rank = len(members), members.index(rank)
     prefixed = dist.PrefixStore(f"g{generation}/", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()  # absent from CPU builds of torch
         options._timeout = timedelta(seconds=handle.timeout_s)
-        return cast(Group, dist.ProcessGroupNCCL(prefixed, rank, world, options))
-    pg = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=handle.connect_timeout_s))
+        return cast(Group, dist.ProcessGroupNCCL(prefixed, group_rank, world, options))
+    gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # absent from torch's stubs
+    gloo._timeout = timedelta(seconds=handle.connect_timeout_s)
+    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+    pg = dist.ProcessGroupGloo(prefixed, group_rank, world, gloo)
     pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
     return cast(Group, pg)
+
+
+def encode_members(members: list[int]) -> str:
+    return ",".join(map(str, members))
+
+
+def decode_members(value: bytes) -> list[int]:
+    return [int(r) for r in value.decode().split(",")]
 
 
 def decode_backend(value: bytes, rank: int) -> Backend:

@@ -1,0 +1,92 @@
+"""A Ray cluster of several nodes on this host (support/cluster.py), reached as a user reaches one:
+`nonstop train` with runtime.ray_address. Roles are placed by node resource; a node that crashes
+mid-run takes its engine with it, and the run goes on.
+
+Default tier: two nodes, one worker node removed (its engine re-placed on the head node, which
+has room). Slow tier: the whole scenario of bench/cluster.py (a node joins and its engine
+serves with the trainer's exact weights; a node is lost under each node-loss policy, over
+broadcast and over files; the trainer dies and the run resumes), through the same harness."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
+
+TRAIN_PROMPTS = 80
+
+
+@needs_ray
+def test_a_crashed_nodes_engine_is_replaced_on_the_survivor_and_no_prompt_is_lost(tiny_dir, tmp_path):
+    """Head node: the trainer and room for two engines; one worker node: room for one. The two
+    engines spread one per node; mid-run the worker node is SIGKILLed with its engine generating.
+    The engine is re-placed on the head (policy 'replace'), its prompts are generated again, every
+    prompt of the epoch is trained exactly once, every engine ends with the trainer's exact
+    weights, and no socket of the cluster or the run ever has an end outside 127.0.0.0/8."""
+    from support.cluster import (
+        EventPipe,
+        LoopbackAudit,
+        LoopbackCluster,
+        cluster_args,
+        nonstop_train,
+        own_addresses,
+        ray_logs_mention,
+    )
+
+    root = Path(tempfile.mkdtemp(prefix="nsc-", dir="/tmp"))  # short: Ray's socket paths are limited
+    audit = LoopbackAudit()
+    cluster = LoopbackCluster(root, head_resources={"trainer_node": 1, "engine_node": 2}, head_cpus=3)
+    pipe = EventPipe(root / "events")
+    removed: dict = {}
+    try:
+        worker = cluster.add_node({"engine_node": 1}, cpus=1)
+
+        def remove() -> None:
+            removed["engines"] = cluster.engines_on(worker.ip)
+            removed["at"] = cluster.remove_node(worker.ip)
+
+        pipe.on("remove", remove)
+        result = nonstop_train(
+            cluster_args(
+                tiny_dir, cluster.address, "lost", {"transport.kind": "files", "transport.dir": str(root / "w")}
+            ),
+            cwd=tmp_path,
+            cluster=cluster,
+            pipe=pipe,
+            timeout_s=300,
+            NONSTOP_TEST_FIFO=str(root / "events"),
+            NONSTOP_TEST_EVENTS="remove@160",
+        )
+        remaining = cluster.actors()
+    finally:
+        pipe.close()
+        audit.stop()
+        cluster.shutdown()
+        log_hits = ray_logs_mention(root, own_addresses())
+        shutil.rmtree(root, ignore_errors=True)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert not pipe.errors, pipe.errors
+    assert [name for name, _ in pipe.seen] == ["remove"]
+    assert len(removed["engines"]) == 1, removed  # SPREAD put one engine on each node
+    lost = removed["engines"][0]
+    assert "went with its node 127.0.0.3" in out and f"{lost}: actor" in out, out[-4000:]
+    summary = json.loads((tmp_path / "runs" / "lost" / "summary.json").read_text())
+    ledger, faults = summary["prompts"], summary["engine_faults"]
+    assert ledger["duplicated"] == 0 and ledger["unknown"] == 0 and ledger["in_flight"] == 0, ledger
+    assert ledger["settled"] == TRAIN_PROMPTS, ledger
+    assert faults["restarts"] == 1 and "left the Ray cluster" in faults["reasons"][0], faults
+    assert faults["noticed_at"][0] >= removed["at"]
+    newest = sorted((tmp_path / "runs" / "lost" / "checkpoints").glob("step_*"))[-1]
+    assert (newest / "model" / "model.safetensors").exists()  # the trainer wrote into the run folder, not its own cwd
+    weights = summary["weights_crc32"]
+    assert all(engine == weights["trainer"] for engine in weights["engines"]), weights
+    assert not remaining  # the run stopped its actors
+    assert audit.samples > 0 and not audit.found, sorted(audit.found)[:10]
+    assert not log_hits, log_hits[:10]
