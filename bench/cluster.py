@@ -234,7 +234,7 @@ def main() -> None:
         f"duplicated={sum(max(r['duplicated'], 0) for r in rows.values())} "
         f"detect_s={fmt(max((r['detect_s'] for r in rows.values() if r['detect_s'] is not None), default=None))} "
         f"recover_s={fmt(max(replaced, default=None))} wait_recover_s={fmt(max(wait, default=None))} "
-        f"joined_weights={'exact' if joined_exact and all(joined_exact) else "DIFFER" if joined_exact else '-'} "
+        f"joined_weights={'exact' if joined_exact and all(joined_exact) else 'DIFFER' if joined_exact else '-'} "
         f"resumed={'yes' if any(r['resumed'] for r in rows.values()) else 'no'}"
     )
 
