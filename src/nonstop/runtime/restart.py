@@ -77,6 +77,7 @@ class RestartingEngine:
         self.faults = RestartStats()
         self._lock = asyncio.Lock()
         self._hung_since: float | None = None
+        self._last_stats: list[EngineStats] | None = None
 
     async def begin(self) -> "RestartingEngine":
         self.engine = await self._start()
@@ -99,7 +100,20 @@ class RestartingEngine:
         return await self._retry(lambda e: e.generate(requests, timeout_s), prompts=len(requests))
 
     async def stats(self) -> list[EngineStats]:
-        return await self._retry(lambda e: e.stats())
+        """The engine's counters. While the engine is down or being replaced (which can take
+        minutes: a node-loss replacement may wait for a node), the last counters it gave, so a
+        caller that only reports (the learning loop, each step) never waits for the replacement;
+        the heartbeat and the calls that need the engine do the restarting."""
+        if self._last_stats is not None and (self._lock.locked() or not self.is_alive()):
+            return self._last_stats
+        engine = self.engine
+        assert engine is not None, "begin() first"
+        try:
+            self._last_stats = await engine.stats()
+        except ActorDied:
+            if self._last_stats is None:
+                self._last_stats = await self._retry(lambda e: e.stats())
+        return self._last_stats
 
     async def ping(self, timeout_s: float | None = None) -> int:
         return await self._retry(lambda e: e.ping(timeout_s))
