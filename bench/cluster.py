@@ -228,14 +228,14 @@ def main() -> None:
             print(f"{name}: errors {r['errors']}, off loopback {r['foreign'][:5]}\n{r['output_tail']}")
     replace = [r["recover_s"] for n, r in rows.items() if n == "grow_replace" and r["recover_s"] is not None]
     wait = [r["recover_s"] for n, r in rows.items() if n == "wait_join" and r["recover_s"] is not None]
-    joined = [r["joined_weights_exact"] for r in rows.values() if r["joined"]]
+    joins_exact = [r["joined_weights_exact"] for r in rows.values() if r["joined"]]
     print(
         f"RESULT nodes={max((r['nodes'] for r in rows.values()), default=0)} "
         f"lost={sum(r['lost'] for r in rows.values())} "
         f"duplicated={sum(max(r['duplicated'], 0) for r in rows.values())} "
         f"detect_s={fmt(max((r['detect_s'] for r in rows.values() if r['detect_s'] is not None), default=None))} "
         f"recover_s={fmt(max(replace, default=None))} wait_recover_s={fmt(max(wait, default=None))} "
-        f"joined_weights={'exact' if joined and all(joined) else 'DIFFER' if joined else '-'} "
+        f"joined_weights={'exact' if joins_exact and all(joins_exact) else 'DIFFER' if joins_exact else '-'} "
         f"resumed={'yes' if any(r['resumed'] and r['resume_hint'] and r['completed'] for r in rows.values()) else 'no'}"
     )
 
