@@ -73,17 +73,21 @@ class LoopbackCluster:
         _reload_auth_settings()  # Ray may have read the auth settings before they were set
         from ray.cluster_utils import Cluster
 
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "node_ip_address": HEAD_IP,
-                "num_cpus": head_cpus,
-                "resources": head_resources,
-                "temp_dir": str(root),
-                "include_dashboard": False,
-                "_system_config": FAST_HEALTH_CHECK,
-            },
-        )
+        from nonstop.runtime.ray import cloud_probe_refused
+
+        # the head's dashboard asks cloud metadata endpoints which cloud it runs on: refused (runtime/ray.py)
+        with cloud_probe_refused():
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "node_ip_address": HEAD_IP,
+                    "num_cpus": head_cpus,
+                    "resources": head_resources,
+                    "temp_dir": str(root),
+                    "include_dashboard": False,
+                    "_system_config": FAST_HEALTH_CHECK,
+                },
+            )
         self.address = self.cluster.address
         self.nodes: dict[str, Node] = {HEAD_IP: Node(HEAD_IP, head_resources, self.cluster.head_node)}
         self.last_octet = 2
@@ -235,9 +239,14 @@ def foreign_sockets(root_pid: int) -> list[str]:
             for end in (local, remote):
                 addr = _hex_address(end.split(":")[0])
                 if not (addr.is_loopback or addr.is_unspecified):
-                    found.append(
-                        f"pid {inodes[inode]}: {_hex_address(local.split(':')[0])} -> {addr} (state {cols[3]})"
-                    )
+                    pid = inodes[inode]
+                    try:
+                        who = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+                    except OSError:
+                        who = "?"
+                    ends = f"{_hex_address(local.split(':')[0])} -> {_hex_address(remote.split(':')[0])}"
+                    found.append(f"pid {pid} ({who}): {ends} (state {cols[3]})")
+                    break
     return found
 
 
