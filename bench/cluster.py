@@ -11,9 +11,10 @@ reward function at chosen samples.
                   per worker node: engine-2 waits for room. A node with two slots joins: engine-2
                   starts there, receives the current weights and serves. 3 s after it runs, a
                   worker node is SIGKILLed: its engine is re-placed on the joined node's free slot.
-    wait_join     transport files (a folder every node sees), node_loss 'wait': a worker node is
-                  SIGKILLed, its engine waits while the other serves; 3 s later a node joins and
-                  the engine starts there (its recovery time includes that wait).
+    wait_join     transport files (a folder every node sees), node_loss 'wait', two slots per worker
+                  node: a worker node is SIGKILLed, its engine waits while the other serves (the
+                  survivor has room, but 'wait' keeps it for a new node); 3 s later a node joins
+                  and the engine starts there (its recovery time includes that wait).
     trainer_resume transport broadcast: the trainer on the head node is SIGKILLed; the run stops
                   naming `nonstop train --resume`, and the resume on the same cluster finishes.
 
@@ -51,9 +52,11 @@ from support.cluster import (  # noqa: E402
     run_scenario,
     then,
     until_alive,
+    until_engine_on_added_node,
 )
 
 ONE_SLOT = ({"engine_node": 1.0}, 1)
+TWO_SLOTS = ({"engine_node": 2.0}, 2)
 # two epochs of 1580 train prompts: room for the events
 LONGER = {"task.max_operand": "39", "task.eval_size": "20", "run.max_epochs": "2"}
 TRAIN = 2 * 1580
@@ -81,7 +84,7 @@ def scenarios() -> dict[str, Scenario]:
         "wait_join": Scenario(
             "wait_join",
             head={"trainer_node": 1.0},
-            workers=[ONE_SLOT, ONE_SLOT],
+            workers=[TWO_SLOTS, TWO_SLOTS],  # the survivor has room: 'wait' must not use it
             sets={
                 **LONGER,
                 "runtime.node_loss.policy": "wait",
@@ -90,7 +93,13 @@ def scenarios() -> dict[str, Scenario]:
                 "transport.dir": "{root}/shared-weights",
             },
             events="remove@400",
-            actions={"remove": then(remove_engine_node, add_node({"engine_node": 1.0}, cpus=1, after_s=3.0))},
+            actions={
+                "remove": then(
+                    remove_engine_node,
+                    add_node({"engine_node": 1.0}, cpus=1, after_s=3.0),
+                    until_engine_on_added_node(timeout_s=120.0),  # the replacement went to the new node
+                )
+            },
         ),
         "trainer_resume": Scenario(
             "trainer_resume",

@@ -25,7 +25,7 @@ through `runtime.ray_address`, with the event set off by the run's reward functi
     node_loss   head node (trainer, room for two engines) and one worker node (one engine), the
                 engines spread one per node; the worker node is SIGKILLed mid-run: its engine is
                 re-placed on the head (runtime.node_loss 'replace'); broadcast transport
-    node_join   one engine on one worker node, runtime.max_engines 2 (380 prompts: the newcomer
+    node_join   one engine on one worker node, runtime.max_engines 2 (2480 prompts: the newcomer
                 needs time to start): a node joins, engine-1 starts there, takes the current
                 weights (files transport on a shared folder) and serves; detect is '-', recover
                 is node alive -> engine in the pool
@@ -207,7 +207,7 @@ def cluster_scenarios() -> dict:
                 "runtime.max_engines": "2",
                 "transport.kind": "files",
                 "transport.dir": "{root}/shared-weights",
-                "task.max_operand": "19",
+                "task.max_operand": "49",
             },
             events="add@40",
             actions={"add": add_node({"engine_node": 1.0}, cpus=1)},
@@ -227,7 +227,7 @@ def cluster_scenarios() -> dict:
     }
 
 
-CLUSTER_TRAIN = {"node_loss": TRAIN, "node_join": 380, "network_stall": TRAIN}
+CLUSTER_TRAIN = {"node_loss": TRAIN, "node_join": 2480, "network_stall": TRAIN}
 
 
 def cluster_scenario(name: str, model: Path, work: Path) -> dict:
@@ -309,7 +309,7 @@ def main() -> None:
         for name in args.only.split(","):
             console.log(f"scenario {name} ...")
             rows[name] = (cluster_scenario if name in CLUSTER_TRAIN else scenario)(name, model, work)
-    table = Table(title="Fault injection: one epoch of 80 prompts per row (node_join: 380)")
+    table = Table(title="Fault injection: one epoch of 80 prompts per row (node_join: 2480)")
     for col in (
         "fault",
         "epoch completed",
