@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -29,10 +27,10 @@ def test_a_crashed_nodes_engine_is_replaced_on_the_survivor_and_no_prompt_is_los
     The engine is re-placed on the head (policy 'replace'), its prompts are generated again, every
     prompt of the epoch is trained exactly once, every engine ends with the trainer's exact
     weights, and no socket of the cluster or the run ever has an end outside 127.0.0.0/8."""
-    from support.cluster import EventPipe, LoopbackCluster, cluster_args, nonstop_train
+    from support.cluster import EventPipe, LoopbackCluster, cluster_args, nonstop_train, temp_root
     from support.loopback import LoopbackAudit, own_addresses, ray_logs_mention
 
-    root = Path(tempfile.mkdtemp(prefix="nsc-", dir="/tmp"))  # short: Ray's socket paths are limited
+    root = temp_root()
     audit = LoopbackAudit()
     cluster = LoopbackCluster(root, head_resources={"trainer_node": 1, "engine_node": 2}, head_cpus=3)
     pipe = EventPipe(root / "events")

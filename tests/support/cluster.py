@@ -21,6 +21,7 @@ a fresh cluster, one run of one epoch with events at chosen samples (`remove_eng
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -47,6 +48,23 @@ FAST_HEALTH_CHECK = {
     "health_check_failure_threshold": 3,
     "enable_worker_prestart": False,  # no idle workers waiting on every node: less memory
 }
+
+
+_ROOTS: list[Path] = []
+
+
+def temp_root() -> Path:
+    """A new temp folder for one cluster, short (Ray's socket paths are limited), removed at exit
+    too: a later cluster in the same process can bring back the previous one's empty session folder."""
+    root = Path(tempfile.mkdtemp(prefix="nsc-", dir="/tmp"))
+    _ROOTS.append(root)
+    return root
+
+
+@atexit.register
+def _remove_roots() -> None:
+    for root in _ROOTS:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @dataclass
@@ -341,7 +359,7 @@ class Outcome:
 
 
 def run_scenario(sc: Scenario, model: Path, work: Path) -> Outcome:
-    root = Path(tempfile.mkdtemp(prefix="nsc-", dir="/tmp"))  # short: Ray's socket paths are limited
+    root = temp_root()
     cwd = work / sc.name
     cwd.mkdir(parents=True)
     audit = LoopbackAudit()
