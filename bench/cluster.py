@@ -11,10 +11,12 @@ reward function at chosen samples.
                   per worker node: engine-2 waits for room. A node with two slots joins: engine-2
                   starts there, receives the current weights and serves. 3 s after it runs, a
                   worker node is SIGKILLed: its engine is re-placed on the joined node's free slot.
-    wait_resume   transport files (a folder every node sees), node_loss 'wait': a worker node is
-                  SIGKILLed, its engine waits; 3 s later a node joins and the engine starts there.
-                  3 s after it runs, the trainer on the head node is SIGKILLed: the run stops naming
-                  `nonstop train --resume`, and the resume on the same cluster finishes the epochs.
+    wait_join     transport files (a folder every node sees), node_loss 'wait', two slots per worker
+                  node: a worker node is SIGKILLed, its engine waits while the other serves (the
+                  survivor has room, but 'wait' keeps it for a new node); 3 s later a node joins
+                  and the engine starts there (its recovery time includes that wait).
+    trainer_resume transport broadcast: the trainer on the head node is SIGKILLed; the run stops
+                  naming `nonstop train --resume`, and the resume on the same cluster finishes.
 
 Columns: nodes that took part, prompts lost (drawn but never settled) and duplicated (settled
 twice) from the run's ledger, engine restarts, node-loss detection (node killed -> the run
@@ -54,6 +56,7 @@ from support.cluster import (  # type: ignore[import-not-found]  # noqa: E402
 )
 
 ONE_SLOT = ({"engine_node": 1.0}, 1)
+TWO_SLOTS = ({"engine_node": 2.0}, 2)
 # two epochs of 1580 train prompts: room for the events
 LONGER = {"task.max_operand": "39", "task.eval_size": "20", "run.max_epochs": "2"}
 TRAIN = 2 * 1580
@@ -78,10 +81,10 @@ def scenarios() -> dict[str, Scenario]:
                 )
             },
         ),
-        "wait_resume": Scenario(
-            "wait_resume",
+        "wait_join": Scenario(
+            "wait_join",
             head={"trainer_node": 1.0},
-            workers=[ONE_SLOT, ONE_SLOT],
+            workers=[TWO_SLOTS, TWO_SLOTS],  # the survivor has room: 'wait' must not use it
             sets={
                 **LONGER,
                 "runtime.node_loss.policy": "wait",
@@ -94,10 +97,17 @@ def scenarios() -> dict[str, Scenario]:
                 "remove": then(
                     remove_engine_node,
                     add_node({"engine_node": 1.0}, cpus=1, after_s=3.0),
-                    until_engine_on_added_node(then_s=3.0),
-                    kill_trainer,
-                ),
+                    until_engine_on_added_node(timeout_s=120.0),  # the replacement went to the new node
+                )
             },
+        ),
+        "trainer_resume": Scenario(
+            "trainer_resume",
+            head={"trainer_node": 1.0},
+            workers=[ONE_SLOT, ONE_SLOT],
+            sets={**LONGER, "transport.kind": "broadcast"},
+            events="kill@2000",
+            actions={"kill": kill_trainer},
             resume=True,
         ),
     }
@@ -225,17 +235,17 @@ def main() -> None:
             print(f"{name}: {reason}")
         if r["output_tail"] or r["errors"] or r["foreign"]:  # plain print: the output holds brackets
             print(f"{name}: errors {r['errors']}, off loopback {r['foreign'][:5]}\n{r['output_tail']}")
-    replaced = [r["recover_s"] for n, r in rows.items() if n == "grow_replace" and r["recover_s"] is not None]
-    wait = [r["recover_s"] for n, r in rows.items() if n == "wait_resume" and r["recover_s"] is not None]
-    joined_exact = [r["joined_weights_exact"] for r in rows.values() if r["joined"]]
+    replace = [r["recover_s"] for n, r in rows.items() if n == "grow_replace" and r["recover_s"] is not None]
+    wait = [r["recover_s"] for n, r in rows.items() if n == "wait_join" and r["recover_s"] is not None]
+    joins_exact = [r["joined_weights_exact"] for r in rows.values() if r["joined"]]
     print(
         f"RESULT nodes={max((r['nodes'] for r in rows.values()), default=0)} "
         f"lost={sum(r['lost'] for r in rows.values())} "
         f"duplicated={sum(max(r['duplicated'], 0) for r in rows.values())} "
         f"detect_s={fmt(max((r['detect_s'] for r in rows.values() if r['detect_s'] is not None), default=None))} "
-        f"recover_s={fmt(max(replaced, default=None))} wait_recover_s={fmt(max(wait, default=None))} "
-        f"joined_weights={'exact' if joined_exact and all(joined_exact) else 'DIFFER' if joined_exact else '-'} "
-        f"resumed={'yes' if any(r['resumed'] for r in rows.values()) else 'no'}"
+        f"recover_s={fmt(max(replace, default=None))} wait_recover_s={fmt(max(wait, default=None))} "
+        f"joined_weights={'exact' if joins_exact and all(joins_exact) else 'DIFFER' if joins_exact else '-'} "
+        f"resumed={'yes' if any(r['resumed'] and r['resume_hint'] and r['completed'] for r in rows.values()) else 'no'}"
     )
 
 

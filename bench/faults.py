@@ -18,13 +18,32 @@ injected from inside the orchestrator by a test reward function (tests/support/h
     ddp_resume  two DDP trainer ranks, SIGKILL of rank 0, then `nonstop train --resume`
     fsdp2_resume two FSDP2 trainer ranks (sharded checkpoint), SIGKILL of rank 0, then resume
 
+Node-level rows run on a Ray cluster of several nodes on this host, one raylet per node, each on
+its own loopback address (tests/support/cluster.py; bench/cluster.py has the longer scenarios),
+through `runtime.ray_address`, with the event set off by the run's reward function:
+
+    node_loss   head node (trainer, room for two engines) and one worker node (one engine), the
+                engines spread one per node; the worker node is SIGKILLed mid-run: its engine is
+                re-placed on the head (runtime.node_loss 'replace'); broadcast transport
+    node_join   one engine on one worker node, runtime.max_engines 2 (2480 prompts: the newcomer
+                needs time to start): a node joins, engine-1 starts there, takes the current
+                weights (files transport on a shared folder) and serves; detect is '-', recover
+                is node alive -> engine in the pool
+    network_stall two engines on one worker node, broadcast; one engine is paused (SIGSTOP) for
+                8 s, then continued (SIGCONT): nothing reaches it or comes from it meanwhile, the
+                heartbeat (0.5 s, timeout 3 s) declares it hung, it is replaced, and the trainer's
+                send goes out again in a group with the replacement
+
 Columns: whether the epoch completed, prompts lost (drawn or due but never settled) and
 duplicated (settled twice) from the run's ledger, engine restarts, time to detect and to
 recover, and wall time relative to the fault-free run (all invocations of the row summed).
-The last line: `RESULT scenarios=<n> survived=<n> lost=<total> duplicated=<total>`, where a
-scenario survived if its epoch completed with no prompt lost or duplicated.
+For a node loss, detection is wall clock from the node's SIGKILL to the run noticing. The last
+line: `RESULT scenarios=<n> survived=<n> lost=<total> duplicated=<total>`, where a scenario
+survived if its epoch completed with no prompt lost or duplicated (a node row also needs its
+event to have happened and every socket of the cluster and the run to have stayed on loopback).
 
-    python bench/faults.py
+    python bench/faults.py                     # every row, one after the other
+    python bench/faults.py --only node_loss,node_join,network_stall
 """
 
 from __future__ import annotations
@@ -164,6 +183,91 @@ def scenario(name: str, model: Path, work: Path) -> dict:
     }
 
 
+def cluster_scenarios() -> dict:
+    """The node-level rows (see the module docstring), as support.cluster scenarios."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.cluster import Scenario, add_node, remove_engine_node, stall_engine
+
+    return {
+        "node_loss": Scenario(
+            "node_loss",
+            head={"trainer_node": 1.0, "engine_node": 2.0},
+            head_cpus=3,
+            workers=[({"engine_node": 1.0}, 1)],
+            sets={"transport.kind": "broadcast"},
+            events="remove@160",
+            actions={"remove": remove_engine_node},
+        ),
+        "node_join": Scenario(
+            "node_join",
+            head={"trainer_node": 1.0},
+            workers=[({"engine_node": 1.0}, 1)],
+            sets={
+                "runtime.num_engines": "1",
+                "runtime.max_engines": "2",
+                "transport.kind": "files",
+                "transport.dir": "{root}/shared-weights",
+                "task.max_operand": "49",
+            },
+            events="add@40",
+            actions={"add": add_node({"engine_node": 1.0}, cpus=1)},
+        ),
+        "network_stall": Scenario(
+            "network_stall",
+            head={"trainer_node": 1.0},
+            workers=[({"engine_node": 2.0}, 2)],
+            sets={
+                "transport.kind": "broadcast",
+                "runtime.heartbeat_interval_s": "0.5",
+                "runtime.heartbeat_timeout_s": "3",
+            },
+            events="stall@160",
+            actions={"stall": stall_engine(8.0)},
+        ),
+    }
+
+
+CLUSTER_TRAIN = {"node_loss": TRAIN, "node_join": 2480, "network_stall": TRAIN}
+
+
+def cluster_scenario(name: str, model: Path, work: Path) -> dict:
+    sc = cluster_scenarios()[name]  # puts tests/ on the path first
+    from support.cluster import run_scenario
+
+    t0 = time.perf_counter()
+    out = run_scenario(sc, model, work)
+    wall = time.perf_counter() - t0
+    summary, rec = out.summary, out.record
+    ledger, faults = summary.get("prompts", {}), summary.get("engine_faults", {})
+    detect: float | None = faults.get("max_detect_s", 0.0)
+    recover: float | None = faults.get("max_recover_s", 0.0)
+    if "removed_at" in rec:  # a node loss: from the node's death, wall clock, to the run noticing
+        detect = max((at - rec["removed_at"] for at in faults.get("noticed_at", [])), default=None)
+    if name == "node_join":
+        joins = summary.get("engine_joins", [])
+        detect = None
+        recover = joins[0]["at"] - rec["added_alive_at"] if joins and "added_alive_at" in rec else None
+    happened = {"node_loss": "removed_at", "node_join": "added_at", "network_stall": "stalled_at"}[name] in rec
+    if name == "node_join":
+        happened = happened and bool(summary.get("engine_joins"))
+    completed = bool(out.codes) and out.codes[-1] == 0 and happened and not out.foreign and not out.errors
+    return {
+        "completed": completed,
+        "exit_codes": out.codes,
+        "lost": CLUSTER_TRAIN[name] - ledger.get("settled", 0) + ledger.get("in_flight", 0),
+        "duplicated": ledger.get("duplicated", -1),
+        "restarts": faults.get("restarts", 0),
+        "requeued": ledger.get("requeued", 0) + faults.get("requeued", 0),
+        "detect_s": detect,
+        "recover_s": recover,
+        "skipped_steps": summary.get("skipped_steps", 0),
+        "wall_s": wall,
+        "fell_back": False,
+        "resumed": False,
+        "output_tail": "" if completed else f"{out.errors} {out.foreign[:5]}\n{out.output[-1500:]}",
+    }
+
+
 SCENARIOS = (
     "none",
     "engine_kill",
@@ -176,6 +280,9 @@ SCENARIOS = (
     "broadcast_kill",
     "ddp_resume",
     "fsdp2_resume",
+    "node_loss",
+    "node_join",
+    "network_stall",
 )
 
 
@@ -201,8 +308,8 @@ def main() -> None:
         rows = {}
         for name in args.only.split(","):
             console.log(f"scenario {name} ...")
-            rows[name] = scenario(name, model, work)
-    table = Table(title="Fault injection: one epoch of 80 prompts per row")
+            rows[name] = (cluster_scenario if name in CLUSTER_TRAIN else scenario)(name, model, work)
+    table = Table(title="Fault injection: one epoch of 80 prompts per row (node_join: 2480)")
     for col in (
         "fault",
         "epoch completed",
@@ -230,15 +337,15 @@ def main() -> None:
             str(r["duplicated"]),
             str(r["requeued"]),
             str(r["restarts"]),
-            f"{r['detect_s']:.2f}",
-            f"{r['recover_s']:.2f}",
+            "-" if r["detect_s"] is None else f"{r['detect_s']:.2f}",
+            "-" if r["recover_s"] is None else f"{r['recover_s']:.2f}",
             str(r["skipped_steps"]),
             f"{r['wall_s'] / base:.2f}x",
         )
     console.print(table)
     for name, r in rows.items():
-        if r["output_tail"]:
-            console.print(f"[red]{name} did not complete[/]; its output ended with:\n{r['output_tail']}")
+        if r["output_tail"]:  # plain print: the output holds brackets
+            print(f"{name} did not complete; its output ended with:\n{r['output_tail']}")
     survived = sum(r["completed"] and r["lost"] == 0 and r["duplicated"] == 0 for r in rows.values())
     print(
         f"RESULT scenarios={len(rows)} survived={survived} lost={sum(r['lost'] for r in rows.values())} "

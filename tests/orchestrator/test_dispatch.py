@@ -101,3 +101,13 @@ def test_least_loaded_placement_counts_samples_in_flight(tiny_dir):
     assert place(in_flight, _requests(tok, 4, 2)) == [[], [0, 2], [1, 3]]
     assert in_flight == [8, 4, 4]
     assert place(in_flight, _requests(tok, 1, 2)) == [[], [0], []]
+
+
+def test_an_engine_that_is_down_gets_no_new_request_while_another_is_up(tiny_dir):
+    """Engine 1 is being replaced (its calls wait for the replacement): the others take the work,
+    however few samples it holds; with every engine down, placement falls back to all of them."""
+    tok = load_tokenizer(str(tiny_dir))
+    in_flight = [8, 0, 4]
+    assert place(in_flight, _requests(tok, 3, 2), up=[True, False, True]) == [[2], [], [0, 1]]
+    assert in_flight == [10, 0, 8]
+    assert place(in_flight, _requests(tok, 1, 2), up=[False, False, False]) == [[], [0], []]

@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -29,17 +27,10 @@ def test_a_crashed_nodes_engine_is_replaced_on_the_survivor_and_no_prompt_is_los
     The engine is re-placed on the head (policy 'replace'), its prompts are generated again, every
     prompt of the epoch is trained exactly once, every engine ends with the trainer's exact
     weights, and no socket of the cluster or the run ever has an end outside 127.0.0.0/8."""
-    from support.cluster import (
-        EventPipe,
-        LoopbackAudit,
-        LoopbackCluster,
-        cluster_args,
-        nonstop_train,
-        own_addresses,
-        ray_logs_mention,
-    )
+    from support.cluster import EventPipe, LoopbackCluster, cluster_args, nonstop_train, temp_root
+    from support.loopback import LoopbackAudit, own_addresses, ray_logs_mention
 
-    root = Path(tempfile.mkdtemp(prefix="nsc-", dir="/tmp"))  # short: Ray's socket paths are limited
+    root = temp_root()
     audit = LoopbackAudit()
     cluster = LoopbackCluster(root, head_resources={"trainer_node": 1, "engine_node": 2}, head_cpus=3)
     pipe = EventPipe(root / "events")
@@ -90,3 +81,43 @@ def test_a_crashed_nodes_engine_is_replaced_on_the_survivor_and_no_prompt_is_los
     assert not remaining  # the run stopped its actors
     assert audit.samples > 0 and not audit.found, sorted(audit.found)[:10]
     assert not log_hits, log_hits[:10]
+
+
+@pytest.mark.slow
+@needs_ray
+def test_the_whole_multi_node_scenario_of_bench_cluster(tmp_path):
+    """bench/cluster.py's three runs, each on a fresh loopback cluster: a node joins and its engine
+    serves with the trainer's exact weights, then a worker node crashes and its engine is re-placed
+    (broadcast, policy 'replace'); a node crashes and its engine waits for a new node (files on a
+    shared folder, policy 'wait'); the head's trainer dies and `nonstop train --resume` on the same
+    cluster finishes the run. Every run: 0 prompts lost, 0 duplicated, nothing off loopback."""
+    import re
+    import subprocess
+    import sys
+
+    from support import ROOT, child_env
+
+    out = tmp_path / "rows.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "cluster.py"), "--json", str(out)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"grow_replace", "wait_join", "trainer_resume"}
+    for name, r in rows.items():
+        assert r["completed"] and r["lost"] == 0 and r["duplicated"] == 0, (name, r)
+        assert not r["foreign"] and not r["errors"] and r["weights_exact"], (name, r)
+    grow = rows["grow_replace"]
+    assert [j["engine"] for j in grow["joined"]] == ["engine-2"] and grow["joined"][0]["tokens"] > 0, grow
+    assert grow["joined_weights_exact"] and grow["restarts"] == 1 and "left the Ray cluster" in grow["reasons"][0]
+    wait = rows["wait_join"]
+    assert wait["restarts"] == 1 and "left the Ray cluster" in wait["reasons"][0] and wait["recover_s"] > 3.0, wait
+    resume = rows["trainer_resume"]
+    assert resume["exit_codes"] == [1, 0] and resume["resume_hint"] and resume["resumed"], resume
+    line = result.stdout.strip().splitlines()[-1]
+    assert re.match(r"RESULT nodes=4 lost=0 duplicated=0 detect_s=[0-9.]+ recover_s=[0-9.]+ ", line), line
+    assert "joined_weights=exact resumed=yes" in line, line

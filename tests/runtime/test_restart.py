@@ -65,6 +65,44 @@ def test_a_killed_engine_is_replaced_and_its_pending_prompts_generated_again(tin
     asyncio.run(go())
 
 
+def test_stats_during_a_replacement_answer_with_the_last_counters_instead_of_waiting(tiny_dir):
+    """A replacement can take minutes (runtime.node_loss 'wait' holds it until a node joins): the
+    learning loop's per-step stats must not wait for it. Held here by a gate that opens only
+    after the stats came back; then the replacement serves and reports its own counters."""
+
+    async def go():
+        backend = make_backend(LocalRuntimeConfig())
+        cfg = Config.model_validate({"model": {"path": str(tiny_dir)}})
+        tok = load_tokenizer(str(tiny_dir))
+        gate = asyncio.Event()
+        started = []
+
+        async def start():
+            if started:
+                await gate.wait()  # no room for the replacement yet
+            engine = await spawn_engine(backend, cfg, tiny_dir, tok, 0)
+            started.append(engine)
+            return engine
+
+        try:
+            engine = await RestartingEngine("engine", start, 2, 60.0, 60.0).begin()
+            await engine.generate(_requests(tok, 1))
+            before = await engine.stats()
+            os.kill(started[0].actor.pid, signal.SIGKILL)
+            pending = asyncio.ensure_future(engine.generate(_requests(tok, 2)))  # restarts, held by the gate
+            while not engine.faults.restarts and not engine._lock.locked():
+                await asyncio.sleep(0.05)
+            assert await asyncio.wait_for(engine.stats(), 30) == before  # at once, the last counters
+            gate.set()
+            results = await pending
+            [after] = await engine.stats()
+            assert after["tokens_generated"] == sum(len(s.completion_ids) for samples in results for s in samples)
+        finally:
+            await backend.shutdown()
+
+    asyncio.run(go())
+
+
 def test_a_hung_engine_is_detected_by_the_heartbeat_within_its_timeout(tiny_dir):
     async def go():
         backend = make_backend(LocalRuntimeConfig())

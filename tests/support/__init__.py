@@ -1,8 +1,9 @@
 """Helpers shared by the tests, importable as `support.*` (pytest puts tests/ on sys.path for the
 root conftest.py): child-process targets (`helpers`), reward functions named in configs by their
 dotted path (`support.scoring_helpers:...`, `support.helpers:...`), a two-role environment
-(`support.two_role_env:Duel`), an HTTP server around an engine (`served`) and the runner of the real
-CLI (`cli`).
+(`support.two_role_env:Duel`), an HTTP server around an engine (`served`), the runner of the real
+CLI (`cli`), and a Ray cluster of several nodes on loopback addresses (`cluster`, checked by
+`loopback`).
 
 Processes that do not inherit this process's sys.path (subprocesses, Ray workers) find `support`
 and this checkout's sources through `child_env()` / `PYTHONPATH`."""

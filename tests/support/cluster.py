@@ -11,9 +11,8 @@ so a node that dies is declared dead within about 1.5 s (Ray's default takes 15 
 `nonstop_train(...)` runs the real CLI against the cluster through `runtime.ray_address`, as a
 user would. `EventPipe` is the FIFO through which the run's reward function
 (`support.helpers:cluster_event_reward`) tells the harness that the moment for an event came
-(remove a node, add one, kill the trainer). `LoopbackAudit` watches the sockets of this process
-tree (the nodes, their actors, the run) and records any address outside 127.0.0.0/8; `ray_logs_mention`
-searches Ray's logs for the machine's own non-loopback addresses.
+(remove a node, add one, kill the trainer); support/loopback.py watches that nothing leaves
+loopback.
 
 `run_scenario(...)` puts them together for one scenario of bench/cluster.py and bench/faults.py:
 a fresh cluster, one run of one epoch with events at chosen samples (`remove_engine_node`,
@@ -22,7 +21,7 @@ a fresh cluster, one run of one epoch with events at chosen samples (`remove_eng
 
 from __future__ import annotations
 
-import ipaddress
+import atexit
 import json
 import os
 import queue
@@ -34,11 +33,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from support import child_env
 from support.cli import NONSTOP, small_model_args
+from support.loopback import LoopbackAudit, own_addresses, ray_logs_mention
 
 HEAD_IP = "127.0.0.2"
 # Ray's health check of the nodes, tightened for tests (names of Ray's own config entries)
@@ -48,6 +48,23 @@ FAST_HEALTH_CHECK = {
     "health_check_failure_threshold": 3,
     "enable_worker_prestart": False,  # no idle workers waiting on every node: less memory
 }
+
+
+_ROOTS: list[Path] = []
+
+
+def temp_root() -> Path:
+    """A new temp folder for one cluster, short (Ray's socket paths are limited), removed at exit
+    too: a later cluster in the same process can bring back the previous one's empty session folder."""
+    root = Path(tempfile.mkdtemp(prefix="nsc-", dir="/tmp"))
+    _ROOTS.append(root)
+    return root
+
+
+@atexit.register
+def _remove_roots() -> None:
+    for root in _ROOTS:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @dataclass
@@ -73,17 +90,21 @@ class LoopbackCluster:
         _reload_auth_settings()  # Ray may have read the auth settings before they were set
         from ray.cluster_utils import Cluster
 
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "node_ip_address": HEAD_IP,
-                "num_cpus": head_cpus,
-                "resources": head_resources,
-                "temp_dir": str(root),
-                "include_dashboard": False,
-                "_system_config": FAST_HEALTH_CHECK,
-            },
-        )
+        from nonstop.runtime.ray import cloud_probe_refused
+
+        # the head's dashboard asks cloud metadata endpoints which cloud it runs on: refused (runtime/ray.py)
+        with cloud_probe_refused():
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "node_ip_address": HEAD_IP,
+                    "num_cpus": head_cpus,
+                    "resources": head_resources,
+                    "temp_dir": str(root),
+                    "include_dashboard": False,
+                    "_system_config": FAST_HEALTH_CHECK,
+                },
+            )
         self.address = self.cluster.address
         self.nodes: dict[str, Node] = {HEAD_IP: Node(HEAD_IP, head_resources, self.cluster.head_node)}
         self.last_octet = 2
@@ -178,108 +199,6 @@ class EventPipe:
         os.write(self.fd, b"_stop\n")
         self.thread.join(timeout=60)
         os.close(self.fd)
-
-
-def _hex_address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """An address as /proc/net/tcp{,6} writes it (32-bit words in host byte order)."""
-    raw = bytes.fromhex(text)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    if len(words) == 4:
-        return ipaddress.IPv4Address(words)
-    v6 = ipaddress.IPv6Address(words)
-    return v6.ipv4_mapped or v6
-
-
-def _tree(root_pid: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree, grew = {root_pid}, True
-    while grew:
-        more = {p for p, pp in parents.items() if pp in tree} - tree
-        tree |= more
-        grew = bool(more)
-    return tree
-
-
-def _socket_inodes(pids: set[int]) -> dict[int, int]:
-    inodes = {}
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes[int(link[8:-1])] = pid
-        except OSError:
-            continue
-    return inodes
-
-
-def foreign_sockets(root_pid: int) -> list[str]:
-    """TCP sockets of `root_pid` and its descendants with an end outside loopback (a listener on
-    the wildcard address is not one: nothing connects through it unless something dials the
-    machine's own address, which then shows here as a connection)."""
-    inodes = _socket_inodes(_tree(root_pid))
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            local, remote, inode = cols[1], cols[2], int(cols[9])
-            if inode not in inodes:
-                continue
-            for end in (local, remote):
-                addr = _hex_address(end.split(":")[0])
-                if not (addr.is_loopback or addr.is_unspecified):
-                    found.append(
-                        f"pid {inodes[inode]}: {_hex_address(local.split(':')[0])} -> {addr} (state {cols[3]})"
-                    )
-    return found
-
-
-def own_addresses() -> list[str]:
-    """This machine's IPv4 addresses outside loopback (from the kernel's routing trie)."""
-    lines = Path("/proc/net/fib_trie").read_text().splitlines()
-    found = {lines[i - 1].split()[-1] for i, line in enumerate(lines) if "/32 host LOCAL" in line and i > 0}
-    return sorted(a for a in found if not ipaddress.IPv4Address(a).is_loopback)
-
-
-def ray_logs_mention(root: Path, addresses: list[str]) -> list[str]:
-    """Lines of Ray's logs under `root` that name one of `addresses`."""
-    hits = []
-    for log in root.glob("session_*/logs/*"):
-        if log.is_file():
-            text = log.read_text(errors="replace")
-            hits += [f"{log.name}: {ln.strip()[:200]}" for ln in text.splitlines() if any(a in ln for a in addresses)]
-    return hits
-
-
-@dataclass
-class LoopbackAudit:
-    """Samples `foreign_sockets` every `every_s` seconds until stopped (a watcher, not part of the run)."""
-
-    root_pid: int = field(default_factory=os.getpid)
-    every_s: float = 0.5
-    found: set[str] = field(default_factory=set)
-    samples: int = 0
-
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="loopback-audit", daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.found.update(foreign_sockets(self.root_pid))
-            self.samples += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 def nonstop_train(
@@ -440,7 +359,7 @@ class Outcome:
 
 
 def run_scenario(sc: Scenario, model: Path, work: Path) -> Outcome:
-    root = Path(tempfile.mkdtemp(prefix="nsc-", dir="/tmp"))  # short: Ray's socket paths are limited
+    root = temp_root()
     cwd = work / sc.name
     cwd.mkdir(parents=True)
     audit = LoopbackAudit()

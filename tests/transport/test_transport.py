@@ -226,6 +226,7 @@ def test_broadcast_group_takes_an_engine_that_joins_after_the_start(tiny_dir, sp
         sink.close()
 
 
+@pytest.mark.slow  # ~20 s: four engine processes, one dying; the join alone is tested fast just above
 def test_broadcast_tells_a_new_member_from_a_dead_members_replacement(tiny_dir, spawn_child):
     """Rank 2 dies while rank 3 joins (a node lost as another joins): the failed send's roll call
     finds rank 2 silent, the newcomer does not count as its replacement, and the send goes out

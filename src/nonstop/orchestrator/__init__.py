@@ -23,6 +23,7 @@ those listed before it (no circle; tests/orchestrator/test_layering.py checks it
 - actors.py        spawn engines and trainer ranks, connect the weight transport, restart engines;
 - policy_build.py  the own policies' configs, checks and actors;
 - build.py         `build_run()`: the actors and the stages wired into a `Run`;
+- grow.py          engines that join mid-run (runtime.max_engines) as nodes with room join;
 - step.py          one learner step (take, train, publish, settle), shared by both loops;
 - learn.py         the learning loops: the shared policy's `learn()`, each own policy's `learn_policy()`;
 - pipeline.py      `train()`: build the run, run the producer beside the learning loop, summarize;

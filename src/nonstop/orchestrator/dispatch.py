@@ -4,7 +4,9 @@
 requests over the engines and answers like one engine: one list of samples per request, in
 request order. Each request goes to the engine with the fewest samples in flight at that moment
 (ties: the lower index), counting the requests already placed by this call and by every
-concurrent call, so a stream of small calls and one large call balance alike. Every request is
+concurrent call, so a stream of small calls and one large call balance alike. An engine that is
+down (dead, or being replaced: its calls wait for the replacement) gets no new request while
+another engine is up. Every request is
 generated exactly once, by one engine. The pool tracks, per engine, the samples it served and
 the newest policy_version in its tokens (`versions`); weights never pass through it (every
 engine receives each published version from the transport). `stats`, `connect_transport`,
@@ -34,12 +36,14 @@ C = TypeVar("C", bound=Client)
 R = TypeVar("R")
 
 
-def place(in_flight: list[int], requests: list[GenerationRequest]) -> list[list[int]]:
+def place(in_flight: list[int], requests: list[GenerationRequest], up: list[bool] | None = None) -> list[list[int]]:
     """Indices of the requests each engine gets: one at a time to the engine with the fewest
-    samples in flight (ties: lower index); `in_flight` is updated to count them."""
+    samples in flight (ties: lower index) among those `up` (all, when none is); `in_flight` is
+    updated to count them."""
     placed: list[list[int]] = [[] for _ in in_flight]
+    usable = [j for j in range(len(in_flight)) if up is None or up[j]] or list(range(len(in_flight)))
     for i, req in enumerate(requests):
-        k = min(range(len(in_flight)), key=lambda j: (in_flight[j], j))
+        k = min(usable, key=lambda j: (in_flight[j], j))
         placed[k].append(i)
         in_flight[k] += req.n
     return placed
@@ -102,7 +106,8 @@ class EnginePool(_Several[EngineClient]):
         return results
 
     async def generate(self, requests: list[GenerationRequest], timeout_s: float | None = None) -> list[list[Sample]]:
-        placed = place(self.in_flight, requests)
+        # an engine that is down (being replaced: maybe minutes, waiting for a node) gets nothing new
+        placed = place(self.in_flight, requests, [e.is_alive() for e in self.engines])
         parts = [(k, idx) for k, idx in enumerate(placed) if idx]
         answers = await all_or_first_error(
             [

@@ -18,9 +18,15 @@ role's own policy's "b-engine" -> engine, "b-trainer-0" -> trainer); engines and
 get `runtime.ray_engine` / `runtime.ray_trainer` CPUs, GPUs and custom resources (a role placed
 on the nodes that offer its resource), spread over nodes when asked; other actors one CPU.
 Cluster: `runtime.ray_address` connects to a running cluster; without it a private local
-cluster is started on 127.0.0.1, its temp and log folder under /tmp (Ray's socket paths must
-stay short) and linked from the run folder, with a random auth token passed through the
-environment, so nothing is written to the home folder. That cluster ends with `shutdown()`.
+cluster is started on a loopback address (`PRIVATE_NODE_IP`), its temp and log folder under /tmp
+(Ray's socket paths must stay short) and linked from the run folder, with a random auth token
+passed through the environment, so nothing is written to the home folder. That cluster ends with `shutdown()`.
+Ray starts a dashboard process even with include_dashboard=False (its usage-stats module alone),
+and that module asks cloud metadata endpoints (169.254.169.254, metadata.google.internal) which
+cloud it runs on, whatever RAY_USAGE_STATS_ENABLED says: traffic off this machine. The private
+cluster's processes therefore start with a dead HTTP proxy on loopback (`cloud_probe_refused`;
+Ray's own gRPC ignores proxies), and each actor gets this process's proxy settings back through
+its runtime_env.
 
 Nodes. Each actor reports the node it runs on. When an actor dies, the backend asks Ray whether
 its node is still alive; if not, the death is a node loss (the reason says so) and the next
@@ -35,12 +41,15 @@ joins, and `spawn` returns then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import os
 import secrets
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -96,6 +105,33 @@ class _Shim:
         closer = getattr(self.obj, "close", None)
         if callable(closer):
             await asyncio.get_running_loop().run_in_executor(self.serial, closer)
+
+
+# Ray rewrites a node address of 127.0.0.1 (and a cluster address on it) into the machine's own
+# non-loopback address wherever it allows multi-node clusters (Linux): the private cluster's
+# processes would then all talk over that address. Any other loopback address it keeps.
+PRIVATE_NODE_IP = "127.0.0.2" if sys.platform.startswith("linux") else "127.0.0.1"
+_PROXY_VARS = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")
+NO_EGRESS_PROXY = "http://127.0.0.1:9"  # nothing listens there: an HTTP request through it fails at once
+
+
+@contextlib.contextmanager
+def cloud_probe_refused() -> Iterator[dict[str, str]]:
+    """While Ray starts processes: HTTP through a dead proxy on loopback (see the module's
+    docstring). Yields this process's own proxy settings ('' for unset), for the actors."""
+    saved = {k: os.environ.get(k) for k in _PROXY_VARS}
+    if os.environ.get("RAY_grpc_enable_http_proxy", "0").lower() in ("1", "true"):
+        yield {}  # Ray's gRPC would go through the proxy too: leave the environment alone
+        return
+    os.environ.update({k: NO_EGRESS_PROXY for k in _PROXY_VARS})
+    try:
+        yield {k: v or "" for k, v in saved.items()}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _cause(e: BaseException) -> str:
@@ -224,6 +260,7 @@ class RayBackend:
         self.temp_dir: Path | None = None
         self._started = False
         self._cls = ray.remote(_Shim)
+        self._actor_env: dict[str, str] = {}  # environment variables every actor gets back (private cluster)
 
     def _init(self) -> None:
         if ray.is_initialized():
@@ -244,14 +281,16 @@ class RayBackend:
             link = self.run_dir / "ray"
             if not link.exists():
                 link.symlink_to(self.temp_dir, target_is_directory=True)
-        ray.init(
-            num_cpus=self.cfg.ray_num_cpus,
-            num_gpus=self.cfg.ray_num_gpus,
-            _temp_dir=str(self.temp_dir),
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+        with cloud_probe_refused() as own_proxies:
+            ray.init(
+                num_cpus=self.cfg.ray_num_cpus,
+                num_gpus=self.cfg.ray_num_gpus,
+                _temp_dir=str(self.temp_dir),
+                _node_ip_address=PRIVATE_NODE_IP,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+        self._actor_env = own_proxies
         self._started = True
 
     @property
@@ -281,6 +320,8 @@ class RayBackend:
         self._init()  # blocking once per run; ray.init wants the main thread
         res = _resources(self.cfg, role_of(name) or name, ray.cluster_resources().get("GPU", 0.0))
         extra, limit_s, limit = self._placement(name)
+        if self._actor_env:
+            extra["runtime_env"] = {"env_vars": self._actor_env}
         # Any: Ray's stubs type an actor's methods as plain coroutines, without `.remote`.
         # Named in Ray by role (`ray list actors`, a cluster's tools); the suffix keeps a replacement's name unique.
         ray_name = f"nonstop:{name}:{secrets.token_hex(4)}"

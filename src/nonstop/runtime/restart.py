@@ -18,7 +18,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from nonstop.clients import EngineClient, EngineStats, SamplingState
 from nonstop.runtime.base import ActorDied
@@ -77,6 +77,7 @@ class RestartingEngine:
         self.faults = RestartStats()
         self._lock = asyncio.Lock()
         self._hung_since: float | None = None
+        self._last: dict[str, Any] = {}  # the last answer of each reporting call (_report)
 
     async def begin(self) -> "RestartingEngine":
         self.engine = await self._start()
@@ -98,8 +99,27 @@ class RestartingEngine:
     async def generate(self, requests: list[GenerationRequest], timeout_s: float | None = None) -> list[list[Sample]]:
         return await self._retry(lambda e: e.generate(requests, timeout_s), prompts=len(requests))
 
+    async def _report(self, what: str, call: Callable[[EngineClient], Awaitable[T]]) -> T:
+        """A call that only reports (counters, sampling state): while the engine is down or being
+        replaced (which can take minutes: a node-loss replacement may wait for a node), the last
+        answer it gave, so the learning loop's per-step report and its checkpoints never wait for
+        the replacement; the heartbeat and the calls that need the engine do the restarting."""
+        last = self._last.get(what)
+        if last is not None and (self._lock.locked() or not self.is_alive()):
+            return last
+        engine = self.engine
+        assert engine is not None, "begin() first"
+        try:
+            answer = await call(engine)
+        except ActorDied:
+            if last is not None:
+                return last
+            answer = await self._retry(call)
+        self._last[what] = answer
+        return answer
+
     async def stats(self) -> list[EngineStats]:
-        return await self._retry(lambda e: e.stats())
+        return await self._report("stats", lambda e: e.stats())
 
     async def ping(self, timeout_s: float | None = None) -> int:
         return await self._retry(lambda e: e.ping(timeout_s))
@@ -108,7 +128,9 @@ class RestartingEngine:
         await self._retry(lambda e: e.connect_transport(handle, rank))
 
     async def sampling_states(self) -> list[SamplingState]:
-        return await self._retry(lambda e: e.sampling_states())
+        """For a checkpoint; while the engine is being replaced, the state it had at the last one
+        (the replacement starts a fresh stream anyway)."""
+        return await self._report("sampling_states", lambda e: e.sampling_states())
 
     async def load_sampling_states(self, states: list[SamplingState]) -> None:
         await self._retry(lambda e: e.load_sampling_states(states))

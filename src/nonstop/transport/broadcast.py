@@ -74,6 +74,7 @@ from nonstop.transport.base import (
 from nonstop.transport.device import Backend, member_device, pick_backend, settle, tensors_device
 from nonstop.transport.groups import (
     REFUSED,
+    ROLL,
     ROUND_SLICE,
     Group,
     RoundAbandoned,
@@ -85,15 +86,13 @@ from nonstop.transport.groups import (
     first_members,
     make_group,
     make_store,
+    registered,
     retire,
+    roll_call,
 )
 from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = "stop"
-ROLL = "roll"  # a roll call instead of a version: every live member answers `here{rank}/r{n}`
-# How long a roll call waits for the members that are alive: a live member may first have to give
-# up the failed round, which it notices within one ROUND_SLICE.
-_ROLL_WINDOW = 3 * ROUND_SLICE
 _STARTED = "started"  # set once the trainer's first group is up: an engine attaching later is a replacement
 # How long one store wait for the next round lasts before it is renewed. The trainer's close()
 # wakes the waiter at once (it sets the next round to STOP), so this only bounds log noise.
@@ -213,10 +212,8 @@ class BroadcastSink:
         self._await_acks(version)
 
     def _registered(self) -> list[int]:
-        """The ranks of the engines registered since the last welcome, in registration order."""
         assert self.store is not None
-        total = self.store.add("joins", 0)
-        return [int(self.store.get(f"join/{j}")) for j in range(self.joins_seen + 1, total + 1)]
+        return registered(self.store, self.joins_seen)
 
     def _replacement_waiting(self) -> bool:
         """A member's replacement registered: the current group has a dead member. (An engine that
@@ -258,19 +255,9 @@ class BroadcastSink:
                 )
 
     def _roll_call(self) -> list[int]:
-        """The members (engine ranks) that do not answer a roll call within _ROLL_WINDOW."""
         assert self.store is not None
         self.round += 1
-        self.store.set(f"r{self.round}", ROLL)
-        keys = {rank: f"here{rank}/r{self.round}" for rank in self.members[1:]}
-        try:
-            self.store.wait(list(keys.values()), _ROLL_WINDOW)
-        except Exception:  # the store raises DistStoreError on timeout: someone is silent
-            pass
-        silent = [rank for rank, key in keys.items() if not self.store.check([key])]
-        for key in keys.values():  # the round's own key stays: a member that was slow still reads it
-            self.store.delete_key(key)
-        return silent
+        return roll_call(self.store, self.round, self.members)
 
     def _await_acks(self, version: int) -> None:
         """Every engine confirms it holds the round's version; a silent or dead engine is named."""

@@ -1,5 +1,6 @@
 """The broadcast transport's process groups: building one (gloo or NCCL) over the trainer's
-store, waiting on its works within a deadline, and retiring one that a failed round left behind.
+store, waiting on its works within a deadline, retiring one that a failed round left behind, and
+the roll call that tells which members are alive before a new one is built.
 
 A group is built directly from a `ProcessGroupGloo` / `ProcessGroupNCCL` over a `PrefixStore`
 (one prefix per generation, broadcast.py), never through `init_process_group`, so it is
@@ -134,6 +135,34 @@ def make_group(
     pg = dist.ProcessGroupGloo(prefixed, group_rank, world, gloo)
     pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
     return cast(Group, pg)
+
+
+ROLL = "roll"  # a round's key holding a roll call instead of a version: every live member answers
+# How long a roll call waits for the members that are alive: a live member may first have to give
+# up the failed round, which it notices within one ROUND_SLICE.
+ROLL_WINDOW = 3 * ROUND_SLICE
+
+
+def roll_call(store: dist.TCPStore, round_no: int, members: list[int]) -> list[int]:
+    """Round `round_no` as a roll call: the engine ranks of `members` (the trainer's 0 first) that
+    do not answer `here{rank}/r{round_no}` within ROLL_WINDOW. The round's own key stays: a
+    member that was slow still reads it on its way to the next."""
+    store.set(f"r{round_no}", ROLL)
+    keys = {rank: f"here{rank}/r{round_no}" for rank in members[1:]}
+    try:
+        store.wait(list(keys.values()), ROLL_WINDOW)
+    except Exception:  # the store raises DistStoreError on timeout: someone is silent
+        pass
+    silent = [rank for rank, key in keys.items() if not store.check([key])]
+    for key in keys.values():
+        store.delete_key(key)
+    return silent
+
+
+def registered(store: dist.TCPStore, seen: int) -> list[int]:
+    """The ranks of the engines registered (`join/{j}`) after the first `seen`, in order."""
+    total = store.add("joins", 0)
+    return [int(store.get(f"join/{j}")) for j in range(seen + 1, total + 1)]
 
 
 def encode_members(members: list[int]) -> str:
