@@ -43,3 +43,13 @@ def right_length_credit(completion: str, answer: str) -> float:
     if got == want:
         return 1.0
     return 0.2 if len(got) == len(want) else 0.0
+
+
+def line_credit(completion: str, answer: str) -> float:
+    """Partial credit for an answer of several lines: 1.0 when every line is right, otherwise 0.5 x
+    the share of the answer's lines that are right in their place."""
+    got = [line.strip() for line in completion.strip().splitlines()]
+    want = [line.strip() for line in answer.strip().splitlines()]
+    if got == want:
+        return 1.0
+    return 0.5 * sum(a == b for a, b in zip(got, want)) / len(want)

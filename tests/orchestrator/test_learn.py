@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -122,7 +121,7 @@ def trained(tiny_dir, tmp_path_factory) -> SimpleNamespace:
                 ledger=run.ledger.state_dict(),
                 in_flight=[(d.epoch, d.example.index) for d in run.ledger.pending()],
                 stream=run.stream.state_dict(),
-                stats=asdict(run.stats),
+                stats=run.stats.counters(),
                 drops=dict(run.buffer.drops),
                 reward_errors=dict(run.scorer.errors),
                 busy_s=dict(run.state.clock.busy_s),
@@ -169,7 +168,7 @@ def test_a_run_resumed_from_a_checkpoint_has_its_state_and_trains_on(trained, ti
             resumed.load_state_dict(run.stream.state_dict())
             n = len(trained.in_flight)
             assert draws(resumed, n + 6) == trained.in_flight + draws(first, 6)
-            assert asdict(run.stats) == trained.stats and dict(run.buffer.drops) == trained.drops
+            assert run.stats.counters() == trained.stats and dict(run.buffer.drops) == trained.drops
             assert dict(run.scorer.errors) == trained.reward_errors
             assert run.buffer.policy_version == 2
             assert run.state.first_step == 3 and run.state.last_checkpoint == 2

@@ -43,10 +43,11 @@ from nonstop.types import Group, PublishResult, StepResult
 async def learn(run: Run) -> StepRecord | None:
     """Returns the last step's record (None when no step ran)."""
     cfg, state, record, spans = run.cfg, run.state, None, run.spans
+    max_rl_s = state.max_rl_s if state.max_rl_s is not None else cfg.run.max_time_s  # begin() sets the former
     ahead = Ahead(run) if cfg.forward_ahead else None
     for step in range(state.first_step, cfg.run.max_steps + 1):
         t_wait, cpu = now(), time.process_time()
-        left_s = None if state.max_rl_s is None else max(0.0, state.max_rl_s - state.clock.wall())
+        left_s = None if max_rl_s is None else max(0.0, max_rl_s - state.clock.wall())
         if ahead is not None:
             ahead.step = step
         groups = await take_batch(
@@ -78,7 +79,7 @@ async def learn(run: Run) -> StepRecord | None:
             run.envs.stats.trained(groups, done.trained_on)  # lag against the version trained on
         if run.policies is not None:
             run.policies.shared_trained(groups, done.trained_on, done.published.policy_version)
-        out_of_time = state.max_rl_s is not None and state.clock.wall() >= state.max_rl_s
+        out_of_time = max_rl_s is not None and state.clock.wall() >= max_rl_s
         record = step_record(run, step, groups, done.result, done.published)
         state.flops.trainer_step(done.result.metrics)
         eval_due = step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time
