@@ -42,7 +42,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from support.cluster import (  # type: ignore[import-not-found]  # noqa: E402
+from support.cluster import (  # noqa: E402
     HEAD_IP,
     Outcome,
     Scenario,
