@@ -132,7 +132,7 @@ def scenario(name: str, model: Path, work: Path) -> dict:
             )
         ],
         "trainer_kill": [epoch(model, name, "kill_trainer_reward"), resume],
-        "corrupt_ckpt": [epoch(model, name, "kill_trainer_reward"), "flip", resume],
+        "corrupt_ckpt": [epoch(model, name, "kill_trainer_after_two_checkpoints_reward"), "flip", resume],
         "nan_loss": [epoch(model, name, "overflow_reward", "--set", "trainer.max_consecutive_skips=50")],
         "engines_kill": [epoch(model, name, "kill_engine_0_once_reward", "--set", "runtime.num_engines=2")],
         "ctrl_c": [epoch(model, name, "interrupt_once_reward"), resume],
