@@ -192,6 +192,7 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
     tolerant = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 10}
     cluster = LoopbackCluster(root, head_resources={"trainer_node": 1}, head_cpus=1, health_check=tolerant)
     events: list[str] = []
+    placed: set[tuple[str, str]] = set()  # (engine, node address) pairs seen during the run
     rss: list[float] = []
     train = None
     try:
@@ -210,7 +211,10 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
                 "runtime.node_loss.policy": "replace",
                 "runtime.heartbeat_timeout_s": "30",
                 "runtime.start_timeout_s": "600",  # actors start slowly on a loaded host
-                "transport.kind": "broadcast",
+                # files, not broadcast: a broadcast replacement SIGKILLed while it rejoins stalls
+                # the trainer's re-planned group (docs/scaleout.md, "Limits")
+                "transport.kind": "files",
+                "transport.dir": str(root / "weights"),
                 "rollout.filter_uniform_reward": "false",
                 "task.reward": "support.helpers:length_reward",
                 "run.eval_every": "1000000",
@@ -236,6 +240,7 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
                     t0 = time.monotonic()
                 now = time.monotonic() - t0 if t0 is not None else -1.0
                 engines = {n: a for n, a in cluster.actors().items() if n.startswith("engine")}
+                placed |= {(n, a["ip"]) for n, a in engines.items()}
                 hosts = [ip for ip in sorted(cluster.nodes) if ip != HEAD_IP and cluster.engines_on(ip)]
                 if now >= remove_at and hosts:  # else an engine is being replaced: the next tick
                     remove_at = float("inf")
@@ -257,7 +262,7 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
             train.wait(timeout=120)
             served = dict(counts)
         newest = f"127.0.0.{cluster.last_octet}"
-        joined = [n for n, a in cluster.actors().items() if n.startswith("engine") and a["ip"] == newest]
+        joined = sorted(n for n, ip in placed if ip == newest)
     finally:
         if train is not None and train.poll() is None:
             train.kill()
