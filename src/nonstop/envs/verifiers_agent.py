@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import tempfile
 import weakref
@@ -57,6 +58,7 @@ from verifiers.v1.mcp.launch import serve_in_runtime
 from verifiers.v1.runtimes import SubprocessConfig, SubprocessRuntime
 from verifiers.v1.state import State
 
+from nonstop.config import ConfigError
 from nonstop.envs.base import EnvLimits, EpisodeResult, TurnEngine
 from nonstop.envs.verifiers_env import MODEL, VERSIONS_KEY, EngineTransport, VersionLog, episode_result
 from nonstop.envs.verifiers_harness import InProcessChatHarness, ToolConnections
@@ -79,6 +81,11 @@ class Box(SubprocessRuntime):
         self.root.mkdir(parents=True, exist_ok=True)
         self.workdir = self.root
         self.info.id = str(self.root)
+        # Its processes run in this folder: a relative PYTHONPATH entry (PYTHONPATH=src) would no
+        # longer find the modules this process imports, a tool server's module among them.
+        paths = os.environ.get("PYTHONPATH")
+        if paths:
+            self.env = {"PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in paths.split(os.pathsep) if p)}
 
 
 class VersionedTrainClient(TrainClient):
@@ -120,13 +127,13 @@ class AgentPlayer:
     """Plays the rows of a run (an `EnvRun` player) through verifiers' `Agent.run` (module docstring).
     Its servers start on first use and stop in `aclose`."""
 
-    def __init__(self, tasks: list[vf.Task], renderer_model: str, taskset: Any, solved_at: float = 1.0) -> None:
+    def __init__(self, tasks: list[vf.Task], renderer_model: str | None, taskset: Any, solved_at: float = 1.0) -> None:
         self.tasks, self.renderer_model, self.taskset, self.solved_at = tasks, renderer_model, taskset, solved_at
         self.played = 0
         self.failures: Counter[str] = Counter()
         """Failed episodes by verifiers' error type (each also counted as `env_raised`)."""
         self.last_failure = ""
-        self._clients: dict[int, tuple[vf.TrainClientConfig, VersionedTrainClient]] = {}
+        self._clients: dict[tuple[int, EnvLimits], tuple[vf.TrainClientConfig, VersionedTrainClient]] = {}
         self._agents: dict[tuple, vf.Agent] = {}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self._connections = ToolConnections()
@@ -156,16 +163,19 @@ class AgentPlayer:
         await stack.enter_async_context(self._server)
         self._stack = stack
 
-    def _client(self, engine: TurnEngine) -> tuple[vf.TrainClientConfig, VersionedTrainClient]:
-        """The interception's model client for `engine`: verifiers' train client over `EngineTransport`."""
+    def _client(self, engine: TurnEngine, limits: EnvLimits) -> tuple[vf.TrainClientConfig, VersionedTrainClient]:
+        """The interception's model client for `engine`: verifiers' train client over `EngineTransport`,
+        within the episode's token budget (`limits.max_episode_tokens`)."""
         assert self._server is not None
-        if id(engine) not in self._clients:
+        if self.renderer_model is None:
+            raise ConfigError("env.name: a verifiers taskset needs the model folder whose tokenizer renders its prompts")
+        if (id(engine), limits) not in self._clients:
             config = vf.TrainClientConfig(
                 base_url=BASE_URL,
                 api_key_var="NONSTOP_API_KEY",
                 renderer=renderer_config(),
                 renderer_model_name=self.renderer_model,
-                headers={"X-Nonstop-Engine": str(len(self._clients))},  # a config of its own per engine
+                headers={"X-Nonstop-Client": str(len(self._clients))},  # a config of its own per engine and budget
             )
             log = VersionLog()
             client = VersionedTrainClient(config, log)
@@ -173,16 +183,19 @@ class AgentPlayer:
                 base_url=BASE_URL,
                 api_key="EMPTY",
                 max_retries=0,
-                http_client=httpx.AsyncClient(transport=EngineTransport(engine, MODEL), event_hooks={"response": [log]}),
+                http_client=httpx.AsyncClient(
+                    transport=EngineTransport(engine, MODEL, limits.max_episode_tokens, clamp=True),
+                    event_hooks={"response": [log]},
+                ),
             )
             self._server.clients[config.model_dump_json()] = client  # the interception's client for this config
-            self._clients[id(engine)] = (config, client)
-        return self._clients[id(engine)]
+            self._clients[id(engine), limits] = (config, client)
+        return self._clients[id(engine), limits]
 
     def _agent(self, engine: TurnEngine, limits: EnvLimits, params: SamplingParams) -> tuple[vf.Agent, VersionedTrainClient]:
         """verifiers' agent for `engine` and these sampling settings: the `null` harness (its program
         in process), the subprocess runtime, the run's limits."""
-        config, client = self._client(engine)
+        config, client = self._client(engine, limits)
         key = (id(engine), limits, repr(params))
         if key not in self._agents:
             agent = vf.Agent(
@@ -222,7 +235,13 @@ class AgentPlayer:
             ok=True,
             run=TrainRunInfo(id="nonstop", work=TrainWorkInfo(step=0, policy=span)),
         )
-        return episode_result(episode, tokenizer, index, self.solved_at)
+        result = episode_result(episode, tokenizer, index, self.solved_at)
+        # A turn refused for want of room in the episode's token budget ended the chat (the program
+        # reads it as its context being used up): a truncated episode, as nonstop's own runner says.
+        result.truncated = result.truncated or any(
+            c.error is not None and "maximum context length" in c.error.message for c in trace.calls
+        )
+        return result
 
     async def __call__(
         self, engine: TurnEngine, rows: list[Example], codec: Any, limits: EnvLimits, params: SamplingParams
