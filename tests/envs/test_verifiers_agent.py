@@ -23,7 +23,7 @@ from nonstop.hf import load_model, load_tokenizer  # noqa: E402
 from nonstop.orchestrator.episode_flow import EnvRun  # noqa: E402
 from nonstop.tasks.codec import Codec  # noqa: E402
 from nonstop.tasks.data import Example  # noqa: E402
-from nonstop.types import SamplingParams, Sample  # noqa: E402
+from nonstop.types import Sample, SamplingParams  # noqa: E402
 
 PRODUCTS = "verifiers/nonstop.envs.verifiers_tasks:products"
 FIRST_VERSION = 5
@@ -122,9 +122,16 @@ def test_verifiers_rollout_plays_tools_over_mcp_and_keeps_the_engine_tokens(tiny
     assert refused.reward == 0.0 and "calc takes 'a*b'" in tok.decode(refused.completion_ids)
     (cut,) = over
     assert (cut.success, cut.turns, cut.truncated) == (False, 1, True)
-    assert cut.samples[0].completion_ids == tok("@calc 61x6", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert cut.samples[0].completion_ids == tok("@calc 61x6", add_special_tokens=False)["input_ids"] + [
+        tok.eos_token_id
+    ]
     endless = by["20*4="]  # the third model call is refused by the agent's max_turns: a stop, not a failure
-    assert (endless.success, endless.turns, endless.metadata["stop"], endless.truncated) == (False, 2, "max_turns", True)
+    assert (endless.success, endless.turns, endless.metadata["stop"], endless.truncated) == (
+        False,
+        2,
+        "max_turns",
+        True,
+    )
     assert player.failures == {}
 
     # The real engine through the same path, within a 40-token budget: each sample is the engine's
@@ -139,15 +146,15 @@ def test_verifiers_rollout_plays_tools_over_mcp_and_keeps_the_engine_tokens(tiny
         else:
             raise AssertionError("an episode's tokens are not what the engine sampled")
         model = [(t, lp, v) for t, lp, v, m in zip(s.completion_ids, s.logprobs, s.versions, s.loss_mask) if m]
-        assert model[: len(sample.completion_ids)] == list(
-            zip(sample.completion_ids, sample.logprobs, sample.versions)
-        )
+        assert model[: len(sample.completion_ids)] == list(zip(sample.completion_ids, sample.logprobs, sample.versions))
         kept = [k for k, m in zip(s.sampling_mask, s.loss_mask) if m]
         assert all(len(k) == 5 for k in kept) and len(ids) <= tight.max_episode_tokens
 
 
 def test_verifiers_rollout_config_is_named_and_checked(tiny_dir):
-    cfg = load_config(None, [f"env.name={PRODUCTS}", "env.verifiers_rollout=agent", "env.train_rows=8", "env.eval_rows=4"])
+    cfg = load_config(
+        None, [f"env.name={PRODUCTS}", "env.verifiers_rollout=agent", "env.train_rows=8", "env.eval_rows=4"]
+    )
     run = EnvRun.build(cfg.env, tiny_dir)
     assert isinstance(run.play, AgentPlayer) and run.play is run.play_eval
     with pytest.raises(ConfigError, match="env.verifiers_rollout"):  # its tools need verifiers' rollout

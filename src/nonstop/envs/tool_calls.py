@@ -143,10 +143,11 @@ def format_call(name: str, arguments: dict[str, Any] | str, tools: list[dict] | 
     only = _only_parameter(tool_specs(tools).get(name, {}))
     if only is not None and set(args) == {only[0]}:
         value = args[only[0]]
+        text: str | None = None
         if isinstance(value, bool):
             text = "true" if value else "false"
-        else:
-            text = str(value) if isinstance(value, (str, int, float)) else None
+        elif isinstance(value, (str, int, float)):
+            text = str(value)
         if text is not None and not text.startswith("{"):
             try:
                 if _convert(text, only[1]) == value:

@@ -168,7 +168,9 @@ class AgentPlayer:
         within the episode's token budget (`limits.max_episode_tokens`)."""
         assert self._server is not None
         if self.renderer_model is None:
-            raise ConfigError("env.name: a verifiers taskset needs the model folder whose tokenizer renders its prompts")
+            raise ConfigError(
+                "env.name: a verifiers taskset needs the model folder whose tokenizer renders its prompts"
+            )
         if (id(engine), limits) not in self._clients:
             config = vf.TrainClientConfig(
                 base_url=BASE_URL,
@@ -192,7 +194,9 @@ class AgentPlayer:
             self._clients[id(engine), limits] = (config, client)
         return self._clients[id(engine), limits]
 
-    def _agent(self, engine: TurnEngine, limits: EnvLimits, params: SamplingParams) -> tuple[vf.Agent, VersionedTrainClient]:
+    def _agent(
+        self, engine: TurnEngine, limits: EnvLimits, params: SamplingParams
+    ) -> tuple[vf.Agent, VersionedTrainClient]:
         """verifiers' agent for `engine` and these sampling settings: the `null` harness (its program
         in process), the subprocess runtime, the run's limits."""
         config, client = self._client(engine, limits)

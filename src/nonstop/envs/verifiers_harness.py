@@ -135,7 +135,9 @@ async def run_chat(
         servers: dict = {}
         if mcp_urls:
             tools, dispatch, servers = await connections.connect(mcp_urls, tool_timeout_s, stack)
-        messages: list[dict[str, Any]] = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        messages: list[dict[str, Any]] = (
+            [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        )
         if isinstance(prompt, str):
             messages.append({"role": "user", "content": prompt})
         elif prompt:
