@@ -7,6 +7,7 @@ own `@vf.reward`. Skipped without the verifiers extra."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -108,6 +109,9 @@ def test_verifiers_rollout_plays_tools_over_mcp_and_keeps_the_engine_tokens(tiny
     result = tok("[472]", add_special_tokens=False)["input_ids"]
     answer = tok("472", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert s.prompt_ids == codec.encode("59*8=") and s.completion_ids == call + result + answer
+    # the warm-up's player writes exactly these pieces when it calls the tool (envs/warmup.py)
+    played = next(p for seed in range(20) if len(p := made.demo(tasks[0], random.Random(seed), 2)) == 4)
+    assert played == [("59*8=", False), ("@calc 59*8", True), ("[472]", False), ("472", True)]
     assert s.loss_mask == [True] * len(call) + [False] * len(result) + [True] * len(answer)
     # each turn's tokens carry the version they were sampled with (found by the node's path of ids)
     assert s.versions == [FIRST_VERSION] * len(call) + [ENV_VERSION] * len(result) + [FIRST_VERSION + 1] * len(answer)
