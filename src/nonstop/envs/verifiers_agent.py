@@ -97,7 +97,7 @@ class VersionedTrainClient(TrainClient):
         self.log = log
         self.by_trace: dict[str, dict[tuple[int, ...], list[int]]] = {}
 
-    async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):  # type: ignore[no-untyped-def]
+    async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):
         response = await super().get_response(dialect, body, sampling, session_id, turn, headers)
         versions = self.log.pop(response.id)
         if turn is not None and versions is not None and response.tokens is not None:
@@ -209,8 +209,7 @@ class AgentPlayer:
                     model=MODEL,
                     client=config,
                     sampling=_sampling(params),
-                    max_turns=limits.max_turns,
-                    max_total_tokens=max(1, limits.max_episode_tokens - limits.turn_max_tokens),
+                    max_turns=limits.max_turns,  # the token budget is the transport's (`_client`)
                 ),
                 interception=self._server,
             )
@@ -222,8 +221,13 @@ class AgentPlayer:
         self, agent: vf.Agent, client: VersionedTrainClient, task: vf.Task, index: int, tokenizer: Any
     ) -> EpisodeResult | str:
         assert self._box is not None
-        trace = await agent.run(task, runtime=self._box, tools=self._tools)
-        trace.info[VERSIONS_KEY] = client.node_versions(trace)
+        minted: list[str] = []
+        try:
+            trace = await agent.run(task, runtime=self._box, tools=self._tools, on_trace=lambda t: minted.append(t.id))
+            trace.info[VERSIONS_KEY] = client.node_versions(trace)
+        finally:  # what the client kept for a trace that raised, or one a retry replaced, goes too
+            for trace_id in minted:
+                client.by_trace.pop(trace_id, None)
         if not trace.ok:
             error = trace.errors[-1] if trace.errors else None
             kind = error.type if error is not None else "not_ok"
