@@ -23,6 +23,12 @@ result is the prediction from the calibration run alone). Last line:
     python bench/simulate.py --steps 80 --out runs/planner   # keep the run folders
     python bench/simulate.py --quick --out runs/planner --reuse   # predict again, measure nothing
     python bench/simulate.py --quick --reverse   # the other configurations measured last first
+    python bench/simulate.py --config examples/long_rollout.yaml --steps 20   # the long-rollout arms
+
+`--config` runs every configuration on that file (the long-rollout workload of issue 29: one
+engine and the trainer pinned to a core each, so the cells vary the buffer and the batch, not the
+engines): calibrated at depth 1, predicted at depth 0 (sync), 2 and unbounded, and at depth 1 with
+half and twice the prompts per step.
 """
 
 from __future__ import annotations
@@ -66,6 +72,17 @@ PREDICT: list[Cell] = [
 ]
 
 
+# --config: one pinned engine, so only the buffer and the batch vary (examples/long_rollout.yaml)
+CONFIG_CALIBRATE: Cell = {"buffer.depth": 1, "buffer.max_lag": 2}
+CONFIG_PREDICT: list[Cell] = [
+    {"buffer.depth": 0, "buffer.max_lag": 0},
+    {"buffer.depth": 2, "buffer.max_lag": 3},
+    {"buffer.depth": "null", "buffer.max_lag": 4},
+    {"buffer.depth": 1, "buffer.max_lag": 2, "rollout.prompts_per_step": 4},
+    {"buffer.depth": 1, "buffer.max_lag": 2, "rollout.prompts_per_step": 16},
+]
+
+
 def overrides(cell: Cell, steps: int, out: str, name: str) -> list[str]:
     return [
         *(f"{k}={v}" for k, v in cell.items()),
@@ -96,14 +113,14 @@ def own_cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def measure(cell: Cell, steps: int, out: str, name: str, reuse: bool):
+def measure(cell: Cell, steps: int, out: str, name: str, reuse: bool, config: str | None = None):
     """Run one configuration (or, with `reuse`, take the run already there, with its own config).
     The shares of the machine's processor time stolen by its hypervisor (`steal.txt`) and used by
     other processes (`others.txt`: busy time less this run's own) while the run ran are kept
     beside it: another load slows a run without a trace in its span log."""
     folder = Path(out) / name
     if not (reuse and (folder / "summary.json").exists()):
-        cfg = load_config(overrides=overrides(cell, steps, out, name))
+        cfg = load_config(config, overrides=overrides(cell, steps, out, name))
         before, cpu0 = host_times(), own_cpu_s()
         run_training(cfg, Console(quiet=True))
         after, cpu1 = host_times(), own_cpu_s()
@@ -198,28 +215,32 @@ def main() -> None:
         help="run the other configurations last first (the table keeps its order): whether a cell is slow "
         "for its position in the sequence or for its configuration",
     )
+    ap.add_argument("--config", default=None, help="a run config every configuration starts from (see above)")
     ns = ap.parse_args()
     steps = 40 if ns.quick else ns.steps
+    calibrate_cell, predict_cells = (CONFIG_CALIBRATE, CONFIG_PREDICT) if ns.config else (CALIBRATE, PREDICT)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = ns.out or tmp
-        cfg, tl, steal, others = measure(CALIBRATE, steps, out, "calibrate", ns.reuse)
+        cfg, tl, steal, others = measure(calibrate_cell, steps, out, "calibrate", ns.reuse, ns.config)
         params = calibrate(tl, cfg)
         print(f"calibrated on {Shape.of(cfg).label()}: {params.describe()}", flush=True)
         if ns.reverse:
-            for i in range(len(PREDICT), 0, -1):
-                measure(PREDICT[i - 1], steps, out, f"cell{i}", ns.reuse)
+            for i in range(len(predict_cells), 0, -1):
+                measure(predict_cells[i - 1], steps, out, f"cell{i}", ns.reuse, ns.config)
         print(
             f"{'configuration':<44} {'samples/s pred':>14} {'meas':>7} {'err':>6} | {'trainer idle pred':>17} "
             f"{'meas':>5} | {'engine idle pred':>16} {'meas':>5} | {'lag pred':>8} {'meas':>5} | {'step cpu/wall':>13} "
             f"{'procs':>5} {'work e/t':>9} {'others':>6} {'steal':>5}"
         )
         rel, idle, own_rel, own_idle, fast_rel = [], [], [], [], []
-        for i, cell in enumerate([CALIBRATE, *PREDICT]):
+        for i, cell in enumerate([calibrate_cell, *predict_cells]):
             if i == 0:
                 cfg_i, tl_i, steal_i, others_i = cfg, tl, steal, others
             else:
-                cfg_i, tl_i, steal_i, others_i = measure(cell, steps, out, f"cell{i}", ns.reuse or ns.reverse)
+                cfg_i, tl_i, steal_i, others_i = measure(
+                    cell, steps, out, f"cell{i}", ns.reuse or ns.reverse, ns.config
+                )
             shape = Shape.of(cfg_i)
             sps, t_idle, e_idle, lag = predict(params, shape, ns.seeds)
             m_sps, m_t, m_e = tl_i.samples_per_s(), tl_i.idle_fraction("trainer"), tl_i.idle_fraction("engine")

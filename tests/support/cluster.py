@@ -75,7 +75,9 @@ class Node:
 
 
 class LoopbackCluster:
-    def __init__(self, root: Path, head_resources: dict[str, float], head_cpus: int = 1) -> None:
+    def __init__(
+        self, root: Path, head_resources: dict[str, float], head_cpus: int = 1, health_check: dict | None = None
+    ) -> None:
         self.root = root
         (root / "ray").mkdir(parents=True, exist_ok=True)
         self.env = {
@@ -102,7 +104,7 @@ class LoopbackCluster:
                     "resources": head_resources,
                     "temp_dir": str(root),
                     "include_dashboard": False,
-                    "_system_config": FAST_HEALTH_CHECK,
+                    "_system_config": {**FAST_HEALTH_CHECK, **(health_check or {})},
                 },
             )
         self.address = self.cluster.address

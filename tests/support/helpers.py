@@ -162,6 +162,23 @@ def kill_trainer_reward(completion: str, answer: str) -> float:
     return float(len(completion))
 
 
+def kill_trainer_after_two_checkpoints_reward(completion: str, answer: str) -> float:
+    """SIGKILLs the trainer once the first run in this folder has two checkpoints (`runs/*/checkpoints`).
+
+    A corrupted newest checkpoint must leave an older one to fall back to; killing at a fixed sample
+    count does not promise that on a loaded machine, where the trainer lags the engines.
+    """
+    import multiprocessing as mp
+    import signal
+
+    _calls["n"] += 1
+    if _calls["n"] % 8 == 0 and len(list(Path("runs").glob("*/checkpoints/step_*"))) >= 2 and _once("trainer_killed"):
+        for c in mp.active_children():
+            if c.name in ("nonstop-trainer", "nonstop-trainer-0"):
+                os.kill(c.pid, signal.SIGKILL)
+    return float(len(completion))
+
+
 def overflow_reward(completion: str, answer: str) -> float:
     """Finite rewards whose group statistics overflow (inf - inf): a NaN loss from bad input."""
     if answer == "9":

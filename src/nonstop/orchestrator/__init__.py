@@ -18,7 +18,6 @@ those listed before it (no circle; tests/orchestrator/test_layering.py checks it
 - split_intake.py  with env.policies, each group split into one part per policy's buffer;
 - policies.py      roles with their own policy: `PolicySide`, `PolicyTally`, `Policies`;
 - run.py           `Run` (a run's fixed wiring) and `RunState`; evaluation of its policies;
-- grow.py          engines that join mid-run as nodes with room join (runtime.max_engines);
 - recovery.py      checkpoint and resume of a run's state; `RunFailed`, `RunInterrupted`;
 - actors.py        spawn engines and trainer ranks, connect the weight transport, restart engines;
 - policy_build.py  the own policies' configs, checks and actors;
