@@ -21,7 +21,9 @@ in all with the warm-ups cached; the first run also warms up, see docs/benchmark
     python bench/envs.py [--quick] [--seconds 120] [--envs guess_number,calculator,nim_selfplay] [--cache DIR]
 
 `--envs verifiers_addition,textarena_nim` runs the adapters' examples the same way (their extras
-installed); their gains print as `verifiers_gain`, `textarena_winrate_gain`.
+installed); their gains print as `verifiers_gain`, `textarena_winrate_gain`. `--envs verifiers_tools`
+runs examples/envs/verifiers_tools.yaml (a verifiers taskset with a tool, played by verifiers' own
+rollout); its gain prints as `verifiers_tool_gain`.
 """
 
 from __future__ import annotations
@@ -45,8 +47,13 @@ KEYS = {
     "api_agent": "api_agent_gain",
 }
 AGENT_DIR = ROOT / "examples" / "api_agent"
-ADAPTERS = {"verifiers_addition": "verifiers_gain", "textarena_nim": "textarena_winrate_gain"}
-"""Plumbing runs of the ecosystem adapters (`--envs verifiers_addition,textarena_nim`); learning not required."""
+ADAPTERS = {
+    "verifiers_addition": "verifiers_gain",
+    "textarena_nim": "textarena_winrate_gain",
+    "verifiers_tools": "verifiers_tool_gain",
+}
+"""Runs of the ecosystem adapters, not in the default set (`--envs verifiers_addition,textarena_nim`:
+plumbing, learning not required; `--envs verifiers_tools`: verifiers' own rollout with a tool)."""
 
 
 def run_api_agent(seconds: float, folder: Path, cache: Path, overrides: list[str]) -> dict:

@@ -186,6 +186,20 @@ class EnvConfig(_Section):
     policies: dict[str, PolicyConfig] = {}
     """Roles that play their own policy, by role name (each with its own model, engines, trainer,
     transport and policy_version); roles not named play the run's shared policy (self-play)."""
+    verifiers_rollout: Literal["chat_loop", "agent"] = "chat_loop"
+    """Who plays a verifiers taskset's episodes (env.name 'verifiers/...'): 'chat_loop', nonstop's chat
+    loop through verifiers' model-call path (a wrong answer retried with a user message); 'agent',
+    verifiers' own Agent.run (its rollout, interception server, MCP tool servers and its null harness's
+    chat program, run in process), which a taskset with tools needs."""
+
+    @model_validator(mode="after")
+    def _verifiers_only(self) -> "EnvConfig":
+        if self.verifiers_rollout != "chat_loop" and not self.name.startswith("verifiers/"):
+            raise ValueError(
+                f"env.verifiers_rollout: {self.verifiers_rollout!r} applies to a verifiers taskset "
+                f"(env.name 'verifiers/...'), not to {self.name!r}; leave it unset"
+            )
+        return self
 
 
 class AgentsConfig(_Section):

@@ -14,6 +14,10 @@ The episode runner lives in orchestrator/episodes.py.
 - textarena_env.py       `textarena/<game id>`: a textarena game, one role per player (optional extra);
 - verifiers_env.py       `verifiers/<module:factory>`: a verifiers.v1 Taskset played through verifiers'
                          train client on nonstop's engines (`VerifiersPlayer`, `EngineTransport`);
-- verifiers_renderer.py  `TokenRenderer`: a renderer for tokenizers without a chat template;
-- verifiers_tasks.py     an example verifiers.v1 taskset: two-operand addition for the tiny model.
+- verifiers_agent.py     `env.verifiers_rollout: agent`: verifiers' own `Agent.run` per episode, its
+                         interception and MCP tool servers, on nonstop's engines (`AgentPlayer`);
+- verifiers_harness.py   verifiers' `null` harness chat program run in process (`InProcessChatHarness`);
+- verifiers_renderer.py  `TokenRenderer`: a renderer for tokenizers without a chat template, tool calls included;
+- verifiers_tasks.py     example verifiers.v1 tasksets for the tiny model: addition, products with a calculator tool;
+- tool_calls.py          the plain-text tool-call syntax of the tiny models (`@calc 23*7`) and its parser.
 """

@@ -100,6 +100,10 @@ def demo_of(cfg: EnvConfig) -> Demo | None:
         assert data is not None
         answers = [r.answer for r in data.train]
         return lambda row, rng, max_turns: reasoning_gym.demo(row, rng, max_turns, answers)
+    if cfg.name.startswith(VERIFIERS):
+        from nonstop.envs.verifiers_env import demo
+
+        return demo(cfg)  # a taskset's own `demo` method, when it has one
     return DEMOS.get(cfg.name)
 
 

@@ -13,11 +13,12 @@ What runs, and whose code it is:
   or in process through `EngineTransport`, an httpx transport that answers the same JSON from
   any `TurnEngine` (the training pipeline's engines), so no socket is needed in a run.
 
-What stands in for verifiers: its harness programs (the `null` chat loop included) run as uv
-scripts that install their dependencies at run time, which nonstop does not do; `play_episode`
-is the chat loop instead: the task's prompt, then up to `max_turns` model turns, the trace
-scored after each; a turn that does not solve the task (total reward below `solved_at`) is
-answered with the user message `retry`. With `max_turns` 1 it is verifiers' single-turn rollout.
+What stands in for verifiers here (`env.verifiers_rollout: chat_loop`): `play_episode` is the chat
+loop: the task's prompt, then up to `max_turns` model turns, the trace scored after each; a turn
+that does not solve the task (total reward below `solved_at`) is answered with the user message
+`retry`. With `max_turns` 1 it is verifiers' single-turn rollout. With `env.verifiers_rollout:
+agent`, verifiers' own `Agent.run` plays each episode instead, tools included
+(envs/verifiers_agent.py); this module's `episode_result` turns its traces into samples too.
 
 `TokenRenderer` (envs/verifiers_renderer.py) renders messages for tokenizers without a chat
 template, so an episode's ids are exactly those `orchestrator/episodes.py` would make.
@@ -75,13 +76,23 @@ AGENT = "agent"
 
 class EngineTransport(httpx.AsyncBaseTransport):
     """`/inference/v1/generate` and `/v1/models` answered in process by a `TurnEngine`, with the
-    JSON the HTTP route sends (serve/generate_route.py)."""
+    JSON the HTTP route sends (serve/generate_route.py).
+
+    With `clamp`, `max_model_len` is the episode's token budget: a turn samples at most what is left
+    of it (`max_tokens` lowered, as nonstop's own episodes do), and a prompt that leaves nothing is
+    a 400 whose message names the "maximum context length", which verifiers' chat program reads as
+    the context being used up (it ends the episode with its transcript, not as a failure)."""
 
     def __init__(
-        self, engine: TurnEngine, model: str, max_model_len: int | None = None, max_tokens_default: int = 16
+        self,
+        engine: TurnEngine,
+        model: str,
+        max_model_len: int | None = None,
+        max_tokens_default: int = 16,
+        clamp: bool = False,
     ) -> None:
         self.engine, self.model, self.max_model_len = engine, model, max_model_len
-        self.max_tokens_default = max_tokens_default
+        self.max_tokens_default, self.clamp = max_tokens_default, clamp
         self._ids = itertools.count(1 << 41)  # apart from the episode runner's and the producer's request ids
         self.requests = 0
 
@@ -98,6 +109,15 @@ class EngineTransport(httpx.AsyncBaseTransport):
             g = generate_route.parse_generate(json.loads(await request.aread()), self.max_tokens_default)
         except BadRequest as e:
             return httpx.Response(e.status, json={"error": {"message": str(e), "param": e.param}})
+        if self.clamp and self.max_model_len is not None:
+            left = self.max_model_len - len(g.call.prompt_ids or [])
+            if left < 1:
+                message = (
+                    f"prompt of {len(g.call.prompt_ids or [])} tokens leaves no room within the "
+                    f"maximum context length of {self.max_model_len} tokens (env.max_episode_tokens)"
+                )
+                return httpx.Response(400, json={"error": {"message": message, "param": "token_ids"}})
+            g.call.params.max_new_tokens = min(g.call.params.max_new_tokens, left)
         try:
             samples = (
                 await self.engine.generate(
@@ -309,9 +329,23 @@ def _factory(name: str) -> Any:
 
 
 @functools.cache
+def taskset(name: str) -> Any:
+    """What `env.name`'s factory returns: a verifiers `Taskset`, or a list of its `Task`s."""
+    return _factory(name)()
+
+
+def has_tools(name: str) -> bool:
+    """Whether the taskset or its task type declares tool servers (`toolsets`)."""
+    tasks = taskset(name)
+    if not isinstance(tasks, vf.Taskset):
+        return False
+    return bool(tasks.toolsets(tasks.config)) or bool(type(tasks).task_type().toolsets(tasks.config.task))
+
+
+@functools.cache
 def taskset_tasks(name: str, train_rows: int, eval_rows: int) -> tuple[list[vf.Task], list[vf.Task]]:
     """Train and held-out tasks: the taskset's first tasks train, the next ones are held out."""
-    tasks = _factory(name)()
+    tasks = taskset(name)
     if isinstance(tasks, vf.Taskset):
         tasks = tasks.take(train_rows + eval_rows) if tasks.INFINITE else tasks
     tasks = list(itertools.islice(tasks, train_rows + eval_rows))
@@ -396,6 +430,29 @@ def task_data(cfg: EnvConfig) -> TaskData:
     return TaskData(task_rows(train, 0), task_rows(held, len(train)), DatasetReport(rows_read=len(train) + len(held)))
 
 
-def player(cfg: EnvConfig, renderer_model: str | None) -> VerifiersPlayer:
+def player(cfg: EnvConfig, renderer_model: str | None) -> Any:
+    """The player of `env.verifiers_rollout`: nonstop's chat loop (`VerifiersPlayer`), or verifiers'
+    own `Agent.run` (envs/verifiers_agent.py `AgentPlayer`), which a taskset with tools needs."""
     train, held = taskset_tasks(cfg.name, cfg.train_rows, cfg.eval_rows)
+    if cfg.verifiers_rollout == "agent":
+        from nonstop.envs.verifiers_agent import AgentPlayer
+
+        return AgentPlayer(train + held, renderer_model, taskset(cfg.name))
+    if has_tools(cfg.name):
+        raise ConfigError(
+            f"env.verifiers_rollout: {cfg.name!r} declares tools, which nonstop's chat loop does not "
+            "call; set env.verifiers_rollout: agent (verifiers' own rollout, its tools over MCP)"
+        )
     return VerifiersPlayer(train + held, renderer_model)
+
+
+def demo(cfg: EnvConfig) -> Any:
+    """The taskset's weak player for the warm-up (envs/warmup.py), when it defines `demo(task, rng,
+    max_turns)` returning an episode's (text, written by the model) pieces; else None."""
+    made = taskset(cfg.name)
+    own = getattr(made, "demo", None)
+    if not callable(own):
+        return None
+    train, held = taskset_tasks(cfg.name, cfg.train_rows, cfg.eval_rows)
+    tasks = train + held
+    return lambda row, rng, max_turns: own(tasks[int(row.answer)], rng, max_turns)

@@ -208,6 +208,13 @@ class EnvRun:
         st.episode_lag = Counter({int(k): v for k, v in state["episode_lag"].items()})
         self.baselines.ema = {k: float(v) for k, v in state["ema"].items()}
 
+    async def close(self) -> None:
+        """Stop what the players started (a verifiers agent player's interception and tool servers)."""
+        for play in {id(p): p for p in (self.play, self.play_eval)}.values():
+            close = getattr(play, "aclose", None)
+            if close is not None:
+                await close()
+
     async def evaluate(self, engine: TurnEngine, rows: list[Example], codec: Codec, params: SamplingParams) -> float:
         """Success rate over one episode per held-out row (a failed episode counts as a failure)."""
         done, _ = await self.play_eval(engine, rows, codec, self.limits, params)

@@ -199,10 +199,12 @@ def _run(
         progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
         ckpt = None
         if resume_dir is None:
+            from nonstop.envs.registry import demo_of
+
             if (
                 cfg.env is not None
                 and cfg.model.path is None
-                and not cfg.env.name.startswith(("verifiers/", "textarena/"))
+                and (not cfg.env.name.startswith(("verifiers/", "textarena/")) or demo_of(cfg.env) is not None)
             ):
                 from nonstop.envs.warmup import env_base
 

@@ -112,6 +112,8 @@ async def train(
             await run.agents.stop()
         if run is not None:
             await run.scorer.close()
+            if run.envs is not None:
+                await run.envs.close()
         await backend.shutdown()
         handles = ([run.transport] if run is not None and run.transport is not None else []) + (
             run.policies.transports() if run is not None and run.policies is not None else []
