@@ -15,14 +15,23 @@ allowance). When the game is done, `env.close()` gives every player's reward (ze
 +1 / -1, a draw 0), and the episode ends with them and textarena's `game_info` as metadata.
 
 With several roles the run uses the per-role EMA baseline by default (episode_flow.py), as the
-built-in Nim self-play does. Optional extra: `pip install 'nonstop[textarena]'` (textarena
-0.7.4 pulls no torch; its games draw from the process-global `random`, which textarena seeds
-from the row's seed at reset).
+built-in Nim self-play does. A single-player game (textarena's `SinglePlayerState`: Guess the
+Number, Blackjack, Frozen Lake, ...) is one role, `player_0`, against the game itself; how many
+players a game takes is what its state accepts (`players()`, probed once). Optional extra:
+`pip install 'nonstop[textarena]'` (textarena 0.7.4 pulls no torch; its games draw from the
+process-global `random`, which textarena seeds from the row's seed at reset).
+
+The warm-up (envs/warmup.py) of a single-player game with a random mover in `RANDOM_MOVES` plays
+the real game with that mover (`demo`): its transcripts are what the episodes will look like,
+the game's own messages included, so a base warmed up on them plays the format and wins by
+chance, and RL has the game's feedback to learn from.
 """
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 from typing import Any
 
 from nonstop.config import ConfigError
@@ -94,10 +103,49 @@ class TextArenaGame:
         return self._turn(done)
 
 
+@functools.cache
+def players(game_id: str) -> int:
+    """How many players the game takes: 2 unless its state accepts only 1 (textarena asserts the count)."""
+    game = TextArenaGame(game_id)  # fails at start for an unknown game, naming env.name
+    try:
+        game.env.reset(num_players=2, seed=0)
+    except AssertionError:
+        return 1
+    return 2
+
+
 def factory(name: str):
     game_id = name.removeprefix(PREFIX)
-    TextArenaGame(game_id)  # fails at start for an unknown game, naming env.name
-    return lambda: TextArenaGame(game_id)
+    n = players(game_id)
+    return lambda: TextArenaGame(game_id, n)
+
+
+RANDOM_MOVES: dict[str, Callable[[random.Random], str]] = {
+    "GuessTheNumber-v0": lambda rng: f"[{rng.randint(1, 20)}]",
+    "GuessTheNumber-v0-hardcore": lambda rng: f"[{rng.randint(1, 50)}]",
+    "Blackjack-v0": lambda rng: rng.choice(["[Hit]", "[Stand]"]),
+    "FrozenLake-v0": lambda rng: rng.choice(["[up]", "[down]", "[left]", "[right]"]),
+}
+"""A random mover per single-player game: the weak player a base is warmed up on."""
+
+
+def demo(game_id: str, row: Example, rng: random.Random, max_turns: int) -> list[tuple[str, bool]]:
+    """One episode of the game's random mover as (text, written by the model) pieces: the game's
+    messages exactly as an episode's sequence holds them, and the mover's moves."""
+    move = RANDOM_MOVES[game_id]
+    game = TextArenaGame(game_id, 1)
+    game.env.reset(num_players=1, seed=int(row.answer))
+    pieces = [(game._news().get(role(0), ""), False)]
+    for _ in range(max_turns):
+        action = move(rng)
+        pieces.append((action, True))
+        done, _ = game.env.step(action)
+        if news := game._news().get(role(0), ""):
+            pieces.append((news, False))
+        if done:
+            break
+    game.env.close()
+    return pieces
 
 
 def rows(game_id: str, count: int, seed: int) -> list[Example]:
