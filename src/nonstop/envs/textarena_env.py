@@ -121,10 +121,9 @@ def factory(name: str):
 
 
 RANDOM_MOVES: dict[str, Callable[[random.Random], str]] = {
+    "Secretary-v0": lambda rng: rng.choice(["[accept]", "[continue]"]),
     "GuessTheNumber-v0": lambda rng: f"[{rng.randint(1, 20)}]",
-    "GuessTheNumber-v0-hardcore": lambda rng: f"[{rng.randint(1, 50)}]",
     "Blackjack-v0": lambda rng: rng.choice(["[Hit]", "[Stand]"]),
-    "FrozenLake-v0": lambda rng: rng.choice(["[up]", "[down]", "[left]", "[right]"]),
 }
 """A random mover per single-player game: the weak player a base is warmed up on."""
 
