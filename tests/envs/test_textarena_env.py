@@ -245,3 +245,9 @@ def test_a_single_player_game_is_one_role_and_its_warmup_player_writes_what_epis
         if outcomes == {True, False}:
             break
     assert outcomes == {True, False}
+    # Secretary's weak player reads the value it was shown in half of its decisions
+    accepts = {
+        v: sum(textarena_env._secretary(rng, f"[GAME] The current value is {v}.\n") == "[accept]" for _ in range(400))
+        for v, rng in (("0.9000", random.Random(1)), ("0.1000", random.Random(2)))
+    }
+    assert accepts["0.9000"] > 250 and accepts["0.1000"] < 150

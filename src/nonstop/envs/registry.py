@@ -108,7 +108,7 @@ def demo_of(cfg: EnvConfig) -> Demo | None:
         from nonstop.envs import textarena_env
 
         game = cfg.name.removeprefix(TEXTARENA)
-        if game not in textarena_env.RANDOM_MOVES or textarena_env.players(game) != 1:
+        if game not in textarena_env.WEAK_PLAYERS or textarena_env.players(game) != 1:
             return None
         return lambda row, rng, max_turns: textarena_env.demo(game, row, rng, max_turns)
     return DEMOS.get(cfg.name)

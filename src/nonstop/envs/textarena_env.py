@@ -21,16 +21,18 @@ players a game takes is what its state accepts (`players()`, probed once). Optio
 `pip install 'nonstop[textarena]'` (textarena 0.7.4 pulls no torch; its games draw from the
 process-global `random`, which textarena seeds from the row's seed at reset).
 
-The warm-up (envs/warmup.py) of a single-player game with a random mover in `RANDOM_MOVES` plays
-the real game with that mover (`demo`): its transcripts are what the episodes will look like,
-the game's own messages included, so a base warmed up on them plays the format and wins by
-chance, and RL has the game's feedback to learn from.
+The warm-up (envs/warmup.py) of a single-player game with a weak player in `WEAK_PLAYERS` plays
+the real game with that player (`demo`): its transcripts are what the episodes will look like,
+the game's own messages included, so a base warmed up on them plays the format and wins
+sometimes, and RL has the game's feedback to sharpen it ("weak, not blank": a player that never
+looks at the game gave Secretary-v0 a base RL could not move, see docs/environments.md).
 """
 
 from __future__ import annotations
 
 import functools
 import random
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -120,23 +122,39 @@ def factory(name: str):
     return lambda: TextArenaGame(game_id, n)
 
 
-RANDOM_MOVES: dict[str, Callable[[random.Random], str]] = {
-    "Secretary-v0": lambda rng: rng.choice(["[accept]", "[continue]"]),
-    "GuessTheNumber-v0": lambda rng: f"[{rng.randint(1, 20)}]",
-    "Blackjack-v0": lambda rng: rng.choice(["[Hit]", "[Stand]"]),
+VALUE = re.compile(r"current value is ([0-9]+\.[0-9]+)")
+THRESHOLD = 0.75
+"""Secretary-v0: a value above it is worth taking (about 60% wins when always followed)."""
+SENSE = 0.5
+"""How often the weak Secretary player applies the threshold; otherwise it flips a coin."""
+
+
+def _secretary(rng: random.Random, news: str) -> str:
+    seen = VALUE.findall(news)
+    if seen and rng.random() < SENSE:
+        return "[accept]" if float(seen[-1]) >= THRESHOLD else "[continue]"
+    return rng.choice(["[accept]", "[continue]"])
+
+
+WEAK_PLAYERS: dict[str, Callable[[random.Random, str], str]] = {
+    "Secretary-v0": _secretary,
+    "GuessTheNumber-v0": lambda rng, news: f"[{rng.randint(1, 20)}]",
+    "Blackjack-v0": lambda rng, news: rng.choice(["[Hit]", "[Stand]"]),
 }
-"""A random mover per single-player game: the weak player a base is warmed up on."""
+"""A weak player per single-player game, (rng, what the game last said) -> move: the player a base
+is warmed up on. Secretary's applies the threshold in half of its decisions and otherwise flips a
+coin (about 35% wins); the others move at random."""
 
 
 def demo(game_id: str, row: Example, rng: random.Random, max_turns: int) -> list[tuple[str, bool]]:
-    """One episode of the game's random mover as (text, written by the model) pieces: the game's
-    messages exactly as an episode's sequence holds them, and the mover's moves."""
-    move = RANDOM_MOVES[game_id]
+    """One episode of the game's weak player as (text, written by the model) pieces: the game's
+    messages exactly as an episode's sequence holds them, and the player's moves."""
+    move = WEAK_PLAYERS[game_id]
     game = TextArenaGame(game_id, 1)
     game.env.reset(num_players=1, seed=int(row.answer))
     pieces = [(game._news().get(role(0), ""), False)]
     for _ in range(max_turns):
-        action = move(rng)
+        action = move(rng, pieces[-1][0])
         pieces.append((action, True))
         done, _ = game.env.step(action)
         if news := game._news().get(role(0), ""):

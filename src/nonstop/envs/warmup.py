@@ -37,7 +37,7 @@ format, right by chance, and does not learn the player's 30% right answers in ei
 taskset's player (its `demo` method) gets the calculator's steps: its tool calls copy too. A textarena
 game's random mover is learnt by 100 (Secretary-v0: loss 0.077 at step 100, about the entropy of its
 two moves spread over their tokens), and its steps are long: episodes of hundreds of tokens."""
-FORMATS = {"guess_number": 2, "nim": 2, "calculator": 3, "reasoning_gym": 1, "verifiers": 1, "textarena": 1}
+FORMATS = {"guess_number": 2, "nim": 2, "calculator": 3, "reasoning_gym": 1, "verifiers": 1, "textarena": 2}
 """Version of each environment's transcripts (part of the cache key): bumped when they change."""
 
 
