@@ -2,13 +2,14 @@
 
 The shipped tiny base knows addition, not these games. `env_base(cfg)` starts from it (a textarena
 game: from a fresh tiny model of `model.tiny`'s shape, since the game's messages need more
-positions than the shipped base's 128) and trains it on transcripts of a weak player (envs/*.py `demo`: random guesses, a calculator used
-in half of the episodes, random Nim moves, a reasoning-gym answer right 30% of the time), with
-the loss on the player's tokens only and an EOS after each of its turns, as the engine writes
-turns. The result imitates that player: it plays
-the format and wins sometimes, by chance, which is the "weak, not blank" base RL needs. The
-base is cached under warmup.cache_dir (keyed by the environment, its limits and the seed), so
-later runs load it in a second.
+positions than the shipped base's 128) and trains it on transcripts of a weak player (envs/*.py
+`demo`: random guesses, a calculator used in half of the episodes, random Nim moves, a
+reasoning-gym answer right 30% of the time, a verifiers taskset's own `demo`, a textarena game's
+`WEAK_PLAYERS`), with the loss on the player's tokens only and an EOS after each of its turns, as
+the engine writes turns. The result imitates that player: it plays the format and wins
+sometimes, by chance, which is the "weak, not blank" base RL needs. The base is cached under
+warmup.cache_dir (keyed by the environment, its limits and the seed), so later runs load it in a
+second.
 """
 
 from __future__ import annotations
