@@ -8,7 +8,7 @@ accuracy every `--eval-every` steps. Arms:
 - sync: buffer.depth 0 (the trainer waits for each batch's longest completion, then the engine
   waits for the trainer);
 - depth1, depth2: bounded buffers of 1 and 2 steps ahead (max_lag depth + 1);
-- unbounded: buffer.depth null with max_lag `--max-lag`;
+- unbounded: buffer.depth null with max_lag `--max-lag`, at most (max_lag + 1) steps of groups queued;
 - one arm per partial-rollout mode on the `--mode-depth` buffer (never_stop is that depth's own
   arm): abort_retry, save_resume, drain, and group_cancel (never_stop with engine.group_cancel).
 
@@ -62,7 +62,15 @@ MODES = ("abort_retry", "save_resume", "drain", "group_cancel")
 
 
 def arms(max_lag: int, mode_depth: str) -> dict[str, list[str]]:
-    out = {**DEPTH_ARMS, "unbounded": ["buffer.depth=null", f"buffer.max_lag={max_lag}"]}
+    # unbounded: admission no longer waits for trainer steps, only for the queue's bound; the default
+    # bound (4096 groups) queued a whole epoch on the one engine, whose generate calls then waited
+    # past runtime.call_timeout_s (600 s) and ended the run. (max_lag + 1) steps of groups is what
+    # max_lag lets train at all.
+    queued = (max_lag + 1) * 8  # prompts_per_step of examples/long_rollout.yaml
+    out = {
+        **DEPTH_ARMS,
+        "unbounded": ["buffer.depth=null", f"buffer.max_lag={max_lag}", f"buffer.max_queued_groups={queued}"],
+    }
     base = out[mode_depth]
     for mode in MODES:
         extra = ["engine.group_cancel=true"] if mode == "group_cancel" else [f"engine.update_mode={mode}"]

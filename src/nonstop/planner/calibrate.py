@@ -249,11 +249,16 @@ def effective_cores(busy: list[list[Interval]], items: list[tuple[float, float, 
     if cpu <= 0 or cpu >= wall * (1 - 1e-3):
         return None
     lo, hi = host / 16, host * 16
-    if sum(Sharing(busy, hi).work(t0, t1) for t0, t1, _ in items) <= cpu:
+
+    def work(cores: float) -> float:  # one Sharing per candidate, not one per item
+        sharing = Sharing(busy, cores)
+        return sum(sharing.work(t0, t1) for t0, t1, _ in items)
+
+    if work(hi) <= cpu:
         return None
     for _ in range(40):  # work_c grows with c: bisect on a log scale
         mid = math.sqrt(lo * hi)
-        if sum(Sharing(busy, mid).work(t0, t1) for t0, t1, _ in items) < cpu:
+        if work(mid) < cpu:
             lo = mid
         else:
             hi = mid
