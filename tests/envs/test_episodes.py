@@ -352,7 +352,7 @@ def test_environment_examples_validate_and_name_builtin_environments():
     import importlib.util
 
     examples = sorted((EXAMPLES_DIR / "envs").glob("*.yaml"))
-    assert len(examples) == 8
+    assert len(examples) == 9
     for path in examples:
         cfg = load_config(path)
         assert cfg.env is not None

@@ -181,3 +181,73 @@ def test_a_seat_with_its_own_policy_plays_on_its_own_engines(long_tiny):
     assert len(own.prompts) == turns(0) >= 4 and len(shared.prompts) == turns(1) >= 4  # both seats moved
     for e in done:
         assert [(s.role, s.policy) for s in e.samples] == [("player_0", "player_0"), ("player_1", "")]
+
+
+class Replaying:
+    """The policy of a scripted game, on the engine seam: it writes the given moves in order."""
+
+    def __init__(self, tok, moves: list[str]) -> None:
+        self.tok, self.moves = tok, list(moves)
+
+    async def generate(self, requests):
+        from nonstop.types import Sample
+
+        out = []
+        for r in requests:
+            ids = self.tok(self.moves.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append([Sample(list(r.prompt_ids), ids, [0.0] * len(ids), [0] * len(ids), "stop")])
+        return out
+
+
+def test_a_single_player_game_is_one_role_and_its_warmup_player_writes_what_episodes_hold(long_tiny):
+    """GuessTheNumber takes one player (textarena asserts it; the adapter probes it); the warm-up's
+    random guesser plays the real game, and its transcript, piece by piece, is the token sequence
+    the episode runner makes when the same moves are played."""
+    import random
+
+    from nonstop.envs import textarena_env
+    from nonstop.envs.registry import demo_of
+
+    assert textarena_env.players("GuessTheNumber-v0") == 1 and textarena_env.players("Nim-v0") == 2
+    cfg = load_config(None, ["env.name=textarena/GuessTheNumber-v0", "env.max_turns=6", "env.train_rows=8"]).env
+    assert env_factory(cfg.name, cfg=cfg)().roles == ("player_0",)
+    assert EnvRun.build(cfg).baselines.mode == "group"
+    assert demo_of(load_config(None, ["env.name=textarena/Nim-v0"]).env) is None  # two players: no warm-up player
+    tok = load_tokenizer(str(long_tiny))
+    codec = Codec(tok)
+    rows = builtin_task(cfg).train
+    outcomes = set()
+    for seed in range(40):  # until both a found number and a game cut at max_turns were checked
+        row = rows[seed % len(rows)]
+        pieces = demo_of(cfg)(row, random.Random(seed), cfg.max_turns)
+        moves = [text for text, by_model in pieces if by_model]
+        assert 1 <= len(moves) <= 6 and all(m.startswith("[") and m.endswith("]") for m in moves)
+        assert "Guess The Number" in pieces[0][0] and not pieces[0][1]
+        demo_ids = [
+            t
+            for text, by_model in pieces
+            for t in tok(text, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if by_model else [])
+        ]
+        done, errors = asyncio.run(
+            run_episodes(
+                Replaying(tok, moves),
+                env_factory(cfg.name, cfg=cfg),
+                [row],
+                codec,
+                EnvLimits(6, 1000, 5, 10.0),
+                SamplingParams(5, 1.0),
+            )
+        )
+        (s,) = done[0].samples
+        assert not errors and s.prompt_ids + s.completion_ids == demo_ids
+        assert done[0].turns == len(moves) and done[0].success == (s.reward > 0) == (not done[0].truncated)
+        outcomes.add(done[0].success)
+        if outcomes == {True, False}:
+            break
+    assert outcomes == {True, False}
+    # Secretary's weak player reads the value it was shown in half of its decisions
+    accepts = {
+        v: sum(textarena_env._secretary(rng, f"[GAME] The current value is {v}.\n") == "[accept]" for _ in range(400))
+        for v, rng in (("0.9000", random.Random(1)), ("0.1000", random.Random(2)))
+    }
+    assert accepts["0.9000"] > 250 and accepts["0.1000"] < 150

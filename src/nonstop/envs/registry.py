@@ -104,6 +104,13 @@ def demo_of(cfg: EnvConfig) -> Demo | None:
         from nonstop.envs.verifiers_env import demo
 
         return demo(cfg)  # a taskset's own `demo` method, when it has one
+    if cfg.name.startswith(TEXTARENA):
+        from nonstop.envs import textarena_env
+
+        game = cfg.name.removeprefix(TEXTARENA)
+        if game not in textarena_env.WEAK_PLAYERS or textarena_env.players(game) != 1:
+            return None
+        return lambda row, rng, max_turns: textarena_env.demo(game, row, rng, max_turns)
     return DEMOS.get(cfg.name)
 
 

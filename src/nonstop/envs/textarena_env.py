@@ -15,14 +15,25 @@ allowance). When the game is done, `env.close()` gives every player's reward (ze
 +1 / -1, a draw 0), and the episode ends with them and textarena's `game_info` as metadata.
 
 With several roles the run uses the per-role EMA baseline by default (episode_flow.py), as the
-built-in Nim self-play does. Optional extra: `pip install 'nonstop[textarena]'` (textarena
-0.7.4 pulls no torch; its games draw from the process-global `random`, which textarena seeds
-from the row's seed at reset).
+built-in Nim self-play does. A single-player game (textarena's `SinglePlayerState`: Guess the
+Number, Blackjack, Frozen Lake, ...) is one role, `player_0`, against the game itself; how many
+players a game takes is what its state accepts (`players()`, probed once). Optional extra:
+`pip install 'nonstop[textarena]'` (textarena 0.7.4 pulls no torch; its games draw from the
+process-global `random`, which textarena seeds from the row's seed at reset).
+
+The warm-up (envs/warmup.py) of a single-player game with a weak player in `WEAK_PLAYERS` plays
+the real game with that player (`demo`): its transcripts are what the episodes will look like,
+the game's own messages included, so a base warmed up on them plays the format and wins
+sometimes, and RL has the game's feedback to sharpen it ("weak, not blank": a player that never
+looks at the game gave Secretary-v0 a base RL could not move, see docs/environments.md).
 """
 
 from __future__ import annotations
 
+import functools
 import random
+import re
+from collections.abc import Callable
 from typing import Any
 
 from nonstop.config import ConfigError
@@ -94,10 +105,64 @@ class TextArenaGame:
         return self._turn(done)
 
 
+@functools.cache
+def players(game_id: str) -> int:
+    """How many players the game takes: 2 unless its state accepts only 1 (textarena asserts the count)."""
+    game = TextArenaGame(game_id)  # fails at start for an unknown game, naming env.name
+    try:
+        game.env.reset(num_players=2, seed=0)
+    except AssertionError:
+        return 1
+    return 2
+
+
 def factory(name: str):
     game_id = name.removeprefix(PREFIX)
-    TextArenaGame(game_id)  # fails at start for an unknown game, naming env.name
-    return lambda: TextArenaGame(game_id)
+    n = players(game_id)
+    return lambda: TextArenaGame(game_id, n)
+
+
+VALUE = re.compile(r"current value is ([0-9]+\.[0-9]+)")
+THRESHOLD = 0.75
+"""Secretary-v0: a value above it is worth taking (about 60% wins when always followed)."""
+SENSE = 0.5
+"""How often the weak Secretary player applies the threshold; otherwise it flips a coin."""
+
+
+def _secretary(rng: random.Random, news: str) -> str:
+    seen = VALUE.findall(news)
+    if seen and rng.random() < SENSE:
+        return "[accept]" if float(seen[-1]) >= THRESHOLD else "[continue]"
+    return rng.choice(["[accept]", "[continue]"])
+
+
+WEAK_PLAYERS: dict[str, Callable[[random.Random, str], str]] = {
+    "Secretary-v0": _secretary,
+    "GuessTheNumber-v0": lambda rng, news: f"[{rng.randint(1, 20)}]",
+    "Blackjack-v0": lambda rng, news: rng.choice(["[Hit]", "[Stand]"]),
+}
+"""A weak player per single-player game, (rng, what the game last said) -> move: the player a base
+is warmed up on. Secretary's applies the threshold in half of its decisions and otherwise flips a
+coin (about 35% wins); the others move at random."""
+
+
+def demo(game_id: str, row: Example, rng: random.Random, max_turns: int) -> list[tuple[str, bool]]:
+    """One episode of the game's weak player as (text, written by the model) pieces: the game's
+    messages exactly as an episode's sequence holds them, and the player's moves."""
+    move = WEAK_PLAYERS[game_id]
+    game = TextArenaGame(game_id, 1)
+    game.env.reset(num_players=1, seed=int(row.answer))
+    pieces = [(game._news().get(role(0), ""), False)]
+    for _ in range(max_turns):
+        action = move(rng, pieces[-1][0])
+        pieces.append((action, True))
+        done, _ = game.env.step(action)
+        if news := game._news().get(role(0), ""):
+            pieces.append((news, False))
+        if done:
+            break
+    game.env.close()
+    return pieces
 
 
 def rows(game_id: str, count: int, seed: int) -> list[Example]:

@@ -1,13 +1,15 @@
 """The warm-up of a built-in environment: imitate a weak player, so RL has something to sharpen.
 
-The shipped tiny base knows addition, not these games. `env_base(cfg)` starts from it and
-trains it on transcripts of a weak player (envs/*.py `demo`: random guesses, a calculator used
-in half of the episodes, random Nim moves, a reasoning-gym answer right 30% of the time), with
-the loss on the player's tokens only and an EOS after each of its turns, as the engine writes
-turns. The result imitates that player: it plays
-the format and wins sometimes, by chance, which is the "weak, not blank" base RL needs. The
-base is cached under warmup.cache_dir (keyed by the environment, its limits and the seed), so
-later runs load it in a second.
+The shipped tiny base knows addition, not these games. `env_base(cfg)` starts from it (a textarena
+game: from a fresh tiny model of `model.tiny`'s shape, since the game's messages need more
+positions than the shipped base's 128) and trains it on transcripts of a weak player (envs/*.py
+`demo`: random guesses, a calculator used in half of the episodes, random Nim moves, a
+reasoning-gym answer right 30% of the time, a verifiers taskset's own `demo`, a textarena game's
+`WEAK_PLAYERS`), with the loss on the player's tokens only and an EOS after each of its turns, as
+the engine writes turns. The result imitates that player: it plays the format and wins
+sometimes, by chance, which is the "weak, not blank" base RL needs. The base is cached under
+warmup.cache_dir (keyed by the environment, its limits and the seed), so later runs load it in a
+second.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from nonstop.tasks.base import shipped_dir
 from nonstop.tasks.warmup import save_atomically
 
 BATCH, LR = 64, 3e-3
-STEPS = {"guess_number": 150, "nim": 150, "calculator": 600, "reasoning_gym": 150, "verifiers": 600}
+STEPS = {"guess_number": 150, "nim": 150, "calculator": 600, "reasoning_gym": 150, "verifiers": 600, "textarena": 100}
 """Optimizer steps per environment: the random players' transcripts are learnt (loss flat) by about
 100 steps; the calculator's copying of the tool result takes longer. A reasoning-gym player's loss
 is as flat at 150 steps as at 400 (chain_sum: 1.28 and 1.24): the warmed base writes answers in the
 format, right by chance, and does not learn the player's 30% right answers in either. A verifiers
-taskset's player (its `demo` method) gets the calculator's steps: its tool calls copy too."""
-FORMATS = {"guess_number": 2, "nim": 2, "calculator": 3, "reasoning_gym": 1, "verifiers": 1}
+taskset's player (its `demo` method) gets the calculator's steps: its tool calls copy too. A textarena
+game's random mover is learnt by 100 (Secretary-v0: loss 0.077 at step 100, about the entropy of its
+two moves spread over their tokens), and its steps are long: episodes of hundreds of tokens."""
+FORMATS = {"guess_number": 2, "nim": 2, "calculator": 3, "reasoning_gym": 1, "verifiers": 1, "textarena": 2}
 """Version of each environment's transcripts (part of the cache key): bumped when they change."""
 
 
@@ -100,6 +104,7 @@ def env_base(cfg: Config, log: Callable[[str], None] = print, steps: int | None 
         "steps": steps,
         "format": FORMATS[kind],
         **({"task_options": cfg.env.task_options, "train_rows": cfg.env.train_rows} if kind != cfg.env.name else {}),
+        **({"from": "init", "tiny": cfg.model.tiny.model_dump()} if kind == "textarena" else {}),
     }
     key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cfg.warmup.cache_dir) / f"env-{cfg.env.name.replace('/', '-')}-{key}"
@@ -107,11 +112,19 @@ def env_base(cfg: Config, log: Callable[[str], None] = print, steps: int | None 
         log(f"base policy: cached environment warm-up at {folder}")
         return folder
     quiet_transformers()
-    start = shipped_dir()
-    model, tokenizer = load_model(str(start)), load_tokenizer(str(start))
+    if kind == "textarena":  # a fresh tiny model of model.tiny's shape: positions for a game's long messages
+        from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
+        from nonstop.tasks.warmup import warmup_seed
+
+        start_name = "init"
+        model, tokenizer = make_tiny_model(cfg.model.tiny, warmup_seed(cfg)), make_char_tokenizer()
+    else:
+        start = shipped_dir()
+        start_name = start.name
+        model, tokenizer = load_model(str(start)), load_tokenizer(str(start))
     t0 = time.perf_counter()
     examples = transcripts(cfg, tokenizer, 4096, cfg.run.seed)
     loss = _train(model, tokenizer, examples, cfg.run.seed, steps, log)
-    info = {**shaping, "loss": loss, "seconds": round(time.perf_counter() - t0, 1), "from": start.name}
+    info = {**shaping, "loss": loss, "seconds": round(time.perf_counter() - t0, 1), "from": start_name}
     log(f"env warm-up done in {info['seconds']} s (final loss {loss:.3f})")
     return save_atomically(folder, model.eval(), tokenizer, {"nonstop_base.json": info})

@@ -204,7 +204,10 @@ def _run(
             if (
                 cfg.env is not None
                 and cfg.model.path is None
-                and (not cfg.env.name.startswith(("verifiers/", "textarena/")) or demo_of(cfg.env) is not None)
+                and (
+                    not cfg.env.name.startswith(("verifiers/", "textarena/"))
+                    or (cfg.model.base != "init" and demo_of(cfg.env) is not None)
+                )
             ):
                 from nonstop.envs.warmup import env_base
 
