@@ -100,6 +100,20 @@ def _growth(rss: list[float]) -> tuple[float, float, float]:
     return settled[0], max(settled), (max(settled) - settled[0]) / settled[0]
 
 
+def _report(tmp_path: Path, label: str, rss: list[float], served: dict, extra: str = "") -> tuple[dict, dict, float]:
+    """Print the soak's one line; return the run's prompt ledger, its engine faults and the RSS growth."""
+    summary = json.loads((tmp_path / "runs" / "soak" / "summary.json").read_text())
+    ledger, faults = summary["prompts"], summary["engine_faults"]
+    start, peak, growth = _growth(rss)
+    print(
+        f"\n{label} {SOAK_S:.0f} s: steps {summary['steps']}, prompts settled {ledger['settled']}, in flight "
+        f"{ledger['in_flight']}, duplicated {ledger['duplicated']}, re-queued {faults['requeued']}, engine restarts "
+        f"{faults['restarts']}, server requests ok {served['ok']} errors {served['errors']}, orchestrator RSS "
+        f"{start:.0f} -> {peak:.0f} MiB ({growth:+.0%}){extra}"
+    )
+    return ledger, faults, growth
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(int(SOAK_S) + 1500)  # start-up and the base evaluation on a loaded machine come on top
 def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
@@ -151,15 +165,7 @@ def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
         if train is not None and train.poll() is None:
             train.terminate()
             train.wait(timeout=60)
-    summary = json.loads((tmp_path / "runs" / "soak" / "summary.json").read_text())
-    ledger, faults = summary["prompts"], summary["engine_faults"]
-    start, peak, growth = _growth(rss)
-    print(
-        f"\nsoak {SOAK_S:.0f} s: steps {summary['steps']}, prompts settled {ledger['settled']}, in flight "
-        f"{ledger['in_flight']}, duplicated {ledger['duplicated']}, re-queued {faults['requeued']}, engine restarts "
-        f"{faults['restarts']}, server requests ok {served['ok']} errors {served['errors']}, orchestrator RSS "
-        f"{start:.0f} -> {peak:.0f} MiB ({growth:+.0%})"
-    )
+    ledger, faults, growth = _report(tmp_path, "soak", rss, served)
     assert train.returncode == 0, out[-3000:]
     assert ledger["duplicated"] == 0 and ledger["unknown"] == 0, ledger
     # a run stopped by run.max_time_s leaves its admitted, untrained batches in flight (recorded,
@@ -270,14 +276,8 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
         cluster.shutdown()
         foreign = sorted(audit.found) + ray_logs_mention(root, own_addresses())
     out = (tmp_path / "train.log").read_text()
-    summary = json.loads((tmp_path / "runs" / "soak" / "summary.json").read_text())
-    ledger, faults = summary["prompts"], summary["engine_faults"]
-    start, peak, growth = _growth(rss)
-    print(
-        f"\ncluster soak {SOAK_S:.0f} s: steps {summary['steps']}, prompts settled {ledger['settled']}, in flight "
-        f"{ledger['in_flight']}, duplicated {ledger['duplicated']}, re-queued {faults['requeued']}, engine restarts "
-        f"{faults['restarts']}, server requests ok {served['ok']} errors {served['errors']}, orchestrator RSS "
-        f"{start:.0f} -> {peak:.0f} MiB ({growth:+.0%}); events: {'; '.join(events)}; engines on the new node {joined}"
+    ledger, faults, growth = _report(
+        tmp_path, "cluster soak", rss, served, f"; events: {'; '.join(events)}; engines on the new node {joined}"
     )
     assert train.returncode == 0, out[-3000:]
     assert ledger["duplicated"] == 0 and ledger["unknown"] == 0, ledger
