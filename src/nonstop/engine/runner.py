@@ -6,7 +6,8 @@ Contract:
   per step beyond the step's activations;
 - the rows of a decode step are slots 0..B-1 (the scheduler keeps live sequences packed at the
   front with `move`, which copies any number of slots at once), so attention reads a view of the
-  cache, never a gathered copy;
+  cache, never a gathered copy; it reads in blocks of rows, each up to its longest row
+  (`attention_blocks`), so the scheduler keeps rows near descending length with `permute`;
 - `prefill(slots, prompts)` computes the KV of whole prompts into the given slots and returns
   the logits after each prompt's last token; `decode(tokens, positions)` appends one token per
   row at its position and returns the next-token logits; `mixed(...)` does both in one forward
@@ -61,6 +62,8 @@ class Runner(Protocol):
 
     def move(self, src: list[int], dst: list[int], length: int) -> None: ...
 
+    def permute(self, order: list[int], lengths: list[int]) -> None: ...
+
     def save(self, slot: int, length: int) -> list[torch.Tensor]: ...
 
     def restore(self, slot: int, saved: list[torch.Tensor]) -> None: ...
@@ -70,6 +73,45 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def attention_blocks(keys: list[int]) -> list[tuple[int, int, int]]:
+    """How a decode step whose row i attends to `keys[i]` cached positions splits its attention:
+    (first row, end row, keys read) per block.
+
+    One block reads every row's keys up to the longest row; with a long tail that wastes most of
+    the attention on padding, so rows are split into blocks of ATTN_BLOCK rows, each reading only
+    up to its own longest row, whenever that saves at least a third."""
+    B, T = len(keys), max(keys)
+    blocks = [(a, min(a + ATTN_BLOCK, B), max(keys[a : a + ATTN_BLOCK])) for a in range(0, B, ATTN_BLOCK)]
+    if len(blocks) == 1 or sum((b - a) * t for a, b, t in blocks) > B * T * 2 / 3:
+        return [(0, B, T)]
+    return blocks
+
+
+def attention_reads(keys: list[int]) -> int:
+    """Cached positions a decode step reads over all its rows, padding included (`attention_blocks`)."""
+    return sum((b - a) * t for a, b, t in attention_blocks(keys))
+
+
+def block_order(keys: list[int]) -> list[int]:
+    """The slot order (slot i takes row order[i]) that puts rows into attention blocks by
+    descending `keys`, moving only rows that are in the wrong block: within a block the order
+    does not change what it reads."""
+    B = len(keys)
+    ranked = sorted(range(B), key=lambda r: -keys[r])  # stable: equal keys keep their slots
+    block = [0] * B
+    for k, r in enumerate(ranked):
+        block[r] = k // ATTN_BLOCK
+    order = [r if r // ATTN_BLOCK == block[r] else -1 for r in range(B)]
+    homeless: dict[int, list[int]] = {}
+    for r in range(B):
+        if order[r] == -1:
+            homeless.setdefault(block[r], []).append(r)
+    for i in range(B):
+        if order[i] == -1:
+            order[i] = homeless[i // ATTN_BLOCK].pop()
+    return order
 
 
 class _Moe:
@@ -241,18 +283,9 @@ class KVRunner:
         self._routes: list[torch.Tensor] = []
 
     def _plan(self, positions: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
-        """Attention blocks of a decode step: (first row, end row, keys T, mask (rows, 1, 1, T)).
-
-        One block reads every row's keys up to the longest row; with a long tail that wastes
-        most of the attention on padding, so rows are split into blocks of ATTN_BLOCK rows, each
-        reading only up to its own longest row, whenever that saves at least a third."""
-        pos = positions.tolist()
-        B, T = len(pos), max(pos) + 1
-        bounds = [(a, min(a + ATTN_BLOCK, B)) for a in range(0, B, ATTN_BLOCK)]
-        blocked = [(a, b, max(pos[a:b]) + 1) for a, b in bounds]
-        if len(blocked) == 1 or sum((b - a) * t for a, b, t in blocked) > B * T * 2 / 3:
-            blocked = [(0, B, T)]
-        return [(a, b, t, (self.arange[:t][None, :] <= positions[a:b, None])[:, None, None, :]) for a, b, t in blocked]
+        """Attention blocks of a decode step (`attention_blocks`), each with its mask (rows, 1, 1, T)."""
+        blocks = attention_blocks([p + 1 for p in positions.tolist()])
+        return [(a, b, t, (self.arange[:t][None, :] <= positions[a:b, None])[:, None, None, :]) for a, b, t in blocks]
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan) -> torch.Tensor:
         """q (B, H, 1, D) of decode rows 0..B-1 against their cached keys -> (B, H * D)."""
@@ -418,6 +451,25 @@ class KVRunner:
             return
         s, d = torch.tensor(src), torch.tensor(dst)
         c[:, d, :, :length] = c[:, s, :, :length]
+
+    def permute(self, order: list[int], lengths: list[int]) -> None:
+        """Slot i takes what slot order[i] held (its first lengths[order[i]] positions), for every i
+        with order[i] != i (`order` is a permutation): each cycle of it costs one copy per slot
+        plus one of its first slot, so a slot that stays costs nothing."""
+        c = self.cache  # (2 x layers, slots, kv heads, positions, head dim)
+        done = [False] * len(order)
+        for start in range(len(order)):
+            if done[start] or order[start] == start:
+                continue
+            first = c[:, start, :, : lengths[start]].clone()
+            i = start
+            while order[i] != start:
+                src = order[i]
+                c[:, i, :, : lengths[src]].copy_(c[:, src, :, : lengths[src]])
+                done[i] = True
+                i = src
+            c[:, i, :, : lengths[start]].copy_(first)
+            done[i] = True
 
     def save(self, slot: int, length: int) -> list[torch.Tensor]:
         """A private copy of one slot's cache (for pausing a sequence across a weight update)."""

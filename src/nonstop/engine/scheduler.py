@@ -39,12 +39,18 @@ import numpy as np
 import torch
 
 from nonstop.config import EngineConfig
-from nonstop.engine.runner import Runner
+from nonstop.engine.runner import Runner, attention_reads, block_order
 from nonstop.engine.sampling import row_params, sample
 from nonstop.engine.sequence import Group, Seq
 from nonstop.engine.updates import WeightGate
 from nonstop.observe.flops import FlopModel, causal_pairs
 from nonstop.types import FinishReason, GenerationRequest, Sample
+
+REORDER_COPY_PER_READ = 1 / 8
+"""A reorder copies each moved row's cached positions once; it runs when the attention reads it saves
+per decode step are at least this many times the positions it copies (a copied position measured about
+a third of a read one on CPU, and the saving recurs on every later step until the order decays)."""
+REORDER_MIN_GAIN = 0.1  # nor for less than a tenth of a step's reads: that gain decays within a few finishes
 
 
 class RequestError(ValueError):
@@ -90,6 +96,8 @@ class Scheduler:
             "paused_seqs": 0,
             "groups_cancelled": 0,
             "groups_done": 0,
+            "reorders": 0,
+            "reorder_rows": 0,
             "busy_s": 0.0,
         }
 
@@ -361,11 +369,37 @@ class Scheduler:
             s.row = -1
         self.reprefill = [s for s in self.reprefill if id(s) not in gone]
         self._row_params = None
+        if not self.reprefill:
+            self._reorder()
         for g in {id(s.group): s.group for s in seqs if s.finish is not None}.values():
             if g.all_finished:
                 self.reserved_tokens -= g.reserve
                 self.stats["groups_done"] += 1
                 g.on_done([s.to_sample() for s in g.seqs])
+
+    def _reorder(self) -> None:
+        """Keep rows in attention blocks by descending length (runner.block_order). Uneven
+        completions scramble a continuous batch: a finished row's slot goes to the newest row, so
+        a long sequence ends up among short ones and every row of its block reads up to its
+        length. Reordering pays for moving the rows that are in the wrong block."""
+        keys = [s.length + 1 for s in self.rows]
+        if not keys:
+            return
+        order = block_order(keys)
+        moved = [i for i, r in enumerate(order) if r != i]
+        if not moved:
+            return
+        reads = attention_reads(keys)
+        saved = reads - attention_reads([keys[r] for r in order])
+        copied = sum(keys[order[i]] for i in moved)
+        if saved < REORDER_MIN_GAIN * reads or saved < REORDER_COPY_PER_READ * copied:
+            return
+        self.runner.permute(order, [s.length for s in self.rows])
+        self.rows = [self.rows[r] for r in order]
+        for row, s in enumerate(self.rows):
+            s.row = row
+        self.stats["reorders"] += 1
+        self.stats["reorder_rows"] += len(moved)
 
     def _evict(self, group: Group) -> None:
         live = [s for s in group.seqs if s.row >= 0]
