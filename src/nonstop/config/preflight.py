@@ -77,13 +77,14 @@ def resolve_model_path(path: str, hub_timeout_s: float = 15.0, field: str = "mod
             f"{field}: {path!r} is not a local folder and not in the Hugging Face cache, and offline "
             "mode is on (HF_HUB_OFFLINE): download it first or give a local folder"
         )
+    # imported here, not in the thread: `hub_timeout_s` bounds the hub's silence, not a slow import
+    from huggingface_hub import HfApi
+
     result: dict[str, object] = {}
     answered = threading.Event()
 
     def fetch() -> None:
         try:
-            from huggingface_hub import HfApi
-
             HfApi().model_info(path, timeout=hub_timeout_s)  # the hub answers: the download may take its time
             answered.set()
             result["path"] = _download(path, local_only=False)

@@ -72,6 +72,14 @@ def engine_slots(seq_len: int, kv_bytes_per_token: int, budget_bytes: float, at_
     return max(at_least, min(DEFAULT_SLOTS, fit))
 
 
+def engine_calls_bound(cfg: Config) -> int:
+    """Groups at most inside engine calls at once (orchestrator/generate.py Production.max_in_flight):
+    twice what the engines decode together, so each engine always has a group queued behind its
+    batch and no more (unset engine.max_concurrent_seqs counts as DEFAULT_SLOTS)."""
+    slots = cfg.engine.max_concurrent_seqs or DEFAULT_SLOTS
+    return max(1, 2 * cfg.runtime.num_engines * slots // cfg.rollout.group_size)
+
+
 def engine_limits(
     settings: EngineConfig,
     max_positions: int,

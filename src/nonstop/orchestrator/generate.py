@@ -18,6 +18,7 @@ then depends only on the weights, never on batching, engine placement or a resum
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import asdict, dataclass, field, replace
@@ -77,6 +78,10 @@ class Production:
     clock: Clock
     stats: RolloutStats
     spans: SpanLog = field(default_factory=lambda: SpanLog(None))
+    max_in_flight: int | None = None
+    """Groups at most inside engine calls at once (None: no bound). An unbounded buffer admits far
+    more groups than the engines hold; the rest wait here, before their call, so that
+    `runtime.call_timeout_s` times an engine's work on a group and not a queue in front of it."""
 
 
 async def produce(
@@ -96,16 +101,19 @@ async def produce(
     buffer, codec, cfg, stats, log = p.buffer, p.codec, p.rollout, p.stats, p.spans
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
     busy = BusyClock(p.clock)
+    calls = asyncio.Semaphore(p.max_in_flight) if p.max_in_flight is not None else contextlib.nullcontext()
 
     async def one_group(draw: Draw, t_admit: float) -> None:
         ex = draw.example
-        busy.enter()
-        t_gen0 = now()
-        try:
-            own = params if seed is None else replace(params, seed=draw_seed(seed, draw.epoch, ex.index))
-            results = await engine.generate([GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, own)])
-        finally:
-            busy.leave()
+        async with calls:
+            busy.enter()
+            t_gen0 = now()
+            try:
+                own = params if seed is None else replace(params, seed=draw_seed(seed, draw.epoch, ex.index))
+                request = GenerationRequest(ex.index, codec.encode(ex.prompt), cfg.group_size, own)
+                results = await engine.generate([request])
+            finally:
+                busy.leave()
         t_gen1 = now()
         t_scored: float | None = None
         try:

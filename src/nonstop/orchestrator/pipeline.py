@@ -31,6 +31,7 @@ from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
+from nonstop.config.sizing import engine_calls_bound
 from nonstop.observe.clock import Clock
 from nonstop.observe.doctor import Context, Doctor, read_records
 from nonstop.observe.progress import Progress
@@ -141,6 +142,7 @@ def start_beside(run: Run, supervisor: Supervisor) -> None:
         run.state.clock,  # the RL clock as begin() started or restored it
         run.stats,
         run.spans,
+        max_in_flight=engine_calls_bound(cfg),
     )
     if run.agents is not None:  # the agents' groups are the run's only training data
         supervisor.spawn(produce_agent_groups(production, run.agents), name="agent-producer")
