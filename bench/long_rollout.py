@@ -252,7 +252,7 @@ def main() -> None:
         speedup, basis = sync["time_to_target_s"] / best["time_to_target_s"], "target"
     else:
         speedup, basis = best["samples_per_s"] / max(sync["samples_per_s"], 1e-9), "samples"
-    delta = statistics.mean(seeds_acc[best["arm"]]) - statistics.mean(seeds_acc["sync"]) if seeds_acc else float("nan")
+    delta = statistics.mean(seeds_acc[best["arm"]]) - statistics.mean(seeds_acc["sync"]) if all(seeds_acc.values()) else float("nan")
     print(
         f"RESULT sync_trainer_idle={sync['trainer_idle']:.3f} best_trainer_idle={best['trainer_idle']:.3f} "
         f"best_speedup={speedup:.2f} speedup_basis={basis} best_arm={best['arm']} acc_delta={delta:+.3f} "

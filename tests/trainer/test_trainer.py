@@ -272,3 +272,23 @@ def test_checkpoint_restores_the_trainer_exactly(tiny_dir, tmp_path):
     assert a.policy_version == b.policy_version == 3 and a.metrics["lr"] == b.metrics["lr"]
     for (name, p), q in zip(original.trainer.model.named_parameters(), resumed.trainer.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_two_updates_per_batch_equal_two_steps_on_it_and_move_the_version_once(tiny_dir):
+    """With correction none every update is clipped against the behaviour logprobs, so mu = 2
+    updates of one batch are exactly two mu = 1 steps on it; the version and lr schedule move once."""
+    tok = load_tokenizer(str(tiny_dir))
+    engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id)
+    groups = _rollouts(engine, tok, ["1+2=", "33+44=", "7+0="], temperature=1.0)
+    two = Trainer(load_model(str(tiny_dir)), TrainerConfig(lr=1e-2, updates_per_batch=2), 1.0, tok.pad_token_id)
+    one = Trainer(load_model(str(tiny_dir)), TrainerConfig(lr=1e-2), 1.0, tok.pad_token_id)
+    m = two.step(groups)
+    first = one.step(groups)
+    second = one.step(groups)
+    for a, b in zip(two.model.parameters(), one.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert m["updates"] == 2 and two.policy_version == 1 and two.scheduler.last_epoch == 1
+    assert m["loss"] == pytest.approx(first["loss"], abs=1e-6)  # the step reports its first update
+    assert m["last_update_loss"] == pytest.approx(second["loss"], abs=1e-6)
+    assert m["last_update_clip_frac"] == pytest.approx(second["clip_frac"], abs=1e-6)
+    assert second["ratio_max"] > 1 + 1e-3  # the second update did see a moved policy

@@ -256,6 +256,12 @@ class TrainerConfig(_Section):
     max_consecutive_skips: int = Field(5, ge=1)
     """A step whose loss or gradient is NaN/inf is skipped with weights unchanged (counted);
     this many in a row stop the run."""
+    updates_per_batch: int = Field(1, ge=1)
+    """Optimizer updates per batch (GRPO's mu, TRL's num_iterations). Each update after the first runs a
+    fresh forward over the same batch, clipped against the same behaviour logprobs (with a correction:
+    the policy at the batch's start), which bounds how far one batch moves the policy; policy_version and
+    the lr schedule move once per batch. More learning per generated sample: where generation takes
+    longer than training (long rollouts), the trainer's idle time then does useful work."""
     precision: Literal["auto", "float32", "bfloat16"] | None = None
     """The dtype of the trainer's forward and backward matmuls (docs/precision.md); weights, gradients and
     the AdamW state stay float32 (master weights). bfloat16: torch.autocast in that dtype; auto: bfloat16

@@ -34,6 +34,7 @@ import copy
 import math
 import time
 from collections import Counter
+from functools import partial
 from typing import NotRequired, TypedDict
 
 import torch
@@ -345,29 +346,22 @@ class Trainer:
             stats["teacher_kl"] = float(k.mean()) if k.numel() else 0.0
         return adv, stats
 
-    def step(self, groups: list[Group]) -> dict[str, float | int | dict]:
+    def _objective(
+        self,
+        batch: Batch,
+        mask: torch.Tensor,
+        old: torch.Tensor,
+        advantages: torch.Tensor,
+        weights: torch.Tensor | None,
+        den: dict[str, torch.Tensor] | None,
+        ref: torch.Tensor | None,
+        logp: torch.Tensor,
+        entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict, dict]:
+        """(loss, the policy loss's stats, extra stats) of the policy's (B, T) `logp` [and entropy]
+        against `old`, with the reference KL (`ref`: the reference's (B, T) logprobs) and the
+        entropy bonus as configured."""
         cfg = self.cfg
-        batch = self._batch(groups)
-        lag = self.policy_version - batch["versions"]  # (B, T), against the version before the step
-        mask, counts = self._loss_mask(batch, lag)
-        routing: dict[str, float] = {}
-        ahead = 0  # groups whose forward ran ahead of the step
-        if self.routing is not None and "routes" in batch:
-            routes = batch["routes"]
-            self.routing.arm(routes.reshape(-1, *routes.shape[2:]))  # router rows are (b, position) flattened
-            try:
-                logp, entropy = self._forward(batch, cfg.entropy_coef > 0)
-            except BaseException:
-                self.routing.reset()  # the forward's own error, not an unused-routes one
-                raise
-            routing = self.routing.disarm()
-        else:
-            logp, entropy, ahead = self._policy_logprobs(groups, batch, cfg.entropy_coef > 0)
-        prox = logp.detach()  # proximal policy: one optimizer step per batch, so pi_prox = pi_theta now
-        weights, is_stats = is_weights(prox, batch["behaviour"], mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
-        old = batch["behaviour"] if cfg.correction == "none" else prox
-        advantages, token_stats = self._token_advantages(batch, prox)
-        den = self.denominators(mask)
         norm_den = den[cfg.norm] if den else None
         if cfg.loss == "gspo":
             loss, stats = gspo_loss(
@@ -395,13 +389,8 @@ class Trainer:
                 cfg.clip_ratio_c,
                 self.max_new_tokens,
             )
-        extra: dict[str, float | dict[str, int]] = dict(token_stats)
-        teachers = Counter(s.teacher for g in groups for s in g.samples if s.teacher is not None)
-        if teachers:
-            extra["teacher_samples"] = dict(teachers)  # samples by the teacher identity@version that scored them
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = self.logprobs(batch, self.reference)
+        extra: dict = {}
+        if ref is not None:
             kl = masked_mean(
                 kl_penalty(logp, ref, cfg.kl_estimator, cfg.kl_clamp), mask, cfg.norm, norm_den, self.max_new_tokens
             )
@@ -414,17 +403,83 @@ class Trainer:
             ent = masked_mean(entropy, mask, cfg.norm, norm_den, self.max_new_tokens)
             loss = loss - cfg.entropy_coef * ent
             extra["entropy"] = float(ent.detach())
+        return loss, stats, extra
+
+    def _update(self, loss: torch.Tensor) -> tuple[int, torch.Tensor, float]:
+        """Backward, clip and one optimizer step; (1 if applied else 0, grad norm, seconds of the
+        clip and optimizer step). A non-finite loss or gradient leaves the weights as they are."""
         self.optimizer.zero_grad(set_to_none=True)
         grad_norm = torch.tensor(float("nan"))
         loss_ok = self.all_finite(loss)  # on M ranks: all of them, or none, take the backward pass
         if loss_ok:
             loss.backward()
-        t_update = time.perf_counter()  # from here on the step's cost does not grow with its tokens
+        t0 = time.perf_counter()  # from here on the cost does not grow with the batch's tokens
         if loss_ok:
             grad_norm = self.clip_grads()
-        skipped = not (loss_ok and torch.isfinite(grad_norm))
-        if skipped:  # weights stay as they are; the version does not move
+        if not (loss_ok and torch.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
+            return 0, grad_norm, time.perf_counter() - t0
+        self.optimizer.step()
+        return 1, grad_norm, time.perf_counter() - t0
+
+    def _routed_forward(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """The batch's forward with the engine's MoE routes replayed (trainer.routing_replay)."""
+        assert self.routing is not None
+        routes = batch["routes"]
+        self.routing.arm(routes.reshape(-1, *routes.shape[2:]))  # router rows are (b, position) flattened
+        try:
+            logp, entropy = self._forward(batch, with_entropy)
+        except BaseException:
+            self.routing.reset()  # the forward's own error, not an unused-routes one
+            raise
+        return logp, entropy, self.routing.disarm()
+
+    def step(self, groups: list[Group]) -> dict[str, float | int | dict]:
+        """One batch: trainer.updates_per_batch optimizer updates on it (GRPO's mu), the first from
+        the forward pass (or the one `forward_ahead` ran), each later one from a fresh forward
+        against the same behaviour logprobs, advantages and weights; policy_version and the lr
+        schedule move once per batch, when at least one update was applied."""
+        cfg = self.cfg
+        batch = self._batch(groups)
+        lag = self.policy_version - batch["versions"]  # (B, T), against the version before the step
+        mask, counts = self._loss_mask(batch, lag)
+        routing: dict[str, float] = {}
+        ahead = 0  # groups whose forward ran ahead of the step
+        replay = self.routing is not None and "routes" in batch
+        if replay:
+            logp, entropy, routing = self._routed_forward(batch, cfg.entropy_coef > 0)
+        else:
+            logp, entropy, ahead = self._policy_logprobs(groups, batch, cfg.entropy_coef > 0)
+        prox = logp.detach()  # proximal policy: the policy at the batch's start, for every update of it
+        weights, is_stats = is_weights(prox, batch["behaviour"], mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
+        old = batch["behaviour"] if cfg.correction == "none" else prox
+        advantages, token_stats = self._token_advantages(batch, prox)
+        den = self.denominators(mask)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self.logprobs(batch, self.reference)
+        objective = partial(self._objective, batch, mask, old, advantages, weights, den, ref)
+        loss, stats, extra = objective(logp, entropy)
+        extra.update(token_stats)
+        teachers = Counter(s.teacher for g in groups for s in g.samples if s.teacher is not None)
+        if teachers:
+            extra["teacher_samples"] = dict(teachers)  # samples by the teacher identity@version that scored them
+        applied, grad_norm, update_s = self._update(loss)
+        last_loss, last_clip = loss, stats.get("clip_frac")
+        for _ in range(cfg.updates_per_batch - 1):
+            if not applied:
+                break
+            if replay:
+                logp, entropy, _ = self._routed_forward(batch, cfg.entropy_coef > 0)
+            else:
+                logp, entropy = self._forward(batch, cfg.entropy_coef > 0)
+            last_loss, last_stats, _ = objective(logp, entropy)
+            last_clip = last_stats.get("clip_frac")
+            ok, grad_norm, more_s = self._update(last_loss)
+            applied, update_s = applied + ok, update_s + more_s
+        skipped = applied == 0
+        if skipped:  # weights stay as they are; the version does not move
             self.skipped_steps += 1
             self.skips_in_row += 1
             if self.skips_in_row >= cfg.max_consecutive_skips:
@@ -433,10 +488,14 @@ class Trainer:
                     f"(trainer.max_consecutive_skips); last loss {float(loss.detach())}, grad norm {float(grad_norm)}"
                 )
         else:
-            self.optimizer.step()
             self.scheduler.step()
             self.skips_in_row = 0
             self.policy_version += 1
+        if cfg.updates_per_batch > 1:
+            extra["updates"] = applied
+            extra["last_update_loss"] = float(last_loss.detach())
+            if last_clip is not None:
+                extra["last_update_clip_frac"] = float(last_clip)
         sel = batch["mask"]
         d = (batch["behaviour"] - prox)[sel]  # log mu - log pi
         return {
@@ -457,5 +516,5 @@ class Trainer:
             "samples": int(batch["targets"].shape[0]),
             "ahead_groups": ahead,
             "tokens": int(mask.sum()),
-            "update_s": time.perf_counter() - t_update,  # gradient clip and optimizer step
+            "update_s": update_s,  # gradient clips and optimizer steps
         }
