@@ -3,6 +3,7 @@ engines hold, and the calls past the bound wait before their engine call, not in
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -11,7 +12,7 @@ from nonstop.config.sizing import engine_calls_bound
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.observe.clock import Clock
+from nonstop.observe.clock import EVALUATION, Clock
 from nonstop.observe.spans import SpanLog
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.generate import Production, RolloutStats, produce
@@ -70,3 +71,15 @@ def test_the_bound_is_twice_what_the_engines_decode_together():
     cfg = load_config(None, ["engine.max_concurrent_seqs=64", "rollout.group_size=8", "runtime.num_engines=2"])
     assert engine_calls_bound(cfg) == 2 * 2 * 64 // 8
     assert engine_calls_bound(load_config(None, ["engine.max_concurrent_seqs=4", "rollout.group_size=16"])) == 1
+
+
+def test_idle_fractions_leave_evaluations_out():
+    """A side's idle share is over the wall time outside evaluations (observe/clock.py)."""
+    clock = Clock(start=time.perf_counter() - 100.0)  # 100 s of RL wall
+    clock.add("training", 60.0)
+    assert clock.idle_fraction("training") == pytest.approx(0.4, abs=1e-3)
+    clock.add(EVALUATION, 20.0)  # 20 s of it held for evaluations: 60 busy of 80
+    assert clock.idle_fraction("training") == pytest.approx(0.25, abs=1e-3)
+    old = Clock(start=time.perf_counter() - 10.0, busy_s={"generation": 5.0, "training": 1.0})  # an older checkpoint's
+    old.add(EVALUATION, 5.0)
+    assert old.idle_fraction("generation") == pytest.approx(0.0, abs=1e-3)

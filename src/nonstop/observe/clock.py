@@ -6,22 +6,27 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+EVALUATION = "evaluation"
+
 
 @dataclass
 class Clock:
-    """Wall time and busy seconds of each side since `start`; idle = wall - busy."""
+    """Wall time and busy seconds of each side since `start`, and the seconds held-out evaluations
+    took (`busy_s['evaluation']`). A side's idle fraction is over the wall time outside
+    evaluations: the learning loop holds for one, so both sides wait through its long tail, and
+    that wait belongs to measuring the run, not to the pipeline (the RL wall time still counts it)."""
 
     start: float = field(default_factory=time.perf_counter)
-    busy_s: dict[str, float] = field(default_factory=lambda: {"generation": 0.0, "training": 0.0})
+    busy_s: dict[str, float] = field(default_factory=lambda: {"generation": 0.0, "training": 0.0, EVALUATION: 0.0})
 
     def wall(self) -> float:
         return time.perf_counter() - self.start
 
     def add(self, side: str, seconds: float) -> None:
-        self.busy_s[side] += seconds
+        self.busy_s[side] = self.busy_s.get(side, 0.0) + seconds  # a resumed older checkpoint may lack one
 
     def idle_fraction(self, side: str) -> float:
-        wall = self.wall()
+        wall = self.wall() - self.busy_s.get(EVALUATION, 0.0)
         return max(0.0, 1.0 - self.busy_s[side] / wall) if wall > 0 else 0.0
 
 

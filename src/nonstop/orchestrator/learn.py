@@ -31,6 +31,7 @@ from typing import Any
 
 from rich.markup import escape
 
+from nonstop.observe.clock import EVALUATION
 from nonstop.observe.spans import now
 from nonstop.orchestrator.policies import PolicySide
 from nonstop.orchestrator.records import StepRecord, completions_crc32
@@ -88,6 +89,7 @@ async def learn(run: Run) -> StepRecord | None:
         if eval_due:
             t_eval = now()
             record.eval_accuracy = await run.eval()
+            state.clock.add(EVALUATION, now() - t_eval)
             spans.emit("eval", step=step, t0=round(t_eval, 6), t1=round(now(), 6), accuracy=record.eval_accuracy)
         line = record.to_dict()
         run.sink.write(line)
@@ -168,9 +170,9 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
         samples_generated=stats.samples,
         samples_per_s=stats.samples / wall if wall > 0 else 0.0,
         generation_busy_s=round(busy["generation"], 3),
-        generation_idle_s=round(max(0.0, wall - busy["generation"]), 3),
+        generation_idle_s=round(max(0.0, wall - busy.get(EVALUATION, 0.0) - busy["generation"]), 3),
         training_busy_s=round(busy["training"], 3),
-        training_idle_s=round(max(0.0, wall - busy["training"]), 3),
+        training_idle_s=round(max(0.0, wall - busy.get(EVALUATION, 0.0) - busy["training"]), 3),
         engine_idle_frac=clock.idle_fraction("generation"),
         trainer_idle_frac=clock.idle_fraction("training"),
         drops=dict(run.buffer.drops),
