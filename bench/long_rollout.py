@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 from cli_run import ROOT, train
+from nonstop.config import load_config
 
 CONFIG = ROOT / "examples" / "long_rollout.yaml"
 DEPTH_ARMS = {
@@ -61,12 +62,13 @@ DEPTH_ARMS = {
 MODES = ("abort_retry", "save_resume", "drain", "group_cancel")
 
 
-def arms(max_lag: int, mode_depth: str) -> dict[str, list[str]]:
-    # unbounded: admission no longer waits for trainer steps, only for the queue's bound; the default
-    # bound (4096 groups) queued a whole epoch on the one engine, whose generate calls then waited
-    # past runtime.call_timeout_s (600 s) and ended the run. (max_lag + 1) steps of groups is what
-    # max_lag lets train at all.
-    queued = (max_lag + 1) * 8  # prompts_per_step of examples/long_rollout.yaml
+def arms(max_lag: int, mode_depth: str, prompts_per_step: int) -> dict[str, list[str]]:
+    # unbounded: admission no longer waits for trainer steps, only for the queue's bound. The engine
+    # calls stay within twice what the engine holds (config/sizing.py engine_calls_bound), so a deep
+    # queue no longer times a call out; but with the default bound (4096 groups) a whole epoch would
+    # be admitted and most of it dropped for lag: (max_lag + 1) steps of groups is what max_lag lets
+    # train at all.
+    queued = (max_lag + 1) * prompts_per_step
     out = {
         **DEPTH_ARMS,
         "unbounded": ["buffer.depth=null", f"buffer.max_lag={max_lag}", f"buffer.max_queued_groups={queued}"],
@@ -228,7 +230,8 @@ def main() -> None:
     if ns.quick:
         ns.seconds, ns.eval_size, ns.seeds = min(ns.seconds, 100.0), min(ns.eval_size, 50), "0"
         ns.trl_steps = min(ns.trl_steps, 3)
-    table = arms(ns.max_lag, ns.mode_depth)
+    pps = load_config(str(CONFIG), overrides=ns.overrides).rollout.prompts_per_step
+    table = arms(ns.max_lag, ns.mode_depth, pps)
     names = ns.arms.split(",") if ns.arms else list(table)
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -252,7 +255,11 @@ def main() -> None:
         speedup, basis = sync["time_to_target_s"] / best["time_to_target_s"], "target"
     else:
         speedup, basis = best["samples_per_s"] / max(sync["samples_per_s"], 1e-9), "samples"
-    delta = statistics.mean(seeds_acc[best["arm"]]) - statistics.mean(seeds_acc["sync"]) if all(seeds_acc.values()) else float("nan")
+    delta = (
+        statistics.mean(seeds_acc[best["arm"]]) - statistics.mean(seeds_acc["sync"])
+        if all(seeds_acc.values())
+        else float("nan")
+    )
     print(
         f"RESULT sync_trainer_idle={sync['trainer_idle']:.3f} best_trainer_idle={best['trainer_idle']:.3f} "
         f"best_speedup={speedup:.2f} speedup_basis={basis} best_arm={best['arm']} acc_delta={delta:+.3f} "
