@@ -77,7 +77,8 @@ CONFIG_CALIBRATE: Cell = {"buffer.depth": 1, "buffer.max_lag": 2}
 CONFIG_PREDICT: list[Cell] = [
     {"buffer.depth": 0, "buffer.max_lag": 0},
     {"buffer.depth": 2, "buffer.max_lag": 3},
-    {"buffer.depth": "null", "buffer.max_lag": 4},
+    # (max_lag + 1) steps queued, as bench/long_rollout.py's unbounded arm: past that, groups are dropped for lag
+    {"buffer.depth": "null", "buffer.max_lag": 4, "buffer.max_queued_groups": 40},
     {"buffer.depth": 1, "buffer.max_lag": 2, "rollout.prompts_per_step": 4},
     {"buffer.depth": 1, "buffer.max_lag": 2, "rollout.prompts_per_step": 16},
 ]
