@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from nonstop.config import EngineConfig, TinyModelConfig
+from nonstop.engine.blocks import attention_blocks, attention_reads, block_order, reorder_plan
 from nonstop.engine.core import TorchEngine
-from nonstop.engine.runner import attention_blocks, attention_reads, block_order
 from nonstop.engine.sampling import RowParams, row_params, sample
 from nonstop.tasks.tiny import make_tiny_model
 from nonstop.types import GenerationRequest, SamplingParams
@@ -129,10 +129,14 @@ def test_block_order_moves_only_rows_in_the_wrong_block_and_cuts_the_reads():
     assert attention_blocks([keys[r] for r in order]) == [(0, 16, 100), (16, 32, 10)]
     assert attention_reads([keys[r] for r in order]) == 16 * 100 + 16 * 10
     assert block_order([100] * 16 + [10] * 16) == list(range(32))  # in order already: nothing moves
+    assert reorder_plan(keys) == order  # halves the reads for a copy of 8 x 100 + 8 x 10 positions
+    assert reorder_plan([100] * 16 + [10] * 16) is None
+    # one long row among 31 short ones: its block reads 16 x 100 either way, so a move saves nothing
+    assert reorder_plan([10] * 20 + [100] + [10] * 11) is None
 
 
 def test_uneven_lengths_reorder_the_batch_and_greedy_tokens_equal_each_request_alone():
-    """Rows of very different lengths in a refilling batch get reordered by length (runner.block_order),
+    """Rows of very different lengths in a refilling batch get reordered by length (engine/blocks.py),
     and every request still decodes exactly what it decodes alone."""
     model = make_tiny_model(TinyModelConfig()).eval()
     # long requests admitted after short ones sit in the last rows; as short rows finish, the last

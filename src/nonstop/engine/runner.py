@@ -7,7 +7,7 @@ Contract:
 - the rows of a decode step are slots 0..B-1 (the scheduler keeps live sequences packed at the
   front with `move`, which copies any number of slots at once), so attention reads a view of the
   cache, never a gathered copy; it reads in blocks of rows, each up to its longest row
-  (`attention_blocks`), so the scheduler keeps rows near descending length with `permute`;
+  (engine/blocks.py), so the scheduler keeps rows near descending length with `permute`;
 - `prefill(slots, prompts)` computes the KV of whole prompts into the given slots and returns
   the logits after each prompt's last token; `decode(tokens, positions)` appends one token per
   row at its position and returns the next-token logits; `mixed(...)` does both in one forward
@@ -35,7 +35,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-ATTN_BLOCK = 16  # decode rows per attention block when a long tail makes one padded block wasteful
+from nonstop.engine.blocks import attention_blocks
+
 MOVE_BY_SLICES = 8  # up to this many slots, `move` copies slot by slot (no index tensors, no gathered copy)
 
 
@@ -73,45 +74,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def attention_blocks(keys: list[int]) -> list[tuple[int, int, int]]:
-    """How a decode step whose row i attends to `keys[i]` cached positions splits its attention:
-    (first row, end row, keys read) per block.
-
-    One block reads every row's keys up to the longest row; with a long tail that wastes most of
-    the attention on padding, so rows are split into blocks of ATTN_BLOCK rows, each reading only
-    up to its own longest row, whenever that saves at least a third."""
-    B, T = len(keys), max(keys)
-    blocks = [(a, min(a + ATTN_BLOCK, B), max(keys[a : a + ATTN_BLOCK])) for a in range(0, B, ATTN_BLOCK)]
-    if len(blocks) == 1 or sum((b - a) * t for a, b, t in blocks) > B * T * 2 / 3:
-        return [(0, B, T)]
-    return blocks
-
-
-def attention_reads(keys: list[int]) -> int:
-    """Cached positions a decode step reads over all its rows, padding included (`attention_blocks`)."""
-    return sum((b - a) * t for a, b, t in attention_blocks(keys))
-
-
-def block_order(keys: list[int]) -> list[int]:
-    """The slot order (slot i takes row order[i]) that puts rows into attention blocks by
-    descending `keys`, moving only rows that are in the wrong block: within a block the order
-    does not change what it reads."""
-    B = len(keys)
-    ranked = sorted(range(B), key=lambda r: -keys[r])  # stable: equal keys keep their slots
-    block = [0] * B
-    for k, r in enumerate(ranked):
-        block[r] = k // ATTN_BLOCK
-    order = [r if r // ATTN_BLOCK == block[r] else -1 for r in range(B)]
-    homeless: dict[int, list[int]] = {}
-    for r in range(B):
-        if order[r] == -1:
-            homeless.setdefault(block[r], []).append(r)
-    for i in range(B):
-        if order[i] == -1:
-            order[i] = homeless[i // ATTN_BLOCK].pop()
-    return order
 
 
 class _Moe:

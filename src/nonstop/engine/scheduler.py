@@ -39,18 +39,13 @@ import numpy as np
 import torch
 
 from nonstop.config import EngineConfig
-from nonstop.engine.runner import Runner, attention_reads, block_order
+from nonstop.engine.blocks import reorder_plan
+from nonstop.engine.runner import Runner
 from nonstop.engine.sampling import row_params, sample
 from nonstop.engine.sequence import Group, Seq
 from nonstop.engine.updates import WeightGate
 from nonstop.observe.flops import FlopModel, causal_pairs
 from nonstop.types import FinishReason, GenerationRequest, Sample
-
-REORDER_COPY_PER_READ = 1 / 8
-"""A reorder copies each moved row's cached positions once; it runs when the attention reads it saves
-per decode step are at least this many times the positions it copies (a copied position measured about
-a third of a read one on CPU, and the saving recurs on every later step until the order decays)."""
-REORDER_MIN_GAIN = 0.1  # nor for less than a tenth of a step's reads: that gain decays within a few finishes
 
 
 class RequestError(ValueError):
@@ -378,28 +373,16 @@ class Scheduler:
                 g.on_done([s.to_sample() for s in g.seqs])
 
     def _reorder(self) -> None:
-        """Keep rows in attention blocks by descending length (runner.block_order). Uneven
-        completions scramble a continuous batch: a finished row's slot goes to the newest row, so
-        a long sequence ends up among short ones and every row of its block reads up to its
-        length. Reordering pays for moving the rows that are in the wrong block."""
-        keys = [s.length + 1 for s in self.rows]
-        if not keys:
-            return
-        order = block_order(keys)
-        moved = [i for i, r in enumerate(order) if r != i]
-        if not moved:
-            return
-        reads = attention_reads(keys)
-        saved = reads - attention_reads([keys[r] for r in order])
-        copied = sum(keys[order[i]] for i in moved)
-        if saved < REORDER_MIN_GAIN * reads or saved < REORDER_COPY_PER_READ * copied:
+        """Keep rows in attention blocks by descending length, when that pays (engine/blocks.py)."""
+        order = reorder_plan([s.length + 1 for s in self.rows])
+        if order is None:
             return
         self.runner.permute(order, [s.length for s in self.rows])
+        self.stats["reorders"] += 1
+        self.stats["reorder_rows"] += sum(r != i for i, r in enumerate(order))
         self.rows = [self.rows[r] for r in order]
         for row, s in enumerate(self.rows):
             s.row = row
-        self.stats["reorders"] += 1
-        self.stats["reorder_rows"] += len(moved)
 
     def _evict(self, group: Group) -> None:
         live = [s for s in group.seqs if s.row >= 0]

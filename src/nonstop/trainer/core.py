@@ -44,14 +44,8 @@ from nonstop.hf import CausalLM
 from nonstop.trainer.ahead import AheadForwards, assemble, by_group
 from nonstop.trainer.correction import is_weights
 from nonstop.trainer.forward import prompt_shared_hidden, unsupported
-from nonstop.trainer.losses import (
-    clipped_policy_loss,
-    group_advantages,
-    gspo_loss,
-    kl_penalty,
-    masked_mean,
-    token_logprobs,
-)
+from nonstop.trainer.losses import group_advantages, token_logprobs
+from nonstop.trainer.objective import policy_objective
 from nonstop.trainer.packed import packed_logprobs
 from nonstop.trainer.routing import RouterHooks, moe_experts, moe_routers, route_tensor
 from nonstop.trainer.token_advantages import distill_advantages, distill_term, process_advantages
@@ -346,65 +340,6 @@ class Trainer:
             stats["teacher_kl"] = float(k.mean()) if k.numel() else 0.0
         return adv, stats
 
-    def _objective(
-        self,
-        batch: Batch,
-        mask: torch.Tensor,
-        old: torch.Tensor,
-        advantages: torch.Tensor,
-        weights: torch.Tensor | None,
-        den: dict[str, torch.Tensor] | None,
-        ref: torch.Tensor | None,
-        logp: torch.Tensor,
-        entropy: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, dict, dict]:
-        """(loss, the policy loss's stats, extra stats) of the policy's (B, T) `logp` [and entropy]
-        against `old`, with the reference KL (`ref`: the reference's (B, T) logprobs) and the
-        entropy bonus as configured."""
-        cfg = self.cfg
-        norm_den = den[cfg.norm] if den else None
-        if cfg.loss == "gspo":
-            loss, stats = gspo_loss(
-                logp,
-                old,
-                advantages,
-                mask,
-                cfg.clip_low,
-                cfg.clip_high,
-                weights,
-                den["gspo"] if den else None,
-                cfg.clip_ratio_c,
-            )
-        else:
-            loss, stats = clipped_policy_loss(
-                logp,
-                old,
-                advantages,
-                mask,
-                cfg.clip_low,
-                cfg.clip_high,
-                cfg.norm,
-                weights,
-                norm_den,
-                cfg.clip_ratio_c,
-                self.max_new_tokens,
-            )
-        extra: dict = {}
-        if ref is not None:
-            kl = masked_mean(
-                kl_penalty(logp, ref, cfg.kl_estimator, cfg.kl_clamp), mask, cfg.norm, norm_den, self.max_new_tokens
-            )
-            loss = loss + cfg.kl_coef * kl
-            extra["kl_ref"] = float(kl.detach())
-            if cfg.kl_clamp is not None:
-                far = ((logp.detach() - ref).abs() > cfg.kl_clamp)[mask]
-                extra["kl_clamped_frac"] = float(far.float().mean()) if far.numel() else 0.0
-        if entropy is not None:
-            ent = masked_mean(entropy, mask, cfg.norm, norm_den, self.max_new_tokens)
-            loss = loss - cfg.entropy_coef * ent
-            extra["entropy"] = float(ent.detach())
-        return loss, stats, extra
-
     def _update(self, loss: torch.Tensor) -> tuple[int, torch.Tensor, float]:
         """Backward, clip and one optimizer step; (1 if applied else 0, grad norm, seconds of the
         clip and optimizer step). A non-finite loss or gradient leaves the weights as they are."""
@@ -459,7 +394,7 @@ class Trainer:
         if self.reference is not None:
             with torch.no_grad():
                 ref = self.logprobs(batch, self.reference)
-        objective = partial(self._objective, batch, mask, old, advantages, weights, den, ref)
+        objective = partial(policy_objective, cfg, self.max_new_tokens, mask, old, advantages, weights, den, ref)
         loss, stats, extra = objective(logp, entropy)
         extra.update(token_stats)
         teachers = Counter(s.teacher for g in groups for s in g.samples if s.teacher is not None)
