@@ -31,6 +31,9 @@ def _serve(cwd, *args: str, **env: str) -> subprocess.Popen:
         text=True,
         env=base,
         cwd=cwd,
+        # a shell that starts these tests in the background (`cmd &`) ignores SIGINT, and a child
+        # would inherit that: serve must see Ctrl-C as a terminal sends it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
