@@ -13,6 +13,8 @@ The built-in engine, from the outside in:
                    Keep Sampling Mask;
 - runner.py        `KVRunner`: the lean forward over a Llama-family decoder (and its MoE blocks)
                    with a preallocated KV cache; `UnsupportedModel`;
+- blocks.py        attention blocks of a decode step, and `reorder_plan`: which rows to move so
+                   blocks of uneven rows stay short;
 - updates.py       `WeightGate`: receiving a new version (poll) apart from applying it (apply);
 - aio.py           `AsyncEngine`: one decode loop on the event loop shared by every caller,
                    `TokenEvent` streaming;

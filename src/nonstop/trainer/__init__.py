@@ -2,6 +2,7 @@
 
 - losses.py            pure tensor functions of the objectives: group advantages, token logprobs,
                        the clipped (GRPO-family) and GSPO losses, the KL penalty;
+- objective.py         `policy_objective()`: one update's loss (policy loss, reference KL, entropy bonus);
 - correction.py        `is_weights()`: off-policy importance-sampling corrections;
 - token_advantages.py  token-level advantages: process rewards and on-policy distillation;
 - forward.py           `prompt_shared_hidden()`: the forward with each distinct prompt computed once;
