@@ -156,3 +156,24 @@ def test_group_cancel_restarts_groups_that_would_exceed_max_lag(tiny_dir):
     eng2, tok2, *_ = _setup(tiny_dir, "never_stop", group_cancel=True, max_lag=NEW)
     _run(eng2, [("a", _req(tok2))], publish_after_steps=2)
     assert eng2.scheduler.stats["groups_cancelled"] == 0
+
+
+@pytest.mark.parametrize("mode", ["never_stop", "abort_retry", "save_resume", "drain", "blocking"])
+def test_an_idle_engine_asked_what_it_decodes_with_applies_the_newest_version_first(tiny_dir, mode):
+    eng, _, _, new, pub = _setup(tiny_dir, mode)
+    eng.scheduler.apply_newest_if_idle()
+    assert eng.policy_version == 0 and pub.polls == 1  # nothing published: the start weights stay
+    pub.publish()
+    eng.scheduler.apply_newest_if_idle()
+    assert eng.policy_version == NEW
+    assert all(torch.equal(a, b) for a, b in zip(eng.gate.live.state_dict().values(), new.state_dict().values()))
+
+
+def test_a_busy_engine_is_not_swapped_by_the_idle_check(tiny_dir):
+    eng, tok, *_, pub = _setup(tiny_dir, "drain")
+    eng.submit(_req(tok, "12+3=", 2, 8), lambda s: None)
+    eng.step()
+    pub.publish()
+    polls = pub.polls
+    eng.scheduler.apply_newest_if_idle()
+    assert eng.policy_version == 0 and pub.polls == polls and eng.has_work()

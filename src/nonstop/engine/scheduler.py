@@ -396,6 +396,13 @@ class Scheduler:
 
     # -- weights ----------------------------------------------------------------------------
 
+    def apply_newest_if_idle(self) -> None:
+        """An engine with nothing to run applies the newest published version now, as its next
+        forward pass would first: asked what it decodes with, an idle engine (a replacement that
+        has not served yet) answers with the weights its next request gets, not its start weights."""
+        if not self.has_work():
+            self._poll_weights()
+
     def _poll_weights(self) -> None:
         if self.gate is None or (self.cfg.update_mode == "blocking" and self.rows):
             return

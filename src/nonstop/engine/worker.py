@@ -89,9 +89,11 @@ class EngineWorker:
 
     async def weights_crc32(self) -> tuple[int, int]:
         """(policy_version, CRC32 of the weights this engine decodes with, in the transport's layout
-        order; trainer/worker.py computes the same of the trainer's): taken between two decode steps."""
+        order; trainer/worker.py computes the same of the trainer's): taken between two decode steps. An
+        idle engine first applies the newest published version, as its next request would."""
         if self.source is None:
             raise RuntimeError("weights_crc32: the engine is not attached to a weight transport yet")
+        self.engine.scheduler.apply_newest_if_idle()
         while True:  # a version applied while the CRC ran would mix two versions: take it again
             version = self.engine.policy_version
             crc = source_crc32(self.source)
