@@ -64,7 +64,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPIP) install -q --upgrade pip
 	$(if $(TORCH),$(VPIP) install -q "$(TORCH)")
-	$(VPIP) install -q -e . "$(VLLM)" $(if $(TORCH),"$(TORCH)") pytest pytest-timeout
+	$(VPIP) install -q -e ".[lora]" "$(VLLM)" $(if $(TORCH),"$(TORCH)") pytest pytest-timeout
 	$(VPIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VPY) -c "import torch, vllm; assert not torch.version.cuda or '$(TORCH)' == '', torch.__version__"
 	touch $@

@@ -194,3 +194,30 @@ def test_unset_precision_is_auto_for_a_large_loaded_model_only(tiny_dir):
     pinned = load_config(None, [f"model.path={tiny_dir}", "engine.dtype=float32", "trainer.precision=float32"])
     sized = size_run(pinned, large, 8, 64 * GIB)
     assert (sized.cfg.engine.dtype, sized.cfg.trainer.precision) == ("float32", "float32")
+
+
+def test_vllm_kv_cache_is_sized_from_the_run_unless_the_user_chose_a_reserve(tiny_dir):
+    """engine.kind vllm with neither kv_cache_gib nor memory_fraction set: the KV cache is what
+    max_num_seqs sequences of max_model_len tokens need in whole 128-token blocks (a large model's
+    weights no longer eat the fixed 10% of the machine meant for weights and cache); a reserve the
+    user set is kept."""
+    from nonstop.config.shape import ModelShape
+    from nonstop.config.sizing import VLLM_MIN_KV_GIB, size_run
+
+    qwen05 = ModelShape("qwen2", 896, 24, 14, 2, 64, 4864, 151_936, True, 32_768)
+    cfg = load_config(None, [f"model.path={tiny_dir}", "engine.kind=vllm", "rollout.max_new_tokens=200"])
+    sized = size_run(cfg, qwen05, 56, 23 * GIB)
+    v = sized.cfg.engine.vllm
+    assert v.max_model_len == 256
+    per_token = 2 * 24 * 2 * 64 * 4  # layers x (K, V) x KV heads x head dim x float32
+    assert v.kv_cache_gib == round(256 * 256 * per_token / GIB, 4) == 1.5
+    assert any(n.startswith("engine.vllm.kv_cache_gib: 1.5 (") for n in sized.notes)
+    short = size_run(load_config(None, [f"model.path={tiny_dir}", "engine.kind=vllm"]), qwen05, 6, 23 * GIB)
+    assert short.cfg.engine.vllm.kv_cache_gib == round(256 * 128 * per_token / GIB, 4)  # one block per sequence
+    tiny = ModelShape("qwen2", 64, 1, 4, 1, 16, 256, 128, True, 128)
+    assert size_run(cfg, tiny, 6, 23 * GIB).cfg.engine.vllm.kv_cache_gib == VLLM_MIN_KV_GIB
+    for chosen in ("engine.vllm.memory_fraction=0.3", "engine.vllm.kv_cache_gib=2"):
+        kept = size_run(load_config(None, [f"model.path={tiny_dir}", "engine.kind=vllm", chosen]), qwen05, 56, 23 * GIB)
+        assert kept.cfg.engine.vllm.kv_cache_gib == (2 if chosen.endswith("=2") else None)
+    builtin = size_run(load_config(None, [f"model.path={tiny_dir}"]), qwen05, 56, 23 * GIB)
+    assert builtin.cfg.engine.vllm.kv_cache_gib is None

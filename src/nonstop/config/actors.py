@@ -134,7 +134,8 @@ class VllmConfig(_Section):
     vLLM's default 0.92 refuses to start on a shared machine)."""
     kv_cache_gib: float | None = Field(None, gt=0.0)
     """GiB for the KV cache (vLLM's kv_cache_memory_bytes; it takes precedence over memory_fraction);
-    None: what memory_fraction leaves after the model."""
+    None: in a training run that leaves memory_fraction unset, what max_num_seqs sequences of
+    max_model_len tokens need (docs/memory.md); otherwise what memory_fraction leaves after the model."""
     max_model_len: int | None = Field(None, ge=2)
     """Longest prompt + completion in tokens; None: in a training run, what the run needs, as
     engine.max_seq_len (the longest admitted prompt + rollout.max_new_tokens, at most the model's

@@ -72,6 +72,23 @@ def engine_slots(seq_len: int, kv_bytes_per_token: int, budget_bytes: float, at_
     return max(at_least, min(DEFAULT_SLOTS, fit))
 
 
+VLLM_BLOCK_TOKENS = 128
+"""KV block size the need is rounded up to per sequence (vLLM's CPU backend allocates in blocks)."""
+VLLM_MIN_KV_GIB = 1 / 16
+"""Least KV cache a sized vLLM engine gets."""
+
+
+def vllm_kv_gib(max_num_seqs: int, max_model_len: int, shape: ModelShape, dtype: str) -> float:
+    """engine.vllm.kv_cache_gib of a training run that set neither it nor memory_fraction: what
+    max_num_seqs sequences of max_model_len tokens need (whole blocks), like the built-in engine's
+    cache, so a large model's weights do not eat a fixed fraction of the machine meant for both."""
+    name = shape.dtype if dtype == "auto" else dtype  # vLLM's 'auto' loads the dtype config.json records
+    nbytes = 4 if name.replace("torch.", "") == "float32" else 2
+    blocks = -(-max_model_len // VLLM_BLOCK_TOKENS)
+    need = max_num_seqs * blocks * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token(nbytes)
+    return round(max(need / GIB, VLLM_MIN_KV_GIB), 4)
+
+
 def engine_calls_bound(cfg: Config) -> int:
     """Groups at most inside engine calls at once (orchestrator/generate.py Production.max_in_flight):
     twice what the engines decode together, so each engine always has a group queued behind its
@@ -168,10 +185,20 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
     if engine.max_seq_len is None:
         update["max_seq_len"] = seq_len
         notes.append(f"engine.max_seq_len: {seq_len} ({why})")
-    if engine.vllm.max_model_len is None:
-        update["vllm"] = engine.vllm.model_copy(update={"max_model_len": seq_len})
+    vllm = engine.vllm
+    if vllm.max_model_len is None:
+        vllm = vllm.model_copy(update={"max_model_len": seq_len})
         if engine.kind == "vllm":
             notes.append(f"engine.vllm.max_model_len: {seq_len} ({why})")
+    if engine.kind == "vllm" and vllm.kv_cache_gib is None and "memory_fraction" not in vllm.model_fields_set:
+        gib = vllm_kv_gib(vllm.max_num_seqs, vllm.max_model_len or seq_len, shape, vllm.dtype)
+        vllm = vllm.model_copy(update={"kv_cache_gib": gib})
+        notes.append(
+            f"engine.vllm.kv_cache_gib: {gib:g} (engine.vllm.max_num_seqs {vllm.max_num_seqs} x "
+            f"{vllm.max_model_len} tokens, not a fraction of the machine)"
+        )
+    if vllm is not engine.vllm:
+        update["vllm"] = vllm
     if engine.max_concurrent_seqs is None:
         memory = cfg.run.memory_limit_gib * GIB if cfg.run.memory_limit_gib is not None else memory_total
         per_token = shape.kv_bytes_per_token(engine_dtype_bytes(cfg.model_copy(update={"engine": engine})))
