@@ -19,11 +19,20 @@ Per arm: peak RSS per process (VmHWM of each actor, polled every 0.5 s), the med
 publish time as a fraction of step time, the engine's tokens/s while busy against HF `generate`
 on the same prompts in this process, and the depth-0 mismatch KL (k3).
 
-    python bench/scale.py [--steps 5] [--arms full,full-fp32,lora,full-vllm,lora-vllm]
+The CLI arms' batches are tiny (2 prompts x 8 answers of a few tokens): their trainer step is
+the optimizer and the per-step fixed costs, not matmuls. So the bench also measures, in fresh
+processes on one thread each, the trainer actor's own code (TrainerWorker) on a batch of real
+size (`--batch`, default 8 completions x 128 tokens) in float32 and in bfloat16 autocast, and the
+built-in engine decoding 16 rows of 64 new tokens with float32 and with bfloat16 weights.
 
-Last line: `RESULT trainer_peak_frac=... bf16_step_speedup=... lora_mem_ratio=... publish_frac=...
-peak_rss_gib=...` (the full builtin arm's trainer fraction and publish fraction, the fp32 step
-over the bf16 step, LoRA's peak trainer RSS over full fine-tuning's, the largest process's peak).
+    python bench/scale.py [--steps 5] [--arms full,full-fp32,lora,full-vllm,lora-vllm] [--batch 8x128]
+
+Last line: `RESULT trainer_peak_frac=... bf16_step_speedup=... engine_bf16_speedup=...
+lora_mem_ratio=... publish_frac=... peak_rss_gib=... arms_ok=... cli_trainer_peak_frac=...
+cli_bf16_step_speedup=...`: the bf16 trainer's fraction of its matmul peak and the fp32 step over
+the bf16 step at the real batch, bf16 decode over fp32 decode, LoRA's peak trainer RSS over full
+fine-tuning's, the full builtin arm's publish time over its step, the largest process's peak, and
+the CLI arms' own trainer fraction and step speedup.
 """
 
 from __future__ import annotations
@@ -184,11 +193,104 @@ def hf_generate_tok_s(model_dir: Path) -> float:
     return 16 * 16 / (time.perf_counter() - t0)
 
 
+def inner_trainer(model_dir: Path, precision: str, samples: int, tokens: int, steps: int) -> dict:
+    """The trainer actor's own code (TrainerWorker, one thread) on a batch of `samples` completions of
+    `tokens` random tokens (2 prompts of 16): median step seconds and peak fraction after the first."""
+    import torch
+
+    from nonstop.config import TrainerConfig
+    from nonstop.trainer.worker import TrainerWorker
+    from nonstop.types import Group, Sample
+
+    torch.set_num_threads(1)
+    worker = TrainerWorker(str(model_dir), TrainerConfig(lr=1e-6, precision=precision), 1.0, 0)
+    gen = torch.Generator().manual_seed(1)
+
+    def batch() -> list[Group]:
+        groups = []
+        for i in range(2):
+            prompt = torch.randint(1, 151_000, (16,), generator=gen).tolist()
+            group = []
+            for j in range(samples // 2):
+                ids = torch.randint(1, 151_000, (tokens,), generator=gen).tolist()
+                group.append(Sample(prompt, ids, [-11.9] * tokens, [0] * tokens, "length", reward=float(j % 2)))
+            groups.append(Group(i, "p", "a", group))
+        return groups
+
+    records = [worker.step(batch()).metrics for _ in range(steps)][1:]
+    return {
+        "step_s": statistics.median(float(m["train_s"]) for m in records),
+        "peak_frac": statistics.median(float(m["peak_frac"]) for m in records),
+        "update_s": statistics.median(float(m["update_s"]) for m in records),
+        "precision": records[-1]["precision"],
+    }
+
+
+def inner_engine(model_dir: Path, dtype: str, rows: int, new_tokens: int) -> dict:
+    """The built-in engine (one thread) decoding `rows` sequences of `new_tokens` (EOS off) from 2
+    prompts, after a warm-up request: tokens/s of the whole generate, prefill and sampling included."""
+    import torch
+
+    from nonstop.engine.core import TorchEngine
+    from nonstop.hf import load_model
+    from nonstop.types import GenerationRequest, SamplingParams
+
+    torch.set_num_threads(1)
+    model = load_model(str(model_dir), getattr(torch, dtype)).eval()
+    engine = TorchEngine(model, [], 0)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]]
+
+    def run(n: int) -> float:
+        reqs = [GenerationRequest(i, p, rows // 2, SamplingParams(n, 1.0, seed=i)) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        engine.generate(reqs)
+        return time.perf_counter() - t0
+
+    run(4)
+    return {"tok_s": rows * new_tokens / run(new_tokens)}
+
+
+def inner(kind: str, model_dir: Path, arg: str) -> dict:
+    """One in-process measurement in a fresh interpreter (its own peak memory, nothing left over)."""
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import scale; "
+        f"print('INNER ' + json.dumps(scale.{kind}(scale.Path({str(model_dir)!r}), {arg})))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TRANSFORMERS_VERBOSITY": "error"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("INNER ")), None)
+    if out.returncode != 0 or line is None:
+        raise RuntimeError(f"{kind}({arg}) failed:\n{out.stderr[-3000:]}")
+    return json.loads(line[len("INNER ") :])
+
+
+def realistic(model_dir: Path, samples: int, tokens: int, steps: int) -> tuple[float, float, float]:
+    """The trainer at a batch of real size and the engine's decode, fp32 against bf16, side by side:
+    (bf16 trainer peak fraction, bf16 step speedup, bf16 decode speedup)."""
+    t = {p: inner("inner_trainer", model_dir, f"{p!r}, {samples}, {tokens}, {steps}") for p in ("float32", "bfloat16")}
+    e = {d: inner("inner_engine", model_dir, f"{d!r}, 16, 64") for d in ("float32", "bfloat16")}
+    print(f"\nIn-process, one thread, a batch of {samples} x {tokens} completion tokens (2 prompts of 16):\n")
+    print("| precision | trainer step | optimizer (update_s) | trainer % of its matmul peak | engine decode, 16 rows |")
+    print("|---|---|---|---|---|")
+    for p in ("float32", "bfloat16"):
+        r = t[p]
+        print(
+            f"| {p} | {r['step_s']:.1f} s | {r['update_s']:.1f} s | {r['peak_frac']:.0%} "
+            f"| {e[p]['tok_s']:.1f} tokens/s |"
+        )
+    step_speedup = t["float32"]["step_s"] / t["bfloat16"]["step_s"]
+    decode_speedup = e["bfloat16"]["tok_s"] / e["float32"]["tok_s"]
+    print(f"\nbf16 over fp32: trainer step {step_speedup:.2f}x, engine decode {decode_speedup:.2f}x", flush=True)
+    return t["bfloat16"]["peak_frac"], step_speedup, decode_speedup
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--batch", default="8x128", help="in-process trainer batch: completions x tokens ('' skips it)")
     ns = p.parse_args()
+    real = (float("nan"),) * 3
     with tempfile.TemporaryDirectory(prefix="nonstop-scale-") as tmp:
         model_dir = Path(tmp) / "qwen2.5-0.5b-shape"
         n = make_model(model_dir)
@@ -196,22 +298,26 @@ def main() -> None:
         hf = hf_generate_tok_s(model_dir)
         print(f"HF generate (fp32, 1 thread, 16 sequences): {hf:.1f} tokens/s", flush=True)
         rows = []
-        for name in ns.arms.split(","):
+        for name in [a for a in ns.arms.split(",") if a]:
             r = run_arm(name, model_dir, ns.steps, Path(tmp))
             if r is None:
                 print(f"{name:>10}: not run (no .venv-vllm: make venv-vllm)", flush=True)
                 continue
             rows.append(r)
             print_row(r, hf)
+        if ns.batch:
+            samples, tokens = (int(x) for x in ns.batch.split("x"))
+            real = realistic(model_dir, samples, tokens, 3)
     by = {r["arm"]: r for r in rows if not r["failed"]}
     full, f32, lora = by.get("full"), by.get("full-fp32"), by.get("lora")
     speedup = f32["step_s"] / full["step_s"] if full and f32 else float("nan")
     mem = lora["peaks"].get("trainer", 0) / full["peaks"]["trainer"] if full and lora else float("nan")
     peak_rss = max((v for r in rows for v in r["peaks"].values()), default=0) / 2**30
     print(
-        f"RESULT trainer_peak_frac={full['peak_frac'] if full else float('nan'):.3f} bf16_step_speedup={speedup:.2f} "
+        f"RESULT trainer_peak_frac={real[0]:.3f} bf16_step_speedup={real[1]:.2f} engine_bf16_speedup={real[2]:.2f} "
         f"lora_mem_ratio={mem:.2f} publish_frac={full['publish_frac'] if full else float('nan'):.3f} "
-        f"peak_rss_gib={peak_rss:.1f} arms_ok={len(by)}/{len(rows)}"
+        f"peak_rss_gib={peak_rss:.1f} arms_ok={len(by)}/{len(rows)} cli_trainer_peak_frac="
+        f"{full['peak_frac'] if full else float('nan'):.3f} cli_bf16_step_speedup={speedup:.2f}"
     )
 
 

@@ -52,7 +52,7 @@ def test_a_crashed_nodes_engine_is_replaced_on_the_survivor_and_no_prompt_is_los
             pipe=pipe,
             timeout_s=300,
             NONSTOP_TEST_FIFO=str(root / "events"),
-            NONSTOP_TEST_EVENTS="remove@160",
+            NONSTOP_TEST_EVENTS="remove@160!",  # the run waits for the removal: it cannot end first
         )
         remaining = cluster.actors()
     finally:

@@ -196,6 +196,7 @@ class EventPipe:
                 self.actions.get(name, lambda: None)()
             except Exception as e:  # reported by the caller, never lost
                 self.errors.append(f"{name}: {type(e).__name__}: {e}")
+            Path(f"{self.path}.{name}.done").touch()  # releases a run that waits on it ('name@n!')
 
     def close(self) -> None:
         os.write(self.fd, b"_stop\n")

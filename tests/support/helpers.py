@@ -383,14 +383,21 @@ def three_chars_reward(completion: str, answer: str) -> float:
 def cluster_event_reward(completion: str, answer: str) -> float:
     """For the multi-node tests (support/cluster.py): NONSTOP_TEST_EVENTS lists 'name@n,...'; when the
     run has scored its n-th sample, `name` is written to the FIFO at NONSTOP_TEST_FIFO, once per
-    working directory (a resumed run does not repeat it). The harness then acts (removes a node, ...)."""
+    working directory (a resumed run does not repeat it). The harness then acts (removes a node, ...).
+    'name@n!' also holds the scoring until the harness has acted (EventPipe touches FIFO.name.done),
+    so the run cannot finish its last prompts before the fault lands."""
     _calls["events"] = _calls.get("events", 0) + 1
     for event in filter(None, os.environ.get("NONSTOP_TEST_EVENTS", "").split(",")):
         name, at = event.split("@")
-        if _calls["events"] == int(at) and _once(f"event_{name}"):
-            fd = os.open(os.environ["NONSTOP_TEST_FIFO"], os.O_WRONLY | os.O_NONBLOCK)
+        if _calls["events"] == int(at.rstrip("!")) and _once(f"event_{name}"):
+            fifo = os.environ["NONSTOP_TEST_FIFO"]
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
             try:
                 os.write(fd, f"{name}\n".encode())
             finally:
                 os.close(fd)
+            if at.endswith("!"):
+                done, deadline = Path(f"{fifo}.{name}.done"), time.monotonic() + 120
+                while not done.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
     return float(len(completion))

@@ -66,6 +66,17 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, total_steps: int) -> 
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where the parameters allow it (plain tensors on CPU or
+    CUDA): one pass over each parameter, its gradient and both moments instead of a dozen
+    elementwise passes (0.4 s against 3.0 s per step for 494 M float32 parameters on one CPU
+    thread). Sharded (DTensor) parameters keep the foreach implementation."""
+    from torch.distributed.tensor import DTensor
+
+    fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
 class Batch(TypedDict):
     """The tensors of one training batch: B samples, T completion tokens; the model inputs are
     either the distinct prompts plus completions (shared-prompt forward, trainer/forward.py) or
@@ -144,8 +155,8 @@ class Trainer:
     def make_optimizer(self) -> None:
         """(Re)build the optimizer and its lr schedule over the current trainable parameters."""
         cfg = self.cfg
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+        self.optimizer = adamw(
+            [p for p in self.model.parameters() if p.requires_grad], cfg.learning_rate, cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda n: lr_factor(n, cfg.lr_warmup_steps, cfg.lr_schedule, self.total_steps)
