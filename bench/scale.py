@@ -203,7 +203,7 @@ def inner_trainer(model_dir: Path, precision: str, samples: int, tokens: int, st
     from nonstop.types import Group, Sample
 
     torch.set_num_threads(1)
-    worker = TrainerWorker(str(model_dir), TrainerConfig(lr=1e-6, precision=precision), 1.0, 0)
+    worker = TrainerWorker(str(model_dir), TrainerConfig.model_validate({"lr": 1e-6, "precision": precision}), 1.0, 0)
     gen = torch.Generator().manual_seed(1)
 
     def batch() -> list[Group]:
