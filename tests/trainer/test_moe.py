@@ -157,8 +157,11 @@ def test_replay_keeps_the_depth0_ratio_at_one_under_a_perturbed_router(kind):
     # read at the experts: without replay they compute with the free choice, under r3 with the engine's
     assert m_free["routing_replayed_frac"] == pytest.approx(1 - m_free["routing_free_mismatch_frac"])
     assert m_kept["routing_replayed_frac"] == 1.0
-    # the free router is still measured under r3 (same weights, same earlier layers as the engine's)
-    assert m_kept["routing_free_mismatch_frac"] == pytest.approx(m_free["routing_free_mismatch_frac"])
+    # the free router is still measured under r3. Not to the same value: under r3 its later layers
+    # see hidden states of the engine's earlier routes, without replay those of its own, and
+    # attention carries an earlier token's different route into the states of the tokens after it
+    assert m_kept["routing_free_mismatch_frac"] > 0.02
+    assert m_kept["routing_free_mismatch_frac"] == pytest.approx(m_free["routing_free_mismatch_frac"], rel=0.25)
     assert m_kept["log_ratio_std"] < m_free["log_ratio_std"] / 10
     # replayed experts still train the router: its gradient flows through the gathered scores
     assert all(float(layer.mlp.gate.weight.grad.abs().sum()) > 0 for layer in kept.model.model.layers)
