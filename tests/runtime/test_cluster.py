@@ -2,10 +2,11 @@
 `nonstop train` with runtime.ray_address. Roles are placed by node resource; a node that crashes
 mid-run takes its engine with it, and the run goes on.
 
-Default tier: two nodes, one worker node removed (its engine re-placed on the head node, which
-has room). Slow tier: the whole scenario of bench/cluster.py (a node joins and its engine
-serves with the trainer's exact weights; a node is lost under each node-loss policy, over
-broadcast and over files; the trainer dies and the run resumes), through the same harness."""
+Slow tier (it failed 2 of 4 default-tier runs under CI load): two nodes, one worker node
+removed (its engine re-placed on the head node, which has room); and the whole scenario of
+bench/cluster.py (a node joins and its engine serves with the trainer's exact weights; a node is
+lost under each node-loss policy, over broadcast and over files; the trainer dies and the run
+resumes), through the same harness."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="
 TRAIN_PROMPTS = 80
 
 
+@pytest.mark.slow  # under CI load it failed 2 of 4 runs: docs/scaleout.md, "Limits"
 @needs_ray
 def test_a_crashed_nodes_engine_is_replaced_on_the_survivor_and_no_prompt_is_lost(tiny_dir, tmp_path):
     """Head node: the trainer and room for two engines; one worker node: room for one. The two
