@@ -77,6 +77,8 @@ def _wandb_records(path: Path) -> list[bytes]:
             pos += room
             continue
         length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
@@ -88,18 +90,26 @@ def _wandb_records(path: Path) -> list[bytes]:
 def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     run = write_records(tmp_path, "wandb")
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = run.glob("wandb/offline-run-*/run-*.wandb")
     deadline = time.monotonic() + 60
     while True:  # wandb's service process may still be writing the file when finish() returned
-        records = []
+        records, complete = [], True
         for raw in _wandb_records(path):
             rec = pb.Record()
-            rec.ParseFromString(raw)
+            try:
+                rec.ParseFromString(raw)
+            except DecodeError:  # a block flushed in part; read again until the deadline
+                if time.monotonic() > deadline:
+                    raise
+                complete = False
+                break
             records.append(rec)
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+        if complete and any(r.WhichOneof("record_type") == "exit" for r in records):
             break
+        assert time.monotonic() < deadline, "wandb never wrote its exit record"
         time.sleep(0.5)
     history = [
         {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
