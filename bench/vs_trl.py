@@ -11,11 +11,18 @@ completions (2 prompts x 8) of at most 64 new tokens per step. Arms:
 - nonstop:  depth 0 (synchronous), depth 1 and depth 2, engine and trainer processes with one
             thread each, filter_uniform_reward off so every generated sample is trained on.
 
+Any arm name with the suffix `-bf16` runs the same arm in bfloat16 where each side allows it: TRL
+with `bf16=True` (torch.autocast on the CPU, fp32 master weights), nonstop with
+`engine.dtype=bfloat16` and `trainer.precision=bfloat16` (autocast, fp32 master weights and AdamW).
+TRL's best configuration is the best of every TRL arm run, in either precision; a CPU without bf16
+computes the bf16 arms in emulation (slow), so leave them out there.
+
 Each arm runs in its own subprocess; samples/s counts completions consumed by the trainer per
 second in steady state (from the end of the first step to the end of the last). Trainer idle
 is the fraction of that wall time the trainer was not computing (for TRL: time in generation).
 
-    python bench/vs_trl.py [--steps 40]        # needs the bench extra: pip install -e .[bench]
+    python bench/vs_trl.py [--steps 40] [--arms trl,trl1,depth0,depth1,depth2,trl-bf16,depth2-bf16]
+    # needs the bench extra: pip install -e .[bench]
 
 The last line is `RESULT best_ratio_vs_trl=<best nonstop arm's samples/s / the best TRL arm's>`.
 """
@@ -47,7 +54,7 @@ def make_model(path: Path) -> int:
     return count_parameters(model)
 
 
-def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None) -> dict:
+def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None, bf16: bool = False) -> dict:
     import torch
 
     if threads is not None:
@@ -74,7 +81,7 @@ def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None) ->
         max_completion_length=MAX_NEW,
         max_steps=steps,
         learning_rate=3e-4,
-        bf16=False,
+        bf16=bf16,
         use_cpu=True,
         gradient_checkpointing=False,
         report_to="none",
@@ -120,7 +127,7 @@ def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None) ->
     }
 
 
-def run_nonstop(model_dir: str, steps: int, depth: int, out: str) -> dict:
+def run_nonstop(model_dir: str, steps: int, depth: int, out: str, bf16: bool = False) -> dict:
     from rich.console import Console
 
     from nonstop.cli import run_training
@@ -144,6 +151,7 @@ def run_nonstop(model_dir: str, steps: int, depth: int, out: str) -> dict:
             f"run.out_dir={out}",
             "run.name=run",
             "run.progress=off",
+            *(["engine.dtype=bfloat16", "trainer.precision=bfloat16"] if bf16 else []),
         ]
     )
     run_training(cfg, Console(quiet=True))
@@ -168,11 +176,13 @@ def main() -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.arm:  # child: run one arm, print its JSON on the last line
+        arm, _, dtype = ns.arm.partition("-")
+        bf16 = dtype == "bf16"
         with tempfile.TemporaryDirectory() as out:
-            if ns.arm.startswith("trl"):
-                res = run_trl(ns.model, ns.steps, out, 1 if ns.arm == "trl1" else None)
+            if arm.startswith("trl"):
+                res = run_trl(ns.model, ns.steps, out, 1 if arm == "trl1" else None, bf16)
             else:
-                res = run_nonstop(ns.model, ns.steps, int(ns.arm[-1]), out)
+                res = run_nonstop(ns.model, ns.steps, int(arm[-1]), out, bf16)
         print(json.dumps(res))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,9 +223,16 @@ def main() -> None:
     }
     for arm, r in results.items():
         ratio = f"{r['samples_per_s'] / base:.2f}x" if base else "-"
-        print(f"{names[arm]:<22}{r['samples_per_s']:>10.1f}{r['trainer_idle']:>13.0%}{ratio:>9}")
+        name, _, dtype = arm.partition("-")
+        label = names[name] + (", bf16" if dtype else "")
+        print(f"{label:<22}{r['samples_per_s']:>10.1f}{r['trainer_idle']:>13.0%}{ratio:>9}")
     ours = [r["samples_per_s"] for a, r in results.items() if a.startswith("depth")]
-    print(f"RESULT best_ratio_vs_trl={max(ours) / base:.2f}" if base and ours else "RESULT best_ratio_vs_trl=nan")
+    if not (base and ours):
+        print("RESULT best_ratio_vs_trl=nan")
+        return
+    best_trl = max((a for a in results if a.startswith("trl")), key=lambda a: results[a]["samples_per_s"])
+    best = max((a for a in results if a.startswith("depth")), key=lambda a: results[a]["samples_per_s"])
+    print(f"RESULT best_ratio_vs_trl={max(ours) / base:.2f} best_arm={best} best_trl_arm={best_trl}")
 
 
 if __name__ == "__main__":
