@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from nonstop.scoring.stage import FunctionComponent, ScoringStage
     from nonstop.scoring.teacher import TeacherWorker
     from nonstop.serve.client import GenerationClient, HttpClient, InProcessClient
-    from nonstop.serve.server import ServedEngine
+    from nonstop.serve.protocol import ServedEngine
     from nonstop.transport.base import ModelParameters, WeightSink, WeightSource, WeightTarget
     from nonstop.transport.broadcast import BroadcastSink, BroadcastSource
     from nonstop.transport.files import FilesSink, FilesSource

@@ -37,7 +37,7 @@ abort_retry re-submission the prefix's routes are the re-prefill's, as in the bu
 Spans: with `span_path`, forward passes (coalesced `busy` chunks) and weight applies go to the
 span log (nonstop.observe.spans) as the built-in engine writes them, so `nonstop report` and `nonstop
 simulate` read vLLM runs too. For `nonstop serve`, the worker is also a ServedEngine
-(serve/server.py): `check`, `submit` with a token queue, `stream`, `health`.
+(serve/protocol.py): `check`, `submit` with a token queue, `stream`, `health`.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ class VllmEngineWorker:
         if self.source is not None:
             self.source.close()
 
-    # --- what `nonstop serve` asks of an engine (serve/server.py ServedEngine) -----------
+    # --- what `nonstop serve` asks of an engine (serve/protocol.py ServedEngine) -----------
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | list[Sample]]:
         return stream_events(self.submit, request)
