@@ -8,6 +8,7 @@ The built-in engine, from the outside in:
                    `submit` / `step` for other drivers), behaviour logprobs, where new weights meet it;
 - scheduler.py     `Scheduler`: continuous batching (admission, shared prefill, decode steps,
                    finishing), the weight-update modes, `RequestError`;
+- emit.py          `Emitter`: a forward pass's tokens sampled into their sequences, finish reasons;
 - sequence.py      `Seq` and `Group`: the in-flight state of a request and of each completion;
 - sampling.py      `sample()`: per-row temperature/top-k/top-p/min-p, behaviour logprobs, the
                    Keep Sampling Mask;
