@@ -13,7 +13,9 @@ The built-in engine, from the outside in:
 - sampling.py      `sample()`: per-row temperature/top-k/top-p/min-p, behaviour logprobs, the
                    Keep Sampling Mask;
 - runner.py        `KVRunner`: the lean forward over a Llama-family decoder (and its MoE blocks)
-                   with a preallocated KV cache; `UnsupportedModel`;
+                   with a preallocated KV cache;
+- layers.py        the decoder blocks' parameters as the runner reads them (MoE routing included),
+                   and the check that refuses other models (`UnsupportedModel`);
 - blocks.py        attention blocks of a decode step, and `reorder_plan`: which rows to move so
                    blocks of uneven rows stay short;
 - updates.py       `WeightGate`: receiving a new version (poll) apart from applying it (apply);
