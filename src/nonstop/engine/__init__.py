@@ -26,6 +26,7 @@ vLLM as the engine (`engine.kind: vllm`):
 - vllm_setup.py    starting vLLM in the engine process: `require_vllm`, `start_engine`,
                    `NonstopWorkerExtension` (in-place weight reload), `VllmSetupError`;
 - vllm_engine.py   `VllmEngineWorker`: the same actor calls as EngineWorker over vLLM's scheduler;
+- vllm_sequence.py the in-flight state of its requests and completions (`_Group`, `_Seq`);
 - vllm_routes.py   `RouteRecorder`: the experts every token vLLM computes was routed to (Keep Routing).
 """
 
