@@ -46,7 +46,8 @@ from nonstop.engine.scheduler import RequestError
 from nonstop.serve import generate_route, openapi
 from nonstop.serve import responses as r
 from nonstop.serve.answers import Answers
-from nonstop.serve.episodes import EpisodeRecorder, Turn, episode_tag
+from nonstop.serve.episode_record import Turn, episode_tag
+from nonstop.serve.episodes import EpisodeRecorder
 from nonstop.serve.protocol import BadRequest, Call, ServedEngine, parse_chat, parse_completion
 from nonstop.types import GenerationRequest
 
