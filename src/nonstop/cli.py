@@ -18,71 +18,17 @@ import os
 import signal
 import sys
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from nonstop import __version__
 from nonstop.config import Config, ConfigError, dump_config, load_config
-from nonstop.orchestrator.launch import run_training  # shared with nonstop.train(); benches import it from here
-
-if TYPE_CHECKING:
-    from nonstop.orchestrator.records import RunSummary
-
-
-def _summary_table(s: RunSummary) -> Table:
-    t = Table(title="nonstop: end of run", show_header=False)
-    base, final = s.base_accuracy, s.final_accuracy or 0.0
-    t.add_row("held-out accuracy", f"base {base:.1%} -> final {final:.1%} ({100 * (final - base):+.1f} points)")
-    if s.resumed_from:  # the RL clock continues across resumes; this command's wall time does not
-        t.add_row(
-            "wall time",
-            f"{s.wall_s:.1f} s this session (resumed; {s.warmup_s:.1f} s loading the checkpoint); "
-            f"RL {s.rl_wall_s:.1f} s over all sessions",
-        )
-    else:
-        t.add_row("wall time", f"{s.wall_s:.1f} s total ({s.warmup_s:.1f} s base policy, {s.rl_wall_s:.1f} s RL)")
-    t.add_row("steps", f"{s.steps} (policy_version {s.policy_version})")
-    t.add_row("samples/s", f"{s.samples_per_s:.0f} ({s.samples_generated} generated)")
-    t.add_row("idle", f"trainer {s.trainer_idle_frac:.0%}, engine {s.engine_idle_frac:.0%}")
-    if s.pools:  # pinned pools: how busy each role kept its own CPUs
-        t.add_row(
-            "CPU pools",
-            ", ".join(
-                f"{role} cpus {','.join(map(str, p['cpus']))} busy {p['busy_frac']:.0%}"
-                if p["cpus"]
-                else f"{role} {p['busy_frac']:.2f} cores"
-                for role, p in s.pools.items()
-            ),
-        )
-    t.add_row("dropped groups", json.dumps(s.drops) if s.drops else "none")
-    p, faults = s.prompts, s.engine_faults
-    t.add_row(
-        "prompts",
-        f"{p['settled']} settled, {p['in_flight']} in flight, {p['duplicated']} duplicated, "
-        f"{p['requeued'] + faults['requeued']} re-queued",
-    )
-    if faults["restarts"]:
-        t.add_row(
-            "engine restarts",
-            f"{faults['restarts']} (detect <= {faults['max_detect_s']:.1f} s, "
-            f"recover <= {faults['max_recover_s']:.1f} s)",
-        )
-    if s.reward_errors:
-        t.add_row("reward errors", f"{json.dumps(s.reward_errors)}; last: {s.last_reward_error}")
-    if s.doctor is not None and s.doctor["enabled"]:
-        findings = s.doctor["findings"]
-        t.add_row(
-            "doctor",
-            "\n".join(f"{f['code']} (step {f['step']}): {f['cause']}; try {'; '.join(f['try'])}" for f in findings)
-            or "no findings",
-        )
-    t.add_row("run folder", s.run_dir)
-    return t
+from nonstop.orchestrator.launch import (  # run_training: shared with nonstop.train(); benches import it from here
+    run_training,
+    sigterm_as_ctrl_c,
+)
 
 
 def config_or_exit(config: str | None, overrides: tuple[str, ...], console: Console) -> Config:
@@ -100,16 +46,6 @@ def main() -> None:
     """nonstop: asynchronous RL post-training of LLMs."""
 
 
-def _sigterm_as_ctrl_c(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM (kill, a scheduler) takes the Ctrl-C path, which stops the actors and frees what the
-    run holds, whether or not SIGINT is ignored (a background job's is)."""
-    handler = signal.getsignal(signal.SIGINT)
-    if callable(handler) and handler is not signal.default_int_handler:
-        handler(signal.SIGINT, frame)  # asyncio.run's: cancel the run's task, its cleanup runs
-    else:
-        raise KeyboardInterrupt
-
-
 @main.command("train")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option(
@@ -124,7 +60,7 @@ def _sigterm_as_ctrl_c(signum: int, frame: FrameType | None) -> None:
 def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path | None) -> None:
     """Run asynchronous GRPO. With no CONFIG, the built-in default job."""
     console = Console()
-    signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
+    signal.signal(signal.SIGTERM, sigterm_as_ctrl_c)
     try:
         if resume_dir is not None and config is not None:
             raise ConfigError("--resume uses the run's own config.yaml; pass changes with --set, not a CONFIG file")
@@ -166,7 +102,9 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
             console.print(f"[red]run failed:[/] {escape(str(e))}", highlight=False)
             sys.exit(1)
         raise
-    console.print(_summary_table(summary))
+    from nonstop.observe.progress import summary_table
+
+    console.print(summary_table(summary))
 
 
 @main.command("serve")
@@ -215,7 +153,7 @@ def serve_cmd(
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (token ids, logprobs and versions included)."""
     console = Console()
-    signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)  # while loading; serving, serve() stops cleanly on it
+    signal.signal(signal.SIGTERM, sigterm_as_ctrl_c)  # while loading; serving, serve() stops cleanly on it
     # click reads an empty NONSTOP_API_KEY as unset, which would serve with no key at all
     if api_key is None and "NONSTOP_API_KEY" in os.environ:
         api_key = os.environ["NONSTOP_API_KEY"]

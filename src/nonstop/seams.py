@@ -48,9 +48,10 @@ if TYPE_CHECKING:
     from nonstop.scoring.stage import FunctionComponent, ScoringStage
     from nonstop.scoring.teacher import TeacherWorker
     from nonstop.serve.client import GenerationClient, HttpClient, InProcessClient
-    from nonstop.serve.server import ServedEngine
+    from nonstop.serve.protocol import ServedEngine
     from nonstop.transport.base import ModelParameters, WeightSink, WeightSource, WeightTarget
-    from nonstop.transport.broadcast import BroadcastSink, BroadcastSource
+    from nonstop.transport.broadcast import BroadcastSink
+    from nonstop.transport.broadcast_source import BroadcastSource
     from nonstop.transport.files import FilesSink, FilesSource
     from nonstop.transport.names import PerExpertParameters
     from nonstop.transport.shm import ShmSink, ShmSource

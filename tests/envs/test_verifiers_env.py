@@ -19,6 +19,7 @@ from test_episodes import NEW, Recording  # noqa: E402
 from nonstop.config import ConfigError, EngineConfig, RolloutConfig, load_config  # noqa: E402
 from nonstop.engine.aio import AsyncEngine  # noqa: E402
 from nonstop.engine.core import TorchEngine  # noqa: E402
+from nonstop.envs import verifiers_client as vc  # noqa: E402
 from nonstop.envs import verifiers_env as ve  # noqa: E402
 from nonstop.envs.base import ENV_VERSION, EnvLimits  # noqa: E402
 from nonstop.envs.registry import builtin_task  # noqa: E402
@@ -104,7 +105,7 @@ def test_a_verifiers_episode_over_http_is_the_engine_samples_plus_the_env_messag
     async def main():
         aio = RecordingServerEngine(engine)
         async with serving(aio, tok, "tiny") as base:
-            client, log = ve.train_client(f"{base}/v1", str(tiny_dir))
+            client, log = vc.train_client(f"{base}/v1", str(tiny_dir))
             try:
                 episode = await ve.play_episode(
                     client,
@@ -157,7 +158,7 @@ def test_an_in_process_verifiers_episode_spanning_a_weight_update_carries_both_v
     )
 
     async def main():
-        client, log = ve.train_client("http://nonstop.invalid/v1", str(tiny_dir), ve.EngineTransport(rec, "tiny"))
+        client, log = vc.train_client("http://nonstop.invalid/v1", str(tiny_dir), vc.EngineTransport(rec, "tiny"))
         try:
             return await ve.play_episode(
                 client, log, _task(), "tiny", vf.SamplingConfig(temperature=1.0, max_tokens=3), max_turns=3, retry=RETRY

@@ -13,16 +13,15 @@ from nonstop.config import ConfigError, load_config
 from nonstop.observe.timeline import GroupLife, Timeline
 from nonstop.planner.calibrate import (
     PAUSE_S,
-    Sharing,
     _fit_line,
     _ordinary_mean,
-    effective_cores,
     fit_orchestrator,
     pauses,
 )
 from nonstop.planner.cli import parse_axes
 from nonstop.planner.model import Simulation, simulate
 from nonstop.planner.params import PlanParams, Shape
+from nonstop.planner.sharing import Sharing, effective_cores
 from nonstop.planner.sweep import recommend, sweep
 from support import ROOT
 from support.helpers import two_step_timeline

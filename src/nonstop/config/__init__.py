@@ -5,7 +5,8 @@ One module per part of the tree; everything public is re-exported here, so calle
 
 | module | holds |
 |---|---|
-| `root.py` | `Config` (the whole tree), rollout/buffer/env/checkpoint/run sections, `load_config`, `dump_config` |
+| `root.py` | `Config` (the whole tree and its rules across sections), `load_config`, `dump_config` |
+| `run.py` | the run's own sections: rollout, buffer, env, agents, checkpoint, run |
 | `actors.py` | model, engine (built-in and vLLM), trainer, LoRA and per-role policy sections |
 | `kinds.py` | one model per transport kind and per runtime backend |
 | `pinning.py` | `CpuPools`: the local runtime's disjoint CPU sets per role (`runtime.pin_cpus`) |

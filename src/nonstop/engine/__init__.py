@@ -8,11 +8,14 @@ The built-in engine, from the outside in:
                    `submit` / `step` for other drivers), behaviour logprobs, where new weights meet it;
 - scheduler.py     `Scheduler`: continuous batching (admission, shared prefill, decode steps,
                    finishing), the weight-update modes, `RequestError`;
+- emit.py          `Emitter`: a forward pass's tokens sampled into their sequences, finish reasons;
 - sequence.py      `Seq` and `Group`: the in-flight state of a request and of each completion;
 - sampling.py      `sample()`: per-row temperature/top-k/top-p/min-p, behaviour logprobs, the
                    Keep Sampling Mask;
 - runner.py        `KVRunner`: the lean forward over a Llama-family decoder (and its MoE blocks)
-                   with a preallocated KV cache; `UnsupportedModel`;
+                   with a preallocated KV cache;
+- layers.py        the decoder blocks' parameters as the runner reads them (MoE routing included),
+                   and the check that refuses other models (`UnsupportedModel`);
 - blocks.py        attention blocks of a decode step, and `reorder_plan`: which rows to move so
                    blocks of uneven rows stay short;
 - updates.py       `WeightGate`: receiving a new version (poll) apart from applying it (apply);
@@ -23,6 +26,7 @@ vLLM as the engine (`engine.kind: vllm`):
 - vllm_setup.py    starting vLLM in the engine process: `require_vllm`, `start_engine`,
                    `NonstopWorkerExtension` (in-place weight reload), `VllmSetupError`;
 - vllm_engine.py   `VllmEngineWorker`: the same actor calls as EngineWorker over vLLM's scheduler;
+- vllm_sequence.py the in-flight state of its requests and completions (`_Group`, `_Seq`);
 - vllm_routes.py   `RouteRecorder`: the experts every token vLLM computes was routed to (Keep Routing).
 """
 

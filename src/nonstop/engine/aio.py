@@ -13,7 +13,7 @@ Contract of `AsyncEngine`:
 - `stream(request)` yields `TokenEvent`s as tokens are sampled, then the final samples
   (`stream_events`, shared with the vLLM engine);
 - `check`, `health`, `max_seq_len` and `vocab_size` are what `nonstop serve` asks of an engine
-  (serve/server.py ServedEngine).
+  (serve/protocol.py ServedEngine).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ abort_retry re-submission the prefix's routes are the re-prefill's, as in the bu
 Spans: with `span_path`, forward passes (coalesced `busy` chunks) and weight applies go to the
 span log (nonstop.observe.spans) as the built-in engine writes them, so `nonstop report` and `nonstop
 simulate` read vLLM runs too. For `nonstop serve`, the worker is also a ServedEngine
-(serve/server.py): `check`, `submit` with a token queue, `stream`, `health`.
+(serve/protocol.py): `check`, `submit` with a token queue, `stream`, `health`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import asyncio
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,39 +53,12 @@ import torch
 from nonstop.config import EngineConfig
 from nonstop.engine.aio import TokenEvent, stream_events
 from nonstop.engine.scheduler import RequestError
+from nonstop.engine.vllm_sequence import _Group, _Seq
 from nonstop.engine.vllm_setup import RouteLayout, VllmSetupError, route_layout, start_engine
 from nonstop.observe.spans import PassRecorder, SpanLog, now
 from nonstop.transport.base import source_crc32
 from nonstop.transport.names import per_expert_slices
-from nonstop.types import FinishReason, GenerationRequest, Routes, Sample, TransportHandle
-
-
-@dataclass(eq=False)  # identity: a completion is found in the queue by itself
-class _Seq:
-    """One completion in flight: what vLLM returned so far, with a version per token."""
-
-    group: _Group
-    index: int
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish: FinishReason = "length"
-    routes: Routes | None = None
-
-
-@dataclass(eq=False)
-class _Group:
-    request: GenerationRequest
-    future: asyncio.Future
-    samples: list[Sample | None]
-    queue: asyncio.Queue | None = None  # a TokenEvent per token (streaming)
-
-    def finished(self, seq: _Seq) -> None:
-        self.samples[seq.index] = Sample(
-            list(self.request.prompt_ids), seq.ids, seq.logprobs, seq.versions, seq.finish, routes=seq.routes
-        )
-        if all(s is not None for s in self.samples) and not self.future.done():
-            self.future.set_result(list(self.samples))
+from nonstop.types import GenerationRequest, Routes, Sample, TransportHandle
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -236,7 +208,7 @@ class VllmEngineWorker:
         if self.source is not None:
             self.source.close()
 
-    # --- what `nonstop serve` asks of an engine (serve/server.py ServedEngine) -----------
+    # --- what `nonstop serve` asks of an engine (serve/protocol.py ServedEngine) -----------
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | list[Sample]]:
         return stream_events(self.submit, request)

@@ -13,7 +13,8 @@ The episode runner lives in orchestrator/episodes.py.
 - reasoning_gym.py       `reasoning_gym/<dataset>`: reasoning-gym generators and scorers (optional extra);
 - textarena_env.py       `textarena/<game id>`: a textarena game, one role per player (optional extra);
 - verifiers_env.py       `verifiers/<module:factory>`: a verifiers.v1 Taskset played through verifiers'
-                         train client on nonstop's engines (`VerifiersPlayer`, `EngineTransport`);
+                         train client on nonstop's engines (`VerifiersPlayer`);
+- verifiers_client.py    verifiers' train client answered by nonstop's engines, in process (`EngineTransport`);
 - verifiers_agent.py     `env.verifiers_rollout: agent`: verifiers' own `Agent.run` per episode, its
                          interception and MCP tool servers, on nonstop's engines (`AgentPlayer`);
 - verifiers_harness.py   verifiers' `null` harness chat program run in process (`InProcessChatHarness`);

@@ -60,7 +60,8 @@ from verifiers.v1.state import State
 
 from nonstop.config import ConfigError
 from nonstop.envs.base import EnvLimits, EpisodeResult, TurnEngine
-from nonstop.envs.verifiers_env import MODEL, VERSIONS_KEY, EngineTransport, VersionLog, episode_result
+from nonstop.envs.verifiers_client import EngineTransport, VersionLog
+from nonstop.envs.verifiers_env import MODEL, VERSIONS_KEY, episode_result
 from nonstop.envs.verifiers_harness import InProcessChatHarness, ToolConnections
 from nonstop.envs.verifiers_renderer import renderer_config
 from nonstop.tasks.data import Example

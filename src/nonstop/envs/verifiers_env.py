@@ -10,7 +10,7 @@ What runs, and whose code it is:
 - a verifiers `Taskset` gives the tasks, and each task's own `@vf.reward`/`@vf.metric` methods
   score the trace (`Task.score`, in process);
 - nonstop serves `/inference/v1/generate`: over HTTP (`nonstop serve`, serve/generate_route.py),
-  or in process through `EngineTransport`, an httpx transport that answers the same JSON from
+  or in process through `EngineTransport` (envs/verifiers_client.py), an httpx transport that answers the same JSON from
   any `TurnEngine` (the training pipeline's engines), so no socket is needed in a run.
 
 What stands in for verifiers here (`env.verifiers_rollout: chat_loop`): `play_episode` is the chat
@@ -40,18 +40,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import json
 from collections import Counter
 from typing import Any
 
-import httpx
 import numpy as np
 
 from nonstop.config import ConfigError, EnvConfig
 
 try:
     import verifiers.v1 as vf
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI  # noqa: F401  (envs/verifiers_client.py uses it: missing, it is this ConfigError)
     from verifiers.v1 import graph
     from verifiers.v1.clients import TrainClient
     from verifiers.v1.dialects.chat import ChatDialect, message_to_wire
@@ -61,107 +59,15 @@ except ImportError as e:
     raise ConfigError(
         f"env.name: verifiers environments need the verifiers extra: pip install 'nonstop[verifiers]' ({e})"
     ) from None
-from nonstop.engine.scheduler import RequestError
 from nonstop.envs.base import ENV_VERSION, EnvLimits, EpisodeResult, TurnEngine
-from nonstop.envs.verifiers_renderer import TokenRenderer, renderer_config
-from nonstop.serve import generate_route
-from nonstop.serve.protocol import BadRequest
+from nonstop.envs.verifiers_client import EngineTransport, VersionLog, train_client
+from nonstop.envs.verifiers_renderer import TokenRenderer
 from nonstop.tasks.data import DatasetReport, Example, TaskData
-from nonstop.types import GenerationRequest, Sample, SamplingParams
+from nonstop.types import Sample, SamplingParams
 
 VERSIONS_KEY = "nonstop_policy_versions"
 """`trace.info` key: assistant node index (as text) -> the policy_version of each sampled token."""
 AGENT = "agent"
-
-
-class EngineTransport(httpx.AsyncBaseTransport):
-    """`/inference/v1/generate` and `/v1/models` answered in process by a `TurnEngine`, with the
-    JSON the HTTP route sends (serve/generate_route.py).
-
-    With `clamp`, `max_model_len` is the episode's token budget: a turn samples at most what is left
-    of it (`max_tokens` lowered, as nonstop's own episodes do), and a prompt that leaves nothing is
-    a 400 whose message names the "maximum context length", which verifiers' chat program reads as
-    the context being used up (it ends the episode with its transcript, not as a failure)."""
-
-    def __init__(
-        self,
-        engine: TurnEngine,
-        model: str,
-        max_model_len: int | None = None,
-        max_tokens_default: int = 16,
-        clamp: bool = False,
-    ) -> None:
-        self.engine, self.model, self.max_model_len = engine, model, max_model_len
-        self.max_tokens_default, self.clamp = max_tokens_default, clamp
-        self._ids = itertools.count(1 << 41)  # apart from the episode runner's and the producer's request ids
-        self.requests = 0
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if request.method == "GET" and path.endswith("/models"):
-            card: dict[str, Any] = {"id": self.model, "object": "model", "owned_by": "nonstop"}
-            if self.max_model_len is not None:
-                card["max_model_len"] = self.max_model_len
-            return httpx.Response(200, json={"object": "list", "data": [card]})
-        if request.method != "POST" or not path.endswith(generate_route.PATH):
-            return httpx.Response(404, json={"error": {"message": f"{request.method} {path}: not served in process"}})
-        try:
-            g = generate_route.parse_generate(json.loads(await request.aread()), self.max_tokens_default)
-        except BadRequest as e:
-            return httpx.Response(e.status, json={"error": {"message": str(e), "param": e.param}})
-        if self.clamp and self.max_model_len is not None:
-            left = self.max_model_len - len(g.call.prompt_ids or [])
-            if left < 1:
-                message = (
-                    f"prompt of {len(g.call.prompt_ids or [])} tokens leaves no room within the "
-                    f"maximum context length of {self.max_model_len} tokens (env.max_episode_tokens)"
-                )
-                return httpx.Response(400, json={"error": {"message": message, "param": "token_ids"}})
-            g.call.params.max_new_tokens = min(g.call.params.max_new_tokens, left)
-        try:
-            samples = (
-                await self.engine.generate(
-                    [GenerationRequest(next(self._ids), g.call.prompt_ids or [], g.call.n, g.call.params)]
-                )
-            )[0]
-        except RequestError as e:  # a request the engine cannot take (too long, bad ids): the client's 400
-            return httpx.Response(400, json={"error": {"message": str(e), "param": "token_ids"}})
-        self.requests += 1
-        return httpx.Response(200, json=generate_route.generate_response(g, samples))
-
-
-class VersionLog:
-    """Per-token policy versions of generate answers, by request id (an httpx response hook)."""
-
-    def __init__(self) -> None:
-        self.by_request: dict[str, list[int]] = {}
-
-    async def __call__(self, response: httpx.Response) -> None:
-        if response.status_code != 200 or not response.request.url.path.endswith(generate_route.PATH):
-            return
-        data = json.loads(await response.aread())
-        self.by_request[data["request_id"]] = list(data["choices"][0]["nonstop"]["policy_versions"])
-
-    def pop(self, request_id: str) -> list[int] | None:
-        return self.by_request.pop(request_id, None)
-
-
-def train_client(
-    base_url: str, renderer_model: str, transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None
-) -> tuple[TrainClient, VersionLog]:
-    """verifiers' train client against `base_url` (or `transport`), its versions logged."""
-    config = vf.TrainClientConfig(
-        base_url=base_url, api_key_var="NONSTOP_API_KEY", renderer=renderer_config(), renderer_model_name=renderer_model
-    )
-    client = TrainClient(config)
-    log = VersionLog()
-    client.client = AsyncOpenAI(
-        base_url=base_url,
-        api_key=api_key or "EMPTY",
-        max_retries=0,
-        http_client=httpx.AsyncClient(transport=transport, event_hooks={"response": [log]}),
-    )
-    return client, log
 
 
 def _first_messages(task: vf.Task) -> list[vf.types.Message]:

@@ -3,7 +3,7 @@
 | module | holds |
 |---|---|
 | `tracking.py` | `MetricsSink` (the step-record seam), `JsonlSink` (metrics.jsonl) and the tracker sinks |
-| `progress.py` | the one-line progress output of a run |
+| `progress.py` | the one-line progress output of a run, and the table printed at its end |
 | `clock.py` | `Clock`: busy and idle seconds per side over wall time; `BusyClock`: busy while any work runs |
 | `spans.py` | `SpanLog`: per-process spans (decode passes, steps, publishes) written to `spans/` |
 | `timeline.py` | `Timeline`: spans put back together across processes, group lives, idle intervals |

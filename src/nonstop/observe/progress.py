@@ -1,7 +1,9 @@
-"""Live progress: a rich panel on a terminal, plain lines elsewhere (CI, logs), or nothing."""
+"""Live progress: a rich panel on a terminal, plain lines elsewhere (CI, logs), or nothing; and
+`summary_table`, the table `nonstop train` prints at the end of a run."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +12,7 @@ from rich.live import Live
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from nonstop.orchestrator.records import StepRecord
+    from nonstop.orchestrator.records import RunSummary, StepRecord
 
 
 def _lag_text(hist: dict[str, int]) -> str:
@@ -110,3 +112,54 @@ class Progress:
         if self.live is not None:
             self.live.stop()
             self.live = None
+
+
+def summary_table(s: "RunSummary") -> Table:
+    t = Table(title="nonstop: end of run", show_header=False)
+    base, final = s.base_accuracy, s.final_accuracy or 0.0
+    t.add_row("held-out accuracy", f"base {base:.1%} -> final {final:.1%} ({100 * (final - base):+.1f} points)")
+    if s.resumed_from:  # the RL clock continues across resumes; this command's wall time does not
+        t.add_row(
+            "wall time",
+            f"{s.wall_s:.1f} s this session (resumed; {s.warmup_s:.1f} s loading the checkpoint); "
+            f"RL {s.rl_wall_s:.1f} s over all sessions",
+        )
+    else:
+        t.add_row("wall time", f"{s.wall_s:.1f} s total ({s.warmup_s:.1f} s base policy, {s.rl_wall_s:.1f} s RL)")
+    t.add_row("steps", f"{s.steps} (policy_version {s.policy_version})")
+    t.add_row("samples/s", f"{s.samples_per_s:.0f} ({s.samples_generated} generated)")
+    t.add_row("idle", f"trainer {s.trainer_idle_frac:.0%}, engine {s.engine_idle_frac:.0%}")
+    if s.pools:  # pinned pools: how busy each role kept its own CPUs
+        t.add_row(
+            "CPU pools",
+            ", ".join(
+                f"{role} cpus {','.join(map(str, p['cpus']))} busy {p['busy_frac']:.0%}"
+                if p["cpus"]
+                else f"{role} {p['busy_frac']:.2f} cores"
+                for role, p in s.pools.items()
+            ),
+        )
+    t.add_row("dropped groups", json.dumps(s.drops) if s.drops else "none")
+    p, faults = s.prompts, s.engine_faults
+    t.add_row(
+        "prompts",
+        f"{p['settled']} settled, {p['in_flight']} in flight, {p['duplicated']} duplicated, "
+        f"{p['requeued'] + faults['requeued']} re-queued",
+    )
+    if faults["restarts"]:
+        t.add_row(
+            "engine restarts",
+            f"{faults['restarts']} (detect <= {faults['max_detect_s']:.1f} s, "
+            f"recover <= {faults['max_recover_s']:.1f} s)",
+        )
+    if s.reward_errors:
+        t.add_row("reward errors", f"{json.dumps(s.reward_errors)}; last: {s.last_reward_error}")
+    if s.doctor is not None and s.doctor["enabled"]:
+        findings = s.doctor["findings"]
+        t.add_row(
+            "doctor",
+            "\n".join(f"{f['code']} (step {f['step']}): {f['cause']}; try {'; '.join(f['try'])}" for f in findings)
+            or "no findings",
+        )
+    t.add_row("run folder", s.run_dir)
+    return t

@@ -19,6 +19,9 @@ A run holds its folder's lock (`run.lock`, an flock) from the moment the folder 
 for a resume until it returns, so a second run into the same folder (a resume of a run still
 going, two resumes at once) is refused with one line naming the holder's pid; the kernel drops the
 lock when the process ends, however it ends, so a crash leaves no stale lock.
+
+`sigterm_as_ctrl_c` is the command line's SIGTERM handler (`nonstop train`, and `nonstop serve`
+while it loads): a killed run stops the way an interrupted one does.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from nonstop.config import Config, ConfigError, dump_config
@@ -112,6 +117,16 @@ def record_failure(run_dir: Path, error: BaseException) -> None:
         f"resume with `nonstop train --resume {run_dir}`" if has_ckpt else "no checkpoint was written: start it again"
     )
     (run_dir / FAILED).write_text(f"this run {what}\n{hint}\n")
+
+
+def sigterm_as_ctrl_c(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (kill, a scheduler) takes the Ctrl-C path, which stops the actors and frees what the
+    run holds, whether or not SIGINT is ignored (a background job's is)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and handler is not signal.default_int_handler:
+        handler(signal.SIGINT, frame)  # asyncio.run's: cancel the run's task, its cleanup runs
+    else:
+        raise KeyboardInterrupt
 
 
 def run_rows(cfg: Config, data: TaskData | None = None) -> TaskData:

@@ -25,22 +25,7 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from nonstop.planner.params import PlanParams, Shape
-
-
-@dataclass
-class Prediction:
-    samples_per_s: float
-    engine_idle: float
-    trainer_idle: float
-    lag_hist: dict[int, int]
-    wall_s: float
-    dropped_for_lag: int = 0
-
-    @property
-    def mean_lag(self) -> float:
-        total = sum(self.lag_hist.values())
-        return sum(k * v for k, v in self.lag_hist.items()) / total if total else 0.0
+from nonstop.planner.params import PlanParams, Prediction, Shape
 
 
 @dataclass

@@ -38,7 +38,8 @@ actor needs when it has a processor to itself:
   None: each engine and rank has its own accelerator, and only the orchestrator's order matters.
 
 `nonstop.planner.calibrate` fits them to a run's span log. `Shape` is what the planner may
-change: engines, trainer ranks, depth, max_lag, batch.
+change: engines, trainer ranks, depth, max_lag, batch. `Prediction` is what the model
+(planner/model.py) says of a pipeline: samples/s, idle fractions, the lag histogram.
 """
 
 from __future__ import annotations
@@ -154,3 +155,18 @@ class PlanParams:
 
     def with_lens(self, lens: list[list[int]]) -> "PlanParams":
         return replace(self, groups_lens=lens)
+
+
+@dataclass
+class Prediction:
+    samples_per_s: float
+    engine_idle: float
+    trainer_idle: float
+    lag_hist: dict[int, int]
+    wall_s: float
+    dropped_for_lag: int = 0
+
+    @property
+    def mean_lag(self) -> float:
+        total = sum(self.lag_hist.values())
+        return sum(k * v for k, v in self.lag_hist.items()) / total if total else 0.0

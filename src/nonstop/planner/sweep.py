@@ -16,8 +16,8 @@ import statistics
 from dataclasses import dataclass
 
 from nonstop.config import Config, load_config
-from nonstop.planner.model import Prediction, simulate
-from nonstop.planner.params import PlanParams, Shape
+from nonstop.planner.model import simulate
+from nonstop.planner.params import PlanParams, Prediction, Shape
 
 
 @dataclass

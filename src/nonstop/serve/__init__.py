@@ -13,11 +13,14 @@ cannot load the model raises VllmSetupError (a ConfigError naming the fix) befor
 - responses.py       the response shapes as pydantic models, with the `nonstop` extension (token
                      ids, behaviour logprobs, policy versions); every answer is built from them;
 - openapi.py         the OpenAPI document of both, served at `GET /openapi.json` and fuzzed against;
-- protocol.py        requests as engine calls (`Call`), stop strings on text, the extension of a sample;
+- protocol.py        requests as engine calls (`Call`), stop strings on text, the extension of a sample,
+                     `ServedEngine` (what the server asks of an engine);
 - server.py          `EngineServer`: the aiohttp routes over any `ServedEngine` (built-in or vLLM);
+- answers.py         `Answers`: the engine's samples written as OpenAI responses, whole or streamed;
 - generate_route.py  vLLM's token-level `POST /inference/v1/generate` (what verifiers' train client calls);
 - episodes.py        `EpisodeRecorder`: agents' episodes recorded token by token under the episode id they
                      pass, rewarded, handed to training by group (a training run's agents endpoint);
+- episode_record.py  what is recorded of an episode (`Turn`), and a request's episode and group ids;
 - client.py          `GenerationClient` and its two implementations: `InProcessClient`, `HttpClient`.
 """
 
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nonstop.serve.server import ServedEngine
+    from nonstop.serve.protocol import ServedEngine
 
 
 def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:

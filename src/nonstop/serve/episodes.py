@@ -30,58 +30,16 @@ import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nonstop.serve.episode_record import EPISODE_HEADER, GROUP_HEADER, Turn, _Episode, _Group, check_id
 from nonstop.serve.validation import BadRequest
 from nonstop.types import Group, Sample
 
 ENV_VERSION = -1  # tokens the agent's environment wrote: no policy version (as envs/base.py)
-EPISODE_HEADER, GROUP_HEADER = "X-Episode-Id", "X-Group-Id"
-MAX_ID_CHARS = 200
 REMEMBERED = 4096
 """Finished episode ids remembered for clear answers to late requests (the oldest are forgotten)."""
-
-
-@dataclass
-class _Episode:
-    episode_id: str
-    group_id: str
-    prompt_ids: list[int]
-    by_text: bool  # the transcript is compared as text (else as token ids)
-    transcript: str = ""
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    mask: list[bool] = field(default_factory=list)
-    kept: list[list[int]] | None = None
-    turns: int = 0
-    reward: float | None = None
-    busy: bool = False
-
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.ids
-
-    def state(self) -> str:
-        return "rewarded" if self.reward is not None else ("generating" if self.busy else "open")
-
-
-@dataclass
-class _Group:
-    group_id: str
-    episodes: list[str] = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
-
-
-@dataclass(frozen=True)
-class Turn:
-    """A turn admitted by `begin_turn`: the ids to generate from and what it appends on `end_turn`."""
-
-    episode_id: str
-    prefix: list[int]
-    env_ids: list[int]
-    transcript: str
 
 
 class EpisodeRecorder:
@@ -431,22 +389,3 @@ class EpisodeRecorder:
         assert self.log_path is not None
         with self.log_path.open("a") as f:
             f.write(json.dumps(line) + "\n")
-
-
-def check_id(value: str, what: str) -> None:
-    if not value or len(value) > MAX_ID_CHARS or not value.isprintable():
-        raise BadRequest(f"{what}: expected 1 to {MAX_ID_CHARS} printable characters", what)
-
-
-def episode_tag(headers: Any, body: Any) -> tuple[str | None, str | None]:
-    """(episode id, group id) of a request: headers first, else the body's `episode_id` / `group_id`
-    (the openai client's extra_body), which are removed from the body."""
-    eid, gid = headers.get(EPISODE_HEADER), headers.get(GROUP_HEADER)
-    if isinstance(body, dict):
-        b_eid, b_gid = body.pop("episode_id", None), body.pop("group_id", None)
-        for name, v in (("episode_id", b_eid), ("group_id", b_gid)):
-            if v is not None and not isinstance(v, str):
-                raise BadRequest(f"{name}: expected a string", name)
-        eid = eid if eid is not None else b_eid
-        gid = gid if gid is not None else b_gid
-    return eid, gid

@@ -11,23 +11,36 @@ it; a field the schema does not know is kept in `Call.unknown` for the server to
 when the request truncated, the kept ids per token), so agent code round-trips tokens without
 retokenising; `sample_from_extension` reads it back. `TextCutter` applies stop strings to text
 (the stop string is not returned, as in the OpenAI API) and holds back, while streaming, the tail
-that might still become one.
+that might still become one. `ServedEngine` is the engine side of the protocol: what the server
+asks of an engine, built-in or vLLM.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
+from nonstop.engine.aio import TokenEvent
 from nonstop.serve.fields import SEED_RANGE
 from nonstop.serve.responses import NonstopExtension
 from nonstop.serve.schema import ChatRequest, CompletionRequest, SamplingFields
 from nonstop.serve.validation import BadRequest, validate
-from nonstop.types import Sample, SamplingParams
+from nonstop.types import GenerationRequest, Sample, SamplingParams
 
-__all__ = ["SEED_RANGE", "BadRequest", "Call", "TextCutter", "extension", "parse_chat", "parse_completion"]
+__all__ = [
+    "SEED_RANGE",
+    "BadRequest",
+    "Call",
+    "ServedEngine",
+    "TextCutter",
+    "extension",
+    "parse_chat",
+    "parse_completion",
+]
 
 
 @dataclass
@@ -155,3 +168,27 @@ def sample_from_extension(ext: dict[str, Any], finish_reason: str) -> Sample:
         finish_reason=finish_reason,  # type: ignore[arg-type]
         sampling_mask=ext.get("sampling_mask"),
     )
+
+
+class ServedEngine(Protocol):
+    """What the server asks of an engine (implemented by engine/aio.py AsyncEngine and
+    engine/vllm_engine.py VllmEngineWorker)."""
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise RequestError (a 400 naming the field) for a request the engine cannot take."""
+
+    def submit(self, request: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Future:
+        """A future of the request's n samples; cancelling it aborts the request."""
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | list[Sample]]: ...
+
+    def health(self) -> dict[str, int]:
+        """policy_version, running and waiting sequences."""
+
+    async def close(self) -> None: ...

@@ -9,6 +9,7 @@
 - packed.py            `packed_logprobs()`: the same forward padding-free, real tokens only (trainer.packed);
 - routing.py           Keep Routing in the trainer: `RouterHooks` compare or replay the engine's experts;
 - ahead.py             `AheadForwards`: forwards run ahead of their step, graph kept, assembled at the step;
+- batch.py             `Batch`: a batch of groups as tensors, built by the Trainer's `BatchBuilder`;
 - core.py              `Trainer`: one policy-gradient step on a batch of groups, then a new policy_version;
 - parallel.py          `ParallelTrainer`: M data-parallel ranks taking exactly the one-rank step;
 - worker.py            `TrainerWorker`: the trainer actor, owner of the sending end of the weight transport.

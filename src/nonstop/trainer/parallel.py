@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from nonstop.config import TrainerConfig
 from nonstop.hf import CausalLM
-from nonstop.trainer.core import Batch, Trainer
+from nonstop.trainer.batch import Batch
+from nonstop.trainer.core import Trainer
 from nonstop.transport.base import free_port
 from nonstop.types import Group
 

@@ -13,7 +13,8 @@ orchestrator, at the end of a run) frees what a dead trainer could not (a shm se
 - base.py       the seam (`WeightSink`, `WeightSource`), the flat parameter layout and its check,
                 `plan_transport` / `open_sink` / `open_source`, `TransportError`;
 - shm.py        shared memory: one segment of N + 2 stamped slots, zero-copy apply (`ShmSink`, `ShmSource`);
-- broadcast.py  torch.distributed broadcast in buckets (`BroadcastSink`, `BroadcastSource`);
+- broadcast.py  torch.distributed broadcast in buckets: the protocol and the trainer end (`BroadcastSink`);
+- broadcast_source.py  its engine end (`BroadcastSource`): a receiver thread, re-pointed buffers;
 - groups.py     the broadcast transport's process groups: build (gloo or NCCL), deadlines, retire;
 - files.py      safetensors files and a version marker in a shared folder (`FilesSink`, `FilesSource`);
 - notify.py     HTTP long-poll version notification for the files transport (`VersionServer`,

@@ -355,6 +355,6 @@ def open_source(handle: TransportHandle, model: torch.nn.Module, rank: int = 1) 
         from nonstop.transport.files import FilesSource
 
         return FilesSource(handle, opts, target)
-    from nonstop.transport.broadcast import BroadcastSource
+    from nonstop.transport.broadcast_source import BroadcastSource
 
     return BroadcastSource(handle, opts, target, rank)
