@@ -251,3 +251,18 @@ def test_a_single_player_game_is_one_role_and_its_warmup_player_writes_what_epis
         for v, rng in (("0.9000", random.Random(1)), ("0.1000", random.Random(2)))
     }
     assert accepts["0.9000"] > 250 and accepts["0.1000"] < 150
+
+
+def test_warmup_windows_keep_each_move_with_the_context_before_it():
+    """A textarena warm-up trains on windows: each run of player tokens with `width` tokens of context
+    before it, the context unlabelled; nothing of a later move leaks into an earlier window."""
+    from nonstop.envs.warmup import windows
+
+    ids = list(range(10))
+    labels = [-100, -100, -100, 3, 4, -100, -100, -100, 8, 9]
+    assert windows([(ids, labels)], 2) == [
+        ([1, 2, 3, 4], [-100, -100, 3, 4]),
+        ([6, 7, 8, 9], [-100, -100, 8, 9]),
+    ]
+    assert windows([(ids, labels)], 5)[0] == ([0, 1, 2, 3, 4], [-100, -100, -100, 3, 4])  # cut at the start
+    assert windows([([1, 2], [-100, -100])], 3) == []
