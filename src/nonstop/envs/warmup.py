@@ -37,7 +37,7 @@ is as flat at 150 steps as at 400 (chain_sum: 1.28 and 1.24): the warmed base wr
 format, right by chance, and does not learn the player's 30% right answers in either. A verifiers
 taskset's player (its `demo` method) gets the calculator's steps: its tool calls copy too. A textarena
 game trains on WINDOW-token windows, cheap steps, and needs 400 of them to read the game (below)."""
-FORMATS = {"guess_number": 2, "nim": 2, "calculator": 3, "reasoning_gym": 1, "verifiers": 1, "textarena": 3}
+FORMATS = {"guess_number": 2, "nim": 2, "calculator": 3, "reasoning_gym": 1, "verifiers": 1, "textarena": 4}
 """Version of each environment's transcripts (part of the cache key): bumped when they change."""
 
 
