@@ -43,6 +43,13 @@ FORMATS = {"guess_number": 2, "nim": 2, "calculator": 3, "reasoning_gym": 1, "ve
 """Version of each environment's transcripts (part of the cache key): bumped when they change."""
 
 
+Examples = list[tuple[list[int], list[int]]]
+"""(ids, labels) per example; labels are -100 where no loss is taken."""
+Plan = list[tuple[int, list[tuple[Examples, int]]]]
+"""Phases of (steps, pools), a pool being (examples, batch size): step k of a phase draws its batch
+from pool k mod len(pools), so each batch holds one kind of example and is padded to its length only."""
+
+
 WINDOW = {"textarena": 80}
 """Tokens of context kept before each player move, per environment kind (absent: whole transcripts
 only). A textarena game's transcript is hundreds of tokens (Secretary-v0: ~460 with the character
@@ -56,7 +63,7 @@ and lost the reading (0.39-0.43 for every value); 300 window steps and then 100 
 keep both: 0.29-0.36 below 0.7, 0.67-0.75 above 0.8, and 118 of 120 sampled first moves valid."""
 
 
-def windows(examples: list[tuple[list[int], list[int]]], width: int) -> list[tuple[list[int], list[int]]]:
+def windows(examples: Examples, width: int) -> Examples:
     """Each run of labelled (player) tokens with the `width` tokens before it as context."""
     out = []
     for ids, labels in examples:
@@ -74,7 +81,7 @@ def windows(examples: list[tuple[list[int], list[int]]], width: int) -> list[tup
     return out
 
 
-def transcripts(cfg: Config, tokenizer, count: int, seed: int) -> list[tuple[list[int], list[int]]]:
+def transcripts(cfg: Config, tokenizer, count: int, seed: int) -> Examples:
     """(ids, labels) of `count` demo episodes; labels are -100 except on the player's tokens + EOS."""
     assert cfg.env is not None
     demo = demo_of(cfg.env)
@@ -94,12 +101,6 @@ def transcripts(cfg: Config, tokenizer, count: int, seed: int) -> list[tuple[lis
             labels += piece if by_model else [-100] * len(piece)
         out.append((ids, labels))
     return out
-
-
-Examples = list[tuple[list[int], list[int]]]
-Plan = list[tuple[int, list[tuple[Examples, int]]]]
-"""Phases of (steps, pools), a pool being (examples, batch size): step k of a phase draws its batch
-from pool k mod len(pools), so each batch holds one kind of example and is padded to its length only."""
 
 
 def _train(model, tokenizer, plan: Plan, seed: int, log: Callable[[str], None]) -> float:
