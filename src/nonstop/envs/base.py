@@ -38,13 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nonstop.tasks.data import Example
+from nonstop.token_trace import ENV_VERSION as ENV_VERSION  # environments tag their tokens with it
 from nonstop.types import GenerationRequest, Sample
 
 Tool = Callable[[str], "str | Awaitable[str]"]
 """A tool the environment exposes: argument text in, result text out (sync or async)."""
-
-
-ENV_VERSION = -1  # the policy_version of environment tokens: no policy produced them
 
 
 class TurnEngine(Protocol):

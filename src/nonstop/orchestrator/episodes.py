@@ -35,9 +35,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from nonstop.envs.base import ENV_VERSION, EnvLimits, EpisodeResult, MultiAgentEnvironment, Turn, TurnEngine
+from nonstop.envs.base import EnvLimits, EpisodeResult, MultiAgentEnvironment, Turn, TurnEngine
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example
+from nonstop.token_trace import TokenTrace
 from nonstop.types import GenerationRequest, Sample, SamplingParams
 
 
@@ -69,55 +70,20 @@ class EpisodeError(RuntimeError):
 
 
 @dataclass
-class Track:
+class Track(TokenTrace):
     """One role's token sequence and per-token metadata, grown turn by turn."""
 
-    role: str
-    prompt_ids: list[int]
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    mask: list[bool] = field(default_factory=list)
-    kept: list[list[int]] | None = None
-    turns: int = 0
+    role: str = ""
     reward: float = 0.0
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
 
-    def prefix(self) -> list[int]:
-        return self.prompt_ids + self.ids
-
-    def append_model(self, s: Sample) -> None:
-        if s.sampling_mask is not None and self.kept is None:
-            self.kept = [[t] for t in self.ids]  # earlier environment tokens: their own id
-        self.ids += s.completion_ids
-        self.logprobs += s.logprobs
-        self.versions += s.versions
-        self.mask += [True] * len(s.completion_ids)
-        if self.kept is not None:
-            self.kept += list(s.sampling_mask) if s.sampling_mask is not None else [[t] for t in s.completion_ids]
-        self.turns += 1
-
-    def append_env(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [ENV_VERSION] * len(ids)
-        self.mask += [False] * len(ids)
-        if self.kept is not None:
-            self.kept += [[t] for t in ids]
-
-    def sample(self, episode: int, truncated: bool, codec: Codec, policy: str = "") -> Sample:
-        return Sample(
-            prompt_ids=list(self.prompt_ids),
-            completion_ids=list(self.ids),
-            logprobs=list(self.logprobs),
-            versions=list(self.versions),
-            finish_reason="length" if truncated else "stop",
-            loss_mask=list(self.mask),
-            sampling_mask=self.kept,
+    def to_sample(self, episode: int, truncated: bool, codec: Codec, policy: str = "") -> Sample:
+        return self.sample(
             reward=self.reward,
             text=codec.decode(self.ids),
+            finish_reason="length" if truncated else "stop",
             role=self.role,
             episode=episode,
             policy=policy,
@@ -162,7 +128,7 @@ async def run_episode(
         prompt = turn.observations.get(role, "")
         if not prompt:
             raise EpisodeError("env_raised", f"environment reset gave role {role!r} no first observation (its prompt)")
-        tracks[role] = Track(role, codec.encode(prompt))
+        tracks[role] = Track(prompt_ids=codec.encode(prompt), role=role)
     rewards: Counter[str] = Counter(turn.rewards)
     truncated, turns = False, 0
     while turn.next_role is not None:
@@ -188,7 +154,7 @@ async def run_episode(
     for role, track in tracks.items():
         track.reward = float(rewards.get(role, 0.0))
     return EpisodeResult(
-        [tracks[r].sample(episode, truncated, codec, engines.policy(r)) for r in env.roles],
+        [tracks[r].to_sample(episode, truncated, codec, engines.policy(r)) for r in env.roles],
         dict(turn.metadata),
         turns,
         truncated,

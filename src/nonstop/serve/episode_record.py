@@ -1,11 +1,11 @@
 """What the server records of an agent's episode, and how a request names one.
 
-`_Episode` is one episode's token sequence as serve/episodes.py's `EpisodeRecorder` keeps it
-(prompt ids, then each turn's ids with behaviour logprobs, versions and loss mask; the transcript
-a later request must extend), `_Group` the episodes of one group id with its timeout, and `Turn`
-a request admitted into an episode. `episode_tag` reads a request's episode and group ids (headers
-`X-Episode-Id` / `X-Group-Id`, else the body's `episode_id` / `group_id`, which it removes from
-the body); `check_id` refuses an id that is empty, too long or not printable.
+`_Episode` is one episode as serve/episodes.py's `EpisodeRecorder` keeps it: its token trace
+(nonstop/token_trace.py) and the transcript a later request must extend. `_Group` is the
+episodes of one group id with its timeout, and `Turn` a request admitted into an episode.
+`episode_tag` reads a request's episode and group ids (headers `X-Episode-Id` / `X-Group-Id`,
+else the body's `episode_id` / `group_id`, which it removes from the body); `check_id` refuses
+an id that is empty, too long or not printable.
 """
 
 from __future__ import annotations
@@ -15,29 +15,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nonstop.serve.validation import BadRequest
+from nonstop.token_trace import TokenTrace
 
 EPISODE_HEADER, GROUP_HEADER = "X-Episode-Id", "X-Group-Id"
 MAX_ID_CHARS = 200
 
 
 @dataclass
-class _Episode:
-    episode_id: str
-    group_id: str
-    prompt_ids: list[int]
-    by_text: bool  # the transcript is compared as text (else as token ids)
+class _Episode(TokenTrace):
+    episode_id: str = ""
+    group_id: str = ""
+    by_text: bool = False  # the transcript is compared as text (else as token ids)
     transcript: str = ""
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    mask: list[bool] = field(default_factory=list)
-    kept: list[list[int]] | None = None
-    turns: int = 0
     reward: float | None = None
     busy: bool = False
-
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.ids
 
     def state(self) -> str:
         return "rewarded" if self.reward is not None else ("generating" if self.busy else "open")

@@ -37,7 +37,6 @@ from nonstop.serve.episode_record import EPISODE_HEADER, GROUP_HEADER, Turn, _Ep
 from nonstop.serve.validation import BadRequest
 from nonstop.types import Group, Sample
 
-ENV_VERSION = -1  # tokens the agent's environment wrote: no policy version (as envs/base.py)
 REMEMBERED = 4096
 """Finished episode ids remembered for clear answers to late requests (the oldest are forgotten)."""
 
@@ -118,7 +117,7 @@ class EpisodeRecorder:
             transcript = text
         else:
             assert ids is not None
-            have = ep.all_ids()
+            have = ep.prefix()
             if ids[: len(have)] != have:
                 self.counts["diverged"] += 1
                 at = next((i for i, (a, b) in enumerate(zip(ids, have)) if a != b), len(ids))
@@ -130,7 +129,7 @@ class EpisodeRecorder:
             env_ids, transcript = list(ids[len(have) :]), ""
         ep.busy = True
         self._touch(ep.group_id)
-        return Turn(episode_id, ep.all_ids() + env_ids, env_ids, transcript)
+        return Turn(episode_id, ep.prefix() + env_ids, env_ids, transcript)
 
     def _start(
         self,
@@ -169,7 +168,9 @@ class EpisodeRecorder:
         if group is None:
             group = self.groups[group_id] = _Group(group_id)
         group.episodes.append(episode_id)
-        ep = self.episodes[episode_id] = _Episode(episode_id, group_id, prompt, text is not None, text or "")
+        ep = self.episodes[episode_id] = _Episode(
+            prompt_ids=prompt, episode_id=episode_id, group_id=group_id, by_text=text is not None, transcript=text or ""
+        )
         ep.busy = True
         self.counts["episodes_started"] += 1
         self._touch(group_id)
@@ -181,19 +182,9 @@ class EpisodeRecorder:
         if ep is None:  # dropped while generating (its group timed out): nothing to record
             return
         ep.busy = False
-        env = turn.env_ids
-        if sample.sampling_mask is not None and ep.kept is None:
-            ep.kept = [[t] for t in ep.ids]
-        ep.ids += env + sample.completion_ids
-        ep.logprobs += [0.0] * len(env) + list(sample.logprobs)
-        ep.versions += [ENV_VERSION] * len(env) + list(sample.versions)
-        ep.mask += [False] * len(env) + [True] * len(sample.completion_ids)
-        if ep.kept is not None:
-            ep.kept += [[t] for t in env]
-            mask = sample.sampling_mask
-            ep.kept += [list(m) for m in mask] if mask is not None else [[t] for t in sample.completion_ids]
+        ep.append_env(turn.env_ids)
+        ep.append_model(sample)
         ep.transcript = turn.transcript + text
-        ep.turns += 1
         self.counts["turns_recorded"] += 1
         self._touch(ep.group_id)
 
@@ -346,20 +337,8 @@ class EpisodeRecorder:
         for i, eid in enumerate(group.episodes):
             ep = self.episodes.pop(eid)
             self._forget(eid, f"was rewarded; its group {group.group_id} went to training")
-            samples.append(
-                Sample(
-                    prompt_ids=ep.prompt_ids,
-                    completion_ids=ep.ids,
-                    logprobs=ep.logprobs,
-                    versions=ep.versions,
-                    finish_reason="stop",
-                    loss_mask=ep.mask,
-                    sampling_mask=ep.kept,
-                    reward=float(ep.reward or 0.0),
-                    text=self.tokenizer.decode(ep.ids, skip_special_tokens=True),
-                    episode=i,
-                )
-            )
+            text = self.tokenizer.decode(ep.ids, skip_special_tokens=True)
+            samples.append(ep.sample(reward=float(ep.reward or 0.0), text=text, episode=i))
         out = Group(self._index, group.group_id, "", samples, extra={"episode_ids": list(group.episodes)})
         self._index += 1
         self.counts["groups_delivered"] += 1
