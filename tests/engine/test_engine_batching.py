@@ -67,6 +67,16 @@ def test_group_shares_one_prefill(tiny_dir):
     assert len({tuple(s.completion_ids) for s in out}) == 1  # greedy siblings agree
 
 
+def test_decode_attention_reads_are_counted_per_pass(tiny_dir):
+    """One prompt of P tokens, 3 siblings of 4 tokens: the first token comes from the prefill, then 3
+    decode passes over 3 rows (one block) that attend to P + 1, P + 2 and P + 3 cached positions."""
+    eng, tok = _engine(tiny_dir)
+    prompt = tok("45+54=")["input_ids"]
+    eng.generate([GenerationRequest(0, prompt, 3, SamplingParams(4, 1.0, seed=1, stop_token_ids=[]))])
+    P = len(prompt)
+    assert eng.scheduler.stats["attention_reads"] == 3 * ((P + 1) + (P + 2) + (P + 3))
+
+
 def test_limits_are_clear_errors_and_the_engine_survives(tiny_dir):
     eng, tok = _engine(tiny_dir, max_concurrent_seqs=4, max_seq_len=32)
     long_prompt = tok("1+" * 14 + "1=")["input_ids"]

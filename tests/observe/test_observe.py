@@ -106,10 +106,14 @@ def test_pass_recorder_counts_prefills_when_the_engine_reports_them(tmp_path):
     rec.flush()
     rec.record(101.0, 101.01, 2)
     rec.flush()
+    rec.record(102.0, 102.01, 2, reads=40)
+    rec.record(102.01, 102.02, 2, reads=44)
+    rec.flush()
     log.close()
     chunks = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()[1:]]
     assert (chunks[0]["prefills"], chunks[0]["prefill_tokens"]) == (2, 42)
-    assert "prefills" not in chunks[1]
+    assert "prefills" not in chunks[1] and "reads" not in chunks[1]
+    assert chunks[2]["reads"] == 84
 
 
 def test_spans_off_names_no_file(tmp_path):
@@ -144,6 +148,8 @@ def test_run_span_log_accounts_for_every_group_step_and_token(run_dir):
     chunks = [e for e in tl.events["engine-0"] if e["ev"] == "busy"]
     assert all(0 <= e["prefills"] <= e["passes"] for e in chunks)
     assert 0 < sum(e["prefills"] for e in chunks) and sum(e["prefill_tokens"] for e in chunks) >= len(tl.groups)
+    # decode attention reads at least every decode row's prompt and the tokens before it
+    assert all(e["reads"] >= e["rows"] for e in chunks) and sum(e["reads"] for e in chunks) > rows
     # one clock: each group's life is ordered, and trained groups were generated before their step began
     train_t0 = {e["step"]: e["t0"] for e in tl.events["orchestrator"] if e["ev"] == "train"}
     for g in tl.groups:

@@ -14,6 +14,7 @@ from nonstop.observe.timeline import GroupLife, Timeline
 from nonstop.planner.calibrate import (
     PAUSE_S,
     _fit_line,
+    _fit_passes,
     _ordinary_mean,
     fit_orchestrator,
     pauses,
@@ -111,6 +112,39 @@ def test_shared_cores_slow_every_busy_actor():
     gen = 4 * (0.010 + 0.0001 * 4)
     assert shared.wall_s - alone.wall_s == pytest.approx(5 * gen, rel=1e-6)
     assert simulate(params(cores=3.0), shape).wall_s == pytest.approx(alone.wall_s, rel=1e-12)
+
+
+def test_a_pass_pays_for_the_keys_its_rows_read():
+    """Depth 0, one group of 4 rows of 3 tokens after 2-token prompts: its 3 passes read 4 x 3, 4 x 4
+    and 4 x 5 cached positions (one block), 16 a pass on average, at 1 ms per position."""
+    p = params(groups_lens=[[3, 3, 3, 3]], pass_read_s=0.001, prompt_len=2.0)
+    shape = Shape(engines=1, depth=0, max_lag=None, prompts_per_step=1, group_size=4, slots=64, steps=5)
+    gen = 3 * (0.010 + 0.0001 * 4 + 0.001 * 16)
+    assert simulate(p, shape).wall_s == pytest.approx(5 * (gen + 0.2 + 0.001 * 12 + 0.05), rel=1e-9)
+
+
+def test_pass_fit_recovers_the_cost_of_reads():
+    chunks = [{"passes": n, "rows": n * r, "reads": n * r * k} for n, r, k in [(5, 8, 40), (9, 16, 300), (3, 64, 90)]]
+    chunks += [{"passes": 4, "rows": 4 * 32, "reads": 4 * 32 * 700}]
+    per_pass = [
+        (c["rows"] / c["passes"], 0.002 + 1e-4 * c["rows"] / c["passes"] + 3e-7 * c["reads"] / c["passes"])
+        for c in chunks
+    ]
+    assert _fit_passes(chunks, per_pass) == pytest.approx((0.002, 1e-4, 3e-7))
+    no_reads = [{k: v for k, v in c.items() if k != "reads"} for c in chunks]
+    assert _fit_passes(no_reads, per_pass)[2] == 0.0
+
+
+def test_refill_ahead_admits_replacements_for_the_drops_it_expects():
+    """Half the groups carry no signal: without refill_ahead each replacement is generated only after
+    the drop, and the trainer waits for it; admitting the expected drops ahead fills batches sooner."""
+    p = params(groups_lens=[[6, 6, 6, 6]], drop_frac=0.5, step_s=0.02, step_token_s=0.0001)
+    shape = Shape(engines=1, depth=1, max_lag=3, prompts_per_step=4, group_size=4, slots=64, steps=40)
+    plain = simulate(p, shape)
+    ahead = simulate(p, dataclasses.replace(shape, refill_ahead=True))
+    assert ahead.samples_per_s > 1.2 * plain.samples_per_s
+    assert ahead.trainer_idle < plain.trainer_idle
+    assert max(ahead.lag_hist) > max(plain.lag_hist)  # a surplus group trains a step later
 
 
 def test_fits_recover_known_lines():

@@ -69,7 +69,7 @@ class AsyncEngine:
             return
         stats = self.engine.scheduler.stats
         t0, tokens, swaps, swap_s = now(), stats["tokens_generated"], stats["swaps"], stats["swap_s"]
-        prefills, prefill_tokens = stats["prefills"], stats["prefill_tokens"]
+        prefills, prefill_tokens, reads = stats["prefills"], stats["prefill_tokens"], stats["attention_reads"]
         cpu0 = time.process_time()
         self.engine.step()
         t1, cpu1 = now(), time.process_time()
@@ -85,6 +85,7 @@ class AsyncEngine:
             cpu0,
             cpu1,
             (int(stats["prefills"] - prefills), int(stats["prefill_tokens"] - prefill_tokens)),
+            int(stats["attention_reads"] - reads),
         )
 
     def submit(self, request: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Future:

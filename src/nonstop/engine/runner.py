@@ -49,6 +49,7 @@ class Runner(Protocol):
     top_k: int
     num_experts: int
     routes: torch.Tensor | None
+    attention_reads: int  # cached positions decode attention read so far, padding included
 
     def prefill(self, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor: ...
 
@@ -110,10 +111,12 @@ class KVRunner:
         self.route_dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
         self.routes: torch.Tensor | None = None
         self._routes: list[torch.Tensor] = []
+        self.attention_reads = 0  # cached positions decode attention read so far, padding included
 
     def _plan(self, positions: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
         """Attention blocks of a decode step (`attention_blocks`), each with its mask (rows, 1, 1, T)."""
         blocks = attention_blocks([p + 1 for p in positions.tolist()])
+        self.attention_reads += sum((b - a) * t for a, b, t in blocks)
         return [(a, b, t, (self.arange[:t][None, :] <= positions[a:b, None])[:, None, None, :]) for a, b, t in blocks]
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan) -> torch.Tensor:

@@ -93,6 +93,7 @@ class Scheduler(Emitter):
             "groups_done": 0,
             "reorders": 0,
             "reorder_rows": 0,
+            "attention_reads": 0,
             "busy_s": 0.0,
         }
 
@@ -223,6 +224,7 @@ class Scheduler(Emitter):
             for s in decoding:
                 s.length += 1
             self.stats["decode_steps"] += 1
+            self.stats["attention_reads"] = self.runner.attention_reads
         else:
             logits = self.runner.prefill(torch.tensor(heads), prefixes)  # (P, V)
         if heads:  # siblings get their prompt's KV (positions past a row's length are never read)

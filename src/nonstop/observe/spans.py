@@ -124,7 +124,9 @@ class PassRecorder:
     begins, so the chunks of a busy stretch tile it, the work between passes included. Engines
     that report them also count the passes that prefilled new prompts and the prompt tokens
     prefilled (`prefills`, `prefill_tokens`): a pass that admits groups costs more than its rows
-    say, and the planner's calibration can only see that per chunk."""
+    say, and the planner's calibration can only see that per chunk. The built-in engine also
+    counts the cached positions its decode attention read (`reads`, padding included): with a long
+    tail a pass's rows can read ten times more keys in one batch than in another."""
 
     def __init__(self, log: SpanLog) -> None:
         self.log = log
@@ -133,6 +135,7 @@ class PassRecorder:
         self.passes = self.rows = 0
         self.busy_s = 0.0
         self.prefills: tuple[int, int] | None = None  # (passes that prefilled, prompt tokens), when reported
+        self.reads: int | None = None  # cached positions read by decode attention, when reported
 
     def record(
         self,
@@ -142,9 +145,11 @@ class PassRecorder:
         cpu0: float = 0.0,
         cpu1: float = 0.0,
         prefill: tuple[int, int] | None = None,
+        reads: int | None = None,
     ) -> None:
         """One pass from t0 to t1 emitting `rows` tokens; cpu0, cpu1: `time.process_time()` at its
-        start and end; `prefill`: (1 if it prefilled new prompts else 0, their tokens)."""
+        start and end; `prefill`: (1 if it prefilled new prompts else 0, their tokens); `reads`:
+        the cached positions its decode attention read, padding included."""
         if self.passes and t0 - self.t1 > GAP_S:
             self.flush()
         elif self.passes and t1 - self.t0 > CHUNK_S:
@@ -158,6 +163,8 @@ class PassRecorder:
         if prefill is not None:
             done = self.prefills or (0, 0)
             self.prefills = (done[0] + prefill[0], done[1] + prefill[1])
+        if reads is not None:
+            self.reads = (self.reads or 0) + reads
 
     def flush(self, end: float | None = None, cpu_end: float | None = None) -> None:
         """Write the open chunk, ending at `end` (default: its last pass's end)."""
@@ -165,6 +172,8 @@ class PassRecorder:
             t1 = self.t1 if end is None else end
             cpu = (self.cpu1 if cpu_end is None else cpu_end) - self.cpu0
             extra = {} if self.prefills is None else {"prefills": self.prefills[0], "prefill_tokens": self.prefills[1]}
+            if self.reads is not None:
+                extra["reads"] = self.reads
             self.log.emit(
                 "busy",
                 t0=round(self.t0, 6),
@@ -178,6 +187,7 @@ class PassRecorder:
         self.passes = self.rows = 0
         self.busy_s = 0.0
         self.prefills = None
+        self.reads = None
 
 
 def _lines(path: Path) -> Iterator[dict[str, Any]]:

@@ -74,6 +74,16 @@ MARGIN_SD = (
 )
 
 
+def refill_ahead_groups(needed: int, drop_rate: float, groups_per_step: int) -> int:
+    """Groups admitted ahead to replace the expected drops among the `needed` groups not yet
+    delivered (the module docstring's formula; the capacity planner models admission with it too).
+    The expected drops, plus MARGIN_SD standard deviations of their count, at most a quarter of a
+    batch: a surplus that stays queued adds its share of a step to every later group's lag."""
+    p, n = min(drop_rate, MAX_DROP_RATE), max(0, needed)
+    margin = min(MARGIN_SD * math.sqrt(n * p * (1 - p)), groups_per_step / 4)
+    return int((n * p + margin) / (1 - p))
+
+
 class Intake(Protocol):
     """What a producer hands groups to: the buffer, or (env.policies) one buffer per policy."""
 
@@ -145,16 +155,12 @@ class RolloutBuffer:
         if self.depth is None:  # groups admitted and not yet trained stay within max_queued
             return self.steps_trained * self.groups_per_step + self.queue.maxsize + self.refunded
         bound = (self.steps_trained + self.depth + 1) * self.groups_per_step
-        ahead = 0.0
-        if self.refill_ahead:
-            p = min(self.drop_rate, MAX_DROP_RATE)
-            needed = max(0, bound - self.delivered)
-            # the expected drops among what is admitted, plus MARGIN_SD standard deviations of their
-            # count, at most a quarter of a batch: a surplus that stays queued adds its share of a step
-            # to every later group's lag
-            margin = min(MARGIN_SD * math.sqrt(needed * p * (1 - p)), self.groups_per_step / 4)
-            ahead = (needed * p + margin) / (1 - p)
-        return bound + self.refunded + int(ahead)
+        ahead = (
+            refill_ahead_groups(bound - self.delivered, self.drop_rate, self.groups_per_step)
+            if self.refill_ahead
+            else 0
+        )
+        return bound + self.refunded + ahead
 
     def _observe(self, dropped: bool) -> None:
         """A scored group's outcome, in the moving average of the drop rate (about one step's groups)."""

@@ -48,6 +48,21 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return c0, c1
 
 
+def _fit_passes(chunks: list[dict], per_pass: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """A pass's cost = fixed + per row x rows + per read x cached positions its attention read
+    (where the engine reports `reads`; else 0), weighted by passes: the fit then reproduces the
+    total time of all passes. A negative term is dropped and the rest refitted."""
+    w = [float(e["passes"]) for e in chunks]
+    ys = [y for _, y in per_pass]
+    if all("reads" in e for e in chunks):
+        reads = [e["reads"] / e["passes"] for e in chunks]
+        c0, c1, c2 = _lstsq([[1.0, x, r] for (x, _), r in zip(per_pass, reads)], ys, w)
+        if min(c0, c1, c2) >= 0:
+            return c0, c1, c2
+    weighted = [xy for e, xy in zip(chunks, per_pass) for _ in range(e["passes"])]
+    return (*_fit_line(*map(list, zip(*weighted))), 0.0)
+
+
 def _median(xs: list[float]) -> float:
     return median(xs) if xs else 0.0
 
@@ -232,9 +247,7 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
             for e, part in zip(steps, aheads)
         ]
     send_s = _send_cost(tl, handling + loop_busy + paused, busy, cores)
-    # weighted by passes: the fit then reproduces the total time of all passes
-    chunks = [xy for e, xy in zip(chunk_events, per_pass) for _ in range(e["passes"])]
-    pass_s, pass_row_s = _fit_line(*map(list, zip(*chunks)))
+    pass_s, pass_row_s, pass_read_s = _fit_passes(chunk_events, per_pass)
     # a step's forward run ahead (trainer.forward_ahead) is its work too: its time joins the step's
     step_s, step_token_s = _fit_steps(
         [dict(e, t0=e["t0"] - sum(a["t1"] - a["t0"] for a in part)) for e, part in zip(steps, aheads)], work
@@ -248,6 +261,8 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     return PlanParams(
         pass_s=pass_s,
         pass_row_s=pass_row_s,
+        pass_read_s=pass_read_s,
+        prompt_len=sum(e.get("prefill_tokens", 0) for e in chunk_events) / max(len(groups), 1),
         step_s=step_s,
         step_token_s=step_token_s,
         publish_s=fmean(pubs) if pubs else 0.0,

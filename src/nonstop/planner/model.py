@@ -25,6 +25,8 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from nonstop.engine.blocks import attention_reads
+from nonstop.orchestrator.buffer import refill_ahead_groups
 from nonstop.planner.params import PlanParams, Prediction, Shape
 
 
@@ -66,6 +68,8 @@ class Simulation:
         self.t = 0.0
         self.engines = [_Engine(i) for i in range(shape.engines)]
         self.admitted = self.refunded = self.steps = self.trained_groups = 0
+        self.delivered = 0  # groups buffered for the trainer, less those it dropped for lag
+        self.drop_rate = 0.0  # the buffer's moving average of scored groups dropped (refill_ahead)
         self.queue: deque[_Group] = deque()
         self.batch: list[_Group] = []
         self.trainer_version = self.published = 0
@@ -111,7 +115,9 @@ class Simulation:
     def limit(self) -> float:
         if self.s.depth is None:
             return self.steps * self.s.prompts_per_step + self.s.max_queued + self.refunded
-        return (self.steps + self.s.depth + 1) * self.s.prompts_per_step + self.refunded
+        bound = (self.steps + self.s.depth + 1) * self.s.prompts_per_step
+        ahead = refill_ahead_groups(bound - self.delivered, self.drop_rate, self.s.prompts_per_step)
+        return bound + self.refunded + (ahead if self.s.refill_ahead else 0)
 
     def admit(self) -> None:
         while self.limit() - self.admitted >= 1:
@@ -149,10 +155,13 @@ class Simulation:
         self.interrupt(e)
 
     def on_deliver(self, g: _Group) -> None:
-        if self.rng.random() < self.p.drop_frac:
+        dropped = self.rng.random() < self.p.drop_frac
+        self.drop_rate += (float(dropped) - self.drop_rate) / self.s.prompts_per_step
+        if dropped:
             self.refunded += 1
             self.admit()
             return
+        self.delivered += 1
         self.queue.append(g)
         self.take()
 
@@ -221,18 +230,26 @@ class Simulation:
         was_idle = e.end is None
         e.end = t  # busy from here on, so sharing() counts it
         b = len(e.rows)
-        e.tau = (self.p.pass_s + self.p.pass_row_s * b) * self.sharing()
+        pending = (e.waiting or e.arriving) and self.p.pickup_passes
+        stop = min(e.rows[0][0], e.passes + 1) if pending else e.rows[0][0]
+        # every row's keys grow by one a pass and the blocks keep their rows: the plan's mean reads
+        reads = self.reads(e) + b * (stop - e.passes - 1) / 2 if self.p.pass_read_s else 0.0
+        e.tau = (self.p.pass_s + self.p.pass_row_s * b + self.p.pass_read_s * reads) * self.sharing()
         e.busy_s += t - self.t  # the apply
         e.t_start = t
         e.gen += 1
-        pending = (e.waiting or e.arriving) and self.p.pickup_passes
-        stop = min(e.rows[0][0], e.passes + 1) if pending else e.rows[0][0]
         e.end = t + (stop - e.passes) * e.tau
         self.at(e.end, "engine", (e, e.gen, stop))
         if finished:  # the engine's loop runs its next pass before it sends the answers
             self.at(t + self.p.return_passes * e.tau, "returned", finished)
         if was_idle:
             self.busy_changed(e)
+
+    def reads(self, e: _Engine) -> float:
+        """Cached positions the next decode pass of `e` reads (engine/blocks.py), its rows in
+        descending length as the engine keeps them."""
+        base = self.p.prompt_len + e.passes + 1
+        return attention_reads(sorted((round(base - start) for _, _, start, _ in e.rows), reverse=True))
 
     def on_returned(self, finished: list[_Group]) -> None:
         self.returned(finished)
@@ -316,6 +333,7 @@ class Simulation:
             g = self.queue.popleft()
             if self.s.max_lag is not None and self.published - g.min_version > self.s.max_lag:
                 self.dropped_for_lag += 1
+                self.delivered -= 1
                 self.refunded += 1
                 self.admit()
                 continue

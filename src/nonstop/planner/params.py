@@ -3,8 +3,11 @@
 `PlanParams` holds the cost model (docs/planning.md has the equations); every time is what the
 actor needs when it has a processor to itself:
 
-- engine forward pass: tau(B) = pass_s + pass_row_s x B, B the rows (sequences) in the pass,
-  every row emitting one token;
+- engine forward pass: tau(B) = pass_s + pass_row_s x B + pass_read_s x K, B the rows
+  (sequences) in the pass, every row emitting one token, K the cached positions its decode
+  attention reads, padding included: rows sorted by length in blocks of ATTN_BLOCK, each
+  reading up to its longest row (engine/blocks.py), a row's keys its `prompt_len` prompt tokens
+  (the mean) plus the tokens it made so far;
 - trainer step on T completion tokens over R ranks: step_s + step_token_s x T / R;
 - publish_s per weight publish (trainer side), apply_s per version made live (engine side);
 - the orchestrator, one thread doing one thing at a time, in order: `orch_group_s` per finished
@@ -67,6 +70,7 @@ class Shape:
     steps: int = 60
     eval_every: int | None = None
     max_queued: int = 4096  # buffer.max_queued_groups: the unbounded stream's bound
+    refill_ahead: bool = False  # rollout.refill_ahead resolved: admission anticipates the drops
 
     def label(self) -> str:
         depth = "inf" if self.depth is None else str(self.depth)
@@ -87,6 +91,7 @@ class Shape:
             cfg.run.max_steps,
             cfg.run.eval_every,
             cfg.buffer.max_queued_groups,
+            cfg.refill_ahead,
         )
 
 
@@ -99,6 +104,8 @@ class PlanParams:
     publish_s: float
     apply_s: float
     groups_lens: list[list[int]] = field(default_factory=list)
+    pass_read_s: float = 0.0
+    prompt_len: float = 0.0
     len_median: float = 0.0
     len_sigma: float = 1.0
     len_max: int = 0
@@ -125,7 +132,8 @@ class PlanParams:
         """The costs on one line, for people."""
         cores = "none" if self.cores is None else f"{self.cores:g}"
         return (
-            f"pass {self.pass_s * 1e3:.2f} ms + {self.pass_row_s * 1e6:.1f} us/row, step {self.step_s * 1e3:.1f} ms + "
+            f"pass {self.pass_s * 1e3:.2f} ms + {self.pass_row_s * 1e6:.1f} us/row + "
+            f"{self.pass_read_s * 1e9:.1f} ns/read (prompts {self.prompt_len:.0f}), step {self.step_s * 1e3:.1f} ms + "
             f"{self.step_token_s * 1e6:.1f} us/token, publish {self.publish_s * 1e3:.1f} ms, apply "
             f"{self.apply_s * 1e3:.1f} ms; orchestrator {self.orch_group_s * 1e3:.2f} ms/group, handoff "
             f"{self.deliver_delay_s * 1e3:.1f} ms, pause {self.pause_s * 1e3:.0f} ms per {self.pause_every:.0f} "
