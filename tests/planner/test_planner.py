@@ -147,6 +147,20 @@ def test_refill_ahead_admits_replacements_for_the_drops_it_expects():
     assert max(ahead.lag_hist) > max(plain.lag_hist)  # a surplus group trains a step later
 
 
+def test_forwards_run_ahead_while_the_batch_fills_shorten_the_step():
+    """Groups of different lengths finish one by one, so the trainer, waiting for its batch, finds the
+    queue dry between them: it runs their forwards then, and the step after is shorter by as much
+    (depth 0, where the step is on the critical path)."""
+    p = params(groups_lens=[[2, 2, 2, 2], [30, 30, 30, 30], [60, 60, 60, 60], [90, 90, 90, 90]], step_token_s=0.002)
+    shape = Shape(engines=1, depth=0, max_lag=None, prompts_per_step=4, group_size=4, slots=64, steps=20)
+    plain = simulate(p, shape)
+    assert simulate(dataclasses.replace(p, ahead_frac=0.4), shape).wall_s == plain.wall_s  # forward_ahead off
+    assert simulate(p, dataclasses.replace(shape, forward_ahead=True)).wall_s == plain.wall_s  # nothing to run ahead
+    ahead = simulate(dataclasses.replace(p, ahead_frac=0.4), dataclasses.replace(shape, forward_ahead=True))
+    assert ahead.wall_s < 0.95 * plain.wall_s
+    assert ahead.trainer_idle < plain.trainer_idle
+
+
 def test_fits_recover_known_lines():
     xs = [float(x) for x in range(8, 257, 8)]
     assert _fit_line(xs, [0.01 + 0.0002 * x for x in xs]) == pytest.approx((0.01, 0.0002))

@@ -252,6 +252,7 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
     step_s, step_token_s = _fit_steps(
         [dict(e, t0=e["t0"] - sum(a["t1"] - a["t0"] for a in part)) for e, part in zip(steps, aheads)], work
     )
+    ahead_frac = _ahead_frac(steps, aheads, step_token_s, cfg.rollout.prompts_per_step)
     pubs = [e["t1"] - e["t0"] for e in tl.events.get("trainer-0", []) if e["ev"] == "publish"]
     applies = [e["t1"] - e["t0"] for a in tl.actors("engine") for e in tl.events[a] if e["ev"] == "apply"]
     evals = [e["t1"] - e["t0"] for e in tl.events.get("orchestrator", []) if e["ev"] == "eval"]
@@ -262,6 +263,7 @@ def calibrate(tl: Timeline, cfg: Config) -> PlanParams:
         pass_s=pass_s,
         pass_row_s=pass_row_s,
         pass_read_s=pass_read_s,
+        ahead_frac=ahead_frac,
         prompt_len=sum(e.get("prefill_tokens", 0) for e in chunk_events) / max(len(groups), 1),
         step_s=step_s,
         step_token_s=step_token_s,
@@ -338,6 +340,14 @@ def with_aheads(rank_events: list[dict], ranks: int) -> tuple[list[dict], list[l
             aheads.append(pending)
             pending = []
     return steps, aheads
+
+
+def _ahead_frac(steps: list[dict], aheads: list[list[dict]], step_token_s: float, groups_per_step: int) -> float:
+    """The forwards run ahead, as a share of the per-token step cost of their tokens (each ahead
+    group counted at its step's mean tokens per group): 0 where none ran."""
+    tokens = sum(sum(a["groups"] for a in part) * e["tokens"] / groups_per_step for e, part in zip(steps, aheads))
+    cost = sum(a.get("cpu_s", a["t1"] - a["t0"]) for part in aheads for a in part)
+    return min(1.0, cost / (step_token_s * tokens)) if tokens > 0 and step_token_s > 0 else 0.0
 
 
 def _fit_steps(steps: list[dict], work: list[float]) -> tuple[float, float]:

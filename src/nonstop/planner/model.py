@@ -76,6 +76,9 @@ class Simulation:
         self.trainer_busy = False
         self.trainer_waiting = True
         self.trainer_busy_s = 0.0
+        self.in_ahead = False  # the trainer runs forwards ahead of its batch (trainer.forward_ahead)
+        self.handed = 0  # the batch's groups whose forward ran ahead
+        self.ahead_done = 0.0  # uncontended seconds of the coming step already done ahead
         self.step_left = 0.0  # uncontended seconds of the step under way
         self.step_since = self.step_start = 0.0
         self.step_speed = 1.0
@@ -327,7 +330,7 @@ class Simulation:
     # -- trainer --------------------------------------------------------------------------
 
     def take(self) -> None:
-        if not self.trainer_waiting:
+        if not self.trainer_waiting or self.in_ahead:
             return
         while self.queue and len(self.batch) < self.s.prompts_per_step:
             g = self.queue.popleft()
@@ -342,14 +345,31 @@ class Simulation:
             self.trainer_waiting = False
             samples = sum(len(g.lens) for g in self.batch)
             self.at(self.orchestrate(self.p.call_sample_s * samples), "step_start")
+        elif self.s.forward_ahead and self.p.ahead_frac > 0 and len(self.batch) > self.handed:
+            # the queue ran dry before the batch is whole: the trainer runs the forwards of the groups
+            # it holds, and takes more only after them (orchestrator/buffer.py take)
+            tokens = sum(sum(g.versions.values()) for g in self.batch[self.handed :])
+            self.handed = len(self.batch)
+            cost = self.p.ahead_frac * self.p.step_token_s * tokens
+            self.ahead_done += cost
+            self.in_ahead = True
+            self.work(cost)
 
     def on_step_start(self, _: object) -> None:
         tokens = sum(sum(g.versions.values()) for g in self.batch)
-        self.step_left = self.p.step_s + self.p.step_token_s * tokens / self.s.trainer_ranks
+        self.work(max(self.p.step_s + self.p.step_token_s * tokens / self.s.trainer_ranks - self.ahead_done, 0.0))
+        self.handed, self.ahead_done = 0, 0.0
+
+    def work(self, seconds: float) -> None:
+        """The trainer starts `seconds` of uncontended work: a step, or forwards run ahead of one."""
+        self.step_left = seconds
         self.step_start = self.step_since = self.t
         self.step_speed = 1.0
         self.set_trainer_busy(True)
         self.replan_step()
+        if seconds <= 0:  # nothing left to do (replan_step schedules nothing then)
+            self.step_gen += 1
+            self.at(self.t, "step_end", self.step_gen)
 
     def replan_step(self) -> None:
         """The step's remaining work at the current pace (actors busy now)."""
@@ -373,6 +393,12 @@ class Simulation:
             return
         self.step_left = 0.0
         dt = self.t - self.step_start
+        if self.in_ahead:
+            self.in_ahead = False
+            self.trainer_busy_s += dt
+            self.set_trainer_busy(False)
+            self.take()
+            return
         for g in self.batch:
             for v, n in g.versions.items():
                 self.lag[self.trainer_version - v] += n

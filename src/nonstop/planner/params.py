@@ -8,7 +8,10 @@ actor needs when it has a processor to itself:
   attention reads, padding included: rows sorted by length in blocks of ATTN_BLOCK, each
   reading up to its longest row (engine/blocks.py), a row's keys its `prompt_len` prompt tokens
   (the mean) plus the tokens it made so far;
-- trainer step on T completion tokens over R ranks: step_s + step_token_s x T / R;
+- trainer step on T completion tokens over R ranks: step_s + step_token_s x T / R; with
+  `forward_ahead`, a trainer waiting for its batch runs the forward of the groups it holds
+  whenever none is queued, at ahead_frac x step_token_s per token, and the step is that much
+  shorter;
 - publish_s per weight publish (trainer side), apply_s per version made live (engine side);
 - the orchestrator, one thread doing one thing at a time, in order: `orch_group_s` per finished
   group (receive, decode, hand to scoring); the groups of one busy stretch are buffered together
@@ -71,6 +74,9 @@ class Shape:
     eval_every: int | None = None
     max_queued: int = 4096  # buffer.max_queued_groups: the unbounded stream's bound
     refill_ahead: bool = False  # rollout.refill_ahead resolved: admission anticipates the drops
+    forward_ahead: bool = (
+        False  # trainer.forward_ahead resolved: a waiting trainer runs the forwards of the groups it holds
+    )
 
     def label(self) -> str:
         depth = "inf" if self.depth is None else str(self.depth)
@@ -92,6 +98,7 @@ class Shape:
             cfg.run.eval_every,
             cfg.buffer.max_queued_groups,
             cfg.refill_ahead,
+            cfg.forward_ahead,
         )
 
 
@@ -106,6 +113,7 @@ class PlanParams:
     groups_lens: list[list[int]] = field(default_factory=list)
     pass_read_s: float = 0.0
     prompt_len: float = 0.0
+    ahead_frac: float = 0.0
     len_median: float = 0.0
     len_sigma: float = 1.0
     len_max: int = 0
