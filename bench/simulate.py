@@ -155,7 +155,7 @@ def cpu_share(tl: Timeline) -> str:
 
 def work_ratio(tl: Timeline, params: PlanParams) -> tuple[float, float]:
     """Processor time the run's engine passes and trainer steps took per unit of the calibrated
-    work of the same passes and steps (a + b rows per pass, c + d tokens per step): above 1 when
+    work of the same passes and steps (a + b rows + k reads per pass, c + d tokens per step): above 1 when
     this run's processes needed more processor time for the same work than the calibration
     run's (another tenant of the host sharing its caches and memory, a slower clock); (nan, nan)
     for span logs without processor time."""
@@ -163,7 +163,10 @@ def work_ratio(tl: Timeline, params: PlanParams) -> tuple[float, float]:
     steps = [e for e in tl.events.get("trainer-0", []) if e["ev"] == "step"]
     if not all("cpu_s" in e for e in chunks + steps) or not chunks or not steps:
         return math.nan, math.nan
-    engine = sum(e["passes"] * params.pass_s + e["rows"] * params.pass_row_s for e in chunks)
+    engine = sum(
+        e["passes"] * params.pass_s + e["rows"] * params.pass_row_s + e.get("reads", 0) * params.pass_read_s
+        for e in chunks
+    )
     trainer = sum(params.step_s + params.step_token_s * e["tokens"] for e in steps)
     return sum(e["cpu_s"] for e in chunks) / engine, sum(e["cpu_s"] for e in steps) / trainer
 
@@ -177,6 +180,7 @@ def at_speed(params: PlanParams, ratio: tuple[float, float]) -> PlanParams:
         params,
         pass_s=params.pass_s * e,
         pass_row_s=params.pass_row_s * e,
+        pass_read_s=params.pass_read_s * e,
         step_s=params.step_s * t,
         step_token_s=params.step_token_s * t,
     )
