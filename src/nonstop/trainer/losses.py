@@ -78,7 +78,9 @@ def token_logprobs(
     out, ent = [], []
     keeps = keep.split(chunk_rows) if keep is not None else [None] * len(hidden.split(chunk_rows))
     for h, t, k in zip(hidden.split(chunk_rows), targets.split(chunk_rows), keeps):
-        scaled = head(h).float() / temperature  # (b, T, V)
+        scaled = head(h).float()  # (b, T, V)
+        if temperature != 1.0:  # x / 1 is x: skip a pass over b x T x V logits
+            scaled = scaled / temperature
         if k is not None:
             scaled = scaled.masked_fill(~k, float("-inf"))
         logp_all = torch.log_softmax(scaled, dim=-1)  # (b, T, V)
