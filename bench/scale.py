@@ -23,11 +23,12 @@ The CLI arms' batches are tiny (2 prompts x 8 answers of a few tokens): their tr
 the optimizer and the per-step fixed costs, not matmuls. So the bench also measures, in fresh
 processes on one thread each, the trainer actor's own code (TrainerWorker) on a batch of real
 size (`--batch`, default 8 completions x 128 tokens) in float32 and in bfloat16 autocast, and the
-built-in engine decoding 16 rows of 64 new tokens with float32 and with bfloat16 weights.
+built-in engine decoding 16 rows, then 64 rows (the engine's batch in a run), of 64 new tokens with
+float32 and with bfloat16 weights.
 
     python bench/scale.py [--steps 5] [--arms full,full-fp32,lora,full-vllm,lora-vllm] [--batch 8x128]
 
-Last line: `RESULT trainer_peak_frac=... bf16_step_speedup=... engine_bf16_speedup=...
+Last line: `RESULT trainer_peak_frac=... bf16_step_speedup=... engine_bf16_speedup=... engine_bf16_speedup_64=...
 lora_mem_ratio=... publish_frac=... peak_rss_gib=... arms_ok=... cli_trainer_peak_frac=...
 cli_bf16_step_speedup=...`: the bf16 trainer's fraction of its matmul peak and the fp32 step over
 the bf16 step at the real batch, bf16 decode over fp32 decode, LoRA's peak trainer RSS over full
@@ -264,24 +265,28 @@ def inner(kind: str, model_dir: Path, arg: str) -> dict:
     return json.loads(line[len("INNER ") :])
 
 
-def realistic(model_dir: Path, samples: int, tokens: int, steps: int) -> tuple[float, float, float]:
+def realistic(model_dir: Path, samples: int, tokens: int, steps: int) -> tuple[float, float, float, float]:
     """The trainer at a batch of real size and the engine's decode, fp32 against bf16, side by side:
-    (bf16 trainer peak fraction, bf16 step speedup, bf16 decode speedup)."""
+    (bf16 trainer peak fraction, bf16 step speedup, bf16 decode speedup at 16 rows, at 64 rows)."""
     t = {p: inner("inner_trainer", model_dir, f"{p!r}, {samples}, {tokens}, {steps}") for p in ("float32", "bfloat16")}
-    e = {d: inner("inner_engine", model_dir, f"{d!r}, 16, 64") for d in ("float32", "bfloat16")}
+    e = {(d, n): inner("inner_engine", model_dir, f"{d!r}, {n}, 64") for n in (16, 64) for d in ("float32", "bfloat16")}
     print(f"\nIn-process, one thread, a batch of {samples} x {tokens} completion tokens (2 prompts of 16):\n")
-    print("| precision | trainer step | optimizer (update_s) | trainer % of its matmul peak | engine decode, 16 rows |")
-    print("|---|---|---|---|---|")
+    print("| precision | trainer step | optimizer (update_s) | trainer % of matmul peak | decode, 16 rows | 64 rows |")
+    print("|---|---|---|---|---|---|")
     for p in ("float32", "bfloat16"):
         r = t[p]
         print(
             f"| {p} | {r['step_s']:.1f} s | {r['update_s']:.1f} s | {r['peak_frac']:.0%} "
-            f"| {e[p]['tok_s']:.1f} tokens/s |"
+            f"| {e[p, 16]['tok_s']:.1f} tokens/s | {e[p, 64]['tok_s']:.1f} tokens/s |"
         )
     step_speedup = t["float32"]["step_s"] / t["bfloat16"]["step_s"]
-    decode_speedup = e["bfloat16"]["tok_s"] / e["float32"]["tok_s"]
-    print(f"\nbf16 over fp32: trainer step {step_speedup:.2f}x, engine decode {decode_speedup:.2f}x", flush=True)
-    return t["bfloat16"]["peak_frac"], step_speedup, decode_speedup
+    decode = {n: e["bfloat16", n]["tok_s"] / e["float32", n]["tok_s"] for n in (16, 64)}
+    print(
+        f"\nbf16 over fp32: trainer step {step_speedup:.2f}x, engine decode {decode[16]:.2f}x (16 rows), "
+        f"{decode[64]:.2f}x (64 rows)",
+        flush=True,
+    )
+    return t["bfloat16"]["peak_frac"], step_speedup, decode[16], decode[64]
 
 
 def main() -> None:
@@ -290,7 +295,7 @@ def main() -> None:
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--batch", default="8x128", help="in-process trainer batch: completions x tokens ('' skips it)")
     ns = p.parse_args()
-    real = (float("nan"),) * 3
+    real = (float("nan"),) * 4
     with tempfile.TemporaryDirectory(prefix="nonstop-scale-") as tmp:
         model_dir = Path(tmp) / "qwen2.5-0.5b-shape"
         n = make_model(model_dir)
@@ -315,6 +320,7 @@ def main() -> None:
     peak_rss = max((v for r in rows for v in r["peaks"].values()), default=0) / 2**30
     print(
         f"RESULT trainer_peak_frac={real[0]:.3f} bf16_step_speedup={real[1]:.2f} engine_bf16_speedup={real[2]:.2f} "
+        f"engine_bf16_speedup_64={real[3]:.2f} "
         f"lora_mem_ratio={mem:.2f} publish_frac={full['publish_frac'] if full else float('nan'):.3f} "
         f"peak_rss_gib={peak_rss:.1f} arms_ok={len(by)}/{len(rows)} cli_trainer_peak_frac="
         f"{full['peak_frac'] if full else float('nan'):.3f} cli_bf16_step_speedup={speedup:.2f}"

@@ -13,6 +13,11 @@ Contract:
   capability): without them torch emulates bf16 matmuls and they are slower than float32. The
   machines of this project's kind differ (some have AVX2 only), so this is asked at run time,
   inside the actor that computes, never assumed;
+- `attention(q, k, v, **kw)` is torch's scaled-dot-product attention, with half-precision
+  inputs on the CPU upcast to float32 first: torch's CPU kernel for bfloat16 with a mask ran
+  4.5x slower than float32 on a decode step (2.16 against 0.48 ms with the casts, 16 rows at
+  the Qwen2.5-0.5B shape) and 1.4x slower for the trainer's masked forward and backward; the
+  result comes back in the input's dtype (under autocast, too);
 - `on(device)` is the context in which a role computes: torch's factory functions
   (`torch.zeros`, `torch.tensor`, `torch.arange`, ...) create on that device, so the engine's and
   the trainer's code stays device-agnostic; on the CPU it changes nothing.
@@ -116,3 +121,13 @@ def on(device: torch.device) -> Iterator[None]:
         return
     with torch.device(device):
         yield
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """F.scaled_dot_product_attention, through float32 for half-precision inputs on the CPU."""
+    import torch.nn.functional as F
+
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back down
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kw)

@@ -8,7 +8,7 @@ import torch
 from nonstop.config import EngineConfig, TinyModelConfig
 from nonstop.engine.blocks import attention_blocks, attention_reads, block_order, reorder_plan
 from nonstop.engine.core import TorchEngine
-from nonstop.engine.sampling import RowParams, exp_noise, row_params, sample
+from nonstop.engine.sampling import BLOCK, RowParams, categorical, row_params, sample
 from nonstop.tasks.tiny import make_tiny_model
 from nonstop.types import GenerationRequest, SamplingParams
 
@@ -155,19 +155,36 @@ def test_uneven_lengths_reorder_the_batch_and_greedy_tokens_equal_each_request_a
         assert got[0].logprobs == pytest.approx(ref.logprobs, abs=1e-4)
 
 
-def test_exp_noise_is_exp1_distributed_positive_and_follows_its_generator():
-    g = torch.Generator().manual_seed(3)
-    x = exp_noise(torch.empty(400_000), g)
-    assert bool((x > 0).all())
-    for t in (0.1, 1.0, 3.0):  # the survival function of Exp(1), within 4 standard errors
-        p = math.exp(-t)
-        assert abs(float((x > t).float().mean()) - p) < 4 * math.sqrt(p * (1 - p) / x.numel()), t
-    assert abs(float(x.mean()) - 1.0) < 0.01
-    a = exp_noise(torch.empty(1000), torch.Generator().manual_seed(5))
-    assert torch.equal(a, exp_noise(torch.empty(1000), torch.Generator().manual_seed(5)))
+def test_categorical_inverts_the_cumulative_sum_across_blocks_and_skips_zero_probabilities():
+    """Hand-placed mass over a vocabulary of 3 blocks and a remainder: each u lands on the token
+    whose cumulative share first passes it, whatever block it falls in; zero-mass tokens, the
+    padding past V included, are never drawn, even for u just below 1."""
+    V = 2 * BLOCK + 5
+    p = torch.zeros(V)
+    p[3], p[BLOCK + 7], p[2 * BLOCK + 4] = 1.0, 2.0, 1.0  # cumulative 0.25, 0.75, 1.0
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.7, 0.75, 0.9999999, 1 - 2**-53], dtype=torch.float64)
+    got = categorical(p.expand(len(u), V).contiguous(), u)
+    assert got.tolist() == [3, 3, BLOCK + 7, BLOCK + 7, 2 * BLOCK + 4, 2 * BLOCK + 4, 2 * BLOCK + 4]
 
 
-def test_the_race_draws_tokens_in_proportion_to_their_probability_and_never_a_masked_one():
+def test_categorical_frequencies_follow_the_probabilities_at_a_real_vocabulary():
+    torch.manual_seed(1)
+    V = 151_936
+    p = torch.zeros(V)
+    ids = torch.tensor([5, 999, 70_000, 151_935])
+    p[ids] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    p += 1e-9  # a long tail of tiny mass, 0.00015 in all
+    u = torch.rand(20_000, dtype=torch.float64)
+    tokens = categorical(p.expand(20_000, V), u)
+    freq = torch.tensor([(tokens == i).float().mean() for i in ids])
+    assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.015), freq
+    g = torch.Generator().manual_seed(5)
+    a = categorical(p[None].contiguous(), torch.rand(1, dtype=torch.float64, generator=g))
+    g = torch.Generator().manual_seed(5)
+    assert torch.equal(a, categorical(p[None].contiguous(), torch.rand(1, dtype=torch.float64, generator=g)))
+
+
+def test_sampling_draws_tokens_in_proportion_to_their_probability_and_never_a_masked_one():
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     logits = probs.clamp_min(1e-45).log().expand(20_000, 4).contiguous()
     logits[:, 3] = float("-inf")

@@ -33,7 +33,7 @@ class Emitter:
 
     def _emit(self, seqs: list[Seq], logits: torch.Tensor, params) -> None:
         self.stats["forward_passes"] += 1
-        tokens, logprobs, kept = sample(logits, params)
+        tokens, logprobs, kept = sample(logits, params, consume=True)
         kept_rows = self._kept_rows(seqs, kept) if kept is not None else {}
         version, finished, eos = self.policy_version, [], self.eos
         # one .tolist() per tensor per step; the loop touches only Python objects

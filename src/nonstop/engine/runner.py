@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from nonstop.device import attention
 from nonstop.engine.blocks import attention_blocks
 from nonstop.engine.layers import _check_supported, _Layer
 
@@ -122,10 +123,7 @@ class KVRunner:
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan) -> torch.Tensor:
         """q (B, H, 1, D) of decode rows 0..B-1 against their cached keys -> (B, H * D)."""
         B, gqa = q.shape[0], self.n_kv != self.n_heads
-        out = [
-            F.scaled_dot_product_attention(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa)
-            for a, b, t, m in plan
-        ]
+        out = [attention(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa) for a, b, t, m in plan]
         return (out[0] if len(out) == 1 else torch.cat(out)).reshape(B, self.n_heads * self.head_dim)
 
     @property

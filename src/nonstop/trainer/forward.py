@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nonstop.device import attention
+
 SUPPORTED_TYPES = ("qwen2", "llama")
 
 
@@ -105,7 +107,7 @@ def prompt_shared_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
             kc = _rotate(k[Np:].view(B, Tc, KV, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(1, 2)
             vc = v[Np:].view(B, Tc, KV, D).transpose(1, 2)
             keys, values = torch.cat([kp[row], kc], dim=2), torch.cat([vp[row], vc], dim=2)  # (B, KV, Lp + Tc, D)
-            ac = F.scaled_dot_product_attention(qc, keys, values, attn_mask=mask, enable_gqa=gqa)  # (B, H, Tc, D)
+            ac = attention(qc, keys, values, attn_mask=mask, enable_gqa=gqa)  # (B, H, Tc, D)
             out.append(ac.transpose(1, 2).reshape(Nc, H * D))
         x = x + attn.o_proj(torch.cat(out) if Tc else out[0])
         x = x + block.mlp(block.post_attention_layernorm(x))
