@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nonstop.config import ConfigError, EngineConfig, ShmTransportConfig, load_config
-from nonstop.device import DeviceError, bf16_supported, resolve_device, resolve_dtype
+from nonstop.device import DeviceError, attention, bf16_supported, resolve_device, resolve_dtype
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model
 from nonstop.transport import open_sink, open_source, plan_transport
@@ -60,3 +60,17 @@ def test_a_bfloat16_engine_takes_float32_weights_through_its_host_staging_copy(t
     finally:
         source.close()
         sink.close()
+
+
+def test_half_precision_attention_on_the_cpu_is_float32_attention_cast_back():
+    """With or without autocast around it: the float32 result of the same (bf16-valued) inputs, in bf16."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 5, 8, generator=g).bfloat16() for _ in range(3))
+    mask = torch.ones(3, 1, 5, 5, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    got = attention(q, k, v, attn_mask=mask)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(attention(q, k, v, attn_mask=mask), want.bfloat16())
+    x = q.float()
+    assert torch.equal(attention(x, k.float(), v.float(), attn_mask=mask), want)  # float32 is untouched
