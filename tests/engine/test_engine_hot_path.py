@@ -1,6 +1,5 @@
 """The decode hot path's shortcuts give exactly what the plain forms give."""
 
-
 import pytest
 import torch
 
