@@ -74,8 +74,9 @@ def categorical(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     The token is the first whose cumulative probability passes u x the row's total, found in two
     levels: the sums of blocks of BLOCK tokens, cumulated in float64, pick the block; the chosen
     block's own cumulative sum picks the token. It reads p about twice, against the V random
-    numbers, logarithms and divisions per row of an exponential race (about 8x the time at a
-    151,936-token vocabulary), and a token of probability 0 is never drawn."""
+    numbers, logarithms and divisions per row of an exponential race (a whole 16-row sampling
+    step at a 151,936-token vocabulary: about 12 ms against 40), and a token of probability 0 is
+    never drawn."""
     B, V = p.shape
     pad = (-V) % BLOCK
     q = torch.nn.functional.pad(p, (0, pad)).view(B, -1, BLOCK) if pad else p.view(B, -1, BLOCK)  # (B, nb, BLOCK)
