@@ -119,8 +119,11 @@ class Simulation:
         if self.s.depth is None:
             return self.steps * self.s.prompts_per_step + self.s.max_queued + self.refunded
         bound = (self.steps + self.s.depth + 1) * self.s.prompts_per_step
-        ahead = refill_ahead_groups(bound - self.delivered, self.drop_rate, self.s.prompts_per_step)
-        return bound + self.refunded + (ahead if self.s.refill_ahead else 0)
+        if not self.s.refill_ahead:
+            return bound + self.refunded
+        return (
+            bound + self.refunded + refill_ahead_groups(bound - self.delivered, self.drop_rate, self.s.prompts_per_step)
+        )
 
     def admit(self) -> None:
         while self.limit() - self.admitted >= 1:
