@@ -147,6 +147,29 @@ def test_lora_plans_adapter_gradients_and_slots(tiny_dir):
     assert not any(p.name == "shm segment" for p in fitted.plan.procs)
 
 
+def test_a_bf16_engine_receives_half_the_bytes_into_its_live_model(tiny_dir):
+    """transport.dtype 'auto' with a bf16 built-in engine on the host: the slots hold bf16 weights and the
+    engine needs no staging copy; asked for float32, it stages a float32 copy and the slots double;
+    LoRA and vLLM keep float32, and a half-precision transport with either is refused naming the field."""
+    from nonstop.config.sizing import wire_dtype
+
+    params = 13_472  # test_plan_figures_equal_hand_computed_values
+    plans = {}
+    for wire in ("auto", "float32"):
+        cfg, data = small_run(tiny_dir, "engine.dtype=bfloat16", f"transport.dtype={wire}")
+        fitted = fit_run(cfg, data, machine=BIG_MACHINE)
+        plans[wire] = {(p.name, i.name): i.bytes for p in fitted.plan.procs for i in p.items}
+        assert wire_dtype(cfg) == ("bfloat16" if wire == "auto" else "float32")
+    assert plans["auto"][("shm segment", "slots")] == 3 * params * 2
+    assert ("engine", "staging") not in plans["auto"] and plans["auto"][("engine", "weights")] == params * 2
+    assert plans["float32"][("shm segment", "slots")] == 3 * params * 4
+    assert plans["float32"][("engine", "staging")] == params * 4
+    lora, _ = small_run(tiny_dir, "engine.dtype=bfloat16", "model.lora.enabled=true")
+    assert wire_dtype(lora) == "float32"
+    with pytest.raises(ConfigError, match=r"transport.dtype: 'bfloat16'.*model.lora"):
+        small_run(tiny_dir, "transport.dtype=bfloat16", "model.lora.enabled=true")
+
+
 def test_a_plan_over_the_memory_limit_is_refused_naming_the_field(tiny_dir):
     cfg, data = small_run(tiny_dir, "engine.max_concurrent_seqs=65536", "engine.max_seq_len=128")
     with pytest.raises(ConfigError) as err:

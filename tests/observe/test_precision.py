@@ -140,3 +140,19 @@ def test_a_bf16_run_trains_and_reports_its_mismatch(tiny_dir, tmp_path):
     assert all(e["bf16"] == 1 for e in summary["engines"])
     assert all(r["mismatch_kl_k3"] > 0 for r in recs)  # bf16 engine and trainer round differently
     assert recs[-1]["policy_version"] == 3 and all(r["skipped"] == 0 for r in recs)
+
+
+def test_a_bf16_engine_receives_bf16_weights_and_holds_the_trainers(tiny_dir, tmp_path):
+    """engine.dtype bfloat16 beside a float32 trainer, on any CPU: transport.dtype 'auto' sends the
+    weights in bfloat16 (half the bytes), and at the end every engine's weights equal the trainer's cast
+    to bfloat16, bit for bit (the run's end-to-end checksum)."""
+    extra = ["engine.dtype=bfloat16", "trainer.precision=float32", "transport.checksum=true"]
+    result = nonstop(run_args(tiny_dir, "wire", extra), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "wire"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    trainer, engines = summary["weights_crc32"]["trainer"], summary["weights_crc32"]["engines"]
+    assert trainer[0] == 3 and engines and all(e == trainer for e in engines)
+    params = sum(p.numel() for p in load_model(str(tiny_dir)).parameters())
+    sent = {r["publish_bytes"] for r in records(run_dir)}  # 2 bytes a parameter, each tensor 64-byte aligned
+    assert len(sent) == 1 and 2 * params <= sent.pop() < 3 * params

@@ -424,3 +424,45 @@ def test_files_http_notification_loads_off_the_decode_path_and_survives_a_lost_t
         assert re.match(r"lost the trainer's notification server http://127.0.0.1:\d+/version", orphan.notify_error)
         assert orphan.maybe_update(orphan_model) == 1
         assert torch.equal(orphan_model.model.norm.weight, trainer_model.model.norm.weight)
+
+
+@pytest.mark.parametrize("kind", ["shm", "files"])
+def test_full_weights_travel_in_the_engines_dtype(tiny_dir, tmp_path, kind):
+    """transport.dtype bfloat16: the float32 trainer casts as it writes, the slot or file holds half the
+    bytes, and a bf16 engine in never_stop mode receives into its live model (no float32 staging copy)
+    the very bits it would have cast itself; the checksums of both ends agree."""
+    from nonstop.engine.core import TorchEngine
+    from nonstop.transport.base import layout_dtype, source_crc32
+
+    trainer_model = load_model(str(tiny_dir))
+    extra = {"dir": str(tmp_path / "w")} if kind == "files" else {}
+    full = plan_transport(transport(kind=kind, **extra), trainer_model, num_engines=1)
+    handle = plan_transport(transport(kind=kind, dtype="bfloat16", **extra), trainer_model, num_engines=1)
+    assert {s.dtype for s in full.layout} == {"float32"} and {s.dtype for s in handle.layout} == {"bfloat16"}
+    assert layout_dtype(handle.layout) == torch.bfloat16
+    params = sum(p.numel() for p in trainer_model.parameters())
+    assert handle.total_bytes < full.total_bytes and handle.total_bytes >= 2 * params
+    engine = TorchEngine(load_model(str(tiny_dir), torch.bfloat16), [], 0)
+    engine.receive_weights_on(torch.device("cpu"), layout_dtype(handle.layout))
+    assert engine.weight_model is engine.gate.live  # no staging copy
+    sink = open_sink(handle)
+    sink.connect()
+    source = open_source(handle, engine.weight_model, 1)
+    engine.weights = source
+    published = _perturbed(tiny_dir, seed=1)
+    try:
+        sink.publish(published, 1)
+        deadline = time.monotonic() + 30
+        while engine.gate.poll() is None:
+            assert time.monotonic() < deadline, "version 1 never arrived"
+            time.sleep(0.01)
+        engine.gate.apply()
+        live = dict(engine.weight_model.named_parameters())
+        for name, p in published.named_parameters():
+            assert live[name].dtype == torch.bfloat16
+            assert torch.equal(live[name], p.detach().to(torch.bfloat16)), name
+        sent = weights_crc32(p.detach().to(torch.bfloat16) for _, p in published.named_parameters())
+        assert source_crc32(source) == sent != weights_crc32(p.detach() for _, p in published.named_parameters())
+    finally:
+        source.close()
+        sink.close()

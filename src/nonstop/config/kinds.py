@@ -31,6 +31,11 @@ class BaseTransportConfig(_Section):
     """Longest a weight send or receive may take before the run fails naming the peer."""
     connect_timeout_s: float = Field(300.0, gt=0.0)
     """Longest the trainer and the engines may take to meet when the transport is set up."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The dtype full weights travel in (the trainer casts while it writes). 'auto': the built-in engine's
+    dtype when its weights live on the host (a bf16 engine then receives the very bits it would have cast
+    itself, from half the bytes, and needs no float32 staging copy); float32 for LoRA adapters, vLLM
+    engines and engines on a GPU. A lower dtype than the engine's rounds the engine's weights."""
 
 
 class ShmTransportConfig(BaseTransportConfig):

@@ -38,7 +38,7 @@ from pathlib import Path
 from nonstop.config import Config, ConfigError
 from nonstop.config.machine import GIB, MachineMemory
 from nonstop.config.shape import ModelShape
-from nonstop.config.sizing import engine_dtype_bytes
+from nonstop.config.sizing import engine_dtype_bytes, wire_bytes
 
 RUNTIME_BYTES = 300 * 1024**2
 """One process's Python + torch + transformers (246 MiB RSS measured), rounded up."""
@@ -217,13 +217,14 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
         "lower engine.max_concurrent_seqs or engine.max_seq_len",
         on_host=not gpu,
     )
-    if e.update_mode != "never_stop" or eb != 4 or gpu:
+    wb = wire_bytes(cfg)
+    if e.update_mode != "never_stop" or eb != wb or gpu:
         from nonstop.config.kinds import device_path_of
 
         p.add(
             "staging",
-            params * 4,
-            f"float32 copy: update_mode {e.update_mode}, {eb}-byte weights",
+            params * wb,
+            f"{wb}-byte copy it receives into: update_mode {e.update_mode}, {eb}-byte weights",
             "engine.update_mode",
             "use engine.update_mode never_stop",
             on_host=not gpu or device_path_of(cfg.transport) == "host",
@@ -324,7 +325,7 @@ def plan_memory(
     folder_of = folder_of or (lambda path, _field: Path(path))
     lora = cfg.model.lora
     trained = shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else shape.params
-    sent = trained * 4  # what the transport carries: float32 weights, or only the adapters
+    sent = trained * wire_bytes(cfg)  # what the transport carries: full weights in its dtype, or the adapters
     extra: list[tuple[str, int, str, str]] = []
     if cfg.trainer.kl_coef > 0:
         extra.append(("reference", shape.params * 4, f"{shape.params:,} params x 4 bytes", "trainer.kl_coef"))

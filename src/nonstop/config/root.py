@@ -262,7 +262,16 @@ class Config(_Section):
                 )
 
     def _device_path_combinations(self) -> None:
-        """A GPU-to-GPU weight path asked for by name needs both sides on a GPU and the built-in engine."""
+        """A GPU-to-GPU weight path asked for by name needs both sides on a GPU and the built-in engine;
+        a half-precision transport carries full weights to the built-in engine only."""
+        wire = self.transport.dtype
+        if wire not in ("auto", "float32") and (self.model.lora.enabled or self.engine.kind == "vllm"):
+            lora = self.model.lora.enabled
+            which = "model.lora (adapters train and travel in float32)" if lora else "engine.kind 'vllm'"
+            raise ValueError(
+                f"transport.dtype: '{wire}' carries full weights to the built-in engine; with {which} use 'auto' or "
+                "'float32'"
+            )
         path = device_path_of(self.transport)
         if path not in ("ipc", "nccl"):
             return

@@ -158,6 +158,28 @@ def engine_dtype_bytes(cfg: Config) -> int:
     return 4 if spec == "float32" else 2
 
 
+def wire_dtype(cfg: Config) -> str:
+    """The dtype weights travel in (transport.dtype resolved): 'auto' is the built-in engine's dtype when
+    the run sends full weights to engines on the host, otherwise float32 (LoRA adapters train in float32;
+    vLLM reloads a float32 staging model; GPU paths are kept as measured)."""
+    spec = cfg.transport.dtype
+    if spec != "auto":
+        return spec
+    if cfg.engine.kind != "builtin" or cfg.model.lora.enabled:
+        return "float32"
+    from nonstop.device import dtype_name, resolve_device, resolve_dtype
+
+    device = resolve_device(cfg.engine.device, "engine.device")
+    if device.type != "cpu":
+        return "float32"
+    return dtype_name(resolve_dtype(cfg.engine.dtype, device, "engine.dtype"))
+
+
+def wire_bytes(cfg: Config) -> int:
+    """Bytes per element of what the weight transport carries (`wire_dtype`)."""
+    return 4 if wire_dtype(cfg) == "float32" else 2
+
+
 def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: int) -> Sized:
     """`cfg` with engine.max_seq_len, engine.max_concurrent_seqs, engine.vllm.max_model_len and
     trainer.lr resolved for a run whose longest admitted prompt has `longest_prompt` tokens, on

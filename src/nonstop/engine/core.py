@@ -95,9 +95,10 @@ class TorchEngine:
     def weight_model(self) -> torch.nn.Module:
         return self.gate.target
 
-    def receive_weights_on(self, device: torch.device) -> None:
-        """Have transports fill tensors on `device` (the engine's GPU, for a GPU path); before attaching one."""
-        self.gate.receive_on(device)
+    def receive_weights_on(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        """Have transports fill tensors of `dtype` on `device` (the engine's GPU, for a GPU path); before
+        attaching one."""
+        self.gate.receive_on(device, dtype)
 
     @property
     def policy_version(self) -> int:

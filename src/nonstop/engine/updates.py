@@ -12,11 +12,12 @@ applies at once and `apply()` only hands the version over. Every other mode need
 know that weights are waiting without letting them touch the model decoding right now, so the
 source updates a staging copy of the model and `apply()` copies the staging parameters
 into the live ones (one foreach copy: the stall of a swap). The staging copy costs one more
-copy of the parameters in memory; the mode's docs say so. A model on a GPU or in a lower
-precision is always staged in float32 (what transports write), and `apply()` copies (and casts)
-the staging parameters onto the device. The staging copy is on the host unless the transport
-has a GPU path (transport/device.py): then `receive_on(device)` puts it on the engine's GPU, so
-an update goes GPU to GPU; a float32 model on that GPU in `never_stop` mode needs none.
+copy of the parameters in memory; the mode's docs say so. A model on a GPU, or in another dtype
+than the transport's (transport.dtype: float32, or the engine's own), is staged in that dtype on the
+receiving device, and `apply()` copies (and casts) the staging parameters into the model. The
+staging copy is on the host unless the transport has a GPU path (transport/device.py): then
+`receive_on(device, dtype)` puts it on the engine's GPU, so an update goes GPU to GPU; a model of
+the transport's dtype on that GPU in `never_stop` mode needs none.
 """
 
 from __future__ import annotations
@@ -45,21 +46,21 @@ class WeightGate:
         self._same_kind = True
         self.receive_on(torch.device("cpu"))
 
-    def receive_on(self, device: torch.device) -> None:
-        """Place the tensors transports fill (float32, the trainer's layout) on `device`: the live
-        model itself when it is float32 there and the mode applies at once, else a staging copy
+    def receive_on(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        """Place the tensors transports fill (`dtype`, the trainer's layout) on `device`: the live
+        model itself when it is of that dtype there and the mode applies at once, else a staging copy
         (made when first asked for). Call before a transport attaches: it keeps references."""
-        self._receive_device = device
+        self._receive_device, self._receive_dtype = device, dtype
         self._target = None
 
     @property
     def target(self) -> torch.nn.Module:
         if self._target is None:
-            live, device = self._live_params[0], self._receive_device
-            if not self.staged_mode and live.device == device and live.dtype == torch.float32:
+            live, device, dtype = self._live_params[0], self._receive_device, self._receive_dtype
+            if not self.staged_mode and live.device == device and live.dtype == dtype:
                 self._target = self.live
             else:
-                self._target = copy.deepcopy(self.live).to(device, torch.float32)
+                self._target = copy.deepcopy(self.live).to(device, dtype)
             self._staged_params = list(self._target.parameters())
             self._same_kind = all(
                 a.device == b.device and a.dtype == b.dtype for a, b in zip(self._live_params, self._staged_params)
@@ -83,7 +84,7 @@ class WeightGate:
             raise RuntimeError("WeightGate.apply: no version is waiting")
         if self.staged and self._same_kind:
             torch._foreach_copy_(self._live_params, self._staged_params)
-        elif self.staged:  # float32 staging (host, or the GPU on a GPU path) -> the model's device and dtype
+        elif self.staged:  # staging in the transport's dtype (host, or the GPU) -> the model's device and dtype
             for live, staged in zip(self._live_params, self._staged_params):
                 live.copy_(staged, non_blocking=True)
             if self._live_params[0].device.type == "cuda":

@@ -72,11 +72,12 @@ class EngineWorker:
         self.source: WeightSource | None = None
 
     def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None:
+        from nonstop.transport.base import layout_dtype
         from nonstop.transport.device import receive_device
 
-        device = receive_device(handle, self.device)
-        if device is not None:  # a GPU path: receive on this engine's GPU
-            self.engine.receive_weights_on(device)
+        # a GPU path receives on this engine's GPU; every version arrives in the transport's dtype
+        device = receive_device(handle, self.device) or torch.device("cpu")
+        self.engine.receive_weights_on(device, layout_dtype(handle.layout))
         self.source = open_source(handle, self.engine.weight_model, rank)
         self.engine.weights = self.source
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from nonstop.clients import EngineClient, TrainerClient
 from nonstop.config import Config, FilesTransportConfig
+from nonstop.config.sizing import wire_dtype
 from nonstop.engine.worker import EngineWorker
 from nonstop.observe.spans import span_path
 from nonstop.orchestrator.dispatch import RankGroup
@@ -127,6 +128,7 @@ async def connect_transport(
     transport = cfg.transport
     if isinstance(transport, FilesTransportConfig) and transport.dir is not None:  # as this process sees it
         transport = transport.model_copy(update={"dir": str(Path(transport.dir).resolve())})
+    transport = transport.model_copy(update={"dtype": wire_dtype(cfg)})
     handle = await trainer.plan_transport(transport, max(cfg.max_engines, len(engines)), host, len(engines))
     await asyncio.gather(
         trainer.connect_transport(), *(e.connect_transport(handle, i + 1) for i, e in enumerate(engines))

@@ -93,6 +93,7 @@ class TrainerWorker:
         if reference_path is not None and self.trainer.reference is not None:
             self.trainer.reference = place(load_model(reference_path), self.device).eval().requires_grad_(False)
         self.sink: WeightSink | None = None
+        self.handle: TransportHandle | None = None
         self.publish_bytes = 0
         self.published_version = self.trainer.policy_version  # what the engines hold (they start from it)
         self.busy_s = 0.0
@@ -153,6 +154,7 @@ class TrainerWorker:
             first_engines=first_engines,
         )
         self.sink = open_sink(handle)
+        self.handle = handle
         self.publish_bytes = handle.total_bytes
         return handle
 
@@ -235,7 +237,8 @@ class TrainerWorker:
         part (FSDP2 gathers each parameter)."""
         weights = self.trainer.publishable()
         named = sent_tensors(weights, self.lora) if self.lora is not None else weights.named_parameters()
-        return self.trainer.policy_version, weights_crc32(t for _, t in named)
+        wire = {s.name: getattr(torch, s.dtype) for s in self.handle.layout} if self.handle is not None else {}
+        return self.trainer.policy_version, weights_crc32(t.to(wire.get(n, t.dtype)) for n, t in named)
 
     def save(self, path: str) -> str:
         """Write the current weights with save_pretrained (safetensors): the full model, loadable

@@ -111,11 +111,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layout_of(named: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], int]:
+def layout_of(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> tuple[list[TensorSpec], int]:
+    """The layout of `named`, each tensor travelling in `dtype` (None: its own)."""
     specs, offset = [], 0
     for name, p in named:
-        nbytes = p.numel() * p.element_size()
-        specs.append(TensorSpec(name, tuple(p.shape), dtype_name(p.dtype), offset, nbytes))
+        wire = dtype or p.dtype
+        nbytes = p.numel() * wire.itemsize
+        specs.append(TensorSpec(name, tuple(p.shape), dtype_name(wire), offset, nbytes))
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
     return specs, offset
 
@@ -141,6 +143,13 @@ def check_layout(expected: list[TensorSpec], target: torch.nn.Module | list[tupl
         shown = "; ".join(sorted(problems)[:5])
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise TransportError(f"trainer and engine parameters differ: {shown}{more}")
+
+
+def layout_dtype(layout: list[TensorSpec]) -> torch.dtype:
+    """The one dtype every tensor of `layout` travels in (float32 for an empty or mixed layout): what an
+    engine receives into."""
+    names = {s.dtype for s in layout}
+    return getattr(torch, names.pop()) if len(names) == 1 else torch.float32
 
 
 def in_layout_order(named: list[tuple[str, torch.Tensor]], layout: list[TensorSpec]) -> list[torch.Tensor]:
@@ -197,8 +206,9 @@ class FlatSender:
     The buffer lives on `device` (the host by default; the trainer's GPU for a GPU path). The
     tensor list is looked up once per model object; each publish only checks that every tensor
     still lives at its place in the buffer, and binds again if anything re-homed one. Tensors on
-    another device than the buffer (a GPU trainer on a host path) are not re-homed: each publish
-    copies them into the buffer."""
+    another device than the buffer (a GPU trainer on a host path) or in another dtype than the
+    layout's (float32 weights sent as bfloat16) are not re-homed: each publish copies (casts) them
+    into the buffer, or straight into the transport's own (`write`)."""
 
     def __init__(self, handle: TransportHandle, device: torch.device | None = None) -> None:
         self.handle = handle
@@ -208,18 +218,34 @@ class FlatSender:
         self.model: torch.nn.Module | None = None
         self.tensors: list[torch.Tensor] = []
         self.expected_ptrs: list[int] = []
+        self.copied = False
 
-    def flat(self, model: torch.nn.Module) -> torch.Tensor:
+    def _look_up(self, model: torch.nn.Module) -> None:
         if model is not self.model:
             self.model = model
             self.tensors = in_layout_order(sent_tensors(model, self.lora), self.handle.layout)
             self.buffer = None
-        if any(t.device != self.device for t in self.tensors):  # elsewhere than the buffer: copied at each publish
+        self.copied = any(
+            t.device != self.device or dtype_name(t.dtype) != s.dtype for t, s in zip(self.tensors, self.handle.layout)
+        )
+
+    @torch.no_grad()
+    def write(self, model: torch.nn.Module, dest: torch.Tensor) -> None:
+        """Fill `dest` (uint8, total_bytes, on the buffer's device) with the sent tensors in the layout:
+        one block copy, or one copy (and cast) per tensor where they are not re-homed."""
+        self._look_up(model)
+        if not self.copied:
+            dest.copy_(self.flat(model))
+            return
+        for t, view in zip(self.tensors, views(dest, self.handle.layout)):
+            view.copy_(t)
+
+    def flat(self, model: torch.nn.Module) -> torch.Tensor:
+        self._look_up(model)
+        if self.copied:  # elsewhere than the buffer or another dtype: copied at each publish
             if self.buffer is None:
                 self.buffer = torch.empty(self.handle.total_bytes, dtype=torch.uint8, device=self.device)
-            with torch.no_grad():
-                for t, view in zip(self.tensors, views(self.buffer, self.handle.layout)):
-                    view.copy_(t)
+            self.write(model, self.buffer)
             return self.buffer
         if self.buffer is None or [t.data_ptr() for t in self.tensors] != self.expected_ptrs:
             self.buffer = bind_flat(self.tensors, self.handle.layout, self.handle.total_bytes, self.device)
@@ -272,7 +298,8 @@ def plan_transport(
 
     lora = lora if lora is not None and lora.enabled else None
     sent = sent_tensors(model, lora)
-    layout, total = layout_of(sent)
+    wire = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)  # 'auto' resolves in the orchestrator
+    layout, total = layout_of(sent, wire)
     trainer_device = tensors_device(t for _, t in sent)
     options: TransportOptions
     if isinstance(cfg, ShmTransportConfig):
