@@ -1,7 +1,9 @@
 """Engine throughput: continuous batching vs HF generate vs a raw batched forward; update modes.
 
-Same model (the default tiny Qwen2: 128 wide, 2 layers, vocab 128, random weights) and the same
-requests for every contender: `--requests` prompts 'a+b=' whose completion lengths follow a long
+Same model and the same requests for every contender. The model (`--model`): `tiny` (default:
+the default tiny Qwen2, 128 wide, 2 layers, vocab 128, random weights), `long-base` (the shipped
+base of the long-rollout task: 192 wide, 4 layers, vocab 301, in float32), or a saved model
+folder. Requests: `--requests` prompts 'a+b=' whose completion lengths follow a long
 tail (most short, `--tail` of them at the maximum `--max-new`). EOS is disabled everywhere, so
 every request generates exactly its length and all contenders produce the same useful tokens.
 Sampling at temperature 1. Measured side by side in one run:
@@ -26,7 +28,7 @@ Sampling at temperature 1. Measured side by side in one run:
   process (engine/vllm_setup.py: float32, eager, prefix caching off, `max_num_seqs` = `--batch`),
   all requests queued at once so its scheduler keeps `--batch` sequences running; EOS ignored.
   Its load and first-step warm-up are left out; each side keeps its best round.
-Run: python bench/engine.py [--requests 1024] [--rounds 3] [--batch 64] [--every 10] [--quick]
+Run: python bench/engine.py [--requests 1024] [--rounds 3] [--batch 64] [--every 10] [--quick] [--model tiny]
 Last line: RESULT builtin_tokens_per_s=<x> vs_raw_decode=<engine / raw forward> replay_vs_raw=<replay / raw
 forward> vllm_tokens_per_s=<y> (n/a without vLLM).
 """
@@ -261,12 +263,14 @@ def main() -> None:
     ap.add_argument("--tail", type=float, default=0.05)
     ap.add_argument("--every", type=int, default=10, help="decode steps between weight updates")
     ap.add_argument("--quick", action="store_true", help="256 requests, 1 round, no update-mode table")
+    ap.add_argument("--model", default="tiny", help="tiny, long-base, or a saved model folder")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.rounds = 256, 1
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = make_tiny_model(TinyModelConfig()).eval()
+    model = bench_model(args.model)
+    print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()):,} parameters")
     reqs = workload(args.requests, args.max_new, args.tail)
     lengths = [r.params.max_new_tokens for r in reqs]
     mean_pos = int(sum(len(r.prompt_ids) + n / 2 for r, n in zip(reqs, lengths)) / len(reqs))
@@ -369,6 +373,19 @@ def main() -> None:
     )
 
 
+def bench_model(name: str):
+    """The model every contender runs, in float32 (`--model`)."""
+    if name == "tiny":
+        return make_tiny_model(TinyModelConfig()).eval()
+    from nonstop.hf import load_model
+
+    if name == "long-base":
+        from nonstop.tasks.base import ASSETS, TASK_BASES
+
+        name = str(ASSETS / TASK_BASES["long_rollout"])
+    return load_model(name).eval()
+
+
 def vllm_version() -> str:
     import vllm
 
@@ -376,7 +393,10 @@ def vllm_version() -> str:
 
 
 def update_modes(model, reqs, args) -> None:
-    trainer = make_tiny_model(TinyModelConfig(), seed=1)
+    trainer = model_copy(model)  # the trainer's side: the same layout, other weights
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.01 * torch.randn_like(p))
     rows = [("none (no updates)", run_engine(make_engine(model_copy(model), args.batch), reqs, backlog=args.batch))]
     for mode in UPDATE_MODES:
         engine = make_engine(model_copy(model), args.batch, mode)
