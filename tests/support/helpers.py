@@ -88,6 +88,32 @@ def receive_weights(handle, model_dir: str, rank: int, want_version: int, out_qu
     out_queue.put(("timeout", seen))
 
 
+def receive_weights_in(
+    handle, model_dir: str, dtype: str, rank: int, want_version: int, out_queue, deadline_s: float = 60.0
+) -> None:
+    """Engine-side process holding its model in `dtype` (a bf16 engine): attach, wait for
+    `want_version`, send back the weights as float32 (exact for bf16) and their CRC32 in the
+    transport's layout."""
+    torch.set_num_threads(1)
+    from nonstop.hf import load_model
+    from nonstop.transport import open_source
+    from nonstop.transport.base import source_crc32
+
+    model = load_model(model_dir, getattr(torch, dtype))
+    source = open_source(handle, model, rank)
+    out_queue.put(("attached", None))
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        v = source.maybe_update(model)
+        if v is not None and v >= want_version:
+            state = {k: t.float().numpy().copy() for k, t in model.state_dict().items()}
+            out_queue.put(("weights", (v, source_crc32(source), state)))
+            source.close()
+            return
+        time.sleep(0.005)
+    out_queue.put(("timeout", None))
+
+
 def connect_then_hang(handle, model_dir: str, rank: int, out_queue) -> None:
     """Engine-side process that joins the broadcast group and then stops participating."""
     torch.set_num_threads(1)

@@ -11,7 +11,7 @@ from nonstop.hf import load_model
 from nonstop.transport import TransportError, check_layout, model_layout, open_sink, open_source, plan_transport
 from nonstop.transport.base import weights_crc32
 from nonstop.types import FilesOptions
-from support.helpers import connect_then_hang, receive_weights
+from support.helpers import connect_then_hang, receive_weights, receive_weights_in
 from support.helpers import perturbed_model as _perturbed
 
 
@@ -466,3 +466,28 @@ def test_full_weights_travel_in_the_engines_dtype(tiny_dir, tmp_path, kind):
     finally:
         source.close()
         sink.close()
+
+
+def test_broadcast_carries_bf16_weights_to_a_bf16_engine(tiny_dir, spawn_child):
+    """The broadcast transport with transport.dtype bfloat16: the trainer casts into its send buffer,
+    a bf16 engine in another process receives the same bits and the same checksum."""
+    trainer_model = load_model(str(tiny_dir))
+    cfg = transport(kind="broadcast", timeout_s=60, bucket_mb=0.01, dtype="bfloat16", checksum=True)
+    handle = plan_transport(cfg, trainer_model, num_engines=1)
+    sink = open_sink(handle)
+    child = spawn_child(receive_weights_in, handle, str(tiny_dir), "bfloat16", 1, 1)
+    try:
+        sink.connect()
+        child.get("attached")
+        published = _perturbed(tiny_dir, seed=1)
+        sink.publish(published, 1)
+        version, crc, state = child.get("weights")
+        assert version == 1
+        expected = {n: p.detach().to(torch.bfloat16) for n, p in published.named_parameters()}
+        for name, p in expected.items():
+            assert torch.equal(torch.from_numpy(state[name]), p.float()), name
+        assert crc == weights_crc32(expected.values())
+    finally:
+        exitcode = child.join()
+        sink.close()
+    assert exitcode == 0
