@@ -230,23 +230,30 @@ class FlatSender:
         )
 
     @torch.no_grad()
+    def _copy_into(self, dest: torch.Tensor) -> None:
+        for t, view in zip(self.tensors, views(dest, self.handle.layout)):
+            view.copy_(t)
+
     def write(self, model: torch.nn.Module, dest: torch.Tensor) -> None:
         """Fill `dest` (uint8, total_bytes, on the buffer's device) with the sent tensors in the layout:
         one block copy, or one copy (and cast) per tensor where they are not re-homed."""
         self._look_up(model)
-        if not self.copied:
-            dest.copy_(self.flat(model))
-            return
-        for t, view in zip(self.tensors, views(dest, self.handle.layout)):
-            view.copy_(t)
+        if self.copied:
+            self._copy_into(dest)
+        else:
+            dest.copy_(self._bound())
 
     def flat(self, model: torch.nn.Module) -> torch.Tensor:
         self._look_up(model)
         if self.copied:  # elsewhere than the buffer or another dtype: copied at each publish
             if self.buffer is None:
                 self.buffer = torch.empty(self.handle.total_bytes, dtype=torch.uint8, device=self.device)
-            self.write(model, self.buffer)
+            self._copy_into(self.buffer)
             return self.buffer
+        return self._bound()
+
+    def _bound(self) -> torch.Tensor:
+        """The buffer the sent tensors live in, bound again if anything re-homed one."""
         if self.buffer is None or [t.data_ptr() for t in self.tensors] != self.expected_ptrs:
             self.buffer = bind_flat(self.tensors, self.handle.layout, self.handle.total_bytes, self.device)
             self.expected_ptrs = [t.data_ptr() for t in self.tensors]
