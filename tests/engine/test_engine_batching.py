@@ -106,6 +106,36 @@ def test_cached_token_budget_bounds_admission(tiny_dir):
         eng.generate([GenerationRequest(0, tok("123+456=")["input_ids"], 4, SamplingParams(8, 0.0))])
 
 
+def test_a_finished_sequence_frees_its_share_before_its_group_ends(tiny_dir):
+    """A group whose siblings end at uneven lengths: once two of its four end, a waiting group of two
+    fits the token budget (which holds exactly the long group), joins while the long sibling still
+    decodes, and finishes before it."""
+    stops = list(range(10, 60))  # a random tiny model hits one of these within a few tokens, unevenly
+    tail = None
+    for seed in range(20):  # a seed whose group has a long tail: its longest sibling far past its second
+        eng, tok = _engine(tiny_dir, max_concurrent_seqs=4)
+        req = GenerationRequest(0, tok("12+34=")["input_ids"], 4, SamplingParams(40, 1.0, seed=seed, stop_token_ids=stops))
+        lengths = sorted(len(s.completion_ids) for s in eng.generate([req])[0])
+        if lengths[1] + 8 < lengths[3]:
+            tail = req
+            break
+    assert tail is not None, "no seed of 20 gave a long-tailed group"
+    budget = tail.n * (len(tail.prompt_ids) + 40)
+    eng, tok = _engine(tiny_dir, max_concurrent_seqs=4, max_cached_tokens=budget)
+    short = GenerationRequest(1, tok("1+2=")["input_ids"], 2, SamplingParams(5, 0.0, stop_token_ids=[]))
+    order: list[int] = []
+    eng.submit(tail, lambda samples: order.append(0))
+    eng.submit(short, lambda samples: order.append(1))
+    joined_beside = False
+    while eng.has_work():
+        eng.step()
+        rows = {s.group.request.request_id for s in eng.scheduler.rows}
+        joined_beside |= rows == {0, 1}
+        assert eng.scheduler.reserved_tokens <= budget
+    assert joined_beside and order == [1, 0]
+    assert eng.scheduler.reserved_tokens == 0
+
+
 def test_stop_token_ids_and_stop_strings(tiny_dir):
     eng, tok = _engine(tiny_dir)
     prompt = tok("7+8=")["input_ids"]

@@ -9,7 +9,9 @@ Contract:
   prompts of newly admitted groups prefilled in the same pass (after an abort: the prefill of
   every aborted sequence's prompt + prefix, alone). A request joins as soon as `n` slots and
   its token reservation (prompt + max_new_tokens per sequence) fit, so no sequence waits for
-  the slowest one of some batch;
+  the slowest one of some batch; a sequence gives its slot and its share of the reservation
+  back when it ends, not when its group does (with a long tail, one long sibling would
+  otherwise keep n - 1 idle slots' tokens reserved and hold new groups out);
 - the n completions of a prompt share one prefill: the prompt's KV is computed once and copied
   into its siblings' slots;
 - the weight gate is polled before every forward pass; what a waiting version does depends on
@@ -186,6 +188,7 @@ class Scheduler(Emitter):
             admitted.append(g)
             used += g.n
             self.reserved_tokens += g.reserve
+            g.held = g.reserve
         return admitted
 
     def _forward(self, groups: list[Group]) -> None:
@@ -289,9 +292,12 @@ class Scheduler(Emitter):
         self._row_params = None
         if not self.reprefill:
             self._reorder()
-        for g in {id(s.group): s.group for s in seqs if s.finish is not None}.values():
+        ended = [s for s in seqs if s.finish is not None]
+        for s in ended:  # a finished sequence's slot is free now: so is its share of the reservation
+            s.group.held -= s.group.share
+            self.reserved_tokens -= s.group.share
+        for g in {id(s.group): s.group for s in ended}.values():
             if g.all_finished:
-                self.reserved_tokens -= g.reserve
                 self.stats["groups_done"] += 1
                 g.on_done([s.to_sample() for s in g.seqs])
 
@@ -313,8 +319,8 @@ class Scheduler(Emitter):
             s.finish = None
         if live:
             self._release(live)
-        if group.started:
-            self.reserved_tokens -= group.reserve
+        self.reserved_tokens -= group.held  # what its finished sequences gave back is already off
+        group.held = 0
         group.started = False
 
     # -- weights ----------------------------------------------------------------------------

@@ -79,7 +79,9 @@ class Group:
         p = request.params
         self.request, self.on_done, self.on_fail, self.on_token = request, on_done, on_fail, on_token
         self.n = request.n
-        self.reserve = request.n * (len(request.prompt_ids) + p.max_new_tokens)
+        self.share = len(request.prompt_ids) + p.max_new_tokens  # KV tokens one sequence may need
+        self.reserve = request.n * self.share
+        self.held = 0  # of `reserve`, what the scheduler still holds for this group's unfinished sequences
         self.settings = (float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p))
         self.stop_ids = frozenset(p.stop_token_ids)
         self.max_new_tokens = p.max_new_tokens
