@@ -114,7 +114,9 @@ def test_a_finished_sequence_frees_its_share_before_its_group_ends(tiny_dir):
     tail = None
     for seed in range(20):  # a seed whose group has a long tail: its longest sibling far past its second
         eng, tok = _engine(tiny_dir, max_concurrent_seqs=4)
-        req = GenerationRequest(0, tok("12+34=")["input_ids"], 4, SamplingParams(40, 1.0, seed=seed, stop_token_ids=stops))
+        req = GenerationRequest(
+            0, tok("12+34=")["input_ids"], 4, SamplingParams(40, 1.0, seed=seed, stop_token_ids=stops)
+        )
         lengths = sorted(len(s.completion_ids) for s in eng.generate([req])[0])
         if lengths[1] + 8 < lengths[3]:
             tail = req
