@@ -32,7 +32,7 @@ acc_delta the best arm's mean final accuracy minus sync's at equal trained sampl
 and ratio_vs_trl the best arm's samples/s over TRL's.
 
 TRL (`--trl-steps`, 0 skips it; needs the bench extra): `trl.GRPOTrainer` on the same base,
-tokenizer, rows and reward, 8 prompts x 8 completions of at most 1,024 new tokens per step, the
+tokenizer, rows and reward, the config's prompts x 8 completions of at most 1,024 new tokens per step, the
 learning rate nonstop resolves for this base, fp32 (its bf16 is slower at this width: docs/precision.md);
 two arms, torch's default threads (both cores) and one thread, and the better one is the baseline
 (vs_trl.py's rule). Its samples/s are counted from the end of its first step to the end of its last.
@@ -124,8 +124,9 @@ def run_arm(name: str, overrides: list[str], seconds: float, folder: Path, commo
     return figures(name, summary, records(folder / "runs" / name), target)
 
 
-def run_trl(steps: int, threads: int | None) -> dict:
-    """TRL's synchronous GRPOTrainer on this workload, in this process (a child of main())."""
+def run_trl(steps: int, threads: int | None, prompts: int) -> dict:
+    """TRL's synchronous GRPOTrainer on this workload, `prompts` x 8 completions a step, in this
+    process (a child of main())."""
     import torch
 
     if threads is not None:
@@ -142,7 +143,7 @@ def run_trl(steps: int, threads: int | None) -> dict:
 
     base = str(ASSETS / TASK_BASES["long_rollout"])
     data = load_task(TaskConfig(name="long_rollout", eval_size=100), seed=0)
-    ds = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in data.train[: 8 * (steps + 2)]])
+    ds = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in data.train[: prompts * (steps + 2)]])
 
     def reward(prompts, completions, answer, **_):
         return [exact_match(c, a) for c, a in zip(completions, answer)]
@@ -150,7 +151,7 @@ def run_trl(steps: int, threads: int | None) -> dict:
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out,
-            per_device_train_batch_size=64,
+            per_device_train_batch_size=8 * prompts,
             num_generations=8,
             max_completion_length=1024,
             max_steps=steps,
@@ -181,15 +182,19 @@ def run_trl(steps: int, threads: int | None) -> dict:
         trainer.add_callback(Ends())
         trainer.train()
     wall = ends[-1] - ends[0]
-    return {"samples_per_s": 64 * (len(ends) - 1) / wall, "steps": len(ends), "threads": torch.get_num_threads()}
+    return {
+        "samples_per_s": 8 * prompts * (len(ends) - 1) / wall,
+        "steps": len(ends),
+        "threads": torch.get_num_threads(),
+    }
 
 
-def trl_arms(steps: int, folder: Path, quick: bool) -> dict[str, float]:
+def trl_arms(steps: int, folder: Path, quick: bool, overrides: list[str]) -> dict[str, float]:
     """samples/s of each TRL arm, each in a child process (its own threads setting)."""
     out: dict[str, float] = {}
     for arm, threads in (("trl1", 1),) if quick else (("trl", None), ("trl1", 1)):
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
-        cmd = [sys.executable, __file__, "--trl-child", str(steps)] + (
+        cmd = [sys.executable, __file__, "--trl-child", str(steps), *(f"--set={o}" for o in overrides)] + (
             [] if threads is None else ["--trl-threads", "1"]
         )
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -224,13 +229,13 @@ def main() -> None:
     p.add_argument("--trl-threads", type=int, help=argparse.SUPPRESS)
     p.add_argument("--set", dest="overrides", action="append", default=[], help="KEY=VALUE for every arm")
     ns = p.parse_args()
+    pps = load_config(str(CONFIG), overrides=ns.overrides).rollout.prompts_per_step
     if ns.trl_child is not None:
-        print(json.dumps(run_trl(ns.trl_child, ns.trl_threads)))
+        print(json.dumps(run_trl(ns.trl_child, ns.trl_threads, pps)))
         return
     if ns.quick:
         ns.seconds, ns.eval_size, ns.seeds = min(ns.seconds, 100.0), min(ns.eval_size, 50), "0"
         ns.trl_steps = min(ns.trl_steps, 3)
-    pps = load_config(str(CONFIG), overrides=ns.overrides).rollout.prompts_per_step
     table = arms(ns.max_lag, ns.mode_depth, pps)
     names = ns.arms.split(",") if ns.arms else list(table)
     unknown = [n for n in names if n not in table]
@@ -249,7 +254,7 @@ def main() -> None:
         best = max(rows[1:], key=lambda r: r["samples_per_s"]) if len(rows) > 1 else sync
         print_table(rows, common_step)
         seeds_acc = seed_runs(ns, table, sync, best, common, Path(tmp))
-        trl = trl_arms(ns.trl_steps, Path(tmp), ns.quick) if ns.trl_steps > 0 else {}
+        trl = trl_arms(ns.trl_steps, Path(tmp), ns.quick, ns.overrides) if ns.trl_steps > 0 else {}
     vs_trl = f"{best['samples_per_s'] / max(trl.values()):.2f}" if trl else "n/a"
     if sync["time_to_target_s"] and best["time_to_target_s"]:
         speedup, basis = sync["time_to_target_s"] / best["time_to_target_s"], "target"
