@@ -21,7 +21,7 @@ as a fraction of all generated, with the groups dropped for uniform rewards show
 property of the task, not of the arm). Then `--seeds` (default 0,1,2): sync and the fastest arm
 again, each to the trained samples sync reached in `--seconds`, for final accuracy over seeds.
 
-    python bench/long_rollout.py [--seconds 600] [--quick] [--arms sync,depth2,...] [--seeds 0,1,2]
+    python bench/long_rollout.py [--seconds 600] [--quick] [--arms sync,depth2,...] [--seeds 0,1,2] [--keep DIR]
 
 `--quick` (about 25 minutes): 100 s per arm, evaluations on 50 held-out prompts, seed 0 only,
 TRL's one-thread arm for 3 steps. The last line:
@@ -228,6 +228,7 @@ def main() -> None:
     p.add_argument("--trl-child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--trl-threads", type=int, help=argparse.SUPPRESS)
     p.add_argument("--set", dest="overrides", action="append", default=[], help="KEY=VALUE for every arm")
+    p.add_argument("--keep", type=Path, default=None, help="keep the arms' run folders here (default: deleted)")
     ns = p.parse_args()
     pps = load_config(str(CONFIG), overrides=ns.overrides).rollout.prompts_per_step
     if ns.trl_child is not None:
@@ -245,7 +246,9 @@ def main() -> None:
         names.insert(0, "sync")
     common = [f"run.eval_every={ns.eval_every}", f"task.eval_size={ns.eval_size}", *ns.overrides]
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="nonstop-long-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="nonstop-long-") as scratch:
+        tmp = ns.keep or Path(scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
         for name in names:
             rows.append(run_arm(name, table[name], ns.seconds, Path(tmp), common, ns.target))
             print_row(rows[-1], flush=True)
