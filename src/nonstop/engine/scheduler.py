@@ -198,7 +198,6 @@ class Scheduler(Emitter):
         decoding = [] if self.reprefill else list(self.rows)
         heads, members, prefixes = [], [], []
         for g in groups:
-            g.start()
             for s in g.seqs:
                 s.row = len(self.rows)
                 s.length = len(g.request.prompt_ids)
@@ -321,7 +320,6 @@ class Scheduler(Emitter):
             self._release(live)
         self.reserved_tokens -= group.held  # what its finished sequences gave back is already off
         group.held = 0
-        group.started = False
 
     # -- weights ----------------------------------------------------------------------------
 

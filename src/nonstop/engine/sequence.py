@@ -89,11 +89,7 @@ class Group:
         self.stop_window = max((len(x) for x in p.stop), default=0) + 1
         self.vocab_size = vocab_size
         self.route_shape = route_shape
-        self.started = False
         self.seqs = [Seq(self, i) for i in range(request.n)]
-
-    def start(self) -> None:
-        self.started = True
 
     def reset(self) -> None:
         for s in self.seqs:
