@@ -74,14 +74,18 @@ PREDICT: list[Cell] = [
 
 # --config: one pinned engine, so only the buffer and the batch vary (examples/long_rollout.yaml)
 CONFIG_CALIBRATE: Cell = {"buffer.depth": 1, "buffer.max_lag": 2}
-CONFIG_PREDICT: list[Cell] = [
-    {"buffer.depth": 0, "buffer.max_lag": 0},
-    {"buffer.depth": 2, "buffer.max_lag": 3},
-    # (max_lag + 1) steps queued, as bench/long_rollout.py's unbounded arm: past that, groups are dropped for lag
-    {"buffer.depth": "null", "buffer.max_lag": 4, "buffer.max_queued_groups": 40},
-    {"buffer.depth": 1, "buffer.max_lag": 2, "rollout.prompts_per_step": 4},
-    {"buffer.depth": 1, "buffer.max_lag": 2, "rollout.prompts_per_step": 16},
-]
+
+
+def config_predict(prompts_per_step: int) -> list[Cell]:
+    """The --config cells, for a config of `prompts_per_step` prompts a step."""
+    return [
+        {"buffer.depth": 0, "buffer.max_lag": 0},
+        {"buffer.depth": 2, "buffer.max_lag": 3},
+        # (max_lag + 1) steps queued, as bench/long_rollout.py's unbounded arm: past that, groups are dropped for lag
+        {"buffer.depth": "null", "buffer.max_lag": 4, "buffer.max_queued_groups": 5 * prompts_per_step},
+        {"buffer.depth": 1, "buffer.max_lag": 2, "rollout.prompts_per_step": max(1, prompts_per_step // 2)},
+        {"buffer.depth": 1, "buffer.max_lag": 2, "rollout.prompts_per_step": 2 * prompts_per_step},
+    ]
 
 
 def overrides(cell: Cell, steps: int, out: str, name: str) -> list[str]:
@@ -223,7 +227,11 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="a run config every configuration starts from (see above)")
     ns = ap.parse_args()
     steps = 40 if ns.quick else ns.steps
-    calibrate_cell, predict_cells = (CONFIG_CALIBRATE, CONFIG_PREDICT) if ns.config else (CALIBRATE, PREDICT)
+    if ns.config:
+        pps = load_config(ns.config).rollout.prompts_per_step
+        calibrate_cell, predict_cells = CONFIG_CALIBRATE, config_predict(pps)
+    else:
+        calibrate_cell, predict_cells = CALIBRATE, PREDICT
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = ns.out or tmp
