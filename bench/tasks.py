@@ -87,6 +87,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nonstop-tasks-") as tmp:
         cache = (ns.cache or Path(tmp) / "cache").resolve()
         folder = (ns.keep or Path(tmp)).resolve()
+        folder.mkdir(parents=True, exist_ok=True)
         for task in tasks:
             for seed in seeds:
                 r = run_task(task, seed, ns.total, folder, cache, ns.overrides)

@@ -5,7 +5,8 @@
 The task matrix (bench/tasks.py, docs/recipe.md), each a kind of task a user brings:
 - compare: "07?45=" -> "<", two zero-padded operands 00..99, answer one of < = > (10,000 prompts);
 - subtraction: "73-28=" -> "45", zero-padded operands 00..99 with a >= b (5,050 prompts): borrows;
-- multiply: "47*6=" -> "282", a two-digit number times one digit 2..9 (720 prompts): carries;
+- multiply: "347*6=" -> "2082", a two- or three-digit number times one digit 2..9 (7,920 prompts):
+  carries, answers of two to four digits (720 two-digit rows alone were memorised: docs/recipe.md);
 - reverse: "rev:cab=" -> "bac", three letters from a-p (4,096 prompts);
 - sort: "sort:dbad=" -> "abdd", four letters from a-h sorted (4,096 prompts);
 - repeat: "ab*3=" -> "ababab", one to three letters from a-h, one to four times: answers of 1 to
@@ -59,7 +60,7 @@ def main() -> None:
         [(f"rev:{''.join(w)}=", "".join(reversed(w))) for w in itertools.product("abcdefghijklmnop", repeat=3)],
     )
     write("cipher", cipher_rows())
-    write("multiply", [(f"{a}*{d}=", str(a * d)) for a in range(10, 100) for d in range(2, 10)])
+    write("multiply", [(f"{a}*{d}=", str(a * d)) for a in range(10, 1000) for d in range(2, 10)])
     write("sort", [(f"sort:{''.join(w)}=", "".join(sorted(w))) for w in itertools.product("abcdefgh", repeat=4)])
     words = ["".join(w) for n in (1, 2, 3) for w in itertools.product("abcdefgh", repeat=n)]
     write("repeat", [(f"{w}*{k}=", w * k) for w in words for k in (1, 2, 3, 4)])

@@ -165,6 +165,43 @@ def test_shipped_teacher_is_the_recorded_bytes_and_distill_teacher_builtin_names
     assert abs(acc - prov["heldout_accuracy"]) <= 3 / len(data.eval), (acc, prov["heldout_accuracy"])
 
 
+def test_a_warmup_check_that_crosses_the_gate_replays_its_steps_to_the_first_that_crosses():
+    """The gate is checked every tenth step; a check that crosses it sends the warm-up back to the
+    check before and replays those steps one by one. It stops at the first of them at or above the
+    target, with the weights a run that never went back has at that step."""
+    from nonstop.tasks.data import load_task
+    from nonstop.tasks.warmup import warm_up
+
+    target = 0.06
+
+    def run(*overrides: str):
+        cfg = load_config(
+            overrides=[
+                "model.tiny.hidden_size=32",
+                "model.tiny.num_layers=1",
+                "model.tiny.intermediate_size=64",
+                "task.eval_size=50",
+                *overrides,
+            ]
+        )
+        model, _, info = warm_up(cfg, load_task(cfg.task), log=lambda m: None, threads=1)
+        return model, info
+
+    model, info = run(f"warmup.target_accuracy={target}", "warmup.max_steps=600", "warmup.eval_every=10")
+    assert info["stopped"] == "gate" and info["gate_accuracy"] >= target
+    # the same warm-up checked after every step, without a gate, to the check that crossed it
+    last_check = -(-info["steps"] // 10) * 10
+    _, every = run("warmup.target_accuracy=1.0", f"warmup.max_steps={last_check}", "warmup.eval_every=1")
+    acc = dict(every["gate_curve"])
+    crossing = min(s for s in acc if s % 10 == 0 and acc[s] >= target)
+    assert info["steps"] == min(s for s in range(crossing - 9, crossing + 1) if acc[s] >= target)
+    assert info["gate_accuracy"] == acc[info["steps"]]
+    # and without going back, stopped at that step
+    straight, _ = run("warmup.target_accuracy=1.0", f"warmup.max_steps={info['steps']}")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), straight.state_dict().values()))
+    assert [s for s, _ in info["gate_curve"]] == [*range(10, crossing + 1, 10), *range(crossing - 9, info["steps"] + 1)]
+
+
 def test_warmup_stops_at_its_time_limit_below_the_gate_and_says_so():
     """warmup.max_time_s (and by default half of run.max_total_s) ends a warm-up that has not
     reached its gate: the base is the model as it is, with why it stopped recorded."""

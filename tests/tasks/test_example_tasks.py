@@ -27,7 +27,7 @@ def _reward_module_on_path(monkeypatch):
 MATRIX = {
     "compare": 10_000,
     "subtraction": 5050,
-    "multiply": 720,
+    "multiply": 7920,
     "reverse": 4096,
     "sort": 4096,
     "repeat": 2336,

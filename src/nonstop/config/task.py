@@ -70,10 +70,15 @@ class WarmupConfig(_Section):
     (nonstop_base.json records why it stopped). None: half of run.max_total_s when that is set (the
     rest is RL's), else no limit. Not part of the warm-up cache's key: a base cut short by time is
     kept like one that reached the gate."""
-    batch_size: int = Field(64, ge=1)
-    """Examples per warm-up step."""
-    lr: float = Field(3e-3, gt=0.0)
-    """AdamW learning rate of the warm-up."""
+    batch_size: int = Field(128, ge=1)
+    """Examples per warm-up step. 128 with lr 2e-3 reached a 25% gate on arithmetic the tiny model found
+    hard where 64 with 3e-3 did not: two-operand `2a + b` (examples/tasks/opsum.yaml) in 480 steps
+    (46 s) against 1% after 3,061 steps (150 s); products of up to three digits
+    (examples/tasks/multiply.yaml) in 600-1,080 steps over seeds 0-2, against 9.5% after 2,690 steps
+    for seed 2 (docs/recipe.md, section 5)."""
+    lr: float = Field(2e-3, gt=0.0)
+    """AdamW learning rate of the warm-up. Higher rates made the gate's accuracy swing (opsum at 3e-3:
+    7.5% then 0%) and never reached it on multiply (6e-3 and 1e-2: 0% after 150 s)."""
     eval_every: int = Field(10, ge=1)
     """Check the accuracy gate every this many steps. Often: accuracy jumps within tens of steps, and a
     base caught past its jump is confidently wrong where it is wrong, so RL gets little signal there
