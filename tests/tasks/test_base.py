@@ -200,6 +200,9 @@ def test_a_warmup_check_that_crosses_the_gate_replays_its_steps_to_the_first_tha
     straight, _ = run("warmup.target_accuracy=1.0", f"warmup.max_steps={info['steps']}")
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), straight.state_dict().values()))
     assert [s for s, _ in info["gate_curve"]] == [*range(10, crossing + 1, 10), *range(crossing - 9, info["steps"] + 1)]
+    # warmup.replay_crossing=false (how the shipped bases were made) stops at the crossing check
+    _, at_check = run(f"warmup.target_accuracy={target}", "warmup.eval_every=10", "warmup.replay_crossing=false")
+    assert at_check["steps"] == crossing and at_check["gate_accuracy"] == acc[crossing]
 
 
 def test_warmup_stops_at_its_time_limit_below_the_gate_and_says_so():

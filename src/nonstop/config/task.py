@@ -85,6 +85,12 @@ class WarmupConfig(_Section):
     (examples/tasks/compare.yaml: gated at step 50 a 70% base that RL lifted to 75%; at step 10 a
     46% base lifted to 95%; docs/recipe.md). A check is 200 greedy completions, about 1% of the
     warm-up's time at every 10 steps."""
+    replay_crossing: bool = True
+    """When a check crosses the gate, go back to the check before and replay those steps one at a
+    time, so the warm-up stops at the first step at or above the target. Accuracy can jump within a
+    few steps (reversal: from under 25% to 83% between checks 10 steps apart), and a base caught past
+    its jump leaves RL little to gain. False: stop at the crossing check, as the bases shipped in
+    nonstop/assets/ were made (with batch_size 64 and lr 3e-3; their provenance.json records it)."""
     threads: int = Field(1, ge=1)
     """torch threads of the warm-up. One: at the tiny shape a step's matmuls are too small for a
     second thread to pay, and on a machine whose cores are busy (other jobs) two threads waiting on

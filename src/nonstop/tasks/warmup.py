@@ -77,11 +77,9 @@ def _batch(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[tor
 
 def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], None]) -> dict:
     """Supervised steps until the gate. The gate is checked every `eval_every` steps; when a check
-    crosses it, the warm-up goes back to the state of the check before (weights, optimiser, batch
-    order) and replays those steps one at a time, checking after each, so it stops at the first
-    step at or above the target. Accuracy can jump far within a few steps (reversal: from under
-    25% to 83% between two checks 10 steps apart), and a base caught past its jump leaves RL
-    little to gain."""
+    crosses it (and `replay_crossing`), the warm-up goes back to the state of the check before
+    (weights, optimiser, batch order) and replays those steps one at a time, checking after each,
+    so it stops at the first step at or above the target."""
     w = cfg.warmup
     rng = random.Random(warmup_seed(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
@@ -93,7 +91,7 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
     ]
     acc, step, t0, curve = 0.0, 0, time.perf_counter(), []
     limit_s, stopped, every = cfg.warmup_time_limit_s, "max_steps", w.eval_every
-    before = _snapshot(model, opt, rng, step)
+    before = _snapshot(model, opt, rng, step) if w.replay_crossing else None
     while step < w.max_steps:
         model.train()
         ids, attn, labels = _batch(rng.sample(encoded, min(w.batch_size, len(encoded))), tokenizer.pad_token_id)
@@ -108,7 +106,7 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
             acc = greedy_accuracy(engine, tokenizer, gate, cfg.rollout.max_new_tokens)
             curve.append([step, acc])
             log(f"warm-up step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%}")
-            if acc >= w.target_accuracy and every > 1 and not out_of_time:
+            if acc >= w.target_accuracy and every > 1 and before is not None and not out_of_time:
                 step = _restore(model, opt, rng, before)
                 every = 1  # replay the crossing's steps one at a time
                 continue
@@ -119,7 +117,7 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
                 stopped = "max_time_s"
                 log(f"warm-up stopped by its time limit ({limit_s:.0f} s) below the gate")
                 break
-            if every > 1:
+            if every > 1 and w.replay_crossing:
                 before = _snapshot(model, opt, rng, step)
     return {
         "stopped": stopped,
