@@ -65,7 +65,7 @@ def run_task(task: str, seed: int, total_s: float, folder: Path, cache: Path, ov
         "rl_s": s["rl_wall_s"],
         "steps": s["steps"],
         "wall_s": time.perf_counter() - t0,
-        "doctor": ",".join(f["code"] for f in doctor) or "-",
+        "doctor": ",".join(f["code"] + (" (cleared)" if f.get("cleared") else "") for f in doctor) or "-",
     }
 
 

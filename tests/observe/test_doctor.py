@@ -148,6 +148,21 @@ def test_heldout_below_the_base():
     assert "below_base" not in codes(one_dip)
 
 
+def test_a_dip_below_the_base_that_the_run_climbs_out_of_is_marked_cleared():
+    """Two evaluations under the base early, then learning: found when seen, cleared at the end."""
+    recs = run_records(heldout=lambda s, n: 0.15 if s <= 50 else 0.3 + 0.3 * s / n, reward=lerp(0.3, 0.6))
+    doctor = Doctor(DoctorConfig(), CTX, 0.3)
+    seen = [f for r in recs for f in doctor.observe(r)]
+    assert [f.code for f in seen] == ["below_base"] and seen[0].cleared is None
+    (cleared,) = doctor.finish({})
+    assert cleared.code == "below_base" and "60.0%" in cleared.cleared and "cleared" in cleared.line()
+    assert doctor.report()["findings"][0]["cleared"] == cleared.cleared
+    assert [f.cleared for f in diagnose(recs, 0.3, CTX)] == [cleared.cleared]
+    still_below = run_records(heldout=lambda s, n: 0.15 if s <= 50 else 0.31)
+    (f,) = [f for f in diagnose(still_below, 0.3, CTX) if f.code == "below_base"]
+    assert f.cleared is None
+
+
 def test_each_pattern_is_reported_once_and_memory_stays_bounded():
     doctor = Doctor(DoctorConfig(), CTX, 0.3)
     new = [doctor.observe(r) for r in run_records(steps=2000, clip=lerp(0.5, 0.5))]

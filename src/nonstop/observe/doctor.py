@@ -11,7 +11,8 @@ Six patterns, each a pure function over a few summaries of the records (observe/
 - `length_at_limit`: most completions are cut at rollout.max_new_tokens;
 - `ratio_clipping`: the trainer clips the ratio of many tokens (its policy is far from the one
   that sampled);
-- `below_base`: held-out accuracy fell under the base policy's.
+- `below_base`: held-out accuracy fell under the base policy's (marked cleared at the end of a
+  run whose final evaluation is over the base's: a dip early in a run that then learnt).
 
 Every finding is reported once. The thresholds are the `doctor:` section of the config
 (config/doctor.py); docs/doctor.md says how they were calibrated.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from nonstop.observe.patterns import (
     Finding,
     Point,
     Window,
+    below_base_cleared,
     check_below_base,
     check_entropy_collapse,
     check_length_at_limit,
@@ -114,14 +117,27 @@ class Doctor:
     def finish(self, pending: Mapping[str, Any]) -> list[Finding]:
         """At the end of the run, the groups scored since its last step (`pending`: Vitals.take()'s
         fields; {} when none): a run that kept waiting for batches with signal is a finding, also
-        one too short (or stuck before its first step) for the window checks."""
-        if not self.cfg.enabled or "signal_collapse" in self.found:
+        one too short (or stuck before its first step) for the window checks. A `below_base`
+        finding that the final evaluation undoes is marked cleared. Returns the new findings and
+        the ones cleared."""
+        if not self.cfg.enabled:
             return []
-        f = check_no_step(self._late(), pending, self.evals[-1].accuracy, self.ctx, self.cfg)
-        if f is None:
+        out = self.clear()
+        if "signal_collapse" not in self.found:
+            f = check_no_step(self._late(), pending, self.evals[-1].accuracy, self.ctx, self.cfg)
+            if f is not None:
+                self.found[f.code] = f
+                out.append(f)
+        return out
+
+    def clear(self) -> list[Finding]:
+        """Mark a `below_base` finding that the newest evaluation undoes as cleared; returns it, if so."""
+        below = self.found.get("below_base")
+        cleared = below_base_cleared(self.evals, self.base, self.cfg) if below and not below.cleared else None
+        if below is None or cleared is None:
             return []
-        self.found[f.code] = f
-        return [f]
+        self.found["below_base"] = replace(below, cleared=cleared)
+        return [self.found["below_base"]]
 
 
 def read_records(path: Path, upto_step: int | None = None) -> list[dict[str, Any]]:
@@ -142,8 +158,10 @@ def read_records(path: Path, upto_step: int | None = None) -> list[dict[str, Any
 def diagnose(
     records: Iterable[Mapping[str, Any]], base_accuracy: float, ctx: Context, cfg: DoctorConfig | None = None
 ) -> list[Finding]:
-    """Every pattern a Doctor fed these records (metrics.jsonl's lines, in order) would report."""
+    """Every pattern a Doctor fed these records (metrics.jsonl's lines, in order) would report, a
+    `below_base` that the newest evaluation undoes marked cleared."""
     doctor = Doctor(cfg or DoctorConfig(), ctx, base_accuracy)
     for r in records:
         doctor.observe(r)
+    doctor.clear()
     return doctor.findings

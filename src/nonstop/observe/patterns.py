@@ -23,11 +23,15 @@ class Finding:
     seen: str  # what the records show, with their numbers
     cause: str  # the likely cause
     tries: tuple[str, ...]  # settings to try, each with why
+    cleared: str | None = None  # what later records show that undoes it (None: it still holds)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "step": self.step, "seen": self.seen, "cause": self.cause, "try": list(self.tries)}
+        out = {"code": self.code, "step": self.step, "seen": self.seen, "cause": self.cause, "try": list(self.tries)}
+        return out | ({"cleared": self.cleared} if self.cleared else {})
 
     def line(self) -> str:
+        if self.cleared:
+            return f"doctor [{self.code}] of step {self.step} cleared: {self.cleared}"
         return f"doctor [{self.code}] step {self.step}: {self.seen}. Likely: {self.cause}. Try: {'; '.join(self.tries)}"
 
 
@@ -342,6 +346,15 @@ def check_ratio_clipping(late: Window, cfg: DoctorConfig, lr: float | None) -> F
         "the trainer's policy is far from the one that sampled: steps too large, or rollouts too many versions old",
         (_half_lr(lr), "buffer.depth=0 (on-policy; or a lower buffer.max_lag)"),
     )
+
+
+def below_base_cleared(evals: Sequence[Eval], base: float, cfg: DoctorConfig) -> str | None:
+    """At the end of a run that was found below its base: the newest evaluation above the base by
+    cfg.heldout_flat undoes the finding (a dip early in a run that then learnt)."""
+    end = evals[-1]
+    if len(evals) < 2 or end.accuracy < base + cfg.heldout_flat:
+        return None
+    return f"held-out accuracy rose to {_pct(end.accuracy)} by step {end.step}, over the base policy's {_pct(base)}"
 
 
 def check_below_base(evals: Sequence[Eval], base: float, cfg: DoctorConfig, lr: float | None) -> Finding | None:

@@ -285,7 +285,9 @@ def _doctor_html(findings: list[dict[str, Any]] | None) -> str:
         return "<h2>doctor</h2><p class='doctor'>no findings: none of the patterns of a run that stopped learning</p>"
     items = "".join(
         f"<li class='finding'><b>{html.escape(f['code'])}</b> (step {f['step']}): {html.escape(f['seen'])}. "
-        f"<br>Likely: {html.escape(f['cause'])}.<br>Try: {html.escape('; '.join(f['try']))}</li>"
+        f"<br>Likely: {html.escape(f['cause'])}.<br>Try: {html.escape('; '.join(f['try']))}"
+        + (f"<br>Cleared: {html.escape(f['cleared'])}" if f.get("cleared") else "")
+        + "</li>"
         for f in findings
     )
     return f"<h2>doctor</h2><ul class='doctor'>{items}</ul>"
