@@ -39,7 +39,7 @@ from nonstop.tasks import long_rollout as task
 from nonstop.tasks.base import PROVENANCE, sha256_file
 from nonstop.tasks.bpe import merged_tokens, train_bpe
 from nonstop.tasks.data import load_task
-from nonstop.tasks.warmup import greedy_accuracy
+from nonstop.tasks.warmup import greedy_accuracy, sft_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_NEW_TOKENS = 1024
@@ -72,14 +72,7 @@ def length_batches(encoded, rng: random.Random, token_budget: int, pool: int = 1
 
 
 def sft_step(model, opt, batch, pad_id: int) -> tuple[float, int]:
-    L = max(len(p) + len(a) for p, a in batch)
-    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), L), -100, dtype=torch.long)
-    attn = torch.zeros((len(batch), L), dtype=torch.long)
-    for r, (p, a) in enumerate(batch):
-        ids[r, : len(p) + len(a)] = torch.tensor(p + a)
-        labels[r, len(p) : len(p) + len(a)] = torch.tensor(a)
-        attn[r, : len(p) + len(a)] = 1
+    ids, attn, labels = sft_batch(batch, pad_id)
     loss = model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
     opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -62,7 +62,7 @@ def _cache_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _batch(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+def sft_batch(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
     """(ids, attention mask, labels) of prompt + answer rows, right-padded, loss on the answer only."""
     L = max(len(p) + len(a) for p, a in encoded)
     ids = torch.full((len(encoded), L), pad_id, dtype=torch.long)
@@ -94,7 +94,7 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
     before = _snapshot(model, opt, rng, step) if w.replay_crossing else None
     while step < w.max_steps:
         model.train()
-        ids, attn, labels = _batch(rng.sample(encoded, min(w.batch_size, len(encoded))), tokenizer.pad_token_id)
+        ids, attn, labels = sft_batch(rng.sample(encoded, min(w.batch_size, len(encoded))), tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
