@@ -169,22 +169,11 @@ def test_a_warmup_check_that_crosses_the_gate_replays_its_steps_to_the_first_tha
     """The gate is checked every tenth step; a check that crosses it sends the warm-up back to the
     check before and replays those steps one by one. It stops at the first of them at or above the
     target, with the weights a run that never went back has at that step."""
-    from nonstop.tasks.data import load_task
-    from nonstop.tasks.warmup import warm_up
 
     target = 0.06
 
     def run(*overrides: str):
-        cfg = load_config(
-            overrides=[
-                "model.tiny.hidden_size=32",
-                "model.tiny.num_layers=1",
-                "model.tiny.intermediate_size=64",
-                "task.eval_size=50",
-                *overrides,
-            ]
-        )
-        model, _, info = warm_up(cfg, load_task(cfg.task), log=lambda m: None, threads=1)
+        model, _, info = _small_warmup("warmup.racers=1", *overrides)
         return model, info
 
     model, info = run(f"warmup.target_accuracy={target}", "warmup.max_steps=600", "warmup.eval_every=10")
@@ -219,6 +208,7 @@ def test_warmup_stops_at_its_time_limit_below_the_gate_and_says_so():
             "task.eval_size=20",
             "warmup.target_accuracy=1.0",
             "warmup.max_time_s=0.001",
+            "warmup.racers=1",
         ]
     )
     _, _, info = warm_up(cfg, load_task(cfg.task), log=lambda m: None, threads=1)
@@ -226,3 +216,42 @@ def test_warmup_stops_at_its_time_limit_below_the_gate_and_says_so():
     assert load_config(overrides=["run.max_total_s=300"]).warmup_time_limit_s == 150
     assert load_config(overrides=["run.max_total_s=300", "warmup.max_time_s=20"]).warmup_time_limit_s == 20
     assert load_config().warmup_time_limit_s is None
+
+
+def test_a_warmup_race_keeps_the_racer_that_crosses_the_gate_in_the_fewest_steps():
+    """warmup.racers=2: racer 0 (the warm-up seed) here and racer 1 (seed + 1000) in a spawned
+    process. The kept base is the one of the two single warm-ups that crosses in fewer steps, with
+    its weights, whichever process finished first."""
+
+    def run(*overrides: str):
+        return _small_warmup("warmup.target_accuracy=0.06", "warmup.max_steps=600", *overrides)
+
+    raced, _, info = run("warmup.racers=2")
+    singles = {seed: run("warmup.racers=1", f"warmup.seed={seed}") for seed in (0, 1000)}
+    steps = {seed: single[2]["steps"] for seed, single in singles.items()}
+    assert all(single[2]["stopped"] == "gate" for single in singles.values())
+    assert steps[0] != steps[1000], "the two seeds must cross at different steps for this test to tell them apart"
+    winner = min(steps, key=lambda seed: (steps[seed], seed))
+    assert (info["stopped"], info["seed"], info["steps"]) == ("gate", winner, steps[winner])
+    assert info["gate_curve"] == singles[winner][2]["gate_curve"]
+    assert all(torch.equal(a, b) for a, b in zip(raced.state_dict().values(), singles[winner][0].state_dict().values()))
+    loser = [r for r in info["racers"] if r["seed"] != winner]
+    # the loser went on until it could no longer win; it may be ahead in steps (it started first)
+    assert len(loser) == 1 and loser[0]["stopped"] == "beaten" and loser[0]["steps"] >= steps[winner]
+
+
+def _small_warmup(*overrides: str):
+    """A warm-up of a one-layer, 32-wide tiny model on addition, gated on 50 held-out prompts."""
+    from nonstop.tasks.data import load_task
+    from nonstop.tasks.warmup import warm_up
+
+    cfg = load_config(
+        overrides=[
+            "model.tiny.hidden_size=32",
+            "model.tiny.num_layers=1",
+            "model.tiny.intermediate_size=64",
+            "task.eval_size=50",
+            *overrides,
+        ]
+    )
+    return warm_up(cfg, load_task(cfg.task), log=lambda m: None, threads=1)

@@ -91,6 +91,13 @@ class WarmupConfig(_Section):
     few steps (reversal: from under 25% to 83% between checks 10 steps apart), and a base caught past
     its jump leaves RL little to gain. False: stop at the crossing check, as the bases shipped in
     nonstop/assets/ were made (with batch_size 64 and lr 3e-3; their provenance.json records it)."""
+    racers: int = Field(2, ge=1, le=8)
+    """Warm-ups of different seeds run side by side, one process each (racer i is seeded by the
+    warm-up seed + 1000 * i); the one that crosses the gate in the fewest steps is kept (ties: the
+    lower racer), so the result does not depend on timing. The step at which accuracy jumps varies
+    widely with the seed (opsum: step 480 for seed 0, past 1,650 steps and the 150 s limit for seeds
+    1 and 2), and racers use the cores the actors take later. Under a time limit with no crossing,
+    the best accuracy at the limit wins. 1: one warm-up, as the shipped bases were made."""
     threads: int = Field(1, ge=1)
     """torch threads of the warm-up. One: at the tiny shape a step's matmuls are too small for a
     second thread to pay, and on a machine whose cores are busy (other jobs) two threads waiting on

@@ -171,4 +171,5 @@ def build_provenance(
         "machine": platform.machine(),
         "threads": threads,
         "seconds": round(info["seconds"], 1),
+        "racers": info.get("racers"),  # a race's racers, the kept one's seed among them (warmup.racers)
     }

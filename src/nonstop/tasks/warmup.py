@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import json
 import random
 import shutil
@@ -75,13 +76,25 @@ def sft_batch(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[
     return ids, attn, labels
 
 
-def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], None]) -> dict:
+def _sft(
+    model,
+    tokenizer,
+    data: TaskData,
+    cfg: Config,
+    log: Callable[[str], None],
+    seed: int,
+    t0: float,
+    board: RaceBoard | None = None,
+    racer: int = 0,
+) -> dict:
     """Supervised steps until the gate. The gate is checked every `eval_every` steps; when a check
     crosses it (and `replay_crossing`), the warm-up goes back to the state of the check before
     (weights, optimiser, batch order) and replays those steps one at a time, checking after each,
-    so it stops at the first step at or above the target."""
+    so it stops at the first step at or above the target. In a race (`board`), it also stops as
+    soon as its next step could no longer win: checked first, so a crossing since the last check
+    is not missed."""
     w = cfg.warmup
-    rng = random.Random(warmup_seed(cfg))
+    rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
     engine = TorchEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     gate = data.eval[: min(len(data.eval), GATE_SIZE)]
@@ -89,36 +102,47 @@ def _sft(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], Non
         (tokenizer(ex.prompt)["input_ids"], tokenizer(ex.answer)["input_ids"] + [tokenizer.eos_token_id])
         for ex in data.train
     ]
-    acc, step, t0, curve = 0.0, 0, time.perf_counter(), []
-    limit_s, stopped, every = cfg.warmup_time_limit_s, "max_steps", w.eval_every
+    acc, step, checked, curve = 0.0, 0, 0, []
+    limit_s, stopped, replaying = cfg.warmup_time_limit_s, "max_steps", False
     before = _snapshot(model, opt, rng, step) if w.replay_crossing else None
     while step < w.max_steps:
-        model.train()
-        ids, attn, labels = sft_batch(rng.sample(encoded, min(w.batch_size, len(encoded))), tokenizer.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        step += 1
+        beaten = board is not None and board.beaten(step + 1, racer)
+        if beaten and checked == step:
+            stopped = "beaten"
+            break
+        if not beaten:
+            model.train()
+            batch = rng.sample(encoded, min(w.batch_size, len(encoded)))
+            ids, attn, labels = sft_batch(batch, tokenizer.pad_token_id)
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
         out_of_time = limit_s is not None and time.perf_counter() - t0 >= limit_s
-        if step % every == 0 or out_of_time:
-            model.eval()
-            acc = greedy_accuracy(engine, tokenizer, gate, cfg.rollout.max_new_tokens)
-            curve.append([step, acc])
-            log(f"warm-up step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%}")
-            if acc >= w.target_accuracy and every > 1 and before is not None and not out_of_time:
-                step = _restore(model, opt, rng, before)
-                every = 1  # replay the crossing's steps one at a time
-                continue
-            if acc >= w.target_accuracy:
-                stopped = "gate"
-                break
-            if out_of_time:
-                stopped = "max_time_s"
-                log(f"warm-up stopped by its time limit ({limit_s:.0f} s) below the gate")
-                break
-            if every > 1 and w.replay_crossing:
-                before = _snapshot(model, opt, rng, step)
+        due = step - checked >= (1 if replaying else w.eval_every)
+        if not (due or out_of_time or beaten):
+            continue
+        model.eval()
+        checked = step
+        acc = greedy_accuracy(engine, tokenizer, gate, cfg.rollout.max_new_tokens)
+        curve.append([step, acc])
+        log(f"warm-up step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%}")
+        if acc >= w.target_accuracy and not replaying and before is not None and not out_of_time:
+            step = checked = _restore(model, opt, rng, before)
+            replaying = True  # replay the crossing's steps one at a time
+            continue
+        if acc >= w.target_accuracy:
+            stopped = "gate"
+            if board is not None:
+                board.post(step, racer)
+            break
+        if out_of_time:
+            stopped = "max_time_s"
+            log(f"warm-up stopped by its time limit ({limit_s:.0f} s) below the gate")
+            break
+        if not replaying and w.replay_crossing:
+            before = _snapshot(model, opt, rng, step)
     return {
         "stopped": stopped,
         "steps": step,
@@ -141,10 +165,121 @@ def _restore(model, opt, rng: random.Random, snapshot: tuple) -> int:
     return step
 
 
+RACER_SEED_STRIDE = 1000  # racer i's seed is the warm-up seed + 1000 * i
+
+
+class RaceBoard:
+    """The best gate crossing so far among racers, shared across processes: the smallest
+    (step, racer index). Lexicographic order makes the winner independent of wall-clock timing."""
+
+    def __init__(self, ctx) -> None:
+        self._best = ctx.Value("q", 2**62)
+
+    @staticmethod
+    def _key(step: int, racer: int) -> int:
+        return step * 64 + racer  # racers <= 8
+
+    def post(self, step: int, racer: int) -> None:
+        with self._best.get_lock():
+            self._best.value = min(self._best.value, self._key(step, racer))
+
+    def beaten(self, step: int, racer: int) -> bool:
+        """True when crossing at `step` could no longer win for `racer`."""
+        return self._key(step, racer) > self._best.value
+
+
+def _racer_main(cfg: Config, data: TaskData, racer: int, board: RaceBoard, t0: float, threads: int, conn) -> None:
+    """One racer in its own process: send back (info, weights or None when beaten), or the error."""
+    try:
+        torch.set_num_threads(threads)
+        quiet_transformers()
+        seed = warmup_seed(cfg) + RACER_SEED_STRIDE * racer
+        model = make_tiny_model(cfg.model.tiny, seed)
+        info = _sft(model, make_char_tokenizer(), data, cfg, lambda m: None, seed, t0, board, racer)
+        weights = None
+        if info["stopped"] != "beaten":  # bytes: the tensors must not outlive this process in shared memory
+            buf = io.BytesIO()
+            torch.save(model.state_dict(), buf)
+            weights = buf.getvalue()
+        conn.send((info, weights))
+    except BaseException as exc:  # reported by the parent, which goes on with its own racer
+        conn.send((None, f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def _race(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], None], threads: int) -> dict:
+    """Racer 0 here, racers 1.. in spawned processes (one per core the actors use later). The winner
+    is the smallest (crossing step, racer); without a crossing, the best accuracy at the limit."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    board, t0, n = RaceBoard(ctx), time.perf_counter(), cfg.warmup.racers
+    others = []
+    for racer in range(1, n):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_racer_main,
+            args=(cfg, data, racer, board, t0, threads, send),
+            name=f"nonstop-warmup-racer-{racer}",
+            daemon=True,
+        )
+        proc.start()
+        send.close()
+        others.append((racer, proc, recv))
+    results: dict[int, tuple[dict, bytes | None]] = {}  # racer -> (info, its weights when not racer 0's)
+    try:
+        results[0] = (_sft(model, tokenizer, data, cfg, log, warmup_seed(cfg), t0, board, 0), None)
+    except BaseException:
+        for _, proc, _ in others:
+            proc.terminate()
+        raise
+    for racer, proc, recv in others:
+        try:
+            info, payload = recv.recv()
+        except EOFError:
+            proc.join()
+            info, payload = None, f"its process ended with exit code {proc.exitcode}"
+        proc.join()
+        if info is None:
+            log(f"warm-up racer {racer} failed and is left out: {payload}")
+        else:
+            results[racer] = (info, payload)
+    crossed = [r for r, (info, _) in results.items() if info["stopped"] == "gate"]
+    if crossed:
+        winner = min(crossed, key=lambda r: (results[r][0]["steps"], r))
+    else:
+        alive = [r for r, (info, _) in results.items() if info["stopped"] != "beaten"]
+        winner = max(alive, key=lambda r: (results[r][0]["gate_accuracy"], -r))
+    info, weights = results[winner]
+    if weights is not None:
+        model.load_state_dict(torch.load(io.BytesIO(weights), weights_only=True))
+    seeds = {r: warmup_seed(cfg) + RACER_SEED_STRIDE * r for r in range(n)}
+    info = {
+        **info,
+        "seed": seeds[winner],
+        "racer": winner,
+        "racers": [
+            {"racer": r, "seed": seeds[r], **{k: i[k] for k in ("stopped", "steps", "gate_accuracy")}}
+            for r, (i, _) in sorted(results.items())
+        ],
+    }
+    info["seconds"] = time.perf_counter() - t0
+    log(
+        f"warm-up race of {n}: racer {winner} (seed {seeds[winner]}) won, {info['stopped']} at step {info['steps']}; "
+        + ", ".join(
+            f"racer {r['racer']} {r['stopped']} at step {r['steps']}" for r in info["racers"] if r["racer"] != winner
+        )
+    )
+    return info
+
+
 def warm_up(cfg: Config, data: TaskData, log: Callable[[str], None] = print, threads: int | None = None):
-    """A fresh tiny model (seeded by warmup.seed, else run.seed) trained to the accuracy gate on
-    `threads` torch threads (None: warmup.threads). Returns (model, tokenizer, info) with info =
-    {stopped, steps, gate_accuracy, gate_size, gate_curve, seconds}."""
+    """A fresh tiny model trained to the accuracy gate on `threads` torch threads (None:
+    warmup.threads). With warmup.racers > 1, that many warm-ups of different seeds race (racer i is
+    seeded by warmup.seed, else run.seed, plus 1000 * i) and the first to cross the gate, counted in
+    steps, is kept. Returns (model, tokenizer, info) with info = {stopped, steps, gate_accuracy,
+    gate_size, gate_curve, seconds, seed} (+ racer, racers in a race)."""
     threads = cfg.warmup.threads if threads is None else threads
     quiet_transformers()
     tokenizer = make_char_tokenizer()
@@ -152,7 +287,11 @@ def warm_up(cfg: Config, data: TaskData, log: Callable[[str], None] = print, thr
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        info = _sft(model, tokenizer, data, cfg, log)
+        if cfg.warmup.racers > 1:
+            info = _race(model, tokenizer, data, cfg, log, threads)
+        else:
+            info = _sft(model, tokenizer, data, cfg, log, warmup_seed(cfg), time.perf_counter())
+            info["seed"] = warmup_seed(cfg)
     finally:
         torch.set_num_threads(previous)
     log(f"warm-up done in {info['seconds']:.1f} s ({info['steps']} steps, gate accuracy {info['gate_accuracy']:.1%})")
