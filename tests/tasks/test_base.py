@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -255,3 +256,46 @@ def _small_warmup(*overrides: str):
         ]
     )
     return warm_up(cfg, load_task(cfg.task), log=lambda m: None, threads=1)
+
+
+def test_a_racer_beaten_while_it_replays_stops_where_it_can_no_longer_win_and_a_tie_goes_to_the_lower_racer():
+    """The race's rule inside one racer: another racer's crossing is posted at the moment this one's
+    check crosses the gate (before its replay). Posted a few steps before this racer's own first
+    crossing, this racer stops there, beaten, with that step's accuracy (below the gate); posted at
+    the same step by a higher racer, this racer wins the tie and stops at the gate."""
+    import multiprocessing as mp
+
+    from nonstop.tasks.data import load_task
+    from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
+    from nonstop.tasks.warmup import RaceBoard, _sft
+
+    gated = ("warmup.target_accuracy=0.06", "warmup.max_steps=600", "warmup.racers=1")
+    _, _, single = _small_warmup(*gated)
+    first, crossing_check = single["steps"], -(-single["steps"] // 10) * 10
+    assert single["stopped"] == "gate"
+    earlier = max(first - 3, crossing_check - 10)  # a step the single warm-up checked, below the gate
+
+    def race_against(posted_step: int) -> dict:
+        cfg = load_config(
+            overrides=[
+                "model.tiny.hidden_size=32",
+                "model.tiny.num_layers=1",
+                "model.tiny.intermediate_size=64",
+                "task.eval_size=50",
+                *gated,
+            ]
+        )
+        board = RaceBoard(mp.get_context("spawn"))
+
+        def log(line: str) -> None:
+            if f"step {crossing_check}:" in line:
+                board.post(posted_step, 1)
+
+        model = make_tiny_model(cfg.model.tiny, 0)
+        return _sft(model, make_char_tokenizer(), load_task(cfg.task), cfg, log, 0, time.perf_counter(), board, 0)
+
+    beaten = race_against(earlier)
+    assert (beaten["stopped"], beaten["steps"]) == ("beaten", earlier)
+    assert beaten["gate_accuracy"] == dict(single["gate_curve"])[earlier] < 0.06
+    tie = race_against(first)
+    assert (tie["stopped"], tie["steps"], tie["gate_accuracy"]) == ("gate", first, single["gate_accuracy"])

@@ -105,6 +105,7 @@ def _sft(
     acc, step, checked, curve = 0.0, 0, 0, []
     limit_s, stopped, replaying = cfg.warmup_time_limit_s, "max_steps", False
     before = _snapshot(model, opt, rng, step) if w.replay_crossing else None
+    before_acc = 0.0
     while step < w.max_steps:
         beaten = board is not None and board.beaten(step + 1, racer)
         if beaten and checked == step:
@@ -130,6 +131,7 @@ def _sft(
         log(f"warm-up step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%}")
         if acc >= w.target_accuracy and not replaying and before is not None and not out_of_time:
             step = checked = _restore(model, opt, rng, before)
+            acc = before_acc  # what the restored state scored, if a race stops it here
             replaying = True  # replay the crossing's steps one at a time
             continue
         if acc >= w.target_accuracy:
@@ -142,7 +144,7 @@ def _sft(
             log(f"warm-up stopped by its time limit ({limit_s:.0f} s) below the gate")
             break
         if not replaying and w.replay_crossing:
-            before = _snapshot(model, opt, rng, step)
+            before, before_acc = _snapshot(model, opt, rng, step), acc
     return {
         "stopped": stopped,
         "steps": step,
