@@ -246,7 +246,13 @@ def _small_warmup(*overrides: str):
     from nonstop.tasks.data import load_task
     from nonstop.tasks.warmup import warm_up
 
-    cfg = load_config(
+    cfg = _small_config(*overrides)
+    return warm_up(cfg, load_task(cfg.task), log=lambda m: None, threads=1)
+
+
+def _small_config(*overrides: str):
+    """A one-layer, 32-wide tiny model on addition, gated on 50 held-out prompts."""
+    return load_config(
         overrides=[
             "model.tiny.hidden_size=32",
             "model.tiny.num_layers=1",
@@ -255,7 +261,6 @@ def _small_warmup(*overrides: str):
             *overrides,
         ]
     )
-    return warm_up(cfg, load_task(cfg.task), log=lambda m: None, threads=1)
 
 
 def test_a_racer_beaten_while_it_replays_stops_where_it_can_no_longer_win_and_a_tie_goes_to_the_lower_racer():
@@ -276,15 +281,7 @@ def test_a_racer_beaten_while_it_replays_stops_where_it_can_no_longer_win_and_a_
     earlier = max(first - 3, crossing_check - 10)  # a step the single warm-up checked, below the gate
 
     def race_against(posted_step: int) -> dict:
-        cfg = load_config(
-            overrides=[
-                "model.tiny.hidden_size=32",
-                "model.tiny.num_layers=1",
-                "model.tiny.intermediate_size=64",
-                "task.eval_size=50",
-                *gated,
-            ]
-        )
+        cfg = _small_config(*gated)
         board = RaceBoard(mp.get_context("spawn"))
 
         def log(line: str) -> None:

@@ -170,6 +170,10 @@ def _restore(model, opt, rng: random.Random, snapshot: tuple) -> int:
 RACER_SEED_STRIDE = 1000  # racer i's seed is the warm-up seed + 1000 * i
 
 
+def racer_seed(cfg: Config, racer: int) -> int:
+    return warmup_seed(cfg) + RACER_SEED_STRIDE * racer
+
+
 class RaceBoard:
     """The best gate crossing so far among racers, shared across processes: the smallest
     (step, racer index). Lexicographic order makes the winner independent of wall-clock timing."""
@@ -195,7 +199,7 @@ def _racer_main(cfg: Config, data: TaskData, racer: int, board: RaceBoard, t0: f
     try:
         torch.set_num_threads(threads)
         quiet_transformers()
-        seed = warmup_seed(cfg) + RACER_SEED_STRIDE * racer
+        seed = racer_seed(cfg, racer)
         model = make_tiny_model(cfg.model.tiny, seed)
         info = _sft(model, make_char_tokenizer(), data, cfg, lambda m: None, seed, t0, board, racer)
         weights = None
@@ -256,7 +260,7 @@ def _race(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], No
     info, weights = results[winner]
     if weights is not None:
         model.load_state_dict(torch.load(io.BytesIO(weights), weights_only=True))
-    seeds = {r: warmup_seed(cfg) + RACER_SEED_STRIDE * r for r in range(n)}
+    seeds = {r: racer_seed(cfg, r) for r in range(n)}
     info = {
         **info,
         "seed": seeds[winner],
