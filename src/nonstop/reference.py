@@ -28,6 +28,7 @@ from nonstop.config import Config, load_config
 from nonstop.config.sizing import learning_rate
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.scoring.rewards import exact_match, resolve_reward
+from nonstop.tasks.base import builds_warmup_base
 from nonstop.tasks.data import PromptStream, load_task
 from nonstop.trainer.core import adamw
 from nonstop.trainer.losses import clipped_policy_loss, group_advantages, token_logprobs
@@ -142,7 +143,8 @@ def run_reference(
     model, tok = load_model(base_dir).train(), load_tokenizer(base_dir)
     data, reward = load_task(cfg.task), resolve_reward(cfg.task.reward)
     stream = PromptStream(data.train, seed)
-    lr, _ = learning_rate(cfg, sum(p.numel() for p in model.parameters()))  # the pipeline's rule (sizing.py)
+    params = sum(p.numel() for p in model.parameters())
+    lr, _ = learning_rate(cfg, params, builds_warmup_base(cfg))  # the pipeline's rule (sizing.py)
     opt = adamw(list(model.parameters()), lr, T.weight_decay)  # the trainer's optimizer, numerics included
     records = [
         {"step": 0, "samples": 0, "seconds": 0.0, "eval_accuracy": accuracy(model, tok, data.eval, R.max_new_tokens)}

@@ -221,3 +221,18 @@ def test_vllm_kv_cache_is_sized_from_the_run_unless_the_user_chose_a_reserve(tin
         assert kept.cfg.engine.vllm.kv_cache_gib == (2 if chosen.endswith("=2") else None)
     builtin = size_run(load_config(None, [f"model.path={tiny_dir}"]), qwen05, 56, 23 * GIB)
     assert builtin.cfg.engine.vllm.kv_cache_gib is None
+
+
+def test_a_base_the_warmup_builds_takes_the_warmup_learning_rate():
+    """A user's task without a fitting shipped base is warmed up, and RL on that base runs at
+    3e-4 (config/sizing.py WARMUP_BASE_LR); the default job's shipped base and an untrained
+    start keep the tiny model's 6e-4, and trainer.lr set by hand wins."""
+    task = ["task.name=jsonl", "task.dataset_path=examples/tasks/multiply.jsonl", "rollout.max_new_tokens=7"]
+    cfg = load_config(None, task)
+    fitted = fit_run(cfg, run_rows(cfg), machine=MACHINE)
+    assert fitted.cfg.trainer.lr == 3e-4
+    assert "trainer.lr: 0.0003 (a base the warm-up builds on the task" in "\n".join(fitted.plan.notes)
+    for other in (load_config(None, [*task, "model.base=init"]), load_config(None, [])):
+        assert fit_run(other, run_rows(other), machine=MACHINE).cfg.trainer.lr == 6e-4
+    chosen = load_config(None, [*task, "trainer.lr=1e-3"])
+    assert fit_run(chosen, run_rows(chosen), machine=MACHINE).cfg.trainer.lr == 1e-3

@@ -207,9 +207,10 @@ class TrainerConfig(_Section):
     else the CPU), cpu, cuda or cuda:i (under Ray: the GPU Ray gave the actor)."""
     lr: float | None = Field(None, gt=0.0)
     """AdamW learning rate. None: 6e-4 for the built-in tiny model (model.path None) and a loaded
-    model under 10 M parameters; for a loaded model of N >= 10 M parameters 1e-5 x sqrt(1e8 / N)
-    within [1e-6, 1e-5], times 10 with model.lora (config/sizing.py, docs/memory.md); the start-up
-    log says which value was chosen."""
+    model under 10 M parameters; 3e-4 for a base the warm-up builds on the user's task
+    (docs/recipe.md); for a loaded model of N >= 10 M parameters 1e-5 x sqrt(1e8 / N) within
+    [1e-6, 1e-5], times 10 with model.lora (config/sizing.py, docs/memory.md); the start-up log
+    says which value was chosen."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
     loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"] = "grpo"

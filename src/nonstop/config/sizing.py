@@ -15,7 +15,8 @@ once, before any actor starts (`size_run`), so every actor gets concrete numbers
   run fits at all.
 - `trainer.lr`: 6e-4 for the built-in tiny model (the value its default job was tuned with);
   a task's shipped base (`task.name: long_rollout`) takes the value measured for it
-  (TASK_BASE_LR);
+  (TASK_BASE_LR); a base the supervised warm-up builds on the user's task (model.base warmup, or
+  auto without a fitting shipped base) takes WARMUP_BASE_LR;
   for a loaded model (model.path) 1e-5 x sqrt(1e8 / N) for N parameters, kept within
   [1e-6, 1e-5] (about 4.5e-6 at 0.5B, 1.2e-6 at 7B), times 10 with LoRA, where only the
   adapters learn (`learning_rate`).
@@ -52,6 +53,12 @@ as far as a 4-token answer's: at the tiny model's 6e-4 (and at 1e-3) the depth-2
 behaviour/trainer KL rose to 0.03-0.16 within 6 steps and the training reward fell from 0.48 to
 0.20-0.25 (the base collapsing); at 1e-4 the KL stayed near 1e-4 and held-out accuracy went from
 31% to 48% at step 10 and 53% at step 20 (docs/long_rollout.md)."""
+WARMUP_BASE_LR = 3e-4
+"""trainer.lr of a base the warm-up builds on the user's task (docs/recipe.md, section 5). Such a base
+sits just past its accuracy jump; at the tiny model's 6e-4 RL lifted it as much or less on every task
+of the matrix measured at both rates (examples/tasks/: sumdiff seed 2 +13.6 points at 6e-4 against
++26.4 at 3e-4 in the same time; at 1.2e-3 sumdiff seed 0 fell to +0.4 with the doctor flagging
+signal collapse). The default job's shipped base keeps 6e-4, the value it was tuned with."""
 GIB = 1024**3
 AUTO_BF16_MIN_PARAMS = 50_000_000
 """engine.dtype and trainer.precision left None resolve to auto from this size of loaded model up: below
@@ -118,13 +125,16 @@ def engine_limits(
     return seq_len, engine_slots(seq_len, kv_bytes_per_token, budget, at_least)
 
 
-def learning_rate(cfg: Config, params: int | None) -> tuple[float, str]:
+def learning_rate(cfg: Config, params: int | None, warmed_up: bool = False) -> tuple[float, str]:
     """trainer.lr resolved, and where the value comes from (for the start-up log).
-    `params`: the loaded model's parameter count (None: the built-in tiny model)."""
+    `params`: the loaded model's parameter count (None: the built-in tiny model). `warmed_up`: the
+    run starts from a base the warm-up builds on its task (tasks/base.py `choose_base` says 'warmup')."""
     if cfg.trainer.lr is not None:
         return cfg.trainer.lr, "trainer.lr"
     if cfg.model.path is None and cfg.task.name in TASK_BASE_LR:
         return TASK_BASE_LR[cfg.task.name], f"the shipped {cfg.task.name} base's"
+    if warmed_up:
+        return WARMUP_BASE_LR, "a base the warm-up builds on the task (docs/recipe.md)"
     if cfg.model.path is None or params is None:
         return TINY_MODEL_LR, "the built-in tiny model's"
     if params < TINY_LR_MAX_PARAMS:
@@ -180,10 +190,10 @@ def wire_bytes(cfg: Config) -> int:
     return 4 if wire_dtype(cfg) == "float32" else 2
 
 
-def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: int) -> Sized:
+def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: int, warmed_up: bool = False) -> Sized:
     """`cfg` with engine.max_seq_len, engine.max_concurrent_seqs, engine.vllm.max_model_len and
     trainer.lr resolved for a run whose longest admitted prompt has `longest_prompt` tokens, on
-    a machine of `memory_total` bytes (or run.memory_limit_gib)."""
+    a machine of `memory_total` bytes (or run.memory_limit_gib); `warmed_up` as in `learning_rate`."""
     notes: list[str] = []
     seq_len = run_seq_len(cfg, longest_prompt, shape.max_positions)
     why = (
@@ -232,7 +242,7 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
                 f"engine.max_concurrent_seqs: {slots} (at most {DEFAULT_SLOTS}, within engine.kv_cache_fraction "
                 f"{engine.kv_cache_fraction:g} of {memory / GIB:.1f} GiB over {cfg.runtime.num_engines} engine(s))"
             )
-    lr, source = learning_rate(cfg, shape.params if cfg.model.path is not None else None)
+    lr, source = learning_rate(cfg, shape.params if cfg.model.path is not None else None, warmed_up)
     if trainer.lr is None:
         trainer = trainer.model_copy(update={"lr": lr})
         notes.append(f"trainer.lr: {lr:g} ({source})")

@@ -92,13 +92,14 @@ def fit_run(cfg: Config, data: TaskData, model_dir: Path | None = None, machine:
     """The resolved config and its checked memory plan (see the module docstring).
     `model_dir`: the resolved model.path folder (None: resolved here; the tiny model has none)."""
     from nonstop.config.preflight import resolve_model_path
+    from nonstop.tasks.base import builds_warmup_base
 
     if model_dir is None and cfg.model.path is not None:
         model_dir = resolve_model_path(cfg.model.path)
     machine = machine or machine_memory()
     shape = shape_of(cfg, model_dir)
     longest = 0 if cfg.env is not None else longest_prompt(cfg, data, _encoder(cfg, model_dir), shape.max_positions)
-    sized = size_run(cfg, shape, longest, machine.total)
+    sized = size_run(cfg, shape, longest, machine.total, warmed_up=builds_warmup_base(cfg))
 
     def folder_of(path: str, field: str) -> Path:
         return resolve_model_path(path, field=field) if not Path(path).is_dir() else Path(path)

@@ -124,6 +124,12 @@ def choose_base(cfg: Config) -> str:
     return kind
 
 
+def builds_warmup_base(cfg: Config) -> bool:
+    """Whether a run starts from a base the supervised warm-up builds on its task; its RL learning
+    rate follows (config/sizing.py WARMUP_BASE_LR). An environment run's base is built elsewhere."""
+    return cfg.env is None and choose_base(cfg) == "warmup"
+
+
 def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] = print) -> Path:
     """Return the folder of the base policy, building (and caching) it when needed."""
     from nonstop.tasks.warmup import cached_base
