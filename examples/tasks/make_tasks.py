@@ -6,7 +6,8 @@ The task matrix (bench/tasks.py, docs/recipe.md), each a kind of task a user bri
 - compare: "07?45=" -> "<", two zero-padded operands 00..99, answer one of < = > (10,000 prompts);
 - subtraction: "73-28=" -> "45", zero-padded operands 00..99 with a >= b (5,050 prompts): borrows;
 - multiply: "347*6=" -> "2082", a two- or three-digit number times one digit 2..9 (7,920 prompts):
-  carries, answers of two to four digits (720 two-digit rows alone were memorised: docs/recipe.md);
+  carries, answers of two to four digits (720 two-digit rows alone were memorised: docs/recipe.md),
+  scored with partial credit (task_rewards.digit_credit);
 - reverse: "rev:cab=" -> "bac", three letters from a-p (4,096 prompts);
 - sort: "sort:dbad=" -> "abdd", four letters from a-h sorted (4,096 prompts);
 - repeat: "ab*3=" -> "ababab", one to three letters from a-h, one to four times: answers of 1 to
