@@ -98,6 +98,14 @@ class WarmupConfig(_Section):
     widely with the seed (opsum: step 480 for seed 0, past 1,650 steps and the 150 s limit for seeds
     1 and 2), and racers use the cores the actors take later. Under a time limit with no crossing,
     the best accuracy at the limit wins. 1: one warm-up, as the shipped bases were made."""
+    race_margin: float = Field(0.1, ge=0.0, le=1.0)
+    """A racer other than racer 0 (the run's own seed) wins only by crossing the gate in fewer steps
+    than racer 0 by this fraction: its crossing step counts times (1 + race_margin). A near tie says
+    nothing about which base RL lifts more, and a seed kept unless another is clearly faster keeps
+    runs comparable with single warm-ups. Sumdiff seed 0 (examples/tasks/sumdiff.yaml): racer 1
+    crossed at step 773, ten steps before racer 0, and RL lifted its base +17.4 points in 300 s,
+    racer 0's +64.2 (docs/recipe.md, section 5). Racer 0 waits at most this fraction of the
+    winner's steps longer."""
     threads: int = Field(1, ge=1)
     """torch threads of the warm-up. One: at the tiny shape a step's matmuls are too small for a
     second thread to pay, and on a machine whose cores are busy (other jobs) two threads waiting on

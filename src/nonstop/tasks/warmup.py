@@ -175,15 +175,20 @@ def racer_seed(cfg: Config, racer: int) -> int:
 
 
 class RaceBoard:
-    """The best gate crossing so far among racers, shared across processes: the smallest
-    (step, racer index). Lexicographic order makes the winner independent of wall-clock timing."""
+    """The best gate crossing so far among racers, shared across processes: the smallest (score,
+    racer index), where racer 0 (the run's own warm-up seed) scores its crossing step and any other
+    racer its step x (1 + `margin`). Lexicographic order makes the winner independent of wall-clock
+    timing; the margin keeps the run's own seed unless another crosses clearly earlier."""
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, margin: float = 0.0) -> None:
         self._best = ctx.Value("q", 2**62)
+        self._handicap = round(1000 * margin)  # per mille: the score stays an exact integer
 
-    @staticmethod
-    def _key(step: int, racer: int) -> int:
-        return step * 64 + racer  # racers <= 8
+    def score(self, step: int, racer: int) -> int:
+        return step * (1000 + (self._handicap if racer else 0))
+
+    def _key(self, step: int, racer: int) -> int:
+        return self.score(step, racer) * 64 + racer  # racers <= 8
 
     def post(self, step: int, racer: int) -> None:
         with self._best.get_lock():
@@ -216,11 +221,12 @@ def _racer_main(cfg: Config, data: TaskData, racer: int, board: RaceBoard, t0: f
 
 def _race(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], None], threads: int) -> dict:
     """Racer 0 here, racers 1.. in spawned processes (one per core the actors use later). The winner
-    is the smallest (crossing step, racer); without a crossing, the best accuracy at the limit."""
+    is the smallest (score, racer) of RaceBoard (racers other than 0 handicapped by
+    warmup.race_margin); without a crossing, the best accuracy at the limit."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    board, t0, n = RaceBoard(ctx), time.perf_counter(), cfg.warmup.racers
+    board, t0, n = RaceBoard(ctx, cfg.warmup.race_margin), time.perf_counter(), cfg.warmup.racers
     others = []
     for racer in range(1, n):
         recv, send = ctx.Pipe(duplex=False)
@@ -253,7 +259,7 @@ def _race(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], No
             results[racer] = (info, payload)
     crossed = [r for r, (info, _) in results.items() if info["stopped"] == "gate"]
     if crossed:
-        winner = min(crossed, key=lambda r: (results[r][0]["steps"], r))
+        winner = min(crossed, key=lambda r: (board.score(results[r][0]["steps"], r), r))
     else:
         alive = [r for r, (info, _) in results.items() if info["stopped"] != "beaten"]
         winner = max(alive, key=lambda r: (results[r][0]["gate_accuracy"], -r))
@@ -284,8 +290,9 @@ def warm_up(cfg: Config, data: TaskData, log: Callable[[str], None] = print, thr
     """A fresh tiny model trained to the accuracy gate on `threads` torch threads (None:
     warmup.threads). With warmup.racers > 1, that many warm-ups of different seeds race (racer i is
     seeded by warmup.seed, else run.seed, plus 1000 * i) and the first to cross the gate, counted in
-    steps, is kept. Returns (model, tokenizer, info) with info = {stopped, steps, gate_accuracy,
-    gate_size, gate_curve, seconds, seed} (+ racer, racers in a race)."""
+    steps (another racer's handicapped by warmup.race_margin against racer 0's), is kept. Returns
+    (model, tokenizer, info) with info = {stopped, steps, gate_accuracy, gate_size, gate_curve,
+    seconds, seed} (+ racer, racers in a race)."""
     threads = cfg.warmup.threads if threads is None else threads
     quiet_transformers()
     tokenizer = make_char_tokenizer()
