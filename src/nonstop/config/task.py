@@ -103,7 +103,7 @@ class WarmupConfig(_Section):
     than racer 0 by this fraction: its crossing step counts times (1 + race_margin). A near tie says
     nothing about which base RL lifts more, and a seed kept unless another is clearly faster keeps
     runs comparable with single warm-ups. Sumdiff seed 0 (examples/tasks/sumdiff.yaml): racer 1
-    crossed at step 773, ten steps before racer 0, and RL lifted its base +17.4 points in 300 s,
+    crossed at step 773, nine steps before racer 0, and RL lifted its base +17.4 points in 300 s,
     racer 0's +64.2 (docs/recipe.md, section 5). Racer 0 waits at most this fraction of the
     winner's steps longer."""
     threads: int = Field(1, ge=1)
