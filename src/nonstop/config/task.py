@@ -64,8 +64,9 @@ class WarmupConfig(_Section):
     target_accuracy: float = Field(0.35, gt=0.0, le=1.0)
     """Stop the warm-up once held-out accuracy reaches this. 0.35 rather than 0.25: at 0.25 a base can
     cross by solving only the task's easy cases (subtraction without a borrow) and RL then sharpens
-    those alone; over the task matrix's 3 seeds at 0.35, multiply gained +35.5 to +38.5 held-out
-    points in 300 s; at 0.25, seed 0 gained +19.0 to +28.5 over four runs (docs/recipe.md, section 5)."""
+    those alone. With race_margin 3.0, the whole task matrix (8 tasks, seeds 0-2, 300 s each, warm-up
+    included) gained at least +24.0 held-out points at 0.35, median +48.6; at 0.25 its subtraction seed
+    2 gained +12.2 and multiply seed 0 +19.0 to +28.5 over four runs (docs/recipe.md, section 5)."""
     max_steps: int = Field(4000, ge=1)
     """Give up on the accuracy gate after this many steps."""
     max_time_s: float | None = Field(None, gt=0.0)
@@ -98,8 +99,7 @@ class WarmupConfig(_Section):
     """Warm-ups of different seeds run side by side, one process each (racer i is seeded by the
     warm-up seed + 1000 * i); the one that crosses the gate in the fewest steps, racer 0's counted
     against the others' handicapped by race_margin, is kept (ties: the lower racer), so the result
-    does not depend on timing. The step at which accuracy jumps varies
-    widely with the seed (opsum: step 480 for seed 0, past 1,650 steps and the 150 s limit for seeds
+    does not depend on timing. The step at which accuracy jumps varies widely with the seed (opsum: step 480 for seed 0, past 1,650 steps and the 150 s limit for seeds
     1 and 2), and racers use the cores the actors take later. Under a time limit with no crossing,
     the best accuracy at the limit wins. 1: one warm-up, as the shipped bases were made."""
     race_margin: float = Field(3.0, ge=0.0, le=10.0)
