@@ -99,8 +99,9 @@ class WarmupConfig(_Section):
     """Warm-ups of different seeds run side by side, one process each (racer i is seeded by the
     warm-up seed + 1000 * i); the one that crosses the gate in the fewest steps, racer 0's counted
     against the others' handicapped by race_margin, is kept (ties: the lower racer), so the result
-    does not depend on timing. The step at which accuracy jumps varies widely with the seed (opsum: step 480 for seed 0, past 1,650 steps and the 150 s limit for seeds
-    1 and 2), and racers use the cores the actors take later. Under a time limit with no crossing,
+    does not depend on timing. The step at which accuracy jumps varies widely with the seed (opsum:
+    step 480 for seed 0, past 1,650 steps and the 150 s limit for seeds 1 and 2), and racers use the
+    cores the actors take later. Under a time limit with no crossing,
     the best accuracy at the limit wins. 1: one warm-up, as the shipped bases were made."""
     race_margin: float = Field(3.0, ge=0.0, le=10.0)
     """A racer other than racer 0 (the run's own seed) wins only by crossing the gate in fewer steps
