@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from nonstop.allocator import retain_freed_memory
 from nonstop.checkpoint import write_policy_version
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
 from nonstop.device import dtype_name, on, place, resolve_device, resolve_dtype
@@ -80,6 +81,8 @@ class TrainerWorker:
         self.model_path = model_path
         self.lora = lora if lora is not None and lora.enabled else None
         self.device = resolve_device(cfg.device, "trainer.device")
+        if self.device.type == "cpu":
+            retain_freed_memory()  # before the weights load: every step reuses its memory (nonstop/allocator.py)
         base = place(load_model(model_path), self.device)
         model: CausalLM = base
         if self.lora is not None:
