@@ -26,8 +26,6 @@ from typing import Literal
 
 import torch
 
-from nonstop.trainer.head import head_logprobs, plain_head
-
 LossType = Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"]
 AdvantageMode = Literal["group_std", "group_mean", "batch"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -74,25 +72,9 @@ def token_logprobs(
 
     hidden: (B, T, H); targets: (B, T) -> (B, T) [and the entropy (B, T) of each distribution].
     keep: optional (B, T, V) bool Keep Sampling Mask: the distribution is renormalised over the
-    kept tokens, as the engine sampled it. Float32 (rows, T, V) logits exist one chunk at a time;
-    what backward keeps is the logits in the compute dtype (trainer/head.py) for a plain head,
-    log_softmax's float32 output per chunk otherwise.
+    kept tokens, as the engine sampled it. Only one chunk's (rows, T, V) logits exist at once,
+    so peak memory does not grow with B x T x V.
     """
-    B, T, _ = hidden.shape
-    weight = plain_head(head)
-    if weight is not None:  # one autograd node (trainer/head.py): the same values, far less memory traffic
-        got = head_logprobs(
-            hidden.reshape(B * T, -1),
-            weight,
-            targets.reshape(-1),
-            temperature,
-            chunk_rows * T,
-            keep.reshape(B * T, -1) if keep is not None else None,
-            with_entropy,
-        )
-        if isinstance(got, tuple):
-            return got[0].view(B, T), got[1].view(B, T)
-        return got.view(B, T)
     out, ent = [], []
     keeps = keep.split(chunk_rows) if keep is not None else [None] * len(hidden.split(chunk_rows))
     for h, t, k in zip(hidden.split(chunk_rows), targets.split(chunk_rows), keeps):
