@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 
-from nonstop.allocator import retain_freed_memory
 from nonstop.checkpoint import write_policy_version
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
-from nonstop.device import dtype_name, on, place, resolve_device, resolve_dtype
+from nonstop.device import dtype_name, on, place, resolve_device, resolve_dtype, retain_freed_memory
 from nonstop.hf import CausalLM, load_model
 from nonstop.observe.flops import FlopModel, PeakProbe, rate, train_flops
 from nonstop.observe.spans import SpanLog, now
@@ -82,7 +81,7 @@ class TrainerWorker:
         self.lora = lora if lora is not None and lora.enabled else None
         self.device = resolve_device(cfg.device, "trainer.device")
         if self.device.type == "cpu":
-            retain_freed_memory()  # before the weights load: every step reuses its memory (nonstop/allocator.py)
+            retain_freed_memory()  # before the weights load: every step reuses its memory (nonstop/device.py)
         base = place(load_model(model_path), self.device)
         model: CausalLM = base
         if self.lora is not None:

@@ -1,4 +1,4 @@
-"""nonstop/allocator.py: freed memory stays in the process (measured in fresh interpreters)."""
+"""nonstop.device.retain_freed_memory: freed memory stays in the process (measured in fresh interpreters)."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import pytest
 PROBE = """
 import sys
 import torch
-from nonstop.allocator import retain_freed_memory
+from nonstop.device import retain_freed_memory
 def rss_mib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
 applied = retain_freed_memory() if sys.argv[1] == "retain" else None
