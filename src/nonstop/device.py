@@ -23,7 +23,7 @@ Contract:
   identical tensors (logits, autocast's weight casts, gradients) started as untouched pages,
   and on this project's VMs every 4 KiB page faulted in costs: casting the 0.5B shape's
   embedding to a new bf16 tensor took 0.22 s against 0.11 s into an existing one, and a bf16
-  trainer step at that shape went from 27.6 s to 15.5 s with it (docs/precision.md). On Linux
+  trainer step at that shape went from 26-30 s to 14-18 s with it (docs/precision.md). On Linux
   with glibc it sets M_MMAP_MAX = 0 (every block from malloc's heap) and M_TRIM_THRESHOLD = the
   largest size (nothing returned to the kernel) and returns True; elsewhere it changes nothing
   and returns False. The process's RSS then stays at its peak (docs/memory.md). It applies to
