@@ -6,7 +6,7 @@ import torch
 from nonstop.config import EngineConfig, TinyModelConfig
 from nonstop.engine.blocks import attention_blocks, attention_reads, block_order, reorder_plan
 from nonstop.engine.core import TorchEngine
-from nonstop.engine.sampling import BLOCK, RowParams, categorical, row_params, sample
+from nonstop.engine.sampling import BLOCK, ONE_LEVEL_MAX_V, RowParams, _two_levels, categorical, row_params, sample
 from nonstop.tasks.tiny import make_tiny_model
 from nonstop.types import GenerationRequest, SamplingParams
 
@@ -156,13 +156,20 @@ def test_uneven_lengths_reorder_the_batch_and_greedy_tokens_equal_each_request_a
 def test_categorical_inverts_the_cumulative_sum_across_blocks_and_skips_zero_probabilities():
     """Hand-placed mass over a vocabulary of 3 blocks and a remainder: each u lands on the token
     whose cumulative share first passes it, whatever block it falls in; zero-mass tokens, the
-    padding past V included, are never drawn, even for u just below 1."""
+    padding past V included, are never drawn, even for u just below 1. The same holds for the
+    one-level sum that `categorical` takes at this small vocabulary and for the two levels it
+    takes above ONE_LEVEL_MAX_V."""
     V = 2 * BLOCK + 5
+    assert V <= ONE_LEVEL_MAX_V
     p = torch.zeros(V)
     p[3], p[BLOCK + 7], p[2 * BLOCK + 4] = 1.0, 2.0, 1.0  # cumulative 0.25, 0.75, 1.0
     u = torch.tensor([0.0, 0.2499, 0.25, 0.7, 0.75, 0.9999999, 1 - 2**-53], dtype=torch.float64)
-    got = categorical(p.expand(len(u), V).contiguous(), u)
-    assert got.tolist() == [3, 3, BLOCK + 7, BLOCK + 7, 2 * BLOCK + 4, 2 * BLOCK + 4, 2 * BLOCK + 4]
+    want = [3, 3, BLOCK + 7, BLOCK + 7, 2 * BLOCK + 4, 2 * BLOCK + 4, 2 * BLOCK + 4]
+    assert categorical(p.expand(len(u), V).contiguous(), u).tolist() == want
+    assert _two_levels(p.expand(len(u), V).contiguous(), u).tolist() == want
+    big = torch.zeros(ONE_LEVEL_MAX_V + 1)  # the same mass in a vocabulary that takes the two levels
+    big[:V] = p
+    assert categorical(big.expand(len(u), len(big)).contiguous(), u).tolist() == want
 
 
 def test_categorical_frequencies_follow_the_probabilities_at_a_real_vocabulary():

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from nonstop.engine.sampling import row_params, sample
+from nonstop.engine.sampling import RowParams, row_params, sample
 from nonstop.engine.sequence import Seq
 from nonstop.types import FinishReason
 
@@ -27,9 +27,25 @@ class Emitter:
     policy_version: int
     stats: dict[str, float]
     _release: Callable[[list[Seq]], None]
+    _uniform_params: dict[tuple[tuple[float, int, float, float], int], RowParams]
 
-    def _params_of(self, seqs: list[Seq]):
-        return row_params([s.group.settings for s in seqs], [s.generator for s in seqs])
+    def _params_of(self, seqs: list[Seq]) -> RowParams:
+        """The rows' sampling parameters. A batch whose rows all share one setting and no generator
+        of their own (the usual case) reuses the parameters built for that setting at this size:
+        the batch changes on most steps, and building them costs about as much as a sampling step
+        at a small vocabulary."""
+        settings = [s.group.settings for s in seqs]
+        generators = [s.generator for s in seqs]
+        first = settings[0]
+        if settings.count(first) < len(settings) or any(g is not None for g in generators):
+            return row_params(settings, generators)
+        key = (first, len(seqs))
+        params = self._uniform_params.get(key)
+        if params is None:
+            if len(self._uniform_params) >= 256:  # settings change with the requests: keep a bounded few
+                self._uniform_params.clear()
+            params = self._uniform_params[key] = row_params(settings, generators)
+        return params
 
     def _emit(self, seqs: list[Seq], logits: torch.Tensor, params) -> None:
         self.stats["forward_passes"] += 1

@@ -118,7 +118,9 @@ class KVRunner:
         """Attention blocks of a decode step (`attention_blocks`), each with its mask (rows, 1, 1, T)."""
         blocks = attention_blocks([p + 1 for p in positions.tolist()])
         self.attention_reads += sum((b - a) * t for a, b, t in blocks)
-        return [(a, b, t, (self.arange[:t][None, :] <= positions[a:b, None])[:, None, None, :]) for a, b, t in blocks]
+        T = max(t for _, _, t in blocks)
+        mask = (self.arange[:T][None, :] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, T), sliced per block
+        return [(a, b, t, mask[a:b, :, :, :t]) for a, b, t in blocks]
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan) -> torch.Tensor:
         """q (B, H, 1, D) of decode rows 0..B-1 against their cached keys -> (B, H * D)."""

@@ -44,6 +44,7 @@ from nonstop.config import EngineConfig
 from nonstop.engine.blocks import reorder_plan
 from nonstop.engine.emit import Emitter
 from nonstop.engine.runner import Runner
+from nonstop.engine.sampling import RowParams
 from nonstop.engine.sequence import Group, Seq
 from nonstop.engine.updates import WeightGate
 from nonstop.observe.flops import FlopModel, causal_pairs
@@ -77,7 +78,8 @@ class Scheduler(Emitter):
         self.reprefill: list[Seq] = []
         self.reserved_tokens = 0
         self.draining = False
-        self._row_params = None
+        self._row_params: RowParams | None = None
+        self._uniform_params = {}
         self.flop_model: FlopModel | None = None
         self.stats = {
             "flops": 0.0,
