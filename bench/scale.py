@@ -14,7 +14,8 @@ and trainer's numerics alone), every other setting at its default:
 - full / vllm and lora / vllm: `engine.kind=vllm`, run with .venv-vllm's interpreter (`make
   venv-vllm`); without it these rows say so and the others still run.
 
-Per arm: peak RSS per process (VmHWM of each actor, polled every 0.5 s), the median trainer step
+Per arm: peak RSS per process (VmHWM of each actor, polled every 0.5 s) and its largest sampled
+anonymous RSS beside the memory plan's figure for it, the median trainer step
 (steps after the first), the trainer's achieved FLOP/s as a fraction of its measured matmul peak,
 publish time as a fraction of step time, the engine's tokens/s while busy against HF `generate`
 on the same prompts in this process, and the depth-0 mismatch KL (k3).
@@ -30,10 +31,11 @@ float32 and with bfloat16 weights.
 
 Last line: `RESULT trainer_peak_frac=... bf16_step_speedup=... engine_bf16_speedup=... engine_bf16_speedup_64=...
 lora_mem_ratio=... publish_frac=... peak_rss_gib=... arms_ok=... cli_trainer_peak_frac=...
-cli_bf16_step_speedup=...`: the bf16 trainer's fraction of its matmul peak and the fp32 step over
+cli_bf16_step_speedup=... anon_over_plan=...`: the bf16 trainer's fraction of its matmul peak and the fp32 step over
 the bf16 step at the real batch, bf16 decode over fp32 decode, LoRA's peak trainer RSS over full
-fine-tuning's, the full builtin arm's publish time over its step, the largest process's peak, and
-the CLI arms' own trainer fraction and step speedup.
+fine-tuning's, the full builtin arm's publish time over its step, the largest process's peak,
+the CLI arms' own trainer fraction and step speedup, and the largest ratio of a process's sampled
+anonymous RSS to what the run's memory plan (memory_plan.json) gave it (above 1: the plan was under).
 """
 
 from __future__ import annotations
@@ -85,11 +87,15 @@ def make_model(path: Path) -> int:
 
 
 class RssPoller:
-    """Peak RSS (VmHWM, bytes) of every process under `root_pid`, by its title (`nonstop: engine`)."""
+    """Peak RSS (VmHWM, bytes) of every process under `root_pid`, by its title (`nonstop: engine`),
+    and the largest anonymous RSS (RssAnon) seen in its samples: what the memory plan budgets per
+    process, without the shared-memory slots (planned once, as the segment) and the mapped
+    safetensors file (page cache). Sampled every 0.5 s, so a shorter spike can be missed."""
 
     def __init__(self, root_pid: int) -> None:
         self.root, self.stop = root_pid, threading.Event()
         self.peaks: dict[str, int] = {}
+        self.anon: dict[str, int] = {}
         self.thread = threading.Thread(target=self.run, name="rss-poller", daemon=True)
         self.thread.start()
 
@@ -117,15 +123,28 @@ class RssPoller:
                     status = Path(f"/proc/{pid}/status").read_text()
                 except OSError:
                     continue
-                hwm = next((int(x.split()[1]) * 1024 for x in status.splitlines() if x.startswith("VmHWM:")), 0)
+                kib = {
+                    x.split(":")[0]: int(x.split()[1])
+                    for x in status.splitlines()
+                    if x.startswith(("VmHWM:", "RssAnon:"))
+                }
                 role = title.split(":", 1)[1].strip() if title.startswith("nonstop:") else "orchestrator"
                 if pid == self.root or title.startswith("nonstop:"):
-                    self.peaks[role] = max(self.peaks.get(role, 0), hwm)
+                    self.peaks[role] = max(self.peaks.get(role, 0), kib.get("VmHWM", 0) * 1024)
+                    self.anon[role] = max(self.anon.get(role, 0), kib.get("RssAnon", 0) * 1024)
 
     def close(self) -> dict[str, int]:
         self.stop.set()
         self.thread.join()
         return self.peaks
+
+
+def plan_of(path: Path) -> dict[str, int]:
+    """Host bytes the run's memory plan gave each process kind ("engine", "trainer", ...)."""
+    if not path.exists():
+        return {}
+    procs = json.loads(path.read_text())["processes"]
+    return {p["process"]: int(p["host_bytes_each"]) for p in procs}
 
 
 def run_arm(name: str, model_dir: Path, steps: int, folder: Path) -> dict | None:
@@ -155,9 +174,11 @@ def run_arm(name: str, model_dir: Path, steps: int, folder: Path) -> dict | None
     poller = RssPoller(proc.pid)
     out, _ = proc.communicate()
     peaks = poller.close()
+    plan = plan_of(folder / name / "memory_plan.json")
+    anon = {role: (poller.anon[role], plan[role]) for role in poller.anon if role in plan}
     if proc.returncode != 0:
         print(f"{name}: failed (exit {proc.returncode})\n{out[-3000:]}", flush=True)
-        return {"arm": name, "failed": True, "peaks": peaks}
+        return {"arm": name, "failed": True, "peaks": peaks, "anon": anon}
     run_dir = folder / name
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -169,6 +190,7 @@ def run_arm(name: str, model_dir: Path, steps: int, folder: Path) -> dict | None
         "arm": name,
         "failed": False,
         "peaks": peaks,
+        "anon": anon,
         "step_s": statistics.median(t["train_s"] for t in tr),
         "precision": tr[-1].get("precision"),
         "peak_frac": statistics.median(t.get("peak_frac", 0.0) for t in tr),
@@ -318,17 +340,23 @@ def main() -> None:
     speedup = f32["step_s"] / full["step_s"] if full and f32 else float("nan")
     mem = lora["peaks"].get("trainer", 0) / full["peaks"]["trainer"] if full and lora else float("nan")
     peak_rss = max((v for r in rows for v in r["peaks"].values()), default=0) / 2**30
+    # the largest process's measured anonymous peak over its plan: above 1 the plan was under
+    plan_frac = max((a / b for r in rows for a, b in r["anon"].values() if b), default=float("nan"))
     print(
         f"RESULT trainer_peak_frac={real[0]:.3f} bf16_step_speedup={real[1]:.2f} engine_bf16_speedup={real[2]:.2f} "
         f"engine_bf16_speedup_64={real[3]:.2f} "
         f"lora_mem_ratio={mem:.2f} publish_frac={full['publish_frac'] if full else float('nan'):.3f} "
         f"peak_rss_gib={peak_rss:.1f} arms_ok={len(by)}/{len(rows)} cli_trainer_peak_frac="
-        f"{full['peak_frac'] if full else float('nan'):.3f} cli_bf16_step_speedup={speedup:.2f}"
+        f"{full['peak_frac'] if full else float('nan'):.3f} cli_bf16_step_speedup={speedup:.2f} "
+        f"anon_over_plan={plan_frac:.2f}"
     )
 
 
 def print_row(r: dict, hf: float) -> None:
     rss = " ".join(f"{k} {v / 2**30:.1f}G" for k, v in sorted(r["peaks"].items()))
+    rss += "; anonymous / plan: " + " ".join(
+        f"{k} {a / 2**30:.1f}/{b / 2**30:.1f}G" for k, (a, b) in sorted(r["anon"].items())
+    )
     if r["failed"]:
         print(f"{r['arm']:>10}: FAILED; peak RSS {rss}", flush=True)
         return
