@@ -75,7 +75,9 @@ class MergedAdapters:
     initialisation, so the model starts as its base); a transport writes or re-points them,
     then calls `applied()`, which merges them into the live weights."""
 
-    def __init__(self, model: torch.nn.Module, cfg: LoraConfig) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: LoraConfig, dtype: torch.dtype | None = None) -> None:
+        """`dtype`: the adapters' own, as they travel (default: the model's); the kept base copies and
+        the merged weights stay in the model's dtype."""
         self.scale = scaling(cfg)
         self.merge_s = 0.0  # total time spent merging, for the engine's stats and the benchmark
         self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -83,8 +85,8 @@ class MergedAdapters:
         with torch.no_grad():
             for name, module in targeted_modules(model, cfg):
                 w = module.weight
-                a = torch.zeros((cfg.rank, module.in_features), dtype=w.dtype)
-                b = torch.zeros((module.out_features, cfg.rank), dtype=w.dtype)
+                a = torch.zeros((cfg.rank, module.in_features), dtype=dtype or w.dtype)
+                b = torch.zeros((module.out_features, cfg.rank), dtype=dtype or w.dtype)
                 self.entries.append((w, w.detach().clone(), a, b))
                 self.named += [(f"{name}.lora_A.weight", a), (f"{name}.lora_B.weight", b)]
 

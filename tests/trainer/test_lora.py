@@ -123,6 +123,38 @@ def test_adapter_updates_through_shm_and_files_merge_like_peft(tiny_dir, tmp_pat
         sink.close()
 
 
+def test_a_bf16_engine_merges_float32_adapters_into_its_live_weights(tiny_dir):
+    """The engine worker of a bf16 engine receives the float32 adapters in tensors of their own and
+    merges them into its live bf16 weights (from a bf16 copy of the targeted base): no float32
+    staging copy of the model, and its logits follow the trainer's adapters."""
+    from nonstop.config import EngineConfig
+    from nonstop.engine.worker import EngineWorker
+
+    worker = EngineWorker(str(tiny_dir), [0], 0, settings=EngineConfig(dtype="bfloat16"))
+    handle = plan_transport(ShmTransportConfig(), _trained_peft(tiny_dir, seed=0), 1, LORA)
+    sink = open_sink(handle)
+    try:
+        worker.connect_transport(handle)
+        engine = worker.engine
+        assert engine.weight_model is engine.model and engine.model.dtype == torch.bfloat16
+        base = load_model(str(tiny_dir)).to(torch.bfloat16)
+        x = torch.randint(0, 128, (2, 6))
+        trainer_model = _trained_peft(tiny_dir, seed=4).eval()
+        sink.publish(trainer_model, 1)
+        engine.scheduler.apply_newest_if_idle()
+        assert engine.policy_version == 1
+        with torch.no_grad():
+            got, want = engine.model(x).logits.float(), trainer_model(x).logits
+            assert torch.allclose(got, want, atol=0.05), (got - want).abs().max()
+            assert (got - base(x).logits.float()).abs().max() > 0.1  # the adapters moved it
+        for name, module in targeted_modules(engine.model, LORA):
+            assert module.weight.dtype == torch.bfloat16, name
+    finally:
+        if worker.source is not None:
+            worker.source.close()
+        sink.close()
+
+
 def test_saved_adapter_folder_loads_with_peft(tiny_dir, tmp_path):
     from peft import PeftModel
 

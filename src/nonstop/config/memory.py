@@ -38,7 +38,7 @@ from pathlib import Path
 from nonstop.config import Config, ConfigError
 from nonstop.config.machine import GIB, MachineMemory
 from nonstop.config.shape import ModelShape
-from nonstop.config.sizing import engine_dtype_bytes, wire_bytes
+from nonstop.config.sizing import engine_dtype_bytes, trainer_dtype_bytes, wire_bytes
 
 RUNTIME_BYTES = 300 * 1024**2
 """One process's Python + torch + transformers (246 MiB RSS measured), rounded up."""
@@ -176,11 +176,14 @@ def _receive_buffers(cfg: Config, sent: int) -> tuple[int, str]:
 SMALLER = ("model.path", "use a smaller model")
 
 
-def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, machine_total: int) -> Proc:
+def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, machine_total: int, merges: bool) -> Proc:
+    """`merges`: the engine receives LoRA adapters and merges them into a kept copy of the base."""
     p, e, params = Proc(name, count), cfg.engine, shape.params
     fewer = ("runtime.num_engines", "lower runtime.num_engines") if count > 1 else SMALLER
     recv, how = _receive_buffers(cfg, sent)
     adapters = ("model.lora.enabled", "set model.lora.enabled=true (only the adapters travel)")
+    base = shape.lora_base_params(cfg.model.lora.target_modules) if merges else 0
+    targets = ("model.lora.target_modules", "target fewer modules (model.lora.target_modules)")
     if e.kind == "vllm":
         v = e.vllm
         vb = shape.dtype if v.dtype == "auto" else v.dtype
@@ -202,6 +205,8 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
                 "lower engine.vllm.memory_fraction",
             )
         p.add("staging", params * 4, f"{params:,} params x 4 bytes (the float32 model vLLM reloads from)", *fewer)
+        if merges:
+            p.add("adapter base", base * 4, f"a float32 copy of the {base:,} targeted params, merged into", *targets)
         p.add("transport", recv, how, *adapters)
         p.add("runtime", 2 * RUNTIME_BYTES, "the actor + vLLM's engine core", *fewer)
         return p
@@ -217,8 +222,10 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
         "lower engine.max_concurrent_seqs or engine.max_seq_len",
         on_host=not gpu,
     )
-    wb = wire_bytes(cfg)
-    if e.update_mode != "never_stop" or eb != wb or gpu:
+    if merges:  # the adapters are merged into the live weights, or into a staging copy in their dtype
+        p.add("adapter base", base * eb, f"a copy of the {base:,} targeted params x {eb} bytes, merged into", *targets)
+    wb = eb if merges else wire_bytes(cfg)
+    if e.update_mode != "never_stop" or (eb != wb and not merges) or gpu:
         from nonstop.config.kinds import device_path_of
 
         p.add(
@@ -277,6 +284,27 @@ def _trainer(
         *lora,
         on_host=not gpu,
     )
+    tb = trainer_dtype_bytes(cfg)
+    if tb < 4:  # measured: a bf16 trainer of the 0.5B shape peaked 1.5 GiB over a plan without it
+        head = shape.vocab * shape.hidden
+        p.add(
+            "autocast copies",
+            (params + head) * tb / shard,
+            f"({params:,} params + the head's {head:,}) x {tb} bytes: autocast's copies of the weights, kept for "
+            f"backward, and the head's gradient before its cast to float32{per}",
+            "trainer.precision",
+            "set trainer.precision=float32",
+            on_host=not gpu,
+        )
+    if shape.tied and not cfg.model.lora.enabled:
+        p.add(
+            "embedding gradient",
+            shape.vocab * shape.hidden * 4 / shard,
+            f"tied embeddings: the input embedding's {shape.vocab} x {shape.hidden} gradient, made dense before it is "
+            f"added to the head's, x 4 bytes{per}",
+            *SMALLER,
+            on_host=not gpu,
+        )
     if ranks > 1 and t.data_parallel == "ddp":
         p.add(
             "ddp buckets",
@@ -333,7 +361,7 @@ def plan_memory(
         teacher = ModelShape.from_folder(folder_of(cfg.distill.teacher, "distill.teacher")).params
         extra.append(("teacher", teacher * 4, f"{teacher:,} params x 4 bytes", "distill.teacher"))
     procs = [
-        _engine(cfg, shape, "engine", cfg.runtime.num_engines, sent, machine.total),
+        _engine(cfg, shape, "engine", cfg.runtime.num_engines, sent, machine.total, lora.enabled),
         _trainer(cfg, shape, "trainer", trained, extra, seq),
     ]
     segments = [("shm segment", cfg.runtime.num_engines)]
@@ -344,7 +372,8 @@ def plan_memory(
             if own.trains_lora(lora.enabled)
             else role_shape.params
         ) * 4
-        procs.append(_engine(cfg, role_shape, f"{role}-engine", own.num_engines, role_sent, machine.total))
+        merges = own.trains_lora(lora.enabled)
+        procs.append(_engine(cfg, role_shape, f"{role}-engine", own.num_engines, role_sent, machine.total, merges))
         procs.append(_trainer(cfg, role_shape, f"{role}-trainer", role_sent // 4, [], seq))
         segments.append((f"{role} shm segment", own.num_engines))
     if cfg.scoring.reward_model is not None:

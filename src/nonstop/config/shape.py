@@ -110,15 +110,22 @@ class ModelShape:
         embed = self.vocab * self.hidden
         return embed * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
 
-    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
-        """Adapter parameters of rank `rank` on the dense linear modules named in `targets`
-        (A: r x in, B: out x r); fused MoE experts take no adapters."""
+    def _lora_sizes(self, targets: tuple[str, ...]) -> list[tuple[int, int]]:
+        """(in, out) of each dense linear module of one layer named in `targets`; fused MoE experts
+        take no adapters."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
         if not self.experts:
             sizes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        per_layer = sum(rank * (a + b) for name, (a, b) in sizes.items() if name in targets)
-        return self.layers * per_layer
+        return [size for name, size in sizes.items() if name in targets]
+
+    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Adapter parameters of rank `rank` on the modules named in `targets` (A: r x in, B: out x r)."""
+        return self.layers * sum(rank * (a + b) for a, b in self._lora_sizes(targets))
+
+    def lora_base_params(self, targets: tuple[str, ...]) -> int:
+        """Parameters of the weights LoRA targets: the base an engine keeps a copy of to merge into."""
+        return self.layers * sum(a * b for a, b in self._lora_sizes(targets))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes

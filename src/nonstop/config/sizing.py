@@ -168,6 +168,17 @@ def engine_dtype_bytes(cfg: Config) -> int:
     return 4 if spec == "float32" else 2
 
 
+def trainer_dtype_bytes(cfg: Config) -> int:
+    """Bytes per element of the trainer's autocast matmuls: 2 where `trainer.precision` resolves to
+    bfloat16 (as the trainer resolves it, trainer/worker.py), else 4 (no autocast)."""
+    spec = cfg.trainer.precision or "float32"
+    if spec == "auto":
+        from nonstop.device import resolve_device, resolve_dtype
+
+        return resolve_dtype(spec, resolve_device(cfg.trainer.device, "trainer.device"), "trainer.precision").itemsize
+    return 4 if spec == "float32" else 2
+
+
 def wire_dtype(cfg: Config) -> str:
     """The dtype weights travel in (transport.dtype resolved): 'auto' is the built-in engine's dtype when
     the run sends full weights to engines on the host, otherwise float32 (LoRA adapters train in float32;

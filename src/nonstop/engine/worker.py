@@ -75,9 +75,11 @@ class EngineWorker:
         from nonstop.transport.base import layout_dtype
         from nonstop.transport.device import receive_device
 
-        # a GPU path receives on this engine's GPU; every version arrives in the transport's dtype
+        # a GPU path receives on this engine's GPU; every version arrives in the transport's dtype. LoRA
+        # adapters arrive in tensors of their own and are merged into the model's weights: into the
+        # live model itself under never_stop (no float32 copy of a bf16 model), else a copy in its dtype
         device = receive_device(handle, self.device) or torch.device("cpu")
-        self.engine.receive_weights_on(device, layout_dtype(handle.layout))
+        self.engine.receive_weights_on(device, self.dtype if handle.lora is not None else layout_dtype(handle.layout))
         self.source = open_source(handle, self.engine.weight_model, rank)
         self.engine.weights = self.source
 

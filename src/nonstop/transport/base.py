@@ -96,7 +96,7 @@ def engine_target(model: torch.nn.Module, lora: LoraConfig | None, layout: list[
     if lora is not None:
         from nonstop.lora import MergedAdapters
 
-        return MergedAdapters(model, lora)
+        return MergedAdapters(model, lora, layout_dtype(layout))
     from nonstop.transport.names import PerExpertParameters, needs_expert_mapping
 
     if needs_expert_mapping(layout, model):
