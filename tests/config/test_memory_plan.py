@@ -317,3 +317,14 @@ def test_the_own_model_memory_example_fits_the_05b_shape_on_this_machine_kind(ha
     assert (e.max_seq_len, e.vllm.max_model_len, e.max_concurrent_seqs) == (longest + 32, longest + 32, 256)
     assert fitted.cfg.trainer.lr == 4.5e-5  # the loaded-model rule, x10 for LoRA
     assert fitted.plan.total < 9 * GIB, fitted.plan.table()
+
+
+def test_a_vllm_engine_on_the_cpu_plans_its_packed_weights_and_a_lora_base(tiny_dir):
+    """vLLM's CPU backend keeps a oneDNN-packed copy of the linear weights (a reload holds both);
+    with LoRA the float32 host model it reloads from also keeps the targeted base to merge onto."""
+    params, base = 13_472, 32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 64
+    for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):
+        cfg, data = small_run(tiny_dir, "engine.kind=vllm", f"engine.vllm.dtype={dtype}", "model.lora.enabled=true")
+        items = {(p.name, i.name): i.bytes for p in fit_run(cfg, data, machine=BIG_MACHINE).plan.procs for i in p.items}
+        assert items[("engine", "packed copy")] == params * nbytes
+        assert items[("engine", "staging")] == params * 4 and items[("engine", "adapter base")] == base * 4

@@ -205,14 +205,15 @@ def test_vllm_kv_cache_is_sized_from_the_run_unless_the_user_chose_a_reserve(tin
     from nonstop.config.sizing import VLLM_MIN_KV_GIB, size_run
 
     qwen05 = ModelShape("qwen2", 896, 24, 14, 2, 64, 4864, 151_936, True, 32_768)
-    cfg = load_config(None, [f"model.path={tiny_dir}", "engine.kind=vllm", "rollout.max_new_tokens=200"])
+    fp32 = "engine.vllm.dtype=float32"  # the same figures whether or not this CPU has bf16
+    cfg = load_config(None, [f"model.path={tiny_dir}", "engine.kind=vllm", "rollout.max_new_tokens=200", fp32])
     sized = size_run(cfg, qwen05, 56, 23 * GIB)
     v = sized.cfg.engine.vllm
     assert v.max_model_len == 256
     per_token = 2 * 24 * 2 * 64 * 4  # layers x (K, V) x KV heads x head dim x float32
     assert v.kv_cache_gib == round(256 * 256 * per_token / GIB, 4) == 1.5
     assert any(n.startswith("engine.vllm.kv_cache_gib: 1.5 (") for n in sized.notes)
-    short = size_run(load_config(None, [f"model.path={tiny_dir}", "engine.kind=vllm"]), qwen05, 6, 23 * GIB)
+    short = size_run(load_config(None, [f"model.path={tiny_dir}", "engine.kind=vllm", fp32]), qwen05, 6, 23 * GIB)
     assert short.cfg.engine.vllm.kv_cache_gib == round(256 * 128 * per_token / GIB, 4)  # one block per sequence
     tiny = ModelShape("qwen2", 64, 1, 4, 1, 16, 256, 128, True, 128)
     assert size_run(cfg, tiny, 6, 23 * GIB).cfg.engine.vllm.kv_cache_gib == VLLM_MIN_KV_GIB
@@ -221,6 +222,38 @@ def test_vllm_kv_cache_is_sized_from_the_run_unless_the_user_chose_a_reserve(tin
         assert kept.cfg.engine.vllm.kv_cache_gib == (2 if chosen.endswith("=2") else None)
     builtin = size_run(load_config(None, [f"model.path={tiny_dir}"]), qwen05, 56, 23 * GIB)
     assert builtin.cfg.engine.vllm.kv_cache_gib is None
+
+
+def test_vllm_dtype_left_unset_is_bf16_for_a_loaded_model_where_the_machine_has_it(tiny_dir):
+    """engine.vllm.dtype None: bfloat16 for a loaded model of >= 50 M parameters where this machine
+    computes bf16 natively, else float32; a small model, or a dtype the user set, stays as it is."""
+    import torch
+
+    from nonstop.config.shape import ModelShape
+    from nonstop.config.sizing import size_run
+    from nonstop.device import bf16_supported
+
+    qwen05 = ModelShape("qwen2", 896, 24, 14, 2, 64, 4864, 151_936, True, 32_768)
+    tiny = ModelShape("qwen2", 64, 1, 4, 1, 16, 256, 128, True, 128)
+    cfg = load_config(None, [f"model.path={tiny_dir}", "engine.kind=vllm"])
+    assert cfg.engine.vllm.dtype is None
+    want = "bfloat16" if bf16_supported(torch.device("cpu")) else "float32"
+    sized = size_run(cfg, qwen05, 6, 23 * GIB)
+    assert sized.cfg.engine.vllm.dtype == want
+    assert any(n.startswith(f"engine.vllm.dtype: {want} (a loaded model of 494 M") for n in sized.notes)
+    chosen = {
+        d: size_run(
+            load_config(None, [f"model.path={tiny_dir}", "engine.kind=vllm", f"engine.vllm.dtype={d}"]),
+            qwen05,
+            6,
+            23 * GIB,
+        ).cfg.engine.vllm
+        for d in ("bfloat16", "float32")
+    }
+    bf16_kv, fp32_kv = chosen["bfloat16"], chosen["float32"]
+    assert (bf16_kv.dtype, fp32_kv.dtype) == ("bfloat16", "float32")
+    assert bf16_kv.kv_cache_gib == fp32_kv.kv_cache_gib / 2  # the cache holds bf16 keys and values
+    assert size_run(cfg, tiny, 6, 23 * GIB).cfg.engine.vllm.dtype is None  # float32 at start (vllm_setup)
 
 
 def test_a_base_the_warmup_builds_takes_the_warmup_learning_rate():

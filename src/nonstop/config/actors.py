@@ -143,8 +143,13 @@ class VllmConfig(_Section):
     max_position_embeddings)."""
     max_num_seqs: int = Field(256, ge=1)
     """Sequences vLLM schedules together."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    """Weights and activations; float32 keeps the behaviour logprobs close to the trainer's."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    """vLLM's weights, activations and KV cache; auto is vLLM's own (the dtype config.json records).
+    None: in a training run with a loaded model (model.path) of >= 50 M parameters, bfloat16 where
+    the machine computes it natively (a GPU; a CPU with avx512_bf16 or amx_bf16), as engine.dtype
+    resolves for the built-in engine; otherwise float32, which keeps the behaviour logprobs closest
+    to a float32 trainer's. vLLM's CPU backend packs every linear layer's weights for oneDNN, so
+    bfloat16 also halves the packed copy (docs/memory.md)."""
     enforce_eager: bool = True
     """Skip graph capture / compilation: faster start, slower steps."""
 

@@ -85,11 +85,17 @@ VLLM_MIN_KV_GIB = 1 / 16
 """Least KV cache a sized vLLM engine gets."""
 
 
-def vllm_kv_gib(max_num_seqs: int, max_model_len: int, shape: ModelShape, dtype: str) -> float:
+def vllm_dtype(dtype: str | None, shape: ModelShape) -> str:
+    """The dtype vLLM runs in: engine.vllm.dtype, whose 'auto' loads what config.json records and
+    whose None (left unresolved outside a training run) is float32."""
+    return (shape.dtype if dtype == "auto" else dtype or "float32").replace("torch.", "")
+
+
+def vllm_kv_gib(max_num_seqs: int, max_model_len: int, shape: ModelShape, dtype: str | None) -> float:
     """engine.vllm.kv_cache_gib of a training run that set neither it nor memory_fraction: what
     max_num_seqs sequences of max_model_len tokens need (whole blocks), like the built-in engine's
     cache, so a large model's weights do not eat a fixed fraction of the machine meant for both."""
-    name = shape.dtype if dtype == "auto" else dtype  # vLLM's 'auto' loads the dtype config.json records
+    name = vllm_dtype(dtype, shape)
     nbytes = 4 if name.replace("torch.", "") == "float32" else 2
     blocks = -(-max_model_len // VLLM_BLOCK_TOKENS)
     need = max_num_seqs * blocks * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token(nbytes)
@@ -225,6 +231,13 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
         if trainer.precision is None:
             trainer = trainer.model_copy(update={"precision": "auto"})
             notes.append(f"trainer.precision: auto ({why}: bfloat16 autocast where the trainer's device has it)")
+        if engine.kind == "vllm" and engine.vllm.dtype is None:
+            from nonstop.device import bf16_supported, resolve_device
+
+            dtype = "bfloat16" if bf16_supported(resolve_device("auto", "engine.device")) else "float32"
+            engine = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"dtype": dtype})})
+            update["vllm"] = engine.vllm
+            notes.append(f"engine.vllm.dtype: {dtype} ({why}: bfloat16 where this machine has it)")
     if engine.max_seq_len is None:
         update["max_seq_len"] = seq_len
         notes.append(f"engine.max_seq_len: {seq_len} ({why})")

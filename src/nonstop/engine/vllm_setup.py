@@ -149,7 +149,7 @@ def engine_args(model_path: str, settings: VllmConfig, seed: int) -> Any:
 
     return EngineArgs(
         model=model_path,
-        dtype=settings.dtype,
+        dtype=settings.dtype or "float32",  # None outside a training run's sizing (`nonstop serve`)
         seed=seed,
         enforce_eager=settings.enforce_eager,
         gpu_memory_utilization=settings.memory_fraction,

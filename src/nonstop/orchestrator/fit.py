@@ -28,7 +28,7 @@ from nonstop.config import Config, ConfigError
 from nonstop.config.machine import GIB, MachineMemory, machine_memory
 from nonstop.config.memory import VLLM_BYTES, MemoryPlan, plan_memory, size
 from nonstop.config.shape import ModelShape, shape_of
-from nonstop.config.sizing import size_run
+from nonstop.config.sizing import size_run, vllm_dtype
 
 if TYPE_CHECKING:
     from nonstop.tasks.data import TaskData
@@ -70,8 +70,7 @@ def check_vllm_kv(cfg: Config, shape: ModelShape, machine_total: int) -> None:
     v = cfg.engine.vllm
     if cfg.engine.kind != "vllm" or v.max_model_len is None:
         return
-    dtype = shape.dtype if v.dtype == "auto" else v.dtype
-    nbytes = VLLM_BYTES.get(dtype.replace("torch.", ""), 4)
+    nbytes = VLLM_BYTES.get(vllm_dtype(v.dtype, shape), 4)
     weights = shape.params * nbytes
     reserve = v.kv_cache_gib * GIB if v.kv_cache_gib is not None else v.memory_fraction * machine_total - weights
     need = v.max_model_len * shape.kv_bytes_per_token(nbytes)
