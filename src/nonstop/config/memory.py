@@ -285,15 +285,13 @@ def _trainer(
         *lora,
         on_host=not gpu,
     )
-    # torch's foreach AdamW makes parameter-sized temporaries in each step: without this item a
-    # 104 M-parameter trainer peaked 0.34 GiB above its plan (measured by hand, docs/memory.md)
-    p.add(
-        "step temporaries",
-        trained * 4 / shard,
-        f"AdamW foreach: 1 x {trained:,} x 4 bytes{per}",
-        *lora,
-        on_host=not gpu,
-    )
+    # torch's foreach AdamW (fsdp2's sharded parameters) makes parameter-sized temporaries in each
+    # step: without this item a 104 M-parameter trainer peaked 0.34 GiB above its plan. The fused
+    # step of every other trainer makes none (measured), but the heap the trainer keeps
+    # (device.retain_freed_memory) fragments by about as much: the 0.5B trainer measured at its
+    # plan with the item (docs/memory.md)
+    how = "AdamW foreach" if shard > 1 else "the kept heap's fragmentation (fused AdamW makes no temporaries)"
+    p.add("step temporaries", trained * 4 / shard, f"{how}: 1 x {trained:,} x 4 bytes{per}", *lora, on_host=not gpu)
     tb = trainer_dtype_bytes(cfg)
     if tb < 4:  # measured: a bf16 trainer of the 0.5B shape peaked 1.5 GiB over a plan without it
         head = shape.vocab * shape.hidden
