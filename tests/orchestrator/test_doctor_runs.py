@@ -48,7 +48,10 @@ def test_doctor_flags_a_reward_that_pays_for_a_length(hacked):
     f = found["reward_not_heldout"]
     assert 30 <= f["step"] <= 40 and "three_chars_reward" in f["cause"] and "task.reward=exact_match" in f["try"]
     recs = records(run_dir)
-    assert recs[-1]["rollout_reward_mean"] > recs[0]["rollout_reward_mean"] + 0.1  # what it saw, in the records
+    # a step record carries the rollout fields only when groups were scored since the previous one
+    # (records.Vitals.take): the last step may train groups that were all scored before it
+    scored = [r["rollout_reward_mean"] for r in recs if "rollout_reward_mean" in r]
+    assert len(scored) >= 30 and scored[-1] > scored[0] + 0.1  # what it saw, in the records
     assert max(r["eval_accuracy"] for r in recs if "eval_accuracy" in r) < summary["base_accuracy"] + 0.03
     assert stdout.count("doctor [reward_not_heldout]") == 1  # the progress output, once
     assert "three_chars_reward" in stdout.split("nonstop: end of run")[1]  # and the end-of-run table
