@@ -30,10 +30,11 @@ float32 and with bfloat16 weights.
     python bench/scale.py [--steps 5] [--arms full,full-fp32,lora,full-vllm,lora-vllm] [--batch 8x128]
 
 Last line: `RESULT trainer_peak_frac=... bf16_step_speedup=... engine_bf16_speedup=... engine_bf16_speedup_64=...
-lora_mem_ratio=... publish_frac=... peak_rss_gib=... arms_ok=... cli_trainer_peak_frac=...
+lora_mem_ratio=... publish_frac=... publish_s=... peak_rss_gib=... arms_ok=... cli_trainer_peak_frac=...
 cli_bf16_step_speedup=... anon_over_plan=...`: the bf16 trainer's fraction of its matmul peak and the fp32 step over
 the bf16 step at the real batch, bf16 decode over fp32 decode, LoRA's peak trainer RSS over full
-fine-tuning's, the full builtin arm's publish time over its step, the largest process's peak,
+fine-tuning's, the full builtin arm's publish time over its step and in seconds (the step's time moves with the
+machine's load, the publish's much less), the largest process's peak,
 the CLI arms' own trainer fraction and step speedup, and the largest ratio of a process's sampled
 anonymous RSS to what the run's memory plan (memory_plan.json) gave it (above 1: the plan was under).
 """
@@ -195,6 +196,7 @@ def run_arm(name: str, model_dir: Path, steps: int, folder: Path) -> dict | None
         "precision": tr[-1].get("precision"),
         "peak_frac": statistics.median(t.get("peak_frac", 0.0) for t in tr),
         "publish_frac": statistics.median(t["publish_s"] / t["train_s"] for t in tr),
+        "publish_s": statistics.median(t["publish_s"] for t in tr),
         "engine_tok_s": sum(int(e.get("tokens_generated", 0)) for e in eng) / busy if busy > 0 else None,
         "mismatch_kl": statistics.median(t.get("mismatch_kl_k3", 0.0) for t in tr),
     }
@@ -346,6 +348,7 @@ def main() -> None:
         f"RESULT trainer_peak_frac={real[0]:.3f} bf16_step_speedup={real[1]:.2f} engine_bf16_speedup={real[2]:.2f} "
         f"engine_bf16_speedup_64={real[3]:.2f} "
         f"lora_mem_ratio={mem:.2f} publish_frac={full['publish_frac'] if full else float('nan'):.3f} "
+        f"publish_s={full['publish_s'] if full else float('nan'):.3f} "
         f"peak_rss_gib={peak_rss:.1f} arms_ok={len(by)}/{len(rows)} cli_trainer_peak_frac="
         f"{full['peak_frac'] if full else float('nan'):.3f} cli_bf16_step_speedup={speedup:.2f} "
         f"anon_over_plan={plan_frac:.2f}"
@@ -363,7 +366,8 @@ def print_row(r: dict, hf: float) -> None:
     eng = f"{r['engine_tok_s']:.1f} tok/s ({r['engine_tok_s'] / hf:.2f}x HF)" if r["engine_tok_s"] else "n/a"
     print(
         f"{r['arm']:>10}: {r['precision']} step {r['step_s']:.2f}s, trainer {r['peak_frac']:.0%} of peak, "
-        f"publish {r['publish_frac']:.1%} of step, engine {eng}, mismatch KL {r['mismatch_kl']:.2e}; peak RSS {rss}",
+        f"publish {r['publish_s']:.2f}s = {r['publish_frac']:.1%} of step, engine {eng}, "
+        f"mismatch KL {r['mismatch_kl']:.2e}; peak RSS {rss}",
         flush=True,
     )
 
