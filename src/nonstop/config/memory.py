@@ -235,7 +235,7 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
     if merges:  # the adapters are merged into the live weights, or into a staging copy in their dtype
         p.add("adapter base", base * eb, f"a copy of the {base:,} targeted params x {eb} bytes, merged into", *targets)
     wb = eb if merges else wire_bytes(cfg)
-    if e.update_mode != "never_stop" or (eb != wb and not merges) or gpu:
+    if e.update_mode != "never_stop" or eb != wb or gpu:
         from nonstop.config.kinds import device_path_of
 
         p.add(

@@ -96,7 +96,7 @@ def vllm_kv_gib(max_num_seqs: int, max_model_len: int, shape: ModelShape, dtype:
     max_num_seqs sequences of max_model_len tokens need (whole blocks), like the built-in engine's
     cache, so a large model's weights do not eat a fixed fraction of the machine meant for both."""
     name = vllm_dtype(dtype, shape)
-    nbytes = 4 if name.replace("torch.", "") == "float32" else 2
+    nbytes = 4 if name == "float32" else 2
     blocks = -(-max_model_len // VLLM_BLOCK_TOKENS)
     need = max_num_seqs * blocks * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token(nbytes)
     return round(max(need / GIB, VLLM_MIN_KV_GIB), 4)
@@ -164,25 +164,25 @@ class Sized:
     """The run's longest sequence (run_seq_len), whatever engine.max_seq_len says: what trainers see."""
 
 
-def engine_dtype_bytes(cfg: Config) -> int:
-    """Bytes per element of the built-in engine's weights and KV cache (dtype auto: bf16 on a GPU)."""
-    spec = cfg.engine.dtype
-    if spec is None or spec == "auto":  # as the engine resolves it (device.resolve_dtype), asked here too
+def _dtype_bytes(spec: str | None, device: str, field: str) -> int:
+    """Bytes per element of `spec` as the actor resolves it (device.resolve_dtype): None and auto are
+    asked of the actor's device here too; an explicit dtype needs no device."""
+    if spec is None or spec == "auto":
         from nonstop.device import resolve_device, resolve_dtype
 
-        return resolve_dtype(spec, resolve_device(cfg.engine.device, "engine.device"), "engine.dtype").itemsize
+        return resolve_dtype(spec, resolve_device(device, field.split(".")[0] + ".device"), field).itemsize
     return 4 if spec == "float32" else 2
+
+
+def engine_dtype_bytes(cfg: Config) -> int:
+    """Bytes per element of the built-in engine's weights and KV cache (dtype auto: bf16 on a GPU)."""
+    return _dtype_bytes(cfg.engine.dtype, cfg.engine.device, "engine.dtype")
 
 
 def trainer_dtype_bytes(cfg: Config) -> int:
     """Bytes per element of the trainer's autocast matmuls: 2 where `trainer.precision` resolves to
-    bfloat16 (as the trainer resolves it, trainer/worker.py), else 4 (no autocast)."""
-    spec = cfg.trainer.precision or "float32"
-    if spec == "auto":
-        from nonstop.device import resolve_device, resolve_dtype
-
-        return resolve_dtype(spec, resolve_device(cfg.trainer.device, "trainer.device"), "trainer.precision").itemsize
-    return 4 if spec == "float32" else 2
+    bfloat16 (as the trainer resolves it, trainer/worker.py: None is float32), else 4 (no autocast)."""
+    return _dtype_bytes(cfg.trainer.precision or "float32", cfg.trainer.device, "trainer.precision")
 
 
 def wire_dtype(cfg: Config) -> str:
