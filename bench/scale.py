@@ -23,9 +23,9 @@ on the same prompts in this process, and the depth-0 mismatch KL (k3).
 The CLI arms' batches are tiny (2 prompts x 8 answers of a few tokens): their trainer step is
 the optimizer and the per-step fixed costs, not matmuls. So the bench also measures, in fresh
 processes on one thread each, the trainer actor's own code (TrainerWorker) on a batch of real
-size (`--batch`, default 8 completions x 128 tokens) in float32 and in bfloat16 autocast, and the
-built-in engine decoding 16 rows, then 64 rows (the engine's batch in a run), of 64 new tokens with
-float32 and with bfloat16 weights.
+size (`--batch`, default 8 completions x 128 tokens) in float32 and in bfloat16 autocast (the
+median of 3 steps after 2 warm-up steps), and the built-in engine decoding 16 rows, then 64 rows
+(the engine's batch in a run), of 64 new tokens with float32 and with bfloat16 weights.
 
     python bench/scale.py [--steps 5] [--arms full,full-fp32,lora,full-vllm,lora-vllm] [--batch 8x128]
 
@@ -54,6 +54,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+WARM_STEPS = 2  # in-process trainer steps left out of its median
 ARMS = {
     "full": [],
     "full-fp32": ["trainer.precision=float32", "engine.dtype=float32"],
@@ -220,7 +221,9 @@ def hf_generate_tok_s(model_dir: Path) -> float:
 
 def inner_trainer(model_dir: Path, precision: str, samples: int, tokens: int, steps: int) -> dict:
     """The trainer actor's own code (TrainerWorker, one thread) on a batch of `samples` completions of
-    `tokens` random tokens (2 prompts of 16): median step seconds and peak fraction after the first."""
+    `tokens` random tokens (2 prompts of 16): median step seconds and peak fraction of the steps after
+    the first WARM_STEPS (their time is the first touch of the optimizer state, the gradients and the
+    kept heap: 30-60 s at this shape against a steady 9-25 s)."""
     import torch
 
     from nonstop.config import TrainerConfig
@@ -242,7 +245,7 @@ def inner_trainer(model_dir: Path, precision: str, samples: int, tokens: int, st
             groups.append(Group(i, "p", "a", group))
         return groups
 
-    records = [worker.step(batch()).metrics for _ in range(steps)][1:]
+    records = [worker.step(batch()).metrics for _ in range(steps)][WARM_STEPS:]
     return {
         "step_s": statistics.median(float(m["train_s"]) for m in records),
         "peak_frac": statistics.median(float(m["peak_frac"]) for m in records),
@@ -336,7 +339,7 @@ def main() -> None:
             print_row(r, hf)
         if ns.batch:
             samples, tokens = (int(x) for x in ns.batch.split("x"))
-            real = realistic(model_dir, samples, tokens, 3)
+            real = realistic(model_dir, samples, tokens, WARM_STEPS + 3)
     by = {r["arm"]: r for r in rows if not r["failed"]}
     full, f32, lora = by.get("full"), by.get("full-fp32"), by.get("lora")
     speedup = f32["step_s"] / full["step_s"] if full and f32 else float("nan")

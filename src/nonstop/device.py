@@ -13,11 +13,14 @@ Contract:
   capability): without them torch emulates bf16 matmuls and they are slower than float32. The
   machines of this project's kind differ (some have AVX2 only), so this is asked at run time,
   inside the actor that computes, never assumed;
-- `attention(q, k, v, **kw)` is torch's scaled-dot-product attention, with half-precision
-  inputs on the CPU upcast to float32 first: torch's CPU kernel for bfloat16 with a mask ran
-  4.5x slower than float32 on a decode step (2.16 against 0.48 ms with the casts, 16 rows at
-  the Qwen2.5-0.5B shape) and 1.4x slower for the trainer's masked forward and backward; the
-  result comes back in the input's dtype (under autocast, too);
+- `attention(q, k, v, **kw)` is torch's scaled-dot-product attention computed in float32 on the
+  CPU whenever it would otherwise run in half precision: half-precision inputs, or any inputs
+  under CPU autocast (which lists this op for bfloat16 and casts float32 inputs down).
+  torch's CPU kernel for bfloat16 with a mask ran 4.5x slower than float32 on a decode step
+  (2.16 against 0.48 ms with the casts, 16 rows at the Qwen2.5-0.5B shape), and its backward
+  2.5x slower in the trainer (41 against 16 ms per layer at 8 x 127 completion tokens); float32
+  also keeps the scores out of bfloat16 rounding, as GPU flash attention does. The result comes
+  back in the dtype the plain call would give (autocast's under autocast, else the input's);
 - `retain_freed_memory()` keeps a CPU process's freed memory in it: glibc's malloc hands every
   block over 32 MiB to the kernel with mmap and returns it on free, so each training step's
   identical tensors (logits, autocast's weight casts, gradients) started as untouched pages,
@@ -137,12 +140,15 @@ def on(device: torch.device) -> Iterator[None]:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
-    """F.scaled_dot_product_attention, through float32 for half-precision inputs on the CPU."""
+    """F.scaled_dot_product_attention, through float32 on the CPU where it would run in half precision."""
     import torch.nn.functional as F
 
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back down
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+    if q.device.type == "cpu":
+        autocast = torch.is_autocast_enabled("cpu")
+        if autocast or any(t.dtype in (torch.bfloat16, torch.float16) for t in (q, k, v)):
+            out_dtype = torch.get_autocast_dtype("cpu") if autocast else q.dtype
+            with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back down
+                return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(out_dtype)
     return F.scaled_dot_product_attention(q, k, v, **kw)
 
 

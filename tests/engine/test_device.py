@@ -74,3 +74,13 @@ def test_half_precision_attention_on_the_cpu_is_float32_attention_cast_back():
         assert torch.equal(attention(q, k, v, attn_mask=mask), want.bfloat16())
     x = q.float()
     assert torch.equal(attention(x, k.float(), v.float(), attn_mask=mask), want)  # float32 is untouched
+    # float32 inputs under autocast (the trainer's rotated queries and keys): autocast would run
+    # the op in bf16 (its slow CPU backward, bf16-rounded scores); here it is float32, handed back
+    # in autocast's dtype as the plain call would be
+    qf, kf, vf = (torch.randn(3, 4, 5, 8, generator=g) for _ in range(3))
+    exact = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(attention(qf, kf, vf, attn_mask=mask), exact.bfloat16())
+        assert not torch.equal(
+            torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask), exact.bfloat16()
+        )

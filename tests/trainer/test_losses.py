@@ -3,12 +3,14 @@ import math
 import pytest
 import torch
 
+from nonstop.trainer import losses
 from nonstop.trainer.losses import (
     clipped_policy_loss,
     group_advantages,
     gspo_loss,
     kl_penalty,
     masked_mean,
+    target_logprobs,
     token_logprobs,
 )
 
@@ -77,6 +79,52 @@ def test_token_logprobs_chunked_equals_direct():
     chunked = token_logprobs(hidden, head, targets, temperature=0.7, chunk_rows=2)
     assert torch.allclose(direct, chunked, atol=1e-6)
     assert math.isclose(torch.logsumexp(torch.log_softmax(head(hidden[0, 0]), -1), -1).item(), 0.0, abs_tol=1e-5)
+
+
+def test_target_logprobs_by_hand():
+    # softmax([0, ln 3]) = [1/4, 3/4]: logprob of token 1 is ln(3/4); d/d logits = onehot - p = [-1/4, 1/4]
+    logits = torch.tensor([[0.0, math.log(3.0)]], requires_grad=True)
+    lp = target_logprobs(logits, torch.tensor([1]))
+    assert lp.item() == pytest.approx(math.log(0.75), abs=1e-6)
+    lp.sum().backward()
+    assert torch.allclose(logits.grad, torch.tensor([[-0.25, 0.25]]), atol=1e-6)
+    # temperature 2 over [0, 2 ln 3] is the same distribution; the gradient is halved
+    hot = torch.tensor([[0.0, 2 * math.log(3.0)]], requires_grad=True)
+    target_logprobs(hot, torch.tensor([0]), temperature=2.0).sum().backward()
+    assert torch.allclose(hot.grad, torch.tensor([[0.75, -0.75]]) / 2, atol=1e-6)
+    # a kept-token mask renormalises: with token 0 dropped, token 1 has all the mass
+    kept = target_logprobs(logits.detach(), torch.tensor([1]), keep=torch.tensor([[False, True]]))
+    assert kept.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_target_logprobs_gradient_across_chunks(monkeypatch):
+    """float64 gradcheck with rows split over several chunks, a temperature and a keep mask."""
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 14)  # 2 rows of 7 per chunk: 5 rows -> 3 chunks
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([0, 3, 6, 2, 5])
+    keep = torch.rand(5, 7) > 0.3
+    keep[torch.arange(5), targets] = True
+    assert torch.autograd.gradcheck(lambda x: target_logprobs(x, targets, 0.7, keep), (logits,))
+    plain = torch.log_softmax((logits / 0.7).masked_fill(~keep, float("-inf")), -1).gather(-1, targets[:, None])
+    assert torch.allclose(target_logprobs(logits, targets, 0.7, keep), plain.squeeze(-1))
+
+
+def test_target_logprobs_bf16_matches_float32_log_softmax():
+    """bf16 logits (the autocast head's output): float32 arithmetic, the gradient back in bf16, as
+    log_softmax(logits.float()) gives, and the logits themselves untouched."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 300).bfloat16()
+    t = torch.randint(0, 300, (6, 3))
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    plain = torch.log_softmax(a.float(), -1).gather(-1, t[..., None]).squeeze(-1)
+    fused = target_logprobs(b, t)
+    assert fused.dtype == torch.float32 and torch.allclose(plain, fused, atol=1e-5)
+    g = torch.randn(6, 3)
+    (plain * g).sum().backward()
+    (fused * g).sum().backward()
+    assert b.grad.dtype == torch.bfloat16 and torch.allclose(a.grad.float(), b.grad.float(), atol=1e-2, rtol=1e-2)
+    assert b.equal(x)
 
 
 def test_group_std_population_or_unbiased():

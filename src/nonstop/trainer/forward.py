@@ -31,7 +31,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from nonstop.device import attention
 
@@ -98,7 +97,7 @@ def prompt_shared_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
         qp = _rotate(q[:Np].view(Q, Lp, H, D), cos_p[:, None], sin_p[:, None]).transpose(1, 2)  # (Q, H, Lp, D)
         kp = _rotate(k[:Np].view(Q, Lp, KV, D), cos_p[:, None], sin_p[:, None]).transpose(1, 2)
         vp = v[:Np].view(Q, Lp, KV, D).transpose(1, 2)
-        ap = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)  # (Q, H, Lp, D)
+        ap = attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)  # (Q, H, Lp, D)
         out = [ap.transpose(1, 2).reshape(Np, H * D)]
         if Tc:
             qc = _rotate(q[Np:].view(B, Tc, H, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from nonstop.device import attention
 from nonstop.trainer.forward import _decoder_model, _rotate
 from nonstop.trainer.losses import token_logprobs
 
@@ -120,7 +120,7 @@ def packed_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
         v = attn.v_proj(h).view(-1, KV, D)
         where, what = [], []  # each bucket's kept positions and their attention outputs, put in place once
         for idx, keep in buckets:
-            a = F.scaled_dot_product_attention(
+            a = attention(
                 q[idx].transpose(1, 2), k[idx].transpose(1, 2), v[idx].transpose(1, 2), is_causal=True, enable_gqa=gqa
             )  # (b, H, L, D)
             where.append(idx[keep])
