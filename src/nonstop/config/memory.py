@@ -328,14 +328,16 @@ def _trainer(
     width = shape.intermediate if not shape.experts else shape.expert_intermediate * max(1, shape.experts_per_token)
     kv_width = shape.kv_heads * shape.head_dim
     per_token = shape.layers * (6 * shape.hidden + 2 * kv_width + 4 * (width + shape.shared_intermediate)) * 4
-    # every chunk's log-softmax (rows x new x V) stays for backward; one chunk's logits and grads are transient
-    logit_rows = rows * (2 if t.entropy_coef > 0 else 1) + 2 * min(rows, t.logprob_chunk_rows)
+    if t.entropy_coef > 0:  # every chunk's float32 log-softmax and probabilities stay; one chunk's logits and grads
+        logit_rows, logit_bytes, what = rows * 2 + 2 * min(rows, t.logprob_chunk_rows), 4, "log-probs"
+    else:  # every chunk's logits stay, in the head's dtype (losses.target_logprobs); one chunk's gradient
+        logit_rows, logit_bytes, what = rows + min(rows, t.logprob_chunk_rows), trainer_dtype_bytes(cfg), "logits"
     p.add(
         "activations",
-        tokens * per_token + logit_rows * new * shape.vocab * 4,
+        tokens * per_token + logit_rows * new * shape.vocab * logit_bytes,
         f"estimate: {tokens} tokens x {shape.layers} layers x (6 x {shape.hidden} + 2 x {kv_width} + 4 x {width}) "
         "x 4 bytes "
-        f"+ {logit_rows} x {new} x {shape.vocab} log-probs x 4 bytes",
+        f"+ {logit_rows} x {new} x {shape.vocab} {what} x {logit_bytes} bytes",
         "rollout.prompts_per_step",
         "lower rollout.prompts_per_step or rollout.group_size",
         on_host=not gpu,
