@@ -126,8 +126,8 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
         ("trainer", "optimizer"): 2 * params * 4,  # AdamW: two float32 states
         ("trainer", "step temporaries"): params * 4,  # and one parameter-sized temporary in its step
         ("trainer", "embedding gradient"): 128 * 32 * 4,  # tied: the input embedding's dense gradient
-        # + every row's logits kept for backward and one chunk's gradient (8 rows of 3 tokens), float32
-        ("trainer", "activations"): tokens * 1 * (6 * 32 + 2 * 16 + 4 * 64) * 4 + (8 + 8) * 3 * 128 * 4,
+        # + every row's logits kept for backward, one chunk's gradient and a copy (8 rows of 3 tokens), float32
+        ("trainer", "activations"): tokens * 1 * (6 * 32 + 2 * 16 + 4 * 64) * 4 + (8 + 2 * 8) * 3 * 128 * 4,
         ("trainer", "runtime"): 300 * 1024**2,
         ("orchestrator", "runtime"): 400 * 1024**2,
         ("shm segment", "slots"): (1 + 2) * params * 4,  # N + 2 slots of the float32 weights
@@ -268,7 +268,7 @@ def test_a_small_memory_limit_is_refused_with_the_largest_part(half_b_dir):
     with pytest.raises(ConfigError) as err:
         fit_run(cfg, run_rows(cfg))
     assert str(err.value).startswith(
-        "model.lora.enabled: the run's memory plan needs 21.6 GiB but 8.0 GiB is available (run.memory_limit_gib); "
+        "model.lora.enabled: the run's memory plan needs 21.7 GiB but 8.0 GiB is available (run.memory_limit_gib); "
         "the largest part is the shm segment's slots, 5.5 GiB ((1 engines + 2) slots x 1.8 GiB sent)"
     )
     lora = load_config(cfg, ["model.lora.enabled=true", "rollout.prompts_per_step=2", "rollout.group_size=2"])

@@ -330,8 +330,9 @@ def _trainer(
     per_token = shape.layers * (6 * shape.hidden + 2 * kv_width + 4 * (width + shape.shared_intermediate)) * 4
     if t.entropy_coef > 0:  # every chunk's float32 log-softmax and probabilities stay; one chunk's logits and grads
         logit_rows, logit_bytes, what = rows * 2 + 2 * min(rows, t.logprob_chunk_rows), 4, "log-probs"
-    else:  # every chunk's logits stay, in the head's dtype (losses.target_logprobs); one chunk's gradient
-        logit_rows, logit_bytes, what = rows + min(rows, t.logprob_chunk_rows), trainer_dtype_bytes(cfg), "logits"
+    else:  # every chunk's logits stay, in the head's dtype (losses.target_logprobs); one chunk's gradient and
+        # its float32 copy on the way (a float32 trainer measured 0.2 GiB over a plan without the copy)
+        logit_rows, logit_bytes, what = rows + 2 * min(rows, t.logprob_chunk_rows), trainer_dtype_bytes(cfg), "logits"
     p.add(
         "activations",
         tokens * per_token + logit_rows * new * shape.vocab * logit_bytes,
