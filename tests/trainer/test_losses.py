@@ -95,6 +95,9 @@ def test_target_logprobs_by_hand():
     # a kept-token mask renormalises: with token 0 dropped, token 1 has all the mass
     kept = target_logprobs(logits.detach(), torch.tensor([1]), keep=torch.tensor([[False, True]]))
     assert kept.item() == pytest.approx(0.0, abs=1e-6)
+    # and a token outside the kept ones has probability 0, as log_softmax over the masked logits says
+    dropped = target_logprobs(logits.detach(), torch.tensor([0]), keep=torch.tensor([[False, True]]))
+    assert dropped.item() == float("-inf")
 
 
 def test_target_logprobs_gradient_across_chunks(monkeypatch):

@@ -80,6 +80,8 @@ class _TargetLogprob(torch.autograd.Function):
         for i in range(0, N, rows):
             lse[i : i + rows] = torch.logsumexp(_scaled(logits, keep, inv_t, i, rows, wide), dim=-1)
         picked = logits.gather(-1, targets[:, None]).squeeze(-1).to(wide) * inv_t  # (N,)
+        if keep is not None:  # a target outside the kept tokens has probability 0, as in log_softmax
+            picked = picked.masked_fill(~keep.gather(-1, targets[:, None]).squeeze(-1), float("-inf"))
         ctx.save_for_backward(logits, targets, keep, lse)
         ctx.inv_t = inv_t
         return picked - lse
@@ -92,9 +94,10 @@ class _TargetLogprob(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for i in range(0, N, rows):
             g = grad_out[i : i + rows, None].to(lse.dtype)  # (r, 1)
+            t = targets[i : i + rows, None]  # (r, 1)
             z = _scaled(logits, keep, inv_t, i, rows, lse.dtype)
             z.sub_(lse[i : i + rows, None]).exp_().mul_(-g)  # -g * softmax
-            z.scatter_add_(-1, targets[i : i + rows, None], g)
+            z.scatter_add_(-1, t, g if keep is None else g * keep[i : i + rows].gather(-1, t))
             if inv_t != 1.0:
                 z.mul_(inv_t)
             grad[i : i + rows] = z
