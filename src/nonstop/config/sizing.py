@@ -231,13 +231,14 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
         if trainer.precision is None:
             trainer = trainer.model_copy(update={"precision": "auto"})
             notes.append(f"trainer.precision: auto ({why}: bfloat16 autocast where the trainer's device has it)")
-        if engine.kind == "vllm" and engine.vllm.dtype is None:
-            from nonstop.device import bf16_supported, resolve_device
+        if engine.kind == "vllm" and engine.vllm.dtype is None:  # as the built-in engine's auto resolves
+            from nonstop.device import dtype_name, resolve_device, resolve_dtype
 
-            dtype = "bfloat16" if bf16_supported(resolve_device("auto", "engine.device")) else "float32"
+            device = resolve_device(engine.device, "engine.device")
+            dtype = dtype_name(resolve_dtype("auto", device, "engine.vllm.dtype"))
             engine = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"dtype": dtype})})
             update["vllm"] = engine.vllm
-            notes.append(f"engine.vllm.dtype: {dtype} ({why}: bfloat16 where this machine has it)")
+            notes.append(f"engine.vllm.dtype: {dtype} ({why}: bfloat16 where the engine's device has it)")
     if engine.max_seq_len is None:
         update["max_seq_len"] = seq_len
         notes.append(f"engine.max_seq_len: {seq_len} ({why})")
