@@ -83,12 +83,15 @@ VLLM_BLOCK_TOKENS = 128
 """KV block size the need is rounded up to per sequence (vLLM's CPU backend allocates in blocks)."""
 VLLM_MIN_KV_GIB = 1 / 16
 """Least KV cache a sized vLLM engine gets."""
+VLLM_UNSET_DTYPE = "float32"
+"""What vLLM runs in when engine.vllm.dtype is None: left unresolved outside a training run's sizing
+(`nonstop serve`); vllm_setup.engine_args and the memory plan both read it."""
 
 
 def vllm_dtype(dtype: str | None, shape: ModelShape) -> str:
     """The dtype vLLM runs in: engine.vllm.dtype, whose 'auto' loads what config.json records and
-    whose None (left unresolved outside a training run) is float32."""
-    return (shape.dtype if dtype == "auto" else dtype or "float32").replace("torch.", "")
+    whose None is VLLM_UNSET_DTYPE."""
+    return (shape.dtype if dtype == "auto" else dtype or VLLM_UNSET_DTYPE).replace("torch.", "")
 
 
 def vllm_kv_gib(max_num_seqs: int, max_model_len: int, shape: ModelShape, dtype: str | None) -> float:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nonstop.config import ConfigError, VllmConfig
+from nonstop.config.sizing import VLLM_UNSET_DTYPE
 
 if TYPE_CHECKING:
     import torch
@@ -149,7 +150,7 @@ def engine_args(model_path: str, settings: VllmConfig, seed: int) -> Any:
 
     return EngineArgs(
         model=model_path,
-        dtype=settings.dtype or "float32",  # None outside a training run's sizing (`nonstop serve`)
+        dtype=settings.dtype or VLLM_UNSET_DTYPE,
         seed=seed,
         enforce_eager=settings.enforce_eager,
         gpu_memory_utilization=settings.memory_fraction,
