@@ -134,7 +134,8 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
         ("shm segment", "slots"): (1 + 2) * params * 4,  # N + 2 slots of the float32 weights
     }
     assert fitted.plan.total == sum(items.values())
-    assert fitted.plan.limit == 48 * GIB and fitted.plan.planned("engine-0") == params * 4 + 256 * 9 * 128 + 256 * 128 * 12 + 300 * 2**20
+    assert fitted.plan.limit == 48 * GIB
+    assert fitted.plan.planned("engine-0") == params * 4 + 256 * 9 * 128 + 256 * 128 * 12 + 300 * 2**20
     record = fitted.plan.to_dict()
     assert record["fits"] and record["total_bytes"] == fitted.plan.total
     assert any(n.startswith("engine.max_seq_len: 9 (longest prompt 6") for n in record["resolved"])
