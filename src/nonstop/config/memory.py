@@ -232,13 +232,15 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
         "lower engine.max_concurrent_seqs or engine.max_seq_len",
         on_host=not gpu,
     )
-    # one pass's logits in the weights' dtype, their float32 copy and its log-softmax (sampling's
-    # probabilities reuse the copy). Measured at the 0.5B shape in bf16: decoding 16 rows took
-    # 26 MiB above the weights and cache, 64 rows 98 MiB (this item: 23 and 93 MiB)
+    # one pass's logits in the weights' dtype, their float32 copy (none when they are float32) and
+    # its log-softmax; sampling's probabilities reuse the copy. Measured at the 0.5B shape in bf16:
+    # decoding 16 rows took 26 MiB above the weights and cache, 64 rows 98 MiB (this item: 23 and 93)
+    copy = 4 if eb != 4 else 0
     p.add(
         "logits",
-        slots * shape.vocab * (eb + 8),
-        f"{slots} rows x {shape.vocab} x ({eb} + 4 + 4) bytes: one pass's logits, float32 copy and log-probs",
+        slots * shape.vocab * (eb + copy + 4),
+        f"{slots} rows x {shape.vocab} x ({eb} + {copy} + 4) bytes: one pass's logits, a float32 copy of them "
+        "and their log-probs",
         "engine.max_concurrent_seqs",
         "lower engine.max_concurrent_seqs",
         on_host=not gpu,
