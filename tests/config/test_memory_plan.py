@@ -187,6 +187,8 @@ def test_a_bf16_engine_receives_half_the_bytes_into_its_live_model(tiny_dir):
         assert wire_dtype(cfg) == ("bfloat16" if wire == "auto" else "float32")
     assert plans["auto"][("shm segment", "slots")] == 3 * params * 2
     assert ("engine", "staging") not in plans["auto"] and plans["auto"][("engine", "weights")] == params * 2
+    # bf16 logits, their float32 copy and the log-probs: 256 rows x 128 ids x (2 + 4 + 4) bytes
+    assert plans["auto"][("engine", "logits")] == 256 * 128 * 10
     assert plans["float32"][("shm segment", "slots")] == 3 * params * 4
     assert plans["float32"][("engine", "staging")] == params * 4
     lora, _ = small_run(tiny_dir, "engine.dtype=bfloat16", "model.lora.enabled=true")

@@ -345,7 +345,7 @@ def _trainer(
         logit_rows, logit_bytes, what = rows * 2 + 2 * min(rows, t.logprob_chunk_rows), 4, "log-probs"
     else:  # every chunk's logits stay, in the head's dtype (losses.target_logprobs); one chunk's gradient and
         # its float32 copy on the way (a float32 trainer measured 0.2 GiB over a plan without the copy)
-        logit_rows, logit_bytes, what = rows + 2 * min(rows, t.logprob_chunk_rows), trainer_dtype_bytes(cfg), "logits"
+        logit_rows, logit_bytes, what = rows + 2 * min(rows, t.logprob_chunk_rows), tb, "logits"
     p.add(
         "activations",
         tokens * per_token + logit_rows * new * shape.vocab * logit_bytes,
