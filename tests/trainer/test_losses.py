@@ -248,3 +248,47 @@ def test_kl_clamp_bounds_the_k3_value_and_gradient():
     # the clamp acts on the log-ratio for every estimator: k1 = clamp(d), k2 = clamp(d)^2 / 2
     assert kl_penalty(far, torch.zeros(1, 1), "k1", clamp=5.0).item() == -5.0
     assert kl_penalty(far, torch.zeros(1, 1), "k2", clamp=5.0).item() == 12.5
+
+
+def test_head_logprobs_recompute_matches_the_plain_head_and_log_softmax(monkeypatch):
+    """The fused head + log-prob (logits recomputed chunk by chunk in the backward) against
+    log_softmax(head(hidden)) in float64: values, d hidden, d weight and d bias agree, with chunks
+    that cut the rows unevenly, a temperature and a keep mask; gradcheck on hidden and weight."""
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 14)  # the softmax's own row blocks split too
+    torch.manual_seed(0)
+    B, T, H, V = 3, 4, 5, 7
+    head = torch.nn.Linear(H, V, bias=True).double()
+    hidden = torch.randn(B, T, H, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (B, T))
+    keep = torch.rand(B, T, V) > 0.3
+    keep.scatter_(-1, targets[..., None], True)
+    g = torch.randn(B, T, dtype=torch.float64)
+    plain = torch.log_softmax((head(hidden) / 0.7).masked_fill(~keep, float("-inf")), -1)
+    plain = plain.gather(-1, targets[..., None]).squeeze(-1)
+    want = torch.autograd.grad((plain * g).sum(), (hidden, head.weight, head.bias))
+    fused = token_logprobs(hidden, head, targets, temperature=0.7, chunk_rows=1, keep=keep)  # 4 positions a chunk
+    got = torch.autograd.grad((fused * g).sum(), (hidden, head.weight, head.bias))
+    assert torch.allclose(fused, plain, atol=1e-12)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-12)
+    weight = head.weight.detach().clone().requires_grad_(True)
+
+    def fn(h, w):
+        return losses._HeadLogprob.apply(
+            h.reshape(-1, H), w, None, targets.reshape(-1), keep.reshape(-1, V), 1 / 0.7, 5, torch.float64
+        )
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight))
+
+
+def test_head_logprobs_keep_one_chunk_of_logits_for_backward():
+    """What autograd keeps for the backward of the fused path: hidden, the weight and one float per
+    position, not the (N, V) logits."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 1000, bias=False)
+    hidden = torch.randn(4, 8, 16, requires_grad=True)
+    targets = torch.randint(0, 1000, (4, 8))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        token_logprobs(hidden, head, targets, chunk_rows=1)
+    assert max(t.numel() for t in saved) == 1000 * 16  # the weight; the 32 x 1000 logits are not kept

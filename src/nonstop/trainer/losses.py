@@ -73,15 +73,7 @@ class _TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, keep, inv_t: float):  # (N, V), (N,), (N, V) bool or None
-        N, V = logits.shape
-        wide = torch.promote_types(logits.dtype, torch.float32)
-        rows = max(1, CHUNK_ELEMENTS // V)
-        lse = torch.empty(N, dtype=wide)  # (N,)
-        for i in range(0, N, rows):
-            lse[i : i + rows] = torch.logsumexp(_scaled(logits, keep, inv_t, i, rows, wide), dim=-1)
-        picked = logits.gather(-1, targets[:, None]).squeeze(-1).to(wide) * inv_t  # (N,)
-        if keep is not None:  # a target outside the kept tokens has probability 0, as in log_softmax
-            picked = picked.masked_fill(~keep.gather(-1, targets[:, None]).squeeze(-1), float("-inf"))
+        lse, picked = _lse_and_picked(logits, targets, keep, inv_t)
         ctx.save_for_backward(logits, targets, keep, lse)
         ctx.inv_t = inv_t
         return picked - lse
@@ -89,19 +81,7 @@ class _TargetLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (N,) -> d logits (N, V): g * (onehot - softmax) * inv_t
         logits, targets, keep, lse = ctx.saved_tensors
-        inv_t, (N, V) = ctx.inv_t, logits.shape
-        rows = max(1, CHUNK_ELEMENTS // V)
-        grad = torch.empty_like(logits)
-        for i in range(0, N, rows):
-            g = grad_out[i : i + rows, None].to(lse.dtype)  # (r, 1)
-            t = targets[i : i + rows, None]  # (r, 1)
-            z = _scaled(logits, keep, inv_t, i, rows, lse.dtype)
-            z.sub_(lse[i : i + rows, None]).exp_().mul_(-g)  # -g * softmax
-            z.scatter_add_(-1, t, g if keep is None else g * keep[i : i + rows].gather(-1, t))
-            if inv_t != 1.0:
-                z.mul_(inv_t)
-            grad[i : i + rows] = z
-        return grad, None, None, None
+        return _logits_grad(logits, targets, keep, lse, grad_out, ctx.inv_t), None, None, None
 
 
 CHUNK_ELEMENTS = 1 << 20  # float32 logits per chunk of _TargetLogprob: 4 MiB, about a core's cache
@@ -115,6 +95,132 @@ def _scaled(logits: torch.Tensor, keep: torch.Tensor | None, inv_t: float, i: in
     if keep is not None:
         z.masked_fill_(~keep[i : i + rows], float("-inf"))
     return z
+
+
+def _lse_and_picked(
+    logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor | None, inv_t: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) log-sum-exp of logits (N, V) x inv_t over the kept tokens and (N,) the targets' scaled
+    logits (-inf outside the kept tokens), in float32 (float64 for float64 logits), a few rows at a time."""
+    N, V = logits.shape
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    rows = max(1, CHUNK_ELEMENTS // V)
+    lse = torch.empty(N, dtype=wide, device=logits.device)  # (N,)
+    for i in range(0, N, rows):
+        lse[i : i + rows] = torch.logsumexp(_scaled(logits, keep, inv_t, i, rows, wide), dim=-1)
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1).to(wide) * inv_t  # (N,)
+    if keep is not None:  # a target outside the kept tokens has probability 0, as in log_softmax
+        picked = picked.masked_fill(~keep.gather(-1, targets[:, None]).squeeze(-1), float("-inf"))
+    return lse, picked
+
+
+def _logits_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    keep: torch.Tensor | None,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    inv_t: float,
+) -> torch.Tensor:
+    """d logits (N, V) in the logits' dtype of sum_n grad_out_n x (log softmax(logits_n x inv_t))[target_n]:
+    grad_out x (onehot - softmax) x inv_t, softmax recomputed a few rows at a time in float32."""
+    N, V = logits.shape
+    rows = max(1, CHUNK_ELEMENTS // V)
+    grad = torch.empty_like(logits)
+    for i in range(0, N, rows):
+        g = grad_out[i : i + rows, None].to(lse.dtype)  # (r, 1)
+        t = targets[i : i + rows, None]  # (r, 1)
+        z = _scaled(logits, keep, inv_t, i, rows, lse.dtype)
+        z.sub_(lse[i : i + rows, None]).exp_().mul_(-g)  # -g * softmax
+        z.scatter_add_(-1, t, g if keep is None else g * keep[i : i + rows].gather(-1, t))
+        if inv_t != 1.0:
+            z.mul_(inv_t)
+        grad[i : i + rows] = z
+    return grad
+
+
+def _head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in, as `head(hidden)` would: autocast's where it is on."""
+    kind = hidden.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+class _HeadLogprob(torch.autograd.Function):
+    """log softmax((hidden @ weight.T + bias) x inv_t)[target] per row, the logits recomputed in backward.
+
+    A fused linear + log-prob: the forward computes `chunk` rows of logits at a time and keeps
+    only what it was given (hidden, the head's weight) and one float per row (the log-sum-exp);
+    the backward recomputes each chunk's logits, turns them into their gradient in place and
+    multiplies it back into d hidden (chunk, H) and d weight (V, H). So only one chunk's (chunk, V)
+    logits exist at a time in the forward and in the backward, instead of every chunk's logits
+    kept for the backward (rows x completion x vocabulary, 3.6 GB at 384 x 96 x 49,152 in bf16),
+    for one more head matmul per chunk. The matmuls run in the dtype `head(hidden)` would (autocast's
+    bfloat16 where it is on); the log-softmax arithmetic is `_TargetLogprob`'s. d weight is summed
+    over the chunks in the weight's own dtype (float32 master weights).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, keep, inv_t: float, chunk: int, dtype: torch.dtype):
+        # hidden (N, H), weight (V, H), bias (V,) or None, targets (N,), keep (N, V) bool or None
+        N = hidden.shape[0]
+        wide = torch.promote_types(dtype, torch.float32)
+        lse = torch.empty(N, dtype=wide, device=hidden.device)
+        picked = torch.empty(N, dtype=wide, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+            for i in range(0, N, chunk):
+                logits = torch.nn.functional.linear(hidden[i : i + chunk].to(dtype), w, b)  # (c, V)
+                k = keep[i : i + chunk] if keep is not None else None
+                lse[i : i + chunk], picked[i : i + chunk] = _lse_and_picked(logits, targets[i : i + chunk], k, inv_t)
+        ctx.save_for_backward(hidden, weight, bias, targets, keep, lse)
+        ctx.inv_t, ctx.chunk, ctx.dtype = inv_t, chunk, dtype
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N,)
+        hidden, weight, bias, targets, keep, lse = ctx.saved_tensors
+        dtype, chunk, N = ctx.dtype, ctx.chunk, hidden.shape[0]
+        d_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        d_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        d_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+            for i in range(0, N, chunk):
+                h = hidden[i : i + chunk].to(dtype)  # (c, H)
+                logits = torch.nn.functional.linear(h, w, b)  # (c, V)
+                k = keep[i : i + chunk] if keep is not None else None
+                g = _logits_grad(
+                    logits, targets[i : i + chunk], k, lse[i : i + chunk], grad_out[i : i + chunk], ctx.inv_t
+                )
+                if d_hidden is not None:
+                    d_hidden[i : i + chunk] = g @ w  # (c, H)
+                if d_weight is not None:
+                    d_weight += (g.t() @ h).to(weight.dtype)  # (V, H)
+                if d_bias is not None:
+                    d_bias += g.sum(0).to(bias.dtype)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = 4096,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature)[targets] in float32, `chunk` positions' logits at a
+    time in the forward and in the backward (`_HeadLogprob`). hidden: (..., H); targets: (...);
+    keep: optional (..., V) bool -> (...). Differentiable in hidden and the head's weight and bias."""
+    H, V = hidden.shape[-1], head.weight.shape[0]
+    flat_keep = keep.reshape(-1, V) if keep is not None else None
+    dtype = _head_dtype(hidden, head.weight)
+    out = _HeadLogprob.apply(
+        hidden.reshape(-1, H), head.weight, head.bias, targets.reshape(-1), flat_keep, 1.0 / temperature, chunk, dtype
+    )
+    return out.view(targets.shape)
 
 
 def target_logprobs(
@@ -143,10 +249,15 @@ def token_logprobs(
 
     hidden: (B, T, H); targets: (B, T) -> (B, T) [and the entropy (B, T) of each distribution].
     keep: optional (B, T, V) bool Keep Sampling Mask: the distribution is renormalised over the
-    kept tokens, as the engine sampled it. Only one chunk's (rows, T, V) logits exist at once,
-    so peak memory does not grow with B x T x V. Without the entropy, the log-softmax is
-    `target_logprobs` (no float32 copy of the logits kept for the backward).
+    kept tokens, as the engine sampled it. Without the entropy and with a linear head, only one
+    chunk's (rows, T, V) logits exist at a time, in the forward and in the backward
+    (`head_logprobs`: each chunk's logits are recomputed in the backward), so memory does not
+    grow with B x T x V. With the entropy (or another head) each chunk's logits are made by the
+    head as usual and autograd keeps every chunk's float32 log-probabilities and probabilities for
+    the backward: that path still grows with B x T x V (the memory plan counts it).
     """
+    if not with_entropy and isinstance(head, torch.nn.Linear):
+        return head_logprobs(hidden, head, targets, temperature, max(1, chunk_rows * hidden.shape[1]), keep)
     out, ent = [], []
     keeps = keep.split(chunk_rows) if keep is not None else [None] * len(hidden.split(chunk_rows))
     for h, t, k in zip(hidden.split(chunk_rows), targets.split(chunk_rows), keeps):
