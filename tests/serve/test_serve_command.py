@@ -139,3 +139,34 @@ def test_empty_api_key_in_the_environment_is_refused(tmp_path):
     proc = _serve(tmp_path, NONSTOP_API_KEY="")
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 2 and "empty key" in out and "NONSTOP_API_KEY" in out and "Traceback" not in out, out
+
+
+def test_ctrl_c_stops_serving_within_2_s_while_a_client_stalls_mid_body(tmp_path):
+    """A client that sent its headers and part of its body holds a handler reading it; Ctrl-C must
+    not wait for that client (aiohttp's default shutdown waited 60 s for it)."""
+    proc = _serve(tmp_path)
+    try:
+        line = ""
+        for line in proc.stdout:
+            if line.startswith("serving '"):
+                break
+        port = int(line.split("http://127.0.0.1:")[1].split(" ")[0])
+        with socket.create_connection(("127.0.0.1", port)) as stalled:
+            stalled.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt":'
+            )
+            with socket.create_connection(("127.0.0.1", port)) as probe:  # answered: the server is reading
+                probe.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                assert probe.recv(64).startswith(b"HTTP/1.1 200"), "serve did not answer /health"
+            time.sleep(0.2)  # the stalled request's handler is waiting on its body
+            proc.send_signal(signal.SIGINT)
+            t0 = time.perf_counter()
+            out = proc.communicate(timeout=60)[0]
+            stopped_s = time.perf_counter() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    print(f"stopped {stopped_s:.2f} s after SIGINT")
+    assert stopped_s < 2, stopped_s  # measured 1.0 s on a shared 2-core machine, most of it the process's exit

@@ -3,7 +3,8 @@
 `serve(cfg, model_path, ...)` loads the tokenizer, builds the engine `cfg.engine.kind` names
 (the built-in engine from `cfg.engine`, or vLLM from `cfg.engine.vllm`, running in this
 process) at the policy_version the trainer saved the weights at (nonstop_version.json, 0 for a
-base model), serves until SIGINT/SIGTERM and then shuts down cleanly. A vLLM that is missing or
+base model), serves until SIGINT/SIGTERM and then shuts down cleanly, within about a second
+whatever the clients do (a second Ctrl-C interrupts even that). A vLLM that is missing or
 cannot load the model raises VllmSetupError (a ConfigError naming the fix) before anything binds.
 
 - fields.py          the request field types: strict JSON types with the engine's bounds;
@@ -39,6 +40,7 @@ def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
     """The engine `cfg.engine.kind` names, with `model_path`'s weights at the policy_version the
     trainer saved them at (0 for a base model; checkpoint.saved_policy_version)."""
     from nonstop.checkpoint import saved_policy_version
+    from nonstop.hf import stop_token_ids
 
     version = saved_policy_version(model_path)
     if cfg.engine.kind == "vllm":
@@ -46,7 +48,7 @@ def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
 
         return VllmEngineWorker(
             model_path,
-            [tok.eos_token_id],
+            stop_token_ids(tok, model_path),
             tok.pad_token_id,
             seed=cfg.run.seed,
             initial_version=version,
@@ -61,7 +63,7 @@ def build_engine(cfg: Any, model_path: str, tok: Any) -> ServedEngine:
     torch.manual_seed(cfg.run.seed)
     engine = TorchEngine(
         load_model(model_path),
-        [tok.eos_token_id],
+        stop_token_ids(tok, model_path),
         tok.pad_token_id,
         policy_version=version,
         settings=cfg.engine,
@@ -81,8 +83,14 @@ async def serve(
     server = EngineServer(engine, tok, model_name, api_key, max_tokens_default=cfg.rollout.max_new_tokens)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def stopping() -> None:
+        stop.set()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C interrupts the shutdown itself
+            loop.remove_signal_handler(sig)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stopping)
     try:
         bound = await server.start(host, port)
         on_ready(bound)

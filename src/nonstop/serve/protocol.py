@@ -97,7 +97,7 @@ def parse_completion(body: Any, max_tokens_default: int) -> Call:
     return _call(
         r,
         max_tokens_default,
-        bool(r.logprobs),
+        r.logprobs is not None,  # 0 asks for the sampled tokens' logprobs, with no alternatives
         prompt_ids=p if isinstance(p, list) else None,
         prompt_text=p if isinstance(p, str) else None,
         messages=None,

@@ -182,14 +182,11 @@ class CompletionRequest(SamplingFields):
     """Text, or token ids; a list holding one of either is a batch of one (one prompt per request)."""
     prompt_token_ids: Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})] | None = None
     """nonstop extension: the prompt as token ids (instead of prompt)."""
-    logprobs: (
-        Annotated[
-            Union[Annotated[bool, Tag("boolean")], Annotated[ZeroOrOne, Tag("integer")]],
-            by_kind("expected 0, 1, true or false", "boolean", "integer"),
-        ]
-        | None
-    ) = None
-    """0 or 1: the sampled token's behaviour logprob (nonstop has no alternatives to return)."""
+    logprobs: ZeroOrOne | None = None
+    """0 or 1: the sampled tokens' behaviour logprobs, as OpenAI's legacy `logprobs` N (the sampled
+    token plus N alternatives; nonstop has none to return, so 0 and 1 answer alike). An integer, as
+    the API defines it: `true` is refused as every boolean sent for an integer is (chat's
+    `logprobs` is the boolean one)."""
 
     _no_alternatives = field_validator("logprobs", mode="before")(lambda v: zero_or_one(v))
 

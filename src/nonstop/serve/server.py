@@ -13,16 +13,19 @@ logprobs, policy versions, Keep Sampling Mask; serve/protocol.py). The answers a
 serve/answers.py's `Answers`, which `EngineServer` extends.
 
 Contract: binds 127.0.0.1 unless told otherwise; with an API key, `/v1/*` and `/inference/*` need
-`Authorization: Bearer <key>` (401 otherwise). Malformed or too deeply nested JSON or a bad
-field -> 400 naming it; a prompt over the engine's limits -> 400 naming the limit, decided from
-the text's length before tokenising when the text cannot fit, and tokenised off the event loop
-otherwise (so `/health` answers while a large prompt is read); a body over 8 MiB -> 413; a wrong
-method -> 405; an unknown model or route -> 404; anything unexpected -> 500 for that request
-only. Errors are JSON `{"error": {"message", "type", "param", "code"}}`, typed as OpenAI types
-them. A request never reaches the engine before it is fully validated, and a client that
-disconnects (streamed or not) has its sequences aborted and gets one log line, so no bad or
-abandoned request can take the engine down. `start()` raises `ServeError` with a plain message
-when the address cannot be bound.
+`Authorization: Bearer <key>` (401 otherwise). Malformed or too deeply nested JSON or a bad field ->
+400 naming it; a prompt over the engine's limits -> 400 naming the limit, decided from the text's
+length before tokenising when the text cannot fit, and tokenised off the event loop otherwise (so
+`/health` answers while a large prompt is read); a body over 8 MiB -> 413, before any of it is read
+when its Content-Length says so; a body not received within `body_timeout_s` (30 s by default: a
+client that sent less than its Content-Length) -> 408; a wrong method -> 405; an unknown model or
+route -> 404; anything unexpected -> 500 for that request only. Errors are JSON `{"error":
+{"message", "type", "param", "code"}}`, typed as OpenAI types them. A request never reaches the
+engine before it is fully validated, and a client that disconnects (streamed or not) has its
+sequences aborted and gets one log line, so no bad or abandoned request can take the engine down.
+`start()` raises `ServeError` with a plain message when the address cannot be bound. `stop()` waits
+at most SHUTDOWN_GRACE_S for requests in flight, then cancels them (aborting their sequences), so a
+stalled client cannot hold Ctrl-C up.
 
 With an `EpisodeRecorder` (serve/episodes.py: a training run's agents endpoint), a completion or
 chat request that names an episode (`X-Episode-Id` and `X-Group-Id` headers, or `episode_id` and
@@ -71,8 +74,27 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
     return web.json_response(r.ErrorResponse(error=detail).json_object(), status=status)
 
 
+def _closing(response: web.Response) -> web.Response:
+    """`response` with `Connection: close`: the body of its request was not (all) read, so the
+    connection cannot carry another request."""
+    response.force_close()
+    return response
+
+
 MAX_UNKNOWN_LOGGED = 256
 """Distinct unknown field names logged at most (a fuzzer would otherwise fill the log)."""
+
+MAX_BODY_BYTES = 8 * 2**20
+"""Largest request body; the biggest prompt the engine takes is far smaller, as JSON text."""
+
+BODY_TIMEOUT_S = 30.0
+"""Default bound on receiving a request's body: a client that sends less than its Content-Length
+holds a connection and a handler until then, and gets 408."""
+
+SHUTDOWN_GRACE_S = 0.25
+"""How long `stop()` lets requests in flight finish before cancelling them. aiohttp waits this
+twice at most (to finish, then to cancel), so Ctrl-C stops the server within half a second
+whatever its clients do (aiohttp's own default, 60 s, let a half-sent body hold it up that long)."""
 
 
 class EngineServer(Answers):
@@ -84,8 +106,10 @@ class EngineServer(Answers):
         api_key: str | None = None,
         max_tokens_default: int = 16,
         recorder: EpisodeRecorder | None = None,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.body_timeout_s = body_timeout_s
         self.recorder = recorder
         self.activity = asyncio.Event()  # set by every request (a run's endpoint lingers while agents ask)
         self.api_key, self.max_tokens_default = api_key, max_tokens_default
@@ -102,7 +126,7 @@ class EngineServer(Answers):
         self._openapi: dict[str, Any] | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._guard], client_max_size=8 * 2**20)
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -119,7 +143,9 @@ class EngineServer(Answers):
         if not 0 <= port <= 65535:
             raise ServeError(f"port {port}: expected 0 (any free port) to 65535")
         # handler_cancellation: a client that hangs up cancels its handler, which aborts its sequences
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         try:
@@ -142,6 +168,11 @@ class EngineServer(Answers):
         if self.api_key is not None and request.path.startswith(("/v1/", "/inference/")):
             if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
                 return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+        if (request.content_length or 0) > MAX_BODY_BYTES:  # refused from the header: nothing is read
+            self.requests_failed += 1
+            return _closing(
+                _error(413, f"request body: {request.content_length} bytes, over the limit of {MAX_BODY_BYTES}")
+            )
         try:
             return await handler(request)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -150,7 +181,8 @@ class EngineServer(Answers):
             raise asyncio.CancelledError from None
         except BadRequest as e:
             self.requests_failed += 1
-            return _error(e.status, str(e), e.param)
+            refused = _error(e.status, str(e), e.param)
+            return _closing(refused) if e.status == 408 else refused
         except RequestError as e:
             self.requests_failed += 1
             return _error(400, str(e))
@@ -188,7 +220,15 @@ class EngineServer(Answers):
                 status=415,
             )
         try:
-            return json.loads(await request.read())
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except TimeoutError:
+            raise BadRequest(
+                f"request body: not received within {self.body_timeout_s:g} s "
+                f"({request.content_length} bytes announced by Content-Length)",
+                status=408,
+            ) from None
+        try:
+            return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"request body is not valid JSON: {e}") from None
         except RecursionError:
