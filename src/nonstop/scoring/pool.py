@@ -182,18 +182,22 @@ class RewardWorkerPool(ActorPool[RewardWorkerActor]):
         return await self._on_least_loaded("evaluate", timeout_s, lambda a: a.evaluate(kind, spec, rows, timeout_s))
 
 
-def _resolve(spec: str | Callable[..., Any]) -> Callable[..., Any]:
+def _resolve(spec: str | Callable[..., Any], folder: str | None) -> Callable[..., Any]:
     if callable(spec):
         return spec
     from nonstop.scoring.rewards import resolve_reward
 
-    return resolve_reward(spec)
+    return resolve_reward(spec, folder=folder)
 
 
 class RewardWorker:
-    """The reward actor of `scoring.pool: process` (see the module docstring)."""
+    """The reward actor of `scoring.pool: process` (see the module docstring). `folder`: the folder
+    the user runs nonstop in, where a spec's module is looked for when it is not on the Python path
+    (config/specs.py), as in the orchestrator: this process's own folder may be another (a Ray
+    worker's is)."""
 
-    def __init__(self, threads: int = 8) -> None:
+    def __init__(self, threads: int = 8, folder: str | None = None) -> None:
+        self.folder = folder
         self.executor = DaemonThreads(threads, "reward")
         self.calls = PooledCalls(self.executor)
         self.fns: dict[str, Callable[..., Any]] = {}
@@ -202,7 +206,7 @@ class RewardWorker:
         key = spec if isinstance(spec, str) else repr(spec)
         fn = self.fns.get(key)
         if fn is None:
-            fn = self.fns[key] = _resolve(spec)
+            fn = self.fns[key] = _resolve(spec, self.folder)
         return await self.calls(kind, fn, rows)
 
     def close(self) -> None:

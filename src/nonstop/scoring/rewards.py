@@ -60,8 +60,10 @@ MOVED_FROM = "nonstop.orchestrator.score:"
 (nonstop.train() records an importable callable as 'module:qualname'), and it still resumes."""
 
 
-def resolve_reward(spec: str, field: str = "task.reward") -> RewardFn:
-    """A built-in name or 'package.module:function' as a function; errors name `field`."""
+def resolve_reward(spec: str, field: str = "task.reward", folder: str | None = None) -> RewardFn:
+    """A built-in name or 'package.module:function' as a function; errors name `field`. A module
+    not on the Python path is looked for in `folder`, the user's folder (default: the current one),
+    as `python -m` would find it (config/specs.py)."""
     if spec.startswith(MOVED_FROM) and spec.removeprefix(MOVED_FROM) in BUILTIN_REWARDS:
         spec = spec.removeprefix(MOVED_FROM)
     if spec in BUILTIN_REWARDS:
@@ -70,4 +72,4 @@ def resolve_reward(spec: str, field: str = "task.reward") -> RewardFn:
         module = importlib.import_module(OPTIONAL_REWARDS[spec])
         module._package()  # a clear RewardError when the extra is not installed
         return getattr(module, spec)
-    return import_callable(spec, field, RewardError, "reward", [*BUILTIN_REWARDS, *OPTIONAL_REWARDS])
+    return import_callable(spec, field, RewardError, "reward", [*BUILTIN_REWARDS, *OPTIONAL_REWARDS], folder)

@@ -27,6 +27,7 @@ group function), or raises `CallFailed` when the call itself failed (a timeout, 
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -101,7 +102,10 @@ class ThreadRunner:
 
 class ProcessRunner:
     def __init__(self, backend: ActorBackend, workers: int, threads: int, log: Callable[[str], None]) -> None:
-        self.pool = RewardWorkerPool(backend, "reward-worker", RewardWorker, (threads,), size=workers, log=log)
+        # the user's folder goes along: a reward module beside their config resolves there too (config/specs.py)
+        self.pool = RewardWorkerPool(
+            backend, "reward-worker", RewardWorker, (threads, os.getcwd()), size=workers, log=log
+        )
 
     async def start(self) -> None:
         await self.pool.start()
