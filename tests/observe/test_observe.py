@@ -187,9 +187,20 @@ def test_report_renders_and_loads_in_headless_chromium(run_dir, tmp_path):
     assert 'data-figures="6/6"' in dom and 'data-errors="0"' in dom, dom[:300]
 
 
-def test_report_of_a_folder_without_spans_says_so(tmp_path):
+def test_report_of_a_folder_that_is_not_a_run_says_so(tmp_path):
+    """Not a run: said as such, not blamed on run.spans; a folder of runs names them. A run
+    without a span log (run.spans off) is told that instead."""
+    (tmp_path / "runs" / "first").mkdir(parents=True)
+    (tmp_path / "runs" / "first" / "config.yaml").write_text("run:\n  spans: false\n")
+    (tmp_path / "runs" / "notes").mkdir()
     r = nonstop(["report", str(tmp_path)], cwd=tmp_path)
-    assert r.returncode == 2 and "no span log" in r.stderr
+    assert r.returncode == 2 and f"{tmp_path}: not a run folder" in r.stderr, r.stderr
+    assert "run.spans" not in r.stderr and "runs/<name>" in r.stderr, r.stderr
+    r = nonstop(["report", str(tmp_path / "runs")], cwd=tmp_path)
+    assert r.returncode == 2 and "not a run folder" in r.stderr and "the runs in it: first" in r.stderr, r.stderr
+    assert "notes" not in r.stderr
+    r = nonstop(["report", str(tmp_path / "runs" / "first")], cwd=tmp_path)
+    assert r.returncode == 2 and "no span log (was run.spans off?)" in r.stderr, r.stderr
 
 
 def test_simulate_calibrates_on_the_run_and_recommends(run_dir, tmp_path):

@@ -307,9 +307,25 @@ window.addEventListener('load', function () {
 """
 
 
+RUN_FILES = ("config.yaml", "metrics.jsonl")
+"""What every run folder holds (launch writes config.yaml before anything runs): a folder with
+neither is not a run, whatever else is missing from it."""
+
+
+def _not_a_run(folder: Path) -> ReportError:
+    runs = sorted(d.name for d in folder.iterdir() if d.is_dir() and any((d / f).exists() for f in RUN_FILES))
+    inside = f"; the runs in it: {', '.join(runs[:10])}{', ...' if len(runs) > 10 else ''}" if runs else ""
+    return ReportError(
+        f"{folder}: not a run folder (no {' or '.join(RUN_FILES)}; give the folder `nonstop train` "
+        f"wrote, as runs/<name>){inside}"
+    )
+
+
 def render(run_dir: Path | str, out: Path | str | None = None) -> Path:
     """Write the report page (default RUN_DIR/report.html) and its PNGs; returns the page's path."""
     run_dir = Path(run_dir)
+    if not any((run_dir / f).exists() for f in RUN_FILES):
+        raise _not_a_run(run_dir)
     try:
         tl = Timeline.load(run_dir)
     except FileNotFoundError as e:
