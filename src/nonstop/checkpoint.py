@@ -11,7 +11,8 @@ Every model folder the trainer saves (a checkpoint's `model/`, a run's `final/`)
 `nonstop_version.json`, the policy_version of its weights, so whatever serves them (`nonstop
 serve`) tags their tokens with it; `saved_policy_version(folder)` reads it back.
 
-It is written into a temporary sibling folder, every file and the folder are fsynced, and only
+Every file of a checkpoint and of a saved model folder has one mode, the one a plain write gives
+(`share_mode`). It is written into a temporary sibling folder, every file and the folder are fsynced, and only
 then is the folder renamed into place (and the parent fsynced), so a crash at any point leaves
 either the complete checkpoint or no checkpoint, never half of one. On load the manifest is
 checked; a checkpoint that fails (missing file, wrong size or CRC, no manifest) is reported
@@ -71,6 +72,16 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != _MANIFEST)
 
 
+def share_mode(files: list[Path], like: Path) -> None:
+    """Give `files` the mode of `like`, a file written plainly (open(), the umask's mode).
+    safetensors writes through a private temporary file (0600) and renames it, which left
+    model.safetensors unreadable to the group while its neighbours were 0644."""
+    mode = like.stat().st_mode & 0o777
+    for p in files:
+        if p.stat().st_mode & 0o777 != mode:
+            p.chmod(mode)
+
+
 def staging_dir(root: Path, step: int) -> Path:
     """An empty temporary folder for step `step`'s files; `commit` publishes it."""
     tmp = root / f".{_PREFIX}{step:08d}.tmp"
@@ -83,6 +94,7 @@ def staging_dir(root: Path, step: int) -> Path:
 def commit(root: Path, tmp: Path, step: int, state: dict, keep: int) -> Checkpoint:
     """Write state.json and the manifest into `tmp`, make everything durable, rename into place."""
     (tmp / "state.json").write_text(json.dumps(state))
+    share_mode(_files(tmp), tmp / "state.json")
     manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "crc32": _crc_file(p)} for p in _files(tmp)}
     (tmp / _MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
     for p in [*_files(tmp), tmp / _MANIFEST]:
@@ -143,7 +155,9 @@ def latest_valid(root: Path, report=print) -> Checkpoint:
 
 
 def write_policy_version(model_dir: Path, policy_version: int) -> None:
+    """Also gives the folder's files the version file's mode (`share_mode`): a run's final/ as well."""
     (model_dir / VERSION_FILE).write_text(json.dumps({"policy_version": policy_version}) + "\n")
+    share_mode([p for p in model_dir.iterdir() if p.is_file()], model_dir / VERSION_FILE)
 
 
 def saved_policy_version(model_dir: str | Path) -> int:

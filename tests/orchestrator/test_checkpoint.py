@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from nonstop.checkpoint import CheckpointError, commit, latest_valid, list_checkpoints, staging_dir, verify
+from nonstop.checkpoint import (
+    CheckpointError,
+    commit,
+    latest_valid,
+    list_checkpoints,
+    staging_dir,
+    verify,
+    write_policy_version,
+)
+from nonstop.hf import load_model
 
 
 def _write(root, step, keep=3, payload=b"weights"):
@@ -63,3 +72,25 @@ def test_no_usable_checkpoint_is_one_clear_error(tmp_path):
     (ckpt.path / "trainer.pt").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"step_00000002: trainer.pt has 1 bytes"):
         latest_valid(tmp_path, report=lambda m: None)
+
+
+def test_every_file_of_a_checkpoint_and_a_saved_model_has_one_mode(tiny_dir, tmp_path):
+    """save_pretrained's model.safetensors comes out 0600 (safetensors writes a private temporary
+    file and renames it) beside 0644 neighbours; the trainer's save (write_policy_version after
+    save_pretrained) and the commit give every file the mode a plain write gets."""
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    plain = probe.stat().st_mode & 0o777
+    model = load_model(str(tiny_dir))
+    final = tmp_path / "final"  # a run's final/: saved the way the trainer saves
+    model.save_pretrained(str(final))
+    write_policy_version(final, 3)
+    assert {p.name: p.stat().st_mode & 0o777 for p in final.iterdir()} == {p.name: plain for p in final.iterdir()}
+    root = tmp_path / "checkpoints"
+    tmp = staging_dir(root, 3)
+    model.save_pretrained(str(tmp / "model"))  # its mode not yet shared: the commit shares it too
+    (tmp / "trainer.pt").write_bytes(b"optimizer")
+    ckpt = commit(root, tmp, 3, {"step": 3, "policy_version": 3}, keep=2)
+    modes = {str(p.relative_to(ckpt.path)): p.stat().st_mode & 0o777 for p in ckpt.path.rglob("*") if p.is_file()}
+    assert "model/model.safetensors" in modes and set(modes.values()) == {plain}, modes
+    assert verify(ckpt) is None

@@ -284,6 +284,10 @@ def test_files_transport_applies_only_complete_versions_and_keeps_the_newest(tin
         sink.publish(trainer_model, v)
     assert sorted(p.name for p in (tmp_path / "w").glob("v*.safetensors")) == ["v2.safetensors", "v3.safetensors"]
     assert (tmp_path / "w" / MARKER).read_text() == "3"
+    # one mode for the folder: safetensors' own temporary file would leave the weights 0600
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "w").iterdir()} == {
+        (tmp_path / "w" / MARKER).stat().st_mode & 0o777
+    }
     assert source.maybe_update(engine_model) == 3
     assert torch.equal(engine_model.model.norm.weight, trainer_model.model.norm.weight)
     assert source.maybe_update(engine_model) is None

@@ -33,8 +33,13 @@ MARKER = "LATEST"
 
 
 def _atomic_write(path: Path, write) -> None:
+    """`write(tmp)`, then `tmp` renamed to `path`, with the mode a plain new file gets here (the
+    LATEST marker's): safetensors writes through its own private temporary file (0600)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.touch()
+    mode = tmp.stat().st_mode & 0o777
     write(tmp)
+    tmp.chmod(mode)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
