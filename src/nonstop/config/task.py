@@ -36,7 +36,20 @@ class TaskConfig(_Section):
     dataset_path: str | None = None
     """JSONL file with one {"prompt": ..., "answer": ...} object per line (task 'jsonl')."""
     reward: str = "exact_match"
-    """'exact_match', 'partial_credit', or 'package.module:function' taking (completion, answer) -> float."""
+    """'exact_match', 'partial_credit', 'last_number', 'math_verify', or 'package.module:function' taking
+    (completion, answer) -> float. Held-out evaluation scores completions with this same reward."""
+    system_prompt: str | None = None
+    """A system message put first in every chat row (rows given as `messages` or as a `prompt` list)
+    that does not start with its own; rendered through the model's chat template (tasks/chat.py)."""
+    chat_strings: bool = False
+    """Render plain string prompts through the model's chat template too, as one user message (with
+    system_prompt). False: string prompts reach the model as they are, as in TRL's standard format."""
+    eval_samples: int = Field(1, ge=1, le=64)
+    """Completions per held-out prompt. 1: one greedy completion each (eval_temperature 0). k > 1: the
+    held-out score is mean@k, the mean reward of k completions sampled at eval_temperature."""
+    eval_temperature: float | None = Field(None, ge=0.0)
+    """Sampling temperature of held-out evaluation. None: 0 (greedy) with eval_samples 1, else
+    rollout.temperature."""
     max_consecutive_reward_failures: int = Field(64, ge=1)
     """Groups in a row whose reward failed (raised or non-finite) before the run stops with the last error."""
     reward_fail_fast: bool = False
@@ -52,6 +65,8 @@ class TaskConfig(_Section):
     def _dataset_needs_path(self) -> "TaskConfig":
         if self.name == "jsonl" and not self.dataset_path:
             raise ValueError("task 'jsonl' needs dataset_path")
+        if self.eval_samples > 1 and self.eval_temperature == 0.0:
+            raise ValueError("task.eval_samples: k > 1 greedy completions are all the same; set eval_temperature > 0")
         if self.eval_path is not None and (self.name != "jsonl" or self.eval_fraction is not None):
             raise ValueError("task.eval_path: held-out rows from a file need task 'jsonl', and no eval_fraction")
         return self

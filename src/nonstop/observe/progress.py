@@ -37,6 +37,8 @@ class Progress:
         self.live: Live | None = None
         self.last_eval: float | None = None
         self.base_eval: float | None = None
+        self.metric = "exact_match"
+        """The held-out score's name (the task's reward), shown beside it."""
         self.engine_frac: float | None = None  # the engines' counters are read every few seconds, not every step
         self._last_plain = 0.0
 
@@ -60,7 +62,7 @@ class Progress:
             "step",
             "version",
             "reward",
-            "held-out acc",
+            f"held-out {self.metric}",
             "samples/s",
             "trainer idle",
             "engine idle",
@@ -101,7 +103,7 @@ class Progress:
             now = time.monotonic()
             if record.eval_accuracy is not None or now - self._last_plain >= 10.0:
                 self._last_plain = now
-                acc = "" if record.eval_accuracy is None else f" held-out {record.eval_accuracy:.1%}"
+                acc = "" if record.eval_accuracy is None else f" held-out {self.metric} {record.eval_accuracy:.1%}"
                 self.log(
                     f"step {record.step:>4} v{record.policy_version} reward {record.reward_mean:.3f}{acc} "
                     f"{record.samples_per_s:.0f} samples/s trainer idle {record.trainer_idle_frac:.0%} "
@@ -117,7 +119,7 @@ class Progress:
 def summary_table(s: "RunSummary") -> Table:
     t = Table(title="nonstop: end of run", show_header=False)
     base, final = s.base_accuracy, s.final_accuracy or 0.0
-    t.add_row("held-out accuracy", f"base {base:.1%} -> final {final:.1%} ({100 * (final - base):+.1f} points)")
+    t.add_row(f"held-out {s.eval_metric}", f"base {base:.1%} -> final {final:.1%} ({100 * (final - base):+.1f} points)")
     if s.resumed_from:  # the RL clock continues across resumes; this command's wall time does not
         t.add_row(
             "wall time",

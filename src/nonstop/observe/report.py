@@ -103,18 +103,19 @@ def zoom_window(tl: Timeline, steps: int = 4) -> tuple[float, float]:
     return train[mid]["t0"] - 0.05 * (train[mid + steps - 1]["t1"] - train[mid]["t0"]), train[mid + steps - 1]["t1"]
 
 
-def fig_rewards(plt, tl: Timeline) -> Figure:
+def fig_rewards(plt, tl: Timeline, metric: str = "exact_match") -> Figure:
+    """`metric`: the held-out score's name (summary.json's eval_metric: the task's reward)."""
     fig, ax = plt.subplots(figsize=(9, 3.2))
     t = [r["time_s"] for r in tl.steps]
     ax.plot(t, [r["reward_mean"] for r in tl.steps], color="#4C72B0", lw=1, label="reward (trained samples)")
     evals = [(r["time_s"], r["eval_accuracy"]) for r in tl.steps if "eval_accuracy" in r]
     evals += [(tl.steps[-1]["time_s"], r["eval_accuracy"]) for r in tl.final_evals if tl.steps]
     if evals:
-        ax.plot(*zip(*evals), "o-", color="#C44E52", label="held-out accuracy")
+        ax.plot(*zip(*evals), "o-", color="#C44E52", label=f"held-out {metric}")
     ax.set_xlabel("RL seconds")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
-    ax.set_title("reward and held-out accuracy")
+    ax.set_title(f"reward and held-out {metric}")
     return fig
 
 
@@ -222,7 +223,10 @@ def _facts(tl: Timeline, run_dir: Path) -> list[tuple[str, str]]:
         s: dict[str, Any] = json.loads(summary_path.read_text())
         final = s.get("final_accuracy")
         facts += [
-            ("held-out accuracy", f"base {s['base_accuracy']:.1%} -> final {'-' if final is None else f'{final:.1%}'}"),
+            (
+                f"held-out {s.get('eval_metric', 'exact_match')}",
+                f"base {s['base_accuracy']:.1%} -> final {'-' if final is None else f'{final:.1%}'}",
+            ),
             ("steps", f"{s['steps']} (policy_version {s['policy_version']})"),
             ("samples/s (summary)", f"{s['samples_per_s']:.1f}"),
         ]
@@ -337,8 +341,10 @@ def render(run_dir: Path | str, out: Path | str | None = None) -> Path:
     png_dir = page.parent / "report"
     png_dir.mkdir(parents=True, exist_ok=True)
     parts = []
+    summary = run_dir / "summary.json"
+    metric = json.loads(summary.read_text()).get("eval_metric", "exact_match") if summary.exists() else "exact_match"
     for name, draw in FIGURES.items():
-        fig = draw(plt, tl)
+        fig = fig_rewards(plt, tl, metric) if draw is fig_rewards else draw(plt, tl)
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
         plt.close(fig)

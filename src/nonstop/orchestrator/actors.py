@@ -26,6 +26,7 @@ from nonstop.clients import EngineClient, TrainerClient
 from nonstop.config import Config, FilesTransportConfig
 from nonstop.config.sizing import wire_dtype
 from nonstop.engine.worker import EngineWorker
+from nonstop.hf import stop_token_ids
 from nonstop.observe.spans import span_path
 from nonstop.orchestrator.dispatch import RankGroup
 from nonstop.runtime import ActorBackend
@@ -65,7 +66,7 @@ async def spawn_engine(
             actor_names(prefix, cfg.max_engines)[i],
             worker,
             str(weights),
-            [tok.eos_token_id],
+            stop_token_ids(tok, weights),
             tok.pad_token_id,
             cfg.run.seed + i,
             initial_version=version0,

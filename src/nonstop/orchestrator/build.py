@@ -40,14 +40,15 @@ from nonstop.orchestrator.run import Run, RunState
 from nonstop.runtime import ActorBackend
 from nonstop.runtime.restart import RestartingEngine
 from nonstop.scoring.build import build_scorer
-from nonstop.scoring.rewards import RewardFn
-from nonstop.tasks.codec import Codec
+from nonstop.scoring.rewards import RewardFn, resolve_reward
+from nonstop.tasks.codec import Codec, HeldOut
 from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
 
 
 def screen(cfg: Config, data: TaskData, codec: Codec, model_weights: Path, progress: Progress) -> None:
     """Skip prompts too long for the model's context with room for the completion (in an environment
-    run: for one turn within env.max_episode_tokens, which counts the prompt too)."""
+    run: for one turn within env.max_episode_tokens, which counts the prompt too). Chat rows were
+    rendered through the template before (orchestrator/fit.py)."""
     positions = max_positions(model_weights)
     if cfg.env is not None:
         room = min(positions, cfg.env.max_episode_tokens) - cfg.env.turn_max_tokens
@@ -155,4 +156,15 @@ async def build_run(
         EnvRun.build(cfg.env, weights) if cfg.env is not None else None,
         policies,
         join=join if cfg.max_engines > num_engines else None,
+        held_out=held_out(cfg, reward),
     )
+
+
+def held_out(cfg: Config, reward: RewardFn | None) -> HeldOut:
+    """Held-out scoring by the run's own reward (the Python callable from nonstop.api, else task.reward)."""
+    t = cfg.task
+    temperature = t.eval_temperature
+    if temperature is None:
+        temperature = 0.0 if t.eval_samples == 1 else cfg.rollout.temperature
+    fn = reward if reward is not None else resolve_reward(t.reward)
+    return HeldOut(fn, t.reward, t.eval_samples, temperature)

@@ -4,12 +4,14 @@
 before it makes the run folder (and again on resume, where defaults resolve afresh from the
 run's config.yaml):
 
-1. the longest prompt the run admits: every train and held-out prompt tokenised with the
+1. chat rows rendered through the model's chat template (tasks/chat.py), so that every later
+   step measures and encodes the text the model will see;
+2. the longest prompt the run admits: every train and held-out prompt tokenised with the
    policy's tokenizer, those over the screening limit left out (task.max_prompt_tokens, else
    the model's positions minus the completion's tokens: the rule build.screen applies);
-2. the need-dependent defaults resolved (config/sizing.py): engine.max_seq_len,
+3. the need-dependent defaults resolved (config/sizing.py): engine.max_seq_len,
    engine.max_concurrent_seqs, engine.vllm.max_model_len, trainer.lr;
-3. the memory plan (config/memory.py) of that resolved config, checked: a run that cannot fit
+4. the memory plan (config/memory.py) of that resolved config, checked: a run that cannot fit
    raises ConfigError naming the field to change. With engine.kind vllm, a KV reserve smaller
    than one sequence of max_model_len is refused too (vLLM's own error comes only after it
    loaded the model).
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nonstop.config import Config, ConfigError
 from nonstop.config.machine import GIB, MachineMemory, machine_memory
 from nonstop.config.memory import VLLM_BYTES, MemoryPlan, plan_memory, size
 from nonstop.config.shape import ModelShape, shape_of
 from nonstop.config.sizing import size_run, vllm_dtype
+from nonstop.tasks.chat import render_chat
 
 if TYPE_CHECKING:
     from nonstop.tasks.data import TaskData
@@ -52,17 +55,15 @@ def longest_prompt(cfg: Config, data: TaskData, encode, max_positions: int) -> i
     return max(admitted) if admitted else limit
 
 
-def _encoder(cfg: Config, model_dir: Path | None):
-    """Batch tokenisation with the policy's tokenizer: a list of texts -> a list of id lists."""
+def _tokenizer(model_dir: Path | None) -> Any:
+    """The policy's tokenizer: the model folder's, or the built-in tiny model's."""
     if model_dir is not None:
         from nonstop.hf import load_tokenizer
 
-        tok = load_tokenizer(str(model_dir))
-    else:
-        from nonstop.tasks.tiny import make_char_tokenizer
+        return load_tokenizer(str(model_dir))
+    from nonstop.tasks.tiny import make_char_tokenizer
 
-        tok = make_char_tokenizer()
-    return lambda texts: tok(texts)["input_ids"]
+    return make_char_tokenizer()
 
 
 def check_vllm_kv(cfg: Config, shape: ModelShape, machine_total: int) -> None:
@@ -97,7 +98,12 @@ def fit_run(cfg: Config, data: TaskData, model_dir: Path | None = None, machine:
         model_dir = resolve_model_path(cfg.model.path)
     machine = machine or machine_memory()
     shape = shape_of(cfg, model_dir)
-    longest = 0 if cfg.env is not None else longest_prompt(cfg, data, _encoder(cfg, model_dir), shape.max_positions)
+    tok = _tokenizer(model_dir)
+    t = cfg.task
+    if cfg.env is None:  # chat rows become prompt text before any prompt is measured or encoded
+        render_chat(data, tok, t.system_prompt, t.chat_strings, t.on_bad_row)
+    encode = lambda texts: tok(texts)["input_ids"]  # noqa: E731
+    longest = 0 if cfg.env is not None else longest_prompt(cfg, data, encode, shape.max_positions)
     sized = size_run(cfg, shape, longest, machine.total, warmed_up=builds_warmup_base(cfg))
 
     def folder_of(path: str, field: str) -> Path:

@@ -7,8 +7,8 @@ runs many groups at once and holds admission while too many wait for it), and ha
 the buffer (or drop it, counted and settled, when its reward failed or when all its samples
 scored the same and the run filters such groups). When the stream is exhausted it closes the
 buffer. `Production` holds what both producers (this one and episode_flow.produce_episodes)
-share; pipeline.py builds it once per run. `evaluate(...)` measures greedy exact-match accuracy
-on held-out prompts with the engine's current weights (tasks/codec.py).
+share; pipeline.py builds it once per run. `evaluate(...)` scores held-out prompts with the engine's
+current weights by the task's reward (greedy by default, or mean@k; tasks/codec.py HeldOut).
 
 With a `seed` (rollout.seed_per_prompt), each group's request carries `draw_seed(seed, epoch,
 prompt index)` and the engine seeds completion i with it + i: what a prompt's completions are
@@ -32,7 +32,7 @@ from nonstop.orchestrator.buffer import Intake
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.orchestrator.records import Vitals
 from nonstop.scoring.base import Scorer
-from nonstop.tasks.codec import Codec, exact_match_accuracy, greedy_requests
+from nonstop.tasks.codec import Codec, HeldOut, eval_requests
 from nonstop.tasks.data import Draw, Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 
@@ -216,6 +216,8 @@ async def admit_and_run(
     await buffer.close()
 
 
-async def evaluate(engine: EngineClient, examples: list[Example], codec: Codec, max_new_tokens: int) -> float:
-    results = await engine.generate(greedy_requests(examples, codec, max_new_tokens))
-    return exact_match_accuracy(results, examples, codec)
+async def evaluate(
+    engine: EngineClient, examples: list[Example], codec: Codec, max_new_tokens: int, held_out: HeldOut
+) -> float:
+    requests = eval_requests(examples, codec, max_new_tokens, held_out.samples, held_out.temperature)
+    return await held_out.score(await engine.generate(requests), examples, codec)

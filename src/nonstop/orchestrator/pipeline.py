@@ -239,9 +239,9 @@ async def begin(run: Run, resume: Checkpoint | None, started_s: float | None = N
         await restore_engines(run, resume)
     else:
         run.state.base_accuracy = await run.eval()
-        run.progress.log(
-            f"base policy held-out accuracy: {run.state.base_accuracy:.1%} on {len(run.data.eval)} prompts"
-        )
+        how = "" if run.held_out is None or run.held_out.samples == 1 else f" (mean@{run.held_out.samples})"
+        n = len(run.data.eval)
+        run.progress.log(f"base policy held-out {run.eval_metric}{how}: {run.state.base_accuracy:.1%} on {n} prompts")
         run.state.clock = Clock()
     total, wall = run.cfg.run.max_total_s, run.state.clock.wall()
     elapsed_s = time.perf_counter() - started_s if started_s is not None else 0.0
@@ -260,6 +260,7 @@ async def begin(run: Run, resume: Checkpoint | None, started_s: float | None = N
         **host_cpus(run.cfg),
     )
     run.progress.base_eval = run.state.base_accuracy
+    run.progress.metric = run.eval_metric
 
 
 async def summarize(
@@ -277,6 +278,8 @@ async def summarize(
         trainer_crc, engine_crcs = await asyncio.gather(run.trainer.weights_crc32(), run.engine.weights_crc32())
         weights = {"trainer": list(trainer_crc), "engines": [list(d) for d in engine_crcs]}
     return RunSummary(
+        eval_metric=run.eval_metric,
+        eval_samples=run.held_out.samples if run.held_out is not None else 1,
         base_accuracy=run.state.base_accuracy,
         final_accuracy=last.eval_accuracy if last else None,
         steps=last.step if last else 0,

@@ -174,6 +174,7 @@ class StepRecord:
 @dataclass
 class RunSummary:
     base_accuracy: float
+    """The base policy's held-out score, by `eval_metric` (the name keeps scripts reading the file working)."""
     final_accuracy: float | None
     steps: int
     policy_version: int
@@ -208,6 +209,11 @@ class RunSummary:
     # transport.checksum: [policy_version, CRC32] of the trainer's final weights and of each engine's
     weights_crc32: dict[str, Any] | None = None
     engine_joins: list[dict] = field(default_factory=list)  # runtime.max_engines: each joined engine, when
+    eval_metric: str = "exact_match"
+    """What base_accuracy and final_accuracy measure: the task's reward on held-out completions (its name),
+    'success' in an environment run."""
+    eval_samples: int = 1
+    """Completions per held-out prompt: 1 greedy, k > 1 mean@k sampled (task.eval_samples)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

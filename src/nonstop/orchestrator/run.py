@@ -8,7 +8,8 @@ them (the RL clock, the base accuracy, the first step, the last checkpoint, the 
 resume (recovery.py) sets it and the learning loop (learn.py) advances it.
 
 Evaluation lives here because every part that measures a policy measures it the same way:
-greedy exact match on the held-out prompts, or in an environment run the success rate of one
+the task's reward on greedy (or mean@k sampled) completions of the held-out prompts
+(`held_out`, tasks/codec.py HeldOut), or in an environment run the success rate of one
 sampled episode per held-out row, for the shared policy (`eval`) and for each role's own
 (`eval_own`).
 
@@ -41,7 +42,8 @@ from nonstop.orchestrator.ledger import Ledger
 from nonstop.orchestrator.policies import Policies
 from nonstop.runtime.restart import RestartingEngine
 from nonstop.scoring.base import Scorer
-from nonstop.tasks.codec import Codec
+from nonstop.scoring.rewards import exact_match
+from nonstop.tasks.codec import Codec, HeldOut
 from nonstop.tasks.data import PromptStream, TaskData
 from nonstop.types import SamplingParams, TransportHandle
 
@@ -91,12 +93,22 @@ class Run:
     agents: AgentEndpoint | None = None  # agents over the API (cfg.agents; orchestrator/agents.py)
     join: Callable[[int], Awaitable[RestartingEngine]] | None = None
     """Starts engine i past runtime.num_engines (runtime.max_engines; grow.py adds it to the pool)."""
+    held_out: HeldOut | None = None
+    """How held-out completions are scored (the task's reward, under its name); None: exact match."""
+
+    @property
+    def eval_metric(self) -> str:
+        """The name the held-out score goes by in progress lines, summary.json and the report."""
+        if self.envs is not None:
+            return "success"
+        return self.held_out.metric if self.held_out is not None else "exact_match"
 
     async def eval(self) -> float:
-        """Greedy exact-match accuracy; in an environment run, the success rate of sampled episodes."""
+        """The held-out score by the task's reward; in an environment run, the success rate of sampled episodes."""
         if self.envs is not None:
             return await self._eval_episodes(self.engine)
-        return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens)
+        held_out = self.held_out or HeldOut(exact_match, "exact_match")
+        return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens, held_out)
 
     async def eval_own(self) -> dict[str, float]:
         """Each own policy's held-out score (env.policies), measured like the shared policy's on its

@@ -4,16 +4,18 @@ A reward function maps (completion_text, answer) to a float (it may also take th
 the row's extra fields by keyword: calls.py). Built-ins: `exact_match` (1.0 when the
 completion, stripped of whitespace, equals the answer; when the answer is a worked solution ending
 in GSM8K's '#### <final answer>', when the completion has the marker and the same final answer)
-and `partial_credit` (exact match scores 1.0; otherwise 0.5 x the fraction of answer characters
-right in place). Users name their own as 'package.module:function'. The scoring stage that calls
-them, concurrently with generation and training, is stage.py; `resolve_reward` is the one place a
-name becomes a function (the config check, the stage, the process pool's workers, the reference
-loop).
+`partial_credit` (exact match scores 1.0; otherwise 0.5 x the fraction of answer characters
+right in place) and `last_number` (1.0 when the last number in the completion equals the
+answer's number: how chat models' rambling answers are scored, "7 + 5 = 12." scores 1 for
+"12"). Users name their own as 'package.module:function'. The scoring stage that calls them,
+concurrently with generation and training, is stage.py; `resolve_reward` is the one place a name
+becomes a function (the config check, the stage, the process pool's workers, the reference loop).
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 
 from nonstop.config.specs import import_callable
@@ -49,7 +51,36 @@ def partial_credit(completion: str, answer: str) -> float:
     return 0.5 * right / max(len(want), 1)
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "partial_credit": partial_credit}
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number_text(text: str) -> str | None:
+    """The last number written in `text`, thousands separators dropped ("1,024" -> "1024"); None if none."""
+    found = NUMBER.findall(text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def last_number(completion: str, answer: str) -> float:
+    want = last_number_text(final_answer(answer) or answer)
+    got = last_number_text(completion)
+    if want is None or got is None:
+        return 0.0
+    a, b = _as_number(got), _as_number(want)
+    return 1.0 if a is not None and a == b else 0.0
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "partial_credit": partial_credit,
+    "last_number": last_number,
+}
 
 
 OPTIONAL_REWARDS = {"math_verify": "nonstop.scoring.math"}  # built-ins whose package is an optional extra

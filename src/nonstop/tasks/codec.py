@@ -1,18 +1,22 @@
-"""Text <-> token ids at the orchestrator, and the held-out accuracy every part measures alike.
+"""Text <-> token ids at the orchestrator, and the held-out score every part measures alike.
 
 Engines work token-in, token-out; `Codec` is the one place prompts become ids and completions
-text (the producers, the episode runner, evaluation, the warm-up). `greedy_requests` and
-`exact_match_accuracy` are the held-out evaluation: one greedy completion per prompt, scored by
-the built-in `exact_match` reward. The pipeline's evaluation (orchestrator/generate.py) and the
-warm-up's accuracy gate (tasks/warmup.py) both use them, so a base policy's gate accuracy and
-the run's base accuracy are the same measurement.
+text (the producers, the episode runner, evaluation, the warm-up). `eval_requests` and
+`HeldOut.score` are the held-out evaluation: by default one greedy completion per prompt, scored
+by the task's own reward (so a chat model that answers "59 + 63 = 122." scores what training
+rewards, not an exact match of the whole text), or mean@k of k completions sampled at a
+temperature. `greedy_requests` and `exact_match_accuracy` are the warm-up's accuracy gate
+(tasks/warmup.py): the built-in tiny model trained on exact answers, where the default reward is
+exact match, so the gate's accuracy and the run's base score are the same measurement.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from nonstop.scoring.calls import Failure, RewardRow, evaluate
 from nonstop.scoring.rewards import exact_match
 from nonstop.tasks.data import Example
 from nonstop.types import GenerationRequest, Sample, SamplingParams
@@ -57,3 +61,37 @@ def exact_match_accuracy(results: list[list[Sample]], examples: list[Example], c
     """The fraction of examples whose first completion matches the answer exactly (0.0 for none)."""
     right = sum(exact_match(codec.decode(r[0].completion_ids), ex.answer) for r, ex in zip(results, examples))
     return right / max(len(examples), 1)
+
+
+def eval_requests(
+    examples: list[Example], codec: Codec, max_new_tokens: int, samples: int = 1, temperature: float = 0.0
+) -> list[GenerationRequest]:
+    """`samples` completions per example at `temperature` (0: greedy), its index as the request id."""
+    params = SamplingParams(max_new_tokens, temperature)
+    return [GenerationRequest(i, codec.encode(ex.prompt), samples, params) for i, ex in enumerate(examples)]
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """How held-out completions are scored: the task's reward function, under its name.
+
+    `score` is the mean reward over every completion (mean@k with k completions a prompt); a reward
+    that raised or returned a non-number scores 0 for that completion and is counted in `failures`."""
+
+    reward: Callable[..., Any]
+    metric: str
+    samples: int = 1
+    temperature: float = 0.0
+    failures: list[int] = field(default_factory=lambda: [0])
+
+    async def score(self, results: list[list[Sample]], examples: list[Example], codec: Codec) -> float:
+        total, count = 0.0, 0
+        for completions, ex in zip(results, examples):
+            rows = [RewardRow(ex.prompt, codec.decode(s.completion_ids), ex.answer, ex.extra) for s in completions]
+            for outcome in await evaluate("sample", self.reward, rows):
+                if isinstance(outcome, Failure) or not isinstance(outcome, float):
+                    self.failures[0] += 1
+                else:
+                    total += outcome
+                count += 1
+        return total / max(count, 1)

@@ -1,6 +1,9 @@
 """Prompt sources: the built-in addition task and JSONL datasets.
 
 A task yields `Example(index, prompt, answer)` rows split into train and held-out (eval) sets.
+A row's prompt is a string, or chat messages (a `messages` list of role/content objects, or TRL's
+conversational `prompt` list): those are kept as `Example.messages` and rendered through the
+model's chat template once its tokenizer is known (tasks/chat.py), before any prompt is encoded.
 The addition task enumerates every pair (a, b) in 0..max_operand, zero-pads operands so that
 all prompts share one length ("07+45=" -> "52"; with `pad_answer` answers share one length too:
 "052"), shuffles with `task.split_seed` (not the run's seed: every run measures the same
@@ -34,9 +37,36 @@ class Example:
     answer: str
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """The row's other fields (a JSONL object's keys besides prompt and answer), for reward functions."""
+    messages: Messages | None = field(default=None, compare=False, hash=False)
+    """The row's chat messages, when it gave them instead of a prompt string: `prompt` is then their
+    JSON until tasks/chat.py renders them through the model's chat template."""
 
 
-Row = tuple[str, str] | tuple[str, str, dict[str, Any]]  # (prompt, answer[, extra fields])
+Messages = tuple[dict[str, str], ...]
+"""Chat messages, each {"role": ..., "content": ...} (strings), in order."""
+
+Prompt = str | Messages
+Row = tuple[Prompt, str] | tuple[Prompt, str, dict[str, Any]]  # (prompt, answer[, extra fields])
+
+
+def make_example(index: int, row: Row) -> Example:
+    """The Example of a checked row: chat messages kept apart, their JSON standing in as the prompt."""
+    prompt, answer, *extra = row
+    if isinstance(prompt, tuple):
+        return Example(index, json.dumps(prompt), answer, *extra, messages=prompt)
+    return Example(index, prompt, answer, *extra)
+
+
+def check_messages(value: object) -> Messages | str:
+    """Chat messages as a tuple of {"role", "content"} dicts, or what is wrong with them in words."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return "chat messages must be a non-empty list of {'role': ..., 'content': ...} objects"
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {i} must be an object with string 'role' and 'content', got {str(m)[:80]!r}"
+        out.append({"role": m["role"], "content": m["content"]})
+    return tuple(out)
 
 
 @dataclass
@@ -65,16 +95,28 @@ def addition_examples(max_operand: int, pad_answer: bool = False) -> list[Row]:
 
 
 def check_row(row: object) -> Row | str:
-    """A row's (prompt, answer), or what is wrong with it in words."""
+    """A row's (prompt, answer[, extra]), or what is wrong with it in words. The prompt is a string,
+    or chat messages given as `messages` or as a list in `prompt` (TRL's conversational format)."""
     if not isinstance(row, dict):
         return "not a JSON object"
-    missing = [k for k in ("prompt", "answer") if k not in row]
+    chat = "messages" in row and "prompt" not in row
+    missing = [k for k in ("messages" if chat else "prompt", "answer") if k not in row]
     if missing:
         return f"missing field(s) {', '.join(missing)}"
-    if not isinstance(row["prompt"], str) or not isinstance(row["answer"], str):
-        return "'prompt' and 'answer' must be strings"
-    extra = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
-    return (row["prompt"], row["answer"], extra) if extra else (row["prompt"], row["answer"])
+    if not isinstance(row["answer"], str):
+        return "'prompt' and 'answer' must be strings" + (" (or 'prompt' a list of chat messages)" if not chat else "")
+    prompt: Prompt
+    if chat or isinstance(row["prompt"], list):
+        messages = check_messages(row["messages"] if chat else row["prompt"])
+        if isinstance(messages, str):
+            return f"'{'messages' if chat else 'prompt'}': {messages}"
+        prompt = messages
+    elif isinstance(row["prompt"], str):
+        prompt = row["prompt"]
+    else:
+        return "'prompt' and 'answer' must be strings (or 'prompt' a list of chat messages)"
+    extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "messages" if chat else "prompt")}
+    return (prompt, row["answer"], extra) if extra else (prompt, row["answer"])
 
 
 def read_jsonl(path: str | Path) -> tuple[list[Row], DatasetReport]:
@@ -131,7 +173,7 @@ def split_examples(
         f"held out {n_eval} of {len(pairs)} rows ({how}; task.eval_size, task.eval_fraction "
         "or task.eval_path choose the split)"
     )
-    examples = [Example(i, *pairs[i]) for i in order]
+    examples = [make_example(i, pairs[i]) for i in order]
     return TaskData(train=examples[n_eval:], eval=examples[:n_eval], report=report)
 
 
@@ -173,8 +215,8 @@ def joined_splits(
     report.problems += held_report.problems
     report.held_out = f"held out the {len(held)} rows of {source}; all {len(pairs)} dataset rows train"
     return TaskData(
-        train=[Example(i, *p) for i, p in enumerate(pairs)],
-        eval=[Example(len(pairs) + j, *p) for j, p in enumerate(held)],
+        train=[make_example(i, p) for i, p in enumerate(pairs)],
+        eval=[make_example(len(pairs) + j, p) for j, p in enumerate(held)],
         report=report,
     )
 
