@@ -99,7 +99,13 @@ def test_yaml11_words_stay_strings_for_enums_and_work_for_booleans(tmp_path):
 
 
 def test_example_configs_validate():
-    examples = sorted([*(ROOT / "examples").glob("*.yaml"), *(ROOT / "examples" / "api_agent").glob("*.yaml")])
+    examples = sorted(
+        [
+            *(ROOT / "examples").glob("*.yaml"),
+            *(ROOT / "examples" / "api_agent").glob("*.yaml"),
+            *(ROOT / "examples" / "smollm2").glob("*.yaml"),
+        ]
+    )
     assert examples
     for path in examples:
         load_config(path, ["model.path=x"] if "own_model" in path.name else [])
