@@ -54,13 +54,28 @@ def assert_epoch_consumed_exactly_once(run_dir: Path) -> dict:
     ledger = summary["prompts"]
     assert ledger["duplicated"] == 0 and ledger["unknown"] == 0, ledger
     assert ledger["in_flight"] == 0 and ledger["settled"] == TRAIN_PROMPTS, ledger
-    # independently: the last record of each step (a resumed run repeats the steps after its checkpoint)
+    # independently: the record of each step (a resume sets aside those of the steps it trains again)
     by_step = {r["step"]: r for r in records(run_dir) if "prompts" in r}
     trained = [tuple(p) for r in by_step.values() for p in r["prompts"]]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     dropped = sum(summary["drops"].values())
     assert len(trained) + dropped == TRAIN_PROMPTS, (len(trained), summary["drops"])
     return summary
+
+
+def assert_rolled_back_set_aside(run_dir: Path, before: list[str], resumed_at: int) -> int:
+    """After a resume from step `resumed_at`: metrics.jsonl holds each step once, in order; the
+    records of the steps after it that the first session wrote are in metrics.rolled_back.jsonl,
+    as they were; every line written before the resume is in one of the two. Returns how many
+    were set aside."""
+    steps = [r["step"] for r in records(run_dir) if not r.get("final_eval")]
+    assert steps == sorted(set(steps)), steps
+    side_path = run_dir / "metrics.rolled_back.jsonl"
+    side = side_path.read_text().splitlines() if side_path.exists() else []
+    assert [line for line in before if json.loads(line)["step"] > resumed_at] == side
+    kept = set((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert all(line in kept or line in side for line in before)
+    return len(side)
 
 
 def test_sigkilled_engine_is_restarted_and_no_prompt_is_lost(tiny_dir, tmp_path):
@@ -113,6 +128,7 @@ def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token
     assert first.returncode == 1, first.stdout + first.stderr
     run_dir = tmp_path / "runs" / "crash"
     assert "the trainer failed" in first.stdout and f"--resume {run_dir.resolve()}" in first.stdout
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
     resumed = nonstop(["train", "--resume", str(Path("runs") / "crash")], cwd=tmp_path, timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
@@ -130,6 +146,7 @@ def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token
     assert at is not None and 0 < int(at.group(1)) < max(ref_steps), (
         resumed.stdout
     )  # some steps were generated again after the resume
+    assert_rolled_back_set_aside(run_dir, before, int(at.group(1)))
 
 
 @pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
@@ -144,6 +161,7 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path)
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
     resumed = nonstop(
         ["train", "--resume", str(Path("runs") / "corrupt"), "--set", "run.max_steps=8"], cwd=tmp_path, timeout_s=400
     )
@@ -152,6 +170,7 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path)
     assert "resumed from" in resumed.stdout and "step 4," in resumed.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["prompts"]["duplicated"] == 0
+    assert assert_rolled_back_set_aside(run_dir, before, 4) >= 2  # steps 5 and 6, which the fallback trained again
 
 
 @pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer

@@ -16,6 +16,7 @@ from nonstop.checkpoint import (
     write_policy_version,
 )
 from nonstop.hf import load_model
+from nonstop.orchestrator.recovery import ROLLED_BACK, set_aside_rolled_back
 
 
 def _write(root, step, keep=3, payload=b"weights"):
@@ -94,3 +95,20 @@ def test_every_file_of_a_checkpoint_and_a_saved_model_has_one_mode(tiny_dir, tmp
     modes = {str(p.relative_to(ckpt.path)): p.stat().st_mode & 0o777 for p in ckpt.path.rglob("*") if p.is_file()}
     assert "model/model.safetensors" in modes and set(modes.values()) == {plain}, modes
     assert verify(ckpt) is None
+
+
+def test_a_resume_sets_the_rolled_back_steps_aside_and_loses_no_line(tmp_path):
+    """Resumed from step 4 of a session that reached step 6 (and was cut mid-line): metrics.jsonl
+    keeps steps 1-4, the side file gets 5, 6 and the cut line as they were; a second fallback, to
+    step 2, appends 3 and 4."""
+    lines = [json.dumps({"step": s, "reward_mean": s / 10}) for s in range(1, 7)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(lines) + '\n{"step": 7, "rew')
+    assert set_aside_rolled_back(tmp_path, 4) == 3
+    assert metrics.read_text().splitlines() == lines[:4]
+    assert (tmp_path / ROLLED_BACK).read_text().splitlines() == [*lines[4:], '{"step": 7, "rew']
+    assert set_aside_rolled_back(tmp_path, 4) == 0  # nothing after step 4 now
+    assert set_aside_rolled_back(tmp_path, 2) == 2
+    assert metrics.read_text().splitlines() == lines[:2]
+    assert (tmp_path / ROLLED_BACK).read_text().splitlines() == [*lines[4:], '{"step": 7, "rew', *lines[2:4]]
+    assert set_aside_rolled_back(tmp_path / "no-run", 2) == 0

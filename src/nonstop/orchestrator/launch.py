@@ -196,6 +196,7 @@ def _run(
     from nonstop.checkpoint import latest_valid
     from nonstop.observe.progress import Progress
     from nonstop.orchestrator.pipeline import train
+    from nonstop.orchestrator.recovery import ROLLED_BACK, set_aside_rolled_back
     from nonstop.runtime.oom import remember_plan
     from nonstop.tasks.base import prepare_base_model
 
@@ -232,6 +233,12 @@ def _run(
         else:
             ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
             base = Path(ckpt.state["base_model"])
+            moved = set_aside_rolled_back(run_dir, ckpt.step)
+            if moved:
+                progress.log(
+                    f"metrics.jsonl: {moved} lines after step {ckpt.step} (those steps are trained again) "
+                    f"moved to {ROLLED_BACK}"
+                )
         base = base.resolve()  # every path an actor opens is absolute: a Ray worker's cwd is its node's
         warmup_s = time.perf_counter() - t0
         try:

@@ -14,6 +14,10 @@ learning loop starts at step + 1. `restore_engines(run, ckpt)` hands each engine
 sampling generator state, so the random stream continues instead of replaying the run's first
 draws (token-for-token repetition needs rollout.seed_per_prompt: the noise a completion gets
 from a shared stream depends on how requests happened to share decode passes).
+
+`set_aside_rolled_back(run_dir, step)`, before a resumed run opens metrics.jsonl, moves the
+records of the steps after its checkpoint (trained again from there) to metrics.rolled_back.jsonl,
+so metrics.jsonl holds each step once, the one that counts, and nothing is lost.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
+import os
 import time
+from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint, commit, staging_dir
 from nonstop.observe.clock import Clock
@@ -121,3 +128,40 @@ async def restore_engines(run: Run, ckpt: Checkpoint) -> None:
         )
         return
     await run.engine.load_sampling_states(states)
+
+
+ROLLED_BACK = "metrics.rolled_back.jsonl"
+
+
+def set_aside_rolled_back(run_dir: Path, step: int) -> int:
+    """Move metrics.jsonl's lines of steps after `step` (a resume's checkpoint: those steps are
+    trained again) to ROLLED_BACK, appended as they were; returns how many moved. A line cut short
+    by a crash moves too: the next record would be appended onto it. The side file is written and
+    synced before metrics.jsonl is replaced, so a crash in between repeats lines, never loses one."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    keep: list[str] = []
+    moved: list[str] = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            r = None
+        counts = isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] <= step
+        (keep if counts else moved).append(line + "\n")
+    if not moved:
+        return 0
+    with (run_dir / ROLLED_BACK).open("a") as f:
+        f.writelines(moved)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(moved)
