@@ -52,7 +52,7 @@ TRL_EVAL_EVERY = 5
 
 
 def rss_tree(pid: int) -> int:
-    import psutil
+    import psutil  # type: ignore[import-untyped]  # ray's dependency, no stubs installed
 
     try:
         root = psutil.Process(pid)
@@ -190,11 +190,11 @@ def trl_child(out: Path, seed: int, minutes: float, lr: float) -> None:
         curve.append((at, acc))
 
     class Curve(TrainerCallback):
-        def on_train_begin(self, a, state, control, **kw):
+        def on_train_begin(self, args, state, control, **kwargs):
             t_start[0] = time.perf_counter()
             timed_eval()
 
-        def on_step_end(self, a, state, control, **kw):
+        def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % TRL_EVAL_EVERY == 0:
                 timed_eval()
             if clock() >= minutes * 60:

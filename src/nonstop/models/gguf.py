@@ -58,7 +58,7 @@ def _require_gguf() -> None:
 def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> Path:
     """Dequantize `gguf_path` into a model folder at `out_dir` (replaced atomically); returns it."""
     _require_gguf()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from nonstop.hf import quiet_transformers
 
@@ -77,7 +77,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
     shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    generation = loaded.generation_config if loaded.generation_config is not None else GenerationConfig()
+    generation = loaded.generation_config
     if generation.eos_token_id is None and tokenizer.eos_token_id is not None:
         generation.eos_token_id = tokenizer.eos_token_id
     generation.save_pretrained(tmp)

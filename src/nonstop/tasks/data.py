@@ -51,10 +51,11 @@ Row = tuple[Prompt, str] | tuple[Prompt, str, dict[str, Any]]  # (prompt, answer
 
 def make_example(index: int, row: Row) -> Example:
     """The Example of a checked row: chat messages kept apart, their JSON standing in as the prompt."""
-    prompt, answer, *extra = row
+    prompt, answer = row[0], row[1]
+    extra: dict[str, Any] = row[2] if len(row) > 2 else {}
     if isinstance(prompt, tuple):
-        return Example(index, json.dumps(prompt), answer, *extra, messages=prompt)
-    return Example(index, prompt, answer, *extra)
+        return Example(index, json.dumps(prompt), answer, extra, messages=prompt)
+    return Example(index, prompt, answer, extra)
 
 
 def check_messages(value: object) -> Messages | str:

@@ -95,4 +95,4 @@ def long_rollout_rows(n: int = ROWS, seed: int = ROWS_SEED) -> list[Row]:
 
 def corpus(rows: list[Row]) -> list[str]:
     """Prompt + solution texts, what the BPE tokenizer is trained on."""
-    return [r[0] + r[1] for r in rows]
+    return [str(r[0]) + r[1] for r in rows]  # the task's prompts are strings
