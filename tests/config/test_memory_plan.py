@@ -127,8 +127,9 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
         ("trainer", "optimizer"): 2 * params * 4,  # AdamW: two float32 states
         ("trainer", "step temporaries"): params * 4,  # and one parameter-sized temporary in its step
         ("trainer", "embedding gradient"): 128 * 32 * 4,  # tied: the input embedding's dense gradient
-        # + every row's logits kept for backward, one chunk's gradient and a copy (8 rows of 3 tokens), float32
-        ("trainer", "activations"): tokens * 1 * (6 * 32 + 2 * 16 + 4 * 64) * 4 + (8 + 2 * 8) * 3 * 128 * 4,
+        # + one chunk's logits (recomputed in the backward), its gradient and the matmuls' operands (8 rows
+        # of 3 tokens), float32
+        ("trainer", "activations"): tokens * 1 * (6 * 32 + 2 * 16 + 4 * 64) * 4 + 3 * 8 * 3 * 128 * 4,
         ("trainer", "runtime"): 300 * 1024**2,
         ("orchestrator", "runtime"): 400 * 1024**2,
         ("shm segment", "slots"): (1 + 2) * params * 4,  # N + 2 slots of the float32 weights
@@ -139,6 +140,25 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
     record = fitted.plan.to_dict()
     assert record["fits"] and record["total_bytes"] == fitted.plan.total
     assert any(n.startswith("engine.max_seq_len: 9 (longest prompt 6") for n in record["resolved"])
+    # the whole batch is one forward: its 48 tokens' activations fit a quarter of the 64 GiB machine
+    assert fitted.cfg.trainer.micro_batch_tokens == tokens
+    assert any(n.startswith("trainer.micro_batch_tokens: 48 (the whole batch's forward") for n in record["resolved"])
+
+
+def test_micro_batches_and_activation_checkpointing_bound_the_plan_s_activations(tiny_dir):
+    """trainer.micro_batch_tokens 12 of the batch's 48 forward tokens: the plan counts 12 tokens and
+    the share of the rows they hold (8 x 12 / 48 = 2); with activation checkpointing each token keeps
+    one hidden vector per layer (1 x 32) plus one layer's values (480)."""
+    cfg, data = small_run(tiny_dir, "trainer.micro_batch_tokens=12")
+    fitted = fit_run(cfg, data, machine=BIG_MACHINE)
+    items = {(p.name, i.name): i for p in fitted.plan.procs for i in p.items}
+    act = items[("trainer", "activations")]
+    assert act.bytes == 12 * 480 * 4 + 3 * 2 * 3 * 128 * 4
+    assert "12 tokens of one micro-batch" in act.detail and act.field == "trainer.micro_batch_tokens"
+    assert "trainer.micro_batch_tokens: 12 (set; 4 micro-batches of the batch's 48 tokens at most)" in fitted.plan.notes
+    cfg, data = small_run(tiny_dir, "trainer.micro_batch_tokens=12", "trainer.activation_checkpointing=true")
+    items = {(p.name, i.name): i for p in fit_run(cfg, data, machine=BIG_MACHINE).plan.procs for i in p.items}
+    assert items[("trainer", "activations")].bytes == 12 * (1 * 32 + 480) * 4 + 3 * 2 * 3 * 128 * 4
 
 
 def test_lora_plans_adapter_gradients_and_slots(tiny_dir):
@@ -273,12 +293,64 @@ def test_a_small_memory_limit_is_refused_with_the_largest_part(half_b_dir):
     with pytest.raises(ConfigError) as err:
         fit_run(cfg, run_rows(cfg))
     assert str(err.value).startswith(
-        "model.lora.enabled: the run's memory plan needs 22.0 GiB but 8.0 GiB is available (run.memory_limit_gib); "
+        # the trainer's activations: micro-batches of 891 tokens (a quarter of 8 GiB), one chunk of logits
+        "model.lora.enabled: the run's memory plan needs 20.8 GiB but 8.0 GiB is available (run.memory_limit_gib); "
         "the largest part is the shm segment's slots, 5.5 GiB ((1 engines + 2) slots x 1.8 GiB sent)"
     )
     lora = load_config(cfg, ["model.lora.enabled=true", "rollout.prompts_per_step=2", "rollout.group_size=2"])
     fitted = fit_run(lora, run_rows(lora))  # adapters only: their gradients, AdamW states and slots are small
     assert fitted.plan.total < 7 * GIB  # the float32 engine's weights and the base copy it merges into: 3.2 GiB
+
+
+SMOLLM2_135M = dict(  # SmolLM2-135M's shape (issue 50)
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def test_a_135m_model_at_the_default_batch_and_512_new_tokens_plans_within_20_gib(tmp_path):
+    """Issue 50: SmolLM2-135M's shape, 32 prompts x 8 completions of up to 512 tokens, on a 23 GiB
+    machine. The whole batch's forward is 32 x 6 + 256 x 512 = 131,264 tokens of about 1.14 MiB of
+    activations each (143 GiB): micro_batch_tokens resolves to what fits a quarter of 23 GiB, and
+    the trainer's head keeps one chunk of logits, not 256 x 512 x 49,152 of them."""
+    folder = tmp_path / "smollm2-shape"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SMOLLM2_135M))
+    make_char_tokenizer().save_pretrained(folder)
+    cfg = load_config(
+        None,
+        [
+            f"model.path={folder}",
+            "warmup.enabled=false",
+            "rollout.max_new_tokens=512",
+            "run.memory_limit_gib=23",
+            "engine.dtype=float32",  # the same plan whether or not this CPU has bf16
+            "trainer.precision=float32",
+        ],
+    )
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (32, 8)
+    fitted = fit_run(cfg, run_rows(cfg))
+    per_token = 30 * (6 * 576 + 2 * 192 + 4 * 1536) * 4
+    assert fitted.shape.activation_bytes_per_token() == per_token == 1_198_080
+    budget = fitted.cfg.trainer.micro_batch_tokens
+    assert budget == int(0.25 * 23 * GIB // per_token) == 5153  # about 10 completions of 512 per micro-batch
+    act = next(i for p in fitted.plan.procs for i in p.items if (p.name, i.name) == ("trainer", "activations"))
+    assert act.bytes == 5153 * per_token + 3 * 1024 * 49152 * 4  # + one chunk of 1,024 positions' logits, 3 times
+    assert fitted.plan.total < 20 * GIB, fitted.plan.table()
+    ckpt = fit_run(load_config(cfg, ["trainer.activation_checkpointing=true"]), run_rows(cfg))
+    assert ckpt.cfg.trainer.micro_batch_tokens > 10 * budget  # one hidden vector per layer: 11x the tokens
 
 
 def test_vllm_kv_reserve_smaller_than_one_sequence_is_refused(half_b_dir):

@@ -108,9 +108,13 @@ def test_the_default_job_keeps_its_learning_rate_and_resolves_its_engine():
     assert fitted.cfg.trainer.lr == 6e-4  # exactly the tiny model's tuned value
     e = fitted.cfg.engine
     assert (e.max_seq_len, e.max_concurrent_seqs) == (6 + 4, 256)
+    # one forward per step: the whole batch's tokens, each prompt once and every completion
+    r = cfg.rollout
+    assert fitted.cfg.trainer.micro_batch_tokens == r.prompts_per_step * 6 + r.prompts_per_step * r.group_size * 4
     # everything else resolves as before: only the need-dependent fields differ
     before, after = cfg.model_dump(), fitted.cfg.model_dump()
-    for section, key in (("engine", "max_seq_len"), ("engine", "max_concurrent_seqs"), ("trainer", "lr")):
+    resolved = ("engine", "max_seq_len"), ("engine", "max_concurrent_seqs"), ("trainer", "lr")
+    for section, key in (*resolved, ("trainer", "micro_batch_tokens")):
         before[section].pop(key), after[section].pop(key)
     before["engine"]["vllm"].pop("max_model_len"), after["engine"]["vllm"].pop("max_model_len")
     assert before == after

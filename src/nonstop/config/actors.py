@@ -279,6 +279,21 @@ class TrainerConfig(_Section):
     rounding would move it, and at small shapes bf16 is not faster on a CPU."""
     logprob_chunk_rows: int = Field(64, ge=1)
     """Rows per chunk when computing token logprobs, bounding peak memory (vocab x length)."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Token budget of one forward + backward: a step splits its batch into micro-batches of whole
+    groups (of whole samples where one group alone is over it) whose tokens, as the forward sees
+    them (each distinct prompt once plus every completion, padded to the micro-batch's longest;
+    real tokens with trainer.packed; prompt + completion per row otherwise), stay within it, and
+    accumulates their gradients; the loss keeps the whole batch's normalisation, so the update and
+    every statistic equal one forward of the whole batch up to float rounding. Activation memory
+    then grows with this budget, not with the batch. None: in a training run, the whole batch when
+    its activations fit a quarter of the machine's memory (run.memory_limit_gib when set), else the
+    tokens whose activations do (config/sizing.py, docs/memory.md); a Trainer built directly runs
+    the whole batch at once. Needs trainer.ranks 1."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them: per
+    token, the trainer keeps one hidden vector per layer plus one layer's activations at a time,
+    for about one more forward of compute (docs/memory.md). Not with trainer.routing_replay r3."""
     packed: bool = False
     """Pack the batch padding-free (trainer/packed.py): projections, MLPs and the LM head run on real
     tokens only and attention on buckets of rows of similar length, so a batch of heavy-tailed
@@ -339,4 +354,14 @@ class TrainerConfig(_Section):
     def _bounds(self) -> "TrainerConfig":
         if self.is_lo >= self.is_hi:
             raise ValueError(f"is_lo ({self.is_lo}) must be below is_hi ({self.is_hi})")
+        if self.micro_batch_tokens is not None and self.ranks > 1:
+            raise ValueError(
+                f"micro_batch_tokens needs ranks 1 (got ranks={self.ranks}): a data-parallel rank trains its "
+                "share of the batch in one forward"
+            )
+        if self.activation_checkpointing and self.routing_replay == "r3":
+            raise ValueError(
+                "activation_checkpointing recomputes each layer in the backward, where the engine's MoE routes "
+                "are no longer armed: set routing_replay none or activation_checkpointing false"
+            )
         return self

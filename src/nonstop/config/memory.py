@@ -15,11 +15,14 @@ the formula it came from and the fields that change it. Figures (docs/memory.md)
 - trainer rank: float32 weights, gradients and AdamW's two float32 states of what it trains (all
   weights, or the LoRA adapters; fsdp2 shards the three over the ranks), the parameter-sized
   temporaries of torch's foreach AdamW step, DDP's gradient buckets,
-  a KL reference or distillation teacher, and activations (an estimate: per token of the
-  forward and per layer 6 x hidden + 2 x KV width + 4 x MLP width float32 values kept for
+  a KL reference or distillation teacher, and activations (an estimate, for the largest forward
+  the trainer runs at once: the whole batch, or one micro-batch of trainer.micro_batch_tokens;
+  per token and per layer 6 x hidden + 2 x KV width + 4 x MLP width float32 values kept for
   backward (two norms' inputs and outputs, q, the attention output, k, v; the MLP's gate, up,
-  SiLU and product), plus the
-  completion tokens' log-probs over the vocabulary, which autograd keeps for every chunk);
+  SiLU and product), or with trainer.activation_checkpointing one hidden vector per layer plus
+  one layer's values; plus one chunk of the completion tokens' logits over the vocabulary, which
+  the log-prob recomputes in the backward (with an entropy bonus every chunk's float32 log-probs
+  are kept instead));
 - shm transport: N + 2 slots of the sent weights in /dev/shm, charged once to the machine;
 - every process: RUNTIME_BYTES for Python, torch and transformers (246 MiB measured); the
   orchestrator ORCHESTRATOR_BYTES (360 MiB measured with the default task).
@@ -31,21 +34,25 @@ ConfigError naming the field to change when the host total exceeds what the run 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nonstop.config import Config, ConfigError
 from nonstop.config.machine import GIB, MachineMemory
 from nonstop.config.shape import ModelShape
-from nonstop.config.sizing import engine_dtype_bytes, trainer_dtype_bytes, vllm_dtype, wire_bytes
+from nonstop.config.sizing import (
+    engine_dtype_bytes,
+    forward_tokens,
+    micro_batch,
+    trainer_dtype_bytes,
+    vllm_dtype,
+    wire_bytes,
+)
 
 RUNTIME_BYTES = 300 * 1024**2
 """One process's Python + torch + transformers (246 MiB RSS measured), rounded up."""
 ORCHESTRATOR_BYTES = 400 * 1024**2
 """The orchestrator: a runtime plus the task's rows, the tokenizer and the pipeline's state."""
-SHARED_PROMPT_TYPES = ("qwen2", "llama")
-"""Models the trainer's shared-prompt forward takes (trainer/forward.py SUPPORTED_TYPES)."""
 VLLM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -264,21 +271,6 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
     return p
 
 
-def forward_tokens(cfg: Config, shape: ModelShape, seq: int) -> tuple[int, int, int]:
-    """(tokens one trainer rank's forward holds, its rows, completion tokens per row). Single-turn
-    batches on Qwen2/Llama run each prompt once and the completions against it (trainer/forward.py):
-    groups x prompt + rows x completion; otherwise (episodes, other models, fsdp2) rows x sequence."""
-    r, t = cfg.rollout, cfg.trainer
-    rows = math.ceil(r.prompts_per_step * r.group_size / t.ranks)
-    if cfg.env is not None:
-        return rows * seq, rows, seq
-    new = min(r.max_new_tokens, seq)
-    if shape.model_type in SHARED_PROMPT_TYPES and not (t.ranks > 1 and t.data_parallel == "fsdp2"):
-        groups = math.ceil(r.prompts_per_step / t.ranks)
-        return groups * (seq - new) + rows * new, rows, new
-    return rows * seq, rows, new
-
-
 def _trainer(
     cfg: Config, shape: ModelShape, name: str, trained: int, extra: list[tuple[str, int, str, str]], seq: int
 ) -> Proc:
@@ -337,23 +329,34 @@ def _trainer(
         )
     for item, nbytes, detail, fld in extra:
         p.add(item, nbytes, detail, fld, f"change {fld}", on_host=not gpu)
-    tokens, rows, new = forward_tokens(cfg, shape, seq)
-    width = shape.intermediate if not shape.experts else shape.expert_intermediate * max(1, shape.experts_per_token)
-    kv_width = shape.kv_heads * shape.head_dim
-    per_token = shape.layers * (6 * shape.hidden + 2 * kv_width + 4 * (width + shape.shared_intermediate)) * 4
+    tokens, rows, new = micro_batch(cfg, shape, seq)
+    ckpt = t.activation_checkpointing
+    kept = shape.activation_bytes_per_token(ckpt)
+    layers = (
+        f"({shape.layers} layers x {shape.hidden} + 1 layer x {shape.layer_activation_values()})"
+        if ckpt
+        else f"{shape.layers} layers x {shape.layer_activation_values()}"
+    )
+    chunk = min(rows, t.logprob_chunk_rows)
     if t.entropy_coef > 0:  # every chunk's float32 log-softmax and probabilities stay; one chunk's logits and grads
-        logit_rows, logit_bytes, what = rows * 2 + 2 * min(rows, t.logprob_chunk_rows), 4, "log-probs"
-    else:  # every chunk's logits stay, in the head's dtype (losses.target_logprobs); one chunk's gradient and
-        # its float32 copy on the way (a float32 trainer measured 0.2 GiB over a plan without the copy)
-        logit_rows, logit_bytes, what = rows + 2 * min(rows, t.logprob_chunk_rows), tb, "logits"
+        logit_rows, logit_bytes, what = rows * 2 + 2 * chunk, 4, "log-probs"
+    else:  # one chunk's logits at a time (losses.head_logprobs recomputes them in the backward): the
+        # chunk's logits, their gradient and the matmuls' operands on the way (d weight is summed in
+        # place, in the autocast copy's dtype: the autocast copies item counts it); a chunk is
+        # chunk rows x completion positions, at most HEAD_CHUNK_POSITIONS
+        from nonstop.trainer.losses import HEAD_CHUNK_POSITIONS
+
+        logit_rows, logit_bytes, what = 3, tb, "logits"
+        new = min(chunk * new, HEAD_CHUNK_POSITIONS)
+    per = "micro-batch" if tokens < forward_tokens(cfg, shape, seq)[0] else "batch"
     p.add(
         "activations",
-        tokens * per_token + logit_rows * new * shape.vocab * logit_bytes,
-        f"estimate: {tokens} tokens x {shape.layers} layers x (6 x {shape.hidden} + 2 x {kv_width} + 4 x {width}) "
-        "x 4 bytes "
+        tokens * kept + logit_rows * new * shape.vocab * logit_bytes,
+        f"estimate: {tokens} tokens of one {per} (trainer.micro_batch_tokens) x {layers} float32 values"
+        f"{' (activation checkpointing)' if ckpt else ''} "
         f"+ {logit_rows} x {new} x {shape.vocab} {what} x {logit_bytes} bytes",
-        "rollout.prompts_per_step",
-        "lower rollout.prompts_per_step or rollout.group_size",
+        "trainer.micro_batch_tokens",
+        "lower trainer.micro_batch_tokens or set trainer.activation_checkpointing=true",
         on_host=not gpu,
     )
     p.add("runtime", RUNTIME_BYTES, "Python, torch, transformers", *SMALLER)

@@ -127,6 +127,21 @@ class ModelShape:
         """Parameters of the weights LoRA targets: the base an engine keeps a copy of to merge into."""
         return self.layers * sum(a * b for a, b in self._lora_sizes(targets))
 
+    def layer_activation_values(self) -> int:
+        """float32 values one decoder layer keeps per token for the backward (an estimate): 6 x hidden
+        + 2 x KV width + 4 x MLP width (two norms' inputs and outputs, q, the attention output, k, v;
+        the MLP's gate, up, SiLU and product; routed MLPs at top-k experts' width)."""
+        width = self.intermediate if not self.experts else self.expert_intermediate * max(1, self.experts_per_token)
+        return 6 * self.hidden + 2 * self.kv_heads * self.head_dim + 4 * (width + self.shared_intermediate)
+
+    def activation_bytes_per_token(self, checkpointing: bool = False) -> int:
+        """Bytes the trainer's forward keeps per token for the backward: every layer's activations,
+        or with activation checkpointing one hidden vector per layer (each layer's input) plus one
+        layer's activations, recomputed in the backward."""
+        if checkpointing:
+            return (self.layers * self.hidden + self.layer_activation_values()) * 4
+        return self.layers * self.layer_activation_values() * 4
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 

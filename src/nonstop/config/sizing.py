@@ -20,6 +20,11 @@ once, before any actor starts (`size_run`), so every actor gets concrete numbers
   for a loaded model (model.path) 1e-5 x sqrt(1e8 / N) for N parameters, kept within
   [1e-6, 1e-5] (about 4.5e-6 at 0.5B, 1.2e-6 at 7B), times 10 with LoRA, where only the
   adapters learn (`learning_rate`).
+- `trainer.micro_batch_tokens` (one trainer rank): the whole batch's forward tokens
+  (`forward_tokens`: each prompt once plus every completion, as the shared-prompt forward runs
+  them) when their activations fit ACTIVATION_FRACTION of the machine's memory (run.memory_limit_gib
+  when set), so a small job keeps one forward per step; else the tokens whose activations do
+  (`micro_batch_tokens`), never below one sequence; the memory plan then counts one micro-batch.
 - `engine.dtype` / `trainer.precision`: auto for a loaded model of at least AUTO_BF16_MIN_PARAMS
   parameters (bf16 where the actor's device has it, decided in the actor: device.py); left None
   otherwise, which keeps the built-in tiny model's default job in float32 on the CPU
@@ -64,6 +69,52 @@ AUTO_BF16_MIN_PARAMS = 50_000_000
 """engine.dtype and trainer.precision left None resolve to auto from this size of loaded model up: below
 it, per-token overheads rather than matmuls bound a CPU step, so bf16 gains little and float32 keeps
 small runs (and the tests' small saved models) comparable across CPU kinds."""
+
+
+SHARED_PROMPT_TYPES = ("qwen2", "llama")
+"""Models the trainer's shared-prompt forward takes (trainer/forward.py SUPPORTED_TYPES)."""
+ACTIVATION_FRACTION = 0.25
+"""trainer.micro_batch_tokens when unset: one micro-batch's activations within this fraction of the
+machine's memory (run.memory_limit_gib when set), as engine.kv_cache_fraction bounds the KV cache."""
+
+
+def forward_tokens(cfg: Config, shape: ModelShape, seq: int) -> tuple[int, int, int]:
+    """(tokens one trainer rank's forward holds, its rows, completion tokens per row). Single-turn
+    batches on Qwen2/Llama run each prompt once and the completions against it (trainer/forward.py):
+    groups x prompt + rows x completion; otherwise (episodes, other models, fsdp2) rows x sequence."""
+    r, t = cfg.rollout, cfg.trainer
+    rows = math.ceil(r.prompts_per_step * r.group_size / t.ranks)
+    if cfg.env is not None:
+        return rows * seq, rows, seq
+    new = min(r.max_new_tokens, seq)
+    if shape.model_type in SHARED_PROMPT_TYPES and not (t.ranks > 1 and t.data_parallel == "fsdp2"):
+        groups = math.ceil(r.prompts_per_step / t.ranks)
+        return groups * (seq - new) + rows * new, rows, new
+    return rows * seq, rows, new
+
+
+def micro_batch(cfg: Config, shape: ModelShape, seq: int) -> tuple[int, int, int]:
+    """(tokens, rows, completion tokens per row) of the largest forward one trainer rank runs at
+    once: the whole batch's (`forward_tokens`), or with trainer.micro_batch_tokens below it, that
+    budget and the share of the rows it holds (at least one row: a sample is never cut)."""
+    tokens, rows, new = forward_tokens(cfg, shape, seq)
+    budget = cfg.trainer.micro_batch_tokens
+    if budget is None or budget >= tokens:
+        return tokens, rows, new
+    return budget, max(1, min(rows, math.ceil(rows * budget / tokens))), new
+
+
+def micro_batch_tokens(cfg: Config, shape: ModelShape, seq: int, memory: float) -> tuple[int, str]:
+    """trainer.micro_batch_tokens of a run that left it unset (one trainer rank): the whole batch's
+    forward tokens when its activations fit ACTIVATION_FRACTION of `memory` bytes, else the tokens
+    that do (at least one sequence of `seq` tokens); and why."""
+    tokens, _, _ = forward_tokens(cfg, shape, seq)
+    per_token = shape.activation_bytes_per_token(cfg.trainer.activation_checkpointing)
+    fit = int(ACTIVATION_FRACTION * memory // per_token)
+    share = f"{ACTIVATION_FRACTION:g} of {memory / GIB:.1f} GiB at {per_token:,} bytes of activations per token"
+    if tokens <= fit:
+        return tokens, f"the whole batch's forward: it fits {share}"
+    return max(fit, seq), f"the batch's {tokens:,} forward tokens do not fit {share}: micro-batches"
 
 
 def run_seq_len(cfg: Config, longest_prompt: int, max_positions: int) -> int:
@@ -274,5 +325,16 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
     if trainer.lr is None:
         trainer = trainer.model_copy(update={"lr": lr})
         notes.append(f"trainer.lr: {lr:g} ({source})")
+    if trainer.ranks == 1:
+        whole = forward_tokens(cfg, shape, seq_len)[0]
+        if trainer.micro_batch_tokens is None:
+            memory = cfg.run.memory_limit_gib * GIB if cfg.run.memory_limit_gib is not None else memory_total
+            budget, why = micro_batch_tokens(cfg.model_copy(update={"trainer": trainer}), shape, seq_len, memory)
+            trainer = trainer.model_copy(update={"micro_batch_tokens": budget})
+        else:
+            budget, why = trainer.micro_batch_tokens, "set"
+        parts = f"{math.ceil(whole / budget)} micro-batches of" if budget < whole else "one forward of"
+        notes.append(f"trainer.micro_batch_tokens: {budget} ({why}; {parts} the batch's {whole:,} tokens at most)")
     resolved = cfg.model_copy(update={"engine": engine.model_copy(update=update), "trainer": trainer})
     return Sized(resolved, tuple(notes), seq_len)
+

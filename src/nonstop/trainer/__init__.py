@@ -9,6 +9,7 @@
 - packed.py            `packed_logprobs()`: the same forward padding-free, real tokens only (trainer.packed);
 - routing.py           Keep Routing in the trainer: `RouterHooks` compare or replay the engine's experts;
 - ahead.py             `AheadForwards`: forwards run ahead of their step, graph kept, assembled at the step;
+- micro.py             `split()`: a batch cut into micro-batches of trainer.micro_batch_tokens forward tokens;
 - batch.py             `Batch`: a batch of groups as tensors, built by the Trainer's `BatchBuilder`;
 - core.py              `Trainer`: one policy-gradient step on a batch of groups, then a new policy_version;
 - parallel.py          `ParallelTrainer`: M data-parallel ranks taking exactly the one-rank step;

@@ -28,6 +28,7 @@ class Held:
     """One group's forward: (n, T_part) logprobs [and entropy], with the graph."""
 
     version: int  # the policy_version it was computed with
+    group: Group
     tokens: tuple[tuple[int, ...], ...]  # the group's completions
     logp: torch.Tensor  # (n, T_part)
     entropy: torch.Tensor | None  # (n, T_part)
@@ -55,7 +56,11 @@ class AheadForwards:
     def hold(self, groups: list[Group], version: int, logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
         """Keep the forward (B, T) of `groups`, computed with the weights of `version`."""
         for g, (lp, ent) in zip(groups, by_group(groups, logp, entropy)):
-            self.held[(g.epoch, g.prompt_index)] = Held(version, completions(g), lp, ent)
+            self.held[(g.epoch, g.prompt_index)] = Held(version, g, completions(g), lp, ent)
+
+    def groups(self) -> list[Group]:
+        """The groups whose forward is held now."""
+        return [h.group for h in self.held.values()]
 
     def take(self, groups: list[Group], version: int) -> list[Held | None]:
         """The held forward of each group of a step at `version` (None: compute it now); empties the store."""

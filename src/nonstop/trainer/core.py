@@ -13,6 +13,11 @@
 5. backward, global grad-norm clip, AdamW; policy_version += 1. A non-finite loss or gradient
    skips the step instead (weights and version unchanged, counted); `max_consecutive_skips`
    in a row raise NumericalError.
+A batch whose forward is over `trainer.micro_batch_tokens` tokens runs steps 3-5 micro-batch by
+micro-batch (trainer/micro.py): forward + backward of each, gradients accumulated, each loss divided
+by the whole batch's denominators, then one clip and AdamW step; the update and every statistic
+equal the unsplit step's up to float rounding (tests/trainer/test_micro_batch.py). With
+`trainer.activation_checkpointing` each decoder layer is recomputed in the backward.
 With a mixture-of-experts model whose samples carry the engine's routes, the forward of step 3
 compares the trainer's routing with them and, with `trainer.routing_replay: r3`, uses the
 recorded experts (trainer/routing.py).
@@ -34,6 +39,8 @@ import copy
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -45,7 +52,8 @@ from nonstop.trainer.batch import Batch, BatchBuilder
 from nonstop.trainer.correction import is_weights
 from nonstop.trainer.forward import prompt_shared_hidden, unsupported
 from nonstop.trainer.losses import token_logprobs
-from nonstop.trainer.objective import policy_objective
+from nonstop.trainer.micro import Layout, forward_tokens, part_groups, part_rows, split
+from nonstop.trainer.objective import batch_denominators, policy_objective
 from nonstop.trainer.packed import packed_logprobs
 from nonstop.trainer.routing import RouterHooks, moe_experts, moe_routers
 from nonstop.trainer.token_advantages import distill_advantages, distill_term, process_advantages
@@ -75,6 +83,55 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> t
 
     fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
+@dataclass
+class Micro:
+    """One micro-batch of a step: its batch rows (b,), its groups, and the (b, T) logprobs [and
+    entropy] `forward_ahead` computed for it (graph kept), if it did."""
+
+    rows: torch.Tensor
+    groups: list[Group]
+    logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+@dataclass
+class Updates:
+    """What the optimizer updates of one batch leave for the step's record."""
+
+    loss: torch.Tensor  # the first update's loss
+    stats: dict
+    is_stats: dict
+    extra: dict
+    prox: torch.Tensor  # (B, T) the policy's logprobs at the batch's start, detached
+    applied: int
+    grad_norm: torch.Tensor
+    update_s: float
+    last_loss: torch.Tensor
+    last_clip: torch.Tensor | None
+    routing: dict[str, float]
+    ahead: int  # groups whose forward ran ahead of the step
+
+
+def fit(x: torch.Tensor, T: int) -> torch.Tensor:
+    """(b, T_part) -> (b, T): a part's forward right-padded with zeros (outside the loss mask) to the batch's T."""
+    return torch.nn.functional.pad(x[:, :T], (0, T - min(x.shape[1], T)))
+
+
+def checkpoint_layers(model: CausalLM) -> None:
+    """transformers' own activation checkpointing of each decoder layer, for the model's own forward
+    (the trainer's plain path); non-reentrant, so frozen embeddings (LoRA) need no input gradient."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"trainer.activation_checkpointing: {type(model).__name__} supports neither the shared-prompt "
+            "forward nor transformers' gradient checkpointing"
+        )
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class Trainer(BatchBuilder):
@@ -113,6 +170,8 @@ class Trainer(BatchBuilder):
         self.total_steps = total_steps
         # Each distinct prompt computed once per batch (trainer/forward.py) where the model allows it.
         self.shared_prompts = unsupported(model) is None
+        if cfg.activation_checkpointing and not self.shared_prompts:  # the shared-prompt forwards do their own
+            checkpoint_layers(model)
         routers = moe_routers(model)
         if cfg.routing_replay == "r3" and not routers:
             raise ValueError(
@@ -158,9 +217,11 @@ class Trainer(BatchBuilder):
         """Logprobs (B, T) of the completion tokens under `model` (default: the policy)."""
         model = model or self.model
         if "prompt_ids" in batch and self.cfg.packed:  # real tokens only (trainer/packed.py)
-            return packed_logprobs(model, batch, self.temperature, self.cfg.logprob_chunk_rows, with_entropy)
+            return packed_logprobs(
+                model, batch, self.temperature, self.cfg.logprob_chunk_rows, with_entropy, self._checkpoint(model)
+            )
         if "prompt_ids" in batch:
-            hidden = prompt_shared_hidden(model, batch)  # (B, T, H)
+            hidden = prompt_shared_hidden(model, batch, self._checkpoint(model))  # (B, T, H)
         else:
             states = model.get_decoder()(
                 input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False
@@ -176,15 +237,38 @@ class Trainer(BatchBuilder):
             batch["keep"],
         )
 
+    def _checkpoint(self, model: CausalLM) -> bool:
+        """Whether the shared-prompt forwards of `model` recompute each layer in the backward: the
+        policy's, under trainer.activation_checkpointing (the reference runs without gradients)."""
+        return self.cfg.activation_checkpointing and model is self.model
+
+    def layout(self) -> Layout:
+        """How the forward lays out a batch's tokens (trainer/micro.py counts them by it)."""
+        if not self.shared_prompts:
+            return "plain"
+        return "packed" if self.cfg.packed else "shared"
+
     def _forward(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self.logprobs(batch, with_entropy=with_entropy)
         return out if with_entropy else (out, None)  # (B, T) each
 
     def forward_ahead(self, groups: list[Group]) -> int:
         """Run the forward pass of `groups`, the first groups of the coming batch, now; the next
-        `step` uses it. Returns how many groups are held (0 with a mixture-of-experts model)."""
+        `step` uses it. Returns how many groups are held (0 with a mixture-of-experts model). With
+        trainer.micro_batch_tokens, the held forwards (their graphs are kept) stay within one
+        micro-batch: groups beyond it are left to the step, and a call that can add none returns
+        how many are held already."""
         if self.routing is not None or not groups:
             return 0
+        budget = self.cfg.micro_batch_tokens
+        if budget is not None:
+            held = self.ahead.groups()
+            fits = 0
+            while fits < len(groups) and forward_tokens([*held, *groups[: fits + 1]], self.layout()) <= budget:
+                fits += 1
+            if not fits:
+                return len(held)
+            groups = groups[:fits]
         self.ahead.hold(groups, self.policy_version, *self._forward(self._batch(groups), self.cfg.entropy_coef > 0))
         return len(groups)
 
@@ -216,10 +300,10 @@ class Trainer(BatchBuilder):
             mask &= ~stale
         return mask, counts
 
-    def _token_advantages(self, batch: Batch, student: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def _token_advantages(self, batch: Batch, student: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
         """The advantages of the loss: (B,) from the rewards, or (B, T) with process rewards or a
         distillation teacher (trainer/token_advantages.py); `student` (B, T) are the detached
-        logprobs of the policy at the start of the step."""
+        logprobs of the policy at the start of the step (needed with a teacher only)."""
         adv, stats = batch["advantages"], {}
         inside = batch["mask"]
         if "token_rewards" in batch:
@@ -227,6 +311,7 @@ class Trainer(BatchBuilder):
         if "teacher" in batch:
             if self.distill is None:
                 raise ValueError("samples carry teacher logprobs but the trainer has no distill settings")
+            assert student is not None, "a teacher's advantages need the student's logprobs"
             adv = distill_advantages(
                 adv,
                 student,
@@ -244,10 +329,20 @@ class Trainer(BatchBuilder):
         """Backward, clip and one optimizer step; (1 if applied else 0, grad norm, seconds of the
         clip and optimizer step). A non-finite loss or gradient leaves the weights as they are."""
         self.optimizer.zero_grad(set_to_none=True)
-        grad_norm = torch.tensor(float("nan"))
-        loss_ok = self.all_finite(loss)  # on M ranks: all of them, or none, take the backward pass
-        if loss_ok:
+        return self._apply(self._backward(loss))
+
+    def _backward(self, loss: torch.Tensor) -> bool:
+        """Add the gradient of `loss` if it is finite (on M ranks: if it is on all of them, which
+        then all take the backward pass); whether it was."""
+        ok = self.all_finite(loss)
+        if ok:
             loss.backward()
+        return ok
+
+    def _apply(self, loss_ok: bool) -> tuple[int, torch.Tensor, float]:
+        """Clip the accumulated gradients and take the optimizer step, unless a loss or the
+        gradient is not finite; as `_update`."""
+        grad_norm = torch.tensor(float("nan"))
         t0 = time.perf_counter()  # from here on the cost does not grow with the batch's tokens
         if loss_ok:
             grad_norm = self.clip_grads()
@@ -273,11 +368,65 @@ class Trainer(BatchBuilder):
         """One batch: trainer.updates_per_batch optimizer updates on it (GRPO's mu), the first from
         the forward pass (or the one `forward_ahead` ran), each later one from a fresh forward
         against the same behaviour logprobs, advantages and weights; policy_version and the lr
-        schedule move once per batch, when at least one update was applied."""
+        schedule move once per batch, when at least one update was applied. A batch whose forward
+        is over trainer.micro_batch_tokens runs as micro-batches (`_micro_updates`)."""
         cfg = self.cfg
         batch = self._batch(groups)
         lag = self.policy_version - batch["versions"]  # (B, T), against the version before the step
         mask, counts = self._loss_mask(batch, lag)
+        budget = cfg.micro_batch_tokens
+        if budget is not None and forward_tokens(groups, self.layout()) > budget:
+            run = self._micro_updates(groups, batch, mask, budget)
+        else:
+            run = self._whole_updates(groups, batch, mask)
+        loss, grad_norm, applied, extra = run.loss, run.grad_norm, run.applied, run.extra
+        teachers = Counter(s.teacher for g in groups for s in g.samples if s.teacher is not None)
+        if teachers:
+            extra["teacher_samples"] = dict(teachers)  # samples by the teacher identity@version that scored them
+        skipped = applied == 0
+        if skipped:  # weights stay as they are; the version does not move
+            self.skipped_steps += 1
+            self.skips_in_row += 1
+            if self.skips_in_row >= cfg.max_consecutive_skips:
+                raise NumericalError(
+                    f"{self.skips_in_row} consecutive steps had a non-finite loss or gradient "
+                    f"(trainer.max_consecutive_skips); last loss {float(loss.detach())}, grad norm {float(grad_norm)}"
+                )
+        else:
+            self.scheduler.step()
+            self.skips_in_row = 0
+            self.policy_version += 1
+        if cfg.updates_per_batch > 1:
+            extra["updates"] = applied
+            extra["last_update_loss"] = float(run.last_loss.detach())
+            if run.last_clip is not None:
+                extra["last_update_clip_frac"] = float(run.last_clip)
+        sel = batch["mask"]
+        d = (batch["behaviour"] - run.prox)[sel]  # log mu - log pi
+        return {
+            "skipped": int(skipped),
+            "skipped_steps": self.skipped_steps,
+            "loss": float(loss.detach()),
+            **{k: float(v) for k, v in run.stats.items()},
+            **{k: float(v) for k, v in run.is_stats.items()},
+            "mismatch_kl": float(d.mean()) if d.numel() else 0.0,  # k1 estimate of KL(mu || pi)
+            "mismatch_kl_k3": float((torch.exp(-d) + d - 1).mean()) if d.numel() else 0.0,
+            "log_ratio_std": float(d.std()) if d.numel() > 1 else 0.0,  # spread of log pi - log mu
+            **run.routing,
+            **extra,
+            **counts,
+            "grad_norm": float(grad_norm),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "lag_hist": {str(k): v for k, v in sorted(Counter(lag[sel].tolist()).items())},
+            "samples": int(batch["targets"].shape[0]),
+            "ahead_groups": run.ahead,
+            "tokens": int(mask.sum()),
+            "update_s": run.update_s,  # gradient clips and optimizer steps
+        }
+
+    def _whole_updates(self, groups: list[Group], batch: Batch, mask: torch.Tensor) -> Updates:
+        """The updates of a batch whose forward runs at once: one graph over every row."""
+        cfg = self.cfg
         routing: dict[str, float] = {}
         ahead = 0  # groups whose forward ran ahead of the step
         replay = self.routing is not None and "routes" in batch
@@ -297,9 +446,6 @@ class Trainer(BatchBuilder):
         objective = partial(policy_objective, cfg, self.max_new_tokens, mask, old, advantages, weights, den, ref)
         loss, stats, extra = objective(logp, entropy)
         extra.update(token_stats)
-        teachers = Counter(s.teacher for g in groups for s in g.samples if s.teacher is not None)
-        if teachers:
-            extra["teacher_samples"] = dict(teachers)  # samples by the teacher identity@version that scored them
         applied, grad_norm, update_s = self._update(loss)
         last_loss, last_clip = loss, stats.get("clip_frac")
         for _ in range(cfg.updates_per_batch - 1):
@@ -313,43 +459,139 @@ class Trainer(BatchBuilder):
             last_clip = last_stats.get("clip_frac")
             ok, grad_norm, more_s = self._update(last_loss)
             applied, update_s = applied + ok, update_s + more_s
-        skipped = applied == 0
-        if skipped:  # weights stay as they are; the version does not move
-            self.skipped_steps += 1
-            self.skips_in_row += 1
-            if self.skips_in_row >= cfg.max_consecutive_skips:
-                raise NumericalError(
-                    f"{self.skips_in_row} consecutive steps had a non-finite loss or gradient "
-                    f"(trainer.max_consecutive_skips); last loss {float(loss.detach())}, grad norm {float(grad_norm)}"
-                )
-        else:
-            self.scheduler.step()
-            self.skips_in_row = 0
-            self.policy_version += 1
-        if cfg.updates_per_batch > 1:
-            extra["updates"] = applied
-            extra["last_update_loss"] = float(last_loss.detach())
-            if last_clip is not None:
-                extra["last_update_clip_frac"] = float(last_clip)
-        sel = batch["mask"]
-        d = (batch["behaviour"] - prox)[sel]  # log mu - log pi
-        return {
-            "skipped": int(skipped),
-            "skipped_steps": self.skipped_steps,
-            "loss": float(loss.detach()),
-            **{k: float(v) for k, v in stats.items()},
-            **{k: float(v) for k, v in is_stats.items()},
-            "mismatch_kl": float(d.mean()) if d.numel() else 0.0,  # k1 estimate of KL(mu || pi)
-            "mismatch_kl_k3": float((torch.exp(-d) + d - 1).mean()) if d.numel() else 0.0,
-            "log_ratio_std": float(d.std()) if d.numel() > 1 else 0.0,  # spread of log pi - log mu
-            **routing,
-            **extra,
-            **counts,
-            "grad_norm": float(grad_norm),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "lag_hist": {str(k): v for k, v in sorted(Counter(lag[sel].tolist()).items())},
-            "samples": int(batch["targets"].shape[0]),
-            "ahead_groups": ahead,
-            "tokens": int(mask.sum()),
-            "update_s": update_s,  # gradient clips and optimizer steps
-        }
+        return Updates(
+            loss, stats, is_stats, extra, prox, applied, grad_norm, update_s, last_loss, last_clip, routing, ahead
+        )
+
+    def _micro_updates(self, groups: list[Group], batch: Batch, mask: torch.Tensor, budget: int) -> Updates:
+        """The updates of a batch over `budget` forward tokens, micro-batch by micro-batch (trainer/micro.py).
+
+        Every update runs forward + backward of one micro-batch at a time, gradients accumulated,
+        each micro-batch's loss divided by the whole batch's denominators, so their sum is the
+        whole batch's loss; then one clip and optimizer step. The first update's proximal
+        logprobs, importance weights and reference logprobs are per row, so each micro-batch takes
+        its own from its forward; a distillation teacher's advantages are standardised over the
+        batch, so with a teacher a no-grad forward of every micro-batch gives the proximal
+        logprobs first. The statistics are computed over the whole batch from the micro-batches'
+        detached (B, T) logprobs, as the unsplit step computes them. Groups `forward_ahead` held
+        are one micro-batch, run first."""
+        cfg = self.cfg
+        B, T = batch["targets"].shape
+        with_entropy = cfg.entropy_coef > 0
+        layout = self.layout()
+        found = self.ahead.take(groups, self.policy_version)
+        first_row = [0]
+        for g in groups:
+            first_row.append(first_row[-1] + len(g.samples))
+        held = [i for i, h in enumerate(found) if h is not None]
+        rest = [i for i, h in enumerate(found) if h is None]
+        parts = [[(rest[i], lo, hi) for i, lo, hi in part] for part in split([groups[i] for i in rest], budget, layout)]
+        micro = [Micro(part_rows(p, first_row), part_groups(groups, p)) for p in parts]
+        if held:
+            given = [found[i] for i in held]
+            micro.insert(
+                0,
+                Micro(
+                    part_rows([(i, 0, len(groups[i].samples)) for i in held], first_row),
+                    [groups[i] for i in held],
+                    torch.cat([fit(h.logp, T) for h in given if h is not None]),
+                    torch.cat([fit(h.entropy, T) for h in given if h is not None and h.entropy is not None])
+                    if with_entropy
+                    else None,
+                ),
+            )
+        behaviour = batch["behaviour"]
+        den = batch_denominators(mask, self.max_new_tokens)
+        prox: torch.Tensor | None = None
+        if "teacher" in batch:
+            with torch.no_grad():
+                prox, _, _, _ = self._accumulate(micro, T, False, None)
+        advantages, token_stats = self._token_advantages(batch, prox)
+        reference = self.reference
+        ref = torch.zeros((B, T)) if reference is not None else None
+
+        def first_loss(m: Micro, mb: Batch | None, logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+            rows = m.rows
+            prox_m = prox[rows] if prox is not None else logp.detach()
+            w, _ = is_weights(prox_m, behaviour[rows], mask[rows], cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
+            old_m = behaviour[rows] if cfg.correction == "none" else prox_m
+            ref_m = None
+            if ref is not None and reference is not None:
+                assert mb is not None
+                with torch.no_grad():
+                    ref_m = fit(self.logprobs(mb, reference), T)
+                ref[rows] = ref_m
+            args = (cfg, self.max_new_tokens, mask[rows], old_m, advantages[rows], w, den, ref_m)
+            return policy_objective(*args, logp, entropy)[0]
+
+        self.optimizer.zero_grad(set_to_none=True)
+        logp, entropy, ok, routing = self._accumulate(micro, T, with_entropy, first_loss)
+        prox = prox if prox is not None else logp
+        weights, is_stats = is_weights(prox, behaviour, mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
+        old = behaviour if cfg.correction == "none" else prox
+        objective = partial(policy_objective, cfg, self.max_new_tokens, mask, old, advantages, weights, den, ref)
+        loss, stats, extra = objective(logp, entropy)  # detached: the values the unsplit step reports
+        extra.update(token_stats)
+        extra["micro_batches"] = len(micro)
+        applied, grad_norm, update_s = self._apply(ok)
+        last_loss, last_clip = loss, stats.get("clip_frac")
+        micro = [Micro(m.rows, m.groups) for m in micro]  # later updates run every forward afresh
+
+        def later_loss(m: Micro, mb: Batch | None, logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+            rows = m.rows
+            ref_m = ref[rows] if ref is not None else None
+            args = (cfg, self.max_new_tokens, mask[rows], old[rows], advantages[rows], weights[rows], den, ref_m)
+            return policy_objective(*args, logp, entropy)[0]
+
+        for _ in range(cfg.updates_per_batch - 1):
+            if not applied:
+                break
+            self.optimizer.zero_grad(set_to_none=True)
+            logp, entropy, ok, _ = self._accumulate(micro, T, with_entropy, later_loss)
+            last_loss, last_stats, _ = objective(logp, entropy)
+            last_clip = last_stats.get("clip_frac")
+            done, grad_norm, more_s = self._apply(ok)
+            applied, update_s = applied + done, update_s + more_s
+        return Updates(
+            loss, stats, is_stats, extra, prox, applied, grad_norm, update_s, last_loss, last_clip, routing, len(held)
+        )
+
+    def _accumulate(
+        self,
+        micro: list[Micro],
+        T: int,
+        with_entropy: bool,
+        loss_of: Callable[[Micro, Batch | None, torch.Tensor, torch.Tensor | None], torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bool, dict[str, float]]:
+        """Forward each micro-batch and, with `loss_of(micro, its batch, logp, entropy)`, backward its
+        loss into the gradients (a non-finite loss, and every one after it, is not backpropagated).
+        Returns the batch's detached (B, T) logprobs [and entropy], whether every loss was finite,
+        and the routing fractions over all micro-batches' routed tokens (MoE replay)."""
+        B = sum(len(m.rows) for m in micro)
+        logp, entropy = torch.zeros((B, T)), torch.zeros((B, T)) if with_entropy else None
+        ok = True
+        routed: dict[str, float] = {}
+        routed_tokens = 0
+        for m in micro:
+            needs_batch = m.logp is None or (loss_of is not None and self.reference is not None)
+            mb = self._batch(m.groups) if needs_batch else None
+            if m.logp is not None:
+                lp, ent = m.logp, m.entropy
+            else:
+                assert mb is not None
+                if self.routing is not None and "routes" in mb:
+                    lp, ent, fractions = self._routed_forward(mb, with_entropy)
+                    n = int((mb["routes"][..., 0, 0] >= 0).sum())  # the tokens `fractions` are over
+                    for k, v in fractions.items():
+                        routed[k] = routed.get(k, 0.0) + v * n
+                    routed_tokens += n if fractions else 0
+                else:
+                    lp, ent = self._forward(mb, with_entropy)
+            lp, ent = fit(lp, T), fit(ent, T) if ent is not None else None
+            if loss_of is not None:
+                loss = loss_of(m, mb, lp, ent)
+                ok = ok and self._backward(loss)
+            logp[m.rows] = lp.detach()
+            if entropy is not None and ent is not None:
+                entropy[m.rows] = ent.detach()
+        return logp, entropy, ok, {k: v / routed_tokens for k, v in routed.items()} if routed_tokens else {}

@@ -15,7 +15,9 @@ Contract of `prompt_shared_hidden(model, batch)`:
   b at [b, t] (t = 0: the prompt's last token), exactly what the plain forward gathers at
   positions P_b - 1 + t; padded positions hold values that no real position depends on;
 - the decoder's own submodules (norms, q/k/v/o projections, MLP) are called as modules, so peft
-  LoRA layers and DDP see them as usual; only attention and rotary positions are computed here.
+  LoRA layers and DDP see them as usual; only attention and rotary positions are computed here;
+- `checkpoint` (trainer.activation_checkpointing): each decoder layer's activations are recomputed
+  in the backward (`run_layer`), so the forward keeps one hidden matrix per layer.
 
 `unsupported(model)` says why a model cannot take this path (None when it can): decoders shaped
 like Qwen2 / Llama with full causal attention, rotary positions and no attention dropout. FSDP2
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 # Any for the model: HF decoders are reached through attributes (layers, rotary_emb, config)
 # that torch's Module typing cannot describe; unsupported() checks them at run time.
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -69,7 +71,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def prompt_shared_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+def run_layer(layer: Callable[[Any, torch.Tensor], torch.Tensor], block: Any, x: torch.Tensor, checkpoint: bool):
+    """layer(block, x); with `checkpoint` (trainer.activation_checkpointing) and autograd on, its
+    activations are recomputed in the backward instead of kept: only its input x stays."""
+    if checkpoint and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(layer, block, x, use_reentrant=False)
+    return layer(block, x)
+
+
+def prompt_shared_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False) -> torch.Tensor:
     lm = _decoder_model(model)
     dec, cfg = lm.model, lm.config
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -89,8 +99,7 @@ def prompt_shared_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
     mask = torch.cat([sees_prompt, causal], dim=-1)[:, None]
     gqa = KV != H
 
-    x = dec.embed_tokens(torch.cat([prompts.reshape(-1), comp.reshape(-1)]))  # (Np + Nc, hidden): one packed matrix
-    for block in dec.layers:
+    def layer(block: Any, x: torch.Tensor) -> torch.Tensor:
         attn = block.self_attn
         h = block.input_layernorm(x)
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -109,7 +118,11 @@ def prompt_shared_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
             ac = attention(qc, keys, values, attn_mask=mask, enable_gqa=gqa)  # (B, H, Tc, D)
             out.append(ac.transpose(1, 2).reshape(Nc, H * D))
         x = x + attn.o_proj(torch.cat(out) if Tc else out[0])
-        x = x + block.mlp(block.post_attention_layernorm(x))
+        return x + block.mlp(block.post_attention_layernorm(x))
+
+    x = dec.embed_tokens(torch.cat([prompts.reshape(-1), comp.reshape(-1)]))  # (Np + Nc, hidden): one packed matrix
+    for block in dec.layers:
+        x = run_layer(layer, block, x, checkpoint)
     x = dec.norm(x)
     last = x[:Np].view(Q, Lp, -1)[torch.arange(Q), plen - 1]  # (Q, hidden): predicts completion token 0
     first = last[row][:, None]  # (B, 1, hidden)

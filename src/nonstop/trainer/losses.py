@@ -158,7 +158,7 @@ class _HeadLogprob(torch.autograd.Function):
     kept for the backward (rows x completion x vocabulary, 3.6 GB at 384 x 96 x 49,152 in bf16),
     for one more head matmul per chunk. The matmuls run in the dtype `head(hidden)` would (autocast's
     bfloat16 where it is on); the log-softmax arithmetic is `_TargetLogprob`'s. d weight is summed
-    over the chunks in the weight's own dtype (float32 master weights).
+    over the chunks in place in the matmul's dtype, then cast to the weight's once.
     """
 
     @staticmethod
@@ -185,6 +185,9 @@ class _HeadLogprob(torch.autograd.Function):
         d_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         d_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         d_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        # d weight summed in the matmul's dtype, in place (bf16 under autocast: the head's gradient
+        # before its cast, as the plain path makes it), so no chunk makes a (V, H) temporary
+        acc = d_weight if d_weight is None or dtype == weight.dtype else torch.zeros_like(weight, dtype=dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
             for i in range(0, N, chunk):
@@ -194,13 +197,21 @@ class _HeadLogprob(torch.autograd.Function):
                 g = _logits_grad(
                     logits, targets[i : i + chunk], k, lse[i : i + chunk], grad_out[i : i + chunk], ctx.inv_t
                 )
+                del logits
                 if d_hidden is not None:
                     d_hidden[i : i + chunk] = g @ w  # (c, H)
-                if d_weight is not None:
-                    d_weight += (g.t() @ h).to(weight.dtype)  # (V, H)
+                if acc is not None:
+                    acc.addmm_(g.t(), h)  # (V, H)
                 if d_bias is not None:
                     d_bias += g.sum(0).to(bias.dtype)
+        if acc is not None and acc is not d_weight:
+            d_weight = acc.to(weight.dtype)
         return d_hidden, d_weight, d_bias, None, None, None, None, None
+
+
+HEAD_CHUNK_POSITIONS = 1024
+"""Most positions whose logits `token_logprobs` makes at once on the fused path: 1,024 x 49,152 float32
+logits are 192 MiB, and a (1024, H) x (H, V) matmul is still large enough to run at full speed."""
 
 
 def head_logprobs(
@@ -250,14 +261,16 @@ def token_logprobs(
     hidden: (B, T, H); targets: (B, T) -> (B, T) [and the entropy (B, T) of each distribution].
     keep: optional (B, T, V) bool Keep Sampling Mask: the distribution is renormalised over the
     kept tokens, as the engine sampled it. Without the entropy and with a linear head, only one
-    chunk's (rows, T, V) logits exist at a time, in the forward and in the backward
-    (`head_logprobs`: each chunk's logits are recomputed in the backward), so memory does not
-    grow with B x T x V. With the entropy (or another head) each chunk's logits are made by the
-    head as usual and autograd keeps every chunk's float32 log-probabilities and probabilities for
-    the backward: that path still grows with B x T x V (the memory plan counts it).
+    chunk's logits exist at a time, in the forward and in the backward (`head_logprobs`: each
+    chunk's logits are recomputed in the backward), `chunk_rows` x T positions but at most
+    HEAD_CHUNK_POSITIONS, so memory does not grow with B x T x V. With the entropy (or another
+    head) each chunk's logits are made by the head as usual and autograd keeps every chunk's
+    float32 log-probabilities and probabilities for the backward: that path still grows with
+    B x T x V (the memory plan counts it).
     """
     if not with_entropy and isinstance(head, torch.nn.Linear):
-        return head_logprobs(hidden, head, targets, temperature, max(1, chunk_rows * hidden.shape[1]), keep)
+        chunk = max(1, min(chunk_rows * hidden.shape[1], HEAD_CHUNK_POSITIONS))
+        return head_logprobs(hidden, head, targets, temperature, chunk, keep)
     out, ent = [], []
     keeps = keep.split(chunk_rows) if keep is not None else [None] * len(hidden.split(chunk_rows))
     for h, t, k in zip(hidden.split(chunk_rows), targets.split(chunk_rows), keeps):

@@ -68,3 +68,15 @@ def policy_objective(
         loss = loss - cfg.entropy_coef * ent
         extra["entropy"] = float(ent.detach())
     return loss, stats, extra
+
+
+def batch_denominators(mask: torch.Tensor, max_new_tokens: int | None) -> dict[str, torch.Tensor]:
+    """The divisors every reduction of `policy_objective` takes for this whole batch by default
+    (losses.masked_mean, gspo_loss): 'sequence' and 'gspo' the samples with loss tokens, 'token'
+    the loss tokens, 'constant' samples x max_new_tokens. Passed as `den` to the objective of a
+    part of the batch (a micro-batch), the part's loss is its share of the whole batch's loss."""
+    rows = mask.any(-1).sum().clamp_min(1).float()
+    den = {"sequence": rows, "gspo": rows, "token": mask.sum().clamp_min(1).float()}
+    if max_new_tokens is not None:
+        den["constant"] = torch.tensor(float(mask.shape[0] * max_new_tokens))
+    return den

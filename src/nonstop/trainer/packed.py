@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from nonstop.device import attention
-from nonstop.trainer.forward import _decoder_model, _rotate
+from nonstop.trainer.forward import _decoder_model, _rotate, run_layer
 from nonstop.trainer.losses import token_logprobs
 
 BUCKET_WASTE = 0.25
@@ -63,7 +63,7 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tu
     return starts[:, None] + torch.minimum(t, (lengths - 1).clamp_min(0)[:, None]), real
 
 
-def packed_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+def packed_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False) -> torch.Tensor:
     lm = _decoder_model(model)
     dec, cfg = lm.model, lm.config
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -111,8 +111,7 @@ def packed_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
         idx = torch.where(in_prompt, p_start[row[r]][:, None] + t, c_start[r][:, None] + t - pl[:, None])
         buckets.append((torch.where(real, idx, idx[:, :1]), real & ~in_prompt))
 
-    x = dec.embed_tokens(tokens)  # (N, hidden)
-    for block in dec.layers:
+    def layer(block: Any, x: torch.Tensor) -> torch.Tensor:
         attn = block.self_attn
         h = block.input_layernorm(x)
         q = _rotate(attn.q_proj(h).view(-1, H, D), cos, sin)  # (N, H, D)
@@ -127,7 +126,11 @@ def packed_hidden(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
             what.append(a.transpose(1, 2)[keep])
         out = torch.zeros_like(q).index_put((torch.cat(where),), torch.cat(what))  # every position exactly once
         x = x + attn.o_proj(out.reshape(-1, H * D))
-        x = x + block.mlp(block.post_attention_layernorm(x))
+        return x + block.mlp(block.post_attention_layernorm(x))
+
+    x = dec.embed_tokens(tokens)  # (N, hidden)
+    for block in dec.layers:
+        x = run_layer(layer, block, x, checkpoint)
     x = dec.norm(x)
     # Row b's targets: token 0 predicted by its prompt's last token, token t >= 1 by its input t - 1.
     first = x[p_start + plen - 1][row]  # (B, hidden)
@@ -143,13 +146,15 @@ def packed_logprobs(
     temperature: float,
     chunk_rows: int,
     with_entropy: bool,
+    checkpoint: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(B, T) logprobs [and entropies] of the completion tokens, 0 at padding, from the packed
-    forward; the LM head sees at most chunk_rows x T positions at once, as the padded path."""
+    forward; the LM head sees at most chunk_rows x T positions at once, as the padded path.
+    `checkpoint`: recompute each decoder layer in the backward (forward.run_layer)."""
     targets, clen = batch["targets"], batch["completion_len"]
     B, T = targets.shape
     inside = torch.arange(T)[None, :] < clen[:, None]  # (B, T)
-    hidden = packed_hidden(model, batch)  # (N, hidden)
+    hidden = packed_hidden(model, batch, checkpoint)  # (N, hidden)
     keep = batch.get("keep")
     got = token_logprobs(
         hidden[:, None],

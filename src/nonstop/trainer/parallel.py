@@ -110,6 +110,8 @@ class ParallelTrainer(Trainer):
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParallelTrainer needs the trainer process group: call join_group first")
+        if cfg.micro_batch_tokens is not None:
+            raise ValueError("trainer.micro_batch_tokens: a data-parallel rank trains its share in one forward")
         self.rank, self.world, self.mode = dist.get_rank(), dist.get_world_size(), mode
         super().__init__(
             model,
