@@ -337,4 +337,3 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
         notes.append(f"trainer.micro_batch_tokens: {budget} ({why}; {parts} the batch's {whole:,} tokens at most)")
     resolved = cfg.model_copy(update={"engine": engine.model_copy(update=update), "trainer": trainer})
     return Sized(resolved, tuple(notes), seq_len)
-
