@@ -224,7 +224,7 @@ def _gone(segments: set[str]) -> bool:
 def test_sigterm_stops_every_actor_and_actors_are_named_by_role(tiny_dir, tmp_path):
     proc = _start_run(tiny_dir, tmp_path, "term")
     try:
-        _wait_for_line(proc, "base policy held-out accuracy")
+        _wait_for_line(proc, "base policy held-out ")
         time.sleep(2)  # training under way
         kids = [p for p in _children(proc.pid) if _alive(p)]
         segments = _segments(kids)
@@ -256,7 +256,7 @@ def test_sigterm_stops_every_actor_and_actors_are_named_by_role(tiny_dir, tmp_pa
 def test_killed_orchestrator_takes_its_actors_along(tiny_dir, tmp_path):
     proc = _start_run(tiny_dir, tmp_path, "kill9")
     try:
-        _wait_for_line(proc, "base policy held-out accuracy")
+        _wait_for_line(proc, "base policy held-out ")
         kids = [p for p in _children(proc.pid) if _alive(p)]
         assert kids
         proc.kill()  # SIGKILL: no cleanup code runs in the orchestrator
@@ -282,7 +282,7 @@ def test_killed_trainer_leaves_no_segment_and_a_failed_marker(tiny_dir, tmp_path
         "checkpoint.every_steps=null",
     )
     try:
-        _wait_for_line(proc, "base policy held-out accuracy")
+        _wait_for_line(proc, "base policy held-out ")
         segments = _segments(_children(proc.pid))
         out = proc.communicate(timeout=400)[0]
     finally:

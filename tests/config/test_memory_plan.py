@@ -268,7 +268,14 @@ def test_the_old_default_reservation_of_a_05b_model_is_refused_before_any_actor(
 
 def test_the_05b_shape_on_defaults_sizes_the_cache_from_need(half_b_dir):
     cfg = load_config(
-        None, [f"model.path={half_b_dir}", "warmup.enabled=false", "run.memory_limit_gib=64", "engine.dtype=float32"]
+        None,
+        [
+            f"model.path={half_b_dir}",
+            "warmup.enabled=false",
+            "run.memory_limit_gib=64",
+            "engine.dtype=float32",
+            "rollout.max_new_tokens=4",  # the addition task's answers (a loaded model's default is 256)
+        ],
     )
     fitted = fit_run(cfg, run_rows(cfg))
     e = fitted.cfg.engine
@@ -288,6 +295,7 @@ def test_a_small_memory_limit_is_refused_with_the_largest_part(half_b_dir):
             "run.memory_limit_gib=8",
             "engine.dtype=float32",
             "trainer.precision=float32",  # the same plan whether or not this CPU has bf16
+            "rollout.max_new_tokens=4",  # the addition task's answers (a loaded model's default is 256)
         ],
     )
     with pytest.raises(ConfigError) as err:

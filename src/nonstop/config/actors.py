@@ -92,7 +92,8 @@ class LoraConfig(_Section):
 
 class ModelConfig(_Section):
     path: str | None = None
-    """A local folder or hub id loaded with AutoModelForCausalLM.from_pretrained; None builds the tiny model."""
+    """A local folder or hub id loaded with AutoModelForCausalLM.from_pretrained, or a .gguf file (dequantized
+    once into a cached folder; `nonstop model fetch smollm2` gives a real one); None builds the tiny model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Used only when path is None."""
     base: Literal["auto", "builtin", "builtin_weak", "warmup", "init"] = "auto"

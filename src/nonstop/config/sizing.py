@@ -277,14 +277,14 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
     update: dict = {}
     trainer = cfg.trainer
     if cfg.model.path is not None and shape.params >= AUTO_BF16_MIN_PARAMS:  # docs/precision.md
-        why = f"a loaded model of {shape.params / 1e6:.0f} M >= {AUTO_BF16_MIN_PARAMS / 1e6:.0f} M parameters"
+        loaded = f"a loaded model of {shape.params / 1e6:.0f} M >= {AUTO_BF16_MIN_PARAMS / 1e6:.0f} M parameters"
         if engine.dtype is None:
             update["dtype"] = "auto"
             engine = engine.model_copy(update={"dtype": "auto"})
-            notes.append(f"engine.dtype: auto ({why}: bfloat16 where the engine's device has it)")
+            notes.append(f"engine.dtype: auto ({loaded}: bfloat16 where the engine's device has it)")
         if trainer.precision is None:
             trainer = trainer.model_copy(update={"precision": "auto"})
-            notes.append(f"trainer.precision: auto ({why}: bfloat16 autocast where the trainer's device has it)")
+            notes.append(f"trainer.precision: auto ({loaded}: bfloat16 autocast where the trainer's device has it)")
         if engine.kind == "vllm" and engine.vllm.dtype is None:  # as the built-in engine's auto resolves
             from nonstop.device import dtype_name, resolve_device, resolve_dtype
 
@@ -292,7 +292,7 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
             dtype = dtype_name(resolve_dtype("auto", device, "engine.vllm.dtype"))
             engine = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"dtype": dtype})})
             update["vllm"] = engine.vllm
-            notes.append(f"engine.vllm.dtype: {dtype} ({why}: bfloat16 where the engine's device has it)")
+            notes.append(f"engine.vllm.dtype: {dtype} ({loaded}: bfloat16 where the engine's device has it)")
     if engine.max_seq_len is None:
         update["max_seq_len"] = seq_len
         notes.append(f"engine.max_seq_len: {seq_len} ({why})")
@@ -337,3 +337,38 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
         notes.append(f"trainer.micro_batch_tokens: {budget} ({why}; {parts} the batch's {whole:,} tokens at most)")
     resolved = cfg.model_copy(update={"engine": engine.model_copy(update=update), "trainer": trainer})
     return Sized(resolved, tuple(notes), seq_len)
+
+
+LOADED_MAX_NEW_TOKENS = 256
+"""rollout.max_new_tokens of a loaded model of >= AUTO_BF16_MIN_PARAMS parameters when unset. The
+field's own default, 4, fits the built-in addition task's answers; a chat model answers in sentences
+(SmolLM2-135M-Instruct: 14-52 tokens on one-digit arithmetic, some past 64) and stops at its end of
+turn, so the cap only bounds the rambling tail."""
+LOADED_EVAL_EVERY = 5
+"""run.eval_every of such a model when unset: its steps take seconds to tens of seconds on a CPU, not
+the tiny model's milliseconds, so every 25 steps would leave a 10-minute run with two evaluations.
+run.max_time_s, whose default (190 s) is the tiny default job's RL budget, is lifted for such a model
+when unset: it trains until run.max_steps or run.max_total_s."""
+
+
+def loaded_model_defaults(cfg: Config, params: int) -> tuple[Config, tuple[str, ...]]:
+    """`cfg` with rollout.max_new_tokens, run.eval_every and run.max_time_s resolved for a loaded model
+    of `params` parameters, where the user left them unset (the built-in tiny model keeps the fields'
+    defaults)."""
+    if cfg.model.path is None or params < AUTO_BF16_MIN_PARAMS:
+        return cfg, ()
+    notes, why = [], f"a loaded model of {params / 1e6:.0f} M >= {AUTO_BF16_MIN_PARAMS / 1e6:.0f} M parameters"
+    rollout, run = cfg.rollout, cfg.run
+    if "max_new_tokens" not in rollout.model_fields_set:
+        rollout = rollout.model_copy(update={"max_new_tokens": LOADED_MAX_NEW_TOKENS})
+        notes.append(f"rollout.max_new_tokens: {LOADED_MAX_NEW_TOKENS} ({why}; set it to choose)")
+    if "eval_every" not in run.model_fields_set:
+        run = run.model_copy(update={"eval_every": LOADED_EVAL_EVERY})
+        notes.append(f"run.eval_every: {LOADED_EVAL_EVERY} ({why})")
+    if "max_time_s" not in run.model_fields_set:
+        run = run.model_copy(update={"max_time_s": None})
+        notes.append(
+            f"run.max_time_s: none, the tiny default job's 190 s lifted ({why}; run.max_steps and "
+            "run.max_total_s bound the run)"
+        )
+    return cfg.model_copy(update={"rollout": rollout, "run": run}), tuple(notes)

@@ -9,7 +9,8 @@ run's config.yaml):
 2. the longest prompt the run admits: every train and held-out prompt tokenised with the
    policy's tokenizer, those over the screening limit left out (task.max_prompt_tokens, else
    the model's positions minus the completion's tokens: the rule build.screen applies);
-3. the need-dependent defaults resolved (config/sizing.py): engine.max_seq_len,
+3. the need-dependent defaults resolved (config/sizing.py): for a loaded model of >= 50 M
+   parameters rollout.max_new_tokens and run.eval_every where unset; engine.max_seq_len,
    engine.max_concurrent_seqs, engine.vllm.max_model_len, trainer.lr;
 4. the memory plan (config/memory.py) of that resolved config, checked: a run that cannot fit
    raises ConfigError naming the field to change. With engine.kind vllm, a KV reserve smaller
@@ -30,7 +31,7 @@ from nonstop.config import Config, ConfigError
 from nonstop.config.machine import GIB, MachineMemory, machine_memory
 from nonstop.config.memory import VLLM_BYTES, MemoryPlan, plan_memory, size
 from nonstop.config.shape import ModelShape, shape_of
-from nonstop.config.sizing import size_run, vllm_dtype
+from nonstop.config.sizing import loaded_model_defaults, size_run, vllm_dtype
 from nonstop.tasks.chat import render_chat
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ def fit_run(cfg: Config, data: TaskData, model_dir: Path | None = None, machine:
         model_dir = resolve_model_path(cfg.model.path)
     machine = machine or machine_memory()
     shape = shape_of(cfg, model_dir)
+    cfg, loaded_notes = loaded_model_defaults(cfg, shape.params)
     tok = _tokenizer(model_dir)
     t = cfg.task
     if cfg.env is None:  # chat rows become prompt text before any prompt is measured or encoded
@@ -109,7 +111,7 @@ def fit_run(cfg: Config, data: TaskData, model_dir: Path | None = None, machine:
     def folder_of(path: str, field: str) -> Path:
         return resolve_model_path(path, field=field) if not Path(path).is_dir() else Path(path)
 
-    plan = plan_memory(sized.cfg, shape, machine, sized.notes, folder_of, sized.seq_len)
+    plan = plan_memory(sized.cfg, shape, machine, loaded_notes + sized.notes, folder_of, sized.seq_len)
     check_vllm_kv(sized.cfg, shape, machine.total)
     plan.check()
     return Fitted(sized.cfg, plan, shape)
