@@ -20,12 +20,16 @@ two evaluations (the base and the first after training), by TARGET_MARGIN, so it
 not the step rate. speedup_vs_sync = the sync arm's time to target / the async arm's, per seed;
 the RESULT gives the median over seeds. ratio_vs_trl = TRL's time to target / the async arm's
 (seed 0's; when TRL does not reach the target within its budget, its budget is used and
-trl_reached=0 says so: the ratio is then a lower bound). peak_rss_gib is the largest resident set
-of a nonstop run's process tree, sampled every 0.5 s.
+trl_reached=0 says so: the ratio is then a lower bound). The arm `default` runs two steps with only
+model.path and the task set (the default batch, 32 x 8, and completions of up to 512 tokens) and
+compares each process's peak memory with the run's own plan (default_batch_* keys). peak_rss_gib is
+the largest resident set of a nonstop run's process tree (the sum of its processes' proportional set
+sizes, shared pages counted once), sampled every second.
 
     python bench/real_model.py                    # seeds 0,1,2; arms async, sync, trl; 10 minutes each
     python bench/real_model.py --quick            # seed 0, 4 minutes an arm
     python bench/real_model.py --seeds 0 --arms async,trl --minutes 10
+    python bench/real_model.py --arms default     # only model.path and the task: 32 x 8, 512 tokens, 2 steps
     # TRL comes with the bench extra: pip install -e '.[bench]'
 
 The last line is `RESULT base=... final=... gain=... minutes=... samples_per_s=... tokens_per_s=...
@@ -51,14 +55,28 @@ TARGET_MARGIN = 0.05
 TRL_EVAL_EVERY = 5
 
 
-def rss_tree(pid: int) -> int:
+def pss_by_process(pid: int) -> dict[str, int]:
+    """Proportional set size of each process of the tree under `pid`, by its title ('nonstop: engine-0')
+    or command line: shared pages (the weight segment) are split among the processes that map them,
+    so the sum is the memory the run holds, counted once."""
     import psutil  # type: ignore[import-untyped]  # ray's dependency, no stubs installed
 
+    out: dict[str, int] = {}
     try:
         root = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                name = " ".join(p.cmdline())[:80]
+                out[name] = p.memory_full_info().pss
+            except psutil.Error:  # a process that ended between the listing and the read
+                continue
     except psutil.Error:
-        return 0
+        pass
+    return out
+
+
+def rss_tree(pid: int) -> int:
+    return sum(pss_by_process(pid).values())
 
 
 def run_nonstop(arm: str, seed: int, minutes: float, folder: Path, extra: list[str]) -> dict:
@@ -74,7 +92,7 @@ def run_nonstop(arm: str, seed: int, minutes: float, folder: Path, extra: list[s
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             peak = max(peak, rss_tree(proc.pid))
-            time.sleep(0.5)
+            time.sleep(1.0)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {proc.returncode}); see {folder / f'{name}.log'}")
     run_dir = folder / name
@@ -104,6 +122,55 @@ def run_nonstop(arm: str, seed: int, minutes: float, folder: Path, extra: list[s
         "base": summary["base_accuracy"],
         "final": summary["final_accuracy"],
         "lr": _resolved_lr(folder / f"{name}.log"),
+    }
+
+
+def run_default_batch(folder: Path, new_tokens: int = 512, steps: int = 2) -> dict:
+    """Two steps with only model.path and the task set: the default batch (32 prompts x 8), completions
+    of up to `new_tokens`, everything else resolved. Each process's peak proportional set size is
+    compared with what the run's own memory plan (memory_plan.json) gave it."""
+    from nonstop.models.fetch import fetch_model
+
+    model, _ = fetch_model("smollm2", ROOT / ".nonstop_cache" / "models")
+    sets = {
+        "model.path": model,
+        "task.name": "jsonl",
+        "task.dataset_path": ROOT / "examples/smollm2/train.jsonl",
+        "task.eval_path": ROOT / "examples/smollm2/heldout.jsonl",
+        "task.reward": "last_number",
+        "rollout.max_new_tokens": new_tokens,
+        "run.max_steps": steps,
+        "run.out_dir": folder,
+        "run.name": "default-batch",
+        "run.progress": "plain",
+    }
+    cmd = [str(Path(sys.executable).parent / "nonstop"), "train"]
+    cmd += [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    peaks: dict[str, int] = {}
+    peak_total = 0
+    with open(folder / "default-batch.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            now = pss_by_process(proc.pid)
+            for name, b in now.items():
+                role = "engine" if "engine" in name else "trainer" if "trainer" in name else "orchestrator"
+                peaks[role] = max(peaks.get(role, 0), b)
+            peak_total = max(peak_total, sum(now.values()))
+            time.sleep(1.0)
+    plan = json.loads((folder / "default-batch" / "memory_plan.json").read_text())
+    planned = {p["process"]: p["host_bytes_each"] for p in plan["processes"]}
+    summary_path = folder / "default-batch" / "summary.json"
+    steps_done = json.loads(summary_path.read_text())["steps"] if summary_path.exists() else 0
+    over = {role: peaks[role] / planned[role] for role in peaks if role in planned}
+    print(f"\ndefault batch (32 x 8, max_new_tokens {new_tokens}), exit {proc.returncode}, {steps_done} steps:")
+    for role, b in sorted(peaks.items()):
+        print(f"  {role:>12}: peak {b / 1024**3:5.2f} GiB of a planned {planned.get(role, 0) / 1024**3:5.2f} GiB")
+    print(f"  {'all':>12}: peak {peak_total / 1024**3:5.2f} GiB of a planned {plan['total_bytes'] / 1024**3:5.2f} GiB")
+    return {
+        "default_batch_ok": int(proc.returncode == 0 and steps_done == steps),
+        "default_batch_peak_gib": peak_total / 1024**3,
+        "default_batch_plan_gib": plan["total_bytes"] / 1024**3,
+        "default_batch_worst_over_plan": max(over.values()) if over else None,
     }
 
 
@@ -248,8 +315,9 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="nonstop-real-"))
     print(f"runs in {folder}", flush=True)
     rows: list[dict] = []
+    default = run_default_batch(folder) if "default" in arms else {}
     for seed in seeds:
-        for arm in [a for a in arms if a != "trl"]:
+        for arm in [a for a in arms if a in ("async", "sync")]:
             rows.append(run_nonstop(arm, seed, minutes, folder, ns.extra))
             print_row(rows[-1])
     if "trl" in arms:
@@ -297,6 +365,7 @@ def main() -> None:
         "target": target,
         "peak_rss_gib": max(r["peak_rss_gib"] for r in rows if "peak_rss_gib" in r) if asyncs else None,
         "seeds": len(seeds),
+        **default,
     }
     print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
 
