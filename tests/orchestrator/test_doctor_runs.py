@@ -1,12 +1,13 @@
 """The run doctor on real runs (orchestrator + engine process + trainer process, the real CLI).
 
 A run built to show the reward-rising/held-out-flat pattern: the default job (the shipped
-addition base) with a reward that pays for three characters, right or wrong. The shipped base
-writes three for about half the prompts, so the reward climbs quickly while held-out exact
-match does not (it falls: the two-digit sums get a third digit). The doctor names the pattern
-once, in the progress output, summary.json, the end-of-run table and `nonstop report`, with the
-reward as its cause. That the default job stays silent is asserted on the default job's own runs
-(tests/orchestrator/test_e2e.py: the 60-step run, and the slow full one).
+addition base) with a reward that pays for three characters, right or wrong, and held-out
+evaluation by exact match (task.eval_reward; by default it scores with the run's own reward). The
+shipped base writes three for about half the prompts, so the reward climbs quickly while held-out
+exact match does not (it falls: the two-digit sums get a third digit). The doctor names the
+pattern once, in the progress output, summary.json, the end-of-run table and `nonstop report`,
+with the reward as its cause. That the default job stays silent is asserted on the default job's
+own runs (tests/orchestrator/test_e2e.py: the 60-step run, and the slow full one).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def hacked(tmp_path_factory):
     sets = {
         "run.name": "hack",
         "task.reward": "support.helpers:three_chars_reward",
+        "task.eval_reward": "exact_match",  # held-out measures the task, not what the reward pays for
         "rollout.filter_uniform_reward": "false",  # once all completions earn it, steps still come
         "rollout.prompts_per_step": "16",
         "run.max_steps": "40",

@@ -38,6 +38,11 @@ class TaskConfig(_Section):
     reward: str = "exact_match"
     """'exact_match', 'partial_credit', 'last_number', 'math_verify', or 'package.module:function' taking
     (completion, answer) -> float. Held-out evaluation scores completions with this same reward."""
+    eval_reward: str | None = None
+    """The reward held-out evaluation scores with, a name as task.reward takes. None: task.reward itself,
+    so that evaluation measures what training rewards. Set it to measure something else, e.g. train on a
+    partial credit and evaluate by 'exact_match' (then the run doctor can see a reward rising while the
+    held-out score stays flat)."""
     system_prompt: str | None = None
     """A system message put first in every chat row (rows given as `messages` or as a `prompt` list)
     that does not start with its own; rendered through the model's chat template (tasks/chat.py)."""

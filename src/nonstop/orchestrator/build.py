@@ -25,6 +25,7 @@ from nonstop.checkpoint import Checkpoint
 from nonstop.clients import EngineClient
 from nonstop.config import Config
 from nonstop.hf import load_tokenizer, max_positions
+from nonstop.observe.consumed import DROPPED
 from nonstop.observe.progress import Progress
 from nonstop.observe.spans import SpanLog
 from nonstop.observe.tracking import open_sinks
@@ -129,7 +130,7 @@ async def build_run(
     own = sorted(cfg.env.policies) if cfg.env is not None else []
     ledger = Ledger(("", *own) if own else ())  # with own policies a row settles once each settled its part
     spans = SpanLog(span_file(cfg, run_dir, "orchestrator"))
-    buffer = make_buffer(cfg, ledger.part("") if own else ledger, spans)
+    buffer = make_buffer(cfg, ledger.part("") if own else ledger, spans, None if own else run_dir / DROPPED)
     policies = None
     if own:
         sides = await build_policies(cfg, backend, base_model, tok, ledger, run_dir, spans, progress, resume)
@@ -161,10 +162,13 @@ async def build_run(
 
 
 def held_out(cfg: Config, reward: RewardFn | None) -> HeldOut:
-    """Held-out scoring by the run's own reward (the Python callable from nonstop.api, else task.reward)."""
+    """Held-out scoring by task.eval_reward, else the run's own reward (the Python callable from nonstop.api,
+    else task.reward)."""
     t = cfg.task
     temperature = t.eval_temperature
     if temperature is None:
         temperature = 0.0 if t.eval_samples == 1 else cfg.rollout.temperature
+    if t.eval_reward is not None:
+        return HeldOut(resolve_reward(t.eval_reward, "task.eval_reward"), t.eval_reward, t.eval_samples, temperature)
     fn = reward if reward is not None else resolve_reward(t.reward)
     return HeldOut(fn, t.reward, t.eval_samples, temperature)

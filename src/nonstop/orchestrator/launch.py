@@ -93,6 +93,8 @@ def preflight(cfg: Config, reward: RewardFn | None) -> None:
         resolve_model_path(cfg.model.path)
     if reward is None:
         check_reward(cfg.task.reward)
+    if cfg.task.eval_reward is not None:
+        check_reward(cfg.task.eval_reward, "task.eval_reward")
     if cfg.env is not None and cfg.env.policies:
         from nonstop.envs.registry import env_factory
         from nonstop.orchestrator.policy_build import check_roles
@@ -194,6 +196,8 @@ def _run(
     t0: float,
 ) -> RunSummary:
     from nonstop.checkpoint import latest_valid
+    from nonstop.observe.consumed import DROPPED, TRAINED, rolled_back_name
+    from nonstop.observe.consumed import restore as restore_record
     from nonstop.observe.progress import Progress
     from nonstop.orchestrator.pipeline import train
     from nonstop.orchestrator.recovery import ROLLED_BACK, set_aside_rolled_back
@@ -239,6 +243,12 @@ def _run(
                     f"metrics.jsonl: {moved} lines after step {ckpt.step} (those steps are trained again) "
                     f"moved to {ROLLED_BACK}"
                 )
+            for name in (TRAINED, DROPPED):
+                moved_lines = restore_record(run_dir, ckpt.path, name)
+                if moved_lines:
+                    progress.log(
+                        f"{name}: {moved_lines} lines after step {ckpt.step} moved to {rolled_back_name(name)}"
+                    )
         base = base.resolve()  # every path an actor opens is absolute: a Ray worker's cwd is its node's
         warmup_s = time.perf_counter() - t0
         try:
