@@ -1,6 +1,6 @@
 """Command line: `nonstop train [CONFIG.yaml] [--set a.b=c ...]`, `nonstop train --resume RUN_DIR`,
 `nonstop serve --model DIR`, `nonstop warmup --out DIR`, `nonstop config`, `nonstop report RUN_DIR`,
-`nonstop simulate RUN_DIR`, `nonstop model fetch NAME`.
+`nonstop simulate RUN_DIR`, `nonstop verify RUN_DIR`, `nonstop model fetch NAME`.
 
 `nonstop train` with no arguments runs the built-in default: the tiny model on two-operand
 addition, starting from the base policy shipped with the package, then asynchronous GRPO.
@@ -348,6 +348,23 @@ def report_cmd(run_dir: Path, out: Path | None) -> None:
         click.echo(f"report: {e}", err=True)
         sys.exit(2)
     click.echo(f"report written to {page}")
+
+
+@main.command("verify")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+def verify_cmd(run_dir: Path) -> None:
+    """Recount a run from what its trainer trained and its buffer dropped, against the dataset's own
+    order: exit 1 on any lost or duplicated sample, 2 when a record cannot be read."""
+    from nonstop.observe.verify import VerifyError, verify
+
+    try:
+        verdict = verify(run_dir)
+    except VerifyError as e:
+        click.echo(f"verify: cannot verify {run_dir}: {e}", err=True)
+        sys.exit(2)
+    for line in verdict.lines():
+        click.echo(line)
+    sys.exit(0 if verdict.ok else 1)
 
 
 @main.command("simulate")

@@ -212,10 +212,19 @@ class Sample:
     policy: str = ""
     """Which policy wrote the model tokens: '' the run's shared policy, else the role whose own policy
     it is (env.policies); only that policy's trainer trains on the sample."""
+    index: int = 0
+    """Which of its request's n completions this is (set where the group is made, generate.py); with
+    `episode` and `role` it names the sample within its group (`sample_id`)."""
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
             self.loss_mask = [True] * len(self.completion_ids)
+
+    @property
+    def sample_id(self) -> str:
+        """The sample's name within its group, the same on every path it takes (buffer, trainer,
+        a resume): 'episode.completion', and '/role' in a multi-agent episode."""
+        return f"{self.episode}.{self.index}" + (f"/{self.role}" if self.role else "")
 
     @property
     def min_version(self) -> int:

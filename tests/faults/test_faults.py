@@ -5,8 +5,8 @@ corrupted checkpoint and the NaN run are marked slow (their mechanisms have fast
 Each run trains one epoch (`run.max_epochs=1`) of the 80 train prompts of addition 0-9 on a
 small random model, with a fault injected from inside the orchestrator (a reward function
 that kills or stops an actor, or produces an overflow). The accounting is checked twice: in
-the run's prompt ledger (summary.json) and independently from the per-step prompt lists in
-metrics.jsonl plus the drop counters.
+the run's prompt ledger (summary.json), from the per-step prompt lists in metrics.jsonl plus the
+drop counters, and by `nonstop verify` from the trainer's and the buffer's own records.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ def assert_epoch_consumed_exactly_once(run_dir: Path) -> dict:
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     dropped = sum(summary["drops"].values())
     assert len(trained) + dropped == TRAIN_PROMPTS, (len(trained), summary["drops"])
+    # and from the trainer's and the buffer's own records, against the dataset's order
+    verified = nonstop(["verify", str(run_dir)], cwd=run_dir.parent, timeout_s=120)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    drawn = re.search(r"^prompts drawn +(\d+) ", verified.stdout, re.M)
+    assert drawn is not None and int(drawn.group(1)) == TRAIN_PROMPTS, verified.stdout
     return summary
 
 

@@ -11,4 +11,6 @@
 | `doctor.py` | `Doctor`: the run doctor, fed each step record, reports each pattern of a stalled run once |
 | `patterns.py` | the doctor's patterns: pure checks over summaries of the step records, with cause and fix |
 | `report.py` | `nonstop report`: the HTML report and figures of a run folder |
+| `consumed.py` | the records of what the trainer trained and the buffer dropped, kept in checkpoints |
+| `verify.py` | `nonstop verify`: a run recounted from those records and the dataset's own order |
 """

@@ -12,7 +12,9 @@ Used for the run's shared policy (build.py) and for every role with its own poli
 - `engine_restarter(...)`: what a RestartingEngine (runtime/restart.py) calls to replace
   engine i: a fresh actor from the same weights, attached to the same transport.
 Services the actors open for each other listen where the backend says (`ActorBackend.host`).
-With `run.spans`, each actor writes its span log under RUN_DIR/spans (observe/spans.py).
+With `run.spans`, each actor writes its span log under RUN_DIR/spans (observe/spans.py). Rank 0
+of the shared policy's trainer keeps the record of what it trained, RUN_DIR/trained.jsonl
+(observe/consumed.py); an own policy's trainer (env.policies) keeps none yet.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from nonstop.config import Config, FilesTransportConfig
 from nonstop.config.sizing import wire_dtype
 from nonstop.engine.worker import EngineWorker
 from nonstop.hf import stop_token_ids
+from nonstop.observe.consumed import TRAINED
 from nonstop.observe.spans import span_path
 from nonstop.orchestrator.dispatch import RankGroup
 from nonstop.runtime import ActorBackend
@@ -87,6 +90,7 @@ async def spawn_trainers(
     prefix: str = "trainer",
 ) -> RankGroup:
     """The trainer rank actors; with several, they form their process group before returning."""
+    shared = prefix == "trainer"  # the run's shared policy, whose rank 0 keeps the record of what it trained
     ranks = [
         TrainerActor(a)
         for a in await asyncio.gather(
@@ -108,6 +112,7 @@ async def spawn_trainers(
                     max_new_tokens=cfg.rollout.max_new_tokens,
                     span_path=span_file(cfg, run_dir, f"{prefix}-{r}"),
                     distill=cfg.distill if cfg.distill.teacher is not None else None,
+                    record_path=str(run_dir / TRAINED) if r == 0 and run_dir is not None and shared else None,
                 )
                 for r, n in enumerate(actor_names(prefix, cfg.trainer.ranks))
             )

@@ -27,7 +27,10 @@ With `episodes=True` (buffer.reject 'episode') only the lagging episodes of such
 removed (counted as `max_lag_episode`, by episode); a group left with none is dropped whole.
 With `max_lag=None` the buffer rejects nothing (rejection per sample or token is then the
 trainer's, which masks and counts). Every drop is also settled in the prompt ledger when one is
-given, and recorded in the span log when one is given. Nothing is dropped silently.
+given, and recorded in the span log when one is given. Nothing is dropped silently. With a
+`record` (the run's shared buffer: RUN_DIR/dropped.jsonl) every drop is also appended there, one
+line naming the group and its samples (observe/consumed.py): the buffer's own account of its drops,
+which `nonstop verify` reads instead of the ledger.
 
 With `refill_ahead=True` (depth >= 1), admission also anticipates drops: from the share p of
 scored groups that were dropped and refunded lately (a moving average, `drop_rate`, capped at
@@ -60,9 +63,11 @@ import asyncio
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Protocol
 
 from nonstop.config import Config
+from nonstop.observe.consumed import append, dropped_line
 from nonstop.observe.spans import SpanLog, now
 from nonstop.orchestrator.ledger import Settler
 from nonstop.types import Group
@@ -98,9 +103,10 @@ class Intake(Protocol):
     async def drop(self, group: Group, reason: str) -> None: ...
 
 
-def make_buffer(cfg: Config, ledger: Settler, spans: SpanLog) -> "RolloutBuffer":
+def make_buffer(cfg: Config, ledger: Settler, spans: SpanLog, record: Path | None = None) -> "RolloutBuffer":
     """A run's buffer (or one policy's) as the config says; group-level max-lag rejection only
-    where buffer.reject is done here ('group', 'episode'), not by the trainer."""
+    where buffer.reject is done here ('group', 'episode'), not by the trainer. `record`: the file
+    its drops are appended to (None: none)."""
     in_buffer = cfg.buffer.reject in ("group", "episode")
     return RolloutBuffer(
         cfg.rollout.prompts_per_step,
@@ -112,6 +118,7 @@ def make_buffer(cfg: Config, ledger: Settler, spans: SpanLog) -> "RolloutBuffer"
         spans=spans,
         episodes=cfg.buffer.reject == "episode",
         refill_ahead=cfg.refill_ahead,
+        record=record,
     )
 
 
@@ -127,6 +134,7 @@ class RolloutBuffer:
         spans: SpanLog | None = None,
         episodes: bool = False,
         refill_ahead: bool = False,
+        record: Path | None = None,
     ) -> None:
         if refill_ahead and (depth is None or depth < 1):
             raise ValueError(
@@ -137,6 +145,9 @@ class RolloutBuffer:
         self.refill_ahead = refill_ahead
         self.spans = spans if spans is not None else SpanLog(None)
         self.episodes = episodes
+        self.record = record
+        if record is not None:
+            record.touch()  # an empty record says "no drops"; a missing one says nothing (nonstop verify)
         self.ledger = ledger
         self.refill = refill
         self.depth = depth
@@ -189,6 +200,7 @@ class RolloutBuffer:
         """Count a group that will not be trained on and refund its admission."""
         self.drops[reason] += 1
         self.spans.emit("drop", id=[group.epoch, group.prompt_index], reason=reason, t=round(now(), 6))
+        append(self.record, dropped_line(group, reason))
         if self.ledger is not None:
             self.ledger.settle(group.epoch, group.prompt_index, reason)
         if not self.refill and reason == "uniform_reward":
@@ -260,6 +272,9 @@ class RolloutBuffer:
         kept = [s for s in group.samples if s.episode not in stale]
         if not kept:
             return False
+        removed = [s for s in group.samples if s.episode in stale]
+        part = Group(group.prompt_index, group.prompt, group.answer, removed, epoch=group.epoch)
+        append(self.record, dropped_line(part, "max_lag_episode"))
         group.samples = kept
         self.drops["max_lag_episode"] += len(stale)
         if self.ledger is not None:

@@ -139,8 +139,9 @@ async def produce(
     async def score(ex: Example, epoch: int, samples: list[Sample]) -> tuple[Group, bool]:
         """The group of an example's samples, decoded and scored; False when its reward failed."""
         stats.samples += len(samples)
-        for s in samples:
+        for i, s in enumerate(samples):
             s.text = codec.decode(s.completion_ids)
+            s.index = i
         group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=epoch, extra=ex.extra)
         return group, await scorer.score(group)
 

@@ -2,7 +2,9 @@
 
 `write_checkpoint(run, step)` has the trainer write its weights and optimizer/RNG state into a
 staging folder, adds the orchestrator's state (data cursor, prompt ledger, counters, clock) and
-each engine's sampling generator state, and commits it atomically (checkpoint.py).
+each engine's sampling generator state, and a copy of the buffer's record of drops
+(observe/consumed.py; the trainer copies its own record of what it trained), and commits it
+atomically (checkpoint.py).
 The snapshot is taken between two trainer steps:
 every group of step <= `step` is settled in the ledger, and every prompt drawn but not yet
 settled (generating, or waiting in the buffer) is listed as in flight.
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint, commit, staging_dir
 from nonstop.observe.clock import Clock
+from nonstop.observe.consumed import snapshot
 from nonstop.orchestrator.run import Run
 from nonstop.tasks.data import Draw
 
@@ -59,6 +62,8 @@ async def _write_checkpoint(run: Run, step: int) -> None:
     run.codec.tokenizer.save_pretrained(tmp / "model")
     if run.policies is not None:
         await run.policies.save_checkpoints(tmp, run.codec.tokenizer)
+    if run.buffer.record is not None:  # with no await before the ledger's state: the same moment
+        snapshot(run.buffer.record, tmp)
     state = {
         "step": step,
         "policy_version": version,

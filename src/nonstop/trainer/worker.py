@@ -26,6 +26,12 @@ while the weights, gradients and AdamW state stay float32. Every step record car
 resolved `precision`, the step's FLOPs (observe/flops.py), its achieved FLOP/s over the step's
 own time plus the forwards it ran ahead, and that figure's fraction of this process's matmul
 peak in the step's dtype, probed once when the worker starts.
+
+With `record_path` (rank 0 of the run's shared policy: RUN_DIR/trained.jsonl) every step appends
+one line naming each sample it consumed, with the versions of its tokens (observe/consumed.py):
+the trainer's own account of what it trained, which `nonstop verify` recounts the run from.
+`save_checkpoint` copies it into the checkpoint, and a trainer given `load_checkpoint` counts its
+steps on from that copy (the resume put it back as the live record, launch.py).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from nonstop.checkpoint import write_policy_version
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
 from nonstop.device import dtype_name, on, place, resolve_device, resolve_dtype, retain_freed_memory
 from nonstop.hf import CausalLM, load_model
+from nonstop.observe import consumed
 from nonstop.observe.flops import FlopModel, PeakProbe, rate, train_flops
 from nonstop.observe.spans import SpanLog, now
 from nonstop.trainer.core import Trainer
@@ -70,12 +77,14 @@ class TrainerWorker:
         max_new_tokens: int | None = None,
         span_path: str | None = None,
         distill: DistillConfig | None = None,
+        record_path: str | None = None,
     ):
         """`span_path`: this rank's span file (nonstop.observe.spans), None records nothing.
         `reference_path`: the KL reference weights when they differ from `model_path` (on resume).
         `max_new_tokens`: rollout.max_new_tokens, the constant divisor of dr_grpo's normalisation.
         `lora`: train adapters on the base `model_path`, starting from `adapter_path` if given.
-        `distill`: the teacher term's weight, for samples that carry teacher logprobs."""
+        `distill`: the teacher term's weight, for samples that carry teacher logprobs.
+        `record_path`: the record of consumed samples this trainer appends to (None: none)."""
         torch.manual_seed(seed)
         self.model_path = model_path
         self.lora = lora if lora is not None and lora.enabled else None
@@ -108,6 +117,10 @@ class TrainerWorker:
         self.flop_factor = (2 if self.lora is not None else 3) + (1 if self.trainer.reference is not None else 0)
         self.peak = PeakProbe(self.dtype, self.device)
         self.ahead_s = 0.0  # forwards run ahead since the last step: part of the next step's work
+        self.record = Path(record_path) if record_path is not None else None
+        if self.record is not None:
+            self.record.touch()  # an empty record says "no step yet"; a missing one says nothing
+        self.steps = 0  # steps taken, counted on from a checkpoint's record on resume
 
     def _precision(self):
         """The context of every forward and backward: autocast in bfloat16, or nothing in float32."""
@@ -184,6 +197,11 @@ class TrainerWorker:
             flops_per_s=achieved,
             peak_flops_per_s=peak,
             peak_frac=frac,
+        )
+        self.steps += 1
+        consumed.append(
+            self.record,
+            consumed.trained_line(self.steps, self.trainer.policy_version, bool(metrics["skipped"]), groups),
         )
         update_s = metrics["update_s"]
         assert isinstance(update_s, float)  # Trainer.step reports it in seconds
@@ -267,6 +285,8 @@ class TrainerWorker:
             t.save_optimizer(out / SHARDED_OPTIMIZER)
         if isinstance(t, ParallelTrainer) and t.rank > 0:
             return t.policy_version
+        if self.record is not None:
+            consumed.snapshot(self.record, out)
         torch.save(
             {
                 "optimizer": None if sharded else t.optimizer.state_dict(),
@@ -305,6 +325,8 @@ class TrainerWorker:
             state["skips_in_row"],
         )
         self.published_version = t.policy_version  # engines start from these weights (LoRA: connect publishes them)
+        if self.record is not None:
+            self.steps = len(consumed.lines_of(Path(path) / self.record.name))
         return t.policy_version
 
     def close(self) -> None:
