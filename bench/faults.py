@@ -34,11 +34,13 @@ through `runtime.ray_address`, with the event set off by the run's reward functi
                 heartbeat (0.5 s, timeout 3 s) declares it hung, it is replaced, and the trainer's
                 send goes out again in a group with the replacement
 
-Columns: whether the epoch completed, prompts lost (drawn or due but never settled) and
-duplicated (settled twice) from the run's ledger, engine restarts, time to detect and to
+Columns: whether the epoch completed, what was lost and duplicated (prompts and samples) as
+`nonstop verify` counts them from the trainer's and the buffer's own records against the
+dataset's order, not from the run's ledger (a count verify could not read shows as 'unread' and
+fails the row), engine restarts, time to detect and to
 recover, and wall time relative to the fault-free run (all invocations of the row summed).
 For a node loss, detection is wall clock from the node's SIGKILL to the run noticing. The last
-line: `RESULT scenarios=<n> survived=<n> lost=<total> duplicated=<total>`, where a scenario
+line: `RESULT scenarios=<n> survived=<n> lost=<total> duplicated=<total> unread=<n>`, where a scenario
 survived if its epoch completed with no prompt lost or duplicated (a node row also needs its
 event to have happened, the run to have noticed a loss or a stall by restarting an engine, and
 every socket of the cluster and the run to have stayed on loopback).
@@ -104,6 +106,22 @@ def epoch(model: Path, name: str, reward: str, *extra: str) -> list[str]:
     ]
 
 
+def verified(run_dir: Path | None) -> tuple[int | None, int | None]:
+    """(lost, duplicated) as `nonstop verify` counts them; None for a count it could not read (no
+    run folder, a record missing or cut), which fails the row instead of reading as 0."""
+    if run_dir is None or not run_dir.is_dir():
+        return None, None
+    code, _, text = cli(["verify", str(run_dir)], run_dir.parent)
+    if code not in (0, 1):
+        return None, None
+    rows = {}
+    for line in text.splitlines():
+        head, _, rest = line.partition("  ")
+        if head in ("lost", "duplicated") and rest.split() and rest.split()[0].isdigit():
+            rows[head] = int(rest.split()[0])
+    return rows.get("lost"), rows.get("duplicated")
+
+
 def flip_newest_checkpoint(run_dir: Path) -> None:
     newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     weights = newest / "model" / "model.safetensors"
@@ -167,11 +185,12 @@ def scenario(name: str, model: Path, work: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     ledger = summary.get("prompts", {})
     faults = summary.get("engine_faults", {})
+    lost, duplicated = verified(run_dir)
     return {
         "completed": codes[-1] == 0,
         "exit_codes": codes,
-        "lost": TRAIN - ledger.get("settled", 0) + ledger.get("in_flight", 0),
-        "duplicated": ledger.get("duplicated", -1),
+        "lost": lost,
+        "duplicated": duplicated,
         "restarts": faults.get("restarts", 0),
         "requeued": ledger.get("requeued", 0) + faults.get("requeued", 0),
         "detect_s": faults.get("max_detect_s", 0.0),
@@ -256,11 +275,12 @@ def cluster_scenario(name: str, model: Path, work: Path) -> dict:
     else:  # the run must have noticed the fault: a loss or a stall that changed nothing proves nothing
         happened = happened and faults.get("restarts", 0) >= 1
     completed = bool(out.codes) and out.codes[-1] == 0 and happened and not out.foreign and not out.errors
+    lost, duplicated = verified(next((work / name / "runs").glob("*"), None))
     return {
         "completed": completed,
         "exit_codes": out.codes,
-        "lost": CLUSTER_TRAIN[name] - ledger.get("settled", 0) + ledger.get("in_flight", 0),
-        "duplicated": ledger.get("duplicated", -1),
+        "lost": lost,
+        "duplicated": duplicated,
         "restarts": faults.get("restarts", 0),
         "requeued": ledger.get("requeued", 0) + faults.get("requeued", 0),
         "detect_s": detect,
@@ -338,8 +358,8 @@ def main() -> None:
         table.add_row(
             name,
             done,
-            str(r["lost"]),
-            str(r["duplicated"]),
+            "unread" if r["lost"] is None else str(r["lost"]),
+            "unread" if r["duplicated"] is None else str(r["duplicated"]),
             str(r["requeued"]),
             str(r["restarts"]),
             "-" if r["detect_s"] is None else f"{r['detect_s']:.2f}",
@@ -352,9 +372,10 @@ def main() -> None:
         if r["output_tail"]:  # plain print: the output holds brackets
             print(f"{name} did not complete; its output ended with:\n{r['output_tail']}")
     survived = sum(r["completed"] and r["lost"] == 0 and r["duplicated"] == 0 for r in rows.values())
+    unread = sum(r["lost"] is None or r["duplicated"] is None for r in rows.values())
     print(
-        f"RESULT scenarios={len(rows)} survived={survived} lost={sum(r['lost'] for r in rows.values())} "
-        f"duplicated={sum(max(r['duplicated'], 0) for r in rows.values())}"
+        f"RESULT scenarios={len(rows)} survived={survived} lost={sum(r['lost'] or 0 for r in rows.values())} "
+        f"duplicated={sum(r['duplicated'] or 0 for r in rows.values())} unread={unread}"
     )
 
 
