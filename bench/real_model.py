@@ -20,16 +20,17 @@ two evaluations (the base and the first after training), by TARGET_MARGIN, so it
 not the step rate. speedup_vs_sync = the sync arm's time to target / the async arm's, per seed;
 the RESULT gives the median over seeds. ratio_vs_trl = TRL's time to target / the async arm's
 (seed 0's; when TRL does not reach the target within its budget, its budget is used and
-trl_reached=0 says so: the ratio is then a lower bound). The arm `default` runs two steps with only
-model.path and the task set (the default batch, 32 x 8, and completions of up to 512 tokens) and
-compares each process's peak memory with the run's own plan (default_batch_* keys). peak_rss_gib is
-the largest resident set of a nonstop run's process tree (the sum of its processes' proportional set
-sizes, shared pages counted once), sampled every second.
+trl_reached=0 says so: the ratio is then a lower bound). The arm `default` runs one step with only
+model.path and the task set (the default batch, 32 x 8, completions of up to the resolved 256 tokens;
+--default-tokens 512 --default-steps 2 for more) and compares each process's peak memory with the
+run's own plan (default_batch_* keys). peak_rss_gib is the largest resident set of a nonstop run's
+process tree (the sum of its processes' proportional set sizes, shared pages counted once),
+sampled every second.
 
     python bench/real_model.py                    # seeds 0,1,2; arms async, sync, trl; 10 minutes each
     python bench/real_model.py --quick            # seed 0, 4 minutes an arm
     python bench/real_model.py --seeds 0 --arms async,trl --minutes 10
-    python bench/real_model.py --arms default     # only model.path and the task: 32 x 8, 512 tokens, 2 steps
+    python bench/real_model.py --arms default     # only model.path and the task: 32 x 8, one step
     # TRL comes with the bench extra: pip install -e '.[bench]'
 
 The last line is `RESULT base=... final=... gain=... minutes=... samples_per_s=... tokens_per_s=...
@@ -125,10 +126,11 @@ def run_nonstop(arm: str, seed: int, minutes: float, folder: Path, extra: list[s
     }
 
 
-def run_default_batch(folder: Path, new_tokens: int = 512, steps: int = 2) -> dict:
-    """Two steps with only model.path and the task set: the default batch (32 prompts x 8), completions
-    of up to `new_tokens`, everything else resolved. Each process's peak proportional set size is
-    compared with what the run's own memory plan (memory_plan.json) gave it."""
+def run_default_batch(folder: Path, new_tokens: int | None = None, steps: int = 1) -> dict:
+    """`steps` steps with only model.path and the task set: the default batch (32 prompts x 8),
+    completions of up to `new_tokens` (None: what the run resolves, 256), everything else resolved.
+    Each process's peak proportional set size is compared with what the run's own memory plan
+    (memory_plan.json) gave it."""
     from nonstop.models.fetch import fetch_model
 
     model, _ = fetch_model("smollm2", ROOT / ".nonstop_cache" / "models")
@@ -138,12 +140,13 @@ def run_default_batch(folder: Path, new_tokens: int = 512, steps: int = 2) -> di
         "task.dataset_path": ROOT / "examples/smollm2/train.jsonl",
         "task.eval_path": ROOT / "examples/smollm2/heldout.jsonl",
         "task.reward": "last_number",
-        "rollout.max_new_tokens": new_tokens,
         "run.max_steps": steps,
         "run.out_dir": folder,
         "run.name": "default-batch",
         "run.progress": "plain",
     }
+    if new_tokens is not None:
+        sets["rollout.max_new_tokens"] = new_tokens
     cmd = [str(Path(sys.executable).parent / "nonstop"), "train"]
     cmd += [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
     peaks: dict[str, int] = {}
@@ -162,7 +165,8 @@ def run_default_batch(folder: Path, new_tokens: int = 512, steps: int = 2) -> di
     summary_path = folder / "default-batch" / "summary.json"
     steps_done = json.loads(summary_path.read_text())["steps"] if summary_path.exists() else 0
     over = {role: peaks[role] / planned[role] for role in peaks if role in planned}
-    print(f"\ndefault batch (32 x 8, max_new_tokens {new_tokens}), exit {proc.returncode}, {steps_done} steps:")
+    tokens = "resolved" if new_tokens is None else new_tokens
+    print(f"\ndefault batch (32 x 8, max_new_tokens {tokens}), exit {proc.returncode}, {steps_done} steps:")
     for role, b in sorted(peaks.items()):
         print(f"  {role:>12}: peak {b / 1024**3:5.2f} GiB of a planned {planned.get(role, 0) / 1024**3:5.2f} GiB")
     print(f"  {'all':>12}: peak {peak_total / 1024**3:5.2f} GiB of a planned {plan['total_bytes'] / 1024**3:5.2f} GiB")
@@ -299,6 +303,8 @@ def main() -> None:
     ap.add_argument("--arms", default="async,sync,trl")
     ap.add_argument("--minutes", type=float, default=10.0, help="each arm's whole run, start-up included")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="more overrides for the nonstop arms")
+    ap.add_argument("--default-tokens", type=int, default=None, help="the default arm's rollout.max_new_tokens")
+    ap.add_argument("--default-steps", type=int, default=1, help="the default arm's steps")
     ap.add_argument("--trl-child", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lr", type=float, default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -315,7 +321,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="nonstop-real-"))
     print(f"runs in {folder}", flush=True)
     rows: list[dict] = []
-    default = run_default_batch(folder) if "default" in arms else {}
+    default = run_default_batch(folder, ns.default_tokens, ns.default_steps) if "default" in arms else {}
     for seed in seeds:
         for arm in [a for a in arms if a in ("async", "sync")]:
             rows.append(run_nonstop(arm, seed, minutes, folder, ns.extra))
