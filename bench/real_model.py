@@ -54,6 +54,8 @@ RECIPE = ROOT / "examples" / "smollm2" / "recipe.yaml"
 TARGET_MARGIN = 0.05
 """The target sits this far above the best of every arm's first two evaluations (3 of 60 questions)."""
 TRL_EVAL_EVERY = 5
+MAX_NEW_TOKENS = 64
+"""The recipe's rollout.max_new_tokens, which TRL's arm generates and evaluates with too."""
 
 
 def pss_by_process(pid: int) -> dict[str, int]:
@@ -96,8 +98,16 @@ def run_nonstop(arm: str, seed: int, minutes: float, folder: Path, extra: list[s
             time.sleep(1.0)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {proc.returncode}); see {folder / f'{name}.log'}")
+    return read_nonstop(arm, seed, folder, (time.perf_counter() - t0) / 60, peak)
+
+
+def read_nonstop(arm: str, seed: int, folder: Path, minutes: float, peak: int) -> dict:
+    """One finished nonstop arm's row from its run folder (`--reuse` reads earlier runs this way)."""
+    name = f"{arm}-s{seed}"
     run_dir = folder / name
     summary = json.loads((run_dir / "summary.json").read_text())
+    if minutes != minutes:  # reused: the run's own wall time, start-up included
+        minutes = summary["wall_s"] / 60
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     spans = [json.loads(x) for x in (run_dir / "spans" / "orchestrator.jsonl").read_text().splitlines() if x.strip()]
     evals = sorted((e["t0"], e["t1"]) for e in spans if e.get("ev") == "eval")
@@ -116,7 +126,7 @@ def run_nonstop(arm: str, seed: int, minutes: float, folder: Path, extra: list[s
         "seed": seed,
         "curve": curve,
         "steps": summary["steps"],
-        "minutes": (time.perf_counter() - t0) / 60,
+        "minutes": minutes,
         "samples_per_s": trained / rl_s,
         "tokens_per_s": generated / rl_s,
         "peak_rss_gib": peak / 1024**3,
@@ -221,15 +231,16 @@ def trl_child(out: Path, seed: int, minutes: float, lr: float) -> None:
         texts = [tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) for r in held]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            gen = model.generate(**enc, do_sample=False, max_new_tokens=256, eos_token_id=tok.eos_token_id)
+            gen = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tok.eos_token_id)
         answers = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         return sum(last_number(a, r["answer"]) for a, r in zip(answers, held)) / len(held)
 
     args = GRPOConfig(
         output_dir=str(out.parent / f"trl-s{seed}"),
-        per_device_train_batch_size=64,
+        per_device_train_batch_size=16,  # x 4 accumulated: 8 prompts x 8 completions a step, as the recipe;
+        gradient_accumulation_steps=4,  # 64 at once took the machine's memory (its logits over 49,152 ids)
         num_generations=8,
-        max_completion_length=256,
+        max_completion_length=MAX_NEW_TOKENS,
         learning_rate=lr,
         temperature=1.0,
         beta=0.0,
@@ -305,6 +316,9 @@ def main() -> None:
     ap.add_argument("--set", dest="extra", action="append", default=[], help="more overrides for the nonstop arms")
     ap.add_argument("--default-tokens", type=int, default=None, help="the default arm's rollout.max_new_tokens")
     ap.add_argument("--default-steps", type=int, default=1, help="the default arm's steps")
+    ap.add_argument(
+        "--reuse", type=Path, default=None, help="read the async/sync arms from this earlier invocation's folder"
+    )
     ap.add_argument("--trl-child", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lr", type=float, default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -321,15 +335,18 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="nonstop-real-"))
     print(f"runs in {folder}", flush=True)
     rows: list[dict] = []
-    default = run_default_batch(folder, ns.default_tokens, ns.default_steps) if "default" in arms else {}
     for seed in seeds:
         for arm in [a for a in arms if a in ("async", "sync")]:
-            rows.append(run_nonstop(arm, seed, minutes, folder, ns.extra))
+            if ns.reuse is not None:
+                rows.append(read_nonstop(arm, seed, ns.reuse, float("nan"), 0))
+            else:
+                rows.append(run_nonstop(arm, seed, minutes, folder, ns.extra))
             print_row(rows[-1])
     if "trl" in arms:
         lr = next((r["lr"] for r in rows if r["lr"] is not None), 8.6e-6)
         rows.append(run_trl(seeds[0], minutes, lr, folder))
         print_row(rows[-1])
+    default = run_default_batch(folder, ns.default_tokens, ns.default_steps) if "default" in arms else {}
     target = min(0.99, max(a for r in rows for _, a in r["curve"][:2]) + TARGET_MARGIN)
     print(f"\ntarget: {target:.1%} held-out last_number (every arm's first two evaluations + {TARGET_MARGIN:.0%})")
     print(f"{'arm':>6} {'seed':>4} {'steps':>5} {'base':>6} {'final':>6} {'to target s':>11} {'samples/s':>9}")
@@ -369,7 +386,7 @@ def main() -> None:
         "trl_reached": reached,
         "trl_samples_per_s": trl["samples_per_s"] if trl else None,
         "target": target,
-        "peak_rss_gib": max(r["peak_rss_gib"] for r in rows if "peak_rss_gib" in r) if asyncs else None,
+        "peak_rss_gib": max(r["peak_rss_gib"] for r in rows if "peak_rss_gib" in r) or None if asyncs else None,
         "seeds": len(seeds),
         **default,
     }
