@@ -55,6 +55,7 @@ def test_two_steps_on_chat_rows_with_reward_based_evaluation(smollm2_dir, tmp_pa
     run_dir = tmp_path / "runs" / "real"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval_metric"] == "last_number" and summary["eval_samples"] == 1
+    assert summary["eval_reward_failures"] == 0
     assert summary["steps"] == 2 and 0.0 <= summary["base_accuracy"] <= 1.0
     assert [r["eval_accuracy"] for r in records(run_dir) if "eval_accuracy" in r][-1] == summary["final_accuracy"]
     # the engines stopped at <|im_end|> (a stop, not the token budget) on some completions at least

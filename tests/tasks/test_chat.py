@@ -145,4 +145,4 @@ def test_held_out_completions_are_scored_by_the_tasks_reward(smol_tok):
         raise RuntimeError("judge down")
 
     failing = HeldOut(broken, "broken")
-    assert asyncio.run(failing.score(results, examples, codec)) == 0.0 and failing.failures == [2]
+    assert asyncio.run(failing.score(results, examples, codec)) == 0.0 and failing.failures == 2

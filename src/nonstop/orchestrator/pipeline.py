@@ -280,6 +280,7 @@ async def summarize(
     return RunSummary(
         eval_metric=run.eval_metric,
         eval_samples=run.held_out.samples if run.held_out is not None else 1,
+        eval_reward_failures=run.held_out.failures if run.held_out is not None else 0,
         base_accuracy=run.state.base_accuracy,
         final_accuracy=last.eval_accuracy if last else None,
         steps=last.step if last else 0,

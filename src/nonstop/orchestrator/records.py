@@ -214,6 +214,8 @@ class RunSummary:
     'success' in an environment run."""
     eval_samples: int = 1
     """Completions per held-out prompt: 1 greedy, k > 1 mean@k sampled (task.eval_samples)."""
+    eval_reward_failures: int = 0
+    """Held-out completions whose reward raised or was not a number, over the run's evaluations (scored 0)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -71,18 +71,19 @@ def eval_requests(
     return [GenerationRequest(i, codec.encode(ex.prompt), samples, params) for i, ex in enumerate(examples)]
 
 
-@dataclass(frozen=True)
+@dataclass
 class HeldOut:
     """How held-out completions are scored: the task's reward function, under its name.
 
     `score` is the mean reward over every completion (mean@k with k completions a prompt); a reward
-    that raised or returned a non-number scores 0 for that completion and is counted in `failures`."""
+    that raised or returned a non-number scores 0 for that completion and is counted in `failures`
+    (summary.json's eval_reward_failures), never dropped from the mean unseen."""
 
     reward: Callable[..., Any]
     metric: str
     samples: int = 1
     temperature: float = 0.0
-    failures: list[int] = field(default_factory=lambda: [0])
+    failures: int = 0
 
     async def score(self, results: list[list[Sample]], examples: list[Example], codec: Codec) -> float:
         total, count = 0.0, 0
@@ -90,7 +91,7 @@ class HeldOut:
             rows = [RewardRow(ex.prompt, codec.decode(s.completion_ids), ex.answer, ex.extra) for s in completions]
             for outcome in await evaluate("sample", self.reward, rows):
                 if isinstance(outcome, Failure) or not isinstance(outcome, float):
-                    self.failures[0] += 1
+                    self.failures += 1
                 else:
                     total += outcome
                 count += 1
