@@ -60,7 +60,11 @@ def assert_epoch_consumed_exactly_once(run_dir: Path) -> dict:
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     dropped = sum(summary["drops"].values())
     assert len(trained) + dropped == TRAIN_PROMPTS, (len(trained), summary["drops"])
-    # and from the trainer's and the buffer's own records, against the dataset's order
+    # and from the trainer's and the buffer's own records, against the dataset's order; verify reads how
+    # many prompts were drawn from the newest checkpoint, so a run that wrote none (the vLLM kill test's
+    # short run) is checked by the ledger and the step records above only
+    if not any((run_dir / "checkpoints").glob("step_*")):
+        return summary
     verified = nonstop(["verify", str(run_dir)], cwd=run_dir.parent, timeout_s=120)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     drawn = re.search(r"^prompts drawn +(\d+) ", verified.stdout, re.M)
