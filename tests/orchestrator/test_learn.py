@@ -220,3 +220,6 @@ def test_rl_time_limit_is_what_the_total_budget_leaves():
     assert rl_time_limit(150.0, 300.0, 100.0, 0.0) == 150.0
     assert rl_time_limit(None, 300.0, 100.0, 40.0) == 240.0 - FINISH_RESERVE_S
     assert rl_time_limit(None, 60.0, 100.0, 0.0) == 0.0  # nothing left: one step, then the end
+    # the final evaluation is kept back as long as the base evaluation took
+    assert rl_time_limit(None, 300.0, 100.0, 0.0, eval_s=30.0) == 170.0 - FINISH_RESERVE_S
+    assert rl_time_limit(120.0, 300.0, 100.0, 0.0, eval_s=30.0) == 120.0

@@ -163,7 +163,8 @@ class RunConfig(_Section):
     max_total_s: float | None = Field(None, gt=0.0)
     """Stop RL so that the whole command ends within about this many seconds: preparing the base
     policy (a warm-up), starting the actors and the base evaluation count too. RL gets what they
-    left, less 10 s for the last step, the final evaluation and save, and at most max_time_s
+    left, less the final evaluation (as long as the base evaluation took) and 10 s for the save,
+    and at most max_time_s; no step is started that, as long as the last one, would end past it
     (None: no such bound). Counted per session when a run is resumed."""
     eval_every: int = Field(25, ge=1)
     """Measure held-out accuracy every this many steps (greedy decoding on the engine)."""

@@ -7,7 +7,8 @@ beside the producer (generate.py or episode_flow.py), which fills the buffers. A
 failure ends the run with RunFailed naming the run folder and the last checkpoint to resume from.
 
 `learn(run)` is the run's clock: run.max_steps, run.max_time_s (or what run.max_total_s left:
-`run.state.max_rl_s`) and Ctrl-C count and stop it.
+`run.state.max_rl_s`) and Ctrl-C count and stop it. Under run.max_total_s, a step is not started
+when one as long as the last would end past that limit.
 Each step it records a StepRecord (metrics.jsonl, the trackers, the progress line), evaluates
 every run.eval_every steps and writes a checkpoint every checkpoint.every_steps. While it waits
 for a batch whose first groups are there (trainer.forward_ahead), the trainer runs their
@@ -81,6 +82,9 @@ async def learn(run: Run) -> StepRecord | None:
         if run.policies is not None:
             run.policies.shared_trained(groups, done.trained_on, done.published.policy_version)
         out_of_time = max_rl_s is not None and state.clock.wall() >= max_rl_s
+        if max_rl_s is not None and cfg.run.max_total_s is not None:
+            # the whole command must end in time: a step as long as this one would end past the limit
+            out_of_time |= state.clock.wall() + (done.t2 - t_wait) > max_rl_s
         record = step_record(run, step, groups, done.result, done.published)
         state.flops.trainer_step(done.result.metrics)
         eval_due = step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time

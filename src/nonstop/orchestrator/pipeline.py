@@ -217,16 +217,19 @@ def interrupted(run: Run, last: StepRecord | None) -> RunInterrupted:
 
 
 FINISH_RESERVE_S = 10.0
-"""What run.max_total_s keeps back for the end of a run: the last step, the final evaluation, the save."""
+"""What run.max_total_s keeps back for the save and the shutdown, besides the final evaluation."""
 
 
-def rl_time_limit(max_time_s: float | None, max_total_s: float | None, elapsed_s: float, wall_s: float) -> float | None:
+def rl_time_limit(
+    max_time_s: float | None, max_total_s: float | None, elapsed_s: float, wall_s: float, eval_s: float = 0.0
+) -> float | None:
     """The RL clock's limit: run.max_time_s, or what run.max_total_s leaves after `elapsed_s` of the
-    command (less FINISH_RESERVE_S), whichever comes first; `wall_s`: the RL clock now (a resumed
-    run's continues)."""
+    command, less the final evaluation (`eval_s`: as long as the base evaluation took; a loaded
+    model's 60 greedy completions take tens of seconds) and FINISH_RESERVE_S, whichever comes first;
+    `wall_s`: the RL clock now (a resumed run's continues)."""
     if max_total_s is None:
         return max_time_s
-    left = wall_s + max(max_total_s - elapsed_s - FINISH_RESERVE_S, 0.0)
+    left = wall_s + max(max_total_s - elapsed_s - eval_s - FINISH_RESERVE_S, 0.0)
     return left if max_time_s is None else min(max_time_s, left)
 
 
@@ -234,18 +237,21 @@ async def begin(run: Run, resume: Checkpoint | None, started_s: float | None = N
     """Resume the orchestrator's state, or measure the base policy and start the RL clock; set the
     RL clock's limit (run.max_time_s, and what run.max_total_s leaves since `started_s`); start the
     run doctor (on resume, from the records up to the checkpoint)."""
+    eval_s = 0.0  # a resumed session has no base evaluation to time: its reserve is FINISH_RESERVE_S
     if resume is not None:
         restore(run, resume)
         await restore_engines(run, resume)
     else:
+        t_eval = time.perf_counter()
         run.state.base_accuracy = await run.eval()
+        eval_s = time.perf_counter() - t_eval
         how = "" if run.held_out is None or run.held_out.samples == 1 else f" (mean@{run.held_out.samples})"
         n = len(run.data.eval)
         run.progress.log(f"base policy held-out {run.eval_metric}{how}: {run.state.base_accuracy:.1%} on {n} prompts")
         run.state.clock = Clock()
     total, wall = run.cfg.run.max_total_s, run.state.clock.wall()
     elapsed_s = time.perf_counter() - started_s if started_s is not None else 0.0
-    run.state.max_rl_s = rl_time_limit(run.cfg.run.max_time_s, total, elapsed_s, wall)
+    run.state.max_rl_s = rl_time_limit(run.cfg.run.max_time_s, total, elapsed_s, wall, eval_s)
     if total is not None and run.state.max_rl_s is not None:
         run.progress.log(f"RL time: {run.state.max_rl_s - wall:.0f} s (what run.max_total_s={total:g} leaves)")
     run.state.doctor = Doctor(run.cfg.doctor, Context.of(run.cfg.model_dump()), run.state.base_accuracy)
