@@ -22,8 +22,10 @@ the RESULT gives the median over seeds. ratio_vs_trl = TRL's time to target / th
 (seed 0's; when TRL does not reach the target within its budget, its budget is used and
 trl_reached=0 says so: the ratio is then a lower bound). The arm `default` runs one step with only
 model.path and the task set (the default batch, 32 x 8, completions of up to the resolved 256 tokens;
---default-tokens 512 --default-steps 2 for more) and compares each process's peak memory with the
-run's own plan (default_batch_* keys). peak_rss_gib is the largest resident set of a nonstop run's
+--default-tokens 512 --default-steps 2 for more) and compares the run's peak memory (every process's
+proportional set size together) with its own plan's total, and each process's peak unique set size
+(shared pages such as the weight segment left out: the plan counts it once, apart) with what the
+plan gives that process (default_batch_* keys). peak_rss_gib is the largest resident set of a nonstop run's
 process tree (the sum of its processes' proportional set sizes, shared pages counted once),
 sampled every second.
 
@@ -58,19 +60,21 @@ MAX_NEW_TOKENS = 64
 """The recipe's rollout.max_new_tokens, which TRL's arm generates and evaluates with too."""
 
 
-def pss_by_process(pid: int) -> dict[str, int]:
-    """Proportional set size of each process of the tree under `pid`, by its title ('nonstop: engine-0')
-    or command line: shared pages (the weight segment) are split among the processes that map them,
-    so the sum is the memory the run holds, counted once."""
+def memory_by_process(pid: int) -> dict[str, tuple[int, int]]:
+    """(proportional, unique) set size of each process of the tree under `pid`, by its title
+    ('nonstop: engine-0') or command line. Proportional: shared pages (the weight segment) are split
+    among the processes that map them, so the sum over processes is the memory the run holds,
+    counted once. Unique: the pages only this process maps, what its own plan items predict."""
     import psutil  # type: ignore[import-untyped]  # ray's dependency, no stubs installed
 
-    out: dict[str, int] = {}
+    out: dict[str, tuple[int, int]] = {}
     try:
         root = psutil.Process(pid)
         for p in [root, *root.children(recursive=True)]:
             try:
                 name = " ".join(p.cmdline())[:80]
-                out[name] = p.memory_full_info().pss
+                info = p.memory_full_info()
+                out[name] = (info.pss, info.uss)
             except psutil.Error:  # a process that ended between the listing and the read
                 continue
     except psutil.Error:
@@ -79,7 +83,7 @@ def pss_by_process(pid: int) -> dict[str, int]:
 
 
 def rss_tree(pid: int) -> int:
-    return sum(pss_by_process(pid).values())
+    return sum(pss for pss, _ in memory_by_process(pid).values())
 
 
 def run_nonstop(arm: str, seed: int, minutes: float, folder: Path, extra: list[str]) -> dict:
@@ -159,16 +163,16 @@ def run_default_batch(folder: Path, new_tokens: int | None = None, steps: int = 
         sets["rollout.max_new_tokens"] = new_tokens
     cmd = [str(Path(sys.executable).parent / "nonstop"), "train"]
     cmd += [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
-    peaks: dict[str, int] = {}
-    peak_total = 0
+    peaks: dict[str, int] = {}  # each role's peak unique set size
+    peak_total = 0  # the run's peak proportional set size, every process together
     with open(folder / "default-batch.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
-            now = pss_by_process(proc.pid)
-            for name, b in now.items():
+            now = memory_by_process(proc.pid)
+            for name, (_, uss) in now.items():
                 role = "engine" if "engine" in name else "trainer" if "trainer" in name else "orchestrator"
-                peaks[role] = max(peaks.get(role, 0), b)
-            peak_total = max(peak_total, sum(now.values()))
+                peaks[role] = max(peaks.get(role, 0), uss)
+            peak_total = max(peak_total, sum(pss for pss, _ in now.values()))
             time.sleep(1.0)
     plan = json.loads((folder / "default-batch" / "memory_plan.json").read_text())
     planned = {p["process"]: p["host_bytes_each"] for p in plan["processes"]}
@@ -178,8 +182,9 @@ def run_default_batch(folder: Path, new_tokens: int | None = None, steps: int = 
     tokens = "resolved" if new_tokens is None else new_tokens
     print(f"\ndefault batch (32 x 8, max_new_tokens {tokens}), exit {proc.returncode}, {steps_done} steps:")
     for role, b in sorted(peaks.items()):
-        print(f"  {role:>12}: peak {b / 1024**3:5.2f} GiB of a planned {planned.get(role, 0) / 1024**3:5.2f} GiB")
+        print(f"  {role:>12}: peak {b / 1024**3:5.2f} GiB unique of a planned {planned.get(role, 0) / 1024**3:5.2f} GiB")
     print(f"  {'all':>12}: peak {peak_total / 1024**3:5.2f} GiB of a planned {plan['total_bytes'] / 1024**3:5.2f} GiB")
+    print("  (a process: its unique pages; all: every process's proportional set, shared pages once)")
     return {
         "default_batch_ok": int(proc.returncode == 0 and steps_done == steps),
         "default_batch_peak_gib": peak_total / 1024**3,
