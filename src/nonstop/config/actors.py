@@ -193,6 +193,14 @@ class EngineConfig(_Section):
     max_cached_tokens: int | None = Field(None, ge=2)
     """Budget of KV-cache tokens reserved by admitted sequences (prompt + max_new_tokens each);
     requests wait while it is spent. None: max_concurrent_seqs x max_seq_len."""
+    prefix_cache_tokens: int | None = Field(None, ge=0)
+    """Budget of the built-in engine's prefix cache, in tokens (docs/engine.md): the KV of prompt
+    prefixes kept across groups in blocks of 16 tokens, so a prompt that begins with cached blocks
+    (a shared system prompt, the chat template's head, a prompt seen at an earlier epoch) prefills
+    only the rest; least recently used blocks go first. Completions are the same as without it, up
+    to float rounding. The cache empties whenever new weights go live (its KV is the old weights').
+    0: off. None: an eighth of the KV cache (max_concurrent_seqs x max_seq_len / 8 tokens). Not used
+    with a mixture-of-experts model, whose prompt tokens' routes would not be recorded."""
     update_mode: Literal["never_stop", "abort_retry", "save_resume", "drain", "blocking"] = "never_stop"
     """never_stop: swap between two forward passes, in-flight sequences keep their KV cache;
     abort_retry: at a swap, in-flight sequences are re-prefilled (prompt + prefix) under the new weights;

@@ -8,12 +8,14 @@ Contract:
   front with `move`, which copies any number of slots at once), so attention reads a view of the
   cache, never a gathered copy; it reads in blocks of rows, each up to its longest row
   (engine/blocks.py), so the scheduler keeps rows near descending length with `permute`;
-- `prefill(slots, prompts)` computes the KV of whole prompts into the given slots and returns
+- `prefill(slots, prompts, starts)` computes the KV of prompts into the given slots and returns
   the logits after each prompt's last token; `decode(tokens, positions)` appends one token per
   row at its position and returns the next-token logits; `mixed(...)` does both in one forward
   (decode rows 0..B-1 plus prompts into slots >= B): the B + P token streams are packed into
   one matrix for every linear layer and split only for attention, so a step that admits new
-  requests costs one forward, not two; all return float32 (rows, V);
+  requests costs one forward, not two; all return float32 (rows, V). A prompt given with a
+  start s continues its slot's first s cached positions (a cached prefix, engine/prefix.py):
+  its tokens take positions s.. and attend to those keys as to their own;
 - weights are read from the model's own Parameter objects on every call, so a weight update
   that copies into them (or rebinds their storage) is picked up by the next forward pass;
 - mixture-of-experts blocks (Qwen3-MoE, Qwen2-MoE with its gated shared expert) route as
@@ -52,12 +54,21 @@ class Runner(Protocol):
     routes: torch.Tensor | None
     attention_reads: int  # cached positions decode attention read so far, padding included
 
-    def prefill(self, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor: ...
+    cache: torch.Tensor  # (2 x layers, slots, kv heads, positions, head dim): every layer's keys and values
+
+    def prefill(
+        self, slots: torch.Tensor, prompts: list[list[int]], starts: list[int] | None = None
+    ) -> torch.Tensor: ...
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
     def mixed(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, prompts: list[list[int]]
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        prompts: list[list[int]],
+        starts: list[int] | None = None,
     ) -> torch.Tensor: ...
 
     def move(self, src: list[int], dst: list[int], length: int) -> None: ...
@@ -154,9 +165,13 @@ class KVRunner:
         return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.norm_eps), self.lm_head).float()
 
     @torch.inference_mode()
-    def prefill(self, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(self, slots: torch.Tensor, prompts: list[list[int]], starts: list[int] | None = None) -> torch.Tensor:
         """Prompts right-padded into one (P, L) batch; causal attention never lets a real token
-        see the padding after it, and each slot's length is its own prompt's."""
+        see the padding after it, and each slot's length is its own prompt's. With `starts`, prompt
+        j continues what its slot caches up to starts[j] (`mixed` without decode rows)."""
+        if starts is not None and any(starts):
+            none = torch.empty(0, dtype=torch.long)
+            return self.mixed(none, none, slots, prompts, starts)
         P, L = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros((P, L), dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -211,14 +226,22 @@ class KVRunner:
 
     @torch.inference_mode()
     def mixed(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, prompts: list[list[int]]
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        prompts: list[list[int]],
+        starts: list[int] | None = None,
     ) -> torch.Tensor:
-        """Decode rows 0..B-1 and prefill `prompts` into `slots` (all >= B) in one forward.
+        """Decode rows 0..B-1 (B may be 0) and prefill `prompts` into `slots` (all >= B) in one
+        forward. Prompt j's tokens take positions starts[j].. of its slot (default 0): the positions
+        before are cached already (a cached prefix, an earlier chunk) and its tokens attend to them.
         Returns (B + P, V): the decode rows' logits, then each prompt's last-token logits."""
         B, P, L = tokens.shape[0], len(prompts), max(len(p) for p in prompts)
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        starts = starts or [0] * P
         # index lists built in Python, all in one tensor: packed prompt token i of prompt
-        # j sits at padded index j * L + i and goes to cache slot slots[j], position i
+        # j sits at padded index j * L + i and goes to cache slot slots[j], position starts[j] + i
         slot_list = slots.tolist()
         keep, end = list(range(B)), B
         for p in prompts:  # the decode rows, then the packed index of each prompt's last token
@@ -227,7 +250,7 @@ class KVRunner:
         index = torch.tensor(  # one tensor for the four index lists and the kept rows
             [j * L + i for j, p in enumerate(prompts) for i in range(len(p))]
             + [t for p in prompts for t in p]
-            + [i for p in prompts for i in range(len(p))]
+            + [a + i for a, p in zip(starts, prompts) for i in range(len(p))]
             + [slot_list[j] for j, p in enumerate(prompts) for _ in p]
             + keep
         )
@@ -238,7 +261,16 @@ class KVRunner:
         where = torch.cat([self.rows[:B], index[3 * Np : 4 * Np]])  # (N,) cache slot of every token
         last = index[4 * Np :]
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N, 1, D)
-        plan = self._plan(positions)
+        plan = self._plan(positions) if B else []
+        # the prompts' keys: a view of their slots when those are consecutive (the scheduler puts
+        # a pass's prompts in consecutive slots), else a gathered copy
+        T = max(a + len(p) for a, p in zip(starts, prompts))
+        first = slot_list[0]
+        consecutive = slot_list == list(range(first, first + P))
+        mask = None
+        if any(starts):  # query i of prompt j sees keys up to its own position starts[j] + i
+            ends = torch.tensor(starts)[:, None] + self.arange[:L][None, :]  # (P, L)
+            mask = (self.arange[:T][None, None, :] <= ends[:, :, None])[:, None]  # (P, 1, L, T)
 
         self._routes = []
         x = F.embedding(ids, self.embed)  # (N, hidden)
@@ -254,18 +286,21 @@ class KVRunner:
             # causal mask keeps from every real token)
             kc[where, :, pos] = k
             vc[where, :, pos] = v
-            ad = self._attend(q[:B, :, None, :], kc, vc, plan)
             qp = q.new_zeros((P * L, H, D))
             qp[pad_index] = q[B:]
+            keys = kc[first : first + P, :, :T] if consecutive else kc[slots, :, :T]
+            values = vc[first : first + P, :, :T] if consecutive else vc[slots, :, :T]
             ap = F.scaled_dot_product_attention(
                 qp.view(P, L, H, D).transpose(1, 2),
-                kc[slots, :, :L],
-                vc[slots, :, :L],
-                is_causal=True,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None,
                 enable_gqa=KV != H,
             )  # (P, H, L, D)
             ap = ap.transpose(1, 2).reshape(P * L, H * D)[pad_index]
-            x = x + F.linear(torch.cat([ad, ap]), layer.wo, layer.bo)
+            a = torch.cat([self._attend(q[:B, :, None, :], kc, vc, plan), ap]) if B else ap
+            x = x + F.linear(a, layer.wo, layer.bo)
             x = self._mlp(x, layer)
         self._keep_routes()
         return self._logits(x[last])

@@ -14,6 +14,9 @@ Contract:
   otherwise keep n - 1 idle slots' tokens reserved and hold new groups out);
 - the n completions of a prompt share one prefill: the prompt's KV is computed once and copied
   into its siblings' slots;
+- with the prefix cache (engine/prefix.py, `engine.prefix_cache_tokens`), a prompt's cached
+  whole blocks are copied into its first slot and only the rest is prefilled; each prefilled
+  prompt's blocks are cached after its pass; the cache empties whenever new weights go live;
 - the weight gate is polled before every forward pass; what a waiting version does depends on
   `update_mode` (see docs/engine.md): never_stop and save_resume keep in-flight KV, abort_retry
   recomputes it under the new weights, drain holds admissions until in-flight sequences finish,
@@ -43,12 +46,16 @@ import torch
 from nonstop.config import EngineConfig
 from nonstop.engine.blocks import reorder_plan
 from nonstop.engine.emit import Emitter
+from nonstop.engine.prefix import BLOCK, PrefixCache
 from nonstop.engine.runner import Runner
 from nonstop.engine.sampling import RowParams
 from nonstop.engine.sequence import Group, Seq
 from nonstop.engine.updates import WeightGate
 from nonstop.observe.flops import FlopModel, causal_pairs
 from nonstop.types import GenerationRequest, Sample
+
+PREFIX_CACHE_SHARE = 8
+"""engine.prefix_cache_tokens when unset: the KV cache's tokens (slots x max_seq_len) over this."""
 
 
 class RequestError(ValueError):
@@ -73,6 +80,11 @@ class Scheduler(Emitter):
         self.policy_version = policy_version
         self.max_seq_len = runner.max_seq_len
         self.max_cached_tokens = cfg.max_cached_tokens or runner.num_slots * runner.max_seq_len
+        budget = cfg.prefix_cache_tokens
+        if budget is None:
+            budget = runner.num_slots * runner.max_seq_len // PREFIX_CACHE_SHARE
+        # a MoE model records the routes of every prompt token, which a cached prefix would not recompute
+        self.prefix = PrefixCache(runner.cache, budget) if budget >= BLOCK and not runner.moe_layers else None
         self.waiting: deque[Group] = deque()
         self.rows: list[Seq] = []  # rows[i] lives in cache slot i
         self.reprefill: list[Seq] = []
@@ -88,6 +100,7 @@ class Scheduler(Emitter):
             "decode_steps": 0,
             "tokens_generated": 0,
             "prefill_tokens": 0,
+            "prefix_hit_tokens": 0,
             "swaps": 0,
             "swap_s": 0.0,
             "max_swap_s": 0.0,
@@ -196,33 +209,43 @@ class Scheduler(Emitter):
     def _forward(self, groups: list[Group]) -> None:
         """One forward pass. Normally: a decode step of every live row, with the prompts of newly
         admitted groups prefilled in the same pass (one prompt per group, its KV copied to the
-        siblings). After an abort: a prefill of prompt + prefix of every aborted row, alone."""
+        siblings; from the end of its cached prefix, when the prefix cache holds one). After an
+        abort: a prefill of prompt + prefix of every aborted row, alone."""
         decoding = [] if self.reprefill else list(self.rows)
-        heads, members, prefixes = [], [], []
+        for g in groups:  # every prompt's first sequence in consecutive slots, then the siblings
+            g.seqs[0].row = len(self.rows)
+            self.rows.append(g.seqs[0])
         for g in groups:
-            for s in g.seqs:
+            for s in g.seqs[1:]:
                 s.row = len(self.rows)
-                s.length = len(g.request.prompt_ids)
                 self.rows.append(s)
-            heads.append(g.seqs[0].row)
+        heads, members, prefixes, starts = [], [], [], []
+        for g in groups:
+            prompt, head = g.request.prompt_ids, g.seqs[0].row
+            for s in g.seqs:
+                s.length = len(prompt)
+            start = self.prefix.load(self.prefix.match(prompt), head) if self.prefix is not None else 0
+            heads.append(head)
             members.append(g.seqs)
-            prefixes.append(g.request.prompt_ids)
+            prefixes.append(prompt[start:])
+            starts.append(start)
         for s in self.reprefill:
             heads.append(s.row)
             members.append([s])
             prefixes.append(s.group.request.prompt_ids + s.ids)
+            starts.append(0)
             s.length = len(prefixes[-1])
         self.reprefill = []
         if self.flop_model is not None:  # decode rows attend to their length + 1 keys, prefixes causally
             self.stats["flops"] += self.flop_model.forward(
                 len(decoding) + sum(len(p) for p in prefixes),
                 len(decoding) + len(prefixes),
-                sum(s.length + 1 for s in decoding) + sum(causal_pairs(0, len(p)) for p in prefixes),
+                sum(s.length + 1 for s in decoding) + sum(causal_pairs(a, len(p)) for a, p in zip(starts, prefixes)),
             )
         if decoding:
             tokens, positions = torch.tensor([[s.pending for s in decoding], [s.length for s in decoding]])
             if heads:
-                logits = self.runner.mixed(tokens, positions, torch.tensor(heads), prefixes)
+                logits = self.runner.mixed(tokens, positions, torch.tensor(heads), prefixes, starts)
             else:
                 logits = self.runner.decode(tokens, positions)
             for s in decoding:
@@ -230,14 +253,18 @@ class Scheduler(Emitter):
             self.stats["decode_steps"] += 1
             self.stats["attention_reads"] = self.runner.attention_reads
         else:
-            logits = self.runner.prefill(torch.tensor(heads), prefixes)  # (P, V)
+            logits = self.runner.prefill(torch.tensor(heads), prefixes, starts)  # (P, V)
         if heads:  # siblings get their prompt's KV (positions past a row's length are never read)
             pairs = [(head, s.row, s.length) for head, seqs in zip(heads, members) for s in seqs[1:]]
             if pairs:
                 src, dst, lengths = zip(*pairs)
                 self.runner.move(list(src), list(dst), max(lengths))
+            if self.prefix is not None:
+                for g in groups:
+                    self.prefix.store(g.request.prompt_ids, g.seqs[0].row)
             self.stats["prefills"] += 1
             self.stats["prefill_tokens"] += sum(len(p) for p in prefixes)
+            self.stats["prefix_hit_tokens"] += sum(starts)
             if any(len(m) > 1 for m in members):  # each sibling samples from its prompt's logits
                 repeat = torch.tensor([1] * len(decoding) + [len(m) for m in members])
                 logits = logits.repeat_interleave(repeat, dim=0)
@@ -350,6 +377,8 @@ class Scheduler(Emitter):
             self.stats["paused_seqs"] += len(paused)
         assert self.gate is not None  # _poll_weights swaps only with a gate
         self.policy_version = self.gate.apply()
+        if self.prefix is not None:  # cached prefixes are the old weights' KV
+            self.prefix.clear()
         for s, saved in paused:
             self.runner.restore(s.row, saved)
         if mode == "abort_retry" and self.rows:
