@@ -11,13 +11,16 @@ Contract:
   the same checks as a JSONL file (tasks/data.py). Held-out rows come from `eval_dataset`, or are
   split off the train rows (`eval_size` rows, or `eval_fraction` of them; default task.eval_size;
   at most half), shuffled with task.split_seed. Without `dataset`, the config's task is used.
-- `reward`: a callable (completion, answer) -> float, a built-in name or 'package.module:function',
-  or a list of these, whose values are summed, each times its entry of `reward_weights` (default
-  1.0). With scoring.pool 'thread' (the default), 'auto' or 'loop', scoring runs in this process
-  on either backend, so lambdas and closures work and are never pickled ('auto' moves a
-  module-level function slower than 2 ms per sample to worker processes); 'process' needs a
-  callable that pickles (a module-level function). Rewards that raise or return a non-finite
-  value are counted like task.reward's.
+- `reward`: a callable (completion, answer) -> float, a TRL reward function (one with a parameter
+  named `completions`: called per group as TRL's GRPOTrainer calls it, scoring/calls.py), a
+  built-in name or 'package.module:function', or a list of these, whose values are summed, each
+  times its entry of `reward_weights` (default 1.0); a function that returns None for a sample
+  does not count for it, and a sample every function leaves None is left out of training. With
+  scoring.pool 'thread' (the default), 'auto' or 'loop', scoring runs in this process on either
+  backend, so lambdas and closures work and are never pickled ('auto' moves a module-level
+  function slower than 2 ms per sample to worker processes); 'process' needs a callable that
+  pickles (a module-level function). Rewards that raise or return a non-finite value are counted
+  like task.reward's.
   Without `reward`, task.reward is used. config.yaml records a callable as 'module:qualname'
   when importable, else as 'python:<qualname>' (such a run cannot be resumed from the CLI).
 - The base policy: with model.path set, that model (no warm-up, as in the CLI). With the built-in
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from nonstop.config import Config, ConfigError, load_config
+from nonstop.scoring.calls import WeightedRewards, takes_batch
 from nonstop.scoring.rewards import RewardError, RewardFn, resolve_reward
 from nonstop.tasks.data import (
     DatasetError,
@@ -56,17 +60,6 @@ if TYPE_CHECKING:
 
 FIELDS = ("prompt", "answer")
 RewardSpec = RewardFn | str
-
-
-class WeightedSum:
-    """Several reward functions as one: sum of weight x value. A failure of any part is the
-    failure of the whole sample (counted by the scorer), never a partial sum."""
-
-    def __init__(self, fns: Sequence[RewardFn], weights: Sequence[float]) -> None:
-        self.fns, self.weights = list(fns), [float(w) for w in weights]
-
-    def __call__(self, completion: str, answer: str) -> float:
-        return sum(w * float(fn(completion, answer)) for fn, w in zip(self.fns, self.weights))
 
 
 def _mapping(columns: Mapping[str, str] | None) -> dict[str, str]:
@@ -149,9 +142,12 @@ def _callable_reward(fn: Any, arg: str) -> RewardFn:
         return resolve_reward(fn, arg)
     if not callable(fn):
         raise RewardError(
-            f"{arg}: expected a callable (completion, answer) -> float, a built-in name or "
+            f"{arg}: expected a callable (completion, answer) -> float, a TRL reward function "
+            f"(prompts, completions, completion_ids, **kwargs) -> list, a built-in name or "
             f"'package.module:function', got {type(fn).__name__}"
         )
+    if takes_batch(fn):  # TRL's contract: called by keyword with the group's lists (scoring/calls.py)
+        return fn
     try:
         inspect.signature(fn).bind("completion", "answer")
     except TypeError as e:
@@ -185,7 +181,7 @@ def resolve(reward: RewardSpec | Sequence[RewardSpec], weights: Sequence[float] 
         raise RewardError(f"reward_weights: {len(weights)} weights for {len(fns)} rewards")
     ws = [1.0] * len(fns) if weights is None else list(weights)
     name = " + ".join(f"{w:g}*{reward_name(r)}" for w, r in zip(ws, reward))
-    return WeightedSum(fns, ws), name
+    return WeightedRewards(fns, ws, name), name
 
 
 def rows_hash(data: TaskData) -> str:

@@ -244,6 +244,9 @@ class Group:
     epoch: int = 0  # which pass over the train split drew this prompt (the ledger's key with prompt_index)
     extra: dict[str, Any] = field(default_factory=dict)
     """The dataset row's fields besides prompt and answer, handed to reward functions."""
+    messages: tuple[dict[str, str], ...] | None = None
+    """The row's chat messages when it gave them (`prompt` is then their rendering): TRL rewards get
+    them as the prompt (scoring/calls.py)."""
 
     @property
     def min_version(self) -> int:

@@ -142,7 +142,7 @@ async def produce(
         for i, s in enumerate(samples):
             s.text = codec.decode(s.completion_ids)
             s.index = i
-        group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=epoch, extra=ex.extra)
+        group = Group(ex.index, ex.prompt, ex.answer, samples, epoch=epoch, extra=ex.extra, messages=ex.messages)
         return group, await scorer.score(group)
 
     async def deliver(group: Group, scored: bool) -> None:

@@ -8,7 +8,9 @@ group's completions are done; many groups are scored at once, beside generation 
 `token_rewards` / `teacher_logprobs` / `teacher`) and returns True, or returns False when the
 group must be dropped (a component failed after its retries); every failure is counted in
 `errors` by component and reason (`reward_raised`, `reward_timeout`, `reward_model_worker_died`,
-`judge_unparsed`, ...), and the caller settles the dropped group in the prompt ledger.
+`judge_unparsed`, ...), and the caller settles the dropped group in the prompt ledger. A sample
+that every reward function left None (TRL's "not applicable") is counted there too, as
+`reward_all_none`, and left out of training within its kept group (stage.py `leave_out`).
 
 A `ScoreComponent` is one source of signal (reward functions, a group function, a reward model,
 a judge, process rewards, a teacher). It returns a `Contribution` for the whole group or raises
@@ -37,6 +39,9 @@ class Contribution:
     """Per sample, per completion token (distillation)."""
     teacher: str | None = None
     """Identity and version of the teacher."""
+    left_out: list[int] | None = None
+    """Indices of the samples no reward applies to (every reward function returned None): the stage
+    leaves them out of training and counts them (`errors['reward_all_none']`)."""
 
 
 class ScoreComponent(Protocol):

@@ -1,17 +1,22 @@
 """How reward functions are called, wherever they run (the event loop, a thread, a worker process).
 
 A reward function may be sync or async. Its parameters decide what it gets:
+- a function with a parameter named `completions` is a TRL reward (trl_calls.py): called once per
+  group, by keyword, with the lists `prompts`, `completions`, `completion_ids` and every other
+  column of the rows, and returns one float or None per sample;
 - a function with a parameter named `completion` (or taking **kwargs) is called by keyword with
   those of `prompt`, `completion`, `answer`, `extra` (the row's other fields as one dict) and each
   extra field by its own name that it declares (all of them with **kwargs);
 - any other function is called as `fn(completion, answer)` (the original contract).
-Process-reward functions get `steps` (the completion cut at the delimiter) first: one with a
-parameter named `steps` (or **kwargs) is called by keyword like the above plus `steps`, any other
-as `fn(steps, answer)`; they return one float per step; group functions get the lists `prompts`,
-`completions`, `answers`, `extras` and
-return one float per sample. `evaluate(kind, fn, rows)` runs one group's rows and returns one
-`Outcome` per sample (for a group function: one for the group): a value, or a `Failure` saying
-why (raised, not_finite, bad_output) in words. It never raises for a fault of the function.
+A per-sample or TRL reward may return None for a sample: no reward of that function applies to it
+(`WeightedRewards` sums the others; a sample every function leaves None is left out of training by
+the stage). Process-reward functions get `steps` (the completion cut at the delimiter) first: one
+with a parameter named `steps` (or **kwargs) is called by keyword like the above plus `steps`, any
+other as `fn(steps, answer)`; they return one float per step; group functions get the lists
+`prompts`, `completions`, `answers`, `extras` and return one float per sample.
+`evaluate(kind, fn, rows)` runs one group's rows and returns one `Outcome` per sample (for a group
+function: one for the group): a value, None (not applicable), or a `Failure` saying why (raised,
+not_finite, bad_output) in words. It never raises for a fault of the function.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class Failure:
     message: str
 
 
-Outcome = float | list[float] | Failure  # list: one float per step (process rewards)
+Outcome = float | list[float] | Failure | None  # list: one float per step (process rewards); None: not applicable
 
 
 @dataclass(slots=True)
@@ -51,6 +56,43 @@ class RewardRow:
     answer: str
     extra: dict[str, Any]
     steps: list[str] | None = None
+    completion_ids: list[int] | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    """The row's chat messages when it gave them (TRL's conversational format): a TRL reward then
+    gets them as the prompt, and the completion as one assistant message."""
+
+
+class WeightedRewards:
+    """Several reward functions as one: per sample, the sum of weight x value over the functions that
+    returned a value (None: that function does not apply to the sample, as TRL's nansum); None when
+    every function returned None. A failure of any function is the failure of the sample (counted by
+    the scorer), never a partial sum. Picklable when its functions are (scoring.pool 'process')."""
+
+    def __init__(self, fns: list[Callable[..., Any]], weights: list[float], name: str = "") -> None:
+        self.fns, self.weights, self.name = list(fns), [float(w) for w in weights], name
+
+    def __repr__(self) -> str:  # stable across pickling: a reward worker caches functions by it
+        return f"WeightedRewards({self.name or len(self.fns)})"
+
+    def __call__(self, completion: str, answer: str = "", **columns: Any) -> float | None:
+        """One sample's combined reward (a string prompt, its other columns by name); the scoring
+        stage never calls this: it evaluates the functions over whole groups (`evaluate`)."""
+        row = RewardRow(columns.pop("prompt", ""), completion, answer, columns)
+        value = _sync_group("sample", self, [row])[0]
+        if isinstance(value, Failure):
+            raise ValueError(f"{value.reason}: {value.message}")
+        return value  # type: ignore[return-value]
+
+    def combine(self, per_fn: list[list[Outcome]]) -> list[Outcome]:
+        out: list[Outcome] = []
+        for values in zip(*per_fn):
+            failed = next((v for v in values if isinstance(v, Failure)), None)
+            given = [(w, v) for w, v in zip(self.weights, values) if v is not None]
+            if failed is not None:
+                out.append(failed)
+            else:
+                out.append(sum(w * float(v) for w, v in given) if given else None)
+        return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -106,9 +148,54 @@ def group_call(fn: Callable[..., Any], rows: list[RewardRow]) -> Any:
     return fn(*args, **kwargs)
 
 
+TRL_NAMED = ("prompts", "completions", "completion_ids")
+"""What TRL's GRPOTrainer passes a reward function by name besides the dataset's columns."""
+
+
+def takes_batch(fn: Callable[..., Any]) -> bool:
+    """Whether a reward function follows TRL's contract: it has a parameter named `completions`
+    (`reward_func(prompts, completions, completion_ids, **kwargs) -> list[float | None]`)."""
+    if isinstance(fn, WeightedRewards):
+        return any(takes_batch(f) for f in fn.fns)
+    sig = _parameters(fn)
+    return sig is not None and "completions" in sig[0]
+
+
+def batch_call(fn: Callable[..., Any], rows: list[RewardRow]) -> Any:
+    """A TRL reward called on one group's rows as TRL's GRPOTrainer calls it: `prompts` the rows'
+    prompt strings, or their chat messages (conversational rows, whose completions are then
+    `[{"role": "assistant", "content": text}]`), `completion_ids` the token ids, and every other
+    column as a list by its own name (`answer` included); a function without **kwargs gets only
+    the columns it declares."""
+    named: dict[str, Any] = {
+        "prompts": [[dict(m) for m in r.messages] if r.messages is not None else r.prompt for r in rows],
+        "completions": [
+            [{"role": "assistant", "content": r.completion}] if r.messages is not None else r.completion for r in rows
+        ],
+        "completion_ids": [list(r.completion_ids or ()) for r in rows],
+    }
+    columns: dict[str, list[Any]] = {"answer": [r.answer for r in rows]}
+    for key in rows[0].extra if rows else ():
+        if key not in TRL_NAMED:
+            columns[key] = [r.extra.get(key) for r in rows]
+    params, var_kw = _parameters(fn) or (frozenset(), True)
+    return fn(**{k: v for k, v in {**columns, **named}.items() if var_kw or k in params})
+
+
+def check_batch(value: Any, n: int) -> list[Outcome]:
+    """A TRL reward's returned list as one Outcome per sample: a finite float, None, or a Failure."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        return [Failure("bad_output", f"returned {value!r}, not a list of numbers or None")] * n
+    if len(value) != n:
+        return [Failure("bad_output", f"returned {len(value)} values for {n} samples")] * n
+    return [check("sample", v, [], None) for v in value]
+
+
 def check(kind: Kind, value: Any, rows: list[RewardRow], row: RewardRow | None) -> Outcome:
     """A returned value as an Outcome: finite floats of the expected count, else a Failure."""
     if kind == "sample":
+        if value is None:
+            return None
         try:
             x = float(value)
         except (TypeError, ValueError):
@@ -133,7 +220,25 @@ def _raised(e: BaseException) -> Failure:
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
+    if isinstance(fn, WeightedRewards):
+        return any(_is_async(f) for f in fn.fns)
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _batch_sync(fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+    try:
+        value = batch_call(fn, rows)
+    except Exception as e:  # a user's reward function may raise anything
+        return [_raised(e)] * len(rows)
+    return check_batch(value, len(rows))
+
+
+async def _batch_async(fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+    try:
+        value = await batch_call(fn, rows)
+    except Exception as e:  # a user's reward function may raise anything
+        return [_raised(e)] * len(rows)
+    return check_batch(value, len(rows))
 
 
 def _call_sync(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None) -> Outcome:
@@ -153,8 +258,12 @@ async def _call_async(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow],
 
 
 def _sync_group(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+    if isinstance(fn, WeightedRewards):
+        return fn.combine([_sync_group(kind, f, rows) for f in fn.fns])
     if kind == "group":
         return [_call_sync(kind, fn, rows, None)]
+    if kind == "sample" and takes_batch(fn):
+        return _batch_sync(fn, rows)
     return [_call_sync(kind, fn, rows, row) for row in rows]
 
 
@@ -166,8 +275,13 @@ def _timed_group(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> t
 async def evaluate(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
     """Outcomes of one group, here on the loop: one per row, or one for the whole group (kind
     'group'). An async function's calls run concurrently; a sync function's one after another,
-    blocking the loop (`PooledCalls` runs them in a pool of threads instead)."""
+    blocking the loop (`PooledCalls` runs them in a pool of threads instead). A TRL reward is one
+    call for all rows; `WeightedRewards` evaluates each of its functions so and combines them."""
+    if isinstance(fn, WeightedRewards):
+        return fn.combine(list(await asyncio.gather(*(evaluate(kind, f, rows) for f in fn.fns))))
     if _is_async(fn):
+        if kind == "sample" and takes_batch(fn):
+            return await _batch_async(fn, rows)
         if kind == "group":
             return [await _call_async(kind, fn, rows, None)]
         return list(await asyncio.gather(*(_call_async(kind, fn, rows, row) for row in rows)))
@@ -204,7 +318,8 @@ class PooledCalls:
     async def __call__(self, kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
         if _is_async(fn):
             return await evaluate(kind, fn, rows)
-        split = kind != "group" and len(rows) > 1 and self.splits(fn)  # a group function takes all rows at once
+        # a group function and a TRL reward take all rows at once
+        split = kind != "group" and len(rows) > 1 and self.splits(fn) and not takes_batch(fn)
         parts = [[row] for row in rows] if split else [rows]
         done = await self.threads.run_all([partial(_timed_group, kind, fn, part) for part in parts])
         if kind != "group" and rows:

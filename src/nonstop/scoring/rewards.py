@@ -1,7 +1,7 @@
 """Reward functions by name: the built-ins and 'package.module:function'.
 
 A reward function maps (completion_text, answer) to a float (it may also take the prompt and
-the row's extra fields by keyword: calls.py). Built-ins: `exact_match` (1.0 when the
+the row's extra fields by keyword, or follow TRL's batch contract: calls.py). Built-ins: `exact_match` (1.0 when the
 completion, stripped of whitespace, equals the answer; when the answer is a worked solution ending
 in GSM8K's '#### <final answer>', when the completion has the marker and the same final answer)
 `partial_credit` (exact match scores 1.0; otherwise 0.5 x the fraction of answer characters
@@ -17,10 +17,13 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
+from typing import Any
 
 from nonstop.config.specs import import_callable
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., Any]
+"""A reward function in any form scoring/calls.py calls: (completion, answer) -> float, by keyword,
+or TRL's (prompts, completions, completion_ids, **kwargs) -> list[float | None]."""
 
 
 class RewardError(ValueError):

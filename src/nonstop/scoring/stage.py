@@ -4,8 +4,9 @@
 runs every component at once; each attempt holds one of `scoring.concurrency` slots, and an
 attempt that fails for a retryable reason (a timeout, a dead worker) is tried again up to
 `scoring.retries` times. The group is kept only if every component contributed: its samples'
-rewards are the sum of the contributions. `ready()` holds admission while
-`scoring.max_pending_groups` groups wait for or are under scoring.
+rewards are the sum of the contributions. A sample that every task reward function returned None
+for is kept in its group but left out of training (`leave_out`) and counted as `reward_all_none`.
+`ready()` holds admission while `scoring.max_pending_groups` groups wait for or are under scoring.
 
 Reward functions run in a `Runner` (scoring/runners.py: on the loop, on threads, in worker
 processes, or on threads with the slow ones moved to processes). `FunctionComponent` scores
@@ -27,13 +28,31 @@ from nonstop.scoring.calls import Failure, Kind, Outcome, RewardRow
 from nonstop.scoring.pool import CallFailed
 from nonstop.scoring.rewards import RewardError
 from nonstop.scoring.runners import Runner
-from nonstop.types import Group
+from nonstop.types import Group, Sample
 
 TRANSIENT = frozenset({"timeout", "worker_died"})
 
 
 def rows_of(group: Group) -> list[RewardRow]:
-    return [RewardRow(group.prompt, s.text, group.answer, group.extra) for s in group.samples]
+    return [
+        RewardRow(group.prompt, s.text, group.answer, group.extra, None, s.completion_ids, group.messages)
+        for s in group.samples
+    ]
+
+
+def leave_out(samples: list[Sample], indices: list[int]) -> None:
+    """Leave samples out of training within their group: no token of theirs carries loss (so no
+    gradient, no KL term, and no share of a sequence or token mean), and their reward is the mean
+    of the others' (0.0 when none has one), so their advantage is 0 and the group's baseline is
+    the others' mean, as TRL leaves a sample every reward function returned None for out of its
+    baseline. Group-std normalisation still counts them: the others' advantages are scaled by the
+    std over the whole group, in which they sit at the mean."""
+    out = set(indices)
+    scored = [s.reward for i, s in enumerate(samples) if i not in out]
+    base = sum(scored) / len(scored) if scored else 0.0
+    for i in out:
+        samples[i].reward = base
+        samples[i].loss_mask = [False] * len(samples[i].completion_ids)
 
 
 def _failed(outcomes: list[Outcome]) -> list[Failure]:
@@ -41,7 +60,9 @@ def _failed(outcomes: list[Outcome]) -> list[Failure]:
 
 
 class FunctionComponent:
-    """A reward function per sample (task.reward), in the stage's runner."""
+    """A reward function per sample (task.reward; a TRL reward, or `WeightedRewards`, called on the
+    whole group), or one per group (scoring.group_reward), in the stage's runner. A sample the
+    function returned None for (not applicable) is reported in `left_out`."""
 
     retryable = TRANSIENT
 
@@ -71,7 +92,11 @@ class FunctionComponent:
             raise CallFailed(reason, f"on prompt {group.prompt!r}: {bad[0].message}", dict(reasons))
         values = outcomes[0] if self.kind == "group" else outcomes
         assert isinstance(values, list)
-        return Contribution(rewards=[self.weight * float(v) for v in values])  # type: ignore[arg-type]
+        left_out = [i for i, v in enumerate(values) if v is None]
+        return Contribution(
+            rewards=[0.0 if v is None else self.weight * float(v) for v in values],  # type: ignore[arg-type]
+            left_out=left_out or None,
+        )
 
     async def close(self) -> None:
         pass
@@ -154,6 +179,10 @@ class ScoringStage:
                     s.token_rewards = p.token_rewards[i]
                 if p.teacher_logprobs is not None:
                     s.teacher_logprobs, s.teacher = p.teacher_logprobs[i], p.teacher
+        left_out = sorted({i for p in parts if p is not None and p.left_out for i in p.left_out})
+        if left_out:
+            self.errors["reward_all_none"] += len(left_out)
+            leave_out(group.samples, left_out)
         return True
 
     def metrics(self) -> dict[str, Any]:

@@ -88,7 +88,11 @@ class HeldOut:
     async def score(self, results: list[list[Sample]], examples: list[Example], codec: Codec) -> float:
         total, count = 0.0, 0
         for completions, ex in zip(results, examples):
-            rows = [RewardRow(ex.prompt, codec.decode(s.completion_ids), ex.answer, ex.extra) for s in completions]
+            texts = [codec.decode(s.completion_ids) for s in completions]
+            rows = [
+                RewardRow(ex.prompt, t, ex.answer, ex.extra, None, s.completion_ids, ex.messages)
+                for t, s in zip(texts, completions)
+            ]
             for outcome in await evaluate("sample", self.reward, rows):
                 if isinstance(outcome, Failure) or not isinstance(outcome, float):
                     self.failures += 1
