@@ -184,12 +184,14 @@ class EngineConfig(_Section):
     max_seq_len: int | None = Field(None, ge=2)
     """Longest prompt + completion in tokens. None: in a training run, what the run needs: the
     longest prompt it admits + rollout.max_new_tokens (with env: env.max_episode_tokens), at most
-    the model's max_position_embeddings; in `nonstop serve` (no run to ask), the model's
-    max_position_embeddings, at most 4096 (docs/memory.md)."""
+    the model's max_position_embeddings; in `nonstop serve` or an engine built directly (no run to
+    ask), the model's max_position_embeddings, at most 4096, and, with max_concurrent_seqs set, at
+    most what the budget engine.kv_cache_fraction gives each of those slots (docs/memory.md)."""
     kv_cache_fraction: float = Field(0.2, gt=0.0, le=1.0)
-    """KV-cache budget of the built-in engines when engine.max_concurrent_seqs is unset: this
-    fraction of the machine's memory (the cgroup's limit if set, else RAM; run.memory_limit_gib
-    when set), shared by runtime.num_engines, as vLLM's memory_fraction bounds its own cache."""
+    """KV-cache budget of the built-in engines when engine.max_concurrent_seqs is unset (outside a run,
+    also when engine.max_seq_len is): this fraction of the machine's memory (the cgroup's limit if set,
+    else RAM; run.memory_limit_gib when set), shared by runtime.num_engines, as vLLM's memory_fraction
+    bounds its own cache."""
     max_cached_tokens: int | None = Field(None, ge=2)
     """Budget of KV-cache tokens reserved by admitted sequences (prompt + max_new_tokens each);
     requests wait while it is spent. None: max_concurrent_seqs x max_seq_len."""

@@ -7,8 +7,12 @@ Contract of `TorchEngine`:
   between any number of concurrent callers);
 - `submit(...)` / `step()` / `has_work()` expose the scheduler for drivers;
 - the KV cache holds `max_concurrent_seqs` x `max_seq_len` tokens, allocated once: the settings'
-  values, which a training run resolves from its need (config/sizing.py), or, unset, the
-  model's positions (at most 4096) and as many slots as `kv_cache_fraction` allows;
+  values, which a training run resolves from its need (config/sizing.py); an engine built
+  directly sizes what is unset from the budget `kv_cache_fraction` of the machine's memory
+  (`kv_limits`): with neither set, the model's positions (at most 4096) and as many slots as
+  the budget holds; with the slots set, as many positions as the budget gives each slot (at
+  most the model's, at most 4096). A cache set by hand larger than the machine's memory is
+  refused, naming both fields;
 - the behaviour logprob of a token is that of the distribution actually sampled from
   (tempered, renormalised over the kept set under top-k / top-p / min-p, whose ids are recorded
   per token as the Keep Sampling Mask); greedy tokens carry the untempered log-softmax;
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from nonstop.config import EngineConfig
+from nonstop.config.machine import machine_memory
 from nonstop.config.sizing import engine_limits
 from nonstop.device import on
 from nonstop.engine.runner import KVRunner
@@ -56,6 +61,24 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
+def kv_limits(settings: EngineConfig, max_positions: int, per_token: int, device: torch.device) -> tuple[int, int]:
+    """(max_seq_len, max_concurrent_seqs) of an engine: the settings where set, the rest within the
+    budget engine.kv_cache_fraction of the machine's memory (see the module docstring)."""
+    memory = machine_memory().total
+    max_len, slots = engine_limits(settings, max_positions, per_token, memory)
+    if settings.max_seq_len is None and settings.max_concurrent_seqs is not None:
+        fit = int(settings.kv_cache_fraction * memory // (slots * per_token))
+        max_len = max(2, min(max_len, fit))
+    elif device.type == "cpu" and slots * max_len * per_token > memory:
+        raise ValueError(
+            f"engine.max_concurrent_seqs {slots} x engine.max_seq_len {max_len} tokens x {per_token:,} bytes a "
+            f"token is a KV cache of {slots * max_len * per_token / 2**30:.1f} GiB, more than this machine's "
+            f"{memory / 2**30:.1f} GiB: lower either, or leave engine.max_seq_len unset to fit the slots to "
+            f"engine.kv_cache_fraction"
+        )
+    return max_len, slots
+
+
 class TorchEngine:
     def __init__(
         self,
@@ -71,9 +94,8 @@ class TorchEngine:
         self.settings = settings or EngineConfig()
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
-        max_len, slots = engine_limits(
-            self.settings, model.config.max_position_embeddings, kv_bytes_per_token(model.config, self.model.dtype)
-        )
+        per_token = kv_bytes_per_token(model.config, self.model.dtype)
+        max_len, slots = kv_limits(self.settings, model.config.max_position_embeddings, per_token, self.device)
         with on(self.device):
             self.runner = KVRunner(self.model, slots, max_len)
         # transports fill float32 tensors, on the host unless the transport has a GPU path (receive_on)

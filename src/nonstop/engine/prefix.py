@@ -28,6 +28,8 @@ from collections import OrderedDict
 
 import torch
 
+from nonstop.engine.runner import lazy_zeros
+
 BLOCK = 16
 """Tokens per cached block: a prompt reuses whole blocks only, so up to BLOCK - 1 tokens of a shared
 prefix are recomputed, and a prompt under BLOCK + 1 tokens never touches the cache."""
@@ -49,7 +51,7 @@ class PrefixCache:
         self.capacity = budget_tokens // BLOCK
         # block b holds positions b * BLOCK .. (b + 1) * BLOCK of the pool's position axis, so loading
         # or storing any set of blocks is one indexed copy per direction
-        self.pool = cache.new_zeros((layers2, kv_heads, self.capacity * BLOCK, head_dim))
+        self.pool = lazy_zeros((layers2, kv_heads, self.capacity * BLOCK, head_dim), cache.dtype, cache.device)
         self.root = _Block((), None, -1)
         self._lru: OrderedDict[_Block, None] = OrderedDict()
         self._free = list(range(self.capacity - 1, -1, -1))

@@ -32,8 +32,10 @@ construction with a message naming what differs.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -80,6 +82,17 @@ class Runner(Protocol):
     def restore(self, slot: int, saved: list[torch.Tensor]) -> None: ...
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU from calloc (through numpy), whose pages the OS commits on first write, so a
+    cache sized for the most it may hold costs memory only where it is used (torch.zeros writes
+    every page). Never torch.empty: stale memory may hold NaN, which attention weights of zero do
+    not cancel."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -107,7 +120,7 @@ class KVRunner:
         shape = (num_slots, self.n_kv, max_seq_len, self.head_dim)
         # one allocation for every layer's keys and values (2 x layers, *shape): `move` copies a
         # slot of all of them at once; k[i] and v[i] are views of it
-        self.cache = torch.zeros((2 * len(self.layers), *shape), dtype=dtype)
+        self.cache = lazy_zeros((2 * len(self.layers), *shape), dtype, self.embed.device)
         self.k = [self.cache[2 * i] for i in range(len(self.layers))]
         self.v = [self.cache[2 * i + 1] for i in range(len(self.layers))]
         with torch.no_grad():  # rotary tables for every position, from the model's own rotary module
