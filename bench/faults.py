@@ -34,16 +34,27 @@ through `runtime.ray_address`, with the event set off by the run's reward functi
                 heartbeat (0.5 s, timeout 3 s) declares it hung, it is replaced, and the trainer's
                 send goes out again in a group with the replacement
 
-Columns: whether the epoch completed, what was lost and duplicated (prompts and samples) as
-`nonstop verify` counts them from the trainer's and the buffer's own records against the
-dataset's order, not from the run's ledger (a count verify could not read shows as 'unread' and
-fails the row), engine restarts, time to detect and to
-recover, and wall time relative to the fault-free run (all invocations of the row summed).
-For a node loss, detection is wall clock from the node's SIGKILL to the run noticing. The last
-line: `RESULT scenarios=<n> survived=<n> lost=<total> duplicated=<total> unread=<n>`, where a scenario
-survived if its epoch completed with no prompt lost or duplicated (a node row also needs its
-event to have happened, the run to have noticed a loss or a stall by restarting an engine, and
-every socket of the cluster and the run to have stayed on loopback).
+Every fault proves that it fired (tests/support/faults.py): the injector sends its signal, reads
+the process's state back from /proc (dead, or stopped), and records it in the row's working
+folder; the row then matches that record with the run's own: the killed or stopped pid must be the
+one a restart reason (or the trainer's failure) names; a corrupted checkpoint must have changed on
+disk (CRC32 before and after) and be the one the resume refused; a Ctrl-C must have gone to the
+process this bench started, which exited 130; a NaN row must have returned the overflowing
+rewards and the trainer's own record must hold a skipped step; a crashed node's processes and
+engines must be gone from /proc and the run must name its engine; a joined node must hold an
+engine in Ray's GCS that the run counted as joined. The reference row must see no fault at all.
+
+Columns: whether the epoch completed, whether the fault was proven fired (the evidence is printed
+under the table), what was lost and duplicated (prompts and samples) as `nonstop verify` counts
+them from the trainer's and the buffer's own records against the dataset's order, not from the
+run's ledger (a count verify could not read shows as 'unread' and fails the row), engine
+restarts, time to detect and to recover, and wall time relative to the fault-free run (all
+invocations of the row summed). For a node loss, detection is wall clock from the node's SIGKILL
+to the run noticing. The last line: `RESULT scenarios=<n> survived=<n> fired=<n> lost=<total>
+duplicated=<total> unread=<n>`, where a scenario survived if its epoch completed, its fault was
+proven fired and verify read no prompt lost or duplicated (a node row also needs every socket of
+the cluster and the run to have stayed on loopback); lost and duplicated read 'unread' when any
+row's count could not be read, never a sum that counts it as 0.
 
     python bench/faults.py                     # every row, one after the other
     python bench/faults.py --only node_loss,node_join,network_stall
@@ -60,19 +71,31 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from rich.console import Console
-from rich.table import Table
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from support import faults as ev  # noqa: E402
+
 NONSTOP = str(Path(sys.executable).parent / "nonstop")
 TRAIN = 80
 
 
-def cli(args: list[str], cwd: Path) -> tuple[int, float, str]:
+def cli(args: list[str], cwd: Path) -> tuple[int, int, float, str]:
+    """(exit code, pid, seconds, output) of `nonstop *args`: the pid to match a Ctrl-C's record with."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]), "COLUMNS": "200"}
     t0 = time.perf_counter()
-    p = subprocess.run([NONSTOP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    return p.returncode, time.perf_counter() - t0, p.stdout + p.stderr
+    p = subprocess.Popen(
+        [NONSTOP, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        out, _ = p.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+    return p.returncode, p.pid, time.perf_counter() - t0, out
 
 
 def epoch(model: Path, name: str, reward: str, *extra: str) -> list[str]:
@@ -106,35 +129,11 @@ def epoch(model: Path, name: str, reward: str, *extra: str) -> list[str]:
     ]
 
 
-def verified(run_dir: Path | None) -> tuple[int | None, int | None]:
-    """(lost, duplicated) as `nonstop verify` counts them; None for a count it could not read (no
-    run folder, a record missing or cut), which fails the row instead of reading as 0."""
-    if run_dir is None or not run_dir.is_dir():
-        return None, None
-    code, _, text = cli(["verify", str(run_dir)], run_dir.parent)
-    if code not in (0, 1):
-        return None, None
-    rows = {}
-    for line in text.splitlines():
-        head, _, rest = line.partition("  ")
-        if head in ("lost", "duplicated") and rest.split() and rest.split()[0].isdigit():
-            rows[head] = int(rest.split()[0])
-    return rows.get("lost"), rows.get("duplicated")
-
-
-def flip_newest_checkpoint(run_dir: Path) -> None:
-    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    weights = newest / "model" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    weights.write_bytes(bytes(data))
-
-
 def scenario(name: str, model: Path, work: Path) -> dict:
     cwd = work / name
     cwd.mkdir()
     run_dir, resume = cwd / "runs" / name, ["train", "--resume", str(Path("runs") / name)]
-    codes, wall, out = [], 0.0, ""
+    wall, out = 0.0, ""
     # each row's CLI invocations in order; "flip" corrupts the newest checkpoint between two of them
     plans: dict[str, list[list[str] | Literal["flip"]]] = {
         "none": [epoch(model, name, "length_reward")],
@@ -174,39 +173,77 @@ def scenario(name: str, model: Path, work: Path) -> dict:
             resume,
         ],
     }
+    codes: list[int] = []
+    pids: list[int] = []
+    change: dict | None = None
     for args in plans[name]:
         if args == "flip":
-            flip_newest_checkpoint(run_dir)
+            change = ev.corrupt_newest_checkpoint(run_dir)
             continue
-        code, seconds, text = cli(args, cwd)
+        code, pid, seconds, text = cli(args, cwd)
         codes.append(code)
+        pids.append(pid)
         wall += seconds
         out += text
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     ledger = summary.get("prompts", {})
     faults = summary.get("engine_faults", {})
-    lost, duplicated = verified(run_dir)
-    return {
-        "completed": codes[-1] == 0,
-        "exit_codes": codes,
-        "lost": lost,
-        "duplicated": duplicated,
-        "restarts": faults.get("restarts", 0),
-        "requeued": ledger.get("requeued", 0) + faults.get("requeued", 0),
+    proof = local_proof(name, cwd, run_dir, summary, codes, pids, out, change)
+    return row(codes[-1] == 0, codes, proof, ev.verified(run_dir), summary, wall, out) | {
         "detect_s": faults.get("max_detect_s", 0.0),
         "recover_s": faults.get("max_recover_s", 0.0),
-        "skipped_steps": summary.get("skipped_steps", 0),
-        "wall_s": wall,
+        "requeued": ledger.get("requeued", 0) + faults.get("requeued", 0),
         "fell_back": "is corrupted" in out,
         "resumed": "resumed from" in out,
-        "output_tail": out[-1500:] if codes[-1] != 0 else "",
+    }
+
+
+def local_proof(
+    name: str, cwd: Path, run_dir: Path, summary: dict, codes: list[int], pids: list[int], out: str, change: dict | None
+) -> ev.Proof:
+    """The evidence that row `name`'s fault fired and that the run saw it (support/faults.py)."""
+    if name == "none":
+        return ev.proved_no_fault(cwd, summary)
+    if name in ("engine_kill", "engine_hang"):
+        return ev.proved_engine_signalled(cwd, summary, "SIGKILL" if name == "engine_kill" else "SIGSTOP")
+    if name in ("engines_kill", "broadcast_kill"):
+        return ev.proved_engine_signalled(cwd, summary, "SIGKILL", "nonstop-engine-0")
+    if name in ("trainer_kill", "ddp_resume", "fsdp2_resume"):
+        return ev.proved_trainer_killed(cwd, codes, out)
+    if name == "corrupt_ckpt":
+        killed, corrupted = ev.proved_trainer_killed(cwd, codes, out), ev.proved_corrupted(change, out)
+        return ev.Proof(killed.fired and corrupted.fired, f"{killed.evidence}; {corrupted.evidence}")
+    if name == "nan_loss":
+        return ev.proved_overflow(cwd, run_dir)
+    if name == "ctrl_c":
+        return ev.proved_interrupted(cwd, codes, pids, out)
+    raise ValueError(f"no proof for scenario {name!r}")
+
+
+def row(
+    completed: bool, codes: list[int], proof: ev.Proof, counts: ev.Verified, summary: dict, wall: float, out: str
+) -> dict:
+    """The measured row: survived only if completed, the fault proven fired and verify read 0 and 0."""
+    faults = summary.get("engine_faults", {})
+    return {
+        "completed": completed,
+        "fired": proof.fired,
+        "evidence": proof.evidence,
+        "survived": completed and proof.fired and counts.clean,
+        "exit_codes": codes,
+        "lost": counts.lost,
+        "duplicated": counts.duplicated,
+        "unread_why": None if counts.lost is not None and counts.duplicated is not None else counts.why,
+        "restarts": faults.get("restarts", 0),
+        "skipped_steps": summary.get("skipped_steps", 0),
+        "wall_s": wall,
+        "output_tail": out[-1500:] if not completed else "",
     }
 
 
 def cluster_scenarios() -> dict:
     """The node-level rows (see the module docstring), as support.cluster scenarios."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from support.cluster import Scenario, add_node, remove_engine_node, stall_engine
+    from support.cluster import Scenario, add_node, remove_engine_node, stall_engine, then, until_engine_on_added_node
 
     return {
         "node_loss": Scenario(
@@ -232,7 +269,8 @@ def cluster_scenarios() -> dict:
                 "task.max_operand": "49",
             },
             events="add@40",
-            actions={"add": add_node({"engine_node": 1.0}, cpus=1)},
+            # then wait until Ray's GCS shows an engine on the new node: the evidence that it joined
+            actions={"add": then(add_node({"engine_node": 1.0}, cpus=1), until_engine_on_added_node(timeout_s=300.0))},
         ),
         "network_stall": Scenario(
             "network_stall",
@@ -253,7 +291,7 @@ CLUSTER_TRAIN = {"node_loss": 380, "node_join": 2480, "network_stall": TRAIN}
 
 
 def cluster_scenario(name: str, model: Path, work: Path) -> dict:
-    sc = cluster_scenarios()[name]  # puts tests/ on the path first
+    sc = cluster_scenarios()[name]
     from support.cluster import run_scenario
 
     t0 = time.perf_counter()
@@ -269,27 +307,18 @@ def cluster_scenario(name: str, model: Path, work: Path) -> dict:
         joins = summary.get("engine_joins", [])
         detect = None
         recover = joins[0]["at"] - rec["added_alive_at"] if joins and "added_alive_at" in rec else None
-    happened = {"node_loss": "removed_at", "node_join": "added_at", "network_stall": "stalled_at"}[name] in rec
-    if name == "node_join":
-        happened = happened and bool(summary.get("engine_joins"))
-    else:  # the run must have noticed the fault: a loss or a stall that changed nothing proves nothing
-        happened = happened and faults.get("restarts", 0) >= 1
-    completed = bool(out.codes) and out.codes[-1] == 0 and happened and not out.foreign and not out.errors
-    lost, duplicated = verified(next((work / name / "runs").glob("*"), None))
-    return {
-        "completed": completed,
-        "exit_codes": out.codes,
-        "lost": lost,
-        "duplicated": duplicated,
-        "restarts": faults.get("restarts", 0),
-        "requeued": ledger.get("requeued", 0) + faults.get("requeued", 0),
+    proof = {"node_loss": ev.proved_node_lost, "node_join": ev.proved_node_joined, "network_stall": ev.proved_stalled}[
+        name
+    ](rec, summary)
+    completed = bool(out.codes) and out.codes[-1] == 0 and not out.foreign and not out.errors
+    counts = ev.verified(next((work / name / "runs").glob("*"), None))
+    text = out.output if completed else f"{out.errors} {out.foreign[:5]}\n{out.output}"
+    return row(completed, out.codes, proof, counts, summary, wall, text) | {
         "detect_s": detect,
         "recover_s": recover,
-        "skipped_steps": summary.get("skipped_steps", 0),
-        "wall_s": wall,
+        "requeued": ledger.get("requeued", 0) + faults.get("requeued", 0),
         "fell_back": False,
         "resumed": False,
-        "output_tail": "" if completed else f"{out.errors} {out.foreign[:5]}\n{out.output[-1500:]}",
     }
 
 
@@ -320,6 +349,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")
+    ap.add_argument("--json", help="write the measured rows here")
     args = ap.parse_args()
     quiet_transformers()
     console = Console(width=150)
@@ -338,6 +368,7 @@ def main() -> None:
     for col in (
         "fault",
         "epoch completed",
+        "fault fired",
         "prompts lost",
         "duplicated",
         "re-queued",
@@ -358,6 +389,7 @@ def main() -> None:
         table.add_row(
             name,
             done,
+            ("n/a" if name == "none" else "yes") if r["fired"] else "NO",
             "unread" if r["lost"] is None else str(r["lost"]),
             "unread" if r["duplicated"] is None else str(r["duplicated"]),
             str(r["requeued"]),
@@ -368,14 +400,21 @@ def main() -> None:
             f"{r['wall_s'] / base:.2f}x",
         )
     console.print(table)
+    # plain print: the evidence and the output hold brackets
     for name, r in rows.items():
-        if r["output_tail"]:  # plain print: the output holds brackets
+        print(f"{name}: {'fired' if r['fired'] else 'NOT PROVEN FIRED'}: {r['evidence']}")
+        if r["unread_why"]:
+            print(f"{name}: verify's counts unread: {r['unread_why']}")
+    for name, r in rows.items():
+        if r["output_tail"]:
             print(f"{name} did not complete; its output ended with:\n{r['output_tail']}")
-    survived = sum(r["completed"] and r["lost"] == 0 and r["duplicated"] == 0 for r in rows.values())
-    unread = sum(r["lost"] is None or r["duplicated"] is None for r in rows.values())
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
     print(
-        f"RESULT scenarios={len(rows)} survived={survived} lost={sum(r['lost'] or 0 for r in rows.values())} "
-        f"duplicated={sum(r['duplicated'] or 0 for r in rows.values())} unread={unread}"
+        f"RESULT scenarios={len(rows)} survived={sum(r['survived'] for r in rows.values())} "
+        f"fired={sum(r['fired'] for r in rows.values())} lost={ev.total(r['lost'] for r in rows.values())} "
+        f"duplicated={ev.total(r['duplicated'] for r in rows.values())} "
+        f"unread={sum(r['lost'] is None or r['duplicated'] is None for r in rows.values())}"
     )
 
 

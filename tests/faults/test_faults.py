@@ -1,12 +1,18 @@
-"""Fault injection on real runs: every prompt of the epoch is consumed exactly once.
+"""Fault injection on real runs: every fault proven fired, every prompt consumed exactly once.
 
-The default test run keeps the engine crash and the trainer crash + resume; the hang, the
-corrupted checkpoint and the NaN run are marked slow (their mechanisms have fast unit tests).
-Each run trains one epoch (`run.max_epochs=1`) of the 80 train prompts of addition 0-9 on a
-small random model, with a fault injected from inside the orchestrator (a reward function
-that kills or stops an actor, or produces an overflow). The accounting is checked twice: in
-the run's prompt ledger (summary.json), from the per-step prompt lists in metrics.jsonl plus the
-drop counters, and by `nonstop verify` from the trainer's and the buffer's own records.
+CI's fault tier (the default tier, with tests/faults/test_node_loss.py): the engine SIGKILL, the
+trainer SIGKILL + resume and the corrupted checkpoint here, the node loss on a loopback cluster
+there. The hang, the NaN run and the multi-engine and multi-rank kills are marked slow (their
+mechanisms have fast unit tests). Each run trains one epoch (`run.max_epochs=1`) of the 80 train
+prompts of addition 0-9 on a small random model, with a fault injected from inside the
+orchestrator (a reward function that kills or stops an actor, or produces an overflow).
+
+Each test first proves that its fault fired (support/faults.py: the injector read the killed or
+stopped process's state back from /proc, and the run's own records name that very pid; the
+corrupted file's CRC32 changed and the resume refused that checkpoint), then checks the
+accounting: `nonstop verify` recounts the run from the trainer's and the buffer's own records
+against the dataset's order (lost 0, duplicated 0, read, never assumed), beside the run's prompt
+ledger (summary.json) and the per-step prompt lists of metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -19,6 +25,15 @@ from pathlib import Path
 import pytest
 
 from support.cli import nonstop, records, small_model_args
+from support.faults import (
+    Verified,
+    corrupt_newest_checkpoint,
+    proved_corrupted,
+    proved_engine_signalled,
+    proved_overflow,
+    proved_trainer_killed,
+    verified,
+)
 
 TRAIN_PROMPTS = 80
 
@@ -65,11 +80,15 @@ def assert_epoch_consumed_exactly_once(run_dir: Path) -> dict:
     # short run) is checked by the ledger and the step records above only
     if not any((run_dir / "checkpoints").glob("step_*")):
         return summary
-    verified = nonstop(["verify", str(run_dir)], cwd=run_dir.parent, timeout_s=120)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
-    drawn = re.search(r"^prompts drawn +(\d+) ", verified.stdout, re.M)
-    assert drawn is not None and int(drawn.group(1)) == TRAIN_PROMPTS, verified.stdout
+    assert assert_verified(run_dir).drawn == TRAIN_PROMPTS
     return summary
+
+
+def assert_verified(run_dir: Path) -> Verified:
+    """`nonstop verify` read its counts (none missing) and found nothing lost or duplicated."""
+    counts = verified(run_dir)
+    assert counts.lost == 0 and counts.duplicated == 0, f"{counts.why}\n{counts.output}"
+    return counts
 
 
 def assert_rolled_back_set_aside(run_dir: Path, before: list[str], resumed_at: int) -> int:
@@ -91,6 +110,8 @@ def test_sigkilled_engine_is_restarted_and_no_prompt_is_lost(tiny_dir, tmp_path)
     result = nonstop(epoch_args(tiny_dir, "kill", "kill_engine_once_reward"), cwd=tmp_path, timeout_s=400)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "kill")
+    proof = proved_engine_signalled(tmp_path, summary, "SIGKILL")
+    assert proof.fired, proof.evidence
     faults = summary["engine_faults"]
     assert faults["restarts"] == 1 and "killed by signal 9" in faults["reasons"][0], faults
     assert "engine restarts" in result.stdout
@@ -113,6 +134,8 @@ def test_hung_engine_is_detected_killed_and_restarted(tiny_dir, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "hang")
+    proof = proved_engine_signalled(tmp_path, summary, "SIGSTOP")
+    assert proof.fired, proof.evidence
     faults = summary["engine_faults"]
     assert faults["restarts"] == 1, faults
     assert f"killed by signal {signal.SIGKILL.value}" in faults["reasons"][0] or "was killed" in faults["reasons"][0]
@@ -141,6 +164,8 @@ def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token
     resumed = nonstop(["train", "--resume", str(Path("runs") / "crash")], cwd=tmp_path, timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
+    proof = proved_trainer_killed(tmp_path, [first.returncode, resumed.returncode], first.stdout + resumed.stdout)
+    assert proof.fired, proof.evidence
     summary = assert_epoch_consumed_exactly_once(run_dir)
     assert summary["resumed_from"] is not None
     # synchronous and seeded per prompt: every step trains the same prompts with the same
@@ -158,28 +183,28 @@ def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token
     assert_rolled_back_set_aside(run_dir, before, int(at.group(1)))
 
 
-@pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
 def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path):
-    args = epoch_args(tiny_dir, "corrupt", "length_reward", "--set", "run.max_epochs=null", "--set", "run.max_steps=6")
+    args = epoch_args(tiny_dir, "corrupt", "length_reward", "--set", "run.max_epochs=null", "--set", "run.max_steps=4")
     result = nonstop(args, cwd=tmp_path, timeout_s=400)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "corrupt"
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
-    assert [c.name for c in ckpts] == ["step_00000002", "step_00000004", "step_00000006"]
-    weights = ckpts[-1] / "model" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    weights.write_bytes(bytes(data))
+    assert [c.name for c in ckpts] == ["step_00000002", "step_00000004"]
+    change = corrupt_newest_checkpoint(run_dir)
     before = (run_dir / "metrics.jsonl").read_text().splitlines()
     resumed = nonstop(
-        ["train", "--resume", str(Path("runs") / "corrupt"), "--set", "run.max_steps=8"], cwd=tmp_path, timeout_s=400
+        ["train", "--resume", str(Path("runs") / "corrupt"), "--set", "run.max_steps=6"], cwd=tmp_path, timeout_s=400
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "step_00000006 is corrupted" in resumed.stdout and "model.safetensors fails its CRC32" in resumed.stdout
-    assert "resumed from" in resumed.stdout and "step 4," in resumed.stdout
+    proof = proved_corrupted(change, resumed.stdout)
+    assert proof.fired and change["step"] == "step_00000004", proof.evidence
+    assert "model.safetensors fails its CRC32" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step 2," in resumed.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["prompts"]["duplicated"] == 0
-    assert assert_rolled_back_set_aside(run_dir, before, 4) >= 2  # steps 5 and 6, which the fallback trained again
+    assert summary["steps"] == 6 and summary["prompts"]["duplicated"] == 0
+    assert assert_rolled_back_set_aside(run_dir, before, 2) >= 2  # steps 3 and 4, which the fallback trained again
+    # the steps trained again are in trained.jsonl once: the fallback's rolled-back lines were set aside
+    assert_verified(run_dir)
 
 
 @pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
@@ -191,6 +216,8 @@ def test_nan_loss_skips_the_step_and_the_epoch_still_completes(tiny_dir, tmp_pat
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "nan")
+    proof = proved_overflow(tmp_path, tmp_path / "runs" / "nan")
+    assert proof.fired, proof.evidence
     assert summary["skipped_steps"] >= 1
     assert summary["prompts"]["outcomes"].get("skipped_step", 0) >= 1
 
@@ -204,6 +231,8 @@ def test_one_of_several_engines_killed_the_others_keep_serving(tiny_dir, tmp_pat
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "two")
+    proof = proved_engine_signalled(tmp_path, summary, "SIGKILL", "nonstop-engine-0")
+    assert proof.fired, proof.evidence
     faults = summary["engine_faults"]
     assert faults["restarts"] == 1 and "'engine-0'" in faults["reasons"][0], faults
     assert len(summary["engines"]) == 2 and all(e["tokens_generated"] > 0 for e in summary["engines"]), summary[
@@ -228,6 +257,8 @@ def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_d
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "bcast")
+    proof = proved_engine_signalled(tmp_path, summary, "SIGKILL", "nonstop-engine-0")
+    assert proof.fired, proof.evidence
     faults = summary["engine_faults"]
     assert faults["restarts"] == 1 and "'engine-0'" in faults["reasons"][0], faults
     assert len(summary["engines"]) == 2 and all(e["tokens_generated"] > 0 for e in summary["engines"]), summary[
@@ -251,4 +282,6 @@ def test_killed_trainer_rank_and_resume_with_two_ranks(tiny_dir, tmp_path, mode)
     resumed = nonstop(["train", "--resume", str(Path("runs") / mode)], cwd=tmp_path, timeout_s=600)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
+    proof = proved_trainer_killed(tmp_path, [first.returncode, resumed.returncode], first.stdout + resumed.stdout)
+    assert proof.fired, proof.evidence
     assert_epoch_consumed_exactly_once(run_dir)

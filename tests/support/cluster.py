@@ -38,6 +38,7 @@ from pathlib import Path
 
 from support import child_env
 from support.cli import NONSTOP, small_model_args
+from support.faults import DEAD, STOPPED, await_state
 from support.loopback import LoopbackAudit, own_addresses, ray_logs_mention
 
 HEAD_IP = "127.0.0.2"
@@ -254,11 +255,18 @@ Action = Callable[[LoopbackCluster, dict], None]
 
 
 def remove_engine_node(cluster: LoopbackCluster, record: dict) -> None:
-    """Crash the first worker node (by address) that hosts an engine."""
+    """Crash the first worker node (by address) that hosts an engine. The evidence that it is gone
+    (support/faults.py `proved_node_lost`): the /proc state of the node's own processes and of its
+    engines after the kill."""
     ip = next(ip for ip in sorted(cluster.nodes) if ip != HEAD_IP and cluster.engines_on(ip))
-    record["removed_engines"] = cluster.engines_on(ip)
+    engines = {n: a["pid"] for n, a in cluster.actors().items() if n.startswith("engine") and a["ip"] == ip}
+    node_pids = [p.pid for _, p in cluster.nodes[ip].handle.live_processes()]  # type: ignore[attr-defined]
+    record["removed_engines"] = sorted(engines)
     record["removed_ip"] = ip
     record["removed_at"] = cluster.remove_node(ip)
+    # the engines' processes end when they lose their raylet: a moment later, not at once
+    record["node_pids_after"] = {str(pid): await_state(pid, DEAD) for pid in node_pids}
+    record["engine_pids_after"] = {str(pid): await_state(pid, DEAD) for pid in engines.values()}
 
 
 def add_node(resources: dict[str, float], cpus: int = 1, after_s: float = 0.0) -> Action:
@@ -296,6 +304,7 @@ def until_engine_on_added_node(timeout_s: float = 300.0, then_s: float = 0.0) ->
                 raise TimeoutError(f"no engine started on {record['added_ip']} within {timeout_s:g} s")
             time.sleep(0.5)
         record["engine_on_added_at"] = time.time()
+        record["engines_on_added"] = cluster.engines_on(record["added_ip"])
         time.sleep(then_s)
 
     return act
@@ -314,6 +323,7 @@ def kill_trainer(cluster: LoopbackCluster, record: dict) -> None:
     trainer = cluster.actors()["trainer"]
     record["killed_at"] = time.time()
     os.kill(trainer["pid"], signal.SIGKILL)
+    record["killed_pid"], record["killed_state"] = trainer["pid"], await_state(trainer["pid"], DEAD)
 
 
 def stall_engine(seconds: float) -> Action:
@@ -324,6 +334,7 @@ def stall_engine(seconds: float) -> Action:
         name, actor = next((n, a) for n, a in sorted(cluster.actors().items()) if n.startswith("engine"))
         record["stalled_engine"], record["stalled_at"] = name, time.time()
         os.kill(actor["pid"], signal.SIGSTOP)
+        record["stalled_pid"], record["stalled_state"] = actor["pid"], await_state(actor["pid"], STOPPED, 5.0)
         threading.Timer(seconds, lambda: _continue(actor["pid"])).start()
 
     return act

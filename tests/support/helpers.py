@@ -160,8 +160,10 @@ def kill_engine_once_reward(completion: str, answer: str) -> float:
     import signal
     import threading
 
+    from support.faults import send
+
     if _once("engine_killed"):
-        threading.Timer(0.05, lambda: [os.kill(p, signal.SIGKILL) for p in _engine_pids()]).start()
+        threading.Timer(0.05, lambda: [send("nonstop-engine", p, signal.SIGKILL) for p in _engine_pids()]).start()
     return float(len(completion))
 
 
@@ -169,9 +171,11 @@ def hang_engine_once_reward(completion: str, answer: str) -> float:
     """SIGSTOPs the engine once: it stays alive but answers nothing (a hang, not a crash)."""
     import signal
 
+    from support.faults import send
+
     if _once("engine_hung"):
         for pid in _engine_pids():
-            os.kill(pid, signal.SIGSTOP)
+            send("nonstop-engine", pid, signal.SIGSTOP)
     return float(len(completion))
 
 
@@ -180,11 +184,13 @@ def kill_trainer_reward(completion: str, answer: str) -> float:
     import multiprocessing as mp
     import signal
 
+    from support.faults import send
+
     _calls["n"] += 1
     if _calls["n"] == 300 and _once("trainer_killed"):
         for c in mp.active_children():
             if c.name in ("nonstop-trainer", "nonstop-trainer-0"):
-                os.kill(c.pid, signal.SIGKILL)
+                send(c.name, c.pid, signal.SIGKILL)
     return float(len(completion))
 
 
@@ -197,17 +203,23 @@ def kill_trainer_after_two_checkpoints_reward(completion: str, answer: str) -> f
     import multiprocessing as mp
     import signal
 
+    from support.faults import send
+
     _calls["n"] += 1
     if _calls["n"] % 8 == 0 and len(list(Path("runs").glob("*/checkpoints/step_*"))) >= 2 and _once("trainer_killed"):
         for c in mp.active_children():
             if c.name in ("nonstop-trainer", "nonstop-trainer-0"):
-                os.kill(c.pid, signal.SIGKILL)
+                send(c.name, c.pid, signal.SIGKILL)
     return float(len(completion))
 
 
 def overflow_reward(completion: str, answer: str) -> float:
     """Finite rewards whose group statistics overflow (inf - inf): a NaN loss from bad input."""
     if answer == "9":
+        if _once("overflowed"):
+            from support.faults import record
+
+            record("overflow", target="reward")
         return 1e308 if len(completion) % 2 else -1e308
     return float(len(completion))
 
@@ -273,9 +285,11 @@ def kill_engine_0_once_reward(completion: str, answer: str) -> float:
     import signal
     import threading
 
+    from support.faults import send
+
     if _once("engine_0_killed"):
         pids = [c.pid for c in mp.active_children() if c.name == "nonstop-engine-0"]
-        threading.Timer(0.05, lambda: [os.kill(p, signal.SIGKILL) for p in pids]).start()
+        threading.Timer(0.05, lambda: [send("nonstop-engine-0", p, signal.SIGKILL) for p in pids]).start()
     return float(len(completion))
 
 
@@ -284,9 +298,11 @@ def interrupt_once_reward(completion: str, answer: str) -> float:
     of the first run in this folder: the run checkpoints and stops; a resume finishes it."""
     import signal
 
+    from support.faults import send
+
     _calls["n"] += 1
     if _calls["n"] == 300 and _once("interrupted"):
-        os.kill(os.getpid(), signal.SIGINT)
+        send("orchestrator", os.getpid(), signal.SIGINT)
     return float(len(completion))
 
 
@@ -307,9 +323,11 @@ def kill_an_engine_every_reward(completion: str, answer: str) -> float:
         _soak["last_kill"] = now
         engines = sorted((c for c in mp.active_children() if c.name.startswith("nonstop-engine")), key=lambda c: c.name)
         if engines:
+            from support.faults import send
+
             victim = engines[_soak["next"] % len(engines)]
             _soak["next"] += 1
-            os.kill(victim.pid, signal.SIGKILL)
+            send(victim.name, victim.pid, signal.SIGKILL)
     return float(len(completion))
 
 
