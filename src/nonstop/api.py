@@ -5,7 +5,8 @@ Contract:
   ("trainer.lr=3e-4") applied on top; `progress` sets run.progress ("auto", "rich", "plain", "off").
 - `dataset`: the train rows, a `datasets.Dataset` or a list of dicts. `columns` maps the
   fields nonstop needs to the dataset's own column names ({"prompt": "question", "answer":
-  "solution"}; unmapped fields keep their names). A mapped column the dataset does not have is
+  "solution"}; unmapped fields keep their names, and a mapped column is kept under its own name
+  too, for reward functions that read it). A mapped column the dataset does not have is
   a DatasetError naming it and the mapping; a row whose prompt or answer is missing or not a
   string is reported, counted and skipped, or stops the run with task.on_bad_row=error, through
   the same checks as a JSONL file (tasks/data.py). Held-out rows come from `eval_dataset`, or are
@@ -99,11 +100,11 @@ def read_rows(rows: Any, mapping: dict[str, str], arg: str) -> tuple[list[Row], 
         )
 
     def renamed(row: object) -> object:
-        """The row under nonstop's field names, its other columns kept (reward functions read them)."""
+        """The row under nonstop's field names, every column also kept under its own name: reward
+        functions read them (a TRL reward written for a `solution` column still gets `solution`)."""
         if not isinstance(row, Mapping):
             return row
-        mapped = {f: row[c] for f, c in mapping.items() if c in row}
-        return {**{k: v for k, v in row.items() if k not in mapping.values()}, **mapped}
+        return {**row, **{f: row[c] for f, c in mapping.items() if c in row}}
 
     return collect_rows(
         ((f"{arg} row {i}", check_row(renamed(row))) for i, row in enumerate(rows)),

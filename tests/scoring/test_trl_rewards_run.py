@@ -55,11 +55,13 @@ def _calls(log: Path) -> list[dict]:
 
 def test_a_conversational_dataset_and_trl_rewards_through_the_python_api(chat_model, tmp_path):
     log = tmp_path / "calls.jsonl"
-    train, held = _rows(12, log), _rows(15, log)[12:]
+    rows = [{**{k: v for k, v in r.items() if k != "answer"}, "solution": r["answer"]} for r in _rows(15, log)]
+    train, held = rows[:12], rows[12:]
     summary = nonstop.train(
         overrides=_fast(chat_model, tmp_path, 3),
         dataset=datasets.Dataset.from_list(train),
         eval_dataset=datasets.Dataset.from_list(held),
+        columns={"answer": "solution"},
         reward=["support.trl_rewards:recorded", says_yes],
         reward_weights=[1.0, 2.0],
         progress="off",
@@ -72,7 +74,8 @@ def test_a_conversational_dataset_and_trl_rewards_through_the_python_api(chat_mo
         row = train[call["row_ids"][0]]
         assert call["prompts"] == [row["prompt"]] * 3  # the row's messages, not the rendered text
         assert all(c[0]["role"] == "assistant" and len(c) == 1 for c in call["completions"])
-        assert call["columns"] == ["answer", "kind", "log", "row_id"]  # every other column, by its name
+        # every other column by its name, the one mapped to `answer` under its own name too
+        assert call["columns"] == ["answer", "kind", "log", "row_id", "solution"]
         assert all(1 <= len(ids) <= 4 for ids in call["completion_ids"])
     # kind 'none': both rewards None -> counted, one per sample of each such group scored in training
     none_groups = sum(1 for c in trained if train[c["row_ids"][0]]["kind"] == "none")
