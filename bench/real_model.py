@@ -10,9 +10,12 @@ nothing else on the cores:
 - trl:   TRL's GRPOTrainer on the same model, rows (TRL's conversational format, its own chat
          templating), reward (TRL's signature), learning rate (the one nonstop resolves for this
          model), batch (8 prompts x 8 completions), completion budget and temperature; bf16 where the
-         CPU has it, as nonstop's arms; one process on both cores. It is evaluated the same way
-         (greedy completions of the held-out questions with HF generate, last_number) before its
-         first step and every 5 steps; the time those evaluations take is left out of its clock.
+         CPU has it, as nonstop's arms; one process on both cores. It is evaluated exactly as
+         nonstop's arms are (TRL's current weights copied into nonstop's built-in engine in the runs'
+         dtype, greedy completions of the held-out prompts as nonstop renders them, last_number)
+         before its first step and every 5 steps; the time those evaluations take is left out of its
+         clock. (HF generate's own greedy batch, bf16 autocast and left padding, read the base 13
+         points lower than the engine: an evaluator of its own would move TRL's target.)
 
 Time to target is read from each arm's curve of held-out evaluations against RL seconds, evaluation
 time left out in every arm (nonstop's from its span log). The target is set above every arm's first
@@ -232,12 +235,32 @@ def trl_child(out: Path, seed: int, minutes: float, lr: float) -> None:
     def reward(prompts, completions, completion_ids, answer, **_):  # TRL's signature; messages in and out
         return [last_number(c[-1]["content"], a) for c, a in zip(completions, answer)]
 
+    # held-out evaluation exactly as a nonstop run's: the built-in engine in the runs' dtype, greedy, on
+    # the prompts nonstop renders and encodes, stopped at the same stop ids. A fresh engine over a copy
+    # of TRL's current weights each time (the engine may derive state from its weights when built).
+    from nonstop.config import EngineConfig
+    from nonstop.engine.core import TorchEngine
+    from nonstop.hf import load_model, stop_token_ids
+    from nonstop.tasks.chat import renderer
+    from nonstop.types import GenerationRequest, SamplingParams
+
+    render, stops = renderer(tok, None), stop_token_ids(tok, folder)
+    held_ids = [tok(render(r["messages"]))["input_ids"] for r in held]
+    judge_dtype = torch.bfloat16 if bf16 else torch.float32
+    judge = load_model(str(folder), judge_dtype)
+    settings = EngineConfig(
+        dtype="bfloat16" if bf16 else "float32",
+        max_seq_len=max(map(len, held_ids)) + MAX_NEW_TOKENS,
+        max_concurrent_seqs=len(held_ids),
+    )
+
     def evaluate() -> float:
-        texts = [tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) for r in held]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            gen = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tok.eos_token_id)
-        answers = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        with torch.no_grad():
+            judge.load_state_dict(model.state_dict())  # cast into the engine's dtype
+        engine = TorchEngine(judge, stops, tok.pad_token_id, settings=settings)
+        params = SamplingParams(MAX_NEW_TOKENS, 0.0)
+        got = engine.generate([GenerationRequest(i, ids, 1, params) for i, ids in enumerate(held_ids)])
+        answers = [tok.decode(g[0].completion_ids, skip_special_tokens=True) for g in got]
         return sum(last_number(a, r["answer"]) for a, r in zip(answers, held)) / len(held)
 
     args = GRPOConfig(
