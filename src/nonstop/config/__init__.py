@@ -20,6 +20,7 @@ One module per part of the tree; everything public is re-exported here, so calle
 | `machine.py` | the machine's (or cgroup's) memory and OOM-kill count |
 | `memory.py` | the preflight memory plan per process, refused with the field to change |
 | `specs.py` | `package.module:attr` specs resolved to callables, errors naming the field |
+| `trl.py`, `trl_fields.py` | `from_trl`: TRL's GRPOConfig as a `Config`, and the table of its fields |
 """
 
 from __future__ import annotations
