@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nonstop.device import attention
+from nonstop.device import attention, bf16_supported
 from nonstop.engine.blocks import attention_blocks
 from nonstop.engine.layers import _check_supported, _Layer
 
@@ -137,6 +137,12 @@ class KVRunner:
         self.routes: torch.Tensor | None = None
         self._routes: list[torch.Tensor] = []
         self.attention_reads = 0  # cached positions decode attention read so far, padding included
+        # decode attention: bfloat16 straight through torch's kernel where the CPU computes bf16
+        # natively (3-5x faster than casting the cached keys and values up at every layer: 0.87
+        # against 3.79 ms for 64 rows of 128 positions at SmolLM2's 9 / 3 heads, AMX CPU, torch
+        # 2.13); elsewhere float32 (device.attention: the bf16 kernel ran 4.5x slower without them)
+        native = dtype == torch.bfloat16 and self.embed.device.type == "cpu" and bf16_supported(self.embed.device)
+        self._sdpa = F.scaled_dot_product_attention if native else attention
 
     def _plan(self, positions: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
         """Attention blocks of a decode step (`attention_blocks`), each with its mask (rows, 1, 1, T)."""
@@ -149,7 +155,7 @@ class KVRunner:
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan) -> torch.Tensor:
         """q (B, H, 1, D) of decode rows 0..B-1 against their cached keys -> (B, H * D)."""
         B, gqa = q.shape[0], self.n_kv != self.n_heads
-        out = [attention(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa) for a, b, t, m in plan]
+        out = [self._sdpa(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa) for a, b, t, m in plan]
         return (out[0] if len(out) == 1 else torch.cat(out)).reshape(B, self.n_heads * self.head_dim)
 
     @property
