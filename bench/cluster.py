@@ -18,13 +18,20 @@ reward function at chosen samples.
     trainer_resume transport broadcast: the trainer on the head node is SIGKILLed; the run stops
                   naming `nonstop train --resume`, and the resume on the same cluster finishes.
 
-Columns: nodes that took part, prompts lost (drawn but never settled) and duplicated (settled
-twice) from the run's ledger, engine restarts, node-loss detection (node killed -> the run
-noticed, wall clock) and recovery (noticed -> replacement serving), the engines that joined and
-how long after their node was added, whether every engine's weights (CRC32 at the end) equal the
-trainer's, and sockets or Ray log lines off loopback. The last line:
+Columns: nodes that took part, whether the fault was proven fired (tests/support/faults.py: a
+crashed node's processes and engines gone from /proc and a restart of the run naming its engine's
+pid; a joined node holding an engine in Ray's GCS that the run counted as joined; the killed
+trainer's pid dead in /proc and named by the run's failure, then resumed), prompts lost and
+duplicated as `nonstop verify` recounts them from the trainer's and the buffer's own records
+against the dataset's order, not from the run's ledger ('unread' when verify could not read a
+count: the row fails, and RESULT's total reads 'unread', never a sum that takes it for 0), engine
+restarts, node-loss detection (node killed -> the run noticed, wall clock) and recovery (noticed ->
+replacement serving), the engines that joined and how long after their node was added, whether
+every engine's weights (CRC32 at the end) equal the trainer's, and sockets or Ray log lines off
+loopback. The last line:
 `RESULT nodes=<most nodes that took part in a run> lost=<total> duplicated=<total> detect_s=<max> recover_s=<max,
-policy replace> wait_recover_s=<policy wait> joined_weights=<exact|DIFFER> resumed=<yes|no>`.
+policy replace> wait_recover_s=<policy wait> joined_weights=<exact|DIFFER> resumed=<yes|no> fired=<runs whose
+fault was proven> unread=<runs with a count verify could not read>`.
 
     python bench/cluster.py [--only grow_replace,wait_resume] [--json out.json]
 """
@@ -42,6 +49,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from support import faults as ev  # noqa: E402
 from support.cluster import (  # noqa: E402
     HEAD_IP,
     Outcome,
@@ -97,7 +105,7 @@ def scenarios() -> dict[str, Scenario]:
                 "remove": then(
                     remove_engine_node,
                     add_node({"engine_node": 1.0}, cpus=1, after_s=3.0),
-                    until_engine_on_added_node(timeout_s=120.0),  # the replacement went to the new node
+                    until_engine_on_added_node(timeout_s=120.0),  # the replacement went to the new node (GCS)
                 )
             },
         ),
@@ -113,7 +121,21 @@ def scenarios() -> dict[str, Scenario]:
     }
 
 
-def measure(name: str, out: Outcome) -> dict:
+def proof(name: str, out: Outcome) -> ev.Proof:
+    """The evidence that run `name`'s faults fired and that the run saw them."""
+    rec = out.record
+    if name == "trainer_resume":
+        return ev.proved_killed_trainer_resumed(
+            rec.get("killed_pid", -1), rec.get("killed_state", "not killed"), out.codes, out.output
+        )
+    lost = ev.proved_node_lost(rec, out.summary)
+    if name == "wait_join":  # its replacement must also have started on the node added after the loss
+        joined = ev.proved_node_joined(rec, out.summary)
+        return ev.Proof(lost.fired and joined.fired, f"{lost.evidence}; {joined.evidence}")
+    return lost
+
+
+def measure(name: str, out: Outcome, run_dir: Path) -> dict:
     s, rec = out.summary, out.record
     ledger, faults = s.get("prompts", {}), s.get("engine_faults", {})
     losses = [
@@ -128,12 +150,17 @@ def measure(name: str, out: Outcome) -> dict:
     names = [f"engine-{i}" for i in range(len(engines))]
     joined_exact = all(engines[names.index(j["engine"])] == trainer for j in joined if j["engine"] in names)
     stats = {f"engine-{i}": e for i, e in enumerate(s.get("engines", []))}
+    counts, fired = ev.verified(run_dir), proof(name, out)
     return {
         "completed": bool(out.codes) and out.codes[-1] == 0,
         "exit_codes": out.codes,
         "nodes": out.nodes,
-        "lost": TRAIN - ledger.get("settled", 0) + ledger.get("in_flight", 0) if ledger else TRAIN,
-        "duplicated": ledger.get("duplicated", -1),
+        "fired": fired.fired,
+        "evidence": fired.evidence,
+        "lost": counts.lost,
+        "duplicated": counts.duplicated,
+        "drawn": counts.drawn,
+        "unread_why": None if counts.lost is not None and counts.duplicated is not None else counts.why,
         "requeued": faults.get("requeued", 0) + ledger.get("requeued", 0),
         "restarts": faults.get("restarts", 0),
         "reasons": faults.get("reasons", []),
@@ -191,12 +218,13 @@ def main() -> None:
             sc = all_runs[name]
             if args.events is not None:
                 sc.events = args.events
-            rows[name] = measure(name, run_scenario(sc, model, work))
+            rows[name] = measure(name, run_scenario(sc, model, work), work / name / "runs" / name)
     table = Table(title=f"Multi-node Ray cluster on loopback: {TRAIN} prompts (two epochs) per run")
     for col in (
         "run",
         "completed",
         "nodes",
+        "fault fired",
         "lost",
         "dup",
         "re-queued",
@@ -217,8 +245,9 @@ def main() -> None:
             name,
             done,
             str(r["nodes"]),
-            str(r["lost"]),
-            str(r["duplicated"]),
+            "yes" if r["fired"] else "NO",
+            "unread" if r["lost"] is None else str(r["lost"]),
+            "unread" if r["duplicated"] is None else str(r["duplicated"]),
             str(r["requeued"]),
             str(r["restarts"]),
             fmt(r["detect_s"]),
@@ -231,6 +260,9 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     console.print(table)
     for name, r in rows.items():
+        print(f"{name}: {'fired' if r['fired'] else 'NOT PROVEN FIRED'}: {r['evidence']}")
+        if r["unread_why"]:
+            print(f"{name}: verify's counts unread: {r['unread_why']}")
         for reason in r["reasons"]:
             print(f"{name}: {reason}")
         if r["output_tail"] or r["errors"] or r["foreign"]:  # plain print: the output holds brackets
@@ -238,14 +270,17 @@ def main() -> None:
     replace = [r["recover_s"] for n, r in rows.items() if n == "grow_replace" and r["recover_s"] is not None]
     wait = [r["recover_s"] for n, r in rows.items() if n == "wait_join" and r["recover_s"] is not None]
     joins_exact = [r["joined_weights_exact"] for r in rows.values() if r["joined"]]
+    resumed = any(r["resumed"] and r["resume_hint"] and r["completed"] for r in rows.values())
     print(
         f"RESULT nodes={max((r['nodes'] for r in rows.values()), default=0)} "
-        f"lost={sum(r['lost'] for r in rows.values())} "
-        f"duplicated={sum(max(r['duplicated'], 0) for r in rows.values())} "
+        f"lost={ev.total(r['lost'] for r in rows.values())} "
+        f"duplicated={ev.total(r['duplicated'] for r in rows.values())} "
         f"detect_s={fmt(max((r['detect_s'] for r in rows.values() if r['detect_s'] is not None), default=None))} "
         f"recover_s={fmt(max(replace, default=None))} wait_recover_s={fmt(max(wait, default=None))} "
         f"joined_weights={'exact' if joins_exact and all(joins_exact) else 'DIFFER' if joins_exact else '-'} "
-        f"resumed={'yes' if any(r['resumed'] and r['resume_hint'] and r['completed'] for r in rows.values()) else 'no'}"
+        f"resumed={'yes' if resumed else 'no'} "
+        f"fired={sum(r['fired'] for r in rows.values())} "
+        f"unread={sum(r['lost'] is None or r['duplicated'] is None for r in rows.values())}"
     )
 
 

@@ -1,6 +1,9 @@
 """Soak: training for a bounded time with an engine killed every minute, beside a server under
-concurrent load. Reports prompts lost and duplicated (must be 0), restarts, server errors and the
-orchestrator's memory growth.
+concurrent load. Reports prompts lost and duplicated as `nonstop verify` recounts them from the
+trainer's and the buffer's own records (must be read, and 0), restarts, server errors and the
+orchestrator's memory growth. Every kill proves it fired (support/faults.py): the killed pid is
+seen dead in /proc and a restart reason of the run names it; a crashed node's processes and
+engine are gone and a restart names that engine.
 
 Two forms: local processes (`test_soak_engine_kills_and_a_loaded_server`), and a Ray cluster of
 three nodes on this host (`test_soak_on_a_cluster`: engine actors SIGKILLed on schedule, one
@@ -33,6 +36,7 @@ from nonstop.serve.client import HttpClient
 from nonstop.types import SamplingParams
 from support import child_env
 from support.cli import NONSTOP, small_model_args
+from support.faults import DEAD, await_state, fault_log, proved_each_kill, proved_node_lost, verified
 
 SOAK_S = min(float(os.environ.get("NONSTOP_SOAK_S", "240")), 1200.0)
 KILL_EVERY_S = float(os.environ.get("NONSTOP_SOAK_KILL_EVERY_S", "60"))
@@ -100,18 +104,24 @@ def _growth(rss: list[float]) -> tuple[float, float, float]:
     return settled[0], max(settled), (max(settled) - settled[0]) / settled[0]
 
 
-def _report(tmp_path: Path, label: str, rss: list[float], served: dict, extra: str = "") -> tuple[dict, dict, float]:
-    """Print the soak's one line; return the run's prompt ledger, its engine faults and the RSS growth."""
-    summary = json.loads((tmp_path / "runs" / "soak" / "summary.json").read_text())
-    ledger, faults = summary["prompts"], summary["engine_faults"]
+def _report(tmp_path: Path, label: str, rss: list[float], served: dict, extra: str = "") -> tuple[dict, float]:
+    """Print the soak's one line, with lost and duplicated as `nonstop verify` counts them ('unread'
+    when it could not), and assert that it read both and found nothing lost or duplicated; return
+    the run's summary and the RSS growth."""
+    run_dir = tmp_path / "runs" / "soak"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    faults = summary["engine_faults"]
+    counts = verified(run_dir)
     start, peak, growth = _growth(rss)
+    shown = {k: "unread" if v is None else v for k, v in (("lost", counts.lost), ("dup", counts.duplicated))}
     print(
-        f"\n{label} {SOAK_S:.0f} s: steps {summary['steps']}, prompts settled {ledger['settled']}, in flight "
-        f"{ledger['in_flight']}, duplicated {ledger['duplicated']}, re-queued {faults['requeued']}, engine restarts "
+        f"\n{label} {SOAK_S:.0f} s: steps {summary['steps']}, prompts drawn {counts.drawn}, lost {shown['lost']}, "
+        f"duplicated {shown['dup']} (nonstop verify), re-queued {faults['requeued']}, engine restarts "
         f"{faults['restarts']}, server requests ok {served['ok']} errors {served['errors']}, orchestrator RSS "
         f"{start:.0f} -> {peak:.0f} MiB ({growth:+.0%}){extra}"
     )
-    return ledger, faults, growth
+    assert counts.clean, f"{counts.why}\n{counts.output}"
+    return summary, growth
 
 
 @pytest.mark.slow
@@ -165,15 +175,17 @@ def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
         if train is not None and train.poll() is None:
             train.terminate()
             train.wait(timeout=60)
-    ledger, faults, growth = _report(tmp_path, "soak", rss, served)
     assert train.returncode == 0, out[-3000:]
-    assert ledger["duplicated"] == 0 and ledger["unknown"] == 0, ledger
+    summary, growth = _report(tmp_path, "soak", rss, served)
+    ledger, faults = summary["prompts"], summary["engine_faults"]
     # a run stopped by run.max_time_s leaves its admitted, untrained batches in flight (recorded,
     # not lost: a resume generates them again); admission bounds them by (depth + 1) batches
     cfg = yaml.safe_load((tmp_path / "runs" / "soak" / "config.yaml").read_text())
     window = ((cfg["buffer"].get("depth") or 0) + 1) * cfg["rollout"]["prompts_per_step"]
     assert ledger["in_flight"] <= window, (ledger, window)
-    assert faults["restarts"] >= int(SOAK_S // KILL_EVERY_S) - 1, faults
+    kills = [k for k in fault_log(tmp_path) if k["fault"] == "SIGKILL"]
+    proof = proved_each_kill(kills, summary, int(SOAK_S // KILL_EVERY_S) - 1)
+    assert proof.fired, (proof.evidence, faults)
     assert served["errors"] == 0 and served["ok"] > 0, served
     assert growth < 0.5, rss
 
@@ -188,7 +200,7 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
     a loaded `nonstop serve`. Nothing may be duplicated, the server may not fail, the
     orchestrator's memory may not run away, and no socket may leave 127.0.0.0/8."""
     pytest.importorskip("ray")
-    from support.cluster import HEAD_IP, LoopbackCluster, cluster_args, temp_root
+    from support.cluster import HEAD_IP, LoopbackCluster, cluster_args, remove_engine_node, temp_root
     from support.loopback import LoopbackAudit, own_addresses, ray_logs_mention
 
     root = temp_root()
@@ -198,6 +210,8 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
     tolerant = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 10}
     cluster = LoopbackCluster(root, head_resources={"trainer_node": 1}, head_cpus=1, health_check=tolerant)
     events: list[str] = []
+    kills: list[dict] = []  # each SIGKILL: the pid and its /proc state after
+    removed: dict = {}  # the node crash's evidence (support.cluster.remove_engine_node)
     placed: set[tuple[str, str]] = set()  # (engine, node address) pairs seen during the run
     rss: list[float] = []
     train = None
@@ -250,8 +264,8 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
                 hosts = [ip for ip in sorted(cluster.nodes) if ip != HEAD_IP and cluster.engines_on(ip)]
                 if now >= remove_at and hosts:  # else an engine is being replaced: the next tick
                     remove_at = float("inf")
-                    cluster.remove_node(hosts[0])
-                    events.append(f"{now:.0f}s node {hosts[0]} removed")
+                    remove_engine_node(cluster, removed)  # the first worker node with an engine: hosts[0]
+                    events.append(f"{now:.0f}s node {removed['removed_ip']} removed")
                 elif now >= add_at:
                     add_at = float("inf")
                     events.append(f"{now:.0f}s node {cluster.add_node({'engine_node': 2}, cpus=2).ip} added")
@@ -260,6 +274,7 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
                     name, actor = sorted(engines.items())[int(now) % len(engines)]
                     try:
                         os.kill(actor["pid"], signal.SIGKILL)
+                        kills.append({"pid": actor["pid"], "after": await_state(actor["pid"], DEAD, 5.0)})
                         events.append(f"{now:.0f}s {name} killed")
                     except ProcessLookupError:
                         pass
@@ -276,14 +291,17 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
         cluster.shutdown()
         foreign = sorted(audit.found) + ray_logs_mention(root, own_addresses())
     out = (tmp_path / "train.log").read_text()
-    ledger, faults, growth = _report(
+    assert train.returncode == 0, out[-3000:]
+    summary, growth = _report(
         tmp_path, "cluster soak", rss, served, f"; events: {'; '.join(events)}; engines on the new node {joined}"
     )
-    assert train.returncode == 0, out[-3000:]
-    assert ledger["duplicated"] == 0 and ledger["unknown"] == 0, ledger
+    faults = summary["engine_faults"]
     assert any("removed" in e for e in events) and any("added" in e for e in events), events
     assert joined, "no engine joined on the added node"
-    assert faults["restarts"] >= int(SOAK_S // KILL_EVERY_S) - 2, (faults, events)
+    lost_node = proved_node_lost(removed, summary)
+    assert lost_node.fired, (lost_node.evidence, events)
+    proof = proved_each_kill(kills, summary, int(SOAK_S // KILL_EVERY_S) - 2)
+    assert proof.fired, (proof.evidence, faults, events)
     assert served["errors"] == 0 and served["ok"] > 0, served
     assert growth < 0.5, rss
     assert not foreign, foreign

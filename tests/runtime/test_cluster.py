@@ -92,7 +92,8 @@ def test_the_whole_multi_node_scenario_of_bench_cluster(tmp_path):
     serves with the trainer's exact weights, then a worker node crashes and its engine is re-placed
     (broadcast, policy 'replace'); a node crashes and its engine waits for a new node (files on a
     shared folder, policy 'wait'); the head's trainer dies and `nonstop train --resume` on the same
-    cluster finishes the run. Every run: 0 prompts lost, 0 duplicated, nothing off loopback."""
+    cluster finishes the run. Every run: its fault proven fired, 0 prompts lost and 0 duplicated as
+    `nonstop verify` recounts them, nothing off loopback."""
     import re
     import subprocess
     import sys
@@ -111,7 +112,7 @@ def test_the_whole_multi_node_scenario_of_bench_cluster(tmp_path):
     rows = json.loads(out.read_text())
     assert set(rows) == {"grow_replace", "wait_join", "trainer_resume"}
     for name, r in rows.items():
-        assert r["completed"] and r["lost"] == 0 and r["duplicated"] == 0, (name, r)
+        assert r["completed"] and r["fired"] and r["lost"] == 0 and r["duplicated"] == 0, (name, r)
         assert not r["foreign"] and not r["errors"] and r["weights_exact"], (name, r)
     grow = rows["grow_replace"]
     assert [j["engine"] for j in grow["joined"]] == ["engine-2"] and grow["joined"][0]["tokens"] > 0, grow
@@ -122,4 +123,4 @@ def test_the_whole_multi_node_scenario_of_bench_cluster(tmp_path):
     assert resume["exit_codes"] == [1, 0] and resume["resume_hint"] and resume["resumed"], resume
     line = result.stdout.strip().splitlines()[-1]
     assert re.match(r"RESULT nodes=4 lost=0 duplicated=0 detect_s=[0-9.]+ recover_s=[0-9.]+ ", line), line
-    assert "joined_weights=exact resumed=yes" in line, line
+    assert "joined_weights=exact resumed=yes fired=3 unread=0" in line, line

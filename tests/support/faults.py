@@ -148,16 +148,21 @@ def proved_trainer_killed(cwd: Path, codes: list[int], output: str) -> Proof:
     lines = _lines(cwd, "SIGKILL", "nonstop-trainer")
     if len(lines) != 1:
         return Proof(False, f"{len(lines)} SIGKILL of the trainer recorded, want 1")
-    line = lines[0]
+    return proved_killed_trainer_resumed(lines[0]["pid"], lines[0]["after"], codes, output)
+
+
+def proved_killed_trainer_resumed(pid: int, after: str, codes: list[int], output: str) -> Proof:
+    """The trainer's pid seen dead after its SIGKILL (`after`: its /proc state), the first invocation
+    failed naming that pid, and a resume ran and finished."""
     ok = (
-        line["after"] in DEAD
+        after in DEAD
         and codes[:1] == [1]
         and "the trainer failed" in output
-        and _named(line["pid"], [output])
+        and _named(pid, [output])
         and codes[-1] == 0
         and "resumed from" in output
     )
-    return Proof(ok, f"SIGKILL pid {line['pid']}: /proc {line['after']}; exit codes {codes}")
+    return Proof(ok, f"SIGKILL pid {pid}: /proc {after}; exit codes {codes}")
 
 
 def proved_interrupted(cwd: Path, codes: list[int], pids: list[int], output: str) -> Proof:
@@ -195,6 +200,21 @@ def proved_overflow(cwd: Path, run_dir: Path) -> Proof:
         injected and skipped > 0,
         f"overflow {'returned' if injected else 'never returned'}; "
         f"trained.jsonl: {skipped} of {len(steps)} steps skipped",
+    )
+
+
+def proved_each_kill(kills: list[dict], summary: dict, at_least: int) -> Proof:
+    """Repeated SIGKILLs (a soak): at least `at_least`, every one seen dead in /proc (`after`), and
+    every one named by a restart reason of the run but perhaps the last (a kill in the run's last
+    seconds may meet a run that is already stopping)."""
+    reasons = summary.get("engine_faults", {}).get("reasons", [])
+    dead = [k for k in kills if k["after"] in DEAD]
+    unnoticed = [k["pid"] for k in kills if not _named(k["pid"], reasons)]
+    ok = len(kills) >= at_least and len(dead) == len(kills) and (not unnoticed or unnoticed == [kills[-1]["pid"]])
+    return Proof(
+        ok,
+        f"{len(kills)} SIGKILLs (want >= {at_least}), {len(dead)} seen dead in /proc, "
+        f"not named by a restart: {unnoticed}",
     )
 
 
@@ -254,10 +274,11 @@ class Verified:
     drawn: int | None
     why: str
     output: str
+    code: int | None = None  # verify's exit status: 1 also on a recorded prompt that was never drawn
 
     @property
     def clean(self) -> bool:
-        return self.lost == 0 and self.duplicated == 0
+        return self.lost == 0 and self.duplicated == 0 and self.code == 0
 
 
 def verified(run_dir: Path | None) -> Verified:
@@ -277,4 +298,6 @@ def verified(run_dir: Path | None) -> Verified:
             counts[head.strip()] = int(value)
     missing = [k for k in ("lost", "duplicated", "prompts drawn") if k not in counts]
     why = f"verify printed no {', '.join(missing)} row" if missing else f"verify exited {result.returncode}"
-    return Verified(counts.get("lost"), counts.get("duplicated"), counts.get("prompts drawn"), why, text)
+    return Verified(
+        counts.get("lost"), counts.get("duplicated"), counts.get("prompts drawn"), why, text, result.returncode
+    )
