@@ -13,6 +13,10 @@ Then LoRA: a ~200 M-parameter stack of Linear layers shaped like a transformer, 
 against adapter-only sync (peft, rank 16 on every Linear) for each transport, and the
 engine's merge W = W0 + s * B @ A reported on its own.
 Prints ratios measured side by side. Run: python bench/transport.py [--repeats 3]
+
+`--model DIR` instead measures weights sent as deltas on a real model (bench/transport_delta.py: a real
+RL loop, files and broadcast with `transport.delta`, CRC32 per version) and ends with its RESULT line:
+python bench/transport.py --model .nonstop_cache/models/smollm2 [--steps 20]
 """
 
 from __future__ import annotations
@@ -202,7 +206,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--no-lora", action="store_true")
+    ap.add_argument("--model", help="a model folder: measure weights sent as deltas on it (bench/transport_delta.py)")
+    ap.add_argument("--steps", type=int, default=20, help="with --model: measured steps after the first")
     ns = ap.parse_args()
+    if ns.model:
+        import transport_delta
+
+        transport_delta.main(ns.model, ns.steps)
+        return
     torch.set_num_threads(1)
     for name in filter(None, ns.layouts.split(",")):
         nbytes, out = bench_layout(name, LAYOUTS[name], ns.repeats)

@@ -303,6 +303,8 @@ class BroadcastOptions:
     """The trainer's device (its member of an NCCL group sends from there)."""
     member: str = "cpu"
     """What the trainer says of its device at the rendezvous: 'cpu' or 'cuda/<GPU uuid>'."""
+    delta: bool = False
+    """Send each version as the words that changed since the one before (transport/delta.py)."""
     kind: ClassVar[Literal["broadcast"]] = "broadcast"
 
 
@@ -318,6 +320,10 @@ class FilesOptions:
     """The trainer made the folder and removes it when it closes."""
     notify_at: tuple[str, int] | None = None
     """(host, port) of the trainer's HTTP version notification; None: engines watch the marker only."""
+    delta: bool = False
+    """Write each version as the words that changed since the one before (transport/delta.py), and the
+    full version every `full_every` versions."""
+    full_every: int = 50
     kind: ClassVar[Literal["files"]] = "files"
 
 
@@ -374,3 +380,6 @@ class PublishResult:
     policy_version: int
     publish_s: float
     publish_bytes: int
+    """What the publish moved: a delta's bytes where it sent one, else the full version's."""
+    full_bytes: int = 0
+    """The full version's bytes (the layout in the wire dtype); 0: nothing planned."""

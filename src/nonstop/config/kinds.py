@@ -66,6 +66,10 @@ class BroadcastTransportConfig(BaseTransportConfig):
     rejoin_timeout_s: float = Field(300.0, ge=0.0)
     """When a send fails because an engine died, how long the trainer waits for its replacement to
     join (the group is then rebuilt and the version sent again) before the run fails; 0: fail at once."""
+    delta: bool = False
+    """Send each version as only the elements whose bits changed since the version before (positions and
+    values; docs/transport.md#deltas): engines rebuild it bit for bit. The full version goes at the first
+    send, to a rebuilt group, and wherever the delta is not smaller (float32 weights change almost everywhere)."""
 
 
 class FilesTransportConfig(BaseTransportConfig):
@@ -81,6 +85,15 @@ class FilesTransportConfig(BaseTransportConfig):
     'http' long-polls the trainer's notification server and loads the file off the decode path."""
     notify_host: str = "127.0.0.1"
     """Address the trainer's notification server binds to and engines connect to (notify 'http')."""
+    delta: bool = False
+    """Write each version as only the elements whose bits changed since the version before (positions and
+    values; docs/transport.md#deltas), beside a full file every `full_every` versions: an engine that is
+    current reads the small file and rebuilds the version bit for bit; one that starts or fell behind reads
+    the newest full file and the deltas after it."""
+    full_every: int = Field(50, ge=1)
+    """With delta: a full file every this many versions (and at the first), so an engine that starts or fell
+    behind reads one full file and at most full_every - 1 deltas. `keep` counts full files; the deltas after
+    the oldest kept one stay."""
 
 
 TransportConfig = Annotated[

@@ -162,6 +162,8 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
     rewards = [s.reward for g in groups for s in g.samples]
     trainer = {k: v for k, v in result.metrics.items() if k != "samples"}
     trainer.update(publish_s=published.publish_s, publish_bytes=published.publish_bytes)
+    if published.full_bytes:  # below 1 where the transport sent a delta (transport.delta)
+        trainer["publish_bytes_frac"] = published.publish_bytes / published.full_bytes
     return StepRecord(
         step=step,
         policy_version=published.policy_version,

@@ -240,6 +240,7 @@ class TrainerWorker:
             weights = self.trainer.publishable()
             if self.sink is not None:
                 self.sink.publish(weights, version)
+                self.publish_bytes = self.sink.sent_bytes
             else:  # a rank without the sink still takes part in every gather (FSDP2)
                 for _ in weights.named_parameters():
                     pass
@@ -249,7 +250,8 @@ class TrainerWorker:
         self.busy_s += publish_s
         if sent:
             self.spans.emit("publish", t0=round(t0, 6), t1=round(t1, 6), version=version, bytes=self.publish_bytes)
-        return PublishResult(version, publish_s, self.publish_bytes)
+        full = self.handle.total_bytes if self.handle is not None else 0
+        return PublishResult(version, publish_s, self.publish_bytes, full)
 
     def weights_crc32(self) -> tuple[int, int]:
         """(policy_version, CRC32 of the current weights as the transport sends them): an engine that

@@ -32,6 +32,9 @@ class TransportError(RuntimeError):
 
 
 class WeightSink(Protocol):
+    sent_bytes: int
+    """What the last publish moved: a delta's bytes (transport.delta) or the full layout's."""
+
     def connect(self) -> None:
         """Rendezvous with the engines (may block until they attach)."""
         ...
@@ -326,6 +329,8 @@ def plan_transport(
             keep=cfg.keep,
             owned=cfg.dir is None,
             notify_at=notify_at,
+            delta=cfg.delta,
+            full_every=cfg.full_every,
         )  # the sink removes a folder it made
     else:
         plan_broadcast_path(cfg.device_path, trainer_device)
@@ -338,6 +343,7 @@ def plan_transport(
             device_path=cfg.device_path,
             device=str(trainer_device),
             member=member_device(trainer_device),
+            delta=cfg.delta,
         )
     return TransportHandle(
         layout=layout,

@@ -26,6 +26,13 @@ decoding goes on meanwhile. `maybe_update` points the engine's tensors at the re
 copy), and the buffer they left becomes the next back buffer; at most three buffers exist
 (live, ready, receiving).
 
+Deltas (`transport.delta`, delta.py). The round's value then also names the delta's base version, its
+payload's bytes and the CRC32 of the whole version (checksum on; -1 otherwise), or base -1 for the full
+version: "{version} {generation} {base} {bytes} {crc}". The payload goes in slices of `bucket_bytes`;
+each engine brings its back buffer to the version along the deltas it keeps (or from a copy of its live
+or ready buffer) and checks the version's CRC before handing it over. A round that starts a new
+generation carries the full version (a new member holds no base), and so does the first.
+
 Generations (the re-plan). A gloo group cannot take a new member, so the group is rebuilt: the
 group of generation g is a ProcessGroupGloo over the store prefix `g{g}/`, and all its members
 build it together. The first group holds the trainer and the engines that attach at the start
@@ -63,6 +70,7 @@ from nonstop.transport.base import (
     TransportError,
     crc32,
 )
+from nonstop.transport.delta import Delta, DeltaEncoder
 from nonstop.transport.device import Backend, pick_backend
 from nonstop.transport.groups import (
     REFUSED,
@@ -89,8 +97,21 @@ def _buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions
     """Fixed-size byte slices of the flat layout, or one slice per parameter (per_tensor)."""
     if opts.per_tensor:
         return [flat[s.offset : s.offset + s.nbytes] for s in handle.layout]
-    size = opts.bucket_bytes
-    return [flat[i : i + size] for i in range(0, flat.numel(), size)]
+    return slices(flat, opts.bucket_bytes)
+
+
+def slices(buf: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """`buf` in consecutive slices of `size` bytes (a delta's payload travels so, whatever per_tensor says)."""
+    return [buf[i : i + size] for i in range(0, buf.numel(), size)]
+
+
+def round_value(version: int, generation: int, delta: Delta | None) -> str:
+    """The store value that announces a round: version, generation, then the delta's base, payload bytes and
+    state CRC (-1: none), or base -1 for the full version."""
+    if delta is None:
+        return f"{version} {generation} -1 -1 -1"
+    crc = delta.crc if delta.crc is not None else -1
+    return f"{version} {generation} {delta.base} {delta.nbytes} {crc}"
 
 
 class BroadcastSink:
@@ -107,6 +128,8 @@ class BroadcastSink:
         self.fresh_group = False  # the next round starts a new generation (set after a failed round)
         self.retired: list[Group] = []
         self.backend: Backend = "gloo"
+        self.encoder = DeltaEncoder(handle) if opts.delta else None
+        self.sent_bytes = 0  # what the last publish broadcast (a delta's payload, or the full layout)
 
     def connect(self) -> None:
         self.store = make_store(self.handle, self.opts, rank=0)
@@ -142,21 +165,27 @@ class BroadcastSink:
         if self.pg is None or self.store is None:
             raise TransportError("broadcast transport used before connect()")
         flat = self.sender.flat(model)
-        buckets = _buckets(flat, self.handle, self.opts)
-        sums = (
-            [torch.tensor([crc32(b) for b in buckets], dtype=torch.int64, device=flat.device)]
-            if self.handle.checksum
-            else []
-        )
+        delta = None
+        if self.encoder is not None:
+            delta = self.encoder.encode(flat, version, crc32(flat) if self.handle.checksum else None)
+        packed = delta.pack() if delta is not None else None
         while True:
             try:
-                self._send_round(buckets + sums, version)
+                self._send_round(flat, delta, packed, version)
                 return
             except TransportError as failure:
                 self._await_live_members(failure)
                 self.fresh_group = True  # a group a round failed in is not used again
 
-    def _send_round(self, tensors: list[torch.Tensor], version: int) -> None:
+    def _payload(self, flat: torch.Tensor, packed: torch.Tensor | None) -> list[torch.Tensor]:
+        """The round's broadcasts: the full layout's buckets or the delta's slices, then their CRCs (checksum)."""
+        buckets = _buckets(flat, self.handle, self.opts) if packed is None else slices(packed, self.opts.bucket_bytes)
+        self.sent_bytes = flat.numel() if packed is None else packed.numel()
+        if not self.handle.checksum:
+            return buckets
+        return [*buckets, torch.tensor([crc32(b) for b in buckets], dtype=torch.int64, device=flat.device)]
+
+    def _send_round(self, flat: torch.Tensor, delta: Delta | None, packed: torch.Tensor | None, version: int) -> None:
         assert self.store is not None and self.pg is not None
         if self.fresh_group or self._registered():  # a new group is due: no dead member may be in it
             self._await_live_members(None)
@@ -166,7 +195,9 @@ class BroadcastSink:
         if replan:
             self.generation += 1
             self.store.set(f"members/g{self.generation}", encode_members(self.members))
-        self.store.set(f"r{self.round}", f"{version} {self.generation}")
+            delta = packed = None  # a member of the new group may hold no base: the full version goes
+        tensors = self._payload(flat, packed)
+        self.store.set(f"r{self.round}", round_value(version, self.generation, delta))
         if replan:
             self.retired.append(self.pg)
             retire(self.pg, self.backend)

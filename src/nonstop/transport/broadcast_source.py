@@ -4,7 +4,8 @@ builds each generation's group with the others, and receives every round on its 
 a back buffer while the engine decodes; `maybe_update` then re-points the engine's tensors at
 the newest complete buffer, no copy (or copies it onto the engine's GPU after a gloo round).
 
-At most three `_Buffer`s exist: live, ready and receiving.
+At most three `_Buffer`s exist: live, ready and receiving. With `transport.delta` each knows the
+version it holds, and a `Chain` keeps the deltas that bring an older one forward.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from nonstop.transport.base import (
     in_layout_order,
     repoint,
     same_device,
-    views,
 )
-from nonstop.transport.broadcast import _BACKEND, _STARTED, STOP, _buckets
+from nonstop.transport.broadcast import _BACKEND, _STARTED, STOP, _buckets, slices
+from nonstop.transport.delta import Chain, Delta, Held
 from nonstop.transport.device import Backend, member_device, settle, tensors_device
 from nonstop.transport.groups import (
     ROLL,
@@ -46,12 +47,11 @@ from nonstop.types import BroadcastOptions, TransportHandle
 _WAIT_SLICE = timedelta(seconds=30)
 
 
-class _Buffer:
-    """One flat receive buffer with its typed views (made once, outside inference_mode)."""
+class _Buffer(Held):
+    """One flat receive buffer with its typed views and buckets (made once, outside inference_mode)."""
 
     def __init__(self, handle: TransportHandle, opts: BroadcastOptions, device: torch.device) -> None:
-        self.flat = torch.empty(handle.total_bytes, dtype=torch.uint8, device=device)
-        self.views = views(self.flat, handle.layout)
+        super().__init__(handle, device)
         self.buckets = _buckets(self.flat, handle, opts)
 
 
@@ -75,6 +75,7 @@ class BroadcastSource:
         self.retired: list[Group] = []
         self.join: int | None = None
         self.copies = 0
+        self.chain = Chain(handle)
         # the group is running (this engine replaces a dead one), or this rank joins it later
         replacement = rank not in first_members(handle) or self.store.check([_STARTED])
         if not replacement:
@@ -146,7 +147,11 @@ class BroadcastSource:
                 self.store.set(f"here{self.rank}/r{n}", "1")
                 n += 1
                 continue
-            version, generation = (int(x) for x in value.split())
+            version, generation, base, nbytes, crc = (int(x) for x in value.split())
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.buffer_device) if base >= 0 else None
+            parts = back.buckets if payload is None else slices(payload, self.opts.bucket_bytes)
+            if len(parts) != sums.numel():
+                sums = torch.zeros(len(parts), dtype=torch.int64, device=self.buffer_device)
             try:
                 if generation != self.generation:  # the trainer re-planned the group: build our member of it
                     if self.pg is not None:
@@ -159,7 +164,7 @@ class BroadcastSource:
                     )
                     self.generation = generation
                 assert self.pg is not None
-                works = [self.pg.broadcast(bucket, 0) for bucket in back.buckets + ([sums] if checksum else [])]
+                works = [self.pg.broadcast(part, 0) for part in parts + ([sums] if checksum else [])]
                 await_works(
                     works,
                     self.handle.timeout_s,
@@ -170,19 +175,36 @@ class BroadcastSource:
                 self.failed_rounds += 1
                 n += 1
                 continue
-            bad = [i for i, b in enumerate(back.buckets) if checksum and crc32(b) != int(sums[i])]
+            bad = [i for i, b in enumerate(parts) if checksum and crc32(b) != int(sums[i])]
             if bad:  # never applied; the trainer learns of it through the missing acknowledgement
                 self.error = TransportError(
                     f"engine rank {self.rank}: bucket(s) {bad} of version {version} failed their checksum; not applied"
                 )
                 return
+            try:
+                self._complete(back, version, payload, base, crc)
+            except TransportError as e:  # never applied, as a checksum failure
+                self.error = TransportError(f"engine rank {self.rank}: {e}")
+                return
             with self.lock:
                 if self.ready is not None:  # superseded before it was applied
                     self.spare.append(self.ready[1])
                 self.ready = (version, back)
+                self.chain.prune([back, *self.spare, *([self.live] if self.live is not None else [])])
             self.store.set(f"ack{self.rank}/r{n}", "1")
             back = self._take_spare()
             n += 1
+
+    def _complete(self, back: _Buffer, version: int, payload: torch.Tensor | None, base: int, crc: int) -> None:
+        """`back` holds `version` once this returns: as received (the full version), or brought along the
+        delta in `payload` from what this engine holds (the live and ready buffers are only read)."""
+        if payload is None:
+            back.version = version
+            return
+        self.chain.add(Delta.unpack(payload, version, base, self.chain.word, crc if crc >= 0 else None))
+        with self.lock:
+            others = [b for b in (self.ready[1] if self.ready is not None else None, self.live) if b is not None]
+        self.chain.bring(back, version, others)
 
     def maybe_update(self, model: torch.nn.Module) -> int | None:
         if self.error is not None:

@@ -169,6 +169,7 @@ class ShmSink:
             self.segment.write_record(IpcRecord.export(self.gpu_buffer).to_bytes())
         self.gpu_publishes = 0
         self.host_publishes = 0
+        self.sent_bytes = handle.total_bytes  # every publish copies the whole layout into a slot
 
     def connect(self) -> None:
         """Nothing to rendezvous: engines attach by name whenever they start. The host slots are
