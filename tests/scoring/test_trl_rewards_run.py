@@ -85,13 +85,15 @@ def test_a_conversational_dataset_and_trl_rewards_through_the_python_api(chat_mo
 
 
 def test_samples_no_reward_applies_to_are_not_trained(chat_model, tmp_path):
-    """Every reward None: every sample left out, so the weights end as they began; the same run with
-    a reward moves them (the check can fail)."""
+    """Every reward None: every sample left out, so the weights end as they began. The same rows in
+    TRL's standard format (string prompts), scored by a list of TRL rewards, move them (the check
+    can fail), and the rewards get strings."""
     log = tmp_path / "calls.jsonl"
-    rows = _rows(6, log)
+    chat = _rows(6, log, kinds=("plain",))
+    standard = [{**r, "prompt": r["prompt"][0]["content"]} for r in chat]
     before = load_file(str(chat_model / "model.safetensors"))
 
-    def final_weights(reward: str, name: str) -> dict:
+    def final_weights(rows: list[dict], reward, name: str) -> tuple:
         summary = nonstop.train(
             overrides=[*_fast(chat_model, tmp_path, 2), f"run.name={name}", "trainer.lr=1e-2"],
             dataset=rows,
@@ -102,12 +104,16 @@ def test_samples_no_reward_applies_to_are_not_trained(chat_model, tmp_path):
         assert summary.steps == 2
         return summary, load_file(str(Path(summary.final_dir) / "model.safetensors"))
 
-    untouched, weights = final_weights("support.trl_rewards:never", "never")
+    untouched, weights = final_weights(chat, "support.trl_rewards:never", "never")
     left_out = untouched.reward_errors["reward_all_none"]  # generated ahead (buffer.depth 1) counts too
     assert left_out >= 2 * 3 * 3 and left_out % 3 == 0
     assert weights.keys() == before.keys() and all(weights[k].equal(before[k]) for k in before)
-    _, moved = final_weights("support.trl_rewards:parity", "parity")
+    reward = ["support.trl_rewards:parity", "support.trl_rewards:recorded"]
+    _, moved = final_weights(standard, reward, "parity")
     assert any(not moved[k].equal(before[k]) for k in before)
+    calls = _calls(log)
+    assert calls and all(c["prompts"][0] == standard[c["row_ids"][0]]["prompt"] for c in calls)
+    assert all(isinstance(text, str) for c in calls for text in c["completions"])
 
 
 def test_the_cli_takes_a_trl_reward_by_name_and_conversational_jsonl(chat_model, tmp_path):
