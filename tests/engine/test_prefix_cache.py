@@ -61,6 +61,30 @@ def test_a_prefill_that_starts_after_cached_positions_equals_the_whole_prefill(t
     torch.testing.assert_close(mixed[2:], whole, rtol=1e-5, atol=1e-5)
 
 
+def test_prompts_of_one_pass_share_the_prefix_the_first_computes(tiny):
+    """Runner level: the second and third prompts begin like the first; within the same pass they
+    compute only their tails, their shared positions copied layer by layer from the first's slot."""
+    runner = KVRunner(tiny, 8, 64)
+    head = list(range(3, 35))
+    prompts = [[*head, 40, 41], [*head, 50], [*head[:16], 60, 61, 62]]
+    whole = runner.prefill(torch.tensor([0, 1, 2]), prompts)
+    whole_kv = runner.cache[:, :3].clone()
+    starts, shares = [0, 32, 16], [(4, 5, 32), (5, 6, 16)]  # the third copies from the second's copy
+    for decode in (False, True):
+        runner.cache[:, 4:7].zero_()
+        tails = [p[a:] for p, a in zip(prompts, starts)]
+        if decode:
+            out = runner.mixed(
+                torch.tensor([1, 2]), torch.tensor([5, 6]), torch.tensor([4, 5, 6]), tails, starts, shares
+            )[2:]
+        else:
+            out = runner.prefill(torch.tensor([4, 5, 6]), tails, starts, shares)
+        torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+        for j in range(3):
+            n = len(prompts[j])
+            torch.testing.assert_close(runner.cache[:, 4 + j, :, :n], whole_kv[:, j, :, :n], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "params", [SamplingParams(12, 0.0), SamplingParams(12, 1.0, seed=5), SamplingParams(12, 0.8, top_p=0.9, seed=1)]
 )
@@ -75,7 +99,9 @@ def test_completions_with_the_cache_equal_those_without(tiny, params):
     assert max(abs(a - b) for g, h in zip(on_lp, off_lp) for s, t in zip(g, h) for a, b in zip(s, t)) < 1e-5
     stats_off, stats_on = engine_off.scheduler.stats, engine_on.scheduler.stats
     assert stats_off["prefix_hit_tokens"] == 0
-    assert stats_on["prefix_hit_tokens"] == 8 * 32  # 16 slots: 4 groups a pass; the 8 later ones reuse 2 blocks
+    # 16 slots: 4 groups a pass; all but the very first reuse the 2 shared blocks (3 of the first
+    # pass from the first prompt, within that pass; the 8 later ones from the cache)
+    assert stats_on["prefix_hit_tokens"] == 11 * 32
     assert stats_on["prefill_tokens"] + stats_on["prefix_hit_tokens"] == stats_off["prefill_tokens"]
 
 

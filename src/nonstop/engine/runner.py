@@ -59,7 +59,11 @@ class Runner(Protocol):
     cache: torch.Tensor  # (2 x layers, slots, kv heads, positions, head dim): every layer's keys and values
 
     def prefill(
-        self, slots: torch.Tensor, prompts: list[list[int]], starts: list[int] | None = None
+        self,
+        slots: torch.Tensor,
+        prompts: list[list[int]],
+        starts: list[int] | None = None,
+        shares: list[tuple[int, int, int]] | None = None,
     ) -> torch.Tensor: ...
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
@@ -71,6 +75,7 @@ class Runner(Protocol):
         slots: torch.Tensor,
         prompts: list[list[int]],
         starts: list[int] | None = None,
+        shares: list[tuple[int, int, int]] | None = None,
     ) -> torch.Tensor: ...
 
     def move(self, src: list[int], dst: list[int], length: int) -> None: ...
@@ -184,13 +189,19 @@ class KVRunner:
         return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.norm_eps), self.lm_head).float()
 
     @torch.inference_mode()
-    def prefill(self, slots: torch.Tensor, prompts: list[list[int]], starts: list[int] | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        slots: torch.Tensor,
+        prompts: list[list[int]],
+        starts: list[int] | None = None,
+        shares: list[tuple[int, int, int]] | None = None,
+    ) -> torch.Tensor:
         """Prompts right-padded into one (P, L) batch; causal attention never lets a real token
-        see the padding after it, and each slot's length is its own prompt's. With `starts`, prompt
-        j continues what its slot caches up to starts[j] (`mixed` without decode rows)."""
+        see the padding after it, and each slot's length is its own prompt's. With `starts` (and
+        `shares`), prompt j continues its slot's first starts[j] positions (`mixed` without decode rows)."""
         if starts is not None and any(starts):
             none = torch.empty(0, dtype=torch.long)
-            return self.mixed(none, none, slots, prompts, starts)
+            return self.mixed(none, none, slots, prompts, starts, shares)
         P, L = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros((P, L), dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -251,11 +262,16 @@ class KVRunner:
         slots: torch.Tensor,
         prompts: list[list[int]],
         starts: list[int] | None = None,
+        shares: list[tuple[int, int, int]] | None = None,
     ) -> torch.Tensor:
         """Decode rows 0..B-1 (B may be 0) and prefill `prompts` into `slots` (all >= B) in one
         forward. Prompt j's tokens take positions starts[j].. of its slot (default 0): the positions
-        before are cached already (a cached prefix, an earlier chunk) and its tokens attend to them.
-        Returns (B + P, V): the decode rows' logits, then each prompt's last-token logits."""
+        before are cached already (a cached prefix) or come from `shares`, and its tokens attend to
+        them. `shares`: (source slot, slot, n) in order, each copying the source's first n positions,
+        computed in this pass, into the slot at every layer, once that layer's keys and values are
+        written and before its attention: a prompt that begins like another of the same pass
+        computes only its tail. Returns (B + P, V): the decode rows' logits, then each prompt's
+        last-token logits."""
         B, P, L = tokens.shape[0], len(prompts), max(len(p) for p in prompts)
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         starts = starts or [0] * P
@@ -305,6 +321,9 @@ class KVRunner:
             # causal mask keeps from every real token)
             kc[where, :, pos] = k
             vc[where, :, pos] = v
+            for src, dst, n in shares or ():
+                kc[dst, :, :n] = kc[src, :, :n]
+                vc[dst, :, :n] = vc[src, :, :n]
             qp = q.new_zeros((P * L, H, D))
             qp[pad_index] = q[B:]
             keys = kc[first : first + P, :, :T] if consecutive else kc[slots, :, :T]

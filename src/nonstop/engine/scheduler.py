@@ -15,8 +15,11 @@ Contract:
 - the n completions of a prompt share one prefill: the prompt's KV is computed once and copied
   into its siblings' slots;
 - with the prefix cache (engine/prefix.py, `engine.prefix_cache_tokens`), a prompt's cached
-  whole blocks are copied into its first slot and only the rest is prefilled; each prefilled
-  prompt's blocks are cached after its pass; the cache empties whenever new weights go live;
+  whole blocks are copied into its first slot and only the rest is prefilled; so are the whole
+  blocks it shares with a prompt admitted earlier in the same pass (copied layer by layer as
+  that pass computes them, so prompts admitted together, as after a swap, compute a shared
+  system prompt once); each prefilled prompt's blocks are cached after its pass; the cache
+  empties whenever new weights go live;
 - the weight gate is polled before every forward pass; what a waiting version does depends on
   `update_mode` (see docs/engine.md): never_stop and save_resume keep in-flight KV, abort_retry
   recomputes it under the new weights, drain holds admissions until in-flight sequences finish,
@@ -209,8 +212,9 @@ class Scheduler(Emitter):
     def _forward(self, groups: list[Group]) -> None:
         """One forward pass. Normally: a decode step of every live row, with the prompts of newly
         admitted groups prefilled in the same pass (one prompt per group, its KV copied to the
-        siblings; from the end of its cached prefix, when the prefix cache holds one). After an
-        abort: a prefill of prompt + prefix of every aborted row, alone."""
+        siblings; from the end of the longest prefix the prefix cache holds or an earlier prompt
+        of the same pass begins with, `_reuse`). After an abort: a prefill of prompt + prefix of
+        every aborted row, alone."""
         decoding = [] if self.reprefill else list(self.rows)
         for g in groups:  # every prompt's first sequence in consecutive slots, then the siblings
             g.seqs[0].row = len(self.rows)
@@ -220,11 +224,12 @@ class Scheduler(Emitter):
                 s.row = len(self.rows)
                 self.rows.append(s)
         heads, members, prefixes, starts = [], [], [], []
+        shares: list[tuple[int, int, int]] = []  # in-pass copies of a shared prefix (runner.mixed)
         for g in groups:
             prompt, head = g.request.prompt_ids, g.seqs[0].row
             for s in g.seqs:
                 s.length = len(prompt)
-            start = self.prefix.load(self.prefix.match(prompt), head) if self.prefix is not None else 0
+            start = self._reuse(prompt, head, groups[: len(heads)], shares)
             heads.append(head)
             members.append(g.seqs)
             prefixes.append(prompt[start:])
@@ -245,7 +250,7 @@ class Scheduler(Emitter):
         if decoding:
             tokens, positions = torch.tensor([[s.pending for s in decoding], [s.length for s in decoding]])
             if heads:
-                logits = self.runner.mixed(tokens, positions, torch.tensor(heads), prefixes, starts)
+                logits = self.runner.mixed(tokens, positions, torch.tensor(heads), prefixes, starts, shares)
             else:
                 logits = self.runner.decode(tokens, positions)
             for s in decoding:
@@ -253,7 +258,7 @@ class Scheduler(Emitter):
             self.stats["decode_steps"] += 1
             self.stats["attention_reads"] = self.runner.attention_reads
         else:
-            logits = self.runner.prefill(torch.tensor(heads), prefixes, starts)  # (P, V)
+            logits = self.runner.prefill(torch.tensor(heads), prefixes, starts, shares)  # (P, V)
         if heads:  # siblings get their prompt's KV (positions past a row's length are never read)
             pairs = [(head, s.row, s.length) for head, seqs in zip(heads, members) for s in seqs[1:]]
             if pairs:
@@ -279,6 +284,26 @@ class Scheduler(Emitter):
                 self._row_params = self._params_of(seqs)
             params = self._row_params
         self._emit(seqs, logits, params)
+
+    def _reuse(self, prompt: list[int], head: int, earlier: list[Group], shares: list[tuple[int, int, int]]) -> int:
+        """How many of `prompt`'s first positions its pass does not compute: its longest prefix of
+        whole blocks that the prefix cache holds (copied into its slot `head` now) or that a prompt
+        admitted earlier in this pass (`earlier`) begins with (copied layer by layer during the
+        pass: a (source, head, n) entry appended to `shares`); 0 without the prefix cache."""
+        if self.prefix is None:
+            return 0
+        cached = self.prefix.match(prompt)
+        most, best, source = (len(prompt) - 1) // BLOCK, len(cached), -1
+        for g in earlier:
+            other, b = g.request.prompt_ids, 0
+            while b < most and prompt[b * BLOCK : (b + 1) * BLOCK] == other[b * BLOCK : (b + 1) * BLOCK]:
+                b += 1
+            if b > best:
+                best, source = b, g.seqs[0].row
+        if source < 0:
+            return self.prefix.load(cached, head)
+        shares.append((source, head, best * BLOCK))
+        return best * BLOCK
 
     def _record_routes(self, decoding: list[Seq], members: list[list[Seq]], prefixes: list[list[int]]) -> None:
         """Hand the pass's routes (decode rows, then each prefilled prefix's tokens) to their sequences."""
