@@ -69,10 +69,11 @@ class WeightedRewards:
     the scorer), never a partial sum. Picklable when its functions are (scoring.pool 'process')."""
 
     def __init__(self, fns: list[Callable[..., Any]], weights: list[float], name: str = "") -> None:
-        self.fns, self.weights, self.name = list(fns), [float(w) for w in weights], name
+        self.fns, self.weights = list(fns), [float(w) for w in weights]
+        self.name = name or " + ".join(f"{w:g}*{getattr(f, '__qualname__', f)}" for w, f in zip(self.weights, fns))
 
     def __repr__(self) -> str:  # stable across pickling: a reward worker caches functions by it
-        return f"WeightedRewards({self.name or len(self.fns)})"
+        return f"WeightedRewards({self.name})"
 
     def __call__(self, completion: str, answer: str = "", **columns: Any) -> float | None:
         """One sample's combined reward (a string prompt, its other columns by name); the scoring
