@@ -252,6 +252,20 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
         "lower engine.max_concurrent_seqs",
         on_host=not gpu,
     )
+    if eb == 2 and not gpu:
+        # decode attention's temporaries, one layer at a time, where a CPU runs it in bf16 through torch's
+        # kernel (engine/runner.py): given a mask, it copies the cached keys and values of every row's
+        # positions and expands them to the query heads. Measured on SmolLM2-135M at 256 slots: 380 MiB
+        # above the weights, cache and runtime at 107 positions, 696 MiB at 299, i.e. 11.5 bytes per
+        # slot x position x query-head dimension (this item: 12)
+        p.add(
+            "attention temporaries",
+            slots * seq * shape.heads * shape.head_dim * 12,
+            f"{slots} rows x {seq} positions x {shape.heads} heads x {shape.head_dim} x 12 bytes: one layer's keys "
+            "and values expanded to the query heads, and its scores (bf16 on a CPU)",
+            "engine.max_concurrent_seqs",
+            "lower engine.max_concurrent_seqs or engine.max_seq_len",
+        )
     if merges:  # the adapters are merged into the live weights, or into a staging copy in their dtype
         p.add("adapter base", base * eb, f"a copy of the {base:,} targeted params x {eb} bytes, merged into", *targets)
     wb = eb if merges else wire_bytes(cfg)
