@@ -252,17 +252,17 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
         "lower engine.max_concurrent_seqs",
         on_host=not gpu,
     )
-    if eb == 2 and not gpu:
-        # decode attention's temporaries, one layer at a time, where a CPU runs it in bf16 through torch's
-        # kernel (engine/runner.py): given a mask, it copies the cached keys and values of every row's
-        # positions and expands them to the query heads. Measured on SmolLM2-135M at 256 slots: 380 MiB
-        # above the weights, cache and runtime at 107 positions, 696 MiB at 299, i.e. 11.5 bytes per
-        # slot x position x query-head dimension (this item: 12)
+    if not gpu:
+        # decode attention's temporaries, one layer at a time: torch's CPU kernel, given a mask, copies
+        # every row's cached keys and values and expands them to the query heads (engine/runner.py), and
+        # the engine keeps its freed memory (device.retain_freed_memory). Measured on SmolLM2-135M in
+        # bf16 at 256 slots: 330 MiB above the weights, cache and runtime at 107 positions, 634 MiB at
+        # 299, i.e. 11 bytes per slot x position x query-head dimension (this item: 12)
         p.add(
             "attention temporaries",
             slots * seq * shape.heads * shape.head_dim * 12,
             f"{slots} rows x {seq} positions x {shape.heads} heads x {shape.head_dim} x 12 bytes: one layer's keys "
-            "and values expanded to the query heads, and its scores (bf16 on a CPU)",
+            "and values expanded to the query heads, and its scores",
             "engine.max_concurrent_seqs",
             "lower engine.max_concurrent_seqs or engine.max_seq_len",
         )
