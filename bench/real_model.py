@@ -32,7 +32,7 @@ plan gives that process (default_batch_* keys). peak_rss_gib is the largest resi
 process tree (the sum of its processes' proportional set sizes, shared pages counted once),
 sampled every second.
 
-    python bench/real_model.py                    # seeds 0,1,2; arms async, sync, trl; 10 minutes each
+    python bench/real_model.py                    # seeds 0,1,2; arms async, sync, trl; 9.75 minutes each
     python bench/real_model.py --quick            # seed 0, 4 minutes an arm
     python bench/real_model.py --seeds 0 --arms async,trl --minutes 10
     python bench/real_model.py --arms default     # only model.path and the task: 32 x 8, one step
@@ -340,7 +340,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="seed 0 only, 4 minutes an arm")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--arms", default="async,sync,trl")
-    ap.add_argument("--minutes", type=float, default=10.0, help="each arm's whole run, start-up included")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=9.75,
+        help="each arm's whole run, start-up included (run.max_total_s; the recipe's own 585 s: ten minutes less "
+        "15 s for the shutdown)",
+    )
     ap.add_argument("--set", dest="extra", action="append", default=[], help="more overrides for the nonstop arms")
     ap.add_argument("--default-tokens", type=int, default=None, help="the default arm's rollout.max_new_tokens")
     ap.add_argument("--default-steps", type=int, default=1, help="the default arm's steps")
