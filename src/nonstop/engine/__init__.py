@@ -18,6 +18,8 @@ The built-in engine, from the outside in:
                    and the check that refuses other models (`UnsupportedModel`);
 - blocks.py        attention blocks of a decode step, and `reorder_plan`: which rows to move so
                    blocks of uneven rows stay short;
+- prefix.py        `PrefixCache`: the KV of prompt prefixes kept across groups in blocks of 16
+                   tokens (a trie, least recently used first out), so a prompt prefills its tail;
 - updates.py       `WeightGate`: receiving a new version (poll) apart from applying it (apply);
 - aio.py           `AsyncEngine`: one decode loop on the event loop shared by every caller,
                    `TokenEvent` streaming;
