@@ -352,7 +352,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the measured rows here")
     args = ap.parse_args()
     quiet_transformers()
-    console = Console(width=150)
+    console = Console(width=170)
     with tempfile.TemporaryDirectory(prefix="nonstop-faults-") as tmp:
         work = Path(tmp)
         model = save_tiny(

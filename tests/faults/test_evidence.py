@@ -19,6 +19,7 @@ from support.faults import (
     proved_corrupted,
     proved_each_kill,
     proved_engine_signalled,
+    proved_node_lost,
     send,
     total,
     verified,
@@ -54,6 +55,11 @@ def test_a_kill_that_left_the_process_running_or_unnoticed_is_not_proven(tmp_pat
     assert not proved_each_kill(kills, reasons, 2).fired  # pid 8, not the last, was never noticed
     assert proved_each_kill(kills[:2], reasons, 1).fired  # the last kill may meet a stopping run
     assert not proved_each_kill(kills[:1], reasons, 2).fired  # fewer kills than the schedule promised
+    crash = {"removed_at": 1.0, "removed_ip": "127.0.0.3", "node_pids_after": {"5": "gone"}}
+    lost = {"engine_faults": {"reasons": ["actor 'engine-1' (pid 7) went with its node 127.0.0.3"]}}
+    assert proved_node_lost({**crash, "engine_pids_after": {"7": "Z"}}, lost).fired
+    assert not proved_node_lost({**crash, "engine_pids_after": {"7": "S"}}, lost).fired  # its engine still ran
+    assert not proved_node_lost({**crash, "engine_pids_after": {"8": "gone"}}, lost).fired  # the run named another
 
 
 def test_a_checkpoint_flip_must_change_the_file_and_be_refused_by_the_resume():

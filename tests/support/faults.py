@@ -223,15 +223,13 @@ def proved_node_lost(record: dict, summary: dict) -> Proof:
     reason of the run names the pid of an engine that ran on it."""
     if "removed_at" not in record:
         return Proof(False, "no node was removed")
-    dead = {pid: state for pid, state in record.get("node_pids_after", {}).items()}
-    engines = record.get("engine_pids_after", {})
-    gone = bool(dead) and all(s in DEAD for s in dead.values()) and bool(engines)
-    gone = gone and all(s in DEAD for s in engines.values())
+    node, engines = record.get("node_pids_after", {}), record.get("engine_pids_after", {})
+    gone = bool(node) and bool(engines) and all(s in DEAD for s in [*node.values(), *engines.values()])
     reasons = summary.get("engine_faults", {}).get("reasons", [])
     noticed = any(_named(int(pid), reasons) for pid in engines)
     return Proof(
         gone and noticed,
-        f"node {record.get('removed_ip')}: its processes {dead}, engines {engines}; "
+        f"node {record.get('removed_ip')}: its processes {node}, engines {engines}; "
         + ("a restart names its engine" if noticed else f"no restart names its engine: {reasons}"),
     )
 
