@@ -35,8 +35,10 @@ cli_bf16_step_speedup=... anon_over_plan=...`: the bf16 trainer's fraction of it
 the bf16 step at the real batch, bf16 decode over fp32 decode, LoRA's peak trainer RSS over full
 fine-tuning's, the full builtin arm's publish time over its step and in seconds (the step's time moves with the
 machine's load, the publish's much less), the largest process's peak,
-the CLI arms' own trainer fraction and step speedup, and the largest ratio of a process's sampled
-anonymous RSS to what the run's memory plan (memory_plan.json) gave it (above 1: the plan was under).
+the CLI arms' own trainer fraction and step speedup, the largest ratio of a process's sampled
+anonymous RSS to what the run's memory plan (memory_plan.json) gave it (above 1: the plan was under),
+and the in-process bf16 step over the same step under autocast alone (cast_once_speedup: the weights
+cast once per optimizer step into bf16 copies, trainer/compute.py, against a cast per autocast region).
 """
 
 from __future__ import annotations
@@ -231,7 +233,11 @@ def inner_trainer(model_dir: Path, precision: str, samples: int, tokens: int, st
     from nonstop.types import Group, Sample
 
     torch.set_num_threads(1)
-    worker = TrainerWorker(str(model_dir), TrainerConfig.model_validate({"lr": 1e-6, "precision": precision}), 1.0, 0)
+    autocast_only = precision == "bfloat16-autocast"  # the bf16 step before trainer/compute.py: autocast alone
+    cfg = TrainerConfig.model_validate({"lr": 1e-6, "precision": "bfloat16" if autocast_only else precision})
+    worker = TrainerWorker(str(model_dir), cfg, 1.0, 0)
+    if autocast_only:
+        worker.compute = worker.trainer.compute = None
     gen = torch.Generator().manual_seed(1)
 
     def batch() -> list[Group]:
@@ -292,10 +298,12 @@ def inner(kind: str, model_dir: Path, arg: str) -> dict:
     return json.loads(line[len("INNER ") :])
 
 
-def realistic(model_dir: Path, samples: int, tokens: int, steps: int) -> tuple[float, float, float, float]:
+def realistic(model_dir: Path, samples: int, tokens: int, steps: int) -> tuple[float, float, float, float, float]:
     """The trainer at a batch of real size and the engine's decode, fp32 against bf16, side by side:
-    (bf16 trainer peak fraction, bf16 step speedup, bf16 decode speedup at 16 rows, at 64 rows)."""
-    t = {p: inner("inner_trainer", model_dir, f"{p!r}, {samples}, {tokens}, {steps}") for p in ("float32", "bfloat16")}
+    (bf16 trainer peak fraction, bf16 step speedup, bf16 decode speedup at 16 rows, at 64 rows, the bf16
+    step with its weights cast once per optimizer step (trainer/compute.py) over autocast alone)."""
+    kinds = ("float32", "bfloat16", "bfloat16-autocast")
+    t = {p: inner("inner_trainer", model_dir, f"{p!r}, {samples}, {tokens}, {steps}") for p in kinds}
     e = {(d, n): inner("inner_engine", model_dir, f"{d!r}, {n}, 64") for n in (16, 64) for d in ("float32", "bfloat16")}
     print(f"\nIn-process, one thread, a batch of {samples} x {tokens} completion tokens (2 prompts of 16):\n")
     print("| precision | trainer step | optimizer (update_s) | trainer % of matmul peak | decode, 16 rows | 64 rows |")
@@ -306,14 +314,17 @@ def realistic(model_dir: Path, samples: int, tokens: int, steps: int) -> tuple[f
             f"| {p} | {r['step_s']:.1f} s | {r['update_s']:.1f} s | {r['peak_frac']:.0%} "
             f"| {e[p, 16]['tok_s']:.1f} tokens/s | {e[p, 64]['tok_s']:.1f} tokens/s |"
         )
+    r = t["bfloat16-autocast"]
+    print(f"| bfloat16, autocast alone | {r['step_s']:.1f} s | {r['update_s']:.1f} s | {r['peak_frac']:.0%} | - | - |")
     step_speedup = t["float32"]["step_s"] / t["bfloat16"]["step_s"]
+    cast_once = r["step_s"] / t["bfloat16"]["step_s"]
     decode = {n: e["bfloat16", n]["tok_s"] / e["float32", n]["tok_s"] for n in (16, 64)}
     print(
         f"\nbf16 over fp32: trainer step {step_speedup:.2f}x, engine decode {decode[16]:.2f}x (16 rows), "
-        f"{decode[64]:.2f}x (64 rows)",
+        f"{decode[64]:.2f}x (64 rows); weights cast once per step over autocast alone: {cast_once:.2f}x",
         flush=True,
     )
-    return t["bfloat16"]["peak_frac"], step_speedup, decode[16], decode[64]
+    return t["bfloat16"]["peak_frac"], step_speedup, decode[16], decode[64], cast_once
 
 
 def main() -> None:
@@ -322,7 +333,7 @@ def main() -> None:
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--batch", default="8x128", help="in-process trainer batch: completions x tokens ('' skips it)")
     ns = p.parse_args()
-    real = (float("nan"),) * 4
+    real = (float("nan"),) * 5
     with tempfile.TemporaryDirectory(prefix="nonstop-scale-") as tmp:
         model_dir = Path(tmp) / "qwen2.5-0.5b-shape"
         n = make_model(model_dir)
@@ -354,7 +365,7 @@ def main() -> None:
         f"publish_s={full['publish_s'] if full else float('nan'):.3f} "
         f"peak_rss_gib={peak_rss:.1f} arms_ok={len(by)}/{len(rows)} cli_trainer_peak_frac="
         f"{full['peak_frac'] if full else float('nan'):.3f} cli_bf16_step_speedup={speedup:.2f} "
-        f"anon_over_plan={plan_frac:.2f}"
+        f"anon_over_plan={plan_frac:.2f} cast_once_speedup={real[4]:.2f}"
     )
 
 

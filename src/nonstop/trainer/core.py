@@ -49,6 +49,7 @@ from nonstop.config import DistillConfig, TrainerConfig
 from nonstop.hf import CausalLM
 from nonstop.trainer.ahead import AheadForwards, assemble, by_group
 from nonstop.trainer.batch import Batch, BatchBuilder
+from nonstop.trainer.compute import ComputeWeights
 from nonstop.trainer.correction import is_weights
 from nonstop.trainer.forward import prompt_shared_hidden, unsupported
 from nonstop.trainer.losses import token_logprobs
@@ -183,6 +184,7 @@ class Trainer(BatchBuilder):
             RouterHooks(routers, moe_experts(model, routers), cfg.routing_replay == "r3") if routers else None
         )
         self.ahead = AheadForwards()
+        self.compute: ComputeWeights | None = None  # bf16 copies refreshed per optimizer step (trainer/compute.py)
         self.make_optimizer()
 
     def make_optimizer(self) -> None:
@@ -207,7 +209,10 @@ class Trainer(BatchBuilder):
         return bool(torch.isfinite(loss))
 
     def clip_grads(self) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        # the optimizer's parameters, in the model's order: the float32 masters even while `compute` has
+        # swapped bf16 copies into the model's modules
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
 
     def publishable(self) -> torch.nn.Module:
         """What the weight transport packs: an object whose named_parameters() are full tensors."""
@@ -350,6 +355,11 @@ class Trainer(BatchBuilder):
             self.optimizer.zero_grad(set_to_none=True)
             return 0, grad_norm, time.perf_counter() - t0
         self.optimizer.step()
+        # autocast's cached casts of the weights are stale now: a later update of this batch in the same
+        # autocast region would read the weights as they were before this step
+        torch.clear_autocast_cache()
+        if self.compute is not None:
+            self.compute.refresh()
         return 1, grad_norm, time.perf_counter() - t0
 
     def _routed_forward(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, dict]:

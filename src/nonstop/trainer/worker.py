@@ -22,7 +22,10 @@ the base, publishes its current adapters as soon as the transport is connected.
 
 Precision (docs/precision.md): `trainer.precision` resolves here, in the trainer's process, to
 float32 or bfloat16; with bfloat16 every forward and backward runs under torch.autocast in it
-while the weights, gradients and AdamW state stay float32. Every step record carries the
+while the weights, gradients and AdamW state stay float32. A single-rank bfloat16 trainer also
+casts its weights once per optimizer step into bfloat16 copies that every forward's matmuls read
+and the publish sends (trainer/compute.py), and holds its KL reference's matmul weights in
+bfloat16 (cast once). Every step record carries the
 resolved `precision`, the step's FLOPs (observe/flops.py), its achieved FLOP/s over the step's
 own time plus the forwards it ran ahead, and that figure's fraction of this process's matmul
 peak in the step's dtype, probed once when the worker starts.
@@ -51,10 +54,11 @@ from nonstop.hf import CausalLM, load_model
 from nonstop.observe import consumed
 from nonstop.observe.flops import FlopModel, PeakProbe, rate, train_flops
 from nonstop.observe.spans import SpanLog, now
+from nonstop.trainer.compute import ComputeWeights, cast_linears
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightSink, open_sink, plan_transport
-from nonstop.transport.base import sent_tensors, weights_crc32
+from nonstop.transport.base import layout_dtype, sent_tensors, weights_crc32
 from nonstop.types import AheadResult, Group, PublishResult, StepResult, TransportHandle
 
 SHARDED_OPTIMIZER = "optimizer"  # a checkpoint's folder of FSDP2 optimizer shards (torch.distributed.checkpoint)
@@ -112,6 +116,11 @@ class TrainerWorker:
         self.dtype = resolve_dtype(cfg.precision or "float32", self.device, "trainer.precision")
         if self.dtype == torch.float16:
             raise ValueError("trainer.precision: float16 autocast needs loss scaling; use bfloat16")
+        self.compute: ComputeWeights | None = None
+        if self.dtype != torch.float32:
+            self.compute = self.trainer.compute = ComputeWeights(model, self.dtype)
+            if self.trainer.reference is not None:
+                cast_linears(self.trainer.reference, self.dtype)
         self.flop_model = FlopModel.of(model)
         # LoRA: the frozen base needs activation gradients only (2 x forward instead of 3 x)
         self.flop_factor = (2 if self.lora is not None else 3) + (1 if self.trainer.reference is not None else 0)
@@ -122,11 +131,15 @@ class TrainerWorker:
             self.record.touch()  # an empty record says "no step yet"; a missing one says nothing
         self.steps = 0  # steps taken, counted on from a checkpoint's record on resume
 
-    def _precision(self):
-        """The context of every forward and backward: autocast in bfloat16, or nothing in float32."""
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+    def _precision(self) -> contextlib.ExitStack:
+        """The context of every forward and backward: autocast in bfloat16 with the bf16 copies of the
+        weights in the model's Linear modules (trainer/compute.py), or nothing in float32."""
+        stack = contextlib.ExitStack()
+        if self.dtype != torch.float32:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
+        if self.compute is not None:
+            stack.enter_context(self.compute.swapped())
+        return stack
 
     def rendezvous(self, host: str | None) -> tuple[str, int]:
         return rendezvous(host)
@@ -150,6 +163,7 @@ class TrainerWorker:
         )
         self.trainer.reference = t.reference  # the worker may have loaded it from elsewhere (resume)
         self.trainer.distill = t.distill
+        self.compute = None  # DDP and FSDP2 hook the model's own parameters: autocast alone
 
     def _publishes_on_connect(self) -> bool:
         """A resumed LoRA trainer's engines hold only the base: they need the adapters at once."""
@@ -237,7 +251,7 @@ class TrainerWorker:
         version = self.trainer.policy_version
         sent = resend or version != self.published_version
         if sent:
-            weights = self.trainer.publishable()
+            weights = self._publishable()
             if self.sink is not None:
                 self.sink.publish(weights, version)
                 self.publish_bytes = self.sink.sent_bytes
@@ -252,6 +266,15 @@ class TrainerWorker:
             self.spans.emit("publish", t0=round(t0, 6), t1=round(t1, 6), version=version, bytes=self.publish_bytes)
         full = self.handle.total_bytes if self.handle is not None else 0
         return PublishResult(version, publish_s, self.publish_bytes, full)
+
+    def _publishable(self) -> torch.nn.Module:
+        """What the transport sends: the bf16 copies where they are what travels (no second cast), else the
+        trainer's weights (cast by the transport as it writes)."""
+        handle, compute = self.handle, self.compute
+        if compute is not None and handle is not None and self.lora is None:
+            if layout_dtype(handle.layout) == compute.dtype:
+                return compute.published()
+        return self.trainer.publishable()
 
     def weights_crc32(self) -> tuple[int, int]:
         """(policy_version, CRC32 of the current weights as the transport sends them): an engine that
