@@ -102,7 +102,7 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
             console.print(f"[red]run failed:[/] {escape(str(e))}", highlight=False)
             sys.exit(1)
         raise
-    from nonstop.observe.progress import summary_table
+    from nonstop.orchestrator.progress import summary_table
 
     console.print(summary_table(summary))
 
@@ -355,7 +355,7 @@ def report_cmd(run_dir: Path, out: Path | None) -> None:
 def verify_cmd(run_dir: Path) -> None:
     """Recount a run from what its trainer trained and its buffer dropped, against the dataset's own
     order: exit 1 on any lost or duplicated sample, 2 when a record cannot be read."""
-    from nonstop.observe.verify import VerifyError, verify
+    from nonstop.orchestrator.verify import VerifyError, verify
 
     try:
         verdict = verify(run_dir)

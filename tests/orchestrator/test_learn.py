@@ -24,10 +24,10 @@ import pytest
 
 from nonstop.checkpoint import Checkpoint, latest_valid
 from nonstop.config import Config, load_config
-from nonstop.observe.progress import Progress
 from nonstop.orchestrator.build import build_run
 from nonstop.orchestrator.learn import learn
 from nonstop.orchestrator.pipeline import begin, start_beside
+from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.records import StepRecord
 from nonstop.orchestrator.recovery import RunFailed, write_checkpoint
 from nonstop.orchestrator.run import Run

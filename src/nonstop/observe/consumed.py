@@ -2,7 +2,7 @@
 
 The orchestrator's prompt ledger is the run's own account of its prompts; a check that reads
 only that account can only agree with it. These two append-only files are kept apart from it so
-that `nonstop verify` (observe/verify.py) can recount the run from what actually happened:
+that `nonstop verify` (orchestrator/verify.py) can recount the run from what actually happened:
 
 - `RUN_DIR/trained.jsonl`, written by trainer rank 0 (trainer/worker.py), one line per trainer
   step: `{"step", "version", "skipped", "samples": [[epoch, prompt_index, sample_id, min_version,

@@ -1,7 +1,7 @@
 """The orchestrator: the flow of one training run, in the `nonstop train` process (asyncio).
 
 One file per stage of generate -> score -> buffer -> train -> publish, each importing only
-those listed before it (no circle; tests/orchestrator/test_layering.py checks it):
+those listed before it (no circle; tests/docs/test_layering.py checks it):
 - fit.py           the run fitted to the machine before any actor starts: need -> resolved defaults
                    (config/sizing.py) -> the memory plan, checked (config/memory.py);
 - ledger.py        every drawn prompt settled once (by part, with env.policies);
@@ -9,6 +9,7 @@ those listed before it (no circle; tests/orchestrator/test_layering.py checks it
 - dispatch.py      several engines (least-loaded pool) or trainer ranks (lockstep) as one client;
 - records.py       `StepRecord` (metrics.jsonl), `RunSummary` (summary.json), `Vitals` (what the
                    run doctor reads of the groups scored);
+- progress.py      the progress display of a run (`Progress`) and the table printed at its end;
 - generate.py      the producer: admitted prompts -> engine groups (`Production`, `produce`), and
                    held-out evaluation;
 - episodes.py      one multi-turn, multi-agent episode through the engines, token-exact;
@@ -27,6 +28,8 @@ those listed before it (no circle; tests/orchestrator/test_layering.py checks it
 - learn.py         the learning loops: the shared policy's `learn()`, each own policy's `learn_policy()`;
 - pipeline.py      `train()`: build the run, run the producer beside the learning loop, summarize;
 - launch.py        `run_training()`: run folder, data, base policy, pipeline, summary.json (the path
-                   shared by `nonstop train` and `nonstop.train()`).
+                   shared by `nonstop train` and `nonstop.train()`);
+- verify.py        `nonstop verify`: a run recounted from what its trainer trained and its buffer
+                   dropped (observe/consumed.py) against the dataset's own order.
 Reward functions are nonstop.scoring's (scoring/rewards.py); text <-> ids is nonstop.tasks.codec.
 """

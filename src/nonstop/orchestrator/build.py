@@ -26,7 +26,6 @@ from nonstop.clients import EngineClient
 from nonstop.config import Config
 from nonstop.hf import load_tokenizer, max_positions
 from nonstop.observe.consumed import DROPPED
-from nonstop.observe.progress import Progress
 from nonstop.observe.spans import SpanLog
 from nonstop.observe.tracking import open_sinks
 from nonstop.orchestrator.actors import connect_transport, engine_restarter, span_file, spawn_engine, spawn_trainers
@@ -37,6 +36,7 @@ from nonstop.orchestrator.generate import RolloutStats
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.orchestrator.policies import Policies
 from nonstop.orchestrator.policy_build import build_policies
+from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.run import Run, RunState
 from nonstop.runtime import ActorBackend
 from nonstop.runtime.restart import RestartingEngine

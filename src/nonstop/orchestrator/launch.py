@@ -198,8 +198,8 @@ def _run(
     from nonstop.checkpoint import latest_valid
     from nonstop.observe.consumed import DROPPED, TRAINED, rolled_back_name
     from nonstop.observe.consumed import restore as restore_record
-    from nonstop.observe.progress import Progress
     from nonstop.orchestrator.pipeline import train
+    from nonstop.orchestrator.progress import Progress
     from nonstop.orchestrator.recovery import ROLLED_BACK, set_aside_rolled_back
     from nonstop.runtime.oom import remember_plan
     from nonstop.tasks.base import prepare_base_model

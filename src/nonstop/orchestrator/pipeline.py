@@ -34,7 +34,6 @@ from nonstop.config import Config
 from nonstop.config.sizing import engine_calls_bound
 from nonstop.observe.clock import Clock
 from nonstop.observe.doctor import Context, Doctor, read_records
-from nonstop.observe.progress import Progress
 from nonstop.observe.spans import host_cpus, now
 from nonstop.orchestrator.agents import AgentEndpoint, produce_agent_groups
 from nonstop.orchestrator.build import build_run
@@ -42,6 +41,7 @@ from nonstop.orchestrator.episode_flow import produce_episodes
 from nonstop.orchestrator.generate import Production, produce
 from nonstop.orchestrator.grow import start_joins
 from nonstop.orchestrator.learn import learn, learn_policy
+from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.records import RunSummary, StepRecord
 from nonstop.orchestrator.recovery import RunInterrupted, restore, restore_engines
 from nonstop.orchestrator.run import Run

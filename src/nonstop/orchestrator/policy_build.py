@@ -21,13 +21,13 @@ from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config, ConfigError, FilesTransportConfig, PolicyConfig
 from nonstop.config.preflight import resolve_model_path
 from nonstop.hf import load_tokenizer
-from nonstop.observe.progress import Progress
 from nonstop.observe.spans import SpanLog
 from nonstop.orchestrator.actors import connect_transport, engine_restarter, spawn_engine, spawn_trainers
 from nonstop.orchestrator.buffer import make_buffer
 from nonstop.orchestrator.dispatch import EnginePool
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.orchestrator.policies import PolicySide
+from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.recovery import RunFailed
 from nonstop.runtime import ActorBackend
 from nonstop.runtime.restart import RestartingEngine

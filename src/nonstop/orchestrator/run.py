@@ -30,7 +30,6 @@ from nonstop.envs.base import TurnEngine
 from nonstop.observe.clock import Clock
 from nonstop.observe.doctor import Doctor
 from nonstop.observe.flops import FlopTally
-from nonstop.observe.progress import Progress
 from nonstop.observe.spans import SpanLog
 from nonstop.observe.tracking import MetricsSink
 from nonstop.orchestrator.agents import AgentEndpoint
@@ -40,6 +39,7 @@ from nonstop.orchestrator.episode_flow import EnvRun
 from nonstop.orchestrator.generate import RolloutStats, evaluate
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.orchestrator.policies import Policies
+from nonstop.orchestrator.progress import Progress
 from nonstop.runtime.restart import RestartingEngine
 from nonstop.scoring.base import Scorer
 from nonstop.scoring.rewards import exact_match

@@ -31,6 +31,8 @@ from pathlib import Path
 from nonstop.checkpoint import CheckpointError, latest_valid
 from nonstop.config import ConfigError, load_config
 from nonstop.observe.consumed import DROPPED, TRAINED, lines_of
+from nonstop.orchestrator.launch import run_rows
+from nonstop.tasks.data import PromptStream
 
 Key = tuple[int, int]  # (epoch, prompt index)
 SHOWN = 20  # problems listed by name; the rest are counted
@@ -82,29 +84,18 @@ def _records(path: Path, who: str) -> list[dict]:
 
 
 def _train_split(run_dir: Path):
-    """The run's train prompts, as its launch loaded them (orchestrator/launch.py run_rows)."""
+    """The run's train prompts, as its launch loaded them (`run_rows`)."""
     try:
         cfg = load_config(str(run_dir / "config.yaml"), ())
     except (ConfigError, OSError) as err:
         raise VerifyError(f"config.yaml: {err}") from None
     if cfg.env is not None and cfg.env.policies:
         raise VerifyError("env.policies: own policies keep no record of what they trained yet")
-    data = None
-    if cfg.env is not None:
-        from nonstop.envs.registry import builtin_task
-
-        data = builtin_task(cfg.env)
-    if data is None:
-        from nonstop.tasks.data import load_task
-
-        data = load_task(cfg.task)
-    return cfg, data.train
+    return cfg, run_rows(cfg).train
 
 
 def verify(run_dir: Path) -> Verdict:
     """Recount `run_dir`; raises VerifyError when something it needs cannot be read."""
-    from nonstop.tasks.data import PromptStream
-
     cfg, train = _train_split(run_dir)
     steps = _records(run_dir / TRAINED, "trainer")
     drops = _records(run_dir / DROPPED, "buffer")
