@@ -141,7 +141,9 @@ def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 
 
     top_up()
     sustained = None  # (seconds, tokens) while the producer still had requests queued
+    rows: tuple[list[int], list[int]] = ([], [])  # tokens of each pass: while requests waited, after
     while engine.has_work():
+        waited, before = bool(sched.waiting), sched.stats["tokens_generated"]
         if sustained is None and not sched.waiting:
             sustained = (engine_s, sched.stats["tokens_generated"])
         if sink is not None and sched.stats["decode_steps"] >= (version + 1) * every:
@@ -153,6 +155,7 @@ def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 
         dt = now() - t0
         engine_s += dt
         (swap_steps if sched.stats["swaps"] > swaps else steps).append(dt)
+        rows[0 if waited else 1].append(int(sched.stats["tokens_generated"] - before))
         top_up()
     tokens = sum(len(s.completion_ids) for g in done for s in g)
     lags = [sched.policy_version - v for g in done for s in g for v in s.versions]
@@ -161,6 +164,7 @@ def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 
         "tokens": tokens,
         "steps": steps,
         "sustained": sustained,
+        "rows": rows,
         "swap_steps": swap_steps,
         "stats": dict(sched.stats),
         "published": version,
@@ -574,6 +578,7 @@ def chat_main(args) -> None:
         assert run["tokens"] == useful
         for key, value in (
             ("engine", run["s"]),
+            ("sustained", run["sustained"][0] / run["sustained"][1]),
             ("step", raw_forward(raw, batch, mean_pos, 20)),
             ("mixed", replay(raw, passes)),
             ("split", replay(raw, passes, split=True)),
@@ -581,6 +586,7 @@ def chat_main(args) -> None:
             best[key] = min(best.get(key, value), value)
     st = run["stats"]
     eng_tps, raw_tps = useful / best["engine"], batch / best["step"]
+    sus_tps = 1 / best["sustained"]
     del raw
 
     off = run_engine(chat_engine(model, batch, max_len, 0), shared, backlog=batch)
@@ -605,10 +611,14 @@ def chat_main(args) -> None:
     print(
         f"| raw batched decode forward, {batch} rows at position {mean_pos} | {raw_tps:,.0f} | 100% | {vs(raw_tps)} |"
     )
+    waited, drained = run["rows"]
     print(
-        f"\nbuilt-in engine: {st['forward_passes']} forward passes, mean "
-        f"{(st['tokens_generated'] - st['prefills']) / max(1, st['decode_steps']):.1f} decode rows of {batch}, "
-        f"{st['prefill_tokens']:,} prompt tokens computed, {st['prefix_hit_tokens']:,} read from the prefix cache"
+        f"\nbuilt-in engine: {st['forward_passes']} forward passes, {st['prefill_tokens']:,} prompt tokens computed, "
+        f"{st['prefix_hit_tokens']:,} read from the prefix cache; rows of {batch} per pass: "
+        f"{statistics.mean(waited):.1f} in the {len(waited)} passes while requests waited, "
+        f"{statistics.mean(drained or [0]):.1f} in the {len(drained)} after the last was admitted "
+        f"(nothing left to fill them with); sustained (while requests waited) {sus_tps:,.0f} tokens/s = "
+        f"{sus_tps / raw_tps:.0%} of the raw decode forward"
     )
     mixed = sum(name == "mixed" for name, _ in passes)
     print(
