@@ -13,7 +13,6 @@ tokenizer, or raises ConfigError naming `model.path` and the fix:
   repository's metadata) within `hub_timeout_s`, and then its files are fetched for as long as
   that takes, both in a daemon thread, so no retry loop or silent proxy can hold the command
   (`nonstop train` and `nonstop serve` alike) and Ctrl-C always stops it.
-`check_reward(spec)` imports task.reward and raises ConfigError naming it if it cannot.
 """
 
 from __future__ import annotations
@@ -131,12 +130,3 @@ def resolve_model_path(path: str, hub_timeout_s: float = 15.0, field: str = "mod
         f"({why}); check the name and the network, or download it and give the folder "
         "(set HF_HUB_OFFLINE=1 to use the local cache only)"
     )
-
-
-def check_reward(spec: str, field: str = "task.reward") -> None:
-    from nonstop.scoring.rewards import RewardError, resolve_reward
-
-    try:
-        resolve_reward(spec, field)
-    except RewardError as e:
-        raise ConfigError(str(e)) from None

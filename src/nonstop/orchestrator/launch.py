@@ -87,7 +87,8 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
 
 def preflight(cfg: Config, reward: RewardFn | None) -> None:
     """ConfigError naming the field for a model path or a reward that cannot work."""
-    from nonstop.config.preflight import check_reward, resolve_model_path
+    from nonstop.config.preflight import resolve_model_path
+    from nonstop.scoring.rewards import check_reward
 
     if cfg.model.path is not None:
         resolve_model_path(cfg.model.path)

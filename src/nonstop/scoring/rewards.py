@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from nonstop.config import ConfigError
 from nonstop.config.specs import import_callable
 
 RewardFn = Callable[..., Any]
@@ -104,6 +105,15 @@ def resolve_reward(spec: str, field: str = "task.reward", folder: str | None = N
         return BUILTIN_REWARDS[spec]
     if spec in OPTIONAL_REWARDS:
         module = importlib.import_module(OPTIONAL_REWARDS[spec])
-        module._package()  # a clear RewardError when the extra is not installed
+        module.require_extra()  # a clear RewardError when the extra is not installed
         return getattr(module, spec)
     return import_callable(spec, field, RewardError, "reward", [*BUILTIN_REWARDS, *OPTIONAL_REWARDS], folder)
+
+
+def check_reward(spec: str, field: str = "task.reward") -> None:
+    """ConfigError naming `field` when `spec` does not resolve to a reward function (checked before
+    a run folder is made)."""
+    try:
+        resolve_reward(spec, field)
+    except RewardError as e:
+        raise ConfigError(str(e)) from None
