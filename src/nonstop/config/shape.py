@@ -1,9 +1,9 @@
 """A model's shape from its config.json alone (no weights loaded): parameter counts and KV bytes.
 
 `ModelShape.from_config(fields)` reads the fields every Llama-family config has (Qwen2/3,
-Llama, Mistral and their MoE variants); `shape_of(cfg)` is the shape a run trains: the folder
-of `model.path` (its config.json), or the built-in tiny model's. The counts are exact for the
-architectures the built-in engine runs (tests compare them with the instantiated models):
+Llama, Mistral and their MoE variants) and `ModelShape.from_folder(dir)` a model folder's
+(orchestrator/fit.py takes the tiny model's from its transformers config). The counts are exact
+for the architectures the built-in engine runs (tests compare them with the instantiated models):
 
 - embeddings V x h, plus an untied lm_head V x h;
 - per layer: q (h x H*D), k and v (h x KV*D each), o (H*D x h), their biases where the family
@@ -22,10 +22,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from nonstop.config import Config
+from typing import Any
 
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
@@ -148,13 +145,3 @@ class ModelShape:
     def kv_formula(self, dtype_bytes: int) -> str:
         heads = f"{self.kv_heads} KV heads x {self.head_dim} dims"
         return f"{self.layers} layers x 2 (K and V) x {heads} x {dtype_bytes} bytes"
-
-
-def shape_of(cfg: Config, model_dir: str | Path | None = None) -> ModelShape:
-    """The shape of the run's policy: `model_dir`'s config.json (the resolved model.path), or the
-    built-in tiny model's when model.path is None."""
-    if model_dir is not None:
-        return ModelShape.from_folder(model_dir)
-    from nonstop.tasks.tiny import tiny_config
-
-    return ModelShape.from_config(tiny_config(cfg.model.tiny).to_dict())

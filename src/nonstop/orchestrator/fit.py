@@ -30,9 +30,13 @@ from typing import TYPE_CHECKING, Any
 from nonstop.config import Config, ConfigError
 from nonstop.config.machine import GIB, MachineMemory, machine_memory
 from nonstop.config.memory import VLLM_BYTES, MemoryPlan, plan_memory, size
-from nonstop.config.shape import ModelShape, shape_of
+from nonstop.config.preflight import resolve_model_path
+from nonstop.config.shape import ModelShape
 from nonstop.config.sizing import loaded_model_defaults, size_run, vllm_dtype
+from nonstop.hf import load_tokenizer
+from nonstop.tasks.base import builds_warmup_base
 from nonstop.tasks.chat import render_chat
+from nonstop.tasks.tiny import make_char_tokenizer, tiny_config
 
 if TYPE_CHECKING:
     from nonstop.tasks.data import TaskData
@@ -58,13 +62,15 @@ def longest_prompt(cfg: Config, data: TaskData, encode, max_positions: int) -> i
 
 def _tokenizer(model_dir: Path | None) -> Any:
     """The policy's tokenizer: the model folder's, or the built-in tiny model's."""
+    return load_tokenizer(str(model_dir)) if model_dir is not None else make_char_tokenizer()
+
+
+def shape_of(cfg: Config, model_dir: Path | None) -> ModelShape:
+    """The shape of the run's policy: `model_dir`'s config.json (the resolved model.path), or the
+    built-in tiny model's when model.path is None."""
     if model_dir is not None:
-        from nonstop.hf import load_tokenizer
-
-        return load_tokenizer(str(model_dir))
-    from nonstop.tasks.tiny import make_char_tokenizer
-
-    return make_char_tokenizer()
+        return ModelShape.from_folder(model_dir)
+    return ModelShape.from_config(tiny_config(cfg.model.tiny).to_dict())
 
 
 def check_vllm_kv(cfg: Config, shape: ModelShape, machine_total: int) -> None:
@@ -92,9 +98,6 @@ def check_vllm_kv(cfg: Config, shape: ModelShape, machine_total: int) -> None:
 def fit_run(cfg: Config, data: TaskData, model_dir: Path | None = None, machine: MachineMemory | None = None) -> Fitted:
     """The resolved config and its checked memory plan (see the module docstring).
     `model_dir`: the resolved model.path folder (None: resolved here; the tiny model has none)."""
-    from nonstop.config.preflight import resolve_model_path
-    from nonstop.tasks.base import builds_warmup_base
-
     if model_dir is None and cfg.model.path is not None:
         model_dir = resolve_model_path(cfg.model.path)
     machine = machine or machine_memory()
