@@ -16,7 +16,9 @@ from typing import Any
 from nonstop.scoring.rewards import RewardError
 
 
-def _package() -> Any:
+def require_extra() -> Any:
+    """The math-verify package; a RewardError naming the extra to install when it is missing (resolve_reward
+    calls it when the reward is named, so the error comes before the run starts)."""
     try:
         import math_verify
     except ImportError:
@@ -29,7 +31,7 @@ def _package() -> Any:
 
 
 def math_verify(completion: str, answer: str) -> float:
-    mv = _package()
+    mv = require_extra()
     gold = mv.parse(answer, parsing_timeout=None)
     pred = mv.parse(completion, parsing_timeout=None)
     return 1.0 if gold and pred and mv.verify(gold, pred, timeout_seconds=None) else 0.0
