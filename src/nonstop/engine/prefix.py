@@ -10,6 +10,9 @@ so a block is only ever reached through the blocks it follows), and the schedule
   last token (the last token's logits are what the pass computes, so at least one token runs);
 - `load(blocks, slot)` copies them into the slot of the prompt's first sequence, which then
   prefills from there (`Runner.prefill`/`mixed` with a start);
+- `reuse(prompt, slot, earlier, shares)` does both for an admitted prompt, or, when a prompt
+  admitted earlier in the same pass begins with more of its whole blocks, has the pass copy
+  those from that prompt's slot as it computes them (`shares`);
 - `store(prompt, slot)` adds the prompt's whole blocks that are not cached yet, from the slot
   its pass just filled;
 - the cache holds at most `budget_tokens` tokens (one preallocated pool of keys and values);
@@ -72,6 +75,27 @@ class PrefixCache:
             path.append(node)
             children = node.children
         return path
+
+    def reuse(
+        self, prompt: list[int], slot: int, earlier: list[tuple[list[int], int]], shares: list[tuple[int, int, int]]
+    ) -> int:
+        """How many of `prompt`'s first positions its pass need not compute: its longest run of whole
+        blocks that the cache holds (copied into `slot` now, `load`) or that a prompt admitted
+        earlier in the same pass begins with (`earlier`: (prompt, slot) pairs), which the pass
+        copies layer by layer as it computes them: a (source slot, slot, positions) entry appended
+        to `shares` (runner.mixed)."""
+        cached = self.match(prompt)
+        most, best, source = (len(prompt) - 1) // BLOCK, len(cached), -1
+        for other, other_slot in earlier:
+            b = 0
+            while b < most and prompt[b * BLOCK : (b + 1) * BLOCK] == other[b * BLOCK : (b + 1) * BLOCK]:
+                b += 1
+            if b > best:
+                best, source = b, other_slot
+        if source < 0:
+            return self.load(cached, slot)
+        shares.append((source, slot, best * BLOCK))
+        return best * BLOCK
 
     def load(self, blocks: list[_Block], slot: int) -> int:
         """Copy `blocks` (a `match`) into positions 0.. of `slot`; returns how many positions they fill."""

@@ -213,8 +213,8 @@ class Scheduler(Emitter):
         """One forward pass. Normally: a decode step of every live row, with the prompts of newly
         admitted groups prefilled in the same pass (one prompt per group, its KV copied to the
         siblings; from the end of the longest prefix the prefix cache holds or an earlier prompt
-        of the same pass begins with, `_reuse`). After an abort: a prefill of prompt + prefix of
-        every aborted row, alone."""
+        of the same pass begins with, `PrefixCache.reuse`). After an abort: a prefill of prompt +
+        prefix of every aborted row, alone."""
         decoding = [] if self.reprefill else list(self.rows)
         for g in groups:  # every prompt's first sequence in consecutive slots, then the siblings
             g.seqs[0].row = len(self.rows)
@@ -223,13 +223,15 @@ class Scheduler(Emitter):
             for s in g.seqs[1:]:
                 s.row = len(self.rows)
                 self.rows.append(s)
-        heads, members, prefixes, starts = [], [], [], []
+        heads: list[int] = []  # the slot of each prompt's first sequence
+        members, prefixes, starts = [], [], []
         shares: list[tuple[int, int, int]] = []  # in-pass copies of a shared prefix (runner.mixed)
         for g in groups:
             prompt, head = g.request.prompt_ids, g.seqs[0].row
             for s in g.seqs:
                 s.length = len(prompt)
-            start = self._reuse(prompt, head, groups[: len(heads)], shares)
+            earlier = [(e.request.prompt_ids, e.seqs[0].row) for e in groups[: len(heads)]]
+            start = self.prefix.reuse(prompt, head, earlier, shares) if self.prefix is not None else 0
             heads.append(head)
             members.append(g.seqs)
             prefixes.append(prompt[start:])
@@ -284,26 +286,6 @@ class Scheduler(Emitter):
                 self._row_params = self._params_of(seqs)
             params = self._row_params
         self._emit(seqs, logits, params)
-
-    def _reuse(self, prompt: list[int], head: int, earlier: list[Group], shares: list[tuple[int, int, int]]) -> int:
-        """How many of `prompt`'s first positions its pass does not compute: its longest prefix of
-        whole blocks that the prefix cache holds (copied into its slot `head` now) or that a prompt
-        admitted earlier in this pass (`earlier`) begins with (copied layer by layer during the
-        pass: a (source, head, n) entry appended to `shares`); 0 without the prefix cache."""
-        if self.prefix is None:
-            return 0
-        cached = self.prefix.match(prompt)
-        most, best, source = (len(prompt) - 1) // BLOCK, len(cached), -1
-        for g in earlier:
-            other, b = g.request.prompt_ids, 0
-            while b < most and prompt[b * BLOCK : (b + 1) * BLOCK] == other[b * BLOCK : (b + 1) * BLOCK]:
-                b += 1
-            if b > best:
-                best, source = b, g.seqs[0].row
-        if source < 0:
-            return self.prefix.load(cached, head)
-        shares.append((source, head, best * BLOCK))
-        return best * BLOCK
 
     def _record_routes(self, decoding: list[Seq], members: list[list[Seq]], prefixes: list[list[int]]) -> None:
         """Hand the pass's routes (decode rows, then each prefilled prefix's tokens) to their sequences."""
