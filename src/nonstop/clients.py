@@ -115,6 +115,12 @@ class TrainerClient(Client, Protocol):
         """Write weights and optimizer/RNG state under `path`; returns their policy_version."""
         ...
 
+    async def published(self) -> PublishResult:
+        """Wait for the send the last `publish()` left under way (its result said `pending`:
+        trainer.publish_overlap) and return what it cost; once it returns every engine can load the
+        version. At once when the last publish was complete when it returned."""
+        ...
+
     async def load_checkpoint(self, path: str) -> int:
         """Restore the state `save_checkpoint` wrote; returns its policy_version."""
         ...

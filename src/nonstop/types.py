@@ -383,3 +383,6 @@ class PublishResult:
     """What the publish moved: a delta's bytes where it sent one, else the full version's."""
     full_bytes: int = 0
     """The full version's bytes (the layout in the wire dtype); 0: nothing planned."""
+    pending: bool = False
+    """The send goes on in the trainer (trainer.publish_overlap): engines can load the version once
+    `TrainerClient.published()` returns; publish_s is then the launch's time and publish_bytes 0."""

@@ -237,10 +237,11 @@ def test_broadcast_deltas_reach_another_process_bit_exact_and_a_rebuilt_group_ge
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
 def test_a_run_on_ray_sends_deltas_by_broadcast_and_every_engine_ends_with_the_trainers_weights(tiny_dir, tmp_path):
-    """The real CLI on a private Ray cluster with examples/weight_deltas.yaml's transport and runtime (two
-    engines, broadcast, deltas, checksums) on the tiny model at a small learning rate: the first publish
-    carries the full version, every later one a fraction of it (publish_bytes_frac in the step records),
-    and at the end both engines hold the trainer's weights bit for bit (summary.json's CRC32s)."""
+    """The real CLI on a private Ray cluster with examples/weight_deltas.yaml's transport, runtime and
+    overlapped publishes (two engines, broadcast, deltas, checksums; sends beside the next forward) on the
+    tiny model at a small learning rate: the first publish carries the full version, every later one a
+    fraction of it (publish_bytes_frac in the step records), and at the end both engines hold the
+    trainer's weights bit for bit (summary.json's CRC32s)."""
     import yaml
 
     from support import ROOT
@@ -250,6 +251,7 @@ def test_a_run_on_ray_sends_deltas_by_broadcast_and_every_engine_ends_with_the_t
     sets = [f"transport.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in example["transport"].items()]
     sets += [f"runtime.{k}={v}" for k, v in example["runtime"].items() if k != "ray_engine"]
     sets += [f"runtime.ray_engine.num_cpus={example['runtime']['ray_engine']['num_cpus']}"]
+    sets += [f"trainer.publish_overlap={str(example['trainer']['publish_overlap']).lower()}"]
     sets += [
         "engine.dtype=bfloat16",  # weights travel in bfloat16, where small steps leave most bits alone
         "trainer.lr=1e-5",

@@ -326,6 +326,13 @@ class TrainerConfig(_Section):
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
     """With ranks > 1: 'ddp' keeps a full model per rank and all-reduces gradients; 'fsdp2' shards
     parameters, gradients and optimizer state across ranks (torch fully_shard). Gloo on CPU, NCCL on GPU."""
+    publish_overlap: bool = False
+    """Send each new version on a thread of the trainer while the learning loop goes on: the next batch's
+    forward (ahead, or the next step's own) runs meanwhile, and the next optimizer step waits for the send.
+    Engines get the version when the send ends, and only then does admission count the step, so the lag
+    accounting is the same as without (docs/transport.md#publish-overlapped-with-the-next-forward). One
+    trainer rank; a resend to a replacement engine is never overlapped. On a CPU the send takes a core
+    from whatever else runs."""
 
     @property
     def learning_rate(self) -> float:

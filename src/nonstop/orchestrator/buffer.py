@@ -281,6 +281,12 @@ class RolloutBuffer:
             self.ledger.drop_episodes(len(stale), "max_lag")
         return True
 
+    def stepped(self, policy_version: int) -> None:
+        """The trainer holds `policy_version` while its send is still under way (trainer.publish_overlap):
+        the next batch trains against it, so the max-lag rule counts from it at once; admission waits for
+        `step_done`, when every engine can load it."""
+        self.policy_version = policy_version
+
     async def step_done(self, policy_version: int) -> None:
         """The trainer finished a step and published `policy_version`."""
         async with self._changed:

@@ -173,6 +173,10 @@ class RankGroup(_Several[TrainerClient]):
     async def publish(self, resend: bool = False) -> PublishResult:
         return await self._all("publish", lambda r: r.publish(resend))
 
+    async def published(self) -> PublishResult:
+        """Ranks publish inline (no overlap with several ranks): rank 0's last send, at once."""
+        return await self.lead.published()
+
     async def save(self, path: str) -> str:
         return await self._all("save", lambda r: r.save(path))
 

@@ -2,7 +2,11 @@
 
 Both take a batch from their buffer, train it, publish and settle it through one `train_step`
 (step.py), which also tells the buffer the published version only once `publish()` returned,
-i.e. once every engine can load it: admission and the max-lag rule count from there. They run
+i.e. once every engine can load it: admission and the max-lag rule count from there. With
+trainer.publish_overlap, `learn()` goes on while the send is under way: the next batch is taken
+(the max-lag rule counts from the new version at once) and its forward runs; the step's record is
+written once the send ended, with `publish_s` the launch's time and `publish_send_s` the send's.
+A step that evaluates, checkpoints or stops waits for the send first (engines must hold it). They run
 beside the producer (generate.py or episode_flow.py), which fills the buffers. A trainer
 failure ends the run with RunFailed naming the run folder and the last checkpoint to resume from.
 
@@ -25,9 +29,11 @@ writes one record per step to RUN_DIR/policies/<role>/metrics.jsonl; it ends wit
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 from rich.markup import escape
@@ -47,6 +53,7 @@ async def learn(run: Run) -> StepRecord | None:
     cfg, state, record, spans = run.cfg, run.state, None, run.spans
     max_rl_s = state.max_rl_s if state.max_rl_s is not None else cfg.run.max_time_s  # begin() sets the former
     ahead = Ahead(run) if cfg.forward_ahead else None
+    deferred: asyncio.Task[StepRecord] | None = None  # the last step's record, written once its send ended
     for step in range(state.first_step, cfg.run.max_steps + 1):
         t_wait, cpu = now(), time.process_time()
         left_s = None if max_rl_s is None else max(0.0, max_rl_s - state.clock.wall())
@@ -63,7 +70,9 @@ async def learn(run: Run) -> StepRecord | None:
             # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
             # budget ran out while no batch came (every group dropped, e.g. for uniform rewards)
             break
-        done = await train_step(run, run.trainer, run.buffer, groups, step)
+        done = await train_step(run, run.trainer, run.buffer, groups, step, overlap=True)
+        if deferred is not None:  # the previous step's send ended before this step's optimizer step
+            record, deferred = await deferred, None
         state.clock.add("training", done.t2 - done.t0)
         spans.emit("wait", step=step, t0=round(t_wait, 6), t1=round(done.t0, 6), cpu=round(cpu, 6))
         spans.emit(
@@ -85,27 +94,34 @@ async def learn(run: Run) -> StepRecord | None:
         if max_rl_s is not None and cfg.run.max_total_s is not None:
             # the whole command must end in time: a step as long as this one would end past the limit
             out_of_time |= state.clock.wall() + (done.t2 - t_wait) > max_rl_s
+        eval_due = step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time
+        checkpoint_due = cfg.checkpoint.every_steps is not None and step % cfg.checkpoint.every_steps == 0
+        engines_due = eval_due or state.flops.engines_due(now())  # a round trip to every engine: not every step
+        if done.finishing is not None:
+            if not (engines_due or checkpoint_due or state.stop.is_set()):
+                # the send goes on while the next batch is taken and its forward runs (trainer.publish_overlap)
+                deferred = asyncio.create_task(record_when_sent(run, step, groups, done), name="learn-record")
+                continue
+            done = replace(done, published=await done.finishing)  # engines hold the version: evaluate it
         record = step_record(run, step, groups, done.result, done.published)
         state.flops.trainer_step(done.result.metrics)
-        eval_due = step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time
-        if eval_due or state.flops.engines_due(now()):  # a round trip to every engine: not every step
+        if engines_due:
             record.engine_flops_per_s, record.engine_peak_frac = state.flops.engines(await run.engine.stats())
         if eval_due:
             t_eval = now()
             record.eval_accuracy = await run.eval()
             state.clock.add(EVALUATION, now() - t_eval)
             spans.emit("eval", step=step, t0=round(t_eval, 6), t1=round(now(), 6), accuracy=record.eval_accuracy)
-        line = record.to_dict()
-        run.sink.write(line)
-        run.progress.update(record)
-        consult(run, line)
-        if cfg.checkpoint.every_steps is not None and step % cfg.checkpoint.every_steps == 0:
+        write_record(run, record)
+        if checkpoint_due:
             t_ckpt = now()
             with trainer_failure(run, step):  # the trainer may die while idle: its next call is this one
                 await write_checkpoint(run, step)
             spans.emit("checkpoint", step=step, t0=round(t_ckpt, 6), t1=round(now(), 6))
         if out_of_time or state.stop.is_set():
             break
+    if deferred is not None:
+        record = await deferred
     if state.doctor is not None:  # groups scored after the last step: did the run wait for signal?
         for finding in state.doctor.finish(run.stats.vitals.take()):
             run.progress.log(f"[yellow]{escape(finding.line())}[/]")
@@ -121,6 +137,25 @@ async def learn(run: Run) -> StepRecord | None:
     if record is not None and cfg.checkpoint.every_steps is not None and state.last_checkpoint != record.step:
         with trainer_failure(run, record.step):
             await write_checkpoint(run, record.step)
+    return record
+
+
+def write_record(run: Run, record: StepRecord) -> None:
+    """One step's record to metrics.jsonl and the trackers, the progress line and the doctor."""
+    line = record.to_dict()
+    run.sink.write(line)
+    run.progress.update(record)
+    consult(run, line)
+
+
+async def record_when_sent(run: Run, step: int, groups: list[Group], done: Trained) -> StepRecord:
+    """A step's record once its send ended (trainer.publish_overlap): the publish's own cost and bytes in it."""
+    assert done.finishing is not None
+    published = await done.finishing
+    record = step_record(run, step, groups, done.result, replace(published, publish_s=done.published.publish_s))
+    record.trainer["publish_send_s"] = published.publish_s  # the send's own time, beside the next forward
+    run.state.flops.trainer_step(done.result.metrics)
+    write_record(run, record)
     return record
 
 

@@ -10,6 +10,10 @@ Both loops in learn.py go through here: the shared policy's `learn()` and each o
   step); then the buffer is told the published version, and only now, once every engine can
   load it, do admission and the max-lag rule count from it. It returns a `Trained`: the batch,
   the trainer's result, the publish, the version the batch was trained against and the times.
+  With trainer.publish_overlap the publish returns while its send goes on (`pending`): with
+  `overlap`, `train_step` returns then, the max-lag rule counts from the new version at once (the
+  next batch trains against it) and `Trained.finishing` tells the buffer the version when the send
+  ended (admission counts from there, as without overlap); without `overlap` it waits for the send.
 A failing trainer (in a step, a publish, a forward ahead or a checkpoint) ends the run with
 RunFailed naming the run folder to resume from and the last checkpoint (`trainer_failure`).
 """
@@ -42,7 +46,8 @@ class Trained:
     trained_on: int  # the policy_version the batch was trained against (its lag counts from it)
     t0: float  # the trainer's step began
     t1: float  # the step ended and the publish began
-    t2: float  # the publish ended
+    t2: float  # the publish ended (with a send left under way: its launch ended)
+    finishing: asyncio.Task[PublishResult] | None = None  # the send under way: the buffer is told when it ends
 
 
 async def take_batch(
@@ -81,11 +86,18 @@ async def until_stopped(
 
 
 async def train_step(
-    run: Run, trainer: TrainerClient, buffer: RolloutBuffer, groups: list[Group], step: int, policy: str = SHARED
+    run: Run,
+    trainer: TrainerClient,
+    buffer: RolloutBuffer,
+    groups: list[Group],
+    step: int,
+    policy: str = SHARED,
+    overlap: bool = False,
 ) -> Trained:
     """Train `groups` (from take_batch) on `trainer`, publish, settle each group once through
     `buffer`, then `buffer.step_done(published version)`. `step` and `policy` ('' the shared
-    policy, else the role with its own) name the step in a failure's message."""
+    policy, else the role with its own) name the step in a failure's message. `overlap`: a send
+    the publish left under way is not waited for (`Trained.finishing`, see the module docstring)."""
     t0 = now()
     with trainer_failure(run, step, policy):
         result = await trainer.step(groups)
@@ -96,8 +108,25 @@ async def train_step(
     for g in groups:
         buffer.settle(g, outcome)
     trained_on = buffer.policy_version
+    if not published.pending:
+        await buffer.step_done(published.policy_version)
+        return Trained(groups, result, published, trained_on, t0, t1, t2)
+    buffer.stepped(published.policy_version)
+    finishing = asyncio.create_task(finish_publish(run, trainer, buffer, step, policy), name="learn-publish")
+    if not overlap:
+        published = await finishing
+        return Trained(groups, result, published, trained_on, t0, t1, now())
+    return Trained(groups, result, published, trained_on, t0, t1, t2, finishing)
+
+
+async def finish_publish(
+    run: Run, trainer: TrainerClient, buffer: RolloutBuffer, step: int, policy: str = SHARED
+) -> PublishResult:
+    """Wait for the send under way, then tell the buffer its version: every engine can load it now."""
+    with trainer_failure(run, step, policy):
+        published = await trainer.published()
     await buffer.step_done(published.policy_version)
-    return Trained(groups, result, published, trained_on, t0, t1, t2)
+    return published
 
 
 @contextlib.contextmanager

@@ -185,6 +185,7 @@ class Trainer(BatchBuilder):
         )
         self.ahead = AheadForwards()
         self.compute: ComputeWeights | None = None  # bf16 copies refreshed per optimizer step (trainer/compute.py)
+        self.before_update: Callable[[], None] | None = None  # the worker waits for a send still reading the weights
         self.make_optimizer()
 
     def make_optimizer(self) -> None:
@@ -354,6 +355,8 @@ class Trainer(BatchBuilder):
         if not (loss_ok and torch.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             return 0, grad_norm, time.perf_counter() - t0
+        if self.before_update is not None:
+            self.before_update()
         self.optimizer.step()
         # autocast's cached casts of the weights are stale now: a later update of this batch in the same
         # autocast region would read the weights as they were before this step

@@ -39,9 +39,11 @@ steps on from that copy (the resume put it back as the live record, launch.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +132,14 @@ class TrainerWorker:
         if self.record is not None:
             self.record.touch()  # an empty record says "no step yet"; a missing one says nothing
         self.steps = 0  # steps taken, counted on from a checkpoint's record on resume
+        # trainer.publish_overlap: sends on one thread of their own; the next optimizer step waits for one
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="nonstop-publish")
+        self.sending: Future[PublishResult] | None = None
+        self.last_sent: PublishResult | None = None
+        self.sends = 0
+        self.send_wait_s = 0.0  # how long steps waited for an overlapped send (in the step's metrics)
+        self.span_due: dict[str, Any] | None = None
+        self.trainer.before_update = self._join_send
 
     def _precision(self) -> contextlib.ExitStack:
         """The context of every forward and backward: autocast in bfloat16 with the bf16 copies of the
@@ -195,8 +205,11 @@ class TrainerWorker:
 
     def step(self, groups: list[Group]) -> StepResult:
         t0, cpu0 = now(), time.process_time()
+        self.send_wait_s = 0.0
         with on(self.device), self._precision():
             metrics: dict[str, Any] = self.trainer.step(groups)
+        if self.trainer.cfg.publish_overlap:
+            metrics["publish_wait_s"] = self.send_wait_s  # the optimizer step's wait for the previous send
         t1, cpu_s = now(), time.process_time() - cpu0
         train_s = t1 - t0
         self.busy_s += train_s
@@ -246,26 +259,71 @@ class TrainerWorker:
 
     def publish(self, resend: bool = False) -> PublishResult:
         """Send the weights of the current policy_version unless the engines already have them
-        (`resend`: send them anyway, for an engine that replaced a dead one)."""
+        (`resend`: send them anyway, for an engine that replaced a dead one). With
+        trainer.publish_overlap the send goes on on the sender thread and the result says `pending`:
+        `published()` waits for it (the first send, a resend and data-parallel ranks stay inline)."""
+        self._join_send()
         t0 = now()
         version = self.trainer.policy_version
         sent = resend or version != self.published_version
-        if sent:
-            weights = self._publishable()
-            if self.sink is not None:
-                self.sink.publish(weights, version)
-                self.publish_bytes = self.sink.sent_bytes
-            else:  # a rank without the sink still takes part in every gather (FSDP2)
-                for _ in weights.named_parameters():
-                    pass
-            self.published_version = version
-        t1 = now()
-        publish_s = t1 - t0
-        self.busy_s += publish_s
-        if sent:
-            self.spans.emit("publish", t0=round(t0, 6), t1=round(t1, 6), version=version, bytes=self.publish_bytes)
         full = self.handle.total_bytes if self.handle is not None else 0
-        return PublishResult(version, publish_s, self.publish_bytes, full)
+        if not sent:
+            return PublishResult(version, now() - t0, self.publish_bytes, full)
+        weights = self._publishable()
+        self.published_version = version
+        if self.sink is not None and self._overlaps(resend):
+            # the first send re-homed the sent tensors into the transport's buffer: this one only reads them
+            self.sending = self.sender.submit(self._send, weights, version, t0, False)
+            launch_s = now() - t0
+            self.busy_s += launch_s
+            return PublishResult(version, launch_s, 0, full, pending=True)
+        return self._send(weights, version, t0, True)
+
+    def _overlaps(self, resend: bool) -> bool:
+        """Whether this publish sends on the sender thread."""
+        single = not isinstance(self.trainer, ParallelTrainer)
+        return self.trainer.cfg.publish_overlap and single and not resend and self.sends > 0
+
+    def _send(self, weights: torch.nn.Module, version: int, t0: float, inline: bool) -> PublishResult:
+        """The send itself, inline or on the sender thread; its result as `published()` reports it."""
+        if self.sink is not None:
+            self.sink.publish(weights, version)
+            self.publish_bytes = self.sink.sent_bytes
+        else:  # a rank without the sink still takes part in every gather (FSDP2)
+            for _ in weights.named_parameters():
+                pass
+        self.sends += 1
+        t1 = now()
+        span = {"t0": round(t0, 6), "t1": round(t1, 6), "version": version, "bytes": self.publish_bytes}
+        if inline:  # an overlapped send is not the trainer's wait; its span is written by the thread that joins it
+            self.busy_s += t1 - t0
+            self.spans.emit("publish", **span)
+        else:
+            self.span_due = span
+        full = self.handle.total_bytes if self.handle is not None else 0
+        self.last_sent = PublishResult(version, t1 - t0, self.publish_bytes, full)
+        return self.last_sent
+
+    def _join_send(self) -> None:
+        """Wait for the send on the sender thread, if one is under way: before anything writes the weights
+        it reads (an optimizer step) or reads the transport (another publish, a checkpoint, a checksum)."""
+        sending, self.sending = self.sending, None
+        if sending is not None:
+            t0 = now()
+            sending.result()  # a failed send raises here (TransportError names the peer and the version)
+            self.send_wait_s += now() - t0
+        if self.span_due is not None:
+            self.spans.emit("publish", overlapped=True, **self.span_due)
+            self.span_due = None
+
+    async def published(self) -> PublishResult:
+        """What the newest send cost, once it ended: engines can then load its version. At once when the
+        send was inline. An async call: it waits beside the trainer's next forward and step."""
+        sending = self.sending
+        if sending is not None:
+            return await asyncio.wrap_future(sending)
+        assert self.last_sent is not None or self.sends == 0
+        return self.last_sent or PublishResult(self.published_version, 0.0, 0, 0)
 
     def _publishable(self) -> torch.nn.Module:
         """What the transport sends: the bf16 copies where they are what travels (no second cast), else the
@@ -280,6 +338,7 @@ class TrainerWorker:
         """(policy_version, CRC32 of the current weights as the transport sends them): an engine that
         holds this version exactly reports the same from its own `weights_crc32`. Every rank takes
         part (FSDP2 gathers each parameter)."""
+        self._join_send()
         weights = self.trainer.publishable()
         named = sent_tensors(weights, self.lora) if self.lora is not None else weights.named_parameters()
         wire = {s.name: getattr(torch, s.dtype) for s in self.handle.layout} if self.handle is not None else {}
@@ -328,6 +387,7 @@ class TrainerWorker:
 
     def load_checkpoint(self, path: str) -> int:
         """Restore the state next to the weights this trainer was built from."""
+        self._join_send()
         state = torch.load(Path(path) / "trainer.pt", weights_only=False)
         t = self.trainer
         sharded = isinstance(t, ParallelTrainer) and t.mode == "fsdp2"
@@ -355,8 +415,12 @@ class TrainerWorker:
         return t.policy_version
 
     def close(self) -> None:
-        self.spans.close()
-        if self.sink is not None:
-            self.sink.close()
+        try:
+            self._join_send()  # a send under way ends before the transport closes
+        finally:
+            self.sender.shutdown(wait=False)
+            self.spans.close()
+            if self.sink is not None:
+                self.sink.close()
         if isinstance(self.trainer, ParallelTrainer):
             self.trainer.close()

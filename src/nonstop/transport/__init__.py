@@ -17,6 +17,7 @@ orchestrator, at the end of a run) frees what a dead trainer could not (a shm se
 - broadcast_source.py  its engine end (`BroadcastSource`): a receiver thread, re-pointed buffers;
 - groups.py     the broadcast transport's process groups: build (gloo or NCCL), deadlines, retire;
 - files.py      safetensors files and a version marker in a shared folder (`FilesSink`, `FilesSource`);
+- delta.py      weights sent as deltas (transport.delta, files and broadcast): the changed words only;
 - notify.py     HTTP long-poll version notification for the files transport (`VersionServer`,
                 `VersionWatcher`);
 - device.py     device paths: weights GPU to GPU (CUDA IPC for shm, NCCL for broadcast);
