@@ -11,6 +11,7 @@
 - ahead.py             `AheadForwards`: forwards run ahead of their step, graph kept, assembled at the step;
 - micro.py             `split()`: a batch cut into micro-batches of trainer.micro_batch_tokens forward tokens;
 - batch.py             `Batch`: a batch of groups as tensors, built by the Trainer's `BatchBuilder`;
+- compute.py           `ComputeWeights`: the bf16 step's weights, cast once per optimizer step (and published);
 - core.py              `Trainer`: one policy-gradient step on a batch of groups, then a new policy_version;
 - parallel.py          `ParallelTrainer`: M data-parallel ranks taking exactly the one-rank step;
 - worker.py            `TrainerWorker`: the trainer actor, owner of the sending end of the weight transport.
