@@ -123,6 +123,7 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
         ("engine", "logits"): 256 * 128 * (4 + 4),  # one pass of 256 rows: float32 logits (no copy), log-probs
         # one layer's decode attention: 256 rows x 9 positions x 2 query heads x 16, keys and values expanded
         ("engine", "attention temporaries"): 256 * 9 * 2 * 16 * 12,
+        ("engine", "prefix cache"): 256 * 9 // 8 * kv_per_token,  # an eighth of the KV cache by default
         ("engine", "runtime"): 300 * 1024**2,
         ("trainer", "weights"): params * 4,
         ("trainer", "grads"): params * 4,
@@ -138,7 +139,8 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
     }
     assert fitted.plan.total == sum(items.values())
     assert fitted.plan.limit == 48 * GIB
-    assert fitted.plan.planned("engine-0") == params * 4 + 256 * 9 * 128 + 256 * 128 * 8 + 256 * 9 * 32 * 12 + 300 * 2**20
+    kv = 256 * 9 * 128
+    assert fitted.plan.planned("engine-0") == params * 4 + kv + kv // 8 + 256 * 128 * 8 + 256 * 9 * 32 * 12 + 300 * 2**20
     record = fitted.plan.to_dict()
     assert record["fits"] and record["total_bytes"] == fitted.plan.total
     assert any(n.startswith("engine.max_seq_len: 9 (longest prompt 6") for n in record["resolved"])
@@ -221,12 +223,12 @@ def test_a_bf16_engine_receives_half_the_bytes_into_its_live_model(tiny_dir):
 
 def test_a_plan_over_the_memory_limit_is_refused_naming_the_field(tiny_dir):
     cfg, data = small_run(tiny_dir, "engine.max_concurrent_seqs=65536", "engine.max_seq_len=128")
-    # kv_cache 1.0 GiB + attention temporaries 3.0 GiB (65536 x 128 x 2 heads x 16 x 12 bytes) + logits 64 MiB
+    # kv_cache 1.0 GiB + prefix cache 128 MiB + attention temporaries 3.0 GiB (65536 x 128 x 2 heads x 16 x 12 bytes) + logits 64 MiB
     # (65536 rows x 128 x 8 bytes) + weights and runtimes
     with pytest.raises(ConfigError) as err:
         fit_run(cfg, data, machine=MachineMemory(total=2 * GIB, available=1 * GIB, source="a 1 GiB test machine"))
     assert str(err.value).startswith(
-        "engine.max_concurrent_seqs: the run's memory plan needs 5.0 GiB but 1.0 GiB is available (the machine's "
+        "engine.max_concurrent_seqs: the run's memory plan needs 5.2 GiB but 1.0 GiB is available (the machine's "
         "available memory, a 1 GiB test machine); the largest part is the engine's attention temporaries, 3.0 GiB "
         "(65536 rows x 128 positions x 2 heads x 16 x 12 bytes: one layer's keys and values expanded to the query "
         "heads, and its scores); lower engine.max_concurrent_seqs or engine.max_seq_len. Plan: engine x1"

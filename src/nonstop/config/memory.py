@@ -37,8 +37,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from nonstop.config import Config, ConfigError
-from nonstop.config.machine import GIB, MachineMemory
+from nonstop.config.kinds import device_path_of
+from nonstop.config.machine import GIB, MachineMemory, size
 from nonstop.config.shape import ModelShape
 from nonstop.config.sizing import (
     engine_dtype_bytes,
@@ -48,6 +51,7 @@ from nonstop.config.sizing import (
     vllm_dtype,
     wire_bytes,
 )
+from nonstop.trainer.losses import HEAD_CHUNK_POSITIONS
 
 RUNTIME_BYTES = 300 * 1024**2
 """One process's Python + torch + transformers (246 MiB RSS measured), rounded up."""
@@ -83,14 +87,6 @@ class Proc:
     @property
     def host_bytes(self) -> int:
         return sum(i.bytes for i in self.items if i.on_host)
-
-
-def size(n: float) -> str:
-    """Bytes for people: '1.4 MiB', '25.8 GiB'."""
-    for unit, scale in (("GiB", GIB), ("MiB", 1024**2)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 1024:.1f} KiB"
 
 
 @dataclass
@@ -164,8 +160,6 @@ class MemoryPlan:
 def _on_gpu(spec: str) -> bool:
     """Where a device setting puts a process (an impossible one fails in the actor, naming its field)."""
     if spec == "auto":
-        import torch
-
         return torch.cuda.is_available()
     return spec.startswith("cuda")
 
@@ -252,6 +246,16 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
         "lower engine.max_concurrent_seqs",
         on_host=not gpu,
     )
+    cached = e.prefix_cache_tokens if e.prefix_cache_tokens is not None else slots * seq // 8
+    if cached:
+        p.add(
+            "prefix cache",
+            cached * shape.kv_bytes_per_token(eb),
+            f"{cached:,} tokens x {shape.kv_formula(eb)}: prompt prefixes kept across groups",
+            "engine.prefix_cache_tokens",
+            "lower engine.prefix_cache_tokens (0: off)",
+            on_host=not gpu,
+        )
     if not gpu:
         # decode attention's temporaries, one layer at a time: torch's CPU kernel, given a mask, copies
         # every row's cached keys and values and expands them to the query heads (engine/runner.py), and
@@ -270,8 +274,6 @@ def _engine(cfg: Config, shape: ModelShape, name: str, count: int, sent: int, ma
         p.add("adapter base", base * eb, f"a copy of the {base:,} targeted params x {eb} bytes, merged into", *targets)
     wb = eb if merges else wire_bytes(cfg)
     if e.update_mode != "never_stop" or eb != wb or gpu:
-        from nonstop.config.kinds import device_path_of
-
         p.add(
             "staging",
             params * wb,
@@ -358,8 +360,6 @@ def _trainer(
         # chunk's logits, their gradient and the matmuls' operands on the way (d weight is summed in
         # place, in the autocast copy's dtype: the autocast copies item counts it); a chunk is
         # chunk rows x completion positions, at most HEAD_CHUNK_POSITIONS
-        from nonstop.trainer.losses import HEAD_CHUNK_POSITIONS
-
         logit_rows, logit_bytes, what = 3, tb, "logits"
         new = min(chunk * new, HEAD_CHUNK_POSITIONS)
     per = "micro-batch" if tokens < forward_tokens(cfg, shape, seq)[0] else "batch"
