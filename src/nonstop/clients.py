@@ -26,13 +26,21 @@ This module imports only neutral types, so neither side has to import the other.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from nonstop.config import TransportConfig
-from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
-
-if TYPE_CHECKING:  # names for annotations only: scoring is a layer above this module
-    from nonstop.scoring.calls import Kind, Outcome, RewardRow
+from nonstop.types import (
+    AheadResult,
+    GenerationRequest,
+    Group,
+    Outcome,
+    PublishResult,
+    RewardKind,
+    RewardRow,
+    Sample,
+    StepResult,
+    TransportHandle,
+)
 
 EngineStats = dict[str, float | int]  # one engine's counters: policy_version and the scheduler's stats
 SamplingState = dict[str, bytes]  # one engine's sampling generator state by device ('cpu', 'cuda'); {}: none kept
@@ -158,7 +166,7 @@ class TeacherClient(Client, Protocol):
 
 class RewardWorkerClient(Client, Protocol):
     async def evaluate(
-        self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow], timeout_s: float
+        self, kind: RewardKind, spec: str | Callable[..., Any], rows: list[RewardRow], timeout_s: float
     ) -> list[Outcome]:
         """One group's outcomes of the reward function `spec` (a name the worker resolves, or an
         importable callable) over `rows` (scoring/calls.py evaluate: a fault of the function is

@@ -1,8 +1,8 @@
 """Neutral message types shared by the generation side and the learning side.
 
-This module imports no model code and no torch: engines, trainers, the buffer and the
-orchestrator all speak in these types, so neither side needs to import the other. Messages
-cross process boundaries by pickling, so they hold plain Python lists, not tensors.
+This module imports no model code and no torch: engines, trainers, the buffer, the
+orchestrator and the scoring actors all speak in these types, so neither side needs to import the
+other. Messages cross process boundaries by pickling, so they hold plain Python lists, not tensors.
 
 Invariants of a `Sample`: `completion_ids`, `logprobs`, `versions` and `loss_mask` have one
 entry per completion token; `logprobs[t]` is the behaviour logprob log mu(a_t) of the
@@ -257,6 +257,36 @@ class Group:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.completion_ids) for s in self.samples)
+
+
+RewardKind = Literal["sample", "group", "steps"]
+"""How a reward function is called (scoring/calls.py): per sample, per group, or per step."""
+
+
+@dataclass(slots=True)
+class RewardRow:
+    """What a reward function may read about one sample (picklable: it travels to worker processes)."""
+
+    prompt: str
+    completion: str
+    answer: str
+    extra: dict[str, Any]
+    steps: list[str] | None = None
+    completion_ids: list[int] | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    """The row's chat messages when it gave them (TRL's conversational format): a TRL reward then
+    gets them as the prompt, and the completion as one assistant message."""
+
+
+@dataclass(slots=True)
+class Failure:
+    reason: str  # raised | not_finite | bad_output
+    message: str
+
+
+Outcome = float | list[float] | Failure | None
+"""A reward function's result for one sample: a float, one float per step (process rewards),
+None (not applicable), or a Failure saying why."""
 
 
 @dataclass(slots=True)

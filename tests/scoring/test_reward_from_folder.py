@@ -18,7 +18,7 @@ from support.cli import nonstop, small_model_args
 
 PROBE = """
 import asyncio, os, sys
-from nonstop.scoring.calls import RewardRow
+from nonstop.types import RewardRow
 from nonstop.scoring.pool import RewardWorker
 from nonstop.scoring.rewards import RewardError, resolve_reward
 

@@ -128,8 +128,9 @@ def test_a_slow_rewards_rows_run_side_by_side_and_a_cheap_ones_as_one_job():
     """PooledCalls: a group's rows go to the pool as one job until the function measures slower
     than SPLIT_ROW_S per row, then as one job per row on separate threads; a cheap function keeps
     one job per group. Outcomes stay in row order either way."""
-    from nonstop.scoring.calls import SPLIT_ROW_S, PooledCalls, RewardRow
+    from nonstop.scoring.calls import SPLIT_ROW_S, PooledCalls
     from nonstop.scoring.threads import DaemonThreads
+    from nonstop.types import RewardRow
 
     seen: dict[str, list[set[str]]] = {"slow": [], "cheap": []}
 
@@ -286,7 +287,8 @@ def test_calling_conventions_hold_for_callable_objects_builtins_and_repeated_cal
     """A function's parameters decide how it is called, at every call (the signature is inspected
     once per function): a callable object that does not hash, a builtin without a signature
     (called as fn(completion, answer)), and two functions of the same name but other parameters."""
-    from nonstop.scoring.calls import RewardRow, sample_call
+    from nonstop.scoring.calls import sample_call
+    from nonstop.types import RewardRow
 
     class Scorer:  # defines __eq__ without __hash__: unhashable
         def __eq__(self, other):

@@ -9,15 +9,23 @@ TimeoutError), so an `EngineActor` behaves the same on the local and the Ray bac
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from nonstop.clients import EngineStats, SamplingState, TokenSequence
 from nonstop.config import TransportConfig
 from nonstop.runtime.base import ActorHandle
-from nonstop.types import AheadResult, GenerationRequest, Group, PublishResult, Sample, StepResult, TransportHandle
-
-if TYPE_CHECKING:  # names for annotations only: scoring is a layer above the runtime
-    from nonstop.scoring.calls import Kind, Outcome, RewardRow
+from nonstop.types import (
+    AheadResult,
+    GenerationRequest,
+    Group,
+    Outcome,
+    PublishResult,
+    RewardKind,
+    RewardRow,
+    Sample,
+    StepResult,
+    TransportHandle,
+)
 
 
 class _OneActor:
@@ -143,7 +151,9 @@ class TeacherService(Protocol):
 class RewardWorkerService(Protocol):
     """The object inside a reward worker actor (scoring.pool process/auto): scoring/pool.py RewardWorker."""
 
-    async def evaluate(self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]: ...
+    async def evaluate(
+        self, kind: RewardKind, spec: str | Callable[..., Any], rows: list[RewardRow]
+    ) -> list[Outcome]: ...
 
     def close(self) -> None: ...
 
@@ -166,6 +176,6 @@ class RewardWorkerActor(_OneActor):
     """A RewardWorkerClient over one reward worker actor (a RewardWorkerService)."""
 
     async def evaluate(
-        self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow], timeout_s: float
+        self, kind: RewardKind, spec: str | Callable[..., Any], rows: list[RewardRow], timeout_s: float
     ) -> list[Outcome]:
         return await self.actor.call("evaluate", kind, spec, rows, timeout_s=timeout_s)

@@ -28,38 +28,13 @@ import math
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from nonstop.types import Failure, Outcome, RewardKind, RewardRow
 
 if TYPE_CHECKING:
     from nonstop.scoring.threads import DaemonThreads
-
-Kind = Literal["sample", "group", "steps"]
-
-
-@dataclass(slots=True)
-class Failure:
-    reason: str  # raised | not_finite | bad_output
-    message: str
-
-
-Outcome = float | list[float] | Failure | None  # list: one float per step (process rewards); None: not applicable
-
-
-@dataclass(slots=True)
-class RewardRow:
-    """What a reward function may read about one sample (picklable: it travels to worker processes)."""
-
-    prompt: str
-    completion: str
-    answer: str
-    extra: dict[str, Any]
-    steps: list[str] | None = None
-    completion_ids: list[int] | None = None
-    messages: tuple[dict[str, str], ...] | None = None
-    """The row's chat messages when it gave them (TRL's conversational format): a TRL reward then
-    gets them as the prompt, and the completion as one assistant message."""
 
 
 class WeightedRewards:
@@ -192,7 +167,7 @@ def check_batch(value: Any, n: int) -> list[Outcome]:
     return [check("sample", v, [], None) for v in value]
 
 
-def check(kind: Kind, value: Any, rows: list[RewardRow], row: RewardRow | None) -> Outcome:
+def check(kind: RewardKind, value: Any, rows: list[RewardRow], row: RewardRow | None) -> Outcome:
     """A returned value as an Outcome: finite floats of the expected count, else a Failure."""
     if kind == "sample":
         if value is None:
@@ -242,7 +217,7 @@ async def _batch_async(fn: Callable[..., Any], rows: list[RewardRow]) -> list[Ou
     return check_batch(value, len(rows))
 
 
-def _call_sync(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None) -> Outcome:
+def _call_sync(kind: RewardKind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None) -> Outcome:
     try:
         value = group_call(fn, rows) if row is None else sample_call(fn, row)
     except Exception as e:  # a user's reward function may raise anything
@@ -250,7 +225,9 @@ def _call_sync(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow], row: R
     return check(kind, value, rows, row)
 
 
-async def _call_async(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None) -> Outcome:
+async def _call_async(
+    kind: RewardKind, fn: Callable[..., Any], rows: list[RewardRow], row: RewardRow | None
+) -> Outcome:
     try:
         value = await (group_call(fn, rows) if row is None else sample_call(fn, row))
     except Exception as e:  # a user's reward function may raise anything
@@ -258,7 +235,7 @@ async def _call_async(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow],
     return check(kind, value, rows, row)
 
 
-def _sync_group(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+def _sync_group(kind: RewardKind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
     if isinstance(fn, WeightedRewards):
         return fn.combine([_sync_group(kind, f, rows) for f in fn.fns])
     if kind == "group":
@@ -268,12 +245,12 @@ def _sync_group(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> li
     return [_call_sync(kind, fn, rows, row) for row in rows]
 
 
-def _timed_group(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> tuple[list[Outcome], float]:
+def _timed_group(kind: RewardKind, fn: Callable[..., Any], rows: list[RewardRow]) -> tuple[list[Outcome], float]:
     t0 = time.perf_counter()
     return _sync_group(kind, fn, rows), time.perf_counter() - t0
 
 
-async def evaluate(kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+async def evaluate(kind: RewardKind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
     """Outcomes of one group, here on the loop: one per row, or one for the whole group (kind
     'group'). An async function's calls run concurrently; a sync function's one after another,
     blocking the loop (`PooledCalls` runs them in a pool of threads instead). A TRL reward is one
@@ -316,7 +293,7 @@ class PooledCalls:
     def splits(self, fn: Callable[..., Any]) -> bool:
         return self.seconds_per_row(fn) > SPLIT_ROW_S
 
-    async def __call__(self, kind: Kind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+    async def __call__(self, kind: RewardKind, fn: Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
         if _is_async(fn):
             return await evaluate(kind, fn, rows)
         # a group function and a TRL reward take all rows at once

@@ -30,8 +30,9 @@ from typing import Any, Generic, Protocol, TypeVar
 from nonstop.clients import Client, TokenSequence
 from nonstop.runtime.actor_clients import RewardModelActor, RewardWorkerActor, TeacherActor
 from nonstop.runtime.base import ActorBackend, ActorCallError, ActorDied, ActorHandle
-from nonstop.scoring.calls import Kind, Outcome, PooledCalls, RewardRow
+from nonstop.scoring.calls import PooledCalls
 from nonstop.scoring.threads import DaemonThreads
+from nonstop.types import Outcome, RewardKind, RewardRow
 
 
 class CallFailed(RuntimeError):
@@ -177,7 +178,7 @@ class RewardWorkerPool(ActorPool[RewardWorkerActor]):
         return RewardWorkerActor(actor)
 
     async def evaluate(
-        self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow], timeout_s: float
+        self, kind: RewardKind, spec: str | Callable[..., Any], rows: list[RewardRow], timeout_s: float
     ) -> list[Outcome]:
         return await self._on_least_loaded("evaluate", timeout_s, lambda a: a.evaluate(kind, spec, rows, timeout_s))
 
@@ -202,7 +203,7 @@ class RewardWorker:
         self.calls = PooledCalls(self.executor)
         self.fns: dict[str, Callable[..., Any]] = {}
 
-    async def evaluate(self, kind: Kind, spec: str | Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
+    async def evaluate(self, kind: RewardKind, spec: str | Callable[..., Any], rows: list[RewardRow]) -> list[Outcome]:
         key = spec if isinstance(spec, str) else repr(spec)
         fn = self.fns.get(key)
         if fn is None:

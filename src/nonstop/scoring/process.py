@@ -16,11 +16,10 @@ from typing import Any
 
 from nonstop.config.scoring import ProcessRewardConfig
 from nonstop.scoring.base import Contribution
-from nonstop.scoring.calls import RewardRow
 from nonstop.scoring.pool import CallFailed
 from nonstop.scoring.runners import Runner
 from nonstop.scoring.stage import TRANSIENT, rows_of
-from nonstop.types import Group
+from nonstop.types import Group, RewardRow
 
 
 def split_steps(text: str, delimiter: str) -> list[str]:

@@ -34,10 +34,11 @@ from typing import Any, Protocol
 
 from nonstop.config.scoring import ScoringConfig
 from nonstop.runtime.base import ActorBackend
-from nonstop.scoring.calls import Kind, Outcome, PooledCalls, RewardRow, evaluate
+from nonstop.scoring.calls import PooledCalls, evaluate
 from nonstop.scoring.pool import CallFailed, RewardWorker, RewardWorkerPool
 from nonstop.scoring.rewards import RewardError
 from nonstop.scoring.threads import DaemonThreads
+from nonstop.types import Outcome, RewardKind, RewardRow
 
 
 class Runner(Protocol):
@@ -45,7 +46,7 @@ class Runner(Protocol):
 
     async def run(
         self,
-        kind: Kind,
+        kind: RewardKind,
         spec: str | Callable[..., Any],
         fn: Callable[..., Any],
         rows: list[RewardRow],
@@ -63,7 +64,7 @@ class LoopRunner:
 
     async def run(
         self,
-        kind: Kind,
+        kind: RewardKind,
         spec: str | Callable[..., Any],
         fn: Callable[..., Any],
         rows: list[RewardRow],
@@ -85,7 +86,7 @@ class ThreadRunner:
 
     async def run(
         self,
-        kind: Kind,
+        kind: RewardKind,
         spec: str | Callable[..., Any],
         fn: Callable[..., Any],
         rows: list[RewardRow],
@@ -112,7 +113,7 @@ class ProcessRunner:
 
     async def run(
         self,
-        kind: Kind,
+        kind: RewardKind,
         spec: str | Callable[..., Any],
         fn: Callable[..., Any],
         rows: list[RewardRow],
@@ -154,7 +155,7 @@ class AutoRunner:
 
     async def run(
         self,
-        kind: Kind,
+        kind: RewardKind,
         spec: str | Callable[..., Any],
         fn: Callable[..., Any],
         rows: list[RewardRow],

@@ -24,11 +24,10 @@ from typing import Any
 
 from nonstop.config.scoring import ScoringConfig
 from nonstop.scoring.base import Contribution, ScoreComponent
-from nonstop.scoring.calls import Failure, Kind, Outcome, RewardRow
 from nonstop.scoring.pool import CallFailed
 from nonstop.scoring.rewards import RewardError
 from nonstop.scoring.runners import Runner
-from nonstop.types import Group, Sample
+from nonstop.types import Failure, Group, Outcome, RewardKind, RewardRow, Sample
 
 TRANSIENT = frozenset({"timeout", "worker_died"})
 
@@ -74,7 +73,7 @@ class FunctionComponent:
         runner: Runner,
         timeout_s: float,
         weight: float = 1.0,
-        kind: Kind = "sample",
+        kind: RewardKind = "sample",
     ) -> None:
         self.name, self.spec, self.fn, self.runner = name, spec, fn, runner
         self.timeout_s, self.weight, self.kind = timeout_s, weight, kind

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nonstop.scoring.calls import Failure, RewardRow, evaluate
+from nonstop.scoring.calls import evaluate
 from nonstop.scoring.rewards import exact_match
 from nonstop.tasks.data import Example
-from nonstop.types import GenerationRequest, Sample, SamplingParams
+from nonstop.types import Failure, GenerationRequest, RewardRow, Sample, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
