@@ -17,7 +17,7 @@ import pytest
 
 from nonstop.observe.timeline import GroupLife, Timeline
 from nonstop.planner.calibrate import admissions, engine_wake
-from nonstop.planner.model import Simulation, _Group
+from nonstop.planner.model import SimGroup, Simulation
 from nonstop.planner.params import PlanParams, Shape
 from support.helpers import two_step_timeline
 
@@ -57,16 +57,16 @@ def test_a_call_to_a_busy_engine_joins_three_boundaries_later_and_is_answered_a_
     the pass after that before the call's task sends the answer: 70 ms. An engine with nothing
     more to decode answers at once."""
     sim = Simulation(params(), SHAPE, seed=0)
-    sim.on_dispatch(_Group([20, 20, 20, 20]))
-    sim.at(0.015, "dispatch", _Group([2, 2, 2, 2]))
+    sim.on_dispatch(SimGroup([20, 20, 20, 20]))
+    sim.at(0.015, "dispatch", SimGroup([2, 2, 2, 2]))
     assert answered(sim, 0.1) == [pytest.approx(0.070)]
     assert answered(sim, 0.3) == [
         pytest.approx(0.070),
         pytest.approx(0.200),
     ]  # the long one: the engine is idle after it
     older = Simulation(params(pickup_passes=1, return_passes=0), SHAPE, seed=0)  # the loop as first modelled
-    older.on_dispatch(_Group([20, 20, 20, 20]))
-    older.at(0.015, "dispatch", _Group([2, 2, 2, 2]))
+    older.on_dispatch(SimGroup([20, 20, 20, 20]))
+    older.at(0.015, "dispatch", SimGroup([2, 2, 2, 2]))
     assert answered(older, 0.1) == [pytest.approx(0.050)]
 
 
@@ -89,7 +89,7 @@ def test_an_idle_engine_wakes_later_for_each_call_it_reads_first():
     in it (2 passes of 2 tokens, answered at once at 22 ms: nothing else to decode)."""
     sim = Simulation(params(wake_s=0.001, wake_call_s=0.00025), SHAPE, seed=0)
     for j in range(4):
-        sim.at(0.0001 * j, "dispatch", _Group([2, 2, 2, 2]))
+        sim.at(0.0001 * j, "dispatch", SimGroup([2, 2, 2, 2]))
     assert answered(sim, 0.1) == [pytest.approx(0.022)] * 4
 
 

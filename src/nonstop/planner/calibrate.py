@@ -24,7 +24,7 @@ from statistics import fmean, median
 from typing import TYPE_CHECKING
 
 from nonstop.planner.params import PlanParams, Shape
-from nonstop.planner.sharing import Interval, Sharing, _union, effective_cores, host_cores
+from nonstop.planner.sharing import Interval, Sharing, effective_cores, host_cores, union
 
 if TYPE_CHECKING:
     from nonstop.config import Config
@@ -133,7 +133,7 @@ def pauses(tl: Timeline) -> list[Interval]:
             took = (trains if e["ev"] == "step" else publishes).get(e["version"])
             if took is not None:
                 owed.append((e["t1"], took["t1"]))
-    owed = _union(owed)
+    owed = union(owed)
     return [(a, b) for a, b in zip(points, points[1:]) if b - a > PAUSE_S and union_length(owed, a, b) >= b - a - 1e-6]
 
 
@@ -316,7 +316,7 @@ def _send_cost(tl: Timeline, orch_busy: list[Interval], busy: list[list[Interval
         return 0.0
     lo, hi = waits[0]["t0"], waits[-1]["t0"]
     cpu = waits[-1]["cpu"] - waits[0]["cpu"]
-    ivs = [(max(a, lo), min(b, hi)) for a, b in _union(orch_busy) if b > lo and a < hi]
+    ivs = [(max(a, lo), min(b, hi)) for a, b in union(orch_busy) if b > lo and a < hi]
     wall = union_length(ivs)
     sharing = Sharing(busy, cores)
     work = sum(sharing.work(a, b) for a, b in ivs)

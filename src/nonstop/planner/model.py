@@ -32,20 +32,21 @@ from nonstop.planner.trainer_side import TrainerSide
 
 
 @dataclass
-class _Group:
+class SimGroup:
     lens: list[int]
     remaining: int = 0
     versions: Counter[int] = field(default_factory=Counter)
     min_version: int = 0
-    engine: _Engine | None = None  # the engine it was sent to
+    engine: SimEngine | None = None  # the engine it was sent to
 
 
 @dataclass
-class _Engine:
+class SimEngine:
     index: int
-    waiting: deque[_Group] = field(default_factory=deque)
+    waiting: deque[SimGroup] = field(default_factory=deque)
     arriving: list[list] = field(default_factory=list)  # [group, boundaries before it may join]: not yet submitted
-    rows: list[tuple[int, int, int, _Group]] = field(default_factory=list)  # heap of (end pass, id, start pass, group)
+    # heap of (end pass, id, start pass, group)
+    rows: list[tuple[int, int, int, SimGroup]] = field(default_factory=list)
     passes: int = 0  # passes completed
     version: int = 0
     marks: list[int] = field(default_factory=lambda: [0])  # pass index from which marks_v[i] holds
@@ -67,12 +68,12 @@ class Simulation(TrainerSide):
         self.events: list[tuple[float, int, str, object]] = []
         self.order = itertools.count()
         self.t = 0.0
-        self.engines = [_Engine(i) for i in range(shape.engines)]
+        self.engines = [SimEngine(i) for i in range(shape.engines)]
         self.admitted = self.refunded = self.steps = self.trained_groups = 0
         self.delivered = 0  # groups buffered for the trainer, less those it dropped for lag
         self.drop_rate = 0.0  # the buffer's moving average of scored groups dropped (refill_ahead)
-        self.queue: deque[_Group] = deque()
-        self.batch: list[_Group] = []
+        self.queue: deque[SimGroup] = deque()
+        self.batch: list[SimGroup] = []
         self.trainer_version = self.published = 0
         self.trainer_busy = False
         self.trainer_waiting = True
@@ -85,7 +86,7 @@ class Simulation(TrainerSide):
         self.step_speed = 1.0
         self.step_gen = 0
         self.orch_free = 0.0  # the orchestrator is busy until then
-        self.handling: list[_Group] = []  # finished groups in the orchestrator's current busy stretch
+        self.handling: list[SimGroup] = []  # finished groups in the orchestrator's current busy stretch
         self.until_pause = self.rng.random() * p.pause_every  # groups handled before its next pause
         self.samples_done: list[tuple[float, int]] = []
         self.lag: Counter[int] = Counter()
@@ -133,7 +134,7 @@ class Simulation(TrainerSide):
             free = max(self.t, self.orch_free)  # the producer runs when the event loop is free
             first = self.rng.choice(self.p.admit_delays) if self.p.admit_delays else self.p.admit_delay_s
             for j in range(k):  # one admission's calls are sent one after another, in one turn
-                self.at(free + first + j * self.p.admit_gap_s, "dispatch", _Group(self.sample_lens()))
+                self.at(free + first + j * self.p.admit_gap_s, "dispatch", SimGroup(self.sample_lens()))
             if self.p.send_s > 0:  # sending the calls keeps the event loop busy (the delays above include it)
                 self.orchestrate(self.p.send_s * k)
 
@@ -145,7 +146,7 @@ class Simulation(TrainerSide):
         lens = self.rng.choice(self.p.groups_lens)
         return list(lens) if len(lens) == g else [self.rng.choice(lens) for _ in range(g)]
 
-    def on_dispatch(self, g: _Group) -> None:
+    def on_dispatch(self, g: SimGroup) -> None:
         e = min(self.engines, key=lambda x: (x.in_flight, x.index))
         e.in_flight += len(g.lens)
         g.engine = e
@@ -161,7 +162,7 @@ class Simulation(TrainerSide):
             e.waiting.append(g)
         self.interrupt(e)
 
-    def on_deliver(self, g: _Group) -> None:
+    def on_deliver(self, g: SimGroup) -> None:
         dropped = self.rng.random() < self.p.drop_frac
         self.drop_rate += (float(dropped) - self.drop_rate) / self.s.prompts_per_step
         if dropped:
@@ -174,7 +175,7 @@ class Simulation(TrainerSide):
 
     # -- engines --------------------------------------------------------------------------
 
-    def interrupt(self, e: _Engine) -> None:
+    def interrupt(self, e: SimEngine) -> None:
         """Something changed for `e`: it re-plans at its next pass boundary (now, if idle)."""
         if e.end is None:
             if e.wake_at is None:  # a waking engine plans when it wakes
@@ -189,7 +190,7 @@ class Simulation(TrainerSide):
         e.end = boundary
         self.at(boundary, "engine", (e, e.gen, e.passes + done))
 
-    def on_wake(self, arg: tuple[_Engine, int]) -> None:
+    def on_wake(self, arg: tuple[SimEngine, int]) -> None:
         e, gen = arg
         if gen != e.gen:
             return  # another call reached it first: it reads that one too
@@ -204,7 +205,7 @@ class Simulation(TrainerSide):
         e.passes = passes
         self.plan(e)
 
-    def plan(self, e: _Engine) -> None:
+    def plan(self, e: SimEngine) -> None:
         finished = []
         while e.rows and e.rows[0][0] <= e.passes:
             _, _, start, g = heapq.heappop(e.rows)
@@ -252,16 +253,16 @@ class Simulation(TrainerSide):
         if was_idle:
             self.busy_changed(e)
 
-    def reads(self, e: _Engine) -> float:
+    def reads(self, e: SimEngine) -> float:
         """Cached positions the next decode pass of `e` reads (engine/blocks.py), its rows in
         descending length as the engine keeps them."""
         base = self.p.prompt_len + e.passes + 1
         return attention_reads(sorted((round(base - start) for _, _, start, _ in e.rows), reverse=True))
 
-    def on_returned(self, finished: list[_Group]) -> None:
+    def on_returned(self, finished: list[SimGroup]) -> None:
         self.returned(finished)
 
-    def returned(self, finished: list[_Group]) -> None:
+    def returned(self, finished: list[SimGroup]) -> None:
         """Finished groups' answers reach the orchestrator: it handles each, first come first served."""
         for g in finished:
             assert g.engine is not None  # sent before it finished
@@ -274,7 +275,7 @@ class Simulation(TrainerSide):
                 self.until_pause += self.p.pause_every
                 self.orchestrate(self.p.pause_s)
 
-    def join(self, e: _Engine) -> None:
+    def join(self, e: SimEngine) -> None:
         """Waiting groups whose rows fit join the batch at this pass boundary."""
         while e.waiting and len(e.rows) + len(e.waiting[0].lens) <= self.s.slots:
             g = e.waiting.popleft()
@@ -293,7 +294,7 @@ class Simulation(TrainerSide):
         )
         return max(1.0, busy / self.p.cores)
 
-    def busy_changed(self, source: _Engine | None = None) -> None:
+    def busy_changed(self, source: SimEngine | None = None) -> None:
         """An actor started or stopped: with shared cores every busy actor's pace changes."""
         if self.p.cores is None:
             return
@@ -321,7 +322,7 @@ class Simulation(TrainerSide):
             self.busy_changed()
 
     @staticmethod
-    def count_tokens(e: _Engine, g: _Group, start: int, end: int) -> None:
+    def count_tokens(e: SimEngine, g: SimGroup, start: int, end: int) -> None:
         """Tokens of one row, made at passes start..end-1, by the version live at each pass."""
         i = bisect.bisect_right(e.marks, start) - 1
         while start < end:

@@ -30,7 +30,7 @@ class Sharing:
         self.cores = cores
         edges: list[tuple[float, int]] = []
         for ivs in actors:
-            for a, b in _union(ivs):
+            for a, b in union(ivs):
                 edges += [(a, 1), (b, -1)]
         edges.sort()
         self.starts: list[float] = []
@@ -56,7 +56,8 @@ class Sharing:
         return done
 
 
-def _union(ivs: list[Interval]) -> list[Interval]:
+def union(ivs: list[Interval]) -> list[Interval]:
+    """The union of `ivs` as disjoint intervals in order (empty ones left out)."""
     out: list[Interval] = []
     for a, b in sorted(ivs):
         if out and a <= out[-1][1]:

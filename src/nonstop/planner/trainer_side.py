@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from nonstop.planner.params import PlanParams, Shape
 
 if TYPE_CHECKING:
-    from nonstop.planner.model import _Engine, _Group
+    from nonstop.planner.model import SimEngine, SimGroup
 
 
 class TrainerSide:
@@ -23,9 +23,9 @@ class TrainerSide:
     p: PlanParams
     s: Shape
     t: float
-    engines: list[_Engine]
-    queue: deque[_Group]
-    batch: list[_Group]
+    engines: list[SimEngine]
+    queue: deque[SimGroup]
+    batch: list[SimGroup]
     steps: int
     trained_groups: int
     delivered: int
@@ -52,7 +52,7 @@ class TrainerSide:
         def at(self, t: float, kind: str, arg: object = None) -> None: ...
         def admit(self) -> None: ...
         def orchestrate(self, cost: float) -> float: ...
-        def interrupt(self, e: _Engine) -> None: ...
+        def interrupt(self, e: SimEngine) -> None: ...
         def sharing(self) -> float: ...
 
     def take(self) -> None:

@@ -1,7 +1,7 @@
 """What the server records of an agent's episode, and how a request names one.
 
-`_Episode` is one episode as serve/episodes.py's `EpisodeRecorder` keeps it: its token trace
-(nonstop/token_trace.py) and the transcript a later request must extend. `_Group` is the
+`AgentEpisode` is one episode as serve/episodes.py's `EpisodeRecorder` keeps it: its token trace
+(nonstop/token_trace.py) and the transcript a later request must extend. `AgentGroup` is the
 episodes of one group id with its timeout, and `Turn` a request admitted into an episode.
 `episode_tag` reads a request's episode and group ids (headers `X-Episode-Id` / `X-Group-Id`,
 else the body's `episode_id` / `group_id`, which it removes from the body); `check_id` refuses
@@ -22,7 +22,7 @@ MAX_ID_CHARS = 200
 
 
 @dataclass
-class _Episode(TokenTrace):
+class AgentEpisode(TokenTrace):
     episode_id: str = ""
     group_id: str = ""
     by_text: bool = False  # the transcript is compared as text (else as token ids)
@@ -35,7 +35,7 @@ class _Episode(TokenTrace):
 
 
 @dataclass
-class _Group:
+class AgentGroup:
     group_id: str
     episodes: list[str] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nonstop.serve.episode_record import EPISODE_HEADER, GROUP_HEADER, Turn, _Episode, _Group, check_id
+from nonstop.serve.episode_record import EPISODE_HEADER, GROUP_HEADER, AgentEpisode, AgentGroup, Turn, check_id
 from nonstop.serve.validation import BadRequest
 from nonstop.types import Group, Sample
 
@@ -56,8 +56,8 @@ class EpisodeRecorder:
         self.tokenizer, self.group_size = tokenizer, group_size
         self.episode_timeout_s, self.max_open_episodes = episode_timeout_s, max_open_episodes
         self.log_path, self.on_drop = log_path, on_drop
-        self.episodes: dict[str, _Episode] = {}
-        self.groups: dict[str, _Group] = {}
+        self.episodes: dict[str, AgentEpisode] = {}
+        self.groups: dict[str, AgentGroup] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()  # episode id -> how it ended
         self.finished_groups: OrderedDict[str, None] = OrderedDict()
         # holds at most max_open_episodes // group_size groups: they count against the cap until taken
@@ -166,9 +166,9 @@ class EpisodeRecorder:
             )
         prompt = list(first_ids() if first_ids is not None else ids or [])
         if group is None:
-            group = self.groups[group_id] = _Group(group_id)
+            group = self.groups[group_id] = AgentGroup(group_id)
         group.episodes.append(episode_id)
-        ep = self.episodes[episode_id] = _Episode(
+        ep = self.episodes[episode_id] = AgentEpisode(
             prompt_ids=prompt, episode_id=episode_id, group_id=group_id, by_text=text is not None, transcript=text or ""
         )
         ep.busy = True
@@ -328,7 +328,7 @@ class EpisodeRecorder:
                 f"reward and the group saw no request for {self.episode_timeout_s:g} s (agents.episode_timeout_s)"
             )
 
-    def _deliver(self, group: _Group) -> None:
+    def _deliver(self, group: AgentGroup) -> None:
         if group.timer is not None:
             group.timer.cancel()
         del self.groups[group.group_id]
