@@ -9,12 +9,12 @@ content type and body against it), and a client generator can read it.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from nonstop import __version__
 from nonstop.serve import responses as r
 from nonstop.serve.schema import ChatRequest, CompletionRequest, GenerateRequest
 
@@ -159,7 +159,7 @@ def openapi(
         "openapi": "3.1.0",
         "info": {
             "title": f"nonstop serve: {model_name}",
-            "version": __version__,
+            "version": version("nonstop"),  # the installed package's (pyproject.toml)
             "description": "An OpenAI-compatible server over nonstop's engine. Every choice carries the `nonstop` "
             "extension: the engine's token ids, behaviour logprobs and the policy_version of each token.",
         },
