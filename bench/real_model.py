@@ -185,7 +185,8 @@ def run_default_batch(folder: Path, new_tokens: int | None = None, steps: int = 
     tokens = "resolved" if new_tokens is None else new_tokens
     print(f"\ndefault batch (32 x 8, max_new_tokens {tokens}), exit {proc.returncode}, {steps_done} steps:")
     for role, b in sorted(peaks.items()):
-        print(f"  {role:>12}: peak {b / 1024**3:5.2f} GiB unique of a planned {planned.get(role, 0) / 1024**3:5.2f} GiB")
+        plan_gib = planned.get(role, 0) / 1024**3
+        print(f"  {role:>12}: peak {b / 1024**3:5.2f} GiB unique of a planned {plan_gib:5.2f} GiB")
     print(f"  {'all':>12}: peak {peak_total / 1024**3:5.2f} GiB of a planned {plan['total_bytes'] / 1024**3:5.2f} GiB")
     print("  (a process: its unique pages; all: every process's proportional set, shared pages once)")
     return {
@@ -260,8 +261,8 @@ def trl_child(out: Path, seed: int, minutes: float, lr: float) -> None:
         engine = TorchEngine(judge, stops, tok.pad_token_id, settings=settings)
         params = SamplingParams(MAX_NEW_TOKENS, 0.0)
         got = engine.generate([GenerationRequest(i, ids, 1, params) for i, ids in enumerate(held_ids)])
-        answers = [tok.decode(g[0].completion_ids, skip_special_tokens=True) for g in got]
-        return sum(last_number(a, r["answer"]) for a, r in zip(answers, held)) / len(held)
+        answers = [str(tok.decode(g[0].completion_ids, skip_special_tokens=True)) for g in got]
+        return sum((last_number(a, str(r["answer"])) for a, r in zip(answers, held)), 0.0) / len(held)
 
     args = GRPOConfig(
         output_dir=str(out.parent / f"trl-s{seed}"),

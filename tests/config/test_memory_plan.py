@@ -140,7 +140,9 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
     assert fitted.plan.total == sum(items.values())
     assert fitted.plan.limit == 48 * GIB
     kv = 256 * 9 * 128
-    assert fitted.plan.planned("engine-0") == params * 4 + kv + kv // 8 + 256 * 128 * 8 + 256 * 9 * 32 * 12 + 300 * 2**20
+    assert (
+        fitted.plan.planned("engine-0") == params * 4 + kv + kv // 8 + 256 * 128 * 8 + 256 * 9 * 32 * 12 + 300 * 2**20
+    )
     record = fitted.plan.to_dict()
     assert record["fits"] and record["total_bytes"] == fitted.plan.total
     assert any(n.startswith("engine.max_seq_len: 9 (longest prompt 6") for n in record["resolved"])
