@@ -225,8 +225,8 @@ def test_a_bf16_engine_receives_half_the_bytes_into_its_live_model(tiny_dir):
 
 def test_a_plan_over_the_memory_limit_is_refused_naming_the_field(tiny_dir):
     cfg, data = small_run(tiny_dir, "engine.max_concurrent_seqs=65536", "engine.max_seq_len=128")
-    # kv_cache 1.0 GiB + prefix cache 128 MiB + attention temporaries 3.0 GiB (65536 x 128 x 2 heads x 16 x 12 bytes) + logits 64 MiB
-    # (65536 rows x 128 x 8 bytes) + weights and runtimes
+    # kv_cache 1.0 GiB + prefix cache 128 MiB + attention temporaries 3.0 GiB (65536 x 128 x 2 heads x 16
+    # x 12 bytes) + logits 64 MiB (65536 rows x 128 x 8 bytes) + weights and runtimes
     with pytest.raises(ConfigError) as err:
         fit_run(cfg, data, machine=MachineMemory(total=2 * GIB, available=1 * GIB, source="a 1 GiB test machine"))
     assert str(err.value).startswith(
