@@ -16,12 +16,21 @@ mounted at /sys/fs/cgroup itself, the files at that root are the container's. A 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 GIB = 1024**3
 NO_LIMIT = 2**62
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def size(n: float) -> str:
+    """Bytes for people: '1.4 MiB', '25.8 GiB'."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
 
 
 @dataclass(frozen=True)
@@ -101,8 +110,6 @@ def _limit() -> tuple[int, int, str] | None:
 
 def machine_memory() -> MachineMemory:
     """The run's memory now (see the module docstring)."""
-    import os
-
     info = parse_counters(_read(Path("/proc/meminfo")) or "")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     free = info["MemAvailable"] * 1024 if "MemAvailable" in info else ram

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nonstop.config import Config, ConfigError
-from nonstop.config.machine import GIB, MachineMemory, machine_memory
-from nonstop.config.memory import VLLM_BYTES, MemoryPlan, plan_memory, size
+from nonstop.config.machine import GIB, MachineMemory, machine_memory, size
+from nonstop.config.memory import VLLM_BYTES, MemoryPlan, plan_memory
 from nonstop.config.preflight import resolve_model_path
 from nonstop.config.shape import ModelShape
 from nonstop.config.sizing import loaded_model_defaults, size_run, vllm_dtype

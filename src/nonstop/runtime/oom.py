@@ -23,7 +23,7 @@ import os
 import signal
 from collections.abc import Callable, Iterable
 
-from nonstop.config.machine import oom_kills
+from nonstop.config.machine import oom_kills, size
 
 _plan: Callable[[str], int | None] | None = None
 
@@ -37,8 +37,6 @@ def _planned(name: str) -> str:
     nbytes = _plan(name) if _plan is not None else None
     if nbytes is None:
         return ""
-    from nonstop.config.memory import size
-
     return f"planned: {size(nbytes)}; "
 
 
