@@ -37,11 +37,15 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import multiprocessing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rich.console import Console
+
 from nonstop.config import Config, ConfigError, load_config
+from nonstop.orchestrator.launch import run_training
 from nonstop.scoring.calls import WeightedRewards, takes_batch
 from nonstop.scoring.rewards import RewardError, RewardFn, resolve_reward
 from nonstop.tasks.data import (
@@ -209,12 +213,6 @@ def train(
     progress: Literal["auto", "rich", "plain", "off"] | None = None,
 ) -> RunSummary:
     """Run asynchronous GRPO from Python and return its RunSummary (see the module docstring)."""
-    import multiprocessing
-
-    from rich.console import Console
-
-    from nonstop.orchestrator.launch import run_training
-
     if multiprocessing.parent_process() is not None:
         # actor processes are started with 'spawn', which imports the caller's script again
         raise RuntimeError(

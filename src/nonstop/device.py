@@ -51,6 +51,7 @@ from collections.abc import Iterator
 from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 
 from nonstop.config import ConfigError
 
@@ -141,8 +142,6 @@ def on(device: torch.device) -> Iterator[None]:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
     """F.scaled_dot_product_attention, through float32 on the CPU where it would run in half precision."""
-    import torch.nn.functional as F
-
     if q.device.type == "cpu":
         autocast = torch.is_autocast_enabled("cpu")
         if autocast or any(t.dtype in (torch.bfloat16, torch.float16) for t in (q, k, v)):

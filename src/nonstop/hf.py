@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 if TYPE_CHECKING:
     from peft import PeftModel
-    from transformers import PreTrainedModel
 
 CausalLM: TypeAlias = "PreTrainedModel | PeftModel"
 """A causal language model as trainers hold it: a transformers model, or a peft model around one."""
@@ -27,30 +28,22 @@ CausalLM: TypeAlias = "PreTrainedModel | PeftModel"
 def quiet_transformers() -> None:
     """Silence per-load progress bars and advisory warnings in worker output."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers.utils import logging as hf_logging
-
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     quiet_transformers()
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 def load_tokenizer(path: str):
     quiet_transformers()
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(path)
 
 
 def max_positions(path: str | Path) -> int:
     """The longest sequence the model at `path` supports, from its config alone."""
-    from transformers import AutoConfig
-
     return int(AutoConfig.from_pretrained(str(path)).max_position_embeddings)
 
 
@@ -87,8 +80,6 @@ def turn_end_ids(tokenizer: Any) -> list[int]:
 
 def generation_eos_ids(path: str | Path) -> list[int]:
     """The EOS ids of the folder's generation_config.json ([] when it has none)."""
-    from transformers import GenerationConfig
-
     try:
         eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
     except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS is all there is

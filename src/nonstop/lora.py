@@ -105,6 +105,7 @@ class MergedAdapters:
 def wrap_with_peft(model: PreTrainedModel, cfg: LoraConfig, adapter_dir: str | None = None) -> PeftModel:
     """Trainer side: a peft model whose only trainable parameters are the adapters, freshly
     initialised or loaded from a peft adapter folder (a checkpoint's `model/`)."""
+    # optional: peft, the lora extra (model.lora)
     from peft import LoraConfig as PeftLoraConfig
     from peft import PeftModel, get_peft_model
 
@@ -125,7 +126,7 @@ def wrap_with_peft(model: PreTrainedModel, cfg: LoraConfig, adapter_dir: str | N
 
 def adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Trainer side: (name, parameter) of every adapter tensor, named as `MergedAdapters` names them."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # optional: peft, the lora extra
 
     tuner: Any = peft_model.base_model  # a peft model's tuner, found by name (nn.Module types it Tensor | Module)
     out: list[tuple[str, torch.Tensor]] = []

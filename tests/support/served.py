@@ -30,7 +30,7 @@ def served_versions(model_dir: Path) -> tuple[int, list[int]]:
 
     from nonstop.config import load_config
     from nonstop.hf import load_tokenizer
-    from nonstop.serve import build_engine
+    from nonstop.serve.command import build_engine
 
     tok = load_tokenizer(str(model_dir))
 

@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 
 from nonstop.config import ConfigError
+from nonstop.models.gguf import ModelFetchError, gguf_folder
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -54,6 +55,7 @@ def check_folder(folder: Path, field: str = "model.path") -> Path:
 
 
 def _download(repo: str, local_only: bool) -> str:
+    # start-up: the hub's client only when a hub id is looked up (the command line imports this module)
     from huggingface_hub import snapshot_download
 
     return snapshot_download(repo, allow_patterns=MODEL_FILES, local_files_only=local_only)
@@ -64,8 +66,6 @@ ANNOUNCED: set[str] = set()
 
 
 def gguf_model_folder(path: str, field: str) -> Path:
-    from nonstop.models.gguf import ModelFetchError, gguf_folder
-
     try:
         folder, made = gguf_folder(path)
     except ModelFetchError as e:
@@ -99,7 +99,8 @@ def resolve_model_path(path: str, hub_timeout_s: float = 15.0, field: str = "mod
             f"{field}: {path!r} is not a local folder and not in the Hugging Face cache, and offline "
             "mode is on (HF_HUB_OFFLINE): download it first or give a local folder"
         )
-    # imported here, not in the thread: `hub_timeout_s` bounds the hub's silence, not a slow import
+    # start-up: as in _download; and here, not in the thread: `hub_timeout_s` bounds the hub's
+    # silence, not a slow import
     from huggingface_hub import HfApi
 
     result: dict[str, object] = {}

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 
 from nonstop.config import Config, EngineConfig
 from nonstop.config.actors import TINY_MODEL_LR
+from nonstop.config.machine import machine_memory
 from nonstop.config.shape import ModelShape
+from nonstop.device import dtype_name, resolve_device, resolve_dtype
 
 DEFAULT_SLOTS = 256
 """engine.max_concurrent_seqs when unset and the KV budget allows it."""
@@ -178,8 +180,6 @@ def engine_limits(
     if settings.max_concurrent_seqs is not None:
         return seq_len, settings.max_concurrent_seqs
     if memory_bytes is None:
-        from nonstop.config.machine import machine_memory
-
         memory_bytes = machine_memory().total
     budget = settings.kv_cache_fraction * memory_bytes / engines
     return seq_len, engine_slots(seq_len, kv_bytes_per_token, budget, at_least)
@@ -222,8 +222,6 @@ def _dtype_bytes(spec: str | None, device: str, field: str) -> int:
     """Bytes per element of `spec` as the actor resolves it (device.resolve_dtype): None and auto are
     asked of the actor's device here too; an explicit dtype needs no device."""
     if spec is None or spec == "auto":
-        from nonstop.device import resolve_device, resolve_dtype
-
         return resolve_dtype(spec, resolve_device(device, field.split(".")[0] + ".device"), field).itemsize
     return 4 if spec == "float32" else 2
 
@@ -248,8 +246,6 @@ def wire_dtype(cfg: Config) -> str:
         return spec
     if cfg.engine.kind != "builtin" or cfg.model.lora.enabled:
         return "float32"
-    from nonstop.device import dtype_name, resolve_device, resolve_dtype
-
     device = resolve_device(cfg.engine.device, "engine.device")
     if device.type != "cpu":
         return "float32"
@@ -286,8 +282,6 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
             trainer = trainer.model_copy(update={"precision": "auto"})
             notes.append(f"trainer.precision: auto ({loaded}: bfloat16 autocast where the trainer's device has it)")
         if engine.kind == "vllm" and engine.vllm.dtype is None:  # as the built-in engine's auto resolves
-            from nonstop.device import dtype_name, resolve_device, resolve_dtype
-
             device = resolve_device(engine.device, "engine.device")
             dtype = dtype_name(resolve_dtype("auto", device, "engine.vllm.dtype"))
             engine = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"dtype": dtype})})

@@ -22,6 +22,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from nonstop.config import ConfigError
 from nonstop.envs.base import Step, Tool
 from nonstop.tasks.data import Example
 
@@ -33,23 +34,17 @@ DEMO_RIGHT = 0.3
 
 @functools.cache
 def _dataset(name: str, size: int, seed: int, options: tuple[tuple[str, Any], ...] = ()) -> Any:
-    try:
+    try:  # optional: the reasoning-gym extra
         import reasoning_gym
     except ImportError:
-        from nonstop.config import ConfigError
-
         raise ConfigError(
             f"env.name: {PREFIX}{name} needs reasoning-gym: pip install 'nonstop[reasoning-gym]'"
         ) from None
     if name not in reasoning_gym.factory.DATASETS:
-        from nonstop.config import ConfigError
-
         raise ConfigError(f"env.name: reasoning-gym has no dataset {name!r}")
     try:
         return reasoning_gym.create_dataset(name, size=size, seed=seed, **dict(options))
     except TypeError as e:  # an option the dataset's config does not have
-        from nonstop.config import ConfigError
-
         raise ConfigError(f"env.task_options: reasoning-gym dataset {name!r}: {e}") from None
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import random
 from collections.abc import Callable
+from types import ModuleType
 
 from nonstop.config import ConfigError, EnvConfig
 from nonstop.config.specs import import_callable
@@ -54,6 +55,20 @@ DEMOS: dict[str, Demo] = {"guess_number": guess.demo, "calculator": calculator.d
 """Built-in transcripts of a weak player, for the supervised warm-up (envs/warmup.py)."""
 
 
+def _textarena() -> ModuleType:
+    # optional: the textarena extra (the module raises a ConfigError naming it where it is missing)
+    from nonstop.envs import textarena_env
+
+    return textarena_env
+
+
+def _verifiers() -> ModuleType:
+    # optional: the verifiers extra (imported only by a run whose env.name is verifiers/...)
+    from nonstop.envs import verifiers_env
+
+    return verifiers_env
+
+
 def _resolve(name: str, field: str, cfg: EnvConfig | None = None) -> Callable[[], object]:
     if name in _BUILTIN:
         return _BUILTIN[name]
@@ -63,9 +78,7 @@ def _resolve(name: str, field: str, cfg: EnvConfig | None = None) -> Callable[[]
             "not as an environment of another run (e.g. env.eval_name)"
         )
     if name.startswith(TEXTARENA):
-        from nonstop.envs import textarena_env
-
-        return textarena_env.factory(name)
+        return _textarena().factory(name)
     if name.startswith(reasoning_gym.PREFIX):
         task = _reasoning_gym_task(name, cfg)
         return lambda: reasoning_gym.ReasoningGymEnv(task)
@@ -101,12 +114,9 @@ def demo_of(cfg: EnvConfig) -> Demo | None:
         answers = [r.answer for r in data.train]
         return lambda row, rng, max_turns: reasoning_gym.demo(row, rng, max_turns, answers)
     if cfg.name.startswith(VERIFIERS):
-        from nonstop.envs.verifiers_env import demo
-
-        return demo(cfg)  # a taskset's own `demo` method, when it has one
+        return _verifiers().demo(cfg)  # a taskset's own `demo` method, when it has one
     if cfg.name.startswith(TEXTARENA):
-        from nonstop.envs import textarena_env
-
+        textarena_env = _textarena()
         game = cfg.name.removeprefix(TEXTARENA)
         if game not in textarena_env.WEAK_PLAYERS or textarena_env.players(game) != 1:
             return None
@@ -132,12 +142,9 @@ def eval_name(cfg: EnvConfig) -> str:
 def builtin_task(cfg: EnvConfig) -> TaskData | None:
     """Train and held-out rows of a built-in environment or a task source; None for a custom one."""
     if cfg.name.startswith(VERIFIERS):
-        from nonstop.envs.verifiers_env import task_data
-
-        return task_data(cfg)
+        return _verifiers().task_data(cfg)
     if cfg.name.startswith(TEXTARENA):
-        from nonstop.envs import textarena_env
-
+        textarena_env = _textarena()
         game = cfg.name.removeprefix(TEXTARENA)
         return TaskData(
             textarena_env.rows(game, cfg.train_rows, 1),

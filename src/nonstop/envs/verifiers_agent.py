@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 import tempfile
 import weakref
 from collections import Counter
@@ -291,8 +292,6 @@ class AgentPlayer:
 
 
 def _remove(root: Path) -> None:
-    import shutil
-
     shutil.rmtree(root, ignore_errors=True)
 
 

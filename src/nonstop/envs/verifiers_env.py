@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import itertools
 from collections import Counter
 from typing import Any
@@ -220,8 +221,6 @@ MODEL = "nonstop"
 
 
 def _factory(name: str) -> Any:
-    import importlib
-
     module_name, sep, attr = name.removeprefix(PREFIX).partition(":")
     if not sep:
         raise ConfigError(
@@ -341,6 +340,7 @@ def player(cfg: EnvConfig, renderer_model: str | None) -> Any:
     own `Agent.run` (envs/verifiers_agent.py `AgentPlayer`), which a taskset with tools needs."""
     train, held = taskset_tasks(cfg.name, cfg.train_rows, cfg.eval_rows)
     if cfg.verifiers_rollout == "agent":
+        # cycle: verifiers_agent.py builds on this module (its episode result, model name, versions key)
         from nonstop.envs.verifiers_agent import AgentPlayer
 
         return AgentPlayer(train + held, renderer_model, taskset(cfg.name))

@@ -39,6 +39,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 from openai import AsyncOpenAI
 from verifiers.v1.clients import ModelContext
+from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harnesses.null.harness import NullHarness
 from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
 from verifiers.v1.runtimes import ProgramResult, Runtime
@@ -172,8 +173,6 @@ class InProcessChatHarness(NullHarness):
         data: TaskData,
         tool_interception_url: str | None = None,
     ) -> ProgramResult:
-        from verifiers.v1.dialects.chat import message_to_wire
-
         system_prompt, prompt = self.resolve_prompt(data)
         wire = prompt if isinstance(prompt, str) or prompt is None else [message_to_wire(m) for m in prompt]
         args = program_args(endpoint, secret, ctx.model, system_prompt, tool_interception_url)

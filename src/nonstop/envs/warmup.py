@@ -27,7 +27,8 @@ from nonstop.config import Config, ConfigError
 from nonstop.envs.registry import DEMOS, builtin_task, demo_of
 from nonstop.hf import load_model, load_tokenizer, quiet_transformers
 from nonstop.tasks.base import shipped_dir
-from nonstop.tasks.warmup import save_atomically
+from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
+from nonstop.tasks.warmup import save_atomically, warmup_seed
 
 BATCH, LR = 64, 3e-3
 STEPS = {"guess_number": 150, "nim": 150, "calculator": 600, "reasoning_gym": 150, "verifiers": 600, "textarena": 800}
@@ -151,9 +152,6 @@ def env_base(cfg: Config, log: Callable[[str], None] = print, steps: int | None 
         return folder
     quiet_transformers()
     if kind == "textarena":  # a fresh tiny model of model.tiny's shape: positions for a game's long messages
-        from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
-        from nonstop.tasks.warmup import warmup_seed
-
         start_name = "init"
         model, tokenizer = make_tiny_model(cfg.model.tiny, warmup_seed(cfg)), make_char_tokenizer()
     else:

@@ -47,7 +47,7 @@ def sha256_of(path: Path, block: int = 1 << 20) -> str:
 
 
 def _require_gguf() -> None:
-    try:
+    try:  # optional: the gguf extra
         import gguf  # noqa: F401
     except ImportError as e:
         raise ModelFetchError(
@@ -58,6 +58,8 @@ def _require_gguf() -> None:
 def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> Path:
     """Dequantize `gguf_path` into a model folder at `out_dir` (replaced atomically); returns it."""
     _require_gguf()
+    # start-up: config/preflight.py and the command line import this module; transformers (and
+    # torch, through nonstop.hf) only when a file is converted
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from nonstop.hf import quiet_transformers

@@ -30,6 +30,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
+from nonstop.config import DoctorConfig
+from nonstop.observe.doctor import Context, diagnose, read_records
 from nonstop.observe.timeline import Interval, Timeline
 
 if TYPE_CHECKING:
@@ -53,12 +57,12 @@ class ReportError(RuntimeError):
 
 
 def _plt():
-    try:
+    try:  # optional: the report extra
         import matplotlib
     except ImportError:
         raise ReportError("nonstop report needs matplotlib: pip install 'nonstop[report]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # no display here; set before pyplot is imported
+    import matplotlib.pyplot as plt  # optional: the report extra, found above
 
     return plt
 
@@ -240,8 +244,6 @@ def _facts(tl: Timeline, run_dir: Path) -> list[tuple[str, str]]:
     ]
     cfg_path = run_dir / "config.yaml"
     if cfg_path.exists():
-        import yaml
-
         cfg = yaml.safe_load(cfg_path.read_text())
         facts.append(("buffer", ", ".join(f"{k} {v}" for k, v in cfg.get("buffer", {}).items())))
         r = cfg.get("rollout", {})
@@ -258,16 +260,10 @@ def _facts(tl: Timeline, run_dir: Path) -> list[tuple[str, str]]:
 def doctor_findings(run_dir: Path, tl: Timeline | None = None) -> list[dict[str, Any]] | None:
     """The run doctor's findings: summary.json's, else diagnosed from metrics.jsonl and config.yaml
     (a run still going, or one that stopped early); None when the doctor was off."""
-    from nonstop.observe.doctor import Context, diagnose, read_records
-
     summary_path, cfg_path = run_dir / "summary.json", run_dir / "config.yaml"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     if summary.get("doctor") is not None:
         return summary["doctor"]["findings"] if summary["doctor"]["enabled"] else None
-    import yaml
-
-    from nonstop.config import DoctorConfig
-
     tree = (yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.exists() else {}
     cfg = DoctorConfig.model_validate(tree.get("doctor") or {})
     if not cfg.enabled:

@@ -63,6 +63,7 @@ def now() -> float:
 
 def host_cpus(cfg: Config) -> dict[str, Any]:
     """`rl_start`'s record of the processors the actors share (see the module docstring)."""
+    # start-up: torch only here; `nonstop report` reads spans through this module without it
     from nonstop.device import resolve_device
 
     cpu = all(

@@ -18,6 +18,7 @@ A tracker that cannot be imported fails the run at start with the pip command th
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -53,8 +54,6 @@ def scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 def _need(module: str, extra: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -64,7 +63,7 @@ def _need(module: str, extra: str):
 class TensorBoardTracker:
     def __init__(self, run_dir: Path, name: str, config: dict[str, Any]) -> None:
         _need("tensorboard", "tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: the tensorboard extra, found above
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 

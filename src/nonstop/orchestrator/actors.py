@@ -27,6 +27,7 @@ from typing import Any
 from nonstop.clients import EngineClient, TrainerClient
 from nonstop.config import Config, FilesTransportConfig
 from nonstop.config.sizing import wire_dtype
+from nonstop.engine.vllm_engine import VllmEngineWorker
 from nonstop.engine.worker import EngineWorker
 from nonstop.hf import stop_token_ids
 from nonstop.observe.consumed import TRAINED
@@ -61,8 +62,6 @@ async def spawn_engine(
     """Engine i of `runtime.max_engines`, named `prefix` (a policy of env.policies has its own)."""
     worker: type = EngineWorker
     if cfg.engine.kind == "vllm":
-        from nonstop.engine.vllm_engine import VllmEngineWorker  # vLLM is an optional extra
-
         worker = VllmEngineWorker
     return EngineActor(
         await backend.spawn(

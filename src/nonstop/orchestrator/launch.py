@@ -40,15 +40,22 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from nonstop.checkpoint import latest_valid
 from nonstop.config import Config, ConfigError, dump_config
+from nonstop.config.preflight import resolve_model_path
+from nonstop.envs.registry import builtin_task, demo_of, env_factory
+from nonstop.observe.consumed import DROPPED, TRAINED, rolled_back_name
+from nonstop.observe.consumed import restore as restore_record
+from nonstop.orchestrator.progress import Progress
+from nonstop.runtime.oom import remember_plan
+from nonstop.scoring.rewards import RewardFn, check_reward
+from nonstop.tasks.data import TaskData, load_task
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from nonstop.orchestrator.fit import Fitted
     from nonstop.orchestrator.records import RunSummary
-    from nonstop.scoring.rewards import RewardFn
-    from nonstop.tasks.data import TaskData
 
 
 def make_run_dir(cfg: Config) -> Path:
@@ -87,9 +94,6 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
 
 def preflight(cfg: Config, reward: RewardFn | None) -> None:
     """ConfigError naming the field for a model path or a reward that cannot work."""
-    from nonstop.config.preflight import resolve_model_path
-    from nonstop.scoring.rewards import check_reward
-
     if cfg.model.path is not None:
         resolve_model_path(cfg.model.path)
     if reward is None:
@@ -97,7 +101,7 @@ def preflight(cfg: Config, reward: RewardFn | None) -> None:
     if cfg.task.eval_reward is not None:
         check_reward(cfg.task.eval_reward, "task.eval_reward")
     if cfg.env is not None and cfg.env.policies:
-        from nonstop.envs.registry import env_factory
+        # start-up: the pipeline's modules load torch; the command line and nonstop.train() import this one first
         from nonstop.orchestrator.policy_build import check_roles
 
         check_roles(cfg, tuple(env_factory(cfg.env.name, "env.name", cfg.env)().roles))
@@ -108,6 +112,7 @@ def preflight(cfg: Config, reward: RewardFn | None) -> None:
 
 def record_failure(run_dir: Path, error: BaseException) -> None:
     """Say in the run folder why the run stopped and whether it can be resumed."""
+    # start-up: the pipeline's modules load torch; the command line and nonstop.train() import this one first
     from nonstop.orchestrator.recovery import RunInterrupted
 
     what = (
@@ -135,11 +140,7 @@ def sigterm_as_ctrl_c(signum: int, frame: FrameType | None) -> None:
 def run_rows(cfg: Config, data: TaskData | None = None) -> TaskData:
     """The rows a run trains and evaluates on: `data` when given, else a built-in environment's
     own rows, else the task's (a custom environment plays the task's rows)."""
-    from nonstop.tasks.data import load_task
-
     if data is None and cfg.env is not None:
-        from nonstop.envs.registry import builtin_task
-
         data = builtin_task(cfg.env)
     return data if data is not None else load_task(cfg.task)
 
@@ -158,12 +159,14 @@ def run_training(
     file's); `reward` replaces task.reward. Neither may come with `resume_dir`: a resumed run
     reads its task from its own config.yaml."""
     if cfg.engine.kind == "vllm":
+        # start-up: the pipeline's modules load torch; the command line and nonstop.train() import this one first
         from nonstop.engine.vllm_setup import preflight as vllm_preflight
 
         vllm_preflight(cfg.model.path, cfg.engine.vllm)  # before the warm-up, not after it
     if resume_dir is not None and (data is not None or reward is not None):
         raise ConfigError("resume: a resumed run uses the task and reward of its own config.yaml")
     t0 = time.perf_counter()
+    # start-up: the pipeline's modules load torch; the command line and nonstop.train() import this one first
     from nonstop.orchestrator.fit import fit_run
 
     if resume_dir is None:
@@ -196,13 +199,10 @@ def _run(
     reward: RewardFn | None,
     t0: float,
 ) -> RunSummary:
-    from nonstop.checkpoint import latest_valid
-    from nonstop.observe.consumed import DROPPED, TRAINED, rolled_back_name
-    from nonstop.observe.consumed import restore as restore_record
+    # start-up: the pipeline's modules load torch; the command line and nonstop.train() import this one first
+    from nonstop.envs.warmup import env_base
     from nonstop.orchestrator.pipeline import train
-    from nonstop.orchestrator.progress import Progress
     from nonstop.orchestrator.recovery import ROLLED_BACK, set_aside_rolled_back
-    from nonstop.runtime.oom import remember_plan
     from nonstop.tasks.base import prepare_base_model
 
     cfg = fitted.cfg  # need-dependent defaults resolved (config/sizing.py)
@@ -220,8 +220,6 @@ def _run(
         progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
         ckpt = None
         if resume_dir is None:
-            from nonstop.envs.registry import demo_of
-
             if (
                 cfg.env is not None
                 and cfg.model.path is None
@@ -230,8 +228,6 @@ def _run(
                     or (cfg.model.base != "init" and demo_of(cfg.env) is not None)
                 )
             ):
-                from nonstop.envs.warmup import env_base
-
                 base = env_base(cfg, progress.log)
             else:
                 base = prepare_base_model(cfg, data, progress.log)

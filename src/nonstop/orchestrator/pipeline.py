@@ -32,6 +32,7 @@ from pathlib import Path
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.config.sizing import engine_calls_bound
+from nonstop.hf import max_positions
 from nonstop.observe.clock import Clock
 from nonstop.observe.doctor import Context, Doctor, read_records
 from nonstop.observe.spans import host_cpus, now
@@ -164,8 +165,6 @@ def start_beside(run: Run, supervisor: Supervisor) -> None:
 
 def agent_endpoint(run: Run) -> AgentEndpoint:
     """The run's agents endpoint over its engine pool (not started)."""
-    from nonstop.hf import max_positions
-
     limit = run.cfg.engine.max_seq_len or max_positions(run.base_model)
     return AgentEndpoint(
         run.cfg, run.engine, run.codec.tokenizer, run.run_dir, lambda: run.buffer.policy_version, limit

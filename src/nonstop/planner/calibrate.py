@@ -23,6 +23,9 @@ import math
 from statistics import fmean, median
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from nonstop.observe.timeline import union_length
 from nonstop.planner.params import PlanParams, Shape
 from nonstop.planner.sharing import Interval, Sharing, effective_cores, host_cores, union
 
@@ -32,8 +35,6 @@ if TYPE_CHECKING:
 
 
 def _lstsq(rows: list[list[float]], y: list[float], w: list[float]) -> list[float]:
-    import numpy as np
-
     a, b, sw = np.array(rows), np.array(y), np.sqrt(np.array(w))
     return [float(x) for x in np.linalg.lstsq(a * sw[:, None], b * sw, rcond=None)[0]]
 
@@ -76,8 +77,6 @@ def fit_orchestrator(groups: list[GroupLife]) -> tuple[float, float, list[Interv
     order). Fits s and l to the groups' `t_gen1` (a_i) and `t_done`, robustly (least median
     deviation: a pause that delays many groups at once is counted apart, see `pauses`).
     Returns s, l and the busy intervals [c_i - s, c_i]."""
-    import numpy as np
-
     gs = sorted(groups, key=lambda g: g.t_gen1)
     if len(gs) < 2:
         return 0.0, fmean(g.t_done - g.t_gen1 for g in gs) if gs else 0.0, []
@@ -102,8 +101,6 @@ def fit_orchestrator(groups: list[GroupLife]) -> tuple[float, float, list[Interv
 def stretch_ends(a, s: float):
     """For arrivals `a` (sorted) served s each, first come first served: each one's completion
     and the end of the busy stretch it belongs to."""
-    import numpy as np
-
     idx = np.arange(len(a))
     c = (idx + 1) * s + np.maximum.accumulate(a - idx * s)  # c_i = max(a_i, c_{i-1}) + s, in closed form
     starts = np.r_[True, a[1:] > c[:-1]]
@@ -121,8 +118,6 @@ is the usual cause: it comes with the objects made, so the planner counts pauses
 
 def pauses(tl: Timeline) -> list[Interval]:
     """The orchestrator's pauses in a run (see PAUSE_S)."""
-    from nonstop.observe.timeline import union_length
-
     orch = tl.events.get("orchestrator", [])
     points = sorted(t for e in orch for t in _times(e))
     owed = [(g.t_gen1, g.t_done) for g in tl.groups]
@@ -309,8 +304,6 @@ def _send_cost(tl: Timeline, orch_busy: list[Interval], busy: list[list[Interval
     From the processor time the learning loop's `wait` spans record, over the span from the
     first to the last; in the time the modelled work took (its wall time per unit of work in
     the calibration run). 0 for span logs without it."""
-    from nonstop.observe.timeline import union_length
-
     waits = [e for e in tl.events.get("orchestrator", []) if e["ev"] == "wait" and "cpu" in e]
     if len(waits) < 2:
         return 0.0

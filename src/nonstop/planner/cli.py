@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from nonstop.config import Config, ConfigError
+from nonstop.observe.timeline import Timeline
 from nonstop.planner.calibrate import calibrate
-from nonstop.planner.params import PlanParams
+from nonstop.planner.params import PlanParams, Shape
 from nonstop.planner.sweep import Row, predict, recommend, sweep
 
 
@@ -69,8 +70,6 @@ def run_planner(
     seeds: int,
     write_params: Path | None,
 ) -> None:
-    from nonstop.observe.timeline import Timeline
-
     if run_dir is not None:
         params = calibrate(Timeline.load(run_dir), cfg)
     else:
@@ -81,8 +80,6 @@ def run_planner(
         console.print(f"costs written to {write_params}")
     console.print(f"costs: {params.describe()}", highlight=False)
     if not axes:
-        from nonstop.planner.params import Shape
-
         console.print(table([predict(params, Shape.of(cfg), seeds)]))
         return
     rows = sweep(params, cfg, parse_axes(axes), seeds)

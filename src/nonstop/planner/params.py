@@ -55,6 +55,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
+from nonstop.config.sizing import DEFAULT_SLOTS
+
 if TYPE_CHECKING:
     from nonstop.config import Config
 
@@ -84,8 +88,6 @@ class Shape:
 
     @classmethod
     def of(cls, cfg: Config) -> "Shape":
-        from nonstop.config.sizing import DEFAULT_SLOTS
-
         return cls(
             cfg.runtime.num_engines,
             cfg.trainer.ranks,
@@ -165,8 +167,6 @@ class PlanParams:
     @classmethod
     def load(cls, path: Path | str) -> "PlanParams":
         """From JSON (as `to_json` writes) or YAML with the same keys."""
-        import yaml
-
         return cls.from_dict(yaml.safe_load(Path(path).read_text()))
 
     def with_lens(self, lens: list[list[int]]) -> "PlanParams":

@@ -14,6 +14,9 @@ import bisect
 import math
 from typing import TYPE_CHECKING
 
+from nonstop.device import resolve_device
+from nonstop.observe.spans import cpu_count
+
 if TYPE_CHECKING:
     from nonstop.config import Config
     from nonstop.observe.timeline import Timeline
@@ -97,9 +100,6 @@ def effective_cores(busy: list[list[Interval]], items: list[tuple[float, float, 
 def host_cores(tl: Timeline, cfg: Config) -> float | None:
     """Processors the engines and trainer ranks share: `rl_start`'s record, or (a span log
     without it) this machine's, when the run's actors would compute on it. None: accelerators."""
-    from nonstop.device import resolve_device
-    from nonstop.observe.spans import cpu_count
-
     start = [e for e in tl.events.get("orchestrator", []) if e["ev"] == "rl_start"]
     if start and "cpus" in start[-1]:
         return float(start[-1]["cpus"]) if start[-1]["cpu_actors"] else None

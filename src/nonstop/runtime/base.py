@@ -50,9 +50,9 @@ class ActorBackend(Protocol):
 def make_backend(cfg: RuntimeConfig, run_dir: Path | None = None) -> ActorBackend:
     """The backend `runtime.backend` names; `run_dir` receives the Ray cluster's logs."""
     if isinstance(cfg, RayRuntimeConfig):
-        from nonstop.runtime.ray import RayBackend
+        from nonstop.runtime.ray import RayBackend  # optional: the ray extra
 
         return RayBackend(cfg, run_dir)
-    from nonstop.runtime.local import LocalBackend
+    from nonstop.runtime.local import LocalBackend  # cycle: local.py builds on this module's seam
 
     return LocalBackend(cfg)

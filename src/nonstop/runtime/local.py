@@ -86,7 +86,7 @@ def _child_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when actors stop
     die_with_parent(parent_pid)
     name_process(name)
-    import torch
+    import torch  # spawn: in the actor's process, after pin(), so torch's threads inherit its CPU set
 
     torch.set_num_threads(1)
     asyncio.run(_serve(conn, name, cls, args, kwargs))

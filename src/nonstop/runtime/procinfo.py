@@ -37,7 +37,7 @@ def short_name(role: str) -> str:
 
 
 def name_process(role: str) -> None:
-    try:
+    try:  # optional: the names extra
         import setproctitle
 
         setproctitle.setproctitle(f"nonstop: {role}")

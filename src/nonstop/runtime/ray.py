@@ -69,7 +69,7 @@ class _Shim:
     """Runs inside the Ray actor process and serves calls on the wrapped object."""
 
     def __init__(self, name: str, cls: type, args: tuple, kwargs: dict) -> None:
-        import torch
+        import torch  # spawn: runs in the Ray actor's process
 
         torch.set_num_threads(1)
         self.name = name
@@ -141,6 +141,7 @@ def _cause(e: BaseException) -> str:
 def _reload_auth_settings() -> None:
     """Ray caches RAY_AUTH_MODE / RAY_AUTH_TOKEN when it is imported; re-read them as Ray's own
     `ray.init` does when it turns token auth on."""
+    # optional: Ray's internals, read only where runtime.backend is ray and token auth is asked for
     from ray._private.authentication.authentication_token_setup import _enable_token_auth  # noqa: F401
 
     # Private names of Ray's compiled module, absent from its type stubs.

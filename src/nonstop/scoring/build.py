@@ -18,9 +18,13 @@ from typing import Any
 from nonstop.config import Config
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import ScoreComponent
+from nonstop.scoring.judge import JudgeComponent
+from nonstop.scoring.process import ProcessRewardComponent
+from nonstop.scoring.reward_model import RewardModelComponent
 from nonstop.scoring.rewards import RewardError, resolve_reward
 from nonstop.scoring.runners import make_runner, shippable
 from nonstop.scoring.stage import FunctionComponent, ScoringStage
+from nonstop.scoring.teacher import TeacherComponent, check_tokenizers
 
 
 def _shippable(spec: str | Callable[..., Any], field: str, pool: str) -> str | Callable[..., Any]:
@@ -59,8 +63,6 @@ def build_scorer(
             )
         )
     if sc.process_reward is not None:
-        from nonstop.scoring.process import ProcessRewardComponent
-
         pr = sc.process_reward
         components.append(
             ProcessRewardComponent(pr, resolve_reward(pr.fn, "scoring.process_reward.fn"), runner, sc.timeout_s, decode)
@@ -68,18 +70,12 @@ def build_scorer(
     if sc.reward_model is not None:
         if backend is None:
             raise RewardError("scoring.reward_model: needs an actor backend")
-        from nonstop.scoring.reward_model import RewardModelComponent
-
         components.append(RewardModelComponent(sc.reward_model, backend, log, sc.timeout_s))
     if sc.judge is not None:
-        from nonstop.scoring.judge import JudgeComponent
-
         components.append(JudgeComponent(sc.judge, sc.timeout_s))
     if cfg.distill.teacher is not None:
         if backend is None or tokenizer_dir is None:
             raise RewardError("distill.teacher: needs an actor backend and the student's tokenizer")
-        from nonstop.scoring.teacher import TeacherComponent, check_tokenizers
-
         check_tokenizers(tokenizer_dir, cfg.distill.teacher)
         components.append(TeacherComponent(cfg.distill, cfg.rollout.temperature, backend, log, sc.timeout_s))
     return ScoringStage(components, sc, runner, cfg.task.reward_fail_fast)

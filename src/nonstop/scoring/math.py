@@ -19,7 +19,7 @@ from nonstop.scoring.rewards import RewardError
 def require_extra() -> Any:
     """The math-verify package; a RewardError naming the extra to install when it is missing (resolve_reward
     calls it when the reward is named, so the error comes before the run starts)."""
-    try:
+    try:  # optional: the math extra
         import math_verify
     except ImportError:
         raise RewardError(

@@ -31,6 +31,7 @@ from nonstop.clients import Client, TokenSequence
 from nonstop.runtime.actor_clients import RewardModelActor, RewardWorkerActor, TeacherActor
 from nonstop.runtime.base import ActorBackend, ActorCallError, ActorDied, ActorHandle
 from nonstop.scoring.calls import PooledCalls
+from nonstop.scoring.rewards import resolve_reward
 from nonstop.scoring.threads import DaemonThreads
 from nonstop.types import Outcome, RewardKind, RewardRow
 
@@ -186,8 +187,6 @@ class RewardWorkerPool(ActorPool[RewardWorkerActor]):
 def _resolve(spec: str | Callable[..., Any], folder: str | None) -> Callable[..., Any]:
     if callable(spec):
         return spec
-    from nonstop.scoring.rewards import resolve_reward
-
     return resolve_reward(spec, folder=folder)
 
 

@@ -14,7 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
+from transformers import AutoModelForSequenceClassification
+
 from nonstop.config.scoring import RewardModelConfig
+from nonstop.hf import load_tokenizer, quiet_transformers
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import Contribution
 from nonstop.scoring.pool import Batcher, CallFailed, RewardModelPool
@@ -24,10 +28,6 @@ from nonstop.types import Group
 
 class RewardModelWorker:
     def __init__(self, path: str, batch_size: int) -> None:
-        from transformers import AutoModelForSequenceClassification
-
-        from nonstop.hf import load_tokenizer, quiet_transformers
-
         quiet_transformers()
         self.model = AutoModelForSequenceClassification.from_pretrained(path).eval().requires_grad_(False)
         if self.model.config.num_labels != 1:
@@ -39,8 +39,6 @@ class RewardModelWorker:
         self.batch_size = batch_size
 
     def score(self, texts: list[str]) -> list[float]:
-        import torch
-
         out: list[float] = []
         with torch.no_grad():
             for lo in range(0, len(texts), self.batch_size):

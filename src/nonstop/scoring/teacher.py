@@ -18,7 +18,11 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig
+
 from nonstop.config.scoring import DistillConfig
+from nonstop.hf import load_model, load_tokenizer
 from nonstop.runtime.base import ActorBackend
 from nonstop.scoring.base import Contribution
 from nonstop.scoring.pool import Batcher, TeacherPool
@@ -30,10 +34,6 @@ Sequence_ = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 
 
 def check_tokenizers(student_dir: str, teacher_dir: str) -> None:
-    from transformers import AutoConfig
-
-    from nonstop.hf import load_tokenizer
-
     if not Path(teacher_dir).is_dir():
         raise RewardError(f"distill.teacher: {teacher_dir} is not a folder (a causal LM saved with save_pretrained)")
     student, teacher = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
@@ -73,14 +73,10 @@ class TeacherWorker:
     """The teacher actor: a causal LM that scores token ids it did not sample."""
 
     def __init__(self, path: str, temperature: float, batch_size: int) -> None:
-        from nonstop.hf import load_model
-
         self.model = load_model(path).eval().requires_grad_(False)
         self.temperature, self.batch_size = temperature, batch_size
 
     def logprobs(self, seqs: list[Sequence_]) -> list[list[float]]:
-        import torch
-
         out: list[list[float]] = []
         with torch.no_grad():
             for lo in range(0, len(seqs), self.batch_size):

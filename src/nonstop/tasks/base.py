@@ -25,9 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
 
 from nonstop.config import Config, ConfigError
+from nonstop.config.preflight import resolve_model_path
+from nonstop.engine.core import TorchEngine
 from nonstop.tasks.data import TaskData
+from nonstop.tasks.warmup import cached_base, greedy_accuracy, save_atomically, warm_up, warmup_seed
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED = {"builtin": "addition-base", "builtin_weak": "addition-weak"}
@@ -132,12 +136,8 @@ def builds_warmup_base(cfg: Config) -> bool:
 
 def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] = print) -> Path:
     """Return the folder of the base policy, building (and caching) it when needed."""
-    from nonstop.tasks.warmup import cached_base
-
     kind = choose_base(cfg)
     if kind == "path":
-        from nonstop.config.preflight import resolve_model_path
-
         return resolve_model_path(cfg.model.path)  # type: ignore[arg-type]
     if kind in SHIPPED:
         folder = ASSETS / TASK_BASES[cfg.task.name] if cfg.task.name in TASK_BASES else shipped_dir(kind)
@@ -154,10 +154,6 @@ def build_provenance(
     cfg: Config, info: dict, heldout_accuracy: float, weights: Path, command: str, threads: int
 ) -> dict:
     """Everything needed to rebuild a base and to check it is the one recorded."""
-    import transformers
-
-    from nonstop.tasks.warmup import warmup_seed
-
     return {
         "command": command,
         "warmup_seed": warmup_seed(cfg),
@@ -179,3 +175,19 @@ def build_provenance(
         "seconds": round(info["seconds"], 1),
         "racers": info.get("racers"),  # a race's racers, the kept one's seed among them (warmup.racers)
     }
+
+
+def write_base(
+    cfg: Config, data: TaskData, out_dir: Path, threads: int, command: str, log: Callable[[str], None]
+) -> tuple[float, dict]:
+    """`nonstop warmup`: the tiny model warmed up on `data` with `threads`, written to `out_dir` with
+    its provenance; (its held-out accuracy, the provenance)."""
+    model, tok, info = warm_up(cfg, data, log, threads)
+    torch.set_num_threads(threads)
+    heldout = greedy_accuracy(
+        TorchEngine(model, [tok.eos_token_id], tok.pad_token_id), tok, data.eval, cfg.rollout.max_new_tokens
+    )
+    save_atomically(out_dir, model, tok, {})
+    prov = build_provenance(cfg, info, heldout, out_dir / "model.safetensors", command, threads)
+    (out_dir / PROVENANCE).write_text(json.dumps(prov, indent=1) + "\n")
+    return heldout, prov

@@ -20,6 +20,7 @@ import copy
 import hashlib
 import io
 import json
+import multiprocessing as mp
 import random
 import shutil
 import time
@@ -223,8 +224,6 @@ def _race(model, tokenizer, data: TaskData, cfg: Config, log: Callable[[str], No
     """Racer 0 here, racers 1.. in spawned processes (one per core the actors use later). The winner
     is the smallest (score, racer) of RaceBoard (racers other than 0 handicapped by
     warmup.race_margin); without a crossing, the best accuracy at the limit."""
-    import multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     board, t0, n = RaceBoard(ctx, cfg.warmup.race_margin), time.perf_counter(), cfg.warmup.racers
     others = []
