@@ -43,7 +43,7 @@ def smollm2_dir() -> Path:
 
 
 class ChildProcess:
-    """An engine-side process for transport tests (a target from helpers.py, which reports on the
+    """An engine-side process for transport tests (a target from support/weights.py, which reports on the
     queue passed as its last argument)."""
 
     def __init__(self, target, args: tuple, daemon: bool) -> None:

@@ -83,7 +83,7 @@ def test_yaml_path_and_overrides_with_a_datasets_dataset_a_column_mapping_and_su
         dataset=train,
         eval_dataset=held,
         columns={"prompt": "question", "answer": "solution"},
-        reward=["support.helpers:length_reward", flaky],
+        reward=["support.rewards:length_reward", flaky],
         reward_weights=[0.5, 1.0],
     )
     assert summary.steps == 3 and summary.run_dir == str(tmp_path / "from-yaml")
@@ -92,7 +92,7 @@ def test_yaml_path_and_overrides_with_a_datasets_dataset_a_column_mapping_and_su
     recorded = yaml.safe_load((tmp_path / "from-yaml" / "config.yaml").read_text())
     assert recorded["trainer"]["lr"] == 3e-4 and recorded["run"]["max_steps"] == 3
     assert recorded["task"]["reward"] == (
-        "0.5*support.helpers:length_reward + 1*python:"
+        "0.5*support.rewards:length_reward + 1*python:"
         "test_yaml_path_and_overrides_with_a_datasets_dataset_a_column_mapping_and_summed_rewards.<locals>.flaky"
     )
 

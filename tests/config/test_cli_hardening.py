@@ -277,7 +277,7 @@ def test_killed_trainer_leaves_no_segment_and_a_failed_marker(tiny_dir, tmp_path
         tmp_path,
         "tk",
         "--set",
-        "task.reward=support.helpers:kill_trainer_reward",
+        "task.reward=support.fault_rewards:kill_trainer_reward",
         "--set",
         "checkpoint.every_steps=null",
     )
@@ -340,7 +340,7 @@ def test_time_budget_ends_a_run_in_which_no_batch_ever_arrives(tiny_dir, tmp_pat
         [
             "train",
             "--set",
-            "task.reward=support.helpers:zero_reward",
+            "task.reward=support.rewards:zero_reward",
             "--set",
             "run.max_time_s=4",
             "--set",

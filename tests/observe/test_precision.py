@@ -94,7 +94,7 @@ def run_args(tiny_dir, name: str, extra: list[str]) -> list[str]:
         "rollout.max_new_tokens=6",
         "task.max_operand=9",
         "task.eval_size=8",
-        "task.reward=support.helpers:length_reward",
+        "task.reward=support.rewards:length_reward",
         *extra,
     ]
     return ["train", *small_model_args(tiny_dir), *[a for s in sets for a in ("--set", s)]]

@@ -25,7 +25,7 @@ def hacked(tmp_path_factory):
     out = tmp_path_factory.mktemp("doctor")
     sets = {
         "run.name": "hack",
-        "task.reward": "support.helpers:three_chars_reward",
+        "task.reward": "support.rewards:three_chars_reward",
         "task.eval_reward": "exact_match",  # held-out measures the task, not what the reward pays for
         "rollout.filter_uniform_reward": "false",  # once all completions earn it, steps still come
         "rollout.prompts_per_step": "16",

@@ -35,7 +35,7 @@ from nonstop.orchestrator.step import train_step
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.tasks.data import PromptStream, TaskData, load_task
 from nonstop.transport import release
-from support.helpers import length_reward
+from support.rewards import length_reward
 
 PROMPTS_PER_STEP = 4
 

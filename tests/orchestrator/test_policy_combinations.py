@@ -25,8 +25,8 @@ from nonstop.config import load_config
 from nonstop.hf import load_model
 from nonstop.orchestrator.policy_build import policy_config
 from nonstop.transport.base import open_sink, open_source, plan_transport
-from support.helpers import perturbed_model
 from support.two_role_env import duel_args
+from support.weights import perturbed_model
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
 DUEL = ["env.name=support.two_role_env:Duel", "env.policies.b.lr=0.003"]

@@ -76,7 +76,7 @@ def run(tiny_dir, tmp_path, name: str, extra: list[str]) -> list[dict]:
         "rollout.filter_uniform_reward=false",
         "task.max_operand=9",
         "task.eval_size=8",
-        "task.reward=support.helpers:length_reward",
+        "task.reward=support.rewards:length_reward",
         "transport.checksum=true",
         *extra,
     ]

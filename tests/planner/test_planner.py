@@ -25,7 +25,7 @@ from nonstop.planner.params import PlanParams, Shape
 from nonstop.planner.sharing import Sharing, effective_cores
 from nonstop.planner.sweep import recommend, sweep
 from support import ROOT
-from support.helpers import two_step_timeline
+from support.timelines import two_step_timeline
 
 
 def params(**kw) -> PlanParams:

@@ -19,7 +19,7 @@ from nonstop.observe.timeline import GroupLife, Timeline
 from nonstop.planner.calibrate import admissions, engine_wake
 from nonstop.planner.model import SimGroup, Simulation
 from nonstop.planner.params import PlanParams, Shape
-from support.helpers import two_step_timeline
+from support.timelines import two_step_timeline
 
 TAU = 0.010  # every pass 10 ms: no per-row cost, no sharing
 

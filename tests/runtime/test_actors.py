@@ -12,7 +12,7 @@ import pytest
 from nonstop.config import LocalRuntimeConfig, RayRuntimeConfig, RuntimeConfig
 from nonstop.runtime import ActorCallError, ActorDied, make_backend
 from support import PYTHONPATH
-from support.helpers import Echo
+from support.actor_classes import Echo
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
 
@@ -24,7 +24,7 @@ def backend_kind(request, tmp_path, monkeypatch) -> str:
         (tmp_path / "home").mkdir()
         for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
             monkeypatch.delenv(var, raising=False)
-        # Ray workers import `support.helpers` (and this checkout's sources) from here
+        # Ray workers import `support.actor_classes` (and this checkout's sources) from here
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([PYTHONPATH, os.environ.get("PYTHONPATH", "")]))
     return request.param
 

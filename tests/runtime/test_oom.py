@@ -13,7 +13,7 @@ from nonstop.config import LocalRuntimeConfig
 from nonstop.config.machine import machine_memory, oom_kills, parse_counters
 from nonstop.runtime import ActorDied, make_backend
 from nonstop.runtime.oom import death_reason, kernel_records, oom_line, remember_plan
-from support.helpers import Echo
+from support.actor_classes import Echo
 
 V2_EVENTS = "low 0\nhigh 12\nmax 40\noom 3\noom_kill 2\noom_group_kill 0\n"
 V1_OOM_CONTROL = "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n"

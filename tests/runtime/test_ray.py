@@ -47,7 +47,7 @@ def test_short_run_on_a_local_ray_cluster_learns(tiny_dir, tmp_path):
             "--set",
             "run.name=ray",
             "--set",
-            "task.reward=support.helpers:ones_reward",
+            "task.reward=support.rewards:ones_reward",
             "--set",
             "run.max_steps=25",
             "--set",

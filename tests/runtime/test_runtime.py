@@ -11,7 +11,7 @@ import pytest
 
 from nonstop.config import LocalRuntimeConfig
 from nonstop.runtime import ActorDied, Supervisor, make_backend
-from support.helpers import Echo
+from support.actor_classes import Echo
 
 
 def _run(coro):

@@ -1,9 +1,11 @@
 """Helpers shared by the tests, importable as `support.*` (pytest puts tests/ on sys.path for the
-root conftest.py): child-process targets (`helpers`), reward functions named in configs by their
-dotted path (`support.scoring_helpers:...`, `support.helpers:...`), a two-role environment
-(`support.two_role_env:Duel`), an HTTP server around an engine (`served`), the runner of the real
-CLI (`cli`), and a Ray cluster of several nodes on loopback addresses (`cluster`, checked by
-`loopback`).
+root conftest.py): classes spawned as actors (`actor_classes`), the engine side of the transport
+tests (`weights`), reward functions named in configs by their dotted path
+(`support.rewards:...`, `support.fault_rewards:...` which inject faults, `support.scoring_helpers:...`),
+synthetic span logs (`timelines`), a two-role environment (`support.two_role_env:Duel`), an HTTP
+server around an engine (`served`), the runner of the real CLI (`cli`), and a Ray cluster of several
+nodes on loopback addresses (`cluster`, checked by `loopback`). `helpers` re-exports the first five
+for the folders that still import it.
 
 Processes that do not inherit this process's sys.path (subprocesses, Ray workers) find `support`
 and this checkout's sources through `child_env()` / `PYTHONPATH`."""

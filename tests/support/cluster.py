@@ -10,7 +10,7 @@ so a node that dies is declared dead within about 1.5 s (Ray's default takes 15 
 
 `nonstop_train(...)` runs the real CLI against the cluster through `runtime.ray_address`, as a
 user would. `EventPipe` is the FIFO through which the run's reward function
-(`support.helpers:cluster_event_reward`) tells the harness that the moment for an event came
+(`support.fault_rewards:cluster_event_reward`) tells the harness that the moment for an event came
 (remove a node, add one, kill the trainer); support/loopback.py watches that nothing leaves
 loopback.
 
@@ -245,7 +245,7 @@ def cluster_args(model: Path, address: str, name: str, sets: dict[str, str]) -> 
         "rollout.prompts_per_step": "8",
         "checkpoint.every_steps": "2",
         "run.eval_every": "100",
-        "task.reward": "support.helpers:cluster_event_reward",
+        "task.reward": "support.fault_rewards:cluster_event_reward",
     }
     merged = {**base, **sets}
     return [*small_model_args(model), *(a for k, v in merged.items() for a in ("--set", f"{k}={v}"))]
@@ -353,7 +353,7 @@ class Scenario:
     head: dict[str, float]
     workers: list[tuple[dict[str, float], int]]  # (resources, cpus) of each worker node at the start
     sets: dict[str, str]
-    events: str  # 'name@samples,...' (support.helpers:cluster_event_reward)
+    events: str  # 'name@samples,...' (support.fault_rewards:cluster_event_reward)
     actions: dict[str, Action]
     head_cpus: int = 1
     resume: bool = False  # the run is expected to stop (a dead trainer): resume it on the same cluster

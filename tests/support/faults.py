@@ -4,7 +4,7 @@ A fault test or bench row that counts "the run survived" on exit 0 proves nothin
 never landed (a kill that missed its process, a checkpoint flip before the wrong file, a stall
 that ended before anyone looked). So every injector here acts, then looks at what it did from
 outside the code under test, and writes one line per fault to `FAULT_LOG` in the run's working
-folder (the reward functions of support/helpers.py run in the orchestrator, whose working folder
+folder (the reward functions of support/fault_rewards.py run in the orchestrator, whose working folder
 that is):
 
     {"fault": "SIGKILL", "target": "nonstop-engine", "pid": 4242, "t": <wall clock>, "after": "gone"}

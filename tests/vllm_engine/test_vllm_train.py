@@ -99,7 +99,7 @@ def test_a_killed_vllm_engine_is_restarted_and_no_prompt_is_lost(tmp_path):
             "--set",
             "run.eval_every=100",
             "--set",
-            "task.reward=support.helpers:kill_engine_once_reward",
+            "task.reward=support.fault_rewards:kill_engine_once_reward",
         ],
         cwd=tmp_path,
         timeout_s=900,
