@@ -112,9 +112,9 @@ class TrainerActor(_OneActor):
 
     async def load_checkpoint(self, path: str) -> int:
         return await self.actor.call("load_checkpoint", path)
+
     async def published(self) -> PublishResult:
         return await self.actor.call("published")
-
 
     async def plan_transport(
         self, cfg: TransportConfig, num_engines: int, host: str | None, first_engines: int | None = None
