@@ -107,7 +107,8 @@ def test_python_rows_keep_messages_and_every_column():
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_list([{"prompt": QUESTION, "solution": "56", "level": 2}])
     pairs, _ = read_rows(ds, {"prompt": "prompt", "answer": "solution"}, "dataset")
-    assert pairs == [(tuple(QUESTION), "56", {"level": 2})]
+    # the column mapped to answer stays under its own name too (a TRL reward may read it)
+    assert pairs == [(tuple(QUESTION), "56", {"solution": "56", "level": 2})]
 
 
 def test_the_engine_stops_at_the_templates_end_of_turn(smol_tok, smollm2_dir):
