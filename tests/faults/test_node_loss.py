@@ -30,10 +30,17 @@ def test_a_crashed_node_is_proven_gone_and_verify_finds_every_prompt_once(tiny_d
         head={"trainer_node": 1.0, "engine_node": 2.0},  # room for the lost node's engine
         head_cpus=3,
         workers=[({"engine_node": 1.0}, 1)],
-        sets={"transport.kind": "files", "transport.dir": "{root}/weights"},
+        # CI's 2 cores also build the vLLM venv meanwhile: a replacement's start (a Ray worker that
+        # imports torch) gets the room a loaded machine needs, within the harness's limit
+        sets={
+            "transport.kind": "files",
+            "transport.dir": "{root}/weights",
+            "runtime.start_timeout_s": "300",
+            "runtime.node_loss.timeout_s": "300",
+        },
         events="remove@160!",
         actions={"remove": remove_engine_node},
-        timeout_s=400,
+        timeout_s=700,
     )
     out = run_scenario(scenario, tiny_dir, tmp_path)
     tail = out.output[-4000:]

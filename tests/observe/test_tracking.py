@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -124,12 +126,58 @@ def test_wandb_offline(tmp_path, monkeypatch):
     ]
 
 
-def test_trackio_local(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRACKIO_DIR", raising=False)  # the tracker points it into the run folder
-    run = write_records(tmp_path, "trackio")
-    (db,) = (run / "trackio").glob("*.db")
+TRACKIO_RUN = """
+import os, sys, warnings
+from pathlib import Path
+if sys.argv[2] == "early":
+    import trackio  # as TRL's import does, before the run sets TRACKIO_DIR
+    del os.environ["TRACKIO_DIR"]
+from nonstop.config import load_config
+from nonstop.observe.tracking import open_sinks
+run = Path(sys.argv[1])
+run.mkdir()
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    sink = open_sinks(load_config(overrides=["tracking=[trackio]"]), run)
+    for step in (1, 2, 3):
+        sink.write({"step": step, "reward_mean": 0.25 * step})
+    sink.close()
+print("WARNED:", *[str(w.message) for w in seen if "TRACKIO_DIR" in str(w.message)])
+"""
+
+
+def _trackio_run(tmp_path: Path, order: str) -> tuple[Path, str]:
+    """A run with tracking=[trackio] in a fresh interpreter: trackio fixes its folder at first import."""
+    if importlib.util.find_spec("trackio") is None:
+        pytest.skip("trackio is not installed (pip install 'nonstop[trackio]')")
+    env = {k: v for k, v in os.environ.items() if k != "TRACKIO_DIR"}
+    if order == "early":
+        env["TRACKIO_DIR"] = str(tmp_path / "early")
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-c", TRACKIO_RUN, str(run), order], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return run, out.stdout.split("WARNED:", 1)[1].splitlines()[0].strip()
+
+
+def _trackio_rewards(folder: Path) -> list[tuple[int, float]]:
+    (db,) = folder.glob("*.db")
     rows = sqlite3.connect(db).execute("select step, metrics from metrics order by step").fetchall()
-    assert [(s, json.loads(m)["reward_mean"]) for s, m in rows] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    return [(s, json.loads(m)["reward_mean"]) for s, m in rows]
+
+
+def test_trackio_local(tmp_path):
+    run, warned = _trackio_run(tmp_path, "fresh")
+    assert _trackio_rewards(run / "trackio") == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    assert warned == ""
+
+
+def test_trackio_imported_before_the_run_is_named_where_it_really_logs(tmp_path):
+    run, warned = _trackio_run(tmp_path, "early")
+    assert _trackio_rewards(tmp_path / "early") == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    assert not (run / "trackio").exists()
+    assert str(tmp_path / "early") in warned and "before" in warned, warned
 
 
 def test_mlflow_file_store(tmp_path, monkeypatch):

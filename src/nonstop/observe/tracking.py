@@ -22,6 +22,7 @@ import importlib
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -104,8 +105,17 @@ class WandbTracker(_RunTracker):
 
 class TrackioTracker(_RunTracker):
     def __init__(self, run_dir: Path, name: str, config: dict[str, Any]) -> None:
-        os.environ.setdefault("TRACKIO_DIR", str(run_dir / "trackio"))  # read when trackio is imported
+        wanted = Path(os.environ.setdefault("TRACKIO_DIR", str(run_dir / "trackio")))
+        # trackio reads TRACKIO_DIR once, when it is first imported (TRL imports it), so a process
+        # that imported it earlier keeps that folder: say where the database really goes
         self.trackio = _need("trackio", "trackio")
+        self.dir = Path(importlib.import_module("trackio.utils").TRACKIO_DIR)
+        if self.dir.resolve() != wanted.resolve():
+            warnings.warn(
+                f"tracking: trackio was imported before this run set TRACKIO_DIR={wanted}, so it "
+                f"logs to {self.dir}; set TRACKIO_DIR before anything imports trackio (TRL does)",
+                stacklevel=2,
+            )
         self.run = self.trackio.init(project=PROJECT, name=name, config=config)
 
 

@@ -229,10 +229,12 @@ class LocalActor:
 
     async def kill(self) -> None:
         """End the process at once (SIGKILL works on a hung or stopped process too)."""
+        # named before the signal: the pipe's EOF it causes would otherwise race to record a death
+        # "exit code None" (the process not reaped yet) as the reason
+        self._mark_dead(f"actor '{self.name}' (pid {self.process.pid}) was killed")
         if self.process.is_alive():
             self.process.kill()
             await asyncio.to_thread(self.process.join, 10.0)
-        self._mark_dead(f"actor '{self.name}' (pid {self.process.pid}) was killed")
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         if self._dead is None and self.process.is_alive():
