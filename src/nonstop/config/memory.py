@@ -25,7 +25,10 @@ the formula it came from and the fields that change it. Figures (docs/memory.md)
   are kept instead));
 - shm transport: N + 2 slots of the sent weights in /dev/shm, charged once to the machine;
 - every process: RUNTIME_BYTES for Python, torch and transformers (246 MiB measured); the
-  orchestrator ORCHESTRATOR_BYTES (360 MiB measured with the default task).
+  orchestrator ORCHESTRATOR_BYTES (360 MiB measured with the default task);
+- every process that holds a model: a headroom of run.memory_headroom (0.3) x its estimated
+  items (ESTIMATED: activations, temporaries, logits, the runtime), for the allocator's
+  fragmentation and the temporaries the estimates leave out.
 
 Items on a GPU are listed but not counted against the host. `MemoryPlan.check()` raises a
 ConfigError naming the field to change when the host total exceeds what the run may use
@@ -377,6 +380,25 @@ def _trainer(
     return p
 
 
+ESTIMATED = ("activations", "attention temporaries", "logits", "runtime")
+"""The items that are estimates, not counts of what is allocated (weights, states, caches and
+buffers are counted exactly): the headroom is a fraction of these."""
+
+
+def _add_headroom(proc: Proc, fraction: float) -> None:
+    """The stated headroom of a process: `fraction` of its estimated items on the host."""
+    estimated = [i for i in proc.items if i.on_host and i.name in ESTIMATED]
+    total = sum(i.bytes for i in estimated)
+    proc.add(
+        "headroom",
+        total * fraction,
+        f"{fraction:g} x the {size(total)} of estimates ({', '.join(i.name for i in estimated)}): the "
+        "allocator's fragmentation and temporaries they leave out",
+        "run.memory_headroom",
+        "lower run.memory_headroom if you measured the run's processes below their plan",
+    )
+
+
 def plan_memory(
     cfg: Config,
     shape: ModelShape,
@@ -426,6 +448,8 @@ def plan_memory(
         )
         scorer.add("runtime", RUNTIME_BYTES, "Python, torch, transformers", *rm_field)
         procs.append(scorer)
+    for proc in procs:  # every process that holds a model: engines, trainers, a reward model
+        _add_headroom(proc, cfg.run.memory_headroom)
     orchestrator = Proc("orchestrator", 1)
     # 360 MiB measured with the default task's 10,000 rows; 430 MiB under vLLM's environment (0.5B shape)
     vllm_env = 100 * 1024**2 if cfg.engine.kind == "vllm" else 0

@@ -181,6 +181,13 @@ class RunConfig(_Section):
     at start (the cgroup's limit minus its usage if a limit is set, else MemAvailable). The run's
     memory plan must fit in it or the run is refused before any actor starts; it also scales the
     engines' KV budget (engine.kv_cache_fraction). docs/memory.md."""
+    memory_headroom: float = Field(0.3, ge=0.0, le=2.0)
+    """Headroom the memory plan adds to each process that holds a model, as a fraction of that
+    process's estimated items (activations, attention temporaries, logits, the runtime; weights,
+    optimizer states and caches are counted exactly): the allocator's fragmentation and the
+    temporaries the estimates leave out. 0.3 covers what SmolLM2-135M's default batch measured above
+    them (the engine 28% of its estimates, the trainer 17%; docs/memory.md). It counts against
+    run.memory_limit_gib."""
     spans: bool = True
     """Write the span log (RUN_DIR/spans/*.jsonl: every group's life, every actor's busy intervals),
     which `nonstop report` and `nonstop simulate` read; costs well under 1% of samples/s (docs/observability.md)."""
