@@ -1,9 +1,10 @@
-"""Sync against async in the long-rollout regime (issue 29, docs/long_rollout.md).
+"""Sync against async in the long-rollout regime, learning speed read from held-out curves (issues 29, 51).
 
 Every arm runs the real CLI on `examples/long_rollout.yaml` (the shipped 1.78 M-parameter base,
 its BPE, worked solutions of heavy-tailed length: median 85 tokens, p99 805), the engine pinned
 to CPU 0 and the trainer to CPU 1, for the same RL wall time `--seconds`, evaluating held-out
-accuracy every `--eval-every` steps. Arms:
+accuracy every `--eval-every` steps, once per seed of `--seeds` (default 0,1,2), the arms of one
+seed one after another (so a machine that slows down over the invocation slows every arm). Arms:
 
 - sync: buffer.depth 0 (the trainer waits for each batch's longest completion, then the engine
   waits for the trainer);
@@ -12,46 +13,82 @@ accuracy every `--eval-every` steps. Arms:
 - one arm per partial-rollout mode on the `--mode-depth` buffer (never_stop is that depth's own
   arm): abort_retry, save_resume, drain, and group_cancel (never_stop with engine.group_cancel).
 
-Per arm: samples/s and tokens/s (completion tokens the engines generated over the RL wall time),
-trainer and engine idle, each pinned pool's busy fraction, held-out accuracy at equal wall clock
-(the end) and at equal trained samples (the last evaluation every arm reached), the wall time to
-`--target` held-out accuracy, the lag histogram of trained tokens, and the tokens wasted: those
-generated but never trained (groups dropped for lag, cancelled, or still in flight at the end),
-as a fraction of all generated, with the groups dropped for uniform rewards shown apart (a
-property of the task, not of the arm). Then `--seeds` (default 0,1,2): sync and the fastest arm
-again, each to the trained samples sync reached in `--seconds`, for final accuracy over seeds.
+**The curve.** Each run's held-out curve is (step, seconds, accuracy): the base policy's
+evaluation at step 0 and 0 s, then every evaluation the run made. Its seconds are the RL clock at
+the evaluated step less the time the run's earlier evaluations took (read from the span log): the
+learning loop holds for an evaluation, and an arm that steps faster evaluates more often within
+the same `--seconds`, so the RL clock with evaluations in it would charge the async arms for
+being measured more. Generation that overlaps an evaluation (the engine filling its buffer,
+bounded by the buffer's depth) is not charged either. The table also shows the time to target on
+the RL clock with the evaluations in it ("wall"), and the RESULT line its median speed-up.
 
-    python bench/long_rollout.py [--seconds 600] [--quick] [--arms sync,depth2,...] [--seeds 0,1,2] [--keep DIR]
+**The target.** After every arm of every seed ran: the highest accuracy any run showed at its
+first two evaluations (step 0 and step `--eval-every`), plus `--margin` (default 0.03). So no arm
+reaches it by its first evaluation after the start: what is compared is learning, not the time to
+the first evaluation. Time to target is the first crossing, interpolated linearly between the
+last evaluation below the target and the first at or above it. A run that never reached it is
+"not reached", with no time.
 
-`--quick` (about 25 minutes): 100 s per arm, evaluations on 50 held-out prompts, seed 0 only,
-TRL's one-thread arm for 3 steps. The last line:
-`RESULT sync_trainer_idle=... best_trainer_idle=... best_speedup=... best_arm=... acc_delta=...
-wasted_frac=... ratio_vs_trl=...`; best_speedup is sync's wall time to the target over the best
-arm's (when both reached it; else the samples/s ratio, marked by `speedup_basis=samples`),
-acc_delta the best arm's mean final accuracy minus sync's at equal trained samples over the seeds,
-and ratio_vs_trl the best arm's samples/s over TRL's.
+**The speed-up** of a seed: sync's time to target over the best arm's (the arm, sync aside, with
+the lowest median time to target over the seeds, a run not reached counting as never; ties by
+samples/s). Where sync did not reach the target and the best arm did, sync's last evaluation's
+time over the best arm's time to target is a lower bound (sync would have needed longer); where
+the best arm did not reach it, the seed has no speed-up. The median, min and max are over the
+seeds that have one; `speedup_bound=lower` says that one of them is a lower bound (then so are
+the median, min and max), `speedup_seeds` how many seeds have one.
 
-TRL (`--trl-steps`, 0 skips it; needs the bench extra): `trl.GRPOTrainer` on the same base,
-tokenizer, rows and reward, the config's prompts x 8 completions of at most 1,024 new tokens per step, the
-learning rate nonstop resolves for this base, fp32 (its bf16 is slower at this width: docs/precision.md);
-two arms, torch's default threads (both cores) and one thread, and the better one is the baseline
-(vs_trl.py's rule). Its samples/s are counted from the end of its first step to the end of its last.
+Per arm (median over the seeds): samples/s and tokens/s (completion tokens the engines generated
+over the RL wall time), trainer and engine idle, held-out at the start, at the end and at the last
+step every run evaluated (equal trained samples), evaluations per run, time to target per seed,
+the lag histogram of trained tokens, and the tokens wasted: those generated but never trained
+(groups dropped for lag, cancelled, or still in flight at the end), as a fraction of all
+generated, with the groups dropped for uniform rewards shown apart (a property of the task).
+
+    python bench/long_rollout.py [--seconds 240] [--eval-every 5] [--eval-size 50] [--quick]
+        [--arms sync,depth2,...] [--seeds 0,1,2] [--margin 0.03] [--keep DIR]
+
+`--quick` (plumbing only): 60 s per arm, evaluations every 2 steps on 30 held-out prompts, seed 0,
+TRL's one-thread arm for 2 batches. The last line:
+
+    RESULT speedup_median=... speedup_min=... speedup_max=... speedup_bound=exact|lower speedup_seeds=...
+    best_arm=... target=... seeds=... sync_trainer_idle=... best_trainer_idle=... ratio_vs_trl=...
+    evals_min=... wasted_frac=... wall_speedup_median=...
+
+(one line). evals_min is the fewest evaluations (step 0 included) of any run; the bench says so
+when it is under 6, the fewest that show a curve. sync_trainer_idle, best_trainer_idle and
+wasted_frac are medians over the seeds, ratio_vs_trl the best arm's median samples/s over the
+better TRL arm's; n/a where a figure does not exist (no TRL arm, no seed with a speed-up).
+
+TRL (`--trl-steps` generation batches, 0 skips it; needs the bench extra): `trl.GRPOTrainer` on
+the same base, tokenizer, rows (the run's train split) and reward; per batch the config's
+prompts_per_step x group_size completions of at most rollout.max_new_tokens, each batch used for
+trainer.updates_per_batch optimizer steps (GRPO's mu, TRL's num_iterations); the learning rate
+nonstop resolves for this config (config/sizing.py `learning_rate`: 1e-4 for the shipped base,
+TASK_BASE_LR); fp32 (its bf16 is slower at this width: docs/precision.md). Two arms, torch's
+default threads (both cores) and one thread, and the better one is the baseline (vs_trl.py's
+rule). Its samples/s are counted over whole batches, from the end of the first batch's last
+optimizer step to the end of the last's. TRL's arm makes no held-out evaluation: it gives
+samples/s only, and the table says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from cli_run import ROOT, train
-from nonstop.config import load_config
+from nonstop.config import Config, load_config
+from nonstop.config.sizing import learning_rate
+from nonstop.observe.spans import read_spans
 
 CONFIG = ROOT / "examples" / "long_rollout.yaml"
 DEPTH_ARMS = {
@@ -60,6 +97,12 @@ DEPTH_ARMS = {
     "depth2": ["buffer.depth=2", "buffer.max_lag=3"],
 }
 MODES = ("abort_retry", "save_resume", "drain", "group_cancel")
+MIN_EVALS = 6
+"""Evaluations per run (step 0 included) that show a curve: the start, the two the target is set
+above, and at least three to cross it in."""
+
+Curve = list[tuple[int, float, float]]
+"""(step, seconds, held-out accuracy) per evaluation, step 0 first."""
 
 
 def arms(max_lag: int, mode_depth: str, prompts_per_step: int) -> dict[str, list[str]]:
@@ -80,14 +123,87 @@ def arms(max_lag: int, mode_depth: str, prompts_per_step: int) -> dict[str, list
     return out
 
 
+def curve(base: float, recs: list[dict], eval_s: dict[int, float], with_evals: bool = False) -> Curve:
+    """A run's held-out curve from its metrics.jsonl records. A step record's time_s is the RL clock
+    before that step's own evaluation; `eval_s` (step -> seconds) is what each evaluation took, and
+    the seconds of every earlier one come off unless `with_evals`."""
+    times = {r["step"]: r["time_s"] for r in recs if "time_s" in r}
+    out: Curve = [(0, 0.0, base)]
+    spent = 0.0
+    seen: set[int] = set()
+    for r in recs:
+        step = r["step"]
+        if r.get("eval_accuracy") is None or step in seen:
+            continue
+        seen.add(step)  # a final_eval line (the run ended between evaluations) has the step's time
+        out.append((step, times[step] - (0.0 if with_evals else spent), r["eval_accuracy"]))
+        spent += eval_s.get(step, 0.0)
+    return out
+
+
+def eval_seconds(run_dir: Path) -> dict[int, float]:
+    """Seconds each held-out evaluation took, by step (the orchestrator's `eval` spans)."""
+    events = read_spans(run_dir).get("orchestrator", [])
+    return {e["step"]: e["t1"] - e["t0"] for e in events if e["ev"] == "eval"}
+
+
+def target_from(curves: Iterable[Curve], margin: float) -> float:
+    """Above every curve's first two evaluations (step 0 and the first after it) by `margin`."""
+    return max(a for c in curves for _, _, a in c[:2]) + margin
+
+
+def time_to_target(c: Curve, target: float) -> float | None:
+    """Seconds at the first crossing of `target`, interpolated linearly between the last evaluation
+    below it and the first at or above it; None when no evaluation reached it."""
+    if c and c[0][2] >= target:
+        return c[0][1]
+    for (_, t0, a0), (_, t1, a1) in zip(c, c[1:]):
+        if a1 >= target:
+            return t0 + (t1 - t0) * (target - a0) / (a1 - a0)
+    return None
+
+
+def seed_speedup(sync: Curve, best: Curve, target: float) -> tuple[float | None, str]:
+    """(sync's time to target / the best arm's, 'exact' | 'lower' | 'missing'). Sync not reached and
+    the best arm reached: sync's last evaluation's time over the best's is a lower bound. The best
+    arm not reached: no figure."""
+    ts, tb = time_to_target(sync, target), time_to_target(best, target)
+    if tb is None or tb <= 0:
+        return None, "missing"
+    if ts is None:
+        return sync[-1][1] / tb, "lower"
+    return ts / tb, "exact"
+
+
+def spread(values: Sequence[tuple[float | None, str]]) -> dict:
+    """Median, min and max of the seeds' speed-ups that exist; 'lower' when one is a lower bound."""
+    known = [v for v, _ in values if v is not None]
+    lower = any(kind == "lower" for _, kind in values)
+    if not known:
+        return {"median": None, "min": None, "max": None, "bound": "missing", "seeds": 0}
+    return {
+        "median": statistics.median(known),
+        "min": min(known),
+        "max": max(known),
+        "bound": "lower" if lower else "exact",
+        "seeds": len(known),
+    }
+
+
+def median_time(times: Sequence[float | None]) -> float:
+    """Median time to target over seeds, a run not reached counting as never (infinity)."""
+    return statistics.median([math.inf if t is None else t for t in times])
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def figures(name: str, summary: dict, recs: list[dict], target: float) -> dict:
-    """One arm's row from its summary.json and metrics.jsonl."""
+def figures(name: str, seed: int, summary: dict, run_dir: Path) -> dict:
+    """One run's row from its summary.json, metrics.jsonl and span log."""
+    recs = records(run_dir)
     steps = [r for r in recs if "lag_hist" in r]  # step records (the trainer's metrics are flattened in)
-    evals = [(r["step"], r["time_s"], r["eval_accuracy"]) for r in steps if r.get("eval_accuracy") is not None]
+    eval_s = eval_seconds(run_dir)
     lag: dict[str, int] = {}
     for r in steps:
         for k, v in r["lag_hist"].items():
@@ -96,37 +212,50 @@ def figures(name: str, summary: dict, recs: list[dict], target: float) -> dict:
     generated = sum(int(e.get("tokens_generated", 0)) for e in summary["engines"])
     wall = summary["rl_wall_s"]
     drops = summary["drops"]
-    reached = next((t for _, t, a in evals if a >= target), None)
     pools = summary.get("pools") or {}
     return {
         "arm": name,
+        "seed": seed,
         "steps": summary["steps"],
         "samples_per_s": summary["samples_per_s"],
         "tokens_per_s": generated / wall if wall > 0 else 0.0,
         "trainer_idle": summary["trainer_idle_frac"],
         "engine_idle": summary["engine_idle_frac"],
         "pool_busy": {k: v.get("busy_frac") for k, v in pools.get("roles", pools).items() if isinstance(v, dict)},
-        "base": summary["base_accuracy"],
-        "final": summary["final_accuracy"],
-        "evals": evals,
-        "time_to_target_s": reached,
+        "curve": curve(summary["base_accuracy"], recs, eval_s),
+        "wall_curve": curve(summary["base_accuracy"], recs, eval_s, with_evals=True),
+        "eval_s": sum(eval_s.values()),
         "lag": {k: v / max(trained_tokens, 1) for k, v in sorted(lag.items(), key=lambda kv: int(kv[0]))},
         "wasted_frac": max(0, generated - trained_tokens) / generated if generated else 0.0,
         "uniform_drops": drops.get("uniform_reward", 0),
         "lag_drops": sum(v for k, v in drops.items() if "lag" in k),
-        "samples_trained": sum(r["samples_trained"] for r in steps),
     }
 
 
-def run_arm(name: str, overrides: list[str], seconds: float, folder: Path, common: list[str], target: float) -> dict:
-    sets = [*overrides, *common, f"run.max_time_s={seconds}", "checkpoint.every_steps=null"]
-    summary = train(name, folder, sets, config=CONFIG)
-    return figures(name, summary, records(folder / "runs" / name), target)
+def run_arm(name: str, seed: int, overrides: list[str], seconds: float, folder: Path, common: list[str]) -> dict:
+    run = f"{name}-seed{seed}"
+    sets = [*overrides, *common, f"run.seed={seed}", f"run.max_time_s={seconds}", "checkpoint.every_steps=null"]
+    summary = train(run, folder, sets, config=CONFIG)
+    return figures(name, seed, summary, folder / "runs" / run)
 
 
-def run_trl(steps: int, threads: int | None, prompts: int) -> dict:
-    """TRL's synchronous GRPOTrainer on this workload, `prompts` x 8 completions a step, in this
-    process (a child of main())."""
+def trl_batch(cfg: Config) -> dict:
+    """GRPOConfig's fields that make TRL's step nonstop's: the batch (prompts_per_step x group_size
+    completions of at most max_new_tokens), mu (trainer.updates_per_batch) and the learning rate
+    nonstop resolves for the config (config/sizing.py; the shipped base: no model.path)."""
+    r = cfg.rollout
+    return {
+        "per_device_train_batch_size": r.group_size * r.prompts_per_step,
+        "num_generations": r.group_size,
+        "num_iterations": cfg.trainer.updates_per_batch,
+        "max_completion_length": r.max_new_tokens,
+        "learning_rate": learning_rate(cfg, None)[0],
+    }
+
+
+def run_trl(batches: int, threads: int | None, overrides: list[str]) -> dict:
+    """TRL's synchronous GRPOTrainer on this workload, in this process (a child of main()): the
+    config's batch, mu and the learning rate nonstop resolves for it."""
     import torch
 
     if threads is not None:
@@ -135,15 +264,18 @@ def run_trl(steps: int, threads: int | None, prompts: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nonstop.config import TaskConfig
-    from nonstop.config.actors import TINY_MODEL_LR
     from nonstop.scoring.rewards import exact_match
     from nonstop.tasks.base import ASSETS, TASK_BASES
     from nonstop.tasks.data import load_task
 
-    base = str(ASSETS / TASK_BASES["long_rollout"])
-    data = load_task(TaskConfig(name="long_rollout", eval_size=100), seed=0)
-    ds = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in data.train[: prompts * (steps + 2)]])
+    cfg = load_config(str(CONFIG), overrides=overrides)
+    r, mu = cfg.rollout, cfg.trainer.updates_per_batch
+    same = trl_batch(cfg)
+    base = str(ASSETS / TASK_BASES[cfg.task.name])
+    data = load_task(cfg.task)  # the split the runs use (task.split_seed)
+    ds = Dataset.from_list(
+        [{"prompt": e.prompt, "answer": e.answer} for e in data.train[: r.prompts_per_step * (batches + 2)]]
+    )
 
     def reward(prompts, completions, answer, **_):
         return [exact_match(c, a) for c, a in zip(completions, answer)]
@@ -151,11 +283,8 @@ def run_trl(steps: int, threads: int | None, prompts: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out,
-            per_device_train_batch_size=8 * prompts,
-            num_generations=8,
-            max_completion_length=1024,
-            max_steps=steps,
-            learning_rate=TINY_MODEL_LR,
+            **same,
+            max_steps=batches * mu,
             bf16=False,
             use_cpu=True,
             gradient_checkpointing=False,
@@ -181,144 +310,182 @@ def run_trl(steps: int, threads: int | None, prompts: int) -> dict:
 
         trainer.add_callback(Ends())
         trainer.train()
-    wall = ends[-1] - ends[0]
+    # a batch is generated, then trained mu times: whole batches from the end of the first's last step
+    wall = ends[-1] - ends[mu - 1]
     return {
-        "samples_per_s": 8 * prompts * (len(ends) - 1) / wall,
+        "samples_per_s": r.group_size * r.prompts_per_step * (len(ends) // mu - 1) / wall,
         "steps": len(ends),
+        "batches": len(ends) // mu,
         "threads": torch.get_num_threads(),
+        "lr": same["learning_rate"],
     }
 
 
-def trl_arms(steps: int, folder: Path, quick: bool, overrides: list[str]) -> dict[str, float]:
-    """samples/s of each TRL arm, each in a child process (its own threads setting)."""
-    out: dict[str, float] = {}
+def trl_arms(batches: int, folder: Path, quick: bool, overrides: list[str]) -> dict[str, dict]:
+    """Each TRL arm's figures, each in a child process (its own threads setting)."""
+    out: dict[str, dict] = {}
     for arm, threads in (("trl1", 1),) if quick else (("trl", None), ("trl1", 1)):
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
-        cmd = [sys.executable, __file__, "--trl-child", str(steps), *(f"--set={o}" for o in overrides)] + (
+        cmd = [sys.executable, __file__, "--trl-child", str(batches), *(f"--set={o}" for o in overrides)] + (
             [] if threads is None else ["--trl-threads", "1"]
         )
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{arm} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        res = json.loads(proc.stdout.strip().splitlines()[-1])
-        out[arm] = res["samples_per_s"]
+        out[arm] = json.loads(proc.stdout.strip().splitlines()[-1])
+        res = out[arm]
         print(
-            f"{arm:>12} {res['steps']} steps, {res['threads']} threads: {res['samples_per_s']:.2f} samples/s",
+            f"{arm:>12} {res['batches']} batches ({res['steps']} optimizer steps) at lr {res['lr']:g}, "
+            f"{res['threads']} threads: {res['samples_per_s']:.2f} samples/s, no held-out evaluation",
             flush=True,
         )
     return out
 
 
-def acc_at_step(row: dict, step: int) -> float | None:
-    return next((a for s, _, a in row["evals"] if s == step), None)
+def acc_at_step(c: Curve, step: int) -> float | None:
+    return next((a for s, _, a in c if s == step), None)
+
+
+def med(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def fmt(v: float | None, spec: str = ".2f") -> str:
+    return "n/a" if v is None else format(v, spec)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=600.0)
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--eval-size", type=int, default=100)
-    p.add_argument("--target", type=float, default=0.45, help="held-out accuracy whose wall time is compared")
+    p.add_argument("--seconds", type=float, default=240.0, help="RL wall time of each run")
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-size", type=int, default=50)
+    p.add_argument("--margin", type=float, default=0.03, help="the target's margin over the first two evaluations")
     p.add_argument("--max-lag", type=int, default=4, help="the unbounded arm's buffer.max_lag")
     p.add_argument("--mode-depth", default="depth2", choices=[*DEPTH_ARMS])
-    p.add_argument("--arms", default=None, help="comma-separated subset of the arms")
+    p.add_argument("--arms", default=None, help="comma-separated subset of the arms (sync always runs)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--trl-steps", type=int, default=6, help="TRL steps per arm (0: no TRL arm)")
+    p.add_argument("--trl-steps", type=int, default=6, help="TRL generation batches per arm (0: no TRL arm)")
     p.add_argument("--trl-child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--trl-threads", type=int, help=argparse.SUPPRESS)
     p.add_argument("--set", dest="overrides", action="append", default=[], help="KEY=VALUE for every arm")
     p.add_argument("--keep", type=Path, default=None, help="keep the arms' run folders here (default: deleted)")
     ns = p.parse_args()
-    pps = load_config(str(CONFIG), overrides=ns.overrides).rollout.prompts_per_step
     if ns.trl_child is not None:
-        print(json.dumps(run_trl(ns.trl_child, ns.trl_threads, pps)))
+        print(json.dumps(run_trl(ns.trl_child, ns.trl_threads, ns.overrides)))
         return
     if ns.quick:
-        ns.seconds, ns.eval_size, ns.seeds = min(ns.seconds, 100.0), min(ns.eval_size, 50), "0"
-        ns.trl_steps = min(ns.trl_steps, 3)
+        ns.seconds, ns.eval_size, ns.eval_every, ns.seeds = min(ns.seconds, 60.0), min(ns.eval_size, 30), 2, "0"
+        ns.trl_steps = min(ns.trl_steps, 2)
+    pps = load_config(str(CONFIG), overrides=ns.overrides).rollout.prompts_per_step
     table = arms(ns.max_lag, ns.mode_depth, pps)
     names = ns.arms.split(",") if ns.arms else list(table)
     unknown = [n for n in names if n not in table]
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; choose from {list(table)}")
-    if "sync" not in names:
-        names.insert(0, "sync")
+    names = ["sync", *(n for n in names if n != "sync")]
+    if len(names) < 2:
+        raise SystemExit("--arms: name at least one arm besides sync")
+    seeds = [int(s) for s in ns.seeds.split(",") if s.strip()]
+    if not seeds:
+        raise SystemExit("--seeds: at least one seed")
+    if ns.trl_steps == 1:
+        raise SystemExit("--trl-steps: at least 2 batches (samples/s are counted after the first), or 0")
     common = [f"run.eval_every={ns.eval_every}", f"task.eval_size={ns.eval_size}", *ns.overrides]
-    rows: list[dict] = []
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nonstop-long-") as scratch:
         tmp = ns.keep or Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            rows.append(run_arm(name, table[name], ns.seconds, Path(tmp), common, ns.target))
-            print_row(rows[-1], flush=True)
-        sync = rows[0]
-        common_step = min(max((s for s, _, _ in r["evals"]), default=0) for r in rows)
-        best = max(rows[1:], key=lambda r: r["samples_per_s"]) if len(rows) > 1 else sync
-        print_table(rows, common_step)
-        seeds_acc = seed_runs(ns, table, sync, best, common, Path(tmp))
+        for seed in seeds:
+            for name in names:
+                runs[name].append(run_arm(name, seed, table[name], ns.seconds, Path(tmp), common))
+                print_run(runs[name][-1])
         trl = trl_arms(ns.trl_steps, Path(tmp), ns.quick, ns.overrides) if ns.trl_steps > 0 else {}
-    vs_trl = f"{best['samples_per_s'] / max(trl.values()):.2f}" if trl else "n/a"
-    if sync["time_to_target_s"] and best["time_to_target_s"]:
-        speedup, basis = sync["time_to_target_s"] / best["time_to_target_s"], "target"
-    else:
-        speedup, basis = best["samples_per_s"] / max(sync["samples_per_s"], 1e-9), "samples"
-    delta = (
-        statistics.mean(seeds_acc[best["arm"]]) - statistics.mean(seeds_acc["sync"])
-        if all(seeds_acc.values())
-        else float("nan")
-    )
-    print(
-        f"RESULT sync_trainer_idle={sync['trainer_idle']:.3f} best_trainer_idle={best['trainer_idle']:.3f} "
-        f"best_speedup={speedup:.2f} speedup_basis={basis} best_arm={best['arm']} acc_delta={delta:+.3f} "
-        f"wasted_frac={best['wasted_frac']:.3f} ratio_vs_trl={vs_trl}"
-    )
-
-
-def seed_runs(ns, table: dict, sync: dict, best: dict, common: list[str], folder: Path) -> dict[str, list[float]]:
-    """Sync and the best arm over seeds, each to the samples sync trained in --seconds (equal trained samples)."""
-    steps = sync["steps"]
-    out: dict[str, list[float]] = {"sync": [], best["arm"]: []}
-    for seed in [int(s) for s in ns.seeds.split(",") if s.strip()]:
-        for arm in out:
-            sets = [*table[arm], *common, f"run.seed={seed}", f"run.max_steps={steps}", "checkpoint.every_steps=null"]
-            s = train(f"{arm}-seed{seed}", folder, sets, config=CONFIG)
-            out[arm].append(s["final_accuracy"])
-            print(f"seed {seed} {arm:>12}: {steps} steps, final held-out {s['final_accuracy']:.1%}", flush=True)
-    for arm, accs in out.items():
-        if accs:
-            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-            print(f"{arm:>12}: final held-out over seeds {statistics.mean(accs):.1%} (sd {sd:.1%}) at {steps} steps")
-    return out
-
-
-def print_row(r: dict, flush: bool = False) -> None:
-    ttt = f"{r['time_to_target_s']:.0f}s" if r["time_to_target_s"] is not None else "-"
-    lag = " ".join(f"{k}:{v:.0%}" for k, v in r["lag"].items() if v >= 0.005)
-    print(
-        f"{r['arm']:>12} steps {r['steps']:>4} {r['samples_per_s']:6.1f} samples/s {r['tokens_per_s']:7.0f} tok/s "
-        f"trainer idle {r['trainer_idle']:4.0%} engine idle {r['engine_idle']:4.0%} "
-        f"held-out {r['base']:.0%}->{r['final']:.0%} to target {ttt} wasted {r['wasted_frac']:.1%} "
-        f"(lag drops {r['lag_drops']}, uniform {r['uniform_drops']}) lag {lag} pools {r['pool_busy']}",
-        flush=flush,
-    )
-
-
-def print_table(rows: list[dict], common_step: int) -> None:
-    sync = rows[0]
-    print(f"\n{'arm':>12} | samples/s x sync | trainer idle | engine idle | acc@end | acc@step {common_step} | wasted")
-    for r in rows:
-        at = acc_at_step(r, common_step)
-        print(
-            f"{r['arm']:>12} | {r['samples_per_s'] / max(sync['samples_per_s'], 1e-9):16.2f} | "
-            f"{r['trainer_idle']:12.0%} | {r['engine_idle']:11.0%} | {r['final']:7.1%} | "
-            f"{'-' if at is None else f'{at:.1%}':>12} | {r['wasted_frac']:6.1%}"
+    target = target_from((r["curve"] for rs in runs.values() for r in rs), ns.margin)
+    for rs in runs.values():
+        for r in rs:
+            r["ttt"] = time_to_target(r["curve"], target)
+            r["wall_ttt"] = time_to_target(r["wall_curve"], target)
+    best_name = min(names[1:], key=lambda n: (median_time([r["ttt"] for r in runs[n]]), -med(runs[n], "samples_per_s")))
+    sync, best = runs["sync"], runs[best_name]
+    per_seed = [seed_speedup(s["curve"], b["curve"], target) for s, b in zip(sync, best)]
+    wall = spread([seed_speedup(s["wall_curve"], b["wall_curve"], target) for s, b in zip(sync, best)])
+    sp = spread(per_seed)
+    evals_min = min(len(r["curve"]) for rs in runs.values() for r in rs)
+    print(f"\ntarget {target:.1%}: the highest of every run's first two evaluations + {ns.margin:.2f}")
+    print_table(runs, trl, ns.eval_every)
+    for seed, (v, kind), s, b in zip(seeds, per_seed, sync, best):
+        what = {"exact": f"{v:.2f}x", "lower": f">= {v:.2f}x (sync did not reach the target)"}.get(
+            kind, f"none ({best_name} did not reach the target)"
         )
-    modes = sorted((r for r in rows if r["arm"] in MODES), key=lambda r: -r["samples_per_s"])
+        print(f"seed {seed}: sync {show_t(s['ttt'])}, {best_name} {show_t(b['ttt'])}: {what}")
+    if evals_min < MIN_EVALS:
+        print(f"fewest evaluations in a run: {evals_min} (under {MIN_EVALS}: raise --seconds or lower --eval-every)")
+    print(f"total wall time {time.perf_counter() - t0:.0f} s")
+    vs_trl = med(best, "samples_per_s") / max(t["samples_per_s"] for t in trl.values()) if trl else None
+    print(
+        f"RESULT speedup_median={fmt(sp['median'])} speedup_min={fmt(sp['min'])} speedup_max={fmt(sp['max'])} "
+        f"speedup_bound={sp['bound']} speedup_seeds={sp['seeds']} best_arm={best_name} target={target:.3f} "
+        f"seeds={len(seeds)} sync_trainer_idle={med(sync, 'trainer_idle'):.3f} "
+        f"best_trainer_idle={med(best, 'trainer_idle'):.3f} ratio_vs_trl={fmt(vs_trl)} evals_min={evals_min} "
+        f"wasted_frac={med(best, 'wasted_frac'):.3f} wall_speedup_median={fmt(wall['median'])}"
+    )
+
+
+def show_t(t: float | None) -> str:
+    return "not reached" if t is None else f"{t:.0f}s"
+
+
+def print_run(r: dict) -> None:
+    lag = " ".join(f"{k}:{v:.0%}" for k, v in r["lag"].items() if v >= 0.005)
+    c = " ".join(f"{s}:{a:.0%}@{t:.0f}s" for s, t, a in r["curve"])
+    print(
+        f"{r['arm']:>12} seed {r['seed']} steps {r['steps']:>4} {r['samples_per_s']:6.1f} samples/s "
+        f"{r['tokens_per_s']:7.0f} tok/s trainer idle {r['trainer_idle']:4.0%} engine idle {r['engine_idle']:4.0%} "
+        f"wasted {r['wasted_frac']:.1%} (lag drops {r['lag_drops']}, uniform {r['uniform_drops']}) lag {lag} "
+        f"pools {r['pool_busy']}; evaluations {r['eval_s']:.0f}s, curve (step:acc@s) {c}",
+        flush=True,
+    )
+
+
+def print_table(runs: dict[str, list[dict]], trl: dict[str, dict], eval_every: int) -> None:
+    """Medians over the seeds; times to target per seed."""
+    sync = runs["sync"]
+    common = min(r["curve"][-1][0] for rs in runs.values() for r in rs) // eval_every * eval_every
+    print(
+        f"\n{'arm':>12} | samples/s x sync | trainer idle | engine idle | evals | held-out start -> end | "
+        f"at step {common} | to target (s), per seed | wall, with evals (s) | wasted"
+    )
+    for name, rs in runs.items():
+        at = [a for a in (acc_at_step(r["curve"], common) for r in rs) if a is not None]
+        evals = sorted({len(r["curve"]) for r in rs})
+        start, end = [r["curve"][0][2] for r in rs], [r["curve"][-1][2] for r in rs]
+        print(
+            f"{name:>12} | {med(rs, 'samples_per_s') / max(med(sync, 'samples_per_s'), 1e-9):16.2f} | "
+            f"{med(rs, 'trainer_idle'):12.0%} | {med(rs, 'engine_idle'):11.0%} | "
+            f"{'-'.join(map(str, (evals[0], evals[-1])) if len(evals) > 1 else str(evals[0])):>5} | "
+            f"{statistics.median(start):10.1%} -> {statistics.median(end):5.1%} | "
+            f"{fmt(statistics.median(at) if at else None, '.1%'):>9} | "
+            f"{', '.join(show_t(r['ttt']) for r in rs):>22} | {', '.join(show_t(r['wall_ttt']) for r in rs):>20} | "
+            f"{med(rs, 'wasted_frac'):6.1%}"
+        )
+    for arm, t in trl.items():
+        print(
+            f"{arm:>12} | {t['samples_per_s'] / max(med(sync, 'samples_per_s'), 1e-9):16.2f} | {'':>12} | {'':>11} | "
+            f"{0:>5} | no held-out evaluation (samples/s only: {t['batches']} batches, lr {t['lr']:g})"
+        )
+    modes = sorted((rs for n, rs in runs.items() if n in MODES), key=lambda rs: -med(rs, "samples_per_s"))
     if modes:
-        print("partial-rollout modes by speed: " + ", ".join(f"{r['arm']} {r['samples_per_s']:.1f}/s" for r in modes))
-        by_waste = sorted(modes, key=lambda r: r["wasted_frac"])
-        print("partial-rollout modes by waste: " + ", ".join(f"{r['arm']} {r['wasted_frac']:.1%}" for r in by_waste))
+        print(
+            "partial-rollout modes by speed: "
+            + ", ".join(f"{rs[0]['arm']} {med(rs, 'samples_per_s'):.1f}/s" for rs in modes)
+        )
+        by_waste = sorted(modes, key=lambda rs: med(rs, "wasted_frac"))
+        print(
+            "partial-rollout modes by waste: "
+            + ", ".join(f"{rs[0]['arm']} {med(rs, 'wasted_frac'):.1%}" for rs in by_waste)
+        )
 
 
 if __name__ == "__main__":
