@@ -9,11 +9,17 @@ points, warm-up and RL time, and the staleness of the episodes trained (drops by
 lag histogram per episode, episodes whose tokens span several versions). The last line is
 
     RESULT multiturn_gain=<points> tool_gain=<points> selfplay_winrate_gain=<points> api_agent_gain=<points>
+        api_agent_sampled_gain=<points>
 
 `api_agent` is examples/api_agent: `nonstop train examples/api_agent/run.yaml` (agents.enabled)
 beside the example's agent program (the openai client only), which plays guess_number through
 the run's endpoint, rewards its episodes, and measures its own held-out success at temperature 0
-before and after; its gain is the agent's measure.
+before and after; its gain is the agent's measure. That measure is greedy play on 70 held-out
+games with only 7 distinct hidden numbers, so a deterministic policy wins or loses each number as
+a whole and the measure moves in large steps (docs/api_agents.md: 0% -> 100%). The row also
+shows the run's own held-out evaluation of the same game (one sampled episode per held-out row,
+as the other environments' rows measure), printed beside it and in the RESULT line as
+`api_agent_sampled_gain`.
 
 Targets: each at least +20 points. `--quick` gives each environment 100 s of RL (about 8 minutes
 in all with the warm-ups cached; the first run also warms up, see docs/benchmarks.md).
@@ -81,11 +87,13 @@ def run_api_agent(seconds: float, folder: Path, cache: Path, overrides: list[str
     if agent.returncode != 0 or not lines:
         raise SystemExit(f"the api_agent's agent failed (exit {agent.returncode}):\n{out[-2000:]}\n{err[-2000:]}")
     r = json.loads(lines[-1][len("RESULT ") :])
+    sampled_final = s["final_accuracy"] if s["steps"] else s["base_accuracy"]  # no step trained: the base is final
     return {
         "env": "api_agent",
         "base": r["base"],
         "final": r["final"],
         "gain": r["final"] - r["base"],
+        "sampled": (s["base_accuracy"], sampled_final),
         "warmup_s": s["warmup_s"],
         "rl_s": s["rl_wall_s"],
         "steps": s["steps"],
@@ -151,6 +159,13 @@ def main() -> None:
                 f"{r['rl_s']:6.1f} {r['steps']:6d}",
                 flush=True,
             )
+            if "sampled" in r:
+                base, final = r["sampled"]
+                print(
+                    f"{'':>18} the agent's greedy measure above (temperature 0, 7 hidden numbers); the run's own "
+                    f"sampled evaluation {base:.1%} -> {final:.1%} ({100 * (final - base):+.1f}p)",
+                    flush=True,
+                )
     print("\nstaleness per environment (episodes trained):")
     for r in rows:
         print(
@@ -161,6 +176,11 @@ def main() -> None:
     print(f"total wall time {time.perf_counter() - t0:.0f} s")
     keys = {**KEYS, **ADAPTERS}
     gains = {keys[r["env"]]: round(100 * r["gain"], 1) for r in rows if r["env"] in keys}
+    for r in rows:
+        if "sampled" in r:
+            gains[keys[r["env"]].replace("_gain", "_sampled_gain")] = round(
+                100 * (r["sampled"][1] - r["sampled"][0]), 1
+            )
     print("RESULT " + " ".join(f"{k}={v:+.1f}" for k, v in gains.items()))
 
 
