@@ -28,13 +28,15 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from nonstop.errors import NonstopError
+
 _PREFIX = "step_"
 _MANIFEST = "manifest.json"
 VERSION_FILE = "nonstop_version.json"
 """Beside the weights of every model folder the trainer saves: {"policy_version": N}."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(NonstopError, RuntimeError):
     """No usable checkpoint: the message lists each candidate and why it was refused."""
 
 

@@ -22,6 +22,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -31,10 +32,10 @@ from nonstop import __version__
 from nonstop.checkpoint import CheckpointError
 from nonstop.config import Config, ConfigError, config_reference, dump_config, load_config
 from nonstop.config.preflight import resolve_model_path
+from nonstop.errors import NonstopError, ServeError
 from nonstop.models.fetch import KNOWN_MODELS, fetch_model
 from nonstop.models.gguf import ModelFetchError, gguf_folder
 from nonstop.observe.report import ReportError, render
-from nonstop.orchestrator.generate import NoLearningSignal
 from nonstop.orchestrator.launch import (  # run_training: shared with nonstop.train(); benches import it from here
     run_rows,
     run_training,
@@ -42,9 +43,7 @@ from nonstop.orchestrator.launch import (  # run_training: shared with nonstop.t
 )
 from nonstop.orchestrator.progress import summary_table
 from nonstop.orchestrator.verify import VerifyError, verify
-from nonstop.runtime import ActorCallError, ActorDied
-from nonstop.scoring.rewards import RewardError
-from nonstop.tasks.data import DatasetError, load_task
+from nonstop.tasks.data import load_task
 
 
 def config_or_exit(config: str | None, overrides: tuple[str, ...], console: Console) -> Config:
@@ -56,7 +55,19 @@ def config_or_exit(config: str | None, overrides: tuple[str, ...], console: Cons
         sys.exit(2)
 
 
-@click.group()
+class _Commands(click.Group):
+    """The command group: an error of ours that a command does not handle itself is one line on
+    stderr and exit status 1, a traceback's status, without the traceback (a bug keeps its own)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except NonstopError as e:
+            click.echo(f"{' '.join(filter(None, ['nonstop', ctx.invoked_subcommand]))}: {e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Commands)
 @click.version_option(__version__, "--version", "-V", message="nonstop %(version)s", prog_name="nonstop")
 def main() -> None:
     """nonstop: asynchronous RL post-training of LLMs."""
@@ -88,31 +99,15 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]")
         sys.exit(130)
-    except Exception as e:  # one clear line for the user; the cause chain stays in the traceback
+    except (NonstopError, TimeoutError) as e:  # one clear line for the user; a bug keeps its traceback
         # start-up: torch only when this command runs
-        from nonstop.orchestrator.recovery import RunFailed, RunInterrupted
-        from nonstop.transport import TransportError
+        from nonstop.orchestrator.recovery import RunInterrupted
 
         if isinstance(e, RunInterrupted):
             console.print(f"[yellow]interrupted:[/] {e}", highlight=False)
             sys.exit(130)
-        if isinstance(
-            e,
-            (
-                ActorDied,
-                ActorCallError,
-                DatasetError,
-                RewardError,
-                NoLearningSignal,
-                TransportError,
-                TimeoutError,
-                RunFailed,
-                CheckpointError,
-            ),
-        ):
-            console.print(f"[red]run failed:[/] {escape(str(e))}", highlight=False)
-            sys.exit(1)
-        raise
+        console.print(f"[red]run failed:[/] {escape(str(e))}", highlight=False)
+        sys.exit(1)
     console.print(summary_table(summary))
 
 
@@ -205,7 +200,6 @@ def _serve(
         sys.exit(2)
     # start-up: torch only when this command runs
     from nonstop.serve.command import serve
-    from nonstop.serve.server import ServeError
 
     if given is None or local is None:
         # start-up: torch only when this command runs
@@ -251,10 +245,10 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
     """Warm the tiny model up on the task and save it as a base policy, with its provenance."""
     console = Console()
     cfg = config_or_exit(config, overrides, console)
+    data = load_task(cfg.task)  # a dataset it cannot use is refused before torch loads
     # start-up: torch only when this command runs
     from nonstop.tasks.base import write_base
 
-    data = load_task(cfg.task)
     threads = cfg.warmup.threads if threads is None else threads
     command = " ".join(
         [

@@ -144,6 +144,24 @@ def test_a_failure_message_with_brackets_is_printed_as_it_is(tmp_path):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_a_config_error_is_one_line(tmp_path):
+    """A config error is one line naming the field, exit status 2, no traceback."""
+    result = nonstop(["train", "--set", "buffer.depht=2"], cwd=tmp_path, timeout_s=120)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2, result
+    assert lines == ["invalid config: buffer.depht: unknown field (did you mean 'depth'?)"], result
+
+
+def test_an_error_no_command_handles_is_one_line(tmp_path):
+    """`nonstop warmup` leaves a DatasetError to the command group, which catches NonstopError:
+    one line on stderr, exit status 1, no traceback, no output folder."""
+    args = ["warmup", "--set", "task.name=jsonl", "--set", "task.dataset_path=missing.jsonl", "--out", "out"]
+    result = nonstop(args, cwd=tmp_path, timeout_s=120)
+    assert result.returncode == 1 and not result.stdout, result
+    assert result.stderr.strip().splitlines() == ["nonstop warmup: dataset file not found: missing.jsonl"], result
+    assert not (tmp_path / "out").exists()
+
+
 def test_held_out_split_is_explicit_and_said(tmp_path):
     rows = [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(201)]
     (tmp_path / "d.jsonl").write_text("\n".join(rows) + "\n")

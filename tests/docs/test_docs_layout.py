@@ -51,6 +51,7 @@ def test_layout_table_names_only_modules_that_exist() -> None:
             assert any(p.exists() for p in places), f"docs/architecture.md's layout row {names} names {ref}, not found"
 
 
-def test_root_holds_at_most_twelve_modules() -> None:
+def test_root_holds_at_most_thirteen_modules() -> None:
+    """__init__.py and twelve: the error root (`errors.py`) sits below every package, so at the root."""
     modules = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert len(modules) <= 12, f"src/nonstop holds {len(modules)} modules: {modules}"
+    assert len(modules) <= 13, f"src/nonstop holds {len(modules)} modules: {modules}"

@@ -50,6 +50,7 @@ from nonstop.config.schema import Section as _Section
 from nonstop.config.schema import explain, reference
 from nonstop.config.scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
 from nonstop.config.task import TaskConfig, WarmupConfig
+from nonstop.errors import NonstopError
 
 __all__ = [
     "AgentsConfig",
@@ -94,7 +95,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(NonstopError, ValueError):
     """A configuration problem; the message names the offending field."""
 
 

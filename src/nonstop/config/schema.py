@@ -147,7 +147,8 @@ def _unknown(place: _Place, key: str) -> str:
 
 
 def explain(err: ValidationError, root: type[BaseModel]) -> str:
-    """One line per problem, each starting with the dotted field it concerns."""
+    """One line per problem, each starting with the dotted field it concerns; a single problem is
+    one line in all, so the command line's message for it is one line too."""
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
@@ -168,7 +169,7 @@ def explain(err: ValidationError, root: type[BaseModel]) -> str:
             lines.append(f"{field}: {msg}" if place.path else msg)
         else:
             lines.append(f"{field}: {e['msg']} (got {e.get('input')!r})")
-    return "invalid config:\n  " + "\n  ".join(lines)
+    return f"invalid config: {lines[0]}" if len(lines) == 1 else "invalid config:\n  " + "\n  ".join(lines)
 
 
 def _type_name(annotation: Any) -> str:

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nonstop.errors import EngineError
 
-class UnsupportedModel(ValueError):
+
+class UnsupportedModel(EngineError, ValueError):
     """The model's architecture is outside what the lean runner implements."""
 
 

@@ -54,6 +54,7 @@ from nonstop.engine.runner import Runner
 from nonstop.engine.sampling import RowParams
 from nonstop.engine.sequence import Group, Seq
 from nonstop.engine.updates import WeightGate
+from nonstop.errors import EngineError
 from nonstop.observe.flops import FlopModel, causal_pairs
 from nonstop.types import GenerationRequest, Sample
 
@@ -61,7 +62,7 @@ PREFIX_CACHE_SHARE = 8
 """engine.prefix_cache_tokens when unset: the KV cache's tokens (slots x max_seq_len) over this."""
 
 
-class RequestError(ValueError):
+class RequestError(EngineError, ValueError):
     """A request the engine cannot serve; the message names the field or limit."""
 
 

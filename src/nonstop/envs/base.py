@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nonstop.errors import NonstopError
 from nonstop.tasks.data import Example
 from nonstop.token_trace import ENV_VERSION as ENV_VERSION  # environments tag their tokens with it
 from nonstop.types import GenerationRequest, Sample
@@ -72,7 +73,7 @@ class EpisodeResult:
         return {v for s in self.samples for v, m in zip(s.versions, s.loss_mask) if m}
 
 
-class EnvError(RuntimeError):
+class EnvError(NonstopError, RuntimeError):
     """An environment could not go on with an episode (bad state, a failing backend)."""
 
 

@@ -22,6 +22,8 @@ import shutil
 import time
 from pathlib import Path
 
+from nonstop.errors import NonstopError
+
 MARKER = "nonstop_model.json"
 """Written last into a converted folder: its presence means the conversion finished."""
 
@@ -29,7 +31,7 @@ DEFAULT_CACHE = ".nonstop_cache/models"
 """Where converted and fetched models live unless told otherwise (NONSTOP_MODEL_CACHE overrides it)."""
 
 
-class ModelFetchError(RuntimeError):
+class ModelFetchError(NonstopError, RuntimeError):
     """A model cannot be fetched or converted: the message says what to do."""
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from nonstop.config import DoctorConfig
+from nonstop.errors import ObserveError
 from nonstop.observe.doctor import Context, diagnose, read_records
 from nonstop.observe.timeline import Interval, Timeline
 
@@ -52,7 +53,7 @@ LANE_COLORS = {
 }
 
 
-class ReportError(RuntimeError):
+class ReportError(ObserveError, RuntimeError):
     """The run folder lacks what the report needs; the message says what."""
 
 

@@ -26,13 +26,15 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nonstop.errors import ObserveError
+
 if TYPE_CHECKING:
     from nonstop.config import Config
 
 PROJECT = "nonstop"
 
 
-class TrackingError(RuntimeError):
+class TrackingError(ObserveError, RuntimeError):
     """A tracker named in `tracking` is not installed (the message names the extra)."""
 
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from nonstop.envs.base import EnvLimits, EpisodeResult, MultiAgentEnvironment, Turn, TurnEngine
+from nonstop.errors import RunError
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example
 from nonstop.token_trace import TokenTrace
@@ -61,7 +62,7 @@ class RoleEngines:
         return await self.shared.generate(requests)
 
 
-class EpisodeError(RuntimeError):
+class EpisodeError(RunError, RuntimeError):
     """The environment failed an episode; `kind` is 'env_raised' or 'env_timeout'."""
 
     def __init__(self, kind: str, message: str) -> None:

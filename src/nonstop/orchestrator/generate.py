@@ -26,6 +26,7 @@ from typing import Any
 
 from nonstop.clients import EngineClient
 from nonstop.config import RolloutConfig
+from nonstop.errors import RunError
 from nonstop.observe.clock import BusyClock, Clock
 from nonstop.observe.spans import SpanLog, now
 from nonstop.orchestrator.buffer import Intake
@@ -44,7 +45,7 @@ def draw_seed(run_seed: int, epoch: int, index: int) -> int:
     return int.from_bytes(digest, "big")
 
 
-class NoLearningSignal(RuntimeError):
+class NoLearningSignal(RunError, RuntimeError):
     """Rollouts keep failing to produce trainable groups; the message says why and what to change."""
 
 

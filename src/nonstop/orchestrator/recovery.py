@@ -33,17 +33,18 @@ import time
 from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint, commit, staging_dir
+from nonstop.errors import RunError
 from nonstop.observe.clock import Clock
 from nonstop.observe.consumed import snapshot
 from nonstop.orchestrator.run import Run
 from nonstop.tasks.data import Draw
 
 
-class RunFailed(RuntimeError):
+class RunFailed(RunError, RuntimeError):
     """The run cannot go on; the message says why and how to resume."""
 
 
-class RunInterrupted(RuntimeError):
+class RunInterrupted(RunError, RuntimeError):
     """The user stopped the run (Ctrl-C, SIGTERM); the message names the checkpoint written and
     how to resume."""
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from nonstop.checkpoint import CheckpointError, latest_valid
 from nonstop.config import ConfigError, load_config
+from nonstop.errors import RunError
 from nonstop.observe.consumed import DROPPED, TRAINED, lines_of
 from nonstop.orchestrator.launch import run_rows
 from nonstop.tasks.data import PromptStream
@@ -38,7 +39,7 @@ Key = tuple[int, int]  # (epoch, prompt index)
 SHOWN = 20  # problems listed by name; the rest are counted
 
 
-class VerifyError(RuntimeError):
+class VerifyError(RunError, RuntimeError):
     """A record or count could not be read: the run cannot be verified (never a count of 0)."""
 
 

@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nonstop.config import RayRuntimeConfig, RuntimeConfig
+from nonstop.errors import ActorError
 
 
-class ActorDied(RuntimeError):
+class ActorDied(ActorError, RuntimeError):
     """An actor process ended (crash, kill, or failure to start) or stopped answering."""
 
 
-class ActorCallError(RuntimeError):
+class ActorCallError(ActorError, RuntimeError):
     """The actor raised while serving a call; the message carries its remote traceback."""
 
 

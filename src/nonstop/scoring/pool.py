@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from nonstop.clients import Client, TokenSequence
+from nonstop.errors import ScoringError
 from nonstop.runtime.actor_clients import RewardModelActor, RewardWorkerActor, TeacherActor
 from nonstop.runtime.base import ActorBackend, ActorCallError, ActorDied, ActorHandle
 from nonstop.scoring.calls import PooledCalls
@@ -36,7 +37,7 @@ from nonstop.scoring.threads import DaemonThreads
 from nonstop.types import Outcome, RewardKind, RewardRow
 
 
-class CallFailed(RuntimeError):
+class CallFailed(ScoringError, RuntimeError):
     """A scoring call failed; `counts` says how many samples failed by reason when that is known."""
 
     def __init__(self, reason: str, message: str, counts: dict[str, int] | None = None) -> None:

@@ -21,13 +21,14 @@ from typing import Any
 
 from nonstop.config import ConfigError
 from nonstop.config.specs import import_callable
+from nonstop.errors import ScoringError
 
 RewardFn = Callable[..., Any]
 """A reward function in any form scoring/calls.py calls: (completion, answer) -> float, by keyword,
 or TRL's (prompts, completions, completion_ids, **kwargs) -> list[float | None]."""
 
 
-class RewardError(ValueError):
+class RewardError(ScoringError, ValueError):
     """The reward specification cannot be resolved, or (with fail-fast) a reward failed."""
 
 

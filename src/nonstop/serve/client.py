@@ -16,12 +16,13 @@ from typing import Any, Protocol
 import aiohttp
 
 from nonstop.engine.aio import AsyncEngine
+from nonstop.errors import ServeError
 from nonstop.serve.protocol import sample_from_extension
 from nonstop.serve.server import DEFAULT_CHAT_TEMPLATE
 from nonstop.types import GenerationRequest, Sample, SamplingParams
 
 
-class ServerError(RuntimeError):
+class ServerError(ServeError, RuntimeError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status

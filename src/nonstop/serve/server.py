@@ -46,6 +46,7 @@ from typing import Any
 from aiohttp import web
 
 from nonstop.engine.scheduler import RequestError
+from nonstop.errors import ServeError
 from nonstop.serve import generate_route, openapi
 from nonstop.serve import responses as r
 from nonstop.serve.answers import Answers
@@ -60,10 +61,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
-
-
-class ServeError(RuntimeError):
-    """The server cannot start (address in use, port out of range); the message says which."""
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:

@@ -12,12 +12,13 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from nonstop.errors import ServeError
 from nonstop.serve.fields import UNION_TAGS, short
 
 M = TypeVar("M", bound=BaseModel)
 
 
-class BadRequest(ValueError):
+class BadRequest(ServeError, ValueError):
     """A request the server rejects with 400 (or `status`); the message names the field."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.config import TaskConfig
+from nonstop.errors import NonstopError
 
 
-class DatasetError(ValueError):
+class DatasetError(NonstopError, ValueError):
     """The dataset cannot be used at all (missing file, or no valid row)."""
 
 

@@ -46,6 +46,7 @@ from functools import partial
 import torch
 
 from nonstop.config import DistillConfig, TrainerConfig
+from nonstop.errors import TrainerError
 from nonstop.hf import CausalLM
 from nonstop.trainer.ahead import AheadForwards, assemble, by_group
 from nonstop.trainer.batch import Batch, BatchBuilder
@@ -61,7 +62,7 @@ from nonstop.trainer.token_advantages import distill_advantages, distill_term, p
 from nonstop.types import Group
 
 
-class NumericalError(RuntimeError):
+class NumericalError(TrainerError, RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 

@@ -42,10 +42,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from nonstop.errors import TrainerError
 from nonstop.types import Sample
 
 
-class RouteShapeError(ValueError):
+class RouteShapeError(TrainerError, ValueError):
     """Recorded routes that do not fit the trainer's model or batch; the message names the field."""
 
 

@@ -22,12 +22,13 @@ from typing import Protocol
 import torch
 
 from nonstop.config import FilesTransportConfig, LoraConfig, ShmTransportConfig, TransportConfig
+from nonstop.errors import NonstopError
 from nonstop.types import BroadcastOptions, FilesOptions, ShmOptions, TensorSpec, TransportHandle, TransportOptions
 
 ALIGN = 64
 
 
-class TransportError(RuntimeError):
+class TransportError(NonstopError, RuntimeError):
     """A weight transfer failed or timed out; the message names the peer and the version."""
 
 

@@ -33,7 +33,7 @@ ROUND_SLICE = timedelta(seconds=1)
 REFUSED = "refused: "  # prefix of a backend value that carries the trainer's refusal instead
 
 
-class RoundAbandoned(Exception):
+class RoundAbandoned(TransportError):
     """The membership changed while this round was under way: it is sent again in a new group."""
 
 
