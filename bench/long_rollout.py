@@ -402,29 +402,39 @@ def main() -> None:
                 runs[name].append(run_arm(name, seed, table[name], ns.seconds, Path(tmp), common))
                 print_run(runs[name][-1])
         trl = trl_arms(ns.trl_steps, Path(tmp), ns.quick, ns.overrides) if ns.trl_steps > 0 else {}
-    target = target_from((r["curve"] for rs in runs.values() for r in rs), ns.margin)
+    print(f"total wall time of the runs {time.perf_counter() - t0:.0f} s")
+    print(report(runs, trl, seeds, ns.margin, ns.eval_every))
+
+
+def report(runs: dict[str, list[dict]], trl: dict[str, dict], seeds: list[int], margin: float, eval_every: int) -> str:
+    """Print the target, the table and each seed's speed-up from every run's row (sync's first, one
+    row per seed in `seeds`' order); return the RESULT line."""
+    target = target_from((r["curve"] for rs in runs.values() for r in rs), margin)
     for rs in runs.values():
         for r in rs:
             r["ttt"] = time_to_target(r["curve"], target)
             r["wall_ttt"] = time_to_target(r["wall_curve"], target)
-    best_name = min(names[1:], key=lambda n: (median_time([r["ttt"] for r in runs[n]]), -med(runs[n], "samples_per_s")))
+    others = [n for n in runs if n != "sync"]
+    best_name = min(others, key=lambda n: (median_time([r["ttt"] for r in runs[n]]), -med(runs[n], "samples_per_s")))
     sync, best = runs["sync"], runs[best_name]
     per_seed = [seed_speedup(s["curve"], b["curve"], target) for s, b in zip(sync, best)]
     wall = spread([seed_speedup(s["wall_curve"], b["wall_curve"], target) for s, b in zip(sync, best)])
     sp = spread(per_seed)
     evals_min = min(len(r["curve"]) for rs in runs.values() for r in rs)
-    print(f"\ntarget {target:.1%}: the highest of every run's first two evaluations + {ns.margin:.2f}")
-    print_table(runs, trl, ns.eval_every)
+    print(f"\ntarget {target:.1%}: the highest of every run's first two evaluations + {margin:.2f}")
+    print_table(runs, trl, eval_every)
     for seed, (v, kind), s, b in zip(seeds, per_seed, sync, best):
-        what = {"exact": f"{v:.2f}x", "lower": f">= {v:.2f}x (sync did not reach the target)"}.get(
-            kind, f"none ({best_name} did not reach the target)"
-        )
+        if kind == "exact":
+            what = f"{v:.2f}x"
+        elif kind == "lower":
+            what = f">= {v:.2f}x (sync did not reach the target)"
+        else:
+            what = f"none ({best_name} did not reach the target)"
         print(f"seed {seed}: sync {show_t(s['ttt'])}, {best_name} {show_t(b['ttt'])}: {what}")
     if evals_min < MIN_EVALS:
         print(f"fewest evaluations in a run: {evals_min} (under {MIN_EVALS}: raise --seconds or lower --eval-every)")
-    print(f"total wall time {time.perf_counter() - t0:.0f} s")
     vs_trl = med(best, "samples_per_s") / max(t["samples_per_s"] for t in trl.values()) if trl else None
-    print(
+    return (
         f"RESULT speedup_median={fmt(sp['median'])} speedup_min={fmt(sp['min'])} speedup_max={fmt(sp['max'])} "
         f"speedup_bound={sp['bound']} speedup_seeds={sp['seeds']} best_arm={best_name} target={target:.3f} "
         f"seeds={len(seeds)} sync_trainer_idle={med(sync, 'trainer_idle'):.3f} "
@@ -459,12 +469,13 @@ def print_table(runs: dict[str, list[dict]], trl: dict[str, dict], eval_every: i
     )
     for name, rs in runs.items():
         at = [a for a in (acc_at_step(r["curve"], common) for r in rs) if a is not None]
-        evals = sorted({len(r["curve"]) for r in rs})
+        counts = sorted(len(r["curve"]) for r in rs)
+        evals = str(counts[0]) if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
         start, end = [r["curve"][0][2] for r in rs], [r["curve"][-1][2] for r in rs]
         print(
             f"{name:>12} | {med(rs, 'samples_per_s') / max(med(sync, 'samples_per_s'), 1e-9):16.2f} | "
             f"{med(rs, 'trainer_idle'):12.0%} | {med(rs, 'engine_idle'):11.0%} | "
-            f"{'-'.join(map(str, (evals[0], evals[-1])) if len(evals) > 1 else str(evals[0])):>5} | "
+            f"{evals:>5} | "
             f"{statistics.median(start):10.1%} -> {statistics.median(end):5.1%} | "
             f"{fmt(statistics.median(at) if at else None, '.1%'):>9} | "
             f"{', '.join(show_t(r['ttt']) for r in rs):>22} | {', '.join(show_t(r['wall_ttt']) for r in rs):>20} | "

@@ -95,3 +95,64 @@ def test_trl_runs_at_the_rate_nonstop_resolves_with_the_same_batch(bench):
     assert same["num_iterations"] == cfg.trainer.updates_per_batch
     assert same["max_completion_length"] == cfg.rollout.max_new_tokens
     assert bench.trl_batch(load_config(str(bench.CONFIG), overrides=["trainer.lr=2e-4"]))["learning_rate"] == 2e-4
+
+
+def row(arm: str, curve: list, samples_per_s: float, idle: float) -> dict:
+    """A run's row as figures() makes it, with a hand-made curve (no evaluation time)."""
+    return {
+        "arm": arm,
+        "curve": curve,
+        "wall_curve": curve,
+        "samples_per_s": samples_per_s,
+        "trainer_idle": idle,
+        "engine_idle": 0.1,
+        "wasted_frac": 0.2,
+    }
+
+
+def test_the_result_line_reads_every_seed_and_says_what_was_not_reached(bench, capsys):
+    start = [(0, 0.0, 0.30), (4, 0.0, 0.40)]
+
+    def rising(seconds_per_point: float, top: float) -> list:
+        # from 40% at step 4, one point of held-out accuracy per `seconds_per_point`, up to `top`
+        pts = [(4 * (i + 2), 10.0 * (i + 1), min(top, 0.40 + 0.05 * (i + 1))) for i in range(8)]
+        return [start[0], (4, 0.0, 0.40)] + [(s, t * seconds_per_point, a) for s, t, a in pts]
+
+    runs = {
+        # target 0.43 (40% + 0.03): sync crosses at 6 s x seconds_per_point 3 = 18 s in seeds 0 and 2
+        "sync": [
+            row("sync", rising(3.0, 0.9), 8, 0.5),
+            row("sync", rising(3.0, 0.42), 8, 0.5),
+            row("sync", rising(3.0, 0.9), 8, 0.5),
+        ],
+        "depth2": [row("depth2", rising(1.0, 0.9), 18, 0.05)] * 3,  # 6 s every seed
+        "depth1": [
+            row("depth1", rising(1.5, 0.9), 15, 0.1),
+            row("depth1", rising(9.0, 0.42), 15, 0.1),
+            row("depth1", rising(1.5, 0.9), 15, 0.1),
+        ],
+    }
+    line = bench.report(runs, {"trl1": {"samples_per_s": 3.0, "batches": 4, "lr": 1e-4}}, [0, 1, 2], 0.03, 4)
+    out = capsys.readouterr().out
+    fields = dict(kv.split("=") for kv in line.removeprefix("RESULT ").split())
+    assert fields["best_arm"] == "depth2" and fields["target"] == "0.430" and fields["seeds"] == "3"
+    # seeds 0 and 2: 18 s / 6 s; seed 1 sync never reached 43%: its last evaluation (240 s) / 6 s, a lower bound
+    assert (fields["speedup_median"], fields["speedup_min"], fields["speedup_max"]) == ("3.00", "3.00", "40.00")
+    assert fields["speedup_bound"] == "lower" and fields["speedup_seeds"] == "3"
+    assert fields["ratio_vs_trl"] == "6.00" and fields["evals_min"] == "10"
+    assert fields["sync_trainer_idle"] == "0.500" and fields["best_trainer_idle"] == "0.050"
+    assert "seed 1: sync not reached, depth2 6s: >= 40.00x (sync did not reach the target)" in out
+    assert "no held-out evaluation" in out
+    assert "|    10 |" in out  # every run's evaluations, step 0 included
+
+    runs["depth2"] = [row("depth2", rising(1.0, 0.42), 18, 0.05)] * 3  # the fastest arm never reaches it
+    line = bench.report(runs, {}, [0, 1, 2], 0.03, 4)
+    fields = dict(kv.split("=") for kv in line.removeprefix("RESULT ").split())
+    assert fields["best_arm"] == "depth1"  # median 9 s against depth2's never
+    # seed 1: depth1 did not reach it either, so that seed has no speed-up (sync's 18 s / 9 s in the others)
+    assert fields["speedup_seeds"] == "2" and fields["speedup_bound"] == "exact" and fields["ratio_vs_trl"] == "n/a"
+    assert fields["speedup_median"] == "2.00"
+    runs["depth1"] = [row("depth1", rising(1.0, 0.42), 15, 0.1)] * 3
+    line = bench.report(runs, {}, [0, 1, 2], 0.03, 4)
+    fields = dict(kv.split("=") for kv in line.removeprefix("RESULT ").split())
+    assert fields["speedup_median"] == "n/a" and fields["speedup_bound"] == "missing" and fields["speedup_seeds"] == "0"
