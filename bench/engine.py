@@ -68,7 +68,7 @@ from nonstop.config import EngineConfig, ShmTransportConfig, TinyModelConfig
 from nonstop.engine.core import TorchEngine
 from nonstop.engine.updates import UPDATE_MODES, UpdateMode
 from nonstop.tasks.tiny import make_tiny_model
-from nonstop.transport import open_sink, open_source, plan_transport
+from nonstop.transport import open_publisher, open_receiver, plan_transport
 from nonstop.types import GenerationRequest, Sample, SamplingParams
 
 now = time.perf_counter
@@ -121,7 +121,7 @@ def make_engine(model, batch: int, mode: UpdateMode = "never_stop") -> TorchEngi
     return TorchEngine(model, [], 0, settings=EngineConfig(max_concurrent_seqs=batch, update_mode=mode))
 
 
-def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 0, backlog: int = 0) -> dict:
+def run_engine(engine: TorchEngine, reqs, publisher=None, trainer=None, every: int = 0, backlog: int = 0) -> dict:
     """Drive the engine until every request is done, keeping `backlog` requests queued beyond the
     running ones (a steady producer, like the training pipeline's); publish a version every
     `every` decode steps. Publishing is the trainer's work: it is left out of the engine's time."""
@@ -147,9 +147,9 @@ def run_engine(engine: TorchEngine, reqs, sink=None, trainer=None, every: int = 
         waited, before = bool(sched.waiting), sched.stats["tokens_generated"]
         if sustained is None and not sched.waiting:
             sustained = (engine_s, sched.stats["tokens_generated"])
-        if sink is not None and sched.stats["decode_steps"] >= (version + 1) * every:
+        if publisher is not None and sched.stats["decode_steps"] >= (version + 1) * every:
             version += 1
-            sink.publish(trainer, version)
+            publisher.publish(trainer, version)
         swaps = sched.stats["swaps"]
         t0 = now()
         engine.step()
@@ -682,14 +682,14 @@ def update_modes(model, reqs, args) -> None:
     for mode in UPDATE_MODES:
         engine = make_engine(model_copy(model), args.batch, mode)
         handle = plan_transport(ShmTransportConfig(), trainer, 1)
-        sink = open_sink(handle)
-        source = open_source(handle, engine.weight_model)
-        engine.weights = source
+        publisher = open_publisher(handle)
+        receiver = open_receiver(handle, engine.weight_model)
+        engine.weights = receiver
         try:
-            r = run_engine(engine, reqs, sink, trainer, args.every, backlog=args.batch)
+            r = run_engine(engine, reqs, publisher, trainer, args.every, backlog=args.batch)
         finally:
-            source.close()
-            sink.close()
+            receiver.close()
+            publisher.close()
         rows.append((mode, r))
     no_updates = rows[0][1]["tokens"] / rows[0][1]["s"]
     step_ms = 1e3 * statistics.median(rows[0][1]["steps"])

@@ -14,7 +14,7 @@ What it checks, on a machine with one CUDA GPU, in at most ~8 minutes:
    match the trainer's new logprobs;
 3. the same update GPU to GPU through CUDA IPC (shm, device_path ipc): an engine in another
    process maps the trainer's GPU slots and copies from them; its next tokens carry version 1 and
-   match the trainer's logprobs, and the trainer's sink counts the publish as a GPU-slot publish;
+   match the trainer's logprobs, and the trainer's publisher counts the publish as a GPU-slot publish;
 4. the same update over NCCL (broadcast, device_path nccl) to an engine on a second GPU (NCCL
    refuses two ranks on one GPU: skipped, and said so, on a one-GPU machine): the rendezvous
    must settle on NCCL; same assertions;
@@ -93,7 +93,7 @@ def engine_process(handle, device: str, inbox, outbox) -> None:
     """The engine end of checks 3-4, in its own process (CUDA IPC cannot map memory its own process
     exported, and NCCL needs one process per member): attach, wait for the publish, generate."""
     try:
-        from nonstop.transport import open_source
+        from nonstop.transport import open_receiver
         from nonstop.transport.device import receive_device
 
         dev = torch.device(device)
@@ -101,13 +101,13 @@ def engine_process(handle, device: str, inbox, outbox) -> None:
         where = receive_device(handle, dev)
         if where is not None:
             engine.receive_weights_on(where)
-        source = open_source(handle, engine.weight_model, 1)
-        engine.weights = source
+        receiver = open_receiver(handle, engine.weight_model, 1)
+        engine.weights = receiver
         outbox.put(("attached", str(where or "cpu")))
         inbox.get()  # the trainer published version 1
         results = engine.generate(requests(prompts(tok)))
-        outbox.put(("samples", (results, getattr(source, "copies", None), getattr(source, "backend", None))))
-        source.close()
+        outbox.put(("samples", (results, getattr(receiver, "copies", None), getattr(receiver, "backend", None))))
+        receiver.close()
     except BaseException as e:  # reported to the parent, which fails the check naming it
         outbox.put(("error", f"{type(e).__name__}: {e}"))
 
@@ -117,21 +117,21 @@ def two_process_update(trainer, device: str, cfg, engine_device: str | None = No
     tokens must carry version 1; returns their max |log ratio| against the trainer and what the
     transport reports (GPU-slot publishes, the broadcast backend, the engine's copies)."""
     from nonstop.device import on
-    from nonstop.transport import open_sink, plan_transport
+    from nonstop.transport import open_publisher, plan_transport
     from nonstop.types import Group
 
     handle = plan_transport(cfg, trainer.model, 1)
-    sink = open_sink(handle)
+    publisher = open_publisher(handle)
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=engine_process, args=(handle, engine_device or device, inbox, outbox), daemon=True)
     child.start()
     try:
-        sink.connect()  # broadcast: the rendezvous that settles the backend
+        publisher.connect()  # broadcast: the rendezvous that settles the backend
         kind, value = outbox.get(timeout=300)
         if kind == "error":
             fail(f"{cfg.kind} engine: {value}")
-        sink.publish(trainer.model, 1)
+        publisher.publish(trainer.model, 1)
         inbox.put("published")
         kind, value = outbox.get(timeout=300)
         if kind == "error":
@@ -143,15 +143,15 @@ def two_process_update(trainer, device: str, cfg, engine_device: str | None = No
         with on(torch.device(device)):
             ratio = max_abs_log_ratio(trainer, groups)
         report = {
-            "backend": getattr(sink, "backend", None),
-            "gpu_publishes": getattr(sink, "gpu_publishes", None),
+            "backend": getattr(publisher, "backend", None),
+            "gpu_publishes": getattr(publisher, "gpu_publishes", None),
             "engine_copies": copies,
         }
     finally:
         child.join(timeout=30)
         if child.is_alive():
             child.kill()
-        sink.close()
+        publisher.close()
     return ratio, report
 
 
@@ -160,7 +160,7 @@ def engine_and_trainer(device: str):
     from nonstop.device import on, place
     from nonstop.hf import load_model
     from nonstop.trainer.core import Trainer
-    from nonstop.transport import open_sink, open_source, plan_transport
+    from nonstop.transport import open_publisher, open_receiver, plan_transport
     from nonstop.types import Group
 
     cuda = torch.device(device)
@@ -178,9 +178,9 @@ def engine_and_trainer(device: str):
         return groups
 
     handle = plan_transport(ShmTransportConfig(device_path="host"), trainer.model, 1)
-    sink = open_sink(handle)
-    source = open_source(handle, engine.weight_model)
-    engine.weights = source
+    publisher = open_publisher(handle)
+    receiver = open_receiver(handle, engine.weight_model)
+    engine.weights = receiver
     try:
         groups = rollouts()
         with on(cuda):
@@ -189,15 +189,15 @@ def engine_and_trainer(device: str):
         ratio_max, ratio_min = metrics["ratio_max"], metrics["ratio_min"]
         assert isinstance(ratio_max, float) and isinstance(ratio_min, float)  # the trainer reports both as floats
         ratio_dev = max(abs(ratio_max - 1), abs(ratio_min - 1))
-        sink.publish(trainer.model, trainer.policy_version)
+        publisher.publish(trainer.model, trainer.policy_version)
         after = rollouts()
         if not all(v == 1 for g in after for s in g.samples for v in s.versions):
             fail("tokens after the update do not carry version 1")
         with on(cuda):
             update = max_abs_log_ratio(trainer, after)
     finally:
-        source.close()
-        sink.close()
+        receiver.close()
+        publisher.close()
     return depth0, ratio_dev, update, trainer
 
 

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from nonstop.config import BroadcastTransportConfig, FilesTransportConfig, LoraConfig, ShmTransportConfig
-from nonstop.transport import open_sink, open_source, plan_transport
+from nonstop.transport import open_publisher, open_receiver, plan_transport
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from nonstop.lora import MergedAdapters
-    from nonstop.transport.base import WeightSource
+    from nonstop.transport.base import WeightReceiver
 
 LAYOUTS = {
     "3M many-small": [(100, 100)] * 300,
@@ -83,7 +83,7 @@ def _make(spec):
 
 def _receiver(handle, spec, done):
     torch.set_num_threads(1)
-    src = open_source(handle, _make(spec), 1)
+    src = open_receiver(handle, _make(spec), 1)
     done.wait()
     src.close()
 
@@ -91,33 +91,33 @@ def _receiver(handle, spec, done):
 def _broadcast(handle_cfg, trainer, spec, repeats, lora=None):
     """Best publish time (until the engine process acknowledged) over a real gloo group."""
     handle = plan_transport(handle_cfg, trainer, 1, lora)
-    sink = open_sink(handle)
+    publisher = open_publisher(handle)
     done = mp.get_context("spawn").Event()
     child = mp.get_context("spawn").Process(target=_receiver, args=(handle, spec, done))
     child.start()
-    sink.connect()
+    publisher.connect()
     version = [0]
 
     def once():
         version[0] += 1
-        sink.publish(trainer, version[0])
+        publisher.publish(trainer, version[0])
 
     best = _best(once, repeats)
     done.set()
-    sink.close()
+    publisher.close()
     child.join(timeout=60)
     return best
 
 
-def _adapters(source: WeightSource) -> MergedAdapters:
+def _adapters(receiver: WeightReceiver) -> MergedAdapters:
     """The adapters the engine's end of a same-process LoRA handle merges (and times its merges in)."""
     from nonstop.lora import MergedAdapters
-    from nonstop.transport.files import FilesSource
-    from nonstop.transport.shm import ShmSource
+    from nonstop.transport.files import FilesReceiver
+    from nonstop.transport.shm import ShmReceiver
 
-    assert isinstance(source, (ShmSource, FilesSource))  # the same-process transports
-    assert isinstance(source.target, MergedAdapters)  # a LoRA handle's engine target
-    return source.target
+    assert isinstance(receiver, (ShmReceiver, FilesReceiver))  # the same-process transports
+    assert isinstance(receiver.target, MergedAdapters)  # a LoRA handle's engine target
+    return receiver.target
 
 
 def _same_process(kind, trainer, engine, repeats, lora=None):
@@ -127,23 +127,23 @@ def _same_process(kind, trainer, engine, repeats, lora=None):
         handle = plan_transport(
             FilesTransportConfig(dir=d) if kind == "files" else ShmTransportConfig(), trainer, 1, lora
         )
-        sink = open_sink(handle)
-        source = open_source(handle, engine)
+        publisher = open_publisher(handle)
+        receiver = open_receiver(handle, engine)
         version, without_merge = [0], []
-        adapters = _adapters(source) if lora else None
+        adapters = _adapters(receiver) if lora else None
 
         def once():
             version[0] += 1
             merged_before = adapters.merge_s if adapters is not None else 0.0
             t0 = time.perf_counter()
-            sink.publish(trainer, version[0])
-            assert source.maybe_update(engine) == version[0]
+            publisher.publish(trainer, version[0])
+            assert receiver.maybe_update(engine) == version[0]
             merge = (adapters.merge_s - merged_before) if adapters is not None else 0.0
             without_merge.append(time.perf_counter() - t0 - merge)
 
         best = _best(once, repeats, warmup=3)  # shm: N + 2 = 3 slots to touch once
-        source.close()
-        sink.close()
+        receiver.close()
+        publisher.close()
     return best, min(without_merge[3:]), handle.total_bytes
 
 

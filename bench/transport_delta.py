@@ -4,7 +4,7 @@ A real RL loop on the model in DIR (SmolLM2-135M-Instruct in the repository's ca
 engine (one thread, the wire dtype) samples `group` completions of chat prompts "What is a+b?",
 rewarded by how close its last number is to the sum; the trainer actor's own code (TrainerWorker, precision
 'auto', trainer.lr at what sizing.py's rule resolves for the model) takes one step on them; the new
-version then goes out through three sinks side by side:
+version then goes out through three publishers side by side:
 
 - files with deltas (`transport.delta`), read by the engine itself before it samples the next batch;
 - broadcast with deltas and checksums, to an engine process that reports the CRC32 of every version it
@@ -17,7 +17,7 @@ ones. Per version the CRC32 of both engines is compared with the trainer's own w
 dtype.
 
 RESULT keys: delta_bytes_frac (broadcast: the mean over the measured versions of the bytes sent over the
-full version's), files_delta_bytes_frac (the same for the files sink, full files of `full_every`
+full version's), files_delta_bytes_frac (the same for the files publisher, full files of `full_every`
 included), first_full_included (delta_bytes_frac with the first, full, publish counted in), crc_equal
 (versions whose CRC matched on both engines / versions), lr, changed_frac (mean fraction of words
 changed), publish_s_delta and publish_s_full (median seconds of a files publish with and without deltas).
@@ -41,18 +41,18 @@ def _report_versions(handle, model_dir: str, dtype: str, last: int, queue) -> No
     """The broadcast engine: rank 1, every version applied as it comes, its CRC32 reported."""
     torch.set_num_threads(1)
     from nonstop.hf import load_model
-    from nonstop.transport import open_source
-    from nonstop.transport.base import source_crc32
+    from nonstop.transport import open_receiver
+    from nonstop.transport.base import receiver_crc32
 
     model = load_model(model_dir, getattr(torch, dtype))
-    source = open_source(handle, model, 1)
+    receiver = open_receiver(handle, model, 1)
     queue.put(("attached", None))
     while True:
-        v = source.maybe_update(model)
+        v = receiver.maybe_update(model)
         if v is not None:
-            queue.put(("version", (v, source_crc32(source))))
+            queue.put(("version", (v, receiver_crc32(receiver))))
             if v >= last:
-                source.close()
+                receiver.close()
                 return
         time.sleep(0.002)
 
@@ -112,8 +112,8 @@ def measure(model_dir: Path, steps: int, prompts: int, group: int, tokens: int) 
     from nonstop.engine.core import TorchEngine
     from nonstop.hf import load_model
     from nonstop.trainer.worker import TrainerWorker
-    from nonstop.transport import open_sink, open_source, plan_transport
-    from nonstop.transport.base import source_crc32, weights_crc32
+    from nonstop.transport import open_publisher, open_receiver, plan_transport
+    from nonstop.transport.base import receiver_crc32, weights_crc32
     from nonstop.transport.delta import diff, word_dtype
 
     torch.set_num_threads(1)
@@ -134,7 +134,11 @@ def measure(model_dir: Path, steps: int, prompts: int, group: int, tokens: int) 
         full_h = plan_transport(FilesTransportConfig.model_validate({**common, "dir": f"{tmp}/f"}), model, 1)
         bc = BroadcastTransportConfig.model_validate({**common, "delta": True, "timeout_s": 300})
         bc_h = plan_transport(bc, model, 1)
-        sinks = {"files": open_sink(files_h), "full": open_sink(full_h), "broadcast": open_sink(bc_h)}
+        publishers = {
+            "files": open_publisher(files_h),
+            "full": open_publisher(full_h),
+            "broadcast": open_publisher(bc_h),
+        }
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         child = ctx.Process(target=_report_versions, args=(bc_h, str(model_dir), dt, steps + 1, queue))
@@ -142,10 +146,10 @@ def measure(model_dir: Path, steps: int, prompts: int, group: int, tokens: int) 
         engine_model = load_model(str(model_dir), wire).eval()
         engine = TorchEngine(engine_model, [2], 2, settings=EngineConfig(max_concurrent_seqs=group, max_seq_len=256))
         engine.receive_weights_on(torch.device("cpu"), wire)
-        source = open_source(files_h, engine.weight_model, 1)
-        engine.weights = source
-        for sink in sinks.values():
-            sink.connect()
+        receiver = open_receiver(files_h, engine.weight_model, 1)
+        engine.weights = receiver
+        for publisher in publishers.values():
+            publisher.connect()
         assert queue.get(timeout=300)[0] == "attached"
         rng, word = random.Random(0), word_dtype(files_h.layout)
         before = torch.cat([p.detach().reshape(-1).to(wire) for p in model.parameters()]).view(torch.uint8)
@@ -157,10 +161,10 @@ def measure(model_dir: Path, steps: int, prompts: int, group: int, tokens: int) 
                 metrics = worker.step(groups).metrics
                 version = worker.trainer.policy_version
                 weights = worker.trainer.publishable()
-                for name, sink in sinks.items():
+                for name, publisher in publishers.items():
                     t0 = time.perf_counter()
-                    sink.publish(weights, version)
-                    took, frac = time.perf_counter() - t0, sink.sent_bytes / files_h.total_bytes
+                    publisher.publish(weights, version)
+                    took, frac = time.perf_counter() - t0, publisher.sent_bytes / files_h.total_bytes
                     if name == "files":
                         run.files_s.append(took)
                         run.files.append(frac)
@@ -173,7 +177,7 @@ def measure(model_dir: Path, steps: int, prompts: int, group: int, tokens: int) 
                     time.sleep(0.005)
                 assert engine.gate.apply() == version
                 kind, (got, remote) = queue.get(timeout=300)
-                run.crc.append(source_crc32(source) == expected == remote and got == version)
+                run.crc.append(receiver_crc32(receiver) == expected == remote and got == version)
                 after = torch.cat([p.detach().reshape(-1).to(wire) for p in model.parameters()]).view(torch.uint8)
                 run.changed.append(diff(before, after, word, 1, 0).changed / (after.numel() // word.itemsize))
                 before = after
@@ -185,9 +189,9 @@ def measure(model_dir: Path, steps: int, prompts: int, group: int, tokens: int) 
                     flush=True,
                 )
         finally:
-            source.close()
-            for sink in sinks.values():
-                sink.close()
+            receiver.close()
+            for publisher in publishers.values():
+                publisher.close()
             child.join(timeout=60)
             if child.is_alive():
                 child.kill()
@@ -204,7 +208,7 @@ def report(run: Measured, steps: int) -> str:
         f"\n{steps} steps at trainer.lr {run.lr:g} (trainer {run.precision}), weights in {run.wire}: "
         f"the full version is {mib:.0f} MiB; the first publish (full) left out\n"
     )
-    print("| sink | MiB a publish (median) | of the full version (mean) | publish s (median) |")
+    print("| publisher | MiB a publish (median) | of the full version (mean) | publish s (median) |")
     print("|---|---|---|---|")
     print(f"| broadcast, deltas | {statistics.median(bc) * mib:.1f} | {statistics.mean(bc):.3f} | - |")
     print(

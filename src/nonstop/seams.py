@@ -2,7 +2,7 @@
 
 A Protocol is only enforced where an implementation meets a variable or parameter of the
 Protocol's type. Some implementations are only ever built by name at run time (an actor class
-handed to a backend, a source opened by a factory that returns the Protocol); the assignments
+handed to a backend, a receiver opened by a factory that returns the Protocol); the assignments
 below make mypy (`make typecheck`) check each of them against its Protocol all the same.
 Nothing here runs: the block exists for the type checker only, so optional extras (Ray, peft)
 are not imported.
@@ -49,12 +49,12 @@ if TYPE_CHECKING:
     from nonstop.scoring.teacher import TeacherWorker
     from nonstop.serve.client import GenerationClient, HttpClient, InProcessClient
     from nonstop.serve.protocol import ServedEngine
-    from nonstop.transport.base import ModelParameters, WeightSink, WeightSource, WeightTarget
-    from nonstop.transport.broadcast import BroadcastSink
-    from nonstop.transport.broadcast_source import BroadcastSource
-    from nonstop.transport.files import FilesSink, FilesSource
+    from nonstop.transport.base import ModelParameters, WeightPublisher, WeightReceiver, WeightTarget
+    from nonstop.transport.broadcast import BroadcastPublisher
+    from nonstop.transport.broadcast_receiver import BroadcastReceiver
+    from nonstop.transport.files import FilesPublisher, FilesReceiver
     from nonstop.transport.names import PerExpertParameters
-    from nonstop.transport.shm import ShmSink, ShmSource
+    from nonstop.transport.shm import ShmPublisher, ShmReceiver
 
     # Actor runtime: the backends and the single-actor handles they return.
     backends: list[type[runtime.ActorBackend]] = [LocalBackend, RayBackend]
@@ -65,8 +65,8 @@ if TYPE_CHECKING:
     trainer_clients: list[type[clients.TrainerClient]] = [TrainerActor, RankGroup]
 
     # Weight transport: trainer end, engine end, and what a version is written into.
-    sinks: list[type[WeightSink]] = [ShmSink, BroadcastSink, FilesSink]
-    sources: list[type[WeightSource]] = [ShmSource, BroadcastSource, FilesSource]
+    publishers: list[type[WeightPublisher]] = [ShmPublisher, BroadcastPublisher, FilesPublisher]
+    receivers: list[type[WeightReceiver]] = [ShmReceiver, BroadcastReceiver, FilesReceiver]
     targets: list[type[WeightTarget]] = [ModelParameters, MergedAdapters, PerExpertParameters]
 
     # Engine actors: the object each engine process serves (engine.kind builtin / vllm).

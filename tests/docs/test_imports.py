@@ -43,9 +43,9 @@ PRIVATE_ALLOWED: dict[tuple[str, str, str], str] = {
     ("nonstop.engine.vllm_engine", "nonstop.engine.vllm_sequence", "_Seq"): PENDING,
     ("nonstop.trainer.packed", "nonstop.trainer.forward", "_decoder_model"): PENDING,
     ("nonstop.trainer.packed", "nonstop.trainer.forward", "_rotate"): PENDING,
-    ("nonstop.transport.broadcast_source", "nonstop.transport.broadcast", "_BACKEND"): PENDING,
-    ("nonstop.transport.broadcast_source", "nonstop.transport.broadcast", "_STARTED"): PENDING,
-    ("nonstop.transport.broadcast_source", "nonstop.transport.broadcast", "_buckets"): PENDING,
+    ("nonstop.transport.broadcast_receiver", "nonstop.transport.broadcast", "_BACKEND"): PENDING,
+    ("nonstop.transport.broadcast_receiver", "nonstop.transport.broadcast", "_STARTED"): PENDING,
+    ("nonstop.transport.broadcast_receiver", "nonstop.transport.broadcast", "_buckets"): PENDING,
 }
 
 UNCOMMENTED_ALLOWED: dict[str, int] = {

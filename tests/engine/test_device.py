@@ -11,7 +11,7 @@ from nonstop.config import ConfigError, EngineConfig, ShmTransportConfig, load_c
 from nonstop.device import DeviceError, attention, bf16_supported, resolve_device, resolve_dtype
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model
-from nonstop.transport import open_sink, open_source, plan_transport
+from nonstop.transport import open_publisher, open_receiver, plan_transport
 from nonstop.types import GenerationRequest, SamplingParams
 
 
@@ -44,22 +44,22 @@ def test_a_bfloat16_engine_takes_float32_weights_through_its_host_staging_copy(t
     assert engine.gate.staged and engine.weight_model is not engine.model  # never_stop too: the live model is bf16
     assert next(engine.weight_model.parameters()).dtype == torch.float32
     handle = plan_transport(ShmTransportConfig(), trainer_model, 1)
-    sink = open_sink(handle)
-    source = open_source(handle, engine.weight_model)
-    engine.weights = source
+    publisher = open_publisher(handle)
+    receiver = open_receiver(handle, engine.weight_model)
+    engine.weights = receiver
     try:
         with torch.no_grad():
             for p in trainer_model.parameters():
                 p.mul_(-1.5)
-        sink.publish(trainer_model, 1)
+        publisher.publish(trainer_model, 1)
         out = engine.generate([GenerationRequest(0, [1, 5, 6], 2, SamplingParams(3))])
         assert all(v == 1 for s in out[0] for v in s.versions)
         live = dict(engine.model.named_parameters())
         for name, p in trainer_model.named_parameters():
             assert torch.equal(live[name], p.detach().to(torch.bfloat16)), name
     finally:
-        source.close()
-        sink.close()
+        receiver.close()
+        publisher.close()
 
 
 def test_half_precision_attention_on_the_cpu_is_float32_attention_cast_back():

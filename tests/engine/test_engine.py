@@ -58,7 +58,7 @@ def test_eos_stops_a_row_and_sets_finish_reason(engine, tiny_dir):
 
 
 class _SwapAfter:
-    """A real weight source: loads `new_state` after `k` forward passes (between two passes)."""
+    """A real weight receiver: loads `new_state` after `k` forward passes (between two passes)."""
 
     def __init__(self, new_state, k):
         self.new_state, self.k, self.calls = new_state, k, 0

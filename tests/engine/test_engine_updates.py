@@ -13,7 +13,7 @@ NEW = 7
 
 
 class Publisher:
-    """A real weight source the test drives: `publish()` makes new weights available; the engine
+    """A real weight receiver the test drives: `publish()` makes new weights available; the engine
     receives them at its next poll (into whatever module it hands over)."""
 
     def __init__(self, state):

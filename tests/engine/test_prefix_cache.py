@@ -134,7 +134,7 @@ def test_the_budget_bounds_the_cache_and_evicts_least_recently_used_blocks(tiny)
 def test_the_cache_empties_when_new_weights_go_live(tiny):
     """A prompt admitted after a swap must not read the old weights' KV."""
 
-    class SwapWhenArmed:  # a weight source whose next poll after arming reports version 1
+    class SwapWhenArmed:  # a weight receiver whose next poll after arming reports version 1
         armed = False
 
         def maybe_update(self, model):

@@ -49,7 +49,7 @@ class Recording:
 
 
 class _Publisher:
-    """A weight source with one new version ready: the engine takes it at its next forward pass."""
+    """A weight receiver with one new version ready: the engine takes it at its next forward pass."""
 
     def __init__(self, state) -> None:
         self.state = state

@@ -24,7 +24,7 @@ import torch
 from nonstop.config import load_config
 from nonstop.hf import load_model
 from nonstop.orchestrator.policy_build import policy_config
-from nonstop.transport.base import open_sink, open_source, plan_transport
+from nonstop.transport.base import open_publisher, open_receiver, plan_transport
 from support.two_role_env import duel_args
 from support.weights import perturbed_model
 
@@ -48,19 +48,19 @@ def test_two_policies_files_transports_in_one_named_folder_each_apply_their_own_
     own = policy_config(cfg, cfg.env.policies["b"], 0, "b")
     trainers = {"": perturbed_model(tiny_dir, seed=1), "b": perturbed_model(tiny_dir, seed=2)}
     handles = {"": plan_transport(cfg.transport, trainers[""], 1), "b": plan_transport(own.transport, trainers["b"], 1)}
-    sinks = {p: open_sink(h) for p, h in handles.items()}
+    publishers = {p: open_publisher(h) for p, h in handles.items()}
     engines = {p: load_model(str(tiny_dir)) for p in handles}
-    sources = {p: open_source(h, engines[p]) for p, h in handles.items()}
+    receivers = {p: open_receiver(h, engines[p]) for p, h in handles.items()}
     for p in handles:
-        sinks[p].publish(trainers[p], 1)
+        publishers[p].publish(trainers[p], 1)
     for p in handles:
-        assert sources[p].maybe_update(engines[p]) == 1
+        assert receivers[p].maybe_update(engines[p]) == 1
         for name, weight in engines[p].named_parameters():
             assert torch.equal(weight, dict(trainers[p].named_parameters())[name]), (p, name)
     assert not torch.equal(engines[""].model.norm.weight, engines["b"].model.norm.weight)
     assert (tmp_path / "w" / "LATEST").exists() and (tmp_path / "w" / "policy-b" / "LATEST").exists()
-    for sink in sinks.values():
-        sink.close()
+    for publisher in publishers.values():
+        publisher.close()
 
 
 @needs_ray

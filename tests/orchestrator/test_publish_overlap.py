@@ -35,8 +35,8 @@ def test_the_worker_sends_on_its_thread_and_the_next_optimizer_step_waits_for_it
     a forward runs ahead while the send goes on, `published()` gives the send's cost and bytes, the next
     step's optimizer step waits for the send (publish_wait_s), and the engine holds each version exactly."""
     from nonstop.hf import load_model
-    from nonstop.transport import open_source
-    from nonstop.transport.base import source_crc32
+    from nonstop.transport import open_receiver
+    from nonstop.transport.base import receiver_crc32
 
     cfg = TrainerConfig.model_validate({"lr": 1e-3, "publish_overlap": True, "precision": "bfloat16"})
     w = TrainerWorker(str(tiny_dir), cfg, 1.0, 0)
@@ -44,7 +44,7 @@ def test_the_worker_sends_on_its_thread_and_the_next_optimizer_step_waits_for_it
     handle = w.plan_transport(transport, 1)
     w.connect_transport()
     engine = load_model(str(tiny_dir), torch.bfloat16)
-    source = open_source(handle, engine, 1)
+    receiver = open_receiver(handle, engine, 1)
     try:
         w.step(groups(0))
         first = w.publish()
@@ -57,10 +57,10 @@ def test_the_worker_sends_on_its_thread_and_the_next_optimizer_step_waits_for_it
             assert w.forward_ahead(groups(seed + 10)).groups == 2  # beside the send
             sent = asyncio.run(w.published())
             assert not sent.pending and sent.policy_version == seed + 1 and sent.publish_bytes == handle.total_bytes
-            assert source.maybe_update(engine) == seed + 1
-            assert source_crc32(source) == w.weights_crc32()[1]
+            assert receiver.maybe_update(engine) == seed + 1
+            assert receiver_crc32(receiver) == w.weights_crc32()[1]
     finally:
-        source.close()
+        receiver.close()
         w.close()
 
 

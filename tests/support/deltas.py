@@ -32,19 +32,19 @@ def report_versions(handle, model_dir: str, dtype: str, rank: int, last: int, ou
     until `last`."""
     torch.set_num_threads(1)
     from nonstop.hf import load_model
-    from nonstop.transport import open_source
-    from nonstop.transport.base import source_crc32
+    from nonstop.transport import open_receiver
+    from nonstop.transport.base import receiver_crc32
 
     model = load_model(model_dir, getattr(torch, dtype))
-    source = open_source(handle, model, rank)
+    receiver = open_receiver(handle, model, rank)
     out_queue.put(("attached", None))
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        v = source.maybe_update(model)
+        v = receiver.maybe_update(model)
         if v is not None:
-            out_queue.put(("version", (v, source_crc32(source))))
+            out_queue.put(("version", (v, receiver_crc32(receiver))))
             if v >= last:
-                source.close()
+                receiver.close()
                 return
         time.sleep(0.002)
     out_queue.put(("timeout", None))

@@ -26,21 +26,21 @@ def receive_weights(handle, model_dir: str, rank: int, want_version: int, out_qu
     """Engine-side process: attach to the transport, wait for `want_version`, send the weights back."""
     torch.set_num_threads(1)
     from nonstop.hf import load_model
-    from nonstop.transport import open_source
+    from nonstop.transport import open_receiver
 
     model = load_model(model_dir)
-    source = open_source(handle, model, rank)
+    receiver = open_receiver(handle, model, rank)
     out_queue.put(("attached", None))
     end = time.monotonic() + deadline_s
     seen = []
     while time.monotonic() < end:
-        v = source.maybe_update(model)
+        v = receiver.maybe_update(model)
         if v is not None:
             seen.append(v)
             if v >= want_version:
                 # numpy pickles by value; a torch tensor would travel as a shared fd that dies with us
                 out_queue.put(("weights", (seen, {k: t.numpy().copy() for k, t in model.state_dict().items()})))
-                source.close()
+                receiver.close()
                 return
         time.sleep(0.005)
     out_queue.put(("timeout", seen))
@@ -54,19 +54,19 @@ def receive_weights_in(
     transport's layout."""
     torch.set_num_threads(1)
     from nonstop.hf import load_model
-    from nonstop.transport import open_source
-    from nonstop.transport.base import source_crc32
+    from nonstop.transport import open_receiver
+    from nonstop.transport.base import receiver_crc32
 
     model = load_model(model_dir, getattr(torch, dtype))
-    source = open_source(handle, model, rank)
+    receiver = open_receiver(handle, model, rank)
     out_queue.put(("attached", None))
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        v = source.maybe_update(model)
+        v = receiver.maybe_update(model)
         if v is not None and v >= want_version:
             state = {k: t.float().numpy().copy() for k, t in model.state_dict().items()}
-            out_queue.put(("weights", (v, source_crc32(source), state)))
-            source.close()
+            out_queue.put(("weights", (v, receiver_crc32(receiver), state)))
+            receiver.close()
             return
         time.sleep(0.005)
     out_queue.put(("timeout", None))
@@ -76,9 +76,9 @@ def connect_then_hang(handle, model_dir: str, rank: int, out_queue) -> None:
     """Engine-side process that joins the broadcast group and then stops participating."""
     torch.set_num_threads(1)
     from nonstop.hf import load_model
-    from nonstop.transport import open_source
+    from nonstop.transport import open_receiver
 
-    source = open_source(handle, load_model(model_dir), rank)
-    source.close()  # the receiver thread stops: the peer process is alive but silent
+    receiver = open_receiver(handle, load_model(model_dir), rank)
+    receiver.close()  # the receiver thread stops: the peer process is alive but silent
     out_queue.put(("attached", None))
     time.sleep(120)

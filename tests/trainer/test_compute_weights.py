@@ -140,23 +140,23 @@ def test_the_publish_sends_the_copies_and_the_engine_holds_the_trainers_cast(tin
 
     from nonstop.config import TransportConfig
     from nonstop.hf import load_model
-    from nonstop.transport import open_source
-    from nonstop.transport.base import source_crc32
+    from nonstop.transport import open_receiver
+    from nonstop.transport.base import receiver_crc32
 
     w = worker(tiny_dir, precision="bfloat16")
     cfg = TypeAdapter(TransportConfig).validate_python({"kind": "shm", "dtype": "bfloat16", "checksum": True})
     handle = w.plan_transport(cfg, 1)
     w.connect_transport()
     engine = load_model(str(tiny_dir), torch.bfloat16)
-    source = open_source(handle, engine, 1)
+    receiver = open_receiver(handle, engine, 1)
     try:
         for seed in range(3):
             w.step(groups(seed))
             assert w.publish().policy_version == seed + 1
-            assert source.maybe_update(engine) == seed + 1
-            assert source_crc32(source) == w.weights_crc32()[1]
+            assert receiver.maybe_update(engine) == seed + 1
+            assert receiver_crc32(receiver) == w.weights_crc32()[1]
         assert w._publishable() is w.compute.published()
         assert isinstance(w.compute, ComputeWeights)
     finally:
-        source.close()
+        receiver.close()
         w.close()

@@ -20,7 +20,7 @@ from nonstop.config import (
 from nonstop.hf import load_model
 from nonstop.lora import MergedAdapters, adapter_tensors, targeted_modules, wrap_with_peft
 from nonstop.tasks.tiny import make_tiny_model
-from nonstop.transport import open_sink, plan_transport
+from nonstop.transport import open_publisher, plan_transport
 from support.cli import nonstop, records
 from support.helpers import receive_weights
 
@@ -79,13 +79,13 @@ def test_only_adapters_travel_and_the_engine_ends_up_with_the_merged_model(tiny_
     full = sum(p.numel() * 4 for p in load_model(str(tiny_dir)).parameters())
     assert all(".lora_A." in s.name or ".lora_B." in s.name for s in handle.layout)
     assert handle.total_bytes < 0.25 * full
-    sink = open_sink(handle)
+    publisher = open_publisher(handle)
     child = spawn_child(receive_weights, handle, str(tiny_dir), 1, 2)
     try:
-        sink.connect()
+        publisher.connect()
         child.get("attached")
-        sink.publish(_trained_peft(tiny_dir, seed=3), 1)
-        sink.publish(trainer_model, 2)
+        publisher.publish(_trained_peft(tiny_dir, seed=3), 1)
+        publisher.publish(trainer_model, 2)
         seen, state = child.get("weights")
         assert seen[-1] == 2
         expected = copy.deepcopy(trainer_model).merge_and_unload().state_dict()
@@ -94,13 +94,13 @@ def test_only_adapters_travel_and_the_engine_ends_up_with_the_merged_model(tiny_
             assert torch.allclose(torch.from_numpy(state[name]), value, atol=1e-6), name
     finally:
         exitcode = child.join()
-        sink.close()
+        publisher.close()
     assert exitcode == 0
 
 
 @pytest.mark.parametrize("kind", ["shm", "files"])
 def test_adapter_updates_through_shm_and_files_merge_like_peft(tiny_dir, tmp_path, kind):
-    from nonstop.transport import open_source
+    from nonstop.transport import open_receiver
 
     cfg = (
         FilesTransportConfig(dir=str(tmp_path / "w"), checksum=True)
@@ -108,19 +108,19 @@ def test_adapter_updates_through_shm_and_files_merge_like_peft(tiny_dir, tmp_pat
         else ShmTransportConfig(checksum=True)
     )
     handle = plan_transport(cfg, _trained_peft(tiny_dir, seed=0), 1, LORA)
-    sink, engine = open_sink(handle), load_model(str(tiny_dir))
-    source = open_source(handle, engine)
+    publisher, engine = open_publisher(handle), load_model(str(tiny_dir))
+    receiver = open_receiver(handle, engine)
     x = torch.randint(0, 128, (2, 6))
     try:
         for version in (1, 2, 3):
             trainer_model = _trained_peft(tiny_dir, seed=10 + version).eval()
-            sink.publish(trainer_model, version)
+            publisher.publish(trainer_model, version)
             with torch.inference_mode():  # as the engine applies updates: between two forward passes
-                assert source.maybe_update(engine) == version
+                assert receiver.maybe_update(engine) == version
                 assert torch.allclose(engine(x).logits, trainer_model(x).logits, atol=1e-5)
     finally:
-        source.close()
-        sink.close()
+        receiver.close()
+        publisher.close()
 
 
 def test_a_bf16_engine_merges_float32_adapters_into_its_live_weights(tiny_dir):
@@ -132,7 +132,7 @@ def test_a_bf16_engine_merges_float32_adapters_into_its_live_weights(tiny_dir):
 
     worker = EngineWorker(str(tiny_dir), [0], 0, settings=EngineConfig(dtype="bfloat16"))
     handle = plan_transport(ShmTransportConfig(), _trained_peft(tiny_dir, seed=0), 1, LORA)
-    sink = open_sink(handle)
+    publisher = open_publisher(handle)
     try:
         worker.connect_transport(handle)
         engine = worker.engine
@@ -140,7 +140,7 @@ def test_a_bf16_engine_merges_float32_adapters_into_its_live_weights(tiny_dir):
         base = load_model(str(tiny_dir)).to(torch.bfloat16)
         x = torch.randint(0, 128, (2, 6))
         trainer_model = _trained_peft(tiny_dir, seed=4).eval()
-        sink.publish(trainer_model, 1)
+        publisher.publish(trainer_model, 1)
         engine.scheduler.apply_newest_if_idle()
         assert engine.policy_version == 1
         with torch.no_grad():
@@ -150,9 +150,9 @@ def test_a_bf16_engine_merges_float32_adapters_into_its_live_weights(tiny_dir):
         for name, module in targeted_modules(engine.model, LORA):
             assert module.weight.dtype == torch.bfloat16, name
     finally:
-        if worker.source is not None:
-            worker.source.close()
-        sink.close()
+        if worker.receiver is not None:
+            worker.receiver.close()
+        publisher.close()
 
 
 def test_saved_adapter_folder_loads_with_peft(tiny_dir, tmp_path):

@@ -276,7 +276,7 @@ def test_moe_weights_cross_every_transport(moe_dir, kind, spawn_child, tmp_path)
 
     from nonstop.config import TransportConfig
     from nonstop.hf import load_model
-    from nonstop.transport import open_sink, open_source, plan_transport
+    from nonstop.transport import open_publisher, open_receiver, plan_transport
     from support.helpers import receive_weights
 
     trainer_model = load_model(str(moe_dir))
@@ -288,49 +288,49 @@ def test_moe_weights_cross_every_transport(moe_dir, kind, spawn_child, tmp_path)
     }
     handle = plan_transport(TypeAdapter(TransportConfig).validate_python(fields), trainer_model, num_engines=1)
     assert "model.layers.1.mlp.experts.gate_up_proj" in {s.name for s in handle.layout}
-    sink = open_sink(handle)
+    publisher = open_publisher(handle)
     with torch.no_grad():
         for p in trainer_model.parameters():
             p.add_(torch.randn(p.shape))
     try:
         if kind == "broadcast":  # a process group needs a second process
             child = spawn_child(receive_weights, handle, str(moe_dir), 1, 1)
-            sink.connect()
+            publisher.connect()
             child.get("attached")
-            sink.publish(trainer_model, 1)
+            publisher.publish(trainer_model, 1)
             seen, state = child.get("weights")
             assert seen == [1] and child.join() == 0
             received = {k: torch.from_numpy(v) for k, v in state.items()}
         else:
             engine_model = load_model(str(moe_dir))
-            source = open_source(handle, engine_model)
-            sink.publish(trainer_model, 1)
+            receiver = open_receiver(handle, engine_model)
+            publisher.publish(trainer_model, 1)
             with torch.inference_mode():
-                assert source.maybe_update(engine_model) == 1
+                assert receiver.maybe_update(engine_model) == 1
             received = {k: v.clone() for k, v in engine_model.state_dict().items()}  # shm: views of the segment
-            source.close()
+            receiver.close()
         for name, t in trainer_model.state_dict().items():
             assert torch.equal(received[name], t), name
     finally:
-        sink.close()
+        publisher.close()
 
 
 def test_engine_routes_with_the_experts_it_received(moe_dir):
     from nonstop.config import ShmTransportConfig
     from nonstop.hf import load_model
-    from nonstop.transport import open_sink, open_source, plan_transport
+    from nonstop.transport import open_publisher, open_receiver, plan_transport
 
     trainer_model, engine_model = load_model(str(moe_dir)), load_model(str(moe_dir))
     engine = TorchEngine(engine_model, [2], 0, settings=EngineConfig(max_concurrent_seqs=8, max_seq_len=32))
     handle = plan_transport(ShmTransportConfig(), trainer_model, 1)
-    sink = open_sink(handle)
-    engine.weights = open_source(handle, engine.weight_model)
+    publisher = open_publisher(handle)
+    engine.weights = open_receiver(handle, engine.weight_model)
     try:
         with torch.no_grad():
             for layer in trainer_model.model.layers:  # new experts and router: different routes, different tokens
                 layer.mlp.gate.weight.mul_(-3.0)
                 layer.mlp.experts.gate_up_proj.add_(torch.randn(layer.mlp.experts.gate_up_proj.shape))
-        sink.publish(trainer_model, 1)
+        publisher.publish(trainer_model, 1)
         [samples] = engine.generate(
             [GenerationRequest(0, [1, 5, 7], 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3))]
         )
@@ -353,7 +353,7 @@ def test_engine_routes_with_the_experts_it_received(moe_dir):
                 h.remove()
     finally:
         engine.weights.close()
-        sink.close()
+        publisher.close()
 
 
 @pytest.mark.slow
@@ -406,8 +406,8 @@ def test_pipeline_carries_routes_from_the_engine_process_to_the_trainer(moe_dir,
         assert r["log_ratio_std"] < 1e-4, r
 
 
-class _Publisher:
-    """A weight source the test drives: the engine loads `state` at its first poll after `publish()`."""
+class _DrivenReceiver:
+    """A weight receiver the test drives: the engine loads `state` at its first poll after `publish()`."""
 
     def __init__(self, state):
         self.state, self.ready = state, False
@@ -429,14 +429,14 @@ def test_abort_retry_records_the_routes_recomputed_under_the_new_weights():
         0,
         settings=EngineConfig(max_concurrent_seqs=8, max_seq_len=32, update_mode="abort_retry"),
     )
-    source = engine.weights = _Publisher(new.state_dict())
+    receiver = engine.weights = _DrivenReceiver(new.state_dict())
     done: list = []
     engine.submit(
         GenerationRequest(0, [1, 5, 7, 9], 4, SamplingParams(max_new_tokens=8, temperature=1.0, seed=0)), done.append
     )
     for _ in range(4):
         engine.step()
-    source.ready = True
+    receiver.ready = True
     while engine.has_work():
         engine.step()
     [samples] = done

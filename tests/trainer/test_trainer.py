@@ -7,7 +7,7 @@ from nonstop.config import ShmTransportConfig, TrainerConfig
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.trainer.core import Trainer
-from nonstop.transport import open_sink, open_source, plan_transport
+from nonstop.transport import open_publisher, open_receiver, plan_transport
 from nonstop.types import GenerationRequest, Group, SamplingParams
 
 
@@ -45,19 +45,19 @@ def test_on_policy_first_step_has_ratio_one_and_publishes_new_weights(tiny_dir):
 
     # the engine picks the new weights up through a real transport and stamps version 1
     handle = plan_transport(ShmTransportConfig(), trainer.model, 1)
-    sink = open_sink(handle)
-    source = open_source(handle, engine.model)
-    engine.weights = source
+    publisher = open_publisher(handle)
+    receiver = open_receiver(handle, engine.model)
+    engine.weights = receiver
     try:
-        sink.publish(trainer.model, trainer.policy_version)
+        publisher.publish(trainer.model, trainer.policy_version)
         new_groups = _rollouts(engine, tok, ["5+5="])
         assert all(v == 1 for s in new_groups[0].samples for v in s.versions)
         with torch.no_grad():
             b2 = trainer._batch(new_groups)
             assert torch.allclose(trainer.logprobs(b2)[b2["mask"]], b2["behaviour"][b2["mask"]], atol=1e-4)
     finally:
-        source.close()
-        sink.close()
+        receiver.close()
+        publisher.close()
 
 
 def test_step_raises_the_probability_of_rewarded_completions(tiny_dir):

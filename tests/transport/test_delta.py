@@ -12,8 +12,8 @@ from pydantic import TypeAdapter
 
 from nonstop.config import TransportConfig
 from nonstop.hf import load_model
-from nonstop.transport import TransportError, open_sink, open_source, plan_transport
-from nonstop.transport.base import source_crc32
+from nonstop.transport import TransportError, open_publisher, open_receiver, plan_transport
+from nonstop.transport.base import receiver_crc32
 from nonstop.transport.delta import ESCAPE, Chain, Delta, DeltaEncoder, Held, diff
 from support.deltas import cast_crc, nudge, report_versions
 
@@ -106,7 +106,7 @@ def test_chain_brings_a_buffer_forward_or_copies_a_newer_one_and_checks_the_crc(
 
 def _files_engine(handle, tiny_dir):
     engine = load_model(str(tiny_dir), torch.bfloat16)
-    return engine, open_source(handle, engine, 1)
+    return engine, open_receiver(handle, engine, 1)
 
 
 @pytest.mark.parametrize("notify", ["marker", "http"])
@@ -131,9 +131,9 @@ def test_files_deltas_rebuild_every_version_exactly_and_a_late_engine_starts_fro
         notify=notify,
     )
     handle = plan_transport(cfg, trainer, 1)
-    sink = open_sink(handle)
-    sink.connect()
-    engine, source = _files_engine(handle, tiny_dir)
+    publisher = open_publisher(handle)
+    publisher.connect()
+    engine, receiver = _files_engine(handle, tiny_dir)
     fracs = []
 
     def until(v, src, model):
@@ -146,12 +146,12 @@ def test_files_deltas_rebuild_every_version_exactly_and_a_late_engine_starts_fro
     try:
         for v in range(1, 11):
             nudge(trainer, STEP, seed=v)
-            sink.publish(trainer, v)
-            fracs.append(sink.sent_bytes / handle.total_bytes)
+            publisher.publish(trainer, v)
+            fracs.append(publisher.sent_bytes / handle.total_bytes)
             if v % 3 == 0:
                 continue  # the engine skips this version: the next brings two deltas
-            until(v, source, engine)
-            assert source_crc32(source) == cast_crc(trainer, torch.bfloat16), v
+            until(v, receiver, engine)
+            assert receiver_crc32(receiver) == cast_crc(trainer, torch.bfloat16), v
         folder = sorted(p.name for p in (tmp_path / "w").iterdir())
         assert folder == [
             "LATEST",
@@ -166,11 +166,11 @@ def test_files_deltas_rebuild_every_version_exactly_and_a_late_engine_starts_fro
         assert fracs[0] == 1.0 and max(fracs[1:4]) < 0.5, fracs
         late_model, late = _files_engine(handle, tiny_dir)
         until(10, late, late_model)  # v9's full file, then v10's delta
-        assert source_crc32(late) == cast_crc(trainer, torch.bfloat16)
+        assert receiver_crc32(late) == cast_crc(trainer, torch.bfloat16)
         late.close()
     finally:
-        source.close()
-        sink.close()
+        receiver.close()
+        publisher.close()
 
 
 def test_a_damaged_delta_file_is_never_applied(tiny_dir, tmp_path):
@@ -181,22 +181,22 @@ def test_a_damaged_delta_file_is_never_applied(tiny_dir, tmp_path):
     handle = plan_transport(
         transport(kind="files", dir=str(tmp_path / "w"), dtype="bfloat16", delta=True, checksum=True), trainer, 1
     )
-    sink = open_sink(handle)
-    engine, source = _files_engine(handle, tiny_dir)
-    sink.publish(trainer, 1)
-    assert source.maybe_update(engine) == 1
-    before = source_crc32(source)
+    publisher = open_publisher(handle)
+    engine, receiver = _files_engine(handle, tiny_dir)
+    publisher.publish(trainer, 1)
+    assert receiver.maybe_update(engine) == 1
+    before = receiver_crc32(receiver)
     nudge(trainer, STEP, seed=2)
-    sink.publish(trainer, 2)
+    publisher.publish(trainer, 2)
     path = tmp_path / "w" / "v2.delta.safetensors"
     with safe_open(str(path), framework="pt") as f:
         payload, meta = f.get_tensor("flat"), f.metadata()
     payload[-1] ^= 1
     save_file({"flat": payload}, str(path), metadata=meta)
     with pytest.raises(TransportError, match="v2.delta.safetensors: delta failed its checksum"):
-        source.maybe_update(engine)
-    assert source.applied == 1 and source_crc32(source) == before
-    sink.close()
+        receiver.maybe_update(engine)
+    assert receiver.applied == 1 and receiver_crc32(receiver) == before
+    publisher.close()
 
 
 def test_broadcast_deltas_reach_another_process_bit_exact_and_a_rebuilt_group_gets_the_full_version(
@@ -208,30 +208,30 @@ def test_broadcast_deltas_reach_another_process_bit_exact_and_a_rebuilt_group_ge
     trainer = load_model(str(tiny_dir))
     cfg = transport(kind="broadcast", timeout_s=60, bucket_mb=0.01, dtype="bfloat16", delta=True, checksum=True)
     handle = plan_transport(cfg, trainer, num_engines=2, first_engines=1)
-    sink = open_sink(handle)
+    publisher = open_publisher(handle)
     first = spawn_child(report_versions, handle, str(tiny_dir), "bfloat16", 1, 8)
     second = None
     fracs = {}
     try:
-        sink.connect()
+        publisher.connect()
         first.get("attached")
         for v in range(1, 9):
             if v == 5:
                 second = spawn_child(report_versions, handle, str(tiny_dir), "bfloat16", 2, 8)
                 second.get("attached")
             nudge(trainer, STEP, seed=v)
-            sink.publish(trainer, v)
-            fracs[v] = sink.sent_bytes / handle.total_bytes
+            publisher.publish(trainer, v)
+            fracs[v] = publisher.sent_bytes / handle.total_bytes
             expected = cast_crc(trainer, torch.bfloat16)
             assert first.get("version") == (v, expected)
             if second is not None:
                 assert second.get("version") == (v, expected)
         assert fracs[1] == fracs[5] == 1.0, fracs
         assert all(fracs[v] < 0.5 for v in (2, 3, 4, 6, 7, 8)), fracs
-        assert sink.replans == 1
+        assert publisher.replans == 1
     finally:
         codes = [c.join() for c in (first, second) if c is not None]
-        sink.close()
+        publisher.close()
     assert codes == [0, 0]
 
 

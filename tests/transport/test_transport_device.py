@@ -3,7 +3,7 @@
 CUDA IPC and NCCL themselves need a GPU (bench/gpu_check.py checks them there). Here: the
 choices (backend, mode, where the engine receives), the refusals, and the code the GPU paths
 share with the CPU: the broadcast rendezvous that settles the backend between real processes,
-the copying apply of the shm source under its claim, the buffers' placement.
+the copying apply of the shm receiver under its claim, the buffers' placement.
 """
 
 import dataclasses
@@ -15,10 +15,10 @@ from pydantic import ValidationError
 from nonstop.config import BroadcastTransportConfig, Config, ConfigError, ShmTransportConfig
 from nonstop.engine.updates import WeightGate
 from nonstop.hf import load_model
-from nonstop.transport import TransportError, open_sink, open_source, plan_transport
+from nonstop.transport import TransportError, open_publisher, open_receiver, plan_transport
 from nonstop.transport.base import FlatSender, engine_target
 from nonstop.transport.device import IpcRecord, pick_backend, receive_device
-from nonstop.transport.shm import NONE, ShmSource, _Segment
+from nonstop.transport.shm import NONE, ShmReceiver, _Segment
 from support.helpers import perturbed_model as _perturbed
 from support.helpers import receive_weights
 
@@ -31,11 +31,11 @@ def test_gpu_paths_asked_for_a_trainer_on_the_cpu_are_refused_naming_the_field(t
         plan_transport(BroadcastTransportConfig(device_path="nccl"), model, 1)
     auto = plan_transport(ShmTransportConfig(), model, 1)  # auto on the CPU: the host slots only
     assert auto.options.device_path == "host"
-    sink = open_sink(auto)
+    publisher = open_publisher(auto)
     try:
-        assert sink.segment.num_slots == sink.segment.num_host == 3 and sink.gpu_buffer is None
+        assert publisher.segment.num_slots == publisher.segment.num_host == 3 and publisher.gpu_buffer is None
     finally:
-        sink.close()
+        publisher.close()
 
 
 @pytest.mark.parametrize(
@@ -98,27 +98,27 @@ def test_shm_copying_apply_holds_its_claim_only_for_the_copy(tiny_dir):
     """The apply a GPU engine uses (claim, copy into its own tensors, settle, release), run on host slots."""
     models = [_perturbed(tiny_dir, seed=s) for s in (1, 2, 3, 4, 5)]
     handle = plan_transport(ShmTransportConfig(), models[0], 1)
-    sink = open_sink(handle)
+    publisher = open_publisher(handle)
     engine = load_model(str(tiny_dir))
     target = engine_target(engine, None, handle.layout)
-    source = ShmSource(handle, handle.options, target, 1, apply="copy")
+    receiver = ShmReceiver(handle, handle.options, target, 1, apply="copy")
     own = {n: p.data_ptr() for n, p in engine.named_parameters()}
     try:
-        sink.publish(models[0], 1)
-        assert source.maybe_update(engine) == 1
-        assert sink.segment.claims.tolist() == [NONE]  # nothing held after the copy
+        publisher.publish(models[0], 1)
+        assert receiver.maybe_update(engine) == 1
+        assert publisher.segment.claims.tolist() == [NONE]  # nothing held after the copy
         assert {n: p.data_ptr() for n, p in engine.named_parameters()} == own  # its own memory, not the slot's
         for v, m in enumerate(models[1:], start=2):  # the trainer may now overwrite every slot, the engine keeps v1
-            sink.publish(m, v)
+            publisher.publish(m, v)
         for name, p in engine.named_parameters():
             assert torch.equal(p, dict(models[0].named_parameters())[name]), name
-        assert source.maybe_update(engine) == 5 and source.copies == 2
+        assert receiver.maybe_update(engine) == 5 and receiver.copies == 2
         for name, p in engine.named_parameters():
             assert torch.equal(p, dict(models[4].named_parameters())[name]), name
-        assert source.torn_reads == 0
+        assert receiver.torn_reads == 0
     finally:
-        source.close()
-        sink.close()
+        receiver.close()
+        publisher.close()
 
 
 def test_shm_engine_that_cannot_map_the_gpu_slots_is_refused_under_ipc(tiny_dir):
@@ -127,7 +127,7 @@ def test_shm_engine_that_cannot_map_the_gpu_slots_is_refused_under_ipc(tiny_dir)
     handle = plan_transport(ShmTransportConfig(), model, 1)
     opts = dataclasses.replace(handle.options, device_path="ipc", device="cuda:0")
     handle = dataclasses.replace(handle, options=opts)
-    segment = _Segment(handle, opts, create=True)  # the header and host slots a GPU trainer's sink makes
+    segment = _Segment(handle, opts, create=True)  # the header and host slots a GPU trainer's publisher makes
     try:
         assert segment.num_slots == segment.num_host + 2
         with pytest.raises(
@@ -135,12 +135,12 @@ def test_shm_engine_that_cannot_map_the_gpu_slots_is_refused_under_ipc(tiny_dir)
             match=r"transport.device_path 'ipc': engine rank 1 cannot map the "
             r"trainer's GPU slots: this engine receives its weights on cpu",
         ):
-            open_source(handle, load_model(str(tiny_dir)), 1)
+            open_receiver(handle, load_model(str(tiny_dir)), 1)
         auto = dataclasses.replace(handle, options=dataclasses.replace(opts, device_path="auto"))
-        source = open_source(auto, load_model(str(tiny_dir)), 1)  # 'auto': attaches, says it did not map them
+        receiver = open_receiver(auto, load_model(str(tiny_dir)), 1)  # 'auto': attaches, says it did not map them
         assert segment.mapped.tolist() == [0]
-        assert source.maybe_update(model) is None
-        source.close()
+        assert receiver.maybe_update(model) is None
+        receiver.close()
     finally:
         segment.close(unlink=True)
 
@@ -158,21 +158,21 @@ def test_broadcast_rendezvous_settles_gloo_for_cpu_members(tiny_dir, spawn_child
     trainer = _perturbed(tiny_dir, seed=7)
     handle = plan_transport(BroadcastTransportConfig(bucket_mb=0.01, timeout_s=60), trainer, 1)
     assert handle.options.device_path == "auto"
-    sink = open_sink(handle)
+    publisher = open_publisher(handle)
     child = spawn_child(receive_weights, handle, str(tiny_dir), 1, 1)
     try:
-        sink.connect()
+        publisher.connect()
         child.get("attached")
-        assert sink.backend == "gloo" and sink.store is not None
-        assert sink.store.get("device/1") == b"cpu" and sink.store.get("backend") == b"gloo"
-        sink.publish(trainer, 1)
+        assert publisher.backend == "gloo" and publisher.store is not None
+        assert publisher.store.get("device/1") == b"cpu" and publisher.store.get("backend") == b"gloo"
+        publisher.publish(trainer, 1)
         seen, state = child.get("weights")
         assert seen == [1]
         for name, t in trainer.state_dict().items():
             assert torch.equal(torch.from_numpy(state[name]), t), name
     finally:
         assert child.join() == 0
-        sink.close()
+        publisher.close()
 
 
 def test_broadcast_refusal_reaches_the_engines(tiny_dir, spawn_child):
@@ -182,11 +182,11 @@ def test_broadcast_refusal_reaches_the_engines(tiny_dir, spawn_child):
     handle = plan_transport(BroadcastTransportConfig(timeout_s=30, connect_timeout_s=60), model, 1)
     opts = dataclasses.replace(handle.options, device_path="nccl", device="cuda:0", member="cuda/GPU-trainer")
     handle = dataclasses.replace(handle, options=opts)  # as a trainer on a GPU plans it
-    sink = open_sink(handle)
+    publisher = open_publisher(handle)
     child = spawn_child(receive_weights, handle, str(tiny_dir), 1, 1)
     try:
         with pytest.raises(ConfigError, match=r"'nccl' needs every member's weights on CUDA, but engine rank 1"):
-            sink.connect()
+            publisher.connect()
         assert child.join() != 0  # its attach raised
     finally:
-        sink.close()
+        publisher.close()

@@ -28,7 +28,7 @@ from nonstop.runtime.actor_clients import EngineActor
 from nonstop.tasks.base import shipped_dir
 from nonstop.tasks.tiny import save_tiny
 from nonstop.trainer.core import Trainer
-from nonstop.transport import open_sink, plan_transport
+from nonstop.transport import open_publisher, plan_transport
 from nonstop.types import GenerationRequest, Group, SamplingParams
 
 pytest.importorskip("vllm")
@@ -62,9 +62,9 @@ async def start(
             span_path=None if span_path is None else str(span_path),
         )
     )
-    sink = open_sink(plan_transport(ShmTransportConfig(), model, 1))
-    await asyncio.gather(asyncio.to_thread(sink.connect), engine.connect_transport(sink.handle, 1))
-    return engine, sink
+    publisher = open_publisher(plan_transport(ShmTransportConfig(), model, 1))
+    await asyncio.gather(asyncio.to_thread(publisher.connect), engine.connect_transport(publisher.handle, 1))
+    return engine, publisher
 
 
 def _worker():
@@ -95,7 +95,7 @@ def test_depth0_behaviour_logprobs_match_the_trainer_and_a_published_version_is_
     tok = load_tokenizer(str(model_dir))
 
     async def go():
-        engine, sink = await start(tmp_path / "run", model_dir, vllm_settings(), model)
+        engine, publisher = await start(tmp_path / "run", model_dir, vllm_settings(), model)
         try:
             reqs = [
                 GenerationRequest(
@@ -110,13 +110,13 @@ def test_depth0_behaviour_logprobs_match_the_trainer_and_a_published_version_is_
             with torch.no_grad():  # a different policy, far from the first
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
-            sink.publish(model, 1)
+            publisher.publish(model, 1)
             second = await engine.generate(reqs)
             stats = (await engine.stats())[0]
             return first, second, stats
         finally:
             await engine.stop()
-            sink.close()
+            publisher.close()
 
     first, second, stats = asyncio.run(go())
     assert all(v == 0 for g in first for s in g for v in s.versions)
@@ -143,18 +143,18 @@ def test_an_update_mid_generation_stamps_later_tokens_and_they_match_the_new_wei
     old = load_model(str(old_dir))
 
     async def go():
-        engine, sink = await start(tmp_path / "run", old_dir, vllm_settings(update_mode="abort_retry"), old)
+        engine, publisher = await start(tmp_path / "run", old_dir, vllm_settings(update_mode="abort_retry"), old)
         try:
             await engine.generate([GenerationRequest(99, [1, 5], 1, SamplingParams(2))])  # warm up
             req = GenerationRequest(0, [1, 5, 6, 7], 8, SamplingParams(max_new_tokens=150, temperature=1.0))
             task = asyncio.ensure_future(engine.generate([req]))
             while (await engine.stats())[0]["tokens_generated"] < 2 + 8 * 10:  # a few steps in
                 await asyncio.sleep(0.01)
-            sink.publish(new, 1)
+            publisher.publish(new, 1)
             return (await task)[0], (await engine.stats())[0]
         finally:
             await engine.stop()
-            sink.close()
+            publisher.close()
 
     samples, stats = asyncio.run(go())
     assert stats["swaps"] == 1 and stats["aborted_seqs"] >= 1, stats

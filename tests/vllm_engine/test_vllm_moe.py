@@ -71,19 +71,19 @@ def test_vllm_routes_replayed_by_the_trainer_reproduce_its_logprobs_before_and_a
     ]
 
     async def go():
-        engine, sink = await start(tmp_path / "run", model_dir, vllm_settings(), model, span_path=spans)
+        engine, publisher = await start(tmp_path / "run", model_dir, vllm_settings(), model, span_path=spans)
         try:
             first = await engine.generate(requests)
             with torch.no_grad():  # new router and experts: other routes for the same prompts
                 for layer in model.model.layers:
                     layer.mlp.gate.weight.mul_(-3.0)
                     layer.mlp.experts.gate_up_proj.add_(0.5 * torch.randn(layer.mlp.experts.gate_up_proj.shape))
-            sink.publish(model, 1)
+            publisher.publish(model, 1)
             second = await engine.generate(requests)  # the same prompts, under the new weights
             return first, second, (await engine.stats())[0]
         finally:
             await engine.stop()
-            sink.close()
+            publisher.close()
 
     first, second, stats = asyncio.run(go())
     assert stats["routes_missing"] == 0 and stats["swaps"] == 1, stats

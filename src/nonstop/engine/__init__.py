@@ -32,6 +32,6 @@ vLLM as the engine (`engine.kind: vllm`):
 - vllm_routes.py   `RouteRecorder`: the experts every token vLLM computes was routed to (Keep Routing).
 """
 
-from nonstop.engine.core import Engine, TorchEngine, WeightSource
+from nonstop.engine.core import Engine, TorchEngine, WeightReceiver
 
-__all__ = ["Engine", "TorchEngine", "WeightSource"]
+__all__ = ["Engine", "TorchEngine", "WeightReceiver"]

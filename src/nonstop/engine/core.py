@@ -37,14 +37,14 @@ from nonstop.device import on
 from nonstop.engine.runner import KVRunner
 from nonstop.engine.sampling import keep_mask
 from nonstop.engine.scheduler import RequestError, Scheduler
-from nonstop.engine.updates import WeightGate, WeightSource
+from nonstop.engine.updates import WeightGate, WeightReceiver
 from nonstop.observe.flops import FlopModel
 from nonstop.types import GenerationRequest, Sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["Engine", "RequestError", "TorchEngine", "WeightSource", "keep_mask"]
+__all__ = ["Engine", "RequestError", "TorchEngine", "WeightReceiver", "keep_mask"]
 
 
 class Engine(Protocol):
@@ -85,7 +85,7 @@ class TorchEngine:
         model: PreTrainedModel,
         eos_token_ids: list[int],
         pad_token_id: int,
-        weights: WeightSource | None = None,
+        weights: WeightReceiver | None = None,
         policy_version: int = 0,
         settings: EngineConfig | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
@@ -106,12 +106,12 @@ class TorchEngine:
             self.weights = weights
 
     @property
-    def weights(self) -> WeightSource | None:
-        return self.gate.source
+    def weights(self) -> WeightReceiver | None:
+        return self.gate.receiver
 
     @weights.setter
-    def weights(self, source: WeightSource | None) -> None:
-        self.gate.source = source
+    def weights(self, receiver: WeightReceiver | None) -> None:
+        self.gate.receiver = receiver
 
     @property
     def weight_model(self) -> torch.nn.Module:

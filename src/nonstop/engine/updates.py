@@ -2,15 +2,15 @@
 
 A `WeightGate` holds the engine's end of a weight transport and separates *receiving* a new
 version from *applying* it:
-- `poll()` asks the source for a newer complete version and returns the version waiting to
+- `poll()` asks the receiver for a newer complete version and returns the version waiting to
   be applied (None when there is none); it never blocks on the trainer;
 - `apply()` makes the waiting version live and returns it.
 
-In `never_stop` mode the source updates the live model directly (transports receive in the
+In `never_stop` mode the receiver updates the live model directly (transports receive in the
 background and then re-point the model's tensors at a complete version, no copy), so `poll()`
 applies at once and `apply()` only hands the version over. Every other mode needs to
 know that weights are waiting without letting them touch the model decoding right now, so the
-source updates a staging copy of the model and `apply()` copies the staging parameters
+receiver updates a staging copy of the model and `apply()` copies the staging parameters
 into the live ones (one foreach copy: the stall of a swap). The staging copy costs one more
 copy of the parameters in memory; the mode's docs say so. A model on a GPU, or in another dtype
 than the transport's (transport.dtype: float32, or the engine's own), is staged in that dtype on the
@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from nonstop.transport.base import WeightSource
+from nonstop.transport.base import WeightReceiver
 
 UpdateMode = Literal["never_stop", "abort_retry", "save_resume", "drain", "blocking"]
 UPDATE_MODES: tuple[UpdateMode, ...] = ("never_stop", "abort_retry", "save_resume", "drain", "blocking")
@@ -38,7 +38,7 @@ class WeightGate:
         """`staged_mode`: the update mode applies versions later than it receives them."""
         self.live = live
         self.staged_mode = staged_mode
-        self.source: WeightSource | None = None
+        self.receiver: WeightReceiver | None = None
         self.waiting: int | None = None
         self._live_params: list[torch.Tensor] = list(live.parameters())
         self._target: torch.nn.Module | None = None
@@ -72,8 +72,8 @@ class WeightGate:
         return self.target is not self.live
 
     def poll(self) -> int | None:
-        if self.source is not None:
-            version = self.source.maybe_update(self.target)
+        if self.receiver is not None:
+            version = self.receiver.maybe_update(self.target)
             if version is not None:
                 self.waiting = version
         return self.waiting

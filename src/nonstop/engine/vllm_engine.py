@@ -56,7 +56,7 @@ from nonstop.engine.scheduler import RequestError
 from nonstop.engine.vllm_sequence import _Group, _Seq
 from nonstop.engine.vllm_setup import RouteLayout, VllmSetupError, route_layout, start_engine
 from nonstop.observe.spans import PassRecorder, SpanLog, now
-from nonstop.transport.base import source_crc32
+from nonstop.transport.base import receiver_crc32
 from nonstop.transport.names import per_expert_slices
 from nonstop.types import GenerationRequest, Routes, Sample, TransportHandle
 
@@ -109,7 +109,7 @@ class VllmEngineWorker:
         self.policy_version = initial_version
         self.mode = self.settings.update_mode
         self.staging: torch.nn.Module | None = None
-        self.source: Any = None
+        self.receiver: Any = None
         self.waiting: int | None = None
         self.queue: deque[_Seq] = deque()  # completions not yet handed to vLLM
         self.running: dict[str, _Seq] = {}  # vLLM request id -> completion
@@ -132,10 +132,10 @@ class VllmEngineWorker:
 
     def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None:
         from nonstop.hf import load_model
-        from nonstop.transport import open_source
+        from nonstop.transport import open_receiver
 
         self.staging = load_model(self.model_path)
-        self.source = open_source(handle, self.staging, rank)
+        self.receiver = open_receiver(handle, self.staging, rank)
 
     def check(self, request: GenerationRequest) -> None:
         p = request.params
@@ -186,9 +186,9 @@ class VllmEngineWorker:
     async def weights_crc32(self) -> tuple[int, int]:
         """(policy_version, CRC32 of the weights as this worker received them from the transport,
         in its layout order), before they are loaded into vLLM's engine core."""
-        if self.source is None:
+        if self.receiver is None:
             raise RuntimeError("weights_crc32: the engine is not attached to a weight transport yet")
-        return self.policy_version, source_crc32(self.source)
+        return self.policy_version, receiver_crc32(self.receiver)
 
     async def sampling_state(self) -> dict[str, bytes]:
         """Empty: vLLM's sampler state lives in its engine core, out of reach; checkpoints hold
@@ -205,8 +205,8 @@ class VllmEngineWorker:
         if self._passes is not None:
             self._passes.flush()
         self.spans.close()
-        if self.source is not None:
-            self.source.close()
+        if self.receiver is not None:
+            self.receiver.close()
 
     # --- what `nonstop serve` asks of an engine (serve/protocol.py ServedEngine) -----------
 
@@ -246,8 +246,8 @@ class VllmEngineWorker:
             await asyncio.sleep(0)  # let calls (generate, ping, stats) in between two steps
 
     def _between_steps(self) -> None:
-        if self.source is not None:
-            version = self.source.maybe_update(self.staging)
+        if self.receiver is not None:
+            version = self.receiver.maybe_update(self.staging)
             if version is not None:
                 self.waiting = version
         if self.waiting is not None:

@@ -22,8 +22,8 @@ from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model
 from nonstop.observe.flops import PeakProbe
 from nonstop.observe.spans import SpanLog
-from nonstop.transport import WeightSource, open_source
-from nonstop.transport.base import source_crc32
+from nonstop.transport import WeightReceiver, open_receiver
+from nonstop.transport.base import receiver_crc32
 from nonstop.types import GenerationRequest, Sample, TransportHandle
 
 
@@ -69,7 +69,7 @@ class EngineWorker:
         self.peak = PeakProbe(self.dtype, device)
         self.spans = SpanLog(span_path)
         self.aio = AsyncEngine(self.engine, self.spans)
-        self.source: WeightSource | None = None
+        self.receiver: WeightReceiver | None = None
 
     def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None:
         from nonstop.transport.base import layout_dtype
@@ -80,8 +80,8 @@ class EngineWorker:
         # live model itself under never_stop (no float32 copy of a bf16 model), else a copy in its dtype
         device = receive_device(handle, self.device) or torch.device("cpu")
         self.engine.receive_weights_on(device, self.dtype if handle.lora is not None else layout_dtype(handle.layout))
-        self.source = open_source(handle, self.engine.weight_model, rank)
-        self.engine.weights = self.source
+        self.receiver = open_receiver(handle, self.engine.weight_model, rank)
+        self.engine.weights = self.receiver
 
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         return await self.aio.generate(requests)
@@ -94,12 +94,12 @@ class EngineWorker:
         """(policy_version, CRC32 of the weights this engine decodes with, in the transport's layout
         order; trainer/worker.py computes the same of the trainer's): taken between two decode steps. An
         idle engine first applies the newest published version, as its next request would."""
-        if self.source is None:
+        if self.receiver is None:
             raise RuntimeError("weights_crc32: the engine is not attached to a weight transport yet")
         self.engine.scheduler.apply_newest_if_idle()
         while True:  # a version applied while the CRC ran would mix two versions: take it again
             version = self.engine.policy_version
-            crc = source_crc32(self.source)
+            crc = receiver_crc32(self.receiver)
             if version == self.engine.policy_version:
                 return version, crc
 
@@ -130,5 +130,5 @@ class EngineWorker:
     async def close(self) -> None:
         await self.aio.close()
         self.spans.close()
-        if self.source is not None:
-            self.source.close()
+        if self.receiver is not None:
+            self.receiver.close()

@@ -9,7 +9,7 @@ rank takes part in the gathers that assemble the published weights.
 `dir/model` and given `load_checkpoint(dir)` continues exactly where the saved one stood.
 With `trainer.ranks` > 1 every rank is such an actor: rank 0 calls `rendezvous`, all call
 `join_group` (trainer/parallel.py), then every step, save and checkpoint goes to all ranks
-(they meet in collectives); only rank 0 holds the transport sink and writes trainer.pt. DDP
+(they meet in collectives); only rank 0 holds the transport publisher and writes trainer.pt. DDP
 ranks hold identical optimizer states, so rank 0's trainer.pt serves every rank on resume;
 FSDP2 ranks each hold a shard of it, which they write to and read from `dir/optimizer/` with
 torch.distributed.checkpoint (trainer.pt then has no optimizer state).
@@ -59,7 +59,7 @@ from nonstop.observe.spans import SpanLog, now
 from nonstop.trainer.compute import ComputeWeights, cast_linears
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
-from nonstop.transport import WeightSink, open_sink, plan_transport
+from nonstop.transport import WeightPublisher, open_publisher, plan_transport
 from nonstop.transport.base import layout_dtype, sent_tensors, weights_crc32
 from nonstop.types import AheadResult, Group, PublishResult, StepResult, TransportHandle
 
@@ -109,7 +109,7 @@ class TrainerWorker:
         )
         if reference_path is not None and self.trainer.reference is not None:
             self.trainer.reference = place(load_model(reference_path), self.device).eval().requires_grad_(False)
-        self.sink: WeightSink | None = None
+        self.publisher: WeightPublisher | None = None
         self.handle: TransportHandle | None = None
         self.publish_bytes = 0
         self.published_version = self.trainer.policy_version  # what the engines hold (they start from it)
@@ -192,16 +192,16 @@ class TrainerWorker:
             host=node_host(host),
             first_engines=first_engines,
         )
-        self.sink = open_sink(handle)
+        self.publisher = open_publisher(handle)
         self.handle = handle
         self.publish_bytes = handle.total_bytes
         return handle
 
     def connect_transport(self) -> None:
-        assert self.sink is not None, "plan_transport must come first"
-        self.sink.connect()
+        assert self.publisher is not None, "plan_transport must come first"
+        self.publisher.connect()
         if self._publishes_on_connect():
-            self.sink.publish(self.trainer.model, self.trainer.policy_version)
+            self.publisher.publish(self.trainer.model, self.trainer.policy_version)
 
     def step(self, groups: list[Group]) -> StepResult:
         t0, cpu0 = now(), time.process_time()
@@ -271,7 +271,7 @@ class TrainerWorker:
             return PublishResult(version, now() - t0, self.publish_bytes, full)
         weights = self._publishable()
         self.published_version = version
-        if self.sink is not None and self._overlaps(resend):
+        if self.publisher is not None and self._overlaps(resend):
             # the first send re-homed the sent tensors into the transport's buffer: this one only reads them
             self.sending = self.sender.submit(self._send, weights, version, t0, False)
             launch_s = now() - t0
@@ -286,10 +286,10 @@ class TrainerWorker:
 
     def _send(self, weights: torch.nn.Module, version: int, t0: float, inline: bool) -> PublishResult:
         """The send itself, inline or on the sender thread; its result as `published()` reports it."""
-        if self.sink is not None:
-            self.sink.publish(weights, version)
-            self.publish_bytes = self.sink.sent_bytes
-        else:  # a rank without the sink still takes part in every gather (FSDP2)
+        if self.publisher is not None:
+            self.publisher.publish(weights, version)
+            self.publish_bytes = self.publisher.sent_bytes
+        else:  # a rank without the publisher still takes part in every gather (FSDP2)
             for _ in weights.named_parameters():
                 pass
         self.sends += 1
@@ -420,7 +420,7 @@ class TrainerWorker:
         finally:
             self.sender.shutdown(wait=False)
             self.spans.close()
-            if self.sink is not None:
-                self.sink.close()
+            if self.publisher is not None:
+                self.publisher.close()
         if isinstance(self.trainer, ParallelTrainer):
             self.trainer.close()

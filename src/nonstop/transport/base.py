@@ -32,7 +32,7 @@ class TransportError(NonstopError, RuntimeError):
     """A weight transfer failed or timed out; the message names the peer and the version."""
 
 
-class WeightSink(Protocol):
+class WeightPublisher(Protocol):
     sent_bytes: int
     """What the last publish moved: a delta's bytes (transport.delta) or the full layout's."""
 
@@ -45,7 +45,7 @@ class WeightSink(Protocol):
     def close(self) -> None: ...
 
 
-class WeightSource(Protocol):
+class WeightReceiver(Protocol):
     """Engine-side end of a weight transport."""
 
     handle: TransportHandle
@@ -280,9 +280,9 @@ def weights_crc32(tensors: Iterable[torch.Tensor]) -> int:
     return crc
 
 
-def source_crc32(source: WeightSource) -> int:
+def receiver_crc32(receiver: WeightReceiver) -> int:
     """weights_crc32 of what an engine's end of the transport holds, in the trainer's layout order."""
-    return weights_crc32(in_layout_order(source.target.tensors(), source.handle.layout))
+    return weights_crc32(in_layout_order(receiver.target.tensors(), receiver.handle.layout))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -332,7 +332,7 @@ def plan_transport(
             notify_at=notify_at,
             delta=cfg.delta,
             full_every=cfg.full_every,
-        )  # the sink removes a folder it made
+        )  # the publisher removes a folder it made
     else:
         plan_broadcast_path(cfg.device_path, trainer_device)
         options = BroadcastOptions(
@@ -360,23 +360,23 @@ def plan_transport(
     )
 
 
-def open_sink(handle: TransportHandle) -> WeightSink:
-    """Trainer side: allocate the sink's buffers; call `connect()` (with the engines) next."""
+def open_publisher(handle: TransportHandle) -> WeightPublisher:
+    """Trainer side: allocate the publisher's buffers; call `connect()` (with the engines) next."""
     opts = handle.options
     if isinstance(opts, ShmOptions):
-        from nonstop.transport.shm import ShmSink
+        from nonstop.transport.shm import ShmPublisher
 
-        return ShmSink(handle, opts)
+        return ShmPublisher(handle, opts)
     if isinstance(opts, FilesOptions):
-        from nonstop.transport.files import FilesSink
+        from nonstop.transport.files import FilesPublisher
 
-        return FilesSink(handle, opts)
-    from nonstop.transport.broadcast import BroadcastSink
+        return FilesPublisher(handle, opts)
+    from nonstop.transport.broadcast import BroadcastPublisher
 
-    return BroadcastSink(handle, opts)
+    return BroadcastPublisher(handle, opts)
 
 
-def open_source(handle: TransportHandle, model: torch.nn.Module, rank: int = 1) -> WeightSource:
+def open_receiver(handle: TransportHandle, model: torch.nn.Module, rank: int = 1) -> WeightReceiver:
     """Engine side; `rank` is this engine's rank in the transport (trainer is 0, engines 1..N).
 
     With a LoRA handle the engine receives adapters only and merges them into `model`."""
@@ -389,13 +389,13 @@ def open_source(handle: TransportHandle, model: torch.nn.Module, rank: int = 1) 
     check_layout(handle.layout, target.tensors())
     opts = handle.options
     if isinstance(opts, ShmOptions):
-        from nonstop.transport.shm import ShmSource
+        from nonstop.transport.shm import ShmReceiver
 
-        return ShmSource(handle, opts, target, rank)
+        return ShmReceiver(handle, opts, target, rank)
     if isinstance(opts, FilesOptions):
-        from nonstop.transport.files import FilesSource
+        from nonstop.transport.files import FilesReceiver
 
-        return FilesSource(handle, opts, target)
-    from nonstop.transport.broadcast_source import BroadcastSource
+        return FilesReceiver(handle, opts, target)
+    from nonstop.transport.broadcast_receiver import BroadcastReceiver
 
-    return BroadcastSource(handle, opts, target, rank)
+    return BroadcastReceiver(handle, opts, target, rank)

@@ -114,7 +114,7 @@ def round_value(version: int, generation: int, delta: Delta | None) -> str:
     return f"{version} {generation} {delta.base} {delta.nbytes} {crc}"
 
 
-class BroadcastSink:
+class BroadcastPublisher:
     def __init__(self, handle: TransportHandle, opts: BroadcastOptions) -> None:
         self.handle, self.opts = handle, opts
         self.sender = FlatSender(handle)

@@ -63,7 +63,7 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-class FilesSink:
+class FilesPublisher:
     def __init__(self, handle: TransportHandle, opts: FilesOptions) -> None:
         self.handle, self.opts = handle, opts
         self.dir = Path(opts.dir)
@@ -128,7 +128,7 @@ class FilesSink:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class FilesSource:
+class FilesReceiver:
     def __init__(self, handle: TransportHandle, opts: FilesOptions, target: WeightTarget) -> None:
         self.handle, self.target = handle, target
         self.dir = Path(opts.dir)

@@ -156,7 +156,7 @@ class _Segment:
             self.shm.unlink()
 
 
-class ShmSink:
+class ShmPublisher:
     def __init__(self, handle: TransportHandle, opts: ShmOptions) -> None:
         self.handle, self.opts = handle, opts
         self.segment = _Segment(handle, opts, create=True)
@@ -236,7 +236,7 @@ class ShmSink:
             seg.stamps[slot] = previous  # an engine claimed it just now: it keeps reading it
             tried.add(slot)
         target = seg.slots[slot]
-        assert target is not None  # the sink allocated its GPU slots
+        assert target is not None  # the publisher allocated its GPU slots
         self.sender.write(model, target)
         settle(target.device)  # the stamp must not come before the bytes
         if self.handle.checksum:
@@ -252,7 +252,7 @@ class ShmSink:
         self.gpu_buffer = None
 
 
-class ShmSource:
+class ShmReceiver:
     """`apply`: 'repoint' (zero copy, host slots into host tensors), 'copy' (claim, copy, release),
     or None: repoint where the slot lies on the tensors' device, else copy."""
 

@@ -1,5 +1,5 @@
 """The engine end of the broadcast transport (transport/broadcast.py states the protocol):
-`BroadcastSource` attaches to the trainer's store (first member, replacement or joining rank),
+`BroadcastReceiver` attaches to the trainer's store (first member, replacement or joining rank),
 builds each generation's group with the others, and receives every round on its own thread into
 a back buffer while the engine decodes; `maybe_update` then re-points the engine's tensors at
 the newest complete buffer, no copy (or copies it onto the engine's GPU after a gloo round).
@@ -55,7 +55,7 @@ class _Buffer(Held):
         self.buckets = _buckets(self.flat, handle, opts)
 
 
-class BroadcastSource:
+class BroadcastReceiver:
     def __init__(self, handle: TransportHandle, opts: BroadcastOptions, target: WeightTarget, rank: int) -> None:
         self.handle, self.opts, self.target, self.rank = handle, opts, target, rank
         self.tensors = in_layout_order(target.tensors(), handle.layout)
