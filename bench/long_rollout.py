@@ -44,13 +44,19 @@ the lag histogram of trained tokens, and the tokens wasted: those generated but 
 (groups dropped for lag, cancelled, or still in flight at the end), as a fraction of all
 generated, with the groups dropped for uniform rewards shown apart (a property of the task).
 
-    python bench/long_rollout.py [--seconds 240] [--eval-every 5] [--eval-size 50] [--quick]
+    python bench/long_rollout.py [--seconds 220] [--eval-every 4] [--eval-size 100] [--quick]
         [--arms sync,depth2,...] [--seeds 0,1,2] [--margin 0.03] [--keep DIR]
+
+One run costs `--seconds` and, estimated, 40 s more (start-up, the base evaluation, the last
+step's overshoot). Within about 45 minutes on a quiet 2-core machine: `--arms sync,depth2,unbounded`
+(9 runs of 220 s, then TRL's two arms of 4 batches). At 220 s sync makes about 20 steps, so
+`--eval-every 4` gives it 6-7 evaluations (step 0 included); fewer steps a second (a loaded
+machine) need a lower `--eval-every` or more `--seconds`.
 
 `--quick` (plumbing only): 60 s per arm, evaluations every 2 steps on 30 held-out prompts, seed 0,
 TRL's one-thread arm for 2 batches. The last line:
 
-    RESULT speedup_median=... speedup_min=... speedup_max=... speedup_bound=exact|lower speedup_seeds=...
+    RESULT speedup_median=... speedup_min=... speedup_max=... speedup_bound=exact|lower|missing speedup_seeds=...
     best_arm=... target=... seeds=... sync_trainer_idle=... best_trainer_idle=... ratio_vs_trl=...
     evals_min=... wasted_frac=... wall_speedup_median=...
 
@@ -356,16 +362,16 @@ def fmt(v: float | None, spec: str = ".2f") -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=240.0, help="RL wall time of each run")
-    p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--eval-size", type=int, default=50)
+    p.add_argument("--seconds", type=float, default=220.0, help="RL wall time of each run")
+    p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--eval-size", type=int, default=100)
     p.add_argument("--margin", type=float, default=0.03, help="the target's margin over the first two evaluations")
     p.add_argument("--max-lag", type=int, default=4, help="the unbounded arm's buffer.max_lag")
     p.add_argument("--mode-depth", default="depth2", choices=[*DEPTH_ARMS])
     p.add_argument("--arms", default=None, help="comma-separated subset of the arms (sync always runs)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--trl-steps", type=int, default=6, help="TRL generation batches per arm (0: no TRL arm)")
+    p.add_argument("--trl-steps", type=int, default=4, help="TRL generation batches per arm (0: no TRL arm)")
     p.add_argument("--trl-child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--trl-threads", type=int, help=argparse.SUPPRESS)
     p.add_argument("--set", dest="overrides", action="append", default=[], help="KEY=VALUE for every arm")
@@ -461,7 +467,11 @@ def print_run(r: dict) -> None:
 
 def print_table(runs: dict[str, list[dict]], trl: dict[str, dict], eval_every: int) -> None:
     """Medians over the seeds; times to target per seed."""
-    sync = runs["sync"]
+    sync = med(runs["sync"], "samples_per_s")
+
+    def x_sync(samples_per_s: float) -> str:
+        return fmt(samples_per_s / sync if sync > 0 else None)
+
     common = min(r["curve"][-1][0] for rs in runs.values() for r in rs) // eval_every * eval_every
     print(
         f"\n{'arm':>12} | samples/s x sync | trainer idle | engine idle | evals | held-out start -> end | "
@@ -473,7 +483,7 @@ def print_table(runs: dict[str, list[dict]], trl: dict[str, dict], eval_every: i
         evals = str(counts[0]) if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
         start, end = [r["curve"][0][2] for r in rs], [r["curve"][-1][2] for r in rs]
         print(
-            f"{name:>12} | {med(rs, 'samples_per_s') / max(med(sync, 'samples_per_s'), 1e-9):16.2f} | "
+            f"{name:>12} | {x_sync(med(rs, 'samples_per_s')):>16} | "
             f"{med(rs, 'trainer_idle'):12.0%} | {med(rs, 'engine_idle'):11.0%} | "
             f"{evals:>5} | "
             f"{statistics.median(start):10.1%} -> {statistics.median(end):5.1%} | "
@@ -483,7 +493,7 @@ def print_table(runs: dict[str, list[dict]], trl: dict[str, dict], eval_every: i
         )
     for arm, t in trl.items():
         print(
-            f"{arm:>12} | {t['samples_per_s'] / max(med(sync, 'samples_per_s'), 1e-9):16.2f} | {'':>12} | {'':>11} | "
+            f"{arm:>12} | {x_sync(t['samples_per_s']):>16} | {'':>12} | {'':>11} | "
             f"{0:>5} | no held-out evaluation (samples/s only: {t['batches']} batches, lr {t['lr']:g})"
         )
     modes = sorted((rs for n, rs in runs.items() if n in MODES), key=lambda rs: -med(rs, "samples_per_s"))
