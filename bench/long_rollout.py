@@ -104,8 +104,8 @@ DEPTH_ARMS = {
 }
 MODES = ("abort_retry", "save_resume", "drain", "group_cancel")
 MIN_EVALS = 6
-"""Evaluations per run (step 0 included) that show a curve: the start, the two the target is set
-above, and at least three to cross it in."""
+"""Evaluations per run (step 0 included) that show a curve: the two the target is set above (step 0
+and the first after it) and at least four after them to cross it in."""
 
 Curve = list[tuple[int, float, float]]
 """(step, seconds, held-out accuracy) per evaluation, step 0 first."""
