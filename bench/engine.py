@@ -25,7 +25,7 @@ Sampling at temperature 1. Measured side by side in one run:
   `--every` decode steps while the engine decodes: tokens/s, and the swap work (the decode
   stall of a never_stop swap) against the median decode step.
 - vLLM (when installed, e.g. in .venv-vllm): the same requests through vLLM's LLMEngine in this
-  process (engine/vllm_setup.py: float32, eager, prefix caching off, `max_num_seqs` = `--batch`),
+  process (engine/vllm/setup.py: float32, eager, prefix caching off, `max_num_seqs` = `--batch`),
   all requests queued at once so its scheduler keeps `--batch` sequences running; EOS ignored.
   Its load and first-step warm-up are left out; each side keeps its best round.
 Run: python bench/engine.py [--requests 1024] [--rounds 3] [--batch 64] [--every 10] [--quick] [--model tiny]
@@ -282,7 +282,7 @@ def bench_vllm(model, reqs, batch: int, rounds: int) -> float:
     from vllm.inputs import TokensPrompt
 
     from nonstop.config import VllmConfig
-    from nonstop.engine.vllm_setup import start_engine
+    from nonstop.engine.vllm.setup import start_engine
     from nonstop.tasks.tiny import make_char_tokenizer
 
     with tempfile.TemporaryDirectory() as folder:
@@ -515,7 +515,7 @@ def vllm_chat(folder: str, reqs, batch: int, max_len: int, dtype: torch.dtype, r
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from nonstop.config import VllmConfig
-    from nonstop.engine.vllm_setup import engine_args, prepare_environment
+    from nonstop.engine.vllm.setup import engine_args, prepare_environment
 
     prepare_environment()
     kv_gib = batch * (max_len + 128) * kv_bytes(folder, dtype) / 2**30

@@ -192,7 +192,7 @@ def _serve(
             local = str(resolve_model_path(given, field="--model" if model_path else "model.path"))
         if cfg.engine.kind == "vllm":
             # start-up: torch only when this command runs
-            from nonstop.engine.vllm_setup import preflight as vllm_preflight
+            from nonstop.engine.vllm.setup import preflight as vllm_preflight
 
             vllm_preflight(local, cfg.engine.vllm)  # before anything loads
     except ConfigError as e:

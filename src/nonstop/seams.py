@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from nonstop.engine.aio import AsyncEngine
     from nonstop.engine.core import Engine, TorchEngine
     from nonstop.engine.runner import KVRunner, Runner
-    from nonstop.engine.vllm_engine import VllmEngineWorker
+    from nonstop.engine.vllm.engine import VllmEngineWorker
     from nonstop.engine.worker import EngineWorker
     from nonstop.envs.base import Environment, MultiAgentEnvironment, SingleAgent, TurnEngine
     from nonstop.envs.calculator import Calculator

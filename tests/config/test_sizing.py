@@ -257,7 +257,7 @@ def test_vllm_dtype_left_unset_is_bf16_for_a_loaded_model_where_the_machine_has_
     bf16_kv, fp32_kv = chosen["bfloat16"], chosen["float32"]
     assert (bf16_kv.dtype, fp32_kv.dtype) == ("bfloat16", "float32")
     assert bf16_kv.kv_cache_gib == fp32_kv.kv_cache_gib / 2  # the cache holds bf16 keys and values
-    assert size_run(cfg, tiny, 6, 23 * GIB).cfg.engine.vllm.dtype is None  # float32 at start (vllm_setup)
+    assert size_run(cfg, tiny, 6, 23 * GIB).cfg.engine.vllm.dtype is None  # float32 at start (engine/vllm/setup.py)
 
 
 def test_a_base_the_warmup_builds_takes_the_warmup_learning_rate():

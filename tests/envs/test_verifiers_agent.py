@@ -1,6 +1,6 @@
-"""verifiers' own rollout on nonstop's engines (envs/verifiers_agent.py), with real parts: its
+"""verifiers' own rollout on nonstop's engines (envs/verifiers/agent.py), with real parts: its
 `Agent.run`, its interception server on 127.0.0.1, the products taskset's calculator as a real MCP
-tool server process (`python -m nonstop.envs.verifiers_tasks`), the `null` harness's chat program
+tool server process (`python -m nonstop.envs.verifiers.tasks`), the `null` harness's chat program
 (in process), its train client rendering with `TokenRenderer` and parsing tool calls, the task's
 own `@vf.reward`. Skipped without the verifiers extra."""
 
@@ -18,15 +18,15 @@ from test_verifiers_env import RecordingServerEngine  # noqa: E402
 from nonstop.config import ConfigError, EngineConfig, load_config  # noqa: E402
 from nonstop.engine.core import TorchEngine  # noqa: E402
 from nonstop.envs.base import ENV_VERSION, EnvLimits  # noqa: E402
-from nonstop.envs.verifiers_agent import AgentPlayer  # noqa: E402
-from nonstop.envs.verifiers_tasks import ProductData, ProductTask, products  # noqa: E402
+from nonstop.envs.verifiers.agent import AgentPlayer  # noqa: E402
+from nonstop.envs.verifiers.tasks import ProductData, ProductTask, products  # noqa: E402
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
 from nonstop.orchestrator.episode_flow import EnvRun  # noqa: E402
 from nonstop.tasks.codec import Codec  # noqa: E402
 from nonstop.tasks.data import Example  # noqa: E402
 from nonstop.types import Sample, SamplingParams  # noqa: E402
 
-PRODUCTS = "verifiers/nonstop.envs.verifiers_tasks:products"
+PRODUCTS = "verifiers/nonstop.envs.verifiers.tasks:products"
 FIRST_VERSION = 5
 
 

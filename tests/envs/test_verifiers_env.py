@@ -19,11 +19,11 @@ from test_episodes import NEW, Recording  # noqa: E402
 from nonstop.config import ConfigError, EngineConfig, RolloutConfig, load_config  # noqa: E402
 from nonstop.engine.aio import AsyncEngine  # noqa: E402
 from nonstop.engine.core import TorchEngine  # noqa: E402
-from nonstop.envs import verifiers_client as vc  # noqa: E402
-from nonstop.envs import verifiers_env as ve  # noqa: E402
 from nonstop.envs.base import ENV_VERSION, EnvLimits  # noqa: E402
 from nonstop.envs.registry import builtin_task  # noqa: E402
-from nonstop.envs.verifiers_tasks import AdditionData, AdditionTask  # noqa: E402
+from nonstop.envs.verifiers import client as vc  # noqa: E402
+from nonstop.envs.verifiers import env as ve  # noqa: E402
+from nonstop.envs.verifiers.tasks import AdditionData, AdditionTask  # noqa: E402
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
 from nonstop.observe.clock import Clock  # noqa: E402
 from nonstop.orchestrator.buffer import RolloutBuffer  # noqa: E402
@@ -36,7 +36,7 @@ from nonstop.tasks.data import PromptStream  # noqa: E402
 from support.served import serving  # noqa: E402
 
 RETRY = " no "
-ADDITION = "verifiers/nonstop.envs.verifiers_tasks:addition"
+ADDITION = "verifiers/nonstop.envs.verifiers.tasks:addition"
 
 
 class RecordingServerEngine(AsyncEngine):
@@ -230,7 +230,7 @@ def test_verifiers_config_names_rows_and_errors(tiny_dir):
     run = EnvRun.build(cfg, tiny_dir)
     assert isinstance(run.play, ve.VerifiersPlayer) and run.baselines.mode == "group"
     with pytest.raises(ConfigError, match="env.name"):
-        builtin_task(load_config(None, ["env.name=verifiers/nonstop.envs.verifiers_tasks"]).env)
+        builtin_task(load_config(None, ["env.name=verifiers/nonstop.envs.verifiers.tasks"]).env)
     with pytest.raises(ConfigError, match="cannot import"):
         builtin_task(load_config(None, ["env.name=verifiers/nonstop.nothing_here:tasks"]).env)
     with pytest.raises(ConfigError, match="eval_name"):

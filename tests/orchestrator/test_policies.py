@@ -150,7 +150,7 @@ def test_policies_config_names_its_field_for_each_refusal(tmp_path):
     check_roles(cfg, ("first", "second"))
     for extra, field in (
         (["distill.teacher=x"], "distill.teacher"),
-        (["env.name=verifiers/nonstop.envs.verifiers_tasks:addition"], "env.name"),
+        (["env.name=verifiers/nonstop.envs.verifiers.tasks:addition"], "env.name"),
         (["env.policies.second.pth=x"], "env.policies.second.pth"),
         (["trainer.ranks=2", "env.policies.second.lora=true"], "env.policies.second.lora"),
     ):

@@ -68,7 +68,7 @@ async def start(
 
 
 def _worker():
-    from nonstop.engine.vllm_engine import VllmEngineWorker
+    from nonstop.engine.vllm.engine import VllmEngineWorker
 
     return VllmEngineWorker
 
@@ -177,7 +177,7 @@ def test_an_update_mid_generation_stamps_later_tokens_and_they_match_the_new_wei
 def test_vllm_setup_errors_name_the_fix(tmp_path):
     """Unsupported architecture and impossible memory: one line naming the field, before vLLM loads."""
     from nonstop.config import VllmConfig
-    from nonstop.engine.vllm_setup import VllmSetupError, check_architecture, check_memory
+    from nonstop.engine.vllm.setup import VllmSetupError, check_architecture, check_memory
 
     odd = tmp_path / "odd"
     save_tiny(odd, LONG)

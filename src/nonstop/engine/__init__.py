@@ -25,11 +25,11 @@ The built-in engine, from the outside in:
                    `TokenEvent` streaming;
 - worker.py        `EngineWorker`: the engine actor (a TorchEngine in its own process);
 vLLM as the engine (`engine.kind: vllm`):
-- vllm_setup.py    starting vLLM in the engine process: `require_vllm`, `start_engine`,
+- vllm/setup.py    starting vLLM in the engine process: `require_vllm`, `start_engine`,
                    `NonstopWorkerExtension` (in-place weight reload), `VllmSetupError`;
-- vllm_engine.py   `VllmEngineWorker`: the same actor calls as EngineWorker over vLLM's scheduler;
-- vllm_sequence.py the in-flight state of its requests and completions (`_Group`, `_Seq`);
-- vllm_routes.py   `RouteRecorder`: the experts every token vLLM computes was routed to (Keep Routing).
+- vllm/engine.py   `VllmEngineWorker`: the same actor calls as EngineWorker over vLLM's scheduler;
+- vllm/sequence.py the in-flight state of its requests and completions (`_Group`, `_Seq`);
+- vllm/routes.py   `RouteRecorder`: the experts every token vLLM computes was routed to (Keep Routing).
 """
 
 from nonstop.engine.core import Engine, TorchEngine, WeightReceiver

@@ -12,13 +12,13 @@ The episode runner lives in orchestrator/episodes.py.
 - http.py                `ClientEngine`: a served engine (`nonstop serve`) as the engine of an episode;
 - reasoning_gym.py       `reasoning_gym/<dataset>`: reasoning-gym generators and scorers (optional extra);
 - textarena_env.py       `textarena/<game id>`: a textarena game, one role per player (optional extra);
-- verifiers_env.py       `verifiers/<module:factory>`: a verifiers.v1 Taskset played through verifiers'
+- verifiers/env.py       `verifiers/<module:factory>`: a verifiers.v1 Taskset played through verifiers'
                          train client on nonstop's engines (`VerifiersPlayer`);
-- verifiers_client.py    verifiers' train client answered by nonstop's engines, in process (`EngineTransport`);
-- verifiers_agent.py     `env.verifiers_rollout: agent`: verifiers' own `Agent.run` per episode, its
+- verifiers/client.py    verifiers' train client answered by nonstop's engines, in process (`EngineTransport`);
+- verifiers/agent.py     `env.verifiers_rollout: agent`: verifiers' own `Agent.run` per episode, its
                          interception and MCP tool servers, on nonstop's engines (`AgentPlayer`);
-- verifiers_harness.py   verifiers' `null` harness chat program run in process (`InProcessChatHarness`);
-- verifiers_renderer.py  `TokenRenderer`: a renderer for tokenizers without a chat template, tool calls included;
-- verifiers_tasks.py     example verifiers.v1 tasksets for the tiny model: addition, products with a calculator tool;
+- verifiers/harness.py   verifiers' `null` harness chat program run in process (`InProcessChatHarness`);
+- verifiers/renderer.py  `TokenRenderer`: a renderer for tokenizers without a chat template, tool calls included;
+- verifiers/tasks.py     example verifiers.v1 tasksets for the tiny model: addition, products with a calculator tool;
 - tool_calls.py          the plain-text tool-call syntax of the tiny models (`@calc 23*7`) and its parser.
 """

@@ -13,7 +13,7 @@
 | `textarena/<game id>` | a textarena game, one role per player (optional extra) | game id, seed | player_0's win rate |
 | `verifiers/<module:factory>` | a verifiers.v1 Taskset (optional extra) | task prompt, position | reward >= 1 |
 
-The textarena adapter is envs/textarena_env.py; the verifiers one, envs/verifiers_env.py, plays
+The textarena adapter is envs/textarena_env.py; the verifiers one, envs/verifiers/env.py, plays
 the Taskset through verifiers' train client.
 
 `builtin_task(cfg)` generates a built-in's train rows (seed 1) and held-out rows (seed 2);
@@ -64,7 +64,7 @@ def _textarena() -> ModuleType:
 
 def _verifiers() -> ModuleType:
     # optional: the verifiers extra (imported only by a run whose env.name is verifiers/...)
-    from nonstop.envs import verifiers_env
+    from nonstop.envs.verifiers import env as verifiers_env
 
     return verifiers_env
 

@@ -24,7 +24,7 @@ name not offered is `unknown_tool`, bad JSON `invalid_json`, arguments that do n
 one-parameter tool `malformed_structure`, `@` alone `missing_name`. A reply whose call is not
 `ok` keeps its text as content, so what the model wrote stays in the conversation.
 
-Plain Python, no dependency: the verifiers renderer (envs/verifiers_renderer.py) uses it, and so
+Plain Python, no dependency: the verifiers renderer (envs/verifiers/renderer.py) uses it, and so
 could any chat front end that serves these models with tools.
 """
 

@@ -27,7 +27,7 @@ from typing import Any
 from nonstop.clients import EngineClient, TrainerClient
 from nonstop.config import Config, FilesTransportConfig
 from nonstop.config.sizing import wire_dtype
-from nonstop.engine.vllm_engine import VllmEngineWorker
+from nonstop.engine.vllm.engine import VllmEngineWorker
 from nonstop.engine.worker import EngineWorker
 from nonstop.hf import stop_token_ids
 from nonstop.observe.consumed import TRAINED

@@ -162,7 +162,7 @@ class EnvRun:
     def build(cls, cfg: EnvConfig, base_model: Path | str | None = None) -> EnvRun:
         """`base_model` (its tokenizer) renders the prompts of a verifiers taskset (env.name 'verifiers/...')."""
         if cfg.name.startswith(registry.VERIFIERS):
-            from nonstop.envs.verifiers_env import player  # optional: the verifiers extra, only for such a run
+            from nonstop.envs.verifiers.env import player  # optional: the verifiers extra, only for such a run
 
             play = player(cfg, None if base_model is None else str(base_model))
             return cls(

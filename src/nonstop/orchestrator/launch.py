@@ -160,7 +160,7 @@ def run_training(
     reads its task from its own config.yaml."""
     if cfg.engine.kind == "vllm":
         # start-up: the pipeline's modules load torch; the command line and nonstop.train() import this one first
-        from nonstop.engine.vllm_setup import preflight as vllm_preflight
+        from nonstop.engine.vllm.setup import preflight as vllm_preflight
 
         vllm_preflight(cfg.model.path, cfg.engine.vllm)  # before the warm-up, not after it
     if resume_dir is not None and (data is not None or reward is not None):

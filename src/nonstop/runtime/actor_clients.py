@@ -45,7 +45,7 @@ class _OneActor:
 
 class EngineService(Protocol):
     """The object inside an engine actor: what EngineActor calls by name. Implemented by
-    engine/worker.py EngineWorker (engine.kind builtin) and engine/vllm_engine.py VllmEngineWorker."""
+    engine/worker.py EngineWorker (engine.kind builtin) and engine/vllm/engine.py VllmEngineWorker."""
 
     def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None: ...
 

@@ -20,7 +20,7 @@ import torch
 from nonstop.checkpoint import saved_policy_version
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
-from nonstop.engine.vllm_engine import VllmEngineWorker
+from nonstop.engine.vllm.engine import VllmEngineWorker
 from nonstop.hf import load_model, load_tokenizer, stop_token_ids
 from nonstop.serve.protocol import ServedEngine
 from nonstop.serve.server import EngineServer

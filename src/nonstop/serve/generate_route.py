@@ -22,7 +22,7 @@ Response: `{"request_id", "prompt_token_ids", "choices": [{"index", "token_ids",
 as `renderers` checks it; `sampling_mask` (kept ids per token) when the sampling truncated, as
 vLLM's `--return-sampling-mask` gives it; `nonstop` is the extension the OpenAI routes carry
 (token ids, behaviour logprobs, `policy_versions`), which vLLM clients ignore and nonstop's
-adapters read (envs/verifiers_env.py).
+adapters read (envs/verifiers/env.py).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def sample_from_extension(ext: dict[str, Any], finish_reason: str) -> Sample:
 
 class ServedEngine(Protocol):
     """What the server asks of an engine (implemented by engine/aio.py AsyncEngine and
-    engine/vllm_engine.py VllmEngineWorker)."""
+    engine/vllm/engine.py VllmEngineWorker)."""
 
     @property
     def max_seq_len(self) -> int: ...

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server over the engine (aiohttp): token-in, token-out.
 
 The engine is any `ServedEngine`: the built-in engine's AsyncEngine (engine.kind builtin) or
-the vLLM engine (engine/vllm_engine.py VllmEngineWorker, engine.kind vllm); the routes, the
+the vLLM engine (engine/vllm/engine.py VllmEngineWorker, engine.kind vllm); the routes, the
 validation and the response shapes are the same for both.
 
 Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions` (prompt as text or token ids),

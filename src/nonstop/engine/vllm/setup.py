@@ -16,7 +16,7 @@ Contract:
   weights as after a first load (a second plain `load_weights` fails on the CPU backend);
 - `route_layout(model_path)` says which layers of a Qwen3-MoE / Qwen2-MoE checkpoint route
   tokens to experts (None for any other model); the extension's `nonstop_record_routes` then
-  records the experts of every token vLLM computes (engine/vllm_routes.py, which also says why
+  records the experts of every token vLLM computes (engine/vllm/routes.py, which also says why
   vLLM's own `enable_return_routed_experts` is not used).
 """
 
@@ -160,7 +160,7 @@ def engine_args(model_path: str, settings: VllmConfig, seed: int) -> Any:
         # behaviour logprobs of the distribution sampled from (temperature applied), not the raw one
         logprobs_mode="processed_logprobs",
         # a cached prefix holds keys/values of older weights; later prompts must not reuse them
-        # (and a cached prefix would skip its tokens' routes: vllm_routes.py records computed tokens)
+        # (and a cached prefix would skip its tokens' routes: vllm/routes.py records computed tokens)
         enable_prefix_caching=False,
         # tokens of a step must come back before the next step runs, so their version is exact
         async_scheduling=False,
@@ -204,7 +204,7 @@ class NonstopWorkerExtension:
 
     def nonstop_record_routes(self, layers: list[int], num_experts: int) -> int:
         """Record the experts of every computed token from now on; returns the routers hooked."""
-        from nonstop.engine.vllm_routes import RouteRecorder
+        from nonstop.engine.vllm.routes import RouteRecorder
 
         self.nonstop_routes = RouteRecorder(layers, num_experts)
         return self.nonstop_routes.bind(self.model_runner)  # type: ignore[attr-defined]

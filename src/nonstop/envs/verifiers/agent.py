@@ -8,7 +8,7 @@ With `env.verifiers_rollout: agent`, each episode of a verifiers taskset is play
   agent's limits and `@vf.stop` hooks, and is committed into the trace's message graph), the
   taskset's tool servers (MCP, `Taskset.toolsets`), the harness, `Task.finalize`, then the task's
   `@vf.reward`/`@vf.metric` scoring;
-- the harness is verifiers' `null` chat program run in process (envs/verifiers_harness.py): it
+- the harness is verifiers' `null` chat program run in process (envs/verifiers/harness.py): it
   lists the tools over MCP, calls the model through the interception endpoint, runs each tool call
   the model makes against its MCP server, and loops until a reply without a tool call;
 - the interception's model client is verifiers' `TrainClient`, as in a training run: it renders the
@@ -31,7 +31,7 @@ Out of scope: harness programs that install their dependencies at run time (`uv 
 `null` and `bash` as verifiers launches them, the container harnesses), runtimes other than the
 subprocess one, task-scoped toolsets (`Task.toolsets`: verifiers starts a server per episode in
 its own cache folder; use taskset-scoped ones). The episode's trace becomes nonstop samples as in
-envs/verifiers_env.py (`episode_result`).
+envs/verifiers/env.py (`episode_result`).
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ from verifiers.v1.state import State
 
 from nonstop.config import ConfigError
 from nonstop.envs.base import EnvLimits, EpisodeResult, TurnEngine
-from nonstop.envs.verifiers_client import EngineTransport, VersionLog
-from nonstop.envs.verifiers_env import MODEL, VERSIONS_KEY, episode_result
-from nonstop.envs.verifiers_harness import InProcessChatHarness, ToolConnections
-from nonstop.envs.verifiers_renderer import renderer_config
+from nonstop.envs.verifiers.client import EngineTransport, VersionLog
+from nonstop.envs.verifiers.env import MODEL, VERSIONS_KEY, episode_result
+from nonstop.envs.verifiers.harness import InProcessChatHarness, ToolConnections
+from nonstop.envs.verifiers.renderer import renderer_config
 from nonstop.tasks.data import Example
 from nonstop.types import SamplingParams
 

@@ -3,11 +3,11 @@
 `VllmEngineWorker` answers `connect_transport`, `generate`, `ping`, `stats` and `close` like
 the built-in EngineWorker, so the pool, heartbeats, restarts and the ledger work unchanged.
 Inside, one task (`vllm-step-loop`) drives a vLLM `LLMEngine` running in this process
-(engine/vllm_setup.py) one scheduler step at a time, and between two steps:
+(engine/vllm/setup.py) one scheduler step at a time, and between two steps:
 - receives new weights from nonstop's transport into a staging copy of the model in its
   checkpoint layout (a transformers model: the names the trainer sends, LoRA adapters merged
   by the transport's target), and loads them into vLLM with its in-place reload
-  (`collective_rpc("nonstop_reload_weights")`, vllm_setup.NonstopWorkerExtension);
+  (`collective_rpc("nonstop_reload_weights")`, setup.NonstopWorkerExtension);
 - admits queued requests as the update mode allows.
 
 Per-token versions: every token a step returns carries the policy_version live during that
@@ -28,9 +28,9 @@ Behaviour logprobs: vLLM's `processed_logprobs` (temperature applied), per token
 sampling (top-k / top-p / min-p) is refused: vLLM does not return the kept token set the
 trainer needs. Each of a request's n completions is its own vLLM request.
 
-Keep Routing (MoE): for a Qwen3-MoE / Qwen2-MoE model (vllm_setup.route_layout), the worker
+Keep Routing (MoE): for a Qwen3-MoE / Qwen2-MoE model (setup.route_layout), the worker
 extension records the experts vLLM's routers chose for every token it computed
-(engine/vllm_routes.py); each sample's `routes` holds them in the built-in engine's layout
+(engine/vllm/routes.py); each sample's `routes` holds them in the built-in engine's layout
 (types.Routes: its prompt's P tokens and completion tokens 0..T-2, MoE layers only). After an
 abort_retry re-submission the prefix's routes are the re-prefill's, as in the built-in engine.
 
@@ -53,8 +53,8 @@ import torch
 from nonstop.config import EngineConfig
 from nonstop.engine.aio import TokenEvent, stream_events
 from nonstop.engine.scheduler import RequestError
-from nonstop.engine.vllm_sequence import _Group, _Seq
-from nonstop.engine.vllm_setup import RouteLayout, VllmSetupError, route_layout, start_engine
+from nonstop.engine.vllm.sequence import _Group, _Seq
+from nonstop.engine.vllm.setup import RouteLayout, VllmSetupError, route_layout, start_engine
 from nonstop.observe.spans import PassRecorder, SpanLog, now
 from nonstop.transport.base import receiver_crc32
 from nonstop.transport.names import per_expert_slices

@@ -10,7 +10,7 @@ What runs, and whose code it is:
 - a verifiers `Taskset` gives the tasks, and each task's own `@vf.reward`/`@vf.metric` methods
   score the trace (`Task.score`, in process);
 - nonstop serves `/inference/v1/generate`: over HTTP (`nonstop serve`, serve/generate_route.py),
-  or in process through `EngineTransport` (envs/verifiers_client.py), an httpx transport that answers the same JSON from
+  or in process through `EngineTransport` (envs/verifiers/client.py), an httpx transport that answers the same JSON from
   any `TurnEngine` (the training pipeline's engines), so no socket is needed in a run.
 
 What stands in for verifiers here (`env.verifiers_rollout: chat_loop`): `play_episode` is the chat
@@ -18,9 +18,9 @@ loop: the task's prompt, then up to `max_turns` model turns, the trace scored af
 that does not solve the task (total reward below `solved_at`) is answered with the user message
 `retry`. With `max_turns` 1 it is verifiers' single-turn rollout. With `env.verifiers_rollout:
 agent`, verifiers' own `Agent.run` plays each episode instead, tools included
-(envs/verifiers_agent.py); this module's `episode_result` turns its traces into samples too.
+(envs/verifiers/agent.py); this module's `episode_result` turns its traces into samples too.
 
-`TokenRenderer` (envs/verifiers_renderer.py) renders messages for tokenizers without a chat
+`TokenRenderer` (envs/verifiers/renderer.py) renders messages for tokenizers without a chat
 template, so an episode's ids are exactly those `orchestrator/episodes.py` would make.
 
 `episode_samples(episode)` turns a `vf.Episode` (one played here, or one read from verifiers'
@@ -50,7 +50,7 @@ from nonstop.config import ConfigError, EnvConfig
 
 try:
     import verifiers.v1 as vf
-    from openai import AsyncOpenAI  # noqa: F401  (envs/verifiers_client.py uses it: missing, it is this ConfigError)
+    from openai import AsyncOpenAI  # noqa: F401  (envs/verifiers/client.py uses it: missing, it is this ConfigError)
     from verifiers.v1 import graph
     from verifiers.v1.clients import TrainClient
     from verifiers.v1.dialects.chat import ChatDialect, message_to_wire
@@ -61,8 +61,8 @@ except ImportError as e:
         f"env.name: verifiers environments need the verifiers extra: pip install 'nonstop[verifiers]' ({e})"
     ) from None
 from nonstop.envs.base import ENV_VERSION, EnvLimits, EpisodeResult, TurnEngine
-from nonstop.envs.verifiers_client import EngineTransport, VersionLog, train_client
-from nonstop.envs.verifiers_renderer import TokenRenderer
+from nonstop.envs.verifiers.client import EngineTransport, VersionLog, train_client
+from nonstop.envs.verifiers.renderer import TokenRenderer
 from nonstop.tasks.data import DatasetReport, Example, TaskData
 from nonstop.types import Sample, SamplingParams
 
@@ -337,11 +337,11 @@ def task_data(cfg: EnvConfig) -> TaskData:
 
 def player(cfg: EnvConfig, renderer_model: str | None) -> Any:
     """The player of `env.verifiers_rollout`: nonstop's chat loop (`VerifiersPlayer`), or verifiers'
-    own `Agent.run` (envs/verifiers_agent.py `AgentPlayer`), which a taskset with tools needs."""
+    own `Agent.run` (envs/verifiers/agent.py `AgentPlayer`), which a taskset with tools needs."""
     train, held = taskset_tasks(cfg.name, cfg.train_rows, cfg.eval_rows)
     if cfg.verifiers_rollout == "agent":
-        # cycle: verifiers_agent.py builds on this module (its episode result, model name, versions key)
-        from nonstop.envs.verifiers_agent import AgentPlayer
+        # cycle: verifiers/agent.py builds on this module (its episode result, model name, versions key)
+        from nonstop.envs.verifiers.agent import AgentPlayer
 
         return AgentPlayer(train + held, renderer_model, taskset(cfg.name))
     if has_tools(cfg.name):

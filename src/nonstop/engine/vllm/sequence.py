@@ -4,7 +4,7 @@ future its caller awaits, and `_Seq`, one completion with what vLLM returned of 
 The vLLM counterpart of engine/sequence.py: each completion is its own vLLM request, so a
 `_Seq` carries a version per token (the policy_version live when vLLM returned it), and its
 `_Group` resolves its future once the last of its n completions has finished.
-engine/vllm_engine.py's `VllmEngineWorker` is their only user.
+engine/vllm/engine.py's `VllmEngineWorker` is their only user.
 """
 
 from __future__ import annotations

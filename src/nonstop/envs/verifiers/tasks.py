@@ -3,13 +3,13 @@
 - `addition`: two-operand addition ('07+45='), a real `vf.Taskset` of `vf.Task`s whose reward is
   the task's own `@vf.reward` method (exact match of the last reply), the task the shipped tiny
   base half knows, so a run on it has the "weak, not blank" base RL needs.
-  `env.name: verifiers/nonstop.envs.verifiers_tasks:addition` plays it (envs/verifiers_env.py).
+  `env.name: verifiers/nonstop.envs.verifiers.tasks:addition` plays it (envs/verifiers/env.py).
 - `products`: products like '23*7=' that the tiny model cannot compute, with a tool: the taskset's
   `Calculator` toolset (a verifiers MCP tool server, one for the run, started by
-  `python -m nonstop.envs.verifiers_tasks`) offers `calc(expression)`, whose result comes back
+  `python -m nonstop.envs.verifiers.tasks`) offers `calc(expression)`, whose result comes back
   zero-padded to three digits ('161', '042'), so copying it is the same move for every product.
   The reward is the task's `@vf.reward`: the last reply's number equals the product. Played by
-  verifiers' own rollout (`env.verifiers_rollout: agent`, envs/verifiers_agent.py); with the
+  verifiers' own rollout (`env.verifiers_rollout: agent`, envs/verifiers/agent.py); with the
   plain-text tool syntax of envs/tool_calls.py an episode is '23*7=' `@calc 23*7` '[161]' '161'.
   `ProductTaskset.demo` is the weak player the base is warmed up on (envs/warmup.py): it calls
   the tool in half of the episodes and copies the result, and otherwise guesses.
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import verifiers.v1 as vf
 
 from nonstop.envs.tool_calls import format_call
-from nonstop.envs.verifiers_renderer import TOOL_CLOSE, TOOL_OPEN
+from nonstop.envs.verifiers.renderer import TOOL_CLOSE, TOOL_OPEN
 
 MAX_OPERAND = 99
 COUNT = 4096
@@ -118,5 +118,5 @@ def products() -> ProductTaskset:
     return ProductTaskset(vf.TasksetConfig(id="nonstop-products"))
 
 
-if __name__ == "__main__":  # the tool server verifiers starts: python -m nonstop.envs.verifiers_tasks
+if __name__ == "__main__":  # the tool server verifiers starts: python -m nonstop.envs.verifiers.tasks
     Calculator.run()

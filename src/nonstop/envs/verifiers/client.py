@@ -4,8 +4,8 @@ versions logged by request id (`VersionLog`); `EngineTransport` answers those ca
 from any `TurnEngine`, with the JSON the HTTP route sends (serve/generate_route.py), so a
 training run needs no socket.
 
-Imported by envs/verifiers_env.py (after its check that the verifiers extra is installed) and
-envs/verifiers_agent.py.
+Imported by envs/verifiers/env.py (after its check that the verifiers extra is installed) and
+envs/verifiers/agent.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from verifiers.v1.clients import TrainClient
 
 from nonstop.engine.scheduler import RequestError
 from nonstop.envs.base import TurnEngine
-from nonstop.envs.verifiers_renderer import renderer_config
+from nonstop.envs.verifiers.renderer import renderer_config
 from nonstop.serve import generate_route
 from nonstop.serve.protocol import BadRequest
 from nonstop.types import GenerationRequest

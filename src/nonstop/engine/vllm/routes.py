@@ -33,7 +33,7 @@ import torch
 
 class RouteRecorder:
     def __init__(self, layers: list[int], num_experts: int) -> None:
-        """`layers`: the decoder layers with a router, in order (vllm_setup.route_layout)."""
+        """`layers`: the decoder layers with a router, in order (setup.route_layout)."""
         self.position = {layer: i for i, layer in enumerate(layers)}
         self.dtype = np.dtype("u1" if num_experts <= 256 else "<u2")
         self.rows: dict[str, bytearray] = {}  # request id -> its rows, position after position
