@@ -39,8 +39,6 @@ PRIVATE_ALLOWED: dict[tuple[str, str, str], str] = {
     # (importing module, module imported from, name): why it is allowed for now
     ("nonstop.engine.runner", "nonstop.engine.layers", "_Layer"): PENDING,
     ("nonstop.engine.runner", "nonstop.engine.layers", "_check_supported"): PENDING,
-    ("nonstop.engine.vllm.engine", "nonstop.engine.vllm.sequence", "_Group"): PENDING,
-    ("nonstop.engine.vllm.engine", "nonstop.engine.vllm.sequence", "_Seq"): PENDING,
     ("nonstop.trainer.packed", "nonstop.trainer.forward", "_decoder_model"): PENDING,
     ("nonstop.trainer.packed", "nonstop.trainer.forward", "_rotate"): PENDING,
     ("nonstop.transport.broadcast_receiver", "nonstop.transport.broadcast", "_BACKEND"): PENDING,

@@ -9,7 +9,7 @@ The built-in engine, from the outside in:
 - scheduler.py     `Scheduler`: continuous batching (admission, shared prefill, decode steps,
                    finishing), the weight-update modes, `RequestError`;
 - emit.py          `Emitter`: a forward pass's tokens sampled into their sequences, finish reasons;
-- sequence.py      `Seq` and `Group`: the in-flight state of a request and of each completion;
+- sequence.py      `Seq` and `SeqGroup`: the in-flight state of each completion and of a request;
 - sampling.py      `sample()`: per-row temperature/top-k/top-p/min-p, behaviour logprobs, the
                    Keep Sampling Mask;
 - runner.py        `KVRunner`: the lean forward over a Llama-family decoder (and its MoE blocks)
@@ -28,7 +28,7 @@ vLLM as the engine (`engine.kind: vllm`):
 - vllm/setup.py    starting vLLM in the engine process: `require_vllm`, `start_engine`,
                    `NonstopWorkerExtension` (in-place weight reload), `VllmSetupError`;
 - vllm/engine.py   `VllmEngineWorker`: the same actor calls as EngineWorker over vLLM's scheduler;
-- vllm/sequence.py the in-flight state of its requests and completions (`_Group`, `_Seq`);
+- vllm/sequence.py the in-flight state of its requests and completions (`VllmSeqGroup`, `VllmSeq`);
 - vllm/routes.py   `RouteRecorder`: the experts every token vLLM computes was routed to (Keep Routing).
 """
 

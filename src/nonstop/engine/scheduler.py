@@ -52,7 +52,7 @@ from nonstop.engine.emit import Emitter
 from nonstop.engine.prefix import BLOCK, PrefixCache
 from nonstop.engine.runner import Runner
 from nonstop.engine.sampling import RowParams
-from nonstop.engine.sequence import Group, Seq
+from nonstop.engine.sequence import Seq, SeqGroup
 from nonstop.engine.updates import WeightGate
 from nonstop.errors import EngineError
 from nonstop.observe.flops import FlopModel, causal_pairs
@@ -89,7 +89,7 @@ class Scheduler(Emitter):
             budget = runner.num_slots * runner.max_seq_len // PREFIX_CACHE_SHARE
         # a MoE model records the routes of every prompt token, which a cached prefix would not recompute
         self.prefix = PrefixCache(runner.cache, budget) if budget >= BLOCK and not runner.moe_layers else None
-        self.waiting: deque[Group] = deque()
+        self.waiting: deque[SeqGroup] = deque()
         self.rows: list[Seq] = []  # rows[i] lives in cache slot i
         self.reprefill: list[Seq] = []
         self.reserved_tokens = 0
@@ -155,15 +155,15 @@ class Scheduler(Emitter):
         on_done: Callable[[list[Sample]], None],
         on_fail: Callable[[BaseException], None] | None = None,
         on_token: Callable[[int, int, float, int], None] | None = None,
-    ) -> Group:
+    ) -> SeqGroup:
         self.check(request)
         r = self.runner
         shape = (r.moe_layers, r.top_k, r.num_experts) if r.moe_layers else None
-        group = Group(request, on_done, on_fail, on_token, r.vocab_size, shape)
+        group = SeqGroup(request, on_done, on_fail, on_token, r.vocab_size, shape)
         self.waiting.append(group)
         return group
 
-    def abort(self, group: Group) -> None:
+    def abort(self, group: SeqGroup) -> None:
         """Forget a group (its caller went away): no callback fires."""
         if group in self.waiting:
             self.waiting.remove(group)
@@ -195,7 +195,7 @@ class Scheduler(Emitter):
                 self._forward(admitted)
         self.stats["busy_s"] += time.perf_counter() - t0
 
-    def _admit(self) -> list[Group]:
+    def _admit(self) -> list[SeqGroup]:
         if self.draining or (self.cfg.update_mode == "blocking" and self.rows):
             return []
         admitted, used = [], len(self.rows)
@@ -210,7 +210,7 @@ class Scheduler(Emitter):
             g.held = g.reserve
         return admitted
 
-    def _forward(self, groups: list[Group]) -> None:
+    def _forward(self, groups: list[SeqGroup]) -> None:
         """One forward pass. Normally: a decode step of every live row, with the prompts of newly
         admitted groups prefilled in the same pass (one prompt per group, its KV copied to the
         siblings; from the end of the longest prefix the prefix cache holds or an earlier prompt
@@ -349,7 +349,7 @@ class Scheduler(Emitter):
         for row, s in enumerate(self.rows):
             s.row = row
 
-    def _evict(self, group: Group) -> None:
+    def _evict(self, group: SeqGroup) -> None:
         live = [s for s in group.seqs if s.row >= 0]
         for s in live:
             s.finish = None

@@ -5,7 +5,7 @@ policy versions, (when the request truncates) the Keep Sampling Mask and (for a 
 routes of its input tokens. Invariants: the four lists have equal length; the routes cover the
 prompt and every completion token but the pending one; `pending` is the last sampled token, not yet in the KV cache;
 `length` is the number of tokens in the cache; `row` is the cache slot (-1 when not in the
-batch). A `Group` finishes when all its sequences have a finish reason; `reset()` clears it
+batch). A `SeqGroup` finishes when all its sequences have a finish reason; `reset()` clears it
 for a restart from the prompt (group_cancel).
 """
 
@@ -34,7 +34,7 @@ class Seq:
         "generator",
     )
 
-    def __init__(self, group: "Group", index: int) -> None:
+    def __init__(self, group: "SeqGroup", index: int) -> None:
         self.group, self.index = group, index
         self.row = -1
         self.clear()
@@ -65,7 +65,7 @@ class Seq:
         )
 
 
-class Group:
+class SeqGroup:
     def __init__(
         self,
         request: GenerationRequest,

@@ -75,7 +75,7 @@ from nonstop.transport.device import Backend, pick_backend
 from nonstop.transport.groups import (
     REFUSED,
     ROUND_SLICE,
-    Group,
+    ProcessGroup,
     RoundAbandoned,
     await_works,
     encode_members,
@@ -119,14 +119,14 @@ class BroadcastPublisher:
         self.handle, self.opts = handle, opts
         self.sender = FlatSender(handle)
         self.store: dist.TCPStore | None = None
-        self.pg: Group | None = None
+        self.pg: ProcessGroup | None = None
         self.round = 0
         self.generation = 0
         self.joins_seen = 0
         self.replans = 0  # groups rebuilt for replacement or joining engines
         self.members = first_members(handle)  # transport ranks in the current group, the trainer's 0 first
         self.fresh_group = False  # the next round starts a new generation (set after a failed round)
-        self.retired: list[Group] = []
+        self.retired: list[ProcessGroup] = []
         self.backend: Backend = "gloo"
         self.encoder = DeltaEncoder(handle) if opts.delta else None
         self.sent_bytes = 0  # what the last publish broadcast (a delta's payload, or the full layout)

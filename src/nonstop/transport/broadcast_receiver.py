@@ -30,7 +30,7 @@ from nonstop.transport.delta import Chain, Delta, Held
 from nonstop.transport.device import Backend, member_device, settle, tensors_device
 from nonstop.transport.groups import (
     ROLL,
-    Group,
+    ProcessGroup,
     address_towards,
     await_works,
     decode_backend,
@@ -70,9 +70,9 @@ class BroadcastReceiver:
         self.closing = threading.Event()
         self.store = make_store(handle, opts, rank)
         self.bind = address_towards(opts.host)  # where this member's gloo pairs listen
-        self.pg: Group | None = None
+        self.pg: ProcessGroup | None = None
         self.generation = -1
-        self.retired: list[Group] = []
+        self.retired: list[ProcessGroup] = []
         self.join: int | None = None
         self.copies = 0
         self.chain = Chain(handle)

@@ -72,13 +72,13 @@ def await_works(works: list[dist.Work], timeout_s: float, abandon: Callable[[], 
                     raise RoundAbandoned() from e
 
 
-class Group(Protocol):
+class ProcessGroup(Protocol):
     """What this transport uses of its backend (torch's stubs leave out Backend's collectives)."""
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
 
 
-def retire(pg: Group, backend: Backend) -> None:
+def retire(pg: ProcessGroup, backend: Backend) -> None:
     """An NCCL group left behind by a failed round may hold a collective that never ends: abort it
     (gloo groups are kept until close: destroying one with a dead peer waits on its threads)."""
     if backend == "nccl":
@@ -118,7 +118,7 @@ def make_group(
     backend: Backend = "gloo",
     members: list[int] | None = None,
     bind: str = "127.0.0.1",
-) -> Group:
+) -> ProcessGroup:
     """Transport rank `rank`'s member of the group of `generation`, whose members are the
     transport ranks `members` (None: the first group's); gloo blocks until every member built it
     and listens on `bind`; NCCL connects at the first collective."""
@@ -128,13 +128,13 @@ def make_group(
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()  # absent from CPU builds of torch
         options._timeout = timedelta(seconds=handle.timeout_s)
-        return cast(Group, dist.ProcessGroupNCCL(prefixed, group_rank, world, options))
+        return cast(ProcessGroup, dist.ProcessGroupNCCL(prefixed, group_rank, world, options))
     gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # absent from torch's stubs
     gloo._timeout = timedelta(seconds=handle.connect_timeout_s)
     gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
     pg = dist.ProcessGroupGloo(prefixed, group_rank, world, gloo)
     pg.set_timeout(timedelta(seconds=handle.timeout_s))  # every later collective
-    return cast(Group, pg)
+    return cast(ProcessGroup, pg)
 
 
 ROLL = "roll"  # a round's key holding a roll call instead of a version: every live member answers

@@ -53,7 +53,7 @@ import torch
 from nonstop.config import EngineConfig
 from nonstop.engine.aio import TokenEvent, stream_events
 from nonstop.engine.scheduler import RequestError
-from nonstop.engine.vllm.sequence import _Group, _Seq
+from nonstop.engine.vllm.sequence import VllmSeq, VllmSeqGroup
 from nonstop.engine.vllm.setup import RouteLayout, VllmSetupError, route_layout, start_engine
 from nonstop.observe.spans import PassRecorder, SpanLog, now
 from nonstop.transport.base import receiver_crc32
@@ -111,8 +111,8 @@ class VllmEngineWorker:
         self.staging: torch.nn.Module | None = None
         self.receiver: Any = None
         self.waiting: int | None = None
-        self.queue: deque[_Seq] = deque()  # completions not yet handed to vLLM
-        self.running: dict[str, _Seq] = {}  # vLLM request id -> completion
+        self.queue: deque[VllmSeq] = deque()  # completions not yet handed to vLLM
+        self.running: dict[str, VllmSeq] = {}  # vLLM request id -> completion
         self._ids = itertools.count()
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -167,8 +167,8 @@ class VllmEngineWorker:
         """A future of the request's n samples (call `check` first); `queue` (bounded by the
         caller) receives a TokenEvent per token; cancelling the future aborts the request."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        group = _Group(request, fut, [None] * request.n, queue)
-        seqs = [_Seq(group, i) for i in range(request.n)]
+        group = VllmSeqGroup(request, fut, [None] * request.n, queue)
+        seqs = [VllmSeq(group, i) for i in range(request.n)]
         self.queue.extend(seqs)
         fut.add_done_callback(lambda f: self._abort(seqs) if f.cancelled() else None)
         if self._task is None or self._task.done():
@@ -282,7 +282,7 @@ class VllmEngineWorker:
         self.stats_["swap_s"] += dt
         self.stats_["max_swap_s"] = max(self.stats_["max_swap_s"], dt)
 
-    def _add(self, seq: _Seq) -> None:
+    def _add(self, seq: VllmSeq) -> None:
         """Hand one completion to vLLM: the prompt plus what it generated so far (abort_retry)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -310,7 +310,7 @@ class VllmEngineWorker:
         self.running[rid] = seq
 
     def _take(self, outputs: list[Any]) -> None:
-        finished: list[tuple[str, _Seq]] = []
+        finished: list[tuple[str, VllmSeq]] = []
         for out in outputs:
             seq = self.running.get(out.request_id)
             if seq is None:
@@ -338,7 +338,7 @@ class VllmEngineWorker:
             if seq.group.future.done():
                 self.stats_["groups_done"] += 1
 
-    def _routes(self, seq: _Seq, data: bytes) -> Routes | None:
+    def _routes(self, seq: VllmSeq, data: bytes) -> Routes | None:
         """The recorded routes of a finished completion: the rows of its last vLLM request, whose
         prompt was the request's prompt plus the tokens before a re-submission, so P + T - 1
         rows (rows past that belong to tokens vLLM dropped after a stop string)."""
@@ -363,13 +363,13 @@ class VllmEngineWorker:
             if self.layout is not None:
                 self._dropped.append(vid)
 
-    def _abort(self, seqs: list[_Seq]) -> None:
+    def _abort(self, seqs: list[VllmSeq]) -> None:
         self._stop([rid for rid, s in self.running.items() if s in seqs])
         for s in seqs:
             if s in self.queue:
                 self.queue.remove(s)
 
-    def _fail_group(self, group: _Group, error: BaseException) -> None:
+    def _fail_group(self, group: VllmSeqGroup, error: BaseException) -> None:
         self._stop([rid for rid, s in self.running.items() if s.group is group])
         self.queue = deque(s for s in self.queue if s.group is not group)
         if not group.future.done():

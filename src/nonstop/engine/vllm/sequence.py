@@ -1,9 +1,9 @@
-"""In-flight state of the vLLM engine's requests: `_Group`, one request of n completions with the
-future its caller awaits, and `_Seq`, one completion with what vLLM returned of it so far.
+"""In-flight state of the vLLM engine's requests: `VllmSeqGroup`, one request of n completions with the
+future its caller awaits, and `VllmSeq`, one completion with what vLLM returned of it so far.
 
 The vLLM counterpart of engine/sequence.py: each completion is its own vLLM request, so a
-`_Seq` carries a version per token (the policy_version live when vLLM returned it), and its
-`_Group` resolves its future once the last of its n completions has finished.
+`VllmSeq` carries a version per token (the policy_version live when vLLM returned it), and its
+`VllmSeqGroup` resolves its future once the last of its n completions has finished.
 engine/vllm/engine.py's `VllmEngineWorker` is their only user.
 """
 
@@ -16,10 +16,10 @@ from nonstop.types import FinishReason, GenerationRequest, Routes, Sample
 
 
 @dataclass(eq=False)  # identity: a completion is found in the queue by itself
-class _Seq:
+class VllmSeq:
     """One completion in flight: what vLLM returned so far, with a version per token."""
 
-    group: _Group
+    group: VllmSeqGroup
     index: int
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -29,13 +29,13 @@ class _Seq:
 
 
 @dataclass(eq=False)
-class _Group:
+class VllmSeqGroup:
     request: GenerationRequest
     future: asyncio.Future
     samples: list[Sample | None]
     queue: asyncio.Queue | None = None  # a TokenEvent per token (streaming)
 
-    def finished(self, seq: _Seq) -> None:
+    def finished(self, seq: VllmSeq) -> None:
         self.samples[seq.index] = Sample(
             list(self.request.prompt_ids), seq.ids, seq.logprobs, seq.versions, seq.finish, routes=seq.routes
         )
