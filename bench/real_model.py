@@ -382,6 +382,9 @@ def main() -> None:
         rows.append(run_trl(seeds[0], minutes, lr, folder))
         print_row(rows[-1])
     default = run_default_batch(folder, ns.default_tokens, ns.default_steps) if "default" in arms else {}
+    if not rows:  # only the default arm: its memory figures are the whole result
+        print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in default.items()))
+        return
     target = min(0.99, max(a for r in rows for _, a in r["curve"][:2]) + TARGET_MARGIN)
     print(f"\ntarget: {target:.1%} held-out last_number (every arm's first two evaluations + {TARGET_MARGIN:.0%})")
     print(f"{'arm':>6} {'seed':>4} {'steps':>5} {'base':>6} {'final':>6} {'to target s':>11} {'samples/s':>9}")
