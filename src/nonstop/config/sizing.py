@@ -138,7 +138,7 @@ VLLM_MIN_KV_GIB = 1 / 16
 """Least KV cache a sized vLLM engine gets."""
 VLLM_UNSET_DTYPE = "float32"
 """What vLLM runs in when engine.vllm.dtype is None: left unresolved outside a training run's sizing
-(`nonstop serve`); vllm_setup.engine_args and the memory plan both read it."""
+(`nonstop serve`); engine/vllm/setup.py's engine_args and the memory plan both read it."""
 
 
 def vllm_dtype(dtype: str | None, shape: ModelShape) -> str:
