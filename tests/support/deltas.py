@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from support.weights import attach_in_dtype
+
 
 def nudge(model: torch.nn.Module, step: float, seed: int) -> None:
     """Move every weight by +-`step` (an Adam-like update of about the learning rate), so that only
@@ -30,14 +32,9 @@ def cast_crc(model: torch.nn.Module, dtype: torch.dtype) -> int:
 def report_versions(handle, model_dir: str, dtype: str, rank: int, last: int, out_queue, deadline_s: float = 90.0):
     """Engine-side process: apply every version as it comes and report (version, CRC32 of what it holds)
     until `last`."""
-    torch.set_num_threads(1)
-    from nonstop.hf import load_model
-    from nonstop.transport import open_receiver
     from nonstop.transport.base import receiver_crc32
 
-    model = load_model(model_dir, getattr(torch, dtype))
-    receiver = open_receiver(handle, model, rank)
-    out_queue.put(("attached", None))
+    model, receiver = attach_in_dtype(handle, model_dir, dtype, rank, out_queue)
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         v = receiver.maybe_update(model)

@@ -46,20 +46,28 @@ def receive_weights(handle, model_dir: str, rank: int, want_version: int, out_qu
     out_queue.put(("timeout", seen))
 
 
+def attach_in_dtype(handle, model_dir: str, dtype: str, rank: int, out_queue):
+    """In an engine-side process: one thread, the model in `dtype`, attached to the transport as
+    engine `rank`; says ("attached", None) on `out_queue` and returns (model, receiver)."""
+    torch.set_num_threads(1)
+    from nonstop.hf import load_model
+    from nonstop.transport import open_receiver
+
+    model = load_model(model_dir, getattr(torch, dtype))
+    receiver = open_receiver(handle, model, rank)
+    out_queue.put(("attached", None))
+    return model, receiver
+
+
 def receive_weights_in(
     handle, model_dir: str, dtype: str, rank: int, want_version: int, out_queue, deadline_s: float = 60.0
 ) -> None:
     """Engine-side process holding its model in `dtype` (a bf16 engine): attach, wait for
     `want_version`, send back the weights as float32 (exact for bf16) and their CRC32 in the
     transport's layout."""
-    torch.set_num_threads(1)
-    from nonstop.hf import load_model
-    from nonstop.transport import open_receiver
     from nonstop.transport.base import receiver_crc32
 
-    model = load_model(model_dir, getattr(torch, dtype))
-    receiver = open_receiver(handle, model, rank)
-    out_queue.put(("attached", None))
+    model, receiver = attach_in_dtype(handle, model_dir, dtype, rank, out_queue)
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         v = receiver.maybe_update(model)
