@@ -94,7 +94,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = yaml.safe_load((TASKS / f"{ns.task}.yaml").read_text())
     sys.path.insert(0, str(TASKS))
-    from nonstop.config.run import RolloutConfig
+    from nonstop.config.flow import RolloutConfig
     from nonstop.scoring.rewards import resolve_reward
     from nonstop.tasks.data import read_jsonl
 

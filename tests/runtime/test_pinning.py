@@ -8,7 +8,7 @@ import os
 import pytest
 
 from nonstop.config import ConfigError, LocalRuntimeConfig, load_config
-from nonstop.config.pinning import CpuPools, parse_cpu_list
+from nonstop.config.cpus import CpuPools, parse_cpu_list
 from nonstop.runtime import make_backend
 from nonstop.runtime.pinning import cpu_seconds, role_of
 from support.pin_helpers import Spinner

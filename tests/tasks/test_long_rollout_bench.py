@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nonstop.config import load_config
-from nonstop.config.actors import TINY_MODEL_LR
+from nonstop.config.policy import TINY_MODEL_LR
 from nonstop.config.sizing import TASK_BASE_LR
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,13 +6,12 @@ One module per part of the tree; everything public is re-exported here, so calle
 | module | holds |
 |---|---|
 | `root.py` | `Config` (the whole tree and its rules across sections), `load_config`, `dump_config` |
-| `run.py` | the run's own sections: rollout, buffer, env, agents, checkpoint, run |
-| `actors.py` | model, engine (built-in and vLLM), trainer, LoRA and per-role policy sections |
+| `flow.py` | the run's own sections, those no actor owns: rollout, buffer, env, agents, checkpoint, run, doctor |
+| `policy.py` | a policy's sections: model (with LoRA), engine (built-in and vLLM), trainer; a role's own policy |
 | `kinds.py` | one model per transport kind and per runtime backend |
-| `pinning.py` | `CpuPools`: the local runtime's disjoint CPU sets per role (`runtime.pin_cpus`) |
+| `cpus.py` | `CpuPools`: the local runtime's disjoint CPU sets per role (`runtime.pin_cpus`) |
 | `scoring.py` | the scoring stage: reward models, judges, process rewards, distillation |
 | `task.py` | the task (dataset, reward) and the supervised warm-up |
-| `doctor.py` | the run doctor's thresholds (`doctor:`) |
 | `schema.py` | `Section` (the frozen base model), field docs, `nonstop config --explain` |
 | `preflight.py` | checks before any run folder or actor exists (`model.path`, `task.reward`) |
 | `shape.py` | a model's shape from its config.json: parameter counts, KV bytes per token |

@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from nonstop.config.pinning import CpuPools
+from nonstop.config.cpus import CpuPools
 from nonstop.config.schema import Section as _Section
 from nonstop.config.schema import TagOf
 
@@ -176,7 +176,7 @@ class LocalRuntimeConfig(BaseRuntimeConfig):
     pin_cpus: CpuPools | None = None
     """Pin each role's actor processes (engines, trainer ranks, scorers) to its own CPUs, disjoint
     sets such as {engine: '0', trainer: '1'}: pools as separate as GPUs, so a pool's idle time is
-    real (config/pinning.py). None: actors run on any CPU."""
+    real (config/cpus.py). None: actors run on any CPU."""
 
 
 class RayRuntimeConfig(BaseRuntimeConfig):

@@ -20,17 +20,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError, model_validator
 
-from nonstop.config.actors import (
-    EngineConfig,
-    LoraConfig,
-    ModelConfig,
-    PolicyConfig,
-    TinyModelConfig,
-    TinyMoeConfig,
-    TrainerConfig,
-    VllmConfig,
+from nonstop.config.flow import (
+    AgentsConfig,
+    BufferConfig,
+    CheckpointConfig,
+    DoctorConfig,
+    EnvConfig,
+    RolloutConfig,
+    RunConfig,
 )
-from nonstop.config.doctor import DoctorConfig
 from nonstop.config.kinds import (
     BaseRuntimeConfig,
     BaseTransportConfig,
@@ -45,7 +43,16 @@ from nonstop.config.kinds import (
     TransportConfig,
     device_path_of,
 )
-from nonstop.config.run import AgentsConfig, BufferConfig, CheckpointConfig, EnvConfig, RolloutConfig, RunConfig
+from nonstop.config.policy import (
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    PolicyConfig,
+    TinyModelConfig,
+    TinyMoeConfig,
+    TrainerConfig,
+    VllmConfig,
+)
 from nonstop.config.schema import Section as _Section
 from nonstop.config.schema import explain, reference
 from nonstop.config.scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig

@@ -37,8 +37,8 @@ import math
 from dataclasses import dataclass
 
 from nonstop.config import Config, EngineConfig
-from nonstop.config.actors import TINY_MODEL_LR
 from nonstop.config.machine import machine_memory
+from nonstop.config.policy import TINY_MODEL_LR
 from nonstop.config.shape import ModelShape
 from nonstop.device import dtype_name, resolve_device, resolve_dtype
 

@@ -15,7 +15,7 @@ Six patterns, each a pure function over a few summaries of the records (observe/
   run whose final evaluation is over the base's: a dip early in a run that then learnt).
 
 Every finding is reported once. The thresholds are the `doctor:` section of the config
-(config/doctor.py); docs/doctor.md says how they were calibrated.
+(config/flow.py); docs/doctor.md says how they were calibrated.
 
 `Doctor` is the watcher the learning loop feeds with each step record (a metrics.jsonl line as a
 dict): it keeps the first window of steps, the newest window and one entry per evaluation, so
@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from nonstop.config.doctor import DoctorConfig
+from nonstop.config.flow import DoctorConfig
 from nonstop.observe.patterns import (
     Context,
     Eval,

@@ -4,7 +4,7 @@ Each `check_*` returns a `Finding` (what the records show with their numbers, th
 the settings to try) or None; observe/doctor.py's `Doctor` keeps the summaries they read
 (`Point` per step, the first and the newest `Window` of steps, one `Eval` per evaluation) and
 reports each finding once. Rewards are read on their own scale, assumed in [0, 1] as the built-in
-ones are; the thresholds are the `doctor:` config section (config/doctor.py).
+ones are; the thresholds are the `doctor:` config section (config/flow.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nonstop.config.doctor import DoctorConfig
+from nonstop.config.flow import DoctorConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from nonstop.config.pinning import ROLES
+from nonstop.config.cpus import ROLES
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

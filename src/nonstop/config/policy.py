@@ -1,9 +1,10 @@
-"""The model, trainer and engine sections of the run configuration (re-exported by nonstop.config).
+"""A policy's sections of the run configuration: model, trainer and engine (re-exported by nonstop.config).
 
 `model`: which policy a run trains (the tiny model's shape, an optional LoRA adapter, a path or a
 shipped base); `trainer`: how it learns (loss, optimizer, parallelism, device); `engine`: how it
 generates (the built-in engine or vLLM, device, dtype). Rules that span sections live in
-`Config._combinations` (config.py).
+`Config._combinations` (config/root.py). `PolicyConfig` bundles the three for a role with its own
+policy (`env.policies`).
 """
 
 from __future__ import annotations
