@@ -138,6 +138,25 @@ class LoopbackCluster:
                 out[name.split(":")[1]] = {"ip": info["Address"]["IPAddress"], "pid": info["Pid"]}
         return out
 
+    def diagnosis(self, lines: int = 25) -> str:
+        """What Ray knew when a scenario went wrong, for the failure message (the temp root with
+        Ray's logs is removed afterwards): every nonstop actor's state with its death cause, every
+        node's state, and the tails of the raylets', the GCS's and the workers' error logs."""
+        out = ["actors:"]
+        for info in self.cluster.global_state.actor_table(None).values():
+            if info["Name"].startswith("nonstop:"):
+                where = f"on {info['Address']['IPAddress']} pid {info['Pid']}"
+                out.append(f"  {info['Name']} {info['State']} {where} {info.get('DeathCause') or ''}")
+        out.append("nodes:")
+        for node in self.cluster.global_state.node_table():
+            out.append(f"  {node['NodeManagerAddress']} alive={node['Alive']} resources={node.get('Resources')}")
+        for log in sorted(self.root.glob("session_*/logs/*")):
+            wanted = log.name.startswith(("raylet", "gcs_server")) and log.suffix in (".out", ".err")
+            if (wanted or log.name.startswith("worker-") and log.suffix == ".err") and log.stat().st_size:
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+                out += [f"--- {log.name} (last {len(tail)} lines)", *tail]
+        return "\n".join(out)
+
     def engines_on(self, ip: str) -> list[str]:
         return sorted(n for n, a in self.actors().items() if n.startswith("engine") and a["ip"] == ip)
 
@@ -370,6 +389,7 @@ class Outcome:
     errors: list[str]  # actions that failed
     foreign: list[str]  # sockets or Ray log lines off loopback
     nodes: int  # nodes that took part
+    diagnosis: str = ""  # Ray's view and log tails, kept when the run failed or did not end (LoopbackCluster.diagnosis)
 
 
 def run_scenario(sc: Scenario, model: Path, work: Path) -> Outcome:
@@ -380,7 +400,8 @@ def run_scenario(sc: Scenario, model: Path, work: Path) -> Outcome:
     cluster = LoopbackCluster(root, sc.head, sc.head_cpus)
     pipe = EventPipe(root / "events")
     record: dict = {}
-    codes, output = [], ""
+    codes: list[int] = []
+    output, diagnosis = "", ""
     try:
         for resources, cpus in sc.workers:
             cluster.add_node(resources, cpus)
@@ -398,6 +419,8 @@ def run_scenario(sc: Scenario, model: Path, work: Path) -> Outcome:
             if result.returncode == 0:
                 break
         nodes = cluster.last_octet - 1
+        if pipe.errors or codes[-1] != 0:
+            diagnosis = cluster.diagnosis()
     finally:
         pipe.close()
         audit.stop()
@@ -406,4 +429,4 @@ def run_scenario(sc: Scenario, model: Path, work: Path) -> Outcome:
         shutil.rmtree(root, ignore_errors=True)
     path = cwd / "runs" / sc.name / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {}
-    return Outcome(codes, output, summary, record, pipe.seen, pipe.errors, foreign, nodes)
+    return Outcome(codes, output, summary, record, pipe.seen, pipe.errors, foreign, nodes, diagnosis)
