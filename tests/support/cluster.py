@@ -150,10 +150,12 @@ class LoopbackCluster:
         out.append("nodes:")
         for node in self.cluster.global_state.node_table():
             out.append(f"  {node['NodeManagerAddress']} alive={node['Alive']} resources={node.get('Resources')}")
-        for log in sorted(self.root.glob("session_*/logs/*")):
+        sessions = [d for d in self.root.glob("session_*") if not d.is_symlink()]  # not session_latest
+        for log in sorted(f for d in sessions for f in (d / "logs").glob("*")):
             wanted = log.name.startswith(("raylet", "gcs_server")) and log.suffix in (".out", ".err")
             if (wanted or log.name.startswith("worker-") and log.suffix == ".err") and log.stat().st_size:
-                tail = log.read_text(errors="replace").splitlines()[-lines:]
+                text = log.read_text(errors="replace").splitlines()
+                tail = [line for line in text if line.strip() and not line.startswith("[state-dump]")][-lines:]
                 out += [f"--- {log.name} (last {len(tail)} lines)", *tail]
         return "\n".join(out)
 
