@@ -5,7 +5,7 @@ A multi-turn episode interleaves tokens the policy sampled with tokens its envir
 the engine sampled from, never a re-encoding of the text (a BPE merge across a turn boundary
 would change them), and must know which tokens are the policy's. `TokenTrace` keeps them as they
 come. Both places that record episodes use it: the built-in environments' episode loop
-(orchestrator/episodes.py `Track`) and the agent server's episode recorder (serve/episodes.py).
+(orchestrator/episodes.py `Track`) and the agent server's episode recorder (serve/recorder.py).
 
 Invariants: `ids`, `logprobs`, `versions` and `mask` have one entry per completion token; `kept`
 is None (no turn restricted sampling) or has one entry too. An environment token has logprob 0,

@@ -17,7 +17,7 @@ from nonstop.observe.spans import SpanLog
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.generate import Production, RolloutStats, produce
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.scoring.build import build_scorer
+from nonstop.scoring.compose import build_scorer
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example, PromptStream
 

@@ -10,7 +10,7 @@ import pytest
 
 from nonstop.config import LocalRuntimeConfig, ScoringConfig, load_config
 from nonstop.runtime.local import LocalBackend
-from nonstop.scoring.build import build_scorer
+from nonstop.scoring.compose import build_scorer
 from nonstop.scoring.rewards import RewardError, exact_match, partial_credit, resolve_reward
 from nonstop.scoring.runners import make_runner
 from nonstop.scoring.stage import FunctionComponent, ScoringStage, percentile

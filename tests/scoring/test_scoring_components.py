@@ -17,7 +17,7 @@ from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.runtime.local import LocalBackend
-from nonstop.scoring.build import build_scorer
+from nonstop.scoring.compose import build_scorer
 from nonstop.scoring.judge import parse_verdict
 from nonstop.scoring.pool import ActorPool, CallFailed
 from nonstop.scoring.process import split_steps, step_end_tokens, token_rewards

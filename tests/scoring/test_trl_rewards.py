@@ -12,8 +12,8 @@ import pytest
 from nonstop.api import resolve
 from nonstop.config import LocalRuntimeConfig, ScoringConfig, load_config
 from nonstop.runtime.local import LocalBackend
-from nonstop.scoring.build import build_scorer
 from nonstop.scoring.calls import WeightedRewards, takes_batch
+from nonstop.scoring.compose import build_scorer
 from nonstop.scoring.runners import make_runner
 from nonstop.scoring.stage import FunctionComponent, ScoringStage
 from nonstop.types import Group, Sample

@@ -1,4 +1,4 @@
-"""Agents' episodes recorded server-side (serve/episodes.py) over real HTTP on 127.0.0.1: the
+"""Agents' episodes recorded server-side (serve/recorder.py) over real HTTP on 127.0.0.1: the
 recorded tokens, and the faults of the agent path (duplicate rewards, unknown ids, divergent
 history, abandoned episodes, a killed client, the open-episode cap)."""
 
@@ -15,7 +15,7 @@ from nonstop.config import EngineConfig
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.serve.episodes import EpisodeRecorder
+from nonstop.serve.recorder import EpisodeRecorder
 from nonstop.serve.server import EngineServer
 from support import child_env
 

@@ -1,7 +1,7 @@
 """Agents over the API (config `agents`): the run's endpoint, and the producer its episodes feed.
 
 `AgentEndpoint` serves serve/server.py's `EngineServer` in front of the run's own engine pool
-(`PoolEngine`, a `ServedEngine`) with an `EpisodeRecorder` (serve/episodes.py): agent programs,
+(`PoolEngine`, a `ServedEngine`) with an `EpisodeRecorder` (serve/recorder.py): agent programs,
 written against any OpenAI client, play episodes under an episode id and a group id, post each
 episode's reward, and every complete group of `rollout.group_size` rewarded episodes is handed
 to training with exactly the tokens the engines sampled and the agents' text between turns.
@@ -33,7 +33,7 @@ from nonstop.engine.aio import TokenEvent
 from nonstop.orchestrator.dispatch import EnginePool
 from nonstop.orchestrator.episode_flow import RoleBaselines
 from nonstop.orchestrator.generate import Production, drop_uniform
-from nonstop.serve.episodes import EpisodeRecorder
+from nonstop.serve.recorder import EpisodeRecorder
 from nonstop.serve.server import EngineServer
 from nonstop.tasks.data import Draw, Example
 from nonstop.types import GenerationRequest, Sample

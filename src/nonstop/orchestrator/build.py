@@ -40,7 +40,7 @@ from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.run import Run, RunState
 from nonstop.runtime import ActorBackend
 from nonstop.runtime.restart import RestartingEngine
-from nonstop.scoring.build import build_scorer
+from nonstop.scoring.compose import build_scorer
 from nonstop.scoring.rewards import RewardFn, resolve_reward
 from nonstop.tasks.codec import Codec, HeldOut
 from nonstop.tasks.data import PromptStream, TaskData, screen_prompts
@@ -77,7 +77,7 @@ async def build_run(
     checkpoint's weights and trainer state (the orchestrator's state comes back in recovery.py).
     `reward` (a Python callable, from nonstop.api) replaces task.reward; it runs in this process
     and is never pickled unless scoring.pool sends it to worker processes ('process', or 'auto'
-    for a slow module-level function). The scoring stage's actors (scoring/build.py) start
+    for a slow module-level function). The scoring stage's actors (scoring/compose.py) start
     beside the engines and trainers; pool 'auto' starts its workers later, if a function needs them."""
     weights = resume.model_dir if resume is not None else base_model
     lora = cfg.model.lora.enabled  # LoRA: engines always hold the base; adapters come by transport

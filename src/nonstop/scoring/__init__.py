@@ -10,7 +10,7 @@
 - calls.py         how a reward function is called (sync/async, which arguments) and checked;
 - pool.py          `ActorPool` (replaceable actor processes; typed: `RewardModelPool`, `TeacherPool`,
                    `RewardWorkerPool`) and the `RewardWorker` actor;
-- build.py         the stage of a config;
+- compose.py       the stage of a config;
 - process.py       process rewards (steps -> per-token rewards);
 - reward_model.py  a sequence-classification reward model in its own actor;
 - judge.py         a generative judge over an OpenAI-compatible HTTP endpoint;

@@ -17,7 +17,7 @@
 - server.py          `EngineServer`: the aiohttp routes over any `ServedEngine` (built-in or vLLM);
 - answers.py         `Answers`: the engine's samples written as OpenAI responses, whole or streamed;
 - generate_route.py  vLLM's token-level `POST /inference/v1/generate` (what verifiers' train client calls);
-- episodes.py        `EpisodeRecorder`: agents' episodes recorded token by token under the episode id they
+- recorder.py        `EpisodeRecorder`: agents' episodes recorded token by token under the episode id they
                      pass, rewarded, handed to training by group (a training run's agents endpoint);
 - episode_record.py  what is recorded of an episode (`Turn`), and a request's episode and group ids;
 - client.py          `GenerationClient` and its two implementations: `InProcessClient`, `HttpClient`.

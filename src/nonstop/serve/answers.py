@@ -20,8 +20,8 @@ from aiohttp import web
 from nonstop.engine.aio import TokenEvent
 from nonstop.serve import responses as r
 from nonstop.serve.episode_record import Turn
-from nonstop.serve.episodes import EpisodeRecorder
 from nonstop.serve.protocol import Call, ServedEngine, TextCutter, extension
+from nonstop.serve.recorder import EpisodeRecorder
 from nonstop.types import FinishReason, GenerationRequest
 
 

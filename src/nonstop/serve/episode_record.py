@@ -1,6 +1,6 @@
 """What the server records of an agent's episode, and how a request names one.
 
-`AgentEpisode` is one episode as serve/episodes.py's `EpisodeRecorder` keeps it: its token trace
+`AgentEpisode` is one episode as serve/recorder.py's `EpisodeRecorder` keeps it: its token trace
 (nonstop/token_trace.py) and the transcript a later request must extend. `AgentGroup` is the
 episodes of one group id with its timeout, and `Turn` a request admitted into an episode.
 `episode_tag` reads a request's episode and group ids (headers `X-Episode-Id` / `X-Group-Id`,

@@ -27,7 +27,7 @@ sequences aborted and gets one log line, so no bad or abandoned request can take
 at most SHUTDOWN_GRACE_S for requests in flight, then cancels them (aborting their sequences), so a
 stalled client cannot hold Ctrl-C up.
 
-With an `EpisodeRecorder` (serve/episodes.py: a training run's agents endpoint), a completion or
+With an `EpisodeRecorder` (serve/recorder.py: a training run's agents endpoint), a completion or
 chat request that names an episode (`X-Episode-Id` and `X-Group-Id` headers, or `episode_id` and
 `group_id` body fields) is generated from the episode's recorded tokens and recorded, and
 `POST /v1/episodes/{id}/reward` and `GET /v1/episodes/{id}` are served; requests without an
@@ -51,8 +51,8 @@ from nonstop.serve import generate_route, openapi
 from nonstop.serve import responses as r
 from nonstop.serve.answers import Answers
 from nonstop.serve.episode_record import Turn, episode_tag
-from nonstop.serve.episodes import EpisodeRecorder
 from nonstop.serve.protocol import BadRequest, Call, ServedEngine, parse_chat, parse_completion
+from nonstop.serve.recorder import EpisodeRecorder
 from nonstop.types import GenerationRequest
 
 log = logging.getLogger("nonstop.serve")
@@ -264,7 +264,7 @@ class EngineServer(Answers):
         return await self._serve(request, call, ids, chat=False)
 
     def _begin(self, call: Call, eid: str, gid: str | None, param: str, **prompt: Any) -> Turn:
-        """Admit a request of a recorded episode (serve/episodes.py): one completion, on a recording server."""
+        """Admit a request of a recorded episode (serve/recorder.py): one completion, on a recording server."""
         if self.recorder is None:
             raise BadRequest(
                 "episode_id: this server does not record episodes (a training run's agents endpoint does)",
