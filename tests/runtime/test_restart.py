@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -97,6 +98,47 @@ def test_stats_during_a_replacement_answer_with_the_last_counters_instead_of_wai
             results = await pending
             [after] = await engine.stats()
             assert after["tokens_generated"] == sum(len(s.completion_ids) for samples in results for s in samples)
+        finally:
+            await backend.shutdown()
+
+    asyncio.run(go())
+
+
+def test_a_caller_cancelled_during_a_restart_leaves_it_going_and_the_next_call_gets_that_replacement(tiny_dir):
+    """The run's end cancels a producer whose call is waiting for a replacement (one that waits for
+    a node can take minutes). The replacement goes on, and the next call (the run's summary asks
+    every engine for its weights) is served by it: no second start. A second one, on a Ray
+    cluster, waited for the resources the first request still held, until the run's limit."""
+
+    async def go():
+        backend = make_backend(LocalRuntimeConfig())
+        cfg = Config.model_validate({"model": {"path": str(tiny_dir)}})
+        tok = load_tokenizer(str(tiny_dir))
+        gate = asyncio.Event()
+        starts = []
+
+        async def start():
+            starts.append(time.monotonic())
+            if len(starts) > 1:
+                await gate.wait()  # no room for the replacement yet
+            return await spawn_engine(backend, cfg, tiny_dir, tok, 0)
+
+        try:
+            engine = await RestartingEngine("engine", start, 2, 60.0, 60.0).begin()
+            first = engine.engine
+            os.kill(first.actor.pid, signal.SIGKILL)
+            producer = asyncio.ensure_future(engine.generate(_requests(tok, 2)))  # restarts, held by the gate
+            while len(starts) < 2:
+                await asyncio.sleep(0.05)
+            producer.cancel()  # the run ends its producers
+            await asyncio.gather(producer, return_exceptions=True)
+            later = asyncio.ensure_future(engine.generate(_requests(tok, 1)))
+            await asyncio.sleep(0.5)
+            gate.set()
+            [samples] = await asyncio.wait_for(later, 120)
+            assert len(samples) == 2 and engine.engine is not first
+            assert len(starts) == 2, f"{len(starts) - 1} replacements were started for one death"
+            assert engine.faults.summary()["restarts"] == 1
         finally:
             await backend.shutdown()
 

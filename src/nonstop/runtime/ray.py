@@ -331,9 +331,16 @@ class RayBackend:
         )
         actor = RayActor(name, handle, self.cfg.call_timeout_s)
         self.actors.append(actor)
-        self.latest[name] = actor
+        previous, self.latest[name] = self.latest.get(name), actor
         try:
             actor.pid, actor.node_id, actor.node_ip = await asyncio.wait_for(handle.ready.remote(), limit_s)
+        except asyncio.CancelledError:
+            # withdrawn, or Ray would place it later and it would hold its node; a next start is
+            # placed as this one would have been
+            ray.kill(handle, no_restart=True)
+            if previous is not None:
+                self.latest[name] = previous
+            raise
         except TimeoutError:
             ray.kill(handle, no_restart=True)  # withdraw the request: Ray would place it later
             raise ActorDied(

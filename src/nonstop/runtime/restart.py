@@ -6,6 +6,11 @@ kill, or declared hung by the heartbeat) the failed call is made again on a fres
 `faults.requeued`). Concurrent calls that fail together cause one restart, not several. After
 `max_restarts` restarts the next death is final: ActorDied propagates and the run ends.
 
+A restart runs as a task of its own, which every caller of that engine's generation awaits
+(shielded). A caller cancelled meanwhile (a producer at the run's end, a sibling call's failure)
+leaves the replacement going: abandoned halfway, a Ray actor already requested would still be placed
+and hold its node's resources, while the next caller's second request waited for them for good.
+
 The heartbeat (`heartbeat()`, run as a supervised task) pings the engine every `interval_s`;
 an engine that does not answer within `timeout_s` is killed, which turns a hang into a death
 that the pending calls recover from. Each restart is recorded with the time to detect the
@@ -76,6 +81,7 @@ class RestartingEngine:
         self.generation = 0  # bumped by every restart; a failure of an older generation is already handled
         self.faults = RestartStats()
         self._lock = asyncio.Lock()
+        self._replacing: asyncio.Task[None] | None = None  # the restart in progress, awaited by every caller
         self._hung_since: float | None = None
         self._last: dict[str, Any] = {}  # the last answer of each reporting call (_report)
 
@@ -139,6 +145,22 @@ class RestartingEngine:
         return await self._retry(lambda e: e.weights_crc32())
 
     async def _restart(self, generation: int, reason: str, noticed: float) -> None:
+        """Replace the engine of `generation` (a newer one is already a replacement: nothing to do),
+        or wait for the restart already under way."""
+        task = self._replacing
+        if task is None or task.done():
+            if generation != self.generation:
+                return
+            task = asyncio.get_running_loop().create_task(
+                self._replace(generation, reason, noticed), name=f"{self.name}-restart"
+            )
+            # its failure reaches every caller that awaits it; one nobody awaits any more is seen
+            # again by the next call (the engine is still down)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._replacing = task
+        await asyncio.shield(task)
+
+    async def _replace(self, generation: int, reason: str, noticed: float) -> None:
         async with self._lock:
             if generation != self.generation:
                 return  # another call already replaced that engine
@@ -188,10 +210,19 @@ class RestartingEngine:
     def is_alive(self) -> bool:
         return self.engine is not None and self.engine.is_alive()
 
+    async def _abandon_restart(self) -> None:
+        """The run ends: a restart still under way is cancelled (its start withdraws what it asked for)."""
+        task = self._replacing
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     async def stop(self, timeout_s: float = 10.0) -> None:
+        await self._abandon_restart()
         if self.engine is not None:
             await self.engine.stop(timeout_s)
 
     async def kill(self) -> None:
+        await self._abandon_restart()
         if self.engine is not None:
             await self.engine.kill()
