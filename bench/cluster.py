@@ -194,7 +194,7 @@ def main() -> None:
 
     from nonstop.config import TinyModelConfig
     from nonstop.hf import quiet_transformers
-    from nonstop.tasks.tiny import save_tiny
+    from nonstop.models.tiny import save_tiny
 
     all_runs = scenarios()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -50,7 +50,7 @@ from rich.console import Console
 from nonstop.cli import run_training
 from nonstop.config import load_config
 from nonstop.config.scoring import SHIPPED_TEACHER
-from nonstop.tasks.base import verify
+from nonstop.models.shipped import verify
 
 ROOT = Path(__file__).resolve().parent.parent
 CIPHER = ROOT / "examples" / "tasks"

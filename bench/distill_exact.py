@@ -35,12 +35,12 @@ from nonstop.config import Config, load_config
 from nonstop.config.scoring import SHIPPED_TEACHER
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.models.shipped import shipped_dir
+from nonstop.models.warmup import greedy_accuracy
 from nonstop.scoring.rewards import exact_match
 from nonstop.scoring.teacher import TeacherWorker
-from nonstop.tasks.base import shipped_dir
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import load_task
-from nonstop.tasks.warmup import greedy_accuracy
 from nonstop.trainer.core import Trainer
 from nonstop.types import GenerationRequest, Group, SamplingParams
 

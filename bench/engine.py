@@ -67,7 +67,7 @@ import torch
 from nonstop.config import EngineConfig, ShmTransportConfig, TinyModelConfig
 from nonstop.engine.core import TorchEngine
 from nonstop.engine.updates import UPDATE_MODES, UpdateMode
-from nonstop.tasks.tiny import make_tiny_model
+from nonstop.models.tiny import make_tiny_model
 from nonstop.transport import open_publisher, open_receiver, plan_transport
 from nonstop.types import GenerationRequest, Sample, SamplingParams
 
@@ -77,7 +77,7 @@ time (every contender runs in this process on one thread), which a loaded machin
 
 
 def workload(n: int, max_new: int, tail: float, seed: int = 0) -> list[GenerationRequest]:
-    from nonstop.tasks.tiny import make_char_tokenizer
+    from nonstop.models.tiny import make_char_tokenizer
 
     tok, rng = make_char_tokenizer(), random.Random(seed)
     reqs = []
@@ -283,7 +283,7 @@ def bench_vllm(model, reqs, batch: int, rounds: int) -> float:
 
     from nonstop.config import VllmConfig
     from nonstop.engine.vllm.setup import start_engine
-    from nonstop.tasks.tiny import make_char_tokenizer
+    from nonstop.models.tiny import make_char_tokenizer
 
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
@@ -449,7 +449,7 @@ def bench_model(name: str):
     from nonstop.hf import load_model
 
     if name == "long-base":
-        from nonstop.tasks.base import ASSETS, TASK_BASES
+        from nonstop.models.shipped import ASSETS, TASK_BASES
 
         name = str(ASSETS / TASK_BASES["long_rollout"])
     return load_model(name).eval()

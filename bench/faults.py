@@ -345,7 +345,7 @@ def main() -> None:
 
     from nonstop.config import TinyModelConfig
     from nonstop.hf import quiet_transformers
-    from nonstop.tasks.tiny import save_tiny
+    from nonstop.models.tiny import save_tiny
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")

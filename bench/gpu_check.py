@@ -75,7 +75,7 @@ def shipped_engine(device: str):
     from nonstop.device import place
     from nonstop.engine.core import TorchEngine
     from nonstop.hf import load_model, load_tokenizer
-    from nonstop.tasks.base import shipped_dir
+    from nonstop.models.shipped import shipped_dir
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path = str(shipped_dir())

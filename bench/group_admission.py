@@ -29,7 +29,7 @@ import torch
 from nonstop.config import EngineConfig, TaskConfig
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.tasks.base import ASSETS, TASK_BASES
+from nonstop.models.shipped import ASSETS, TASK_BASES
 from nonstop.tasks.data import load_task
 from nonstop.types import GenerationRequest, SamplingParams
 

@@ -270,8 +270,8 @@ def run_trl(batches: int, threads: int | None, overrides: list[str]) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from nonstop.models.shipped import ASSETS, TASK_BASES
     from nonstop.scoring.rewards import exact_match
-    from nonstop.tasks.base import ASSETS, TASK_BASES
     from nonstop.tasks.data import load_task
 
     cfg = load_config(str(CONFIG), overrides=overrides)

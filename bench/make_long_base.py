@@ -3,7 +3,7 @@
 Three steps, all on this machine and without downloads:
 1. the task's rows (nonstop.tasks.long_rollout, pure Python, the same everywhere) split into train
    and held-out exactly as a run splits them (task.split_seed, task.eval_size);
-2. a byte-level BPE tokenizer trained on the train split's text (nonstop.tasks.bpe);
+2. a byte-level BPE tokenizer trained on the train split's text (nonstop.models.bpe);
 3. a fresh Qwen2 model of a few million parameters, trained by a supervised warm-up on the worked
    solutions (loss on the solution tokens, batches of similar lengths under a token budget) until
    greedy accuracy on a gate of held-out prompts reaches --target: a weak, not blank, base.
@@ -11,7 +11,7 @@ Three steps, all on this machine and without downloads:
 The weights are rounded to float16 and saved with the tokenizer; the held-out accuracy in
 provenance.json is measured on the rounded weights, as a run loads them. A warm-up is chaotic in
 floating point (float results differ between AVX2 and AVX-512 machines), so the base is built once
-and shipped, never rebuilt at install time: `nonstop.tasks.base.verify` checks its sha256.
+and shipped, never rebuilt at install time: `nonstop.models.shipped.verify` checks its sha256.
 
     python bench/make_long_base.py [--threads 1] [--out src/nonstop/assets/long-base]
 """
@@ -35,11 +35,11 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from nonstop.config import EngineConfig, TaskConfig
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer, quiet_transformers
+from nonstop.models.bpe import merged_tokens, train_bpe
+from nonstop.models.shipped import PROVENANCE, sha256_file
+from nonstop.models.warmup import greedy_accuracy, sft_batch
 from nonstop.tasks import long_rollout as task
-from nonstop.tasks.base import PROVENANCE, sha256_file
-from nonstop.tasks.bpe import merged_tokens, train_bpe
 from nonstop.tasks.data import load_task
-from nonstop.tasks.warmup import greedy_accuracy, sft_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_NEW_TOKENS = 1024

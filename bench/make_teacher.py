@@ -5,7 +5,7 @@ further: the shipped base ('builtin', 26% held-out) after `--steps` steps of RL 
 It is built once and shipped, like the bases, because an RL run is
 chaotic in floating point: rebuilt on another CPU it would be another teacher. This script
 writes the folder and its provenance.json (command, settings, held-out accuracy, sha256 of
-model.safetensors, versions, CPU capability); `nonstop.tasks.base.verify` checks the hash.
+model.safetensors, versions, CPU capability); `nonstop.models.shipped.verify` checks the hash.
 
     python bench/make_teacher.py [--steps 1500] [--out src/nonstop/assets/addition-teacher]
 """
@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from nonstop.api import train
-from nonstop.tasks.base import PROVENANCE, sha256_file
+from nonstop.models.shipped import PROVENANCE, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 KEEP = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

@@ -39,10 +39,10 @@ import torch
 from nonstop.config import Config, load_config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.models.warmup import cached_base
 from nonstop.scoring.rewards import exact_match
 from nonstop.tasks.codec import Codec, exact_match_accuracy, greedy_requests
 from nonstop.tasks.data import load_task
-from nonstop.tasks.warmup import cached_base
 from nonstop.trainer.core import Trainer
 from nonstop.types import GenerationRequest, Group, SamplingParams
 

@@ -28,8 +28,8 @@ import torch
 
 from nonstop.config import TaskConfig, TrainerConfig
 from nonstop.hf import load_model, load_tokenizer, quiet_transformers
+from nonstop.models.shipped import ASSETS, TASK_BASES
 from nonstop.tasks import long_rollout as task
-from nonstop.tasks.base import ASSETS, TASK_BASES
 from nonstop.tasks.data import load_task
 from nonstop.trainer.core import Trainer
 from nonstop.types import Group, Sample

@@ -29,8 +29,8 @@ import torch
 from nonstop.config import EngineConfig, TinyModelConfig, TrainerConfig
 from nonstop.device import bf16_supported
 from nonstop.engine.core import TorchEngine
+from nonstop.models.tiny import make_tiny_model
 from nonstop.observe.flops import FlopModel, matmul_peak, train_flops
-from nonstop.tasks.tiny import make_tiny_model
 from nonstop.trainer.core import Trainer
 from nonstop.types import GenerationRequest, Group, Sample, SamplingParams
 

@@ -70,7 +70,7 @@ def make_model(path: Path) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from nonstop.tasks.tiny import make_char_tokenizer
+    from nonstop.models.tiny import make_char_tokenizer
 
     cfg = Qwen2Config(
         vocab_size=151_936,

@@ -59,8 +59,8 @@ class _TimeUp(Exception):
 
 def run_plain(threads: int, seconds: float, skip: int) -> dict:
     from nonstop.config import load_config
+    from nonstop.models.shipped import shipped_dir
     from nonstop.reference import run_reference
-    from nonstop.tasks.base import shipped_dir
 
     recs: list[dict] = []
 

@@ -43,7 +43,7 @@ PROMPTS, GROUP, MAX_NEW = 2, 8, 64
 
 def make_model(path: Path) -> int:
     from nonstop.config import TinyModelConfig
-    from nonstop.tasks.tiny import count_parameters, make_char_tokenizer, make_tiny_model
+    from nonstop.models.tiny import count_parameters, make_char_tokenizer, make_tiny_model
 
     cfg = TinyModelConfig(
         hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=640, max_position_embeddings=128

@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 from nonstop.config import TinyModelConfig  # noqa: E402
 from nonstop.hf import quiet_transformers  # noqa: E402
 from nonstop.models.fetch import fetch_model  # noqa: E402
-from nonstop.tasks.tiny import save_tiny  # noqa: E402
+from nonstop.models.tiny import save_tiny  # noqa: E402
 
 quiet_transformers()
 

@@ -203,7 +203,7 @@ def _serve(
 
     if given is None or local is None:
         # start-up: torch only when this command runs
-        from nonstop.tasks.tiny import save_tiny
+        from nonstop.models.tiny import save_tiny
 
         path = str(save_tiny(Path(tempfile.mkdtemp(prefix="nonstop-serve-")) / "tiny", cfg.model.tiny, cfg.run.seed))
         console.print(f"no model given: serving a freshly initialised tiny model from {path}")
@@ -247,7 +247,7 @@ def warmup_cmd(config: str | None, overrides: tuple[str, ...], out_dir: Path, th
     cfg = config_or_exit(config, overrides, console)
     data = load_task(cfg.task)  # a dataset it cannot use is refused before torch loads
     # start-up: torch only when this command runs
-    from nonstop.tasks.base import write_base
+    from nonstop.models.shipped import write_base
 
     threads = cfg.warmup.threads if threads is None else threads
     command = " ".join(

@@ -27,8 +27,8 @@ import torch
 from nonstop.config import Config, load_config
 from nonstop.config.sizing import learning_rate
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.models.base_policy import builds_warmup_base
 from nonstop.scoring.rewards import exact_match, resolve_reward
-from nonstop.tasks.base import builds_warmup_base
 from nonstop.tasks.data import PromptStream, load_task
 from nonstop.trainer.core import adamw
 from nonstop.trainer.losses import clipped_policy_loss, group_advantages, token_logprobs

@@ -16,9 +16,9 @@ from nonstop.config import ConfigError, TinyModelConfig, TinyMoeConfig, load_con
 from nonstop.config.machine import GIB, MachineMemory
 from nonstop.config.memory import plan_memory
 from nonstop.config.shape import ModelShape
+from nonstop.models.tiny import make_char_tokenizer, tiny_config
 from nonstop.orchestrator.fit import check_vllm_kv, fit_run
 from nonstop.orchestrator.launch import run_rows
-from nonstop.tasks.tiny import make_char_tokenizer, tiny_config
 from support import EXAMPLES_DIR, child_env
 
 QWEN25_05B = dict(  # Qwen2.5-0.5B's shape (issue 31), vocabulary included

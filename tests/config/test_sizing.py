@@ -14,9 +14,9 @@ from nonstop.config.sizing import engine_limits, engine_slots, learning_rate
 from nonstop.engine.core import TorchEngine
 from nonstop.engine.scheduler import RequestError
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.models.tiny import make_char_tokenizer
 from nonstop.orchestrator.fit import fit_run
 from nonstop.orchestrator.launch import run_rows
-from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.types import GenerationRequest, SamplingParams
 
 MACHINE = MachineMemory(total=64 * GIB, available=48 * GIB, source="a stated test machine")

@@ -13,7 +13,7 @@ import torch
 
 from nonstop.config import TinyModelConfig
 from nonstop.engine.runner import KVRunner
-from nonstop.tasks.tiny import make_tiny_model
+from nonstop.models.tiny import make_tiny_model
 
 
 def test_bf16_decode_logits_are_float32_logits_within_bf16_rounding():

@@ -7,7 +7,7 @@ from nonstop.config import EngineConfig, TinyModelConfig
 from nonstop.engine.blocks import attention_blocks, attention_reads, block_order, reorder_plan
 from nonstop.engine.core import TorchEngine
 from nonstop.engine.sampling import BLOCK, ONE_LEVEL_MAX_V, RowParams, _two_levels, categorical, row_params, sample
-from nonstop.tasks.tiny import make_tiny_model
+from nonstop.models.tiny import make_tiny_model
 from nonstop.types import GenerationRequest, SamplingParams
 
 SETTINGS = [(1.0, 0, 1.0, 0.0), (0.7, 20, 0.9, 0.0), (0.0, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.05)]

@@ -13,7 +13,7 @@ from nonstop.config import EngineConfig, TinyModelConfig
 from nonstop.config.machine import machine_memory
 from nonstop.engine.core import TorchEngine, kv_bytes_per_token
 from nonstop.hf import load_model
-from nonstop.tasks.tiny import make_tiny_model
+from nonstop.models.tiny import make_tiny_model
 from nonstop.types import GenerationRequest, SamplingParams
 
 

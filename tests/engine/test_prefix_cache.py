@@ -11,8 +11,8 @@ from nonstop.engine.core import TorchEngine
 from nonstop.engine.prefix import BLOCK, PrefixCache
 from nonstop.engine.runner import KVRunner
 from nonstop.hf import load_model, load_tokenizer, stop_token_ids
+from nonstop.models.tiny import make_tiny_model
 from nonstop.tasks.chat import renderer
-from nonstop.tasks.tiny import make_tiny_model
 from nonstop.types import GenerationRequest, SamplingParams
 
 

@@ -7,10 +7,10 @@ import pytest
 
 from nonstop.config import load_config
 from nonstop.hf import load_tokenizer
+from nonstop.models.shipped import shipped_dir
+from nonstop.models.tiny import make_char_tokenizer
 from nonstop.serve.server import DEFAULT_CHAT_TEMPLATE
-from nonstop.tasks.base import shipped_dir
 from nonstop.tasks.data import load_task
-from nonstop.tasks.tiny import make_char_tokenizer
 
 CHAR_ID = {c: 3 + i for i, c in enumerate(c for c in string.printable if c.isprintable())} | {"\n": 98, "\t": 99}
 """The layout the shipped bases were trained with: <pad>, <bos>, <eos>, then printable ASCII."""

@@ -2,7 +2,7 @@
 environment's appends, token for token, on a case where re-encoding the transcript text merges
 differently across a turn boundary.
 
-The tokenizer is trained here with the `tokenizers` library (nonstop.tasks.bpe.train_bpe, Qwen2's
+The tokenizer is trained here with the `tokenizers` library (nonstop.models.bpe.train_bpe, Qwen2's
 pre-tokenizer) on text where '.' followed by a newline is frequent, so '.\\n' is one token. The
 engine is the real in-process TorchEngine running a tiny Qwen2 made on the fly whose weights make
 '.' its most likely next token by a wide margin (its layers add nothing to the residual stream
@@ -26,13 +26,13 @@ from nonstop.config import RolloutConfig, load_config
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.envs.base import ENV_VERSION, EnvLimits, SingleAgent, Step, Tool
+from nonstop.models.bpe import train_bpe
 from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, env_player, produce_episodes
 from nonstop.orchestrator.episodes import encode_observation, run_episode
 from nonstop.orchestrator.generate import Production, RolloutStats
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.tasks.bpe import train_bpe
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.trainer.core import Trainer

@@ -17,12 +17,12 @@ from nonstop.envs.base import EnvLimits  # noqa: E402
 from nonstop.envs.registry import builtin_task, env_factory  # noqa: E402
 from nonstop.envs.textarena_env import TextArenaGame  # noqa: E402
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
+from nonstop.models.tiny import save_tiny  # noqa: E402
 from nonstop.orchestrator.episode_flow import EnvRun  # noqa: E402
 from nonstop.orchestrator.episodes import RoleEngines, encode_observation, run_episodes  # noqa: E402
 from nonstop.orchestrator.policy_build import check_roles  # noqa: E402
 from nonstop.tasks.codec import Codec  # noqa: E402
 from nonstop.tasks.data import Example  # noqa: E402
-from nonstop.tasks.tiny import save_tiny  # noqa: E402
 from nonstop.types import SamplingParams  # noqa: E402
 
 
@@ -256,7 +256,7 @@ def test_a_single_player_game_is_one_role_and_its_warmup_player_writes_what_epis
 def test_warmup_windows_keep_each_move_with_the_context_before_it():
     """A textarena warm-up trains on windows: each run of player tokens with `width` tokens of context
     before it, the context unlabelled; nothing of a later move leaks into an earlier window."""
-    from nonstop.envs.warmup import windows
+    from nonstop.models.env_warmup import windows
 
     ids = list(range(10))
     labels = [-100, -100, -100, 3, 4, -100, -100, -100, 8, 9]

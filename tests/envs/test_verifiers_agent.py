@@ -109,7 +109,7 @@ def test_verifiers_rollout_plays_tools_over_mcp_and_keeps_the_engine_tokens(tiny
     result = tok("[472]", add_special_tokens=False)["input_ids"]
     answer = tok("472", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert s.prompt_ids == codec.encode("59*8=") and s.completion_ids == call + result + answer
-    # the warm-up's player writes exactly these pieces when it calls the tool (envs/warmup.py)
+    # the warm-up's player writes exactly these pieces when it calls the tool (models/env_warmup.py)
     played = next(p for seed in range(20) if len(p := made.demo(tasks[0], random.Random(seed), 2)) == 4)
     assert played == [("59*8=", False), ("@calc 59*8", True), ("[472]", False), ("472", True)]
     assert s.loss_mask == [True] * len(call) + [False] * len(result) + [True] * len(answer)

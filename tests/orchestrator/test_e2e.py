@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nonstop.checkpoint import list_checkpoints, saved_policy_version
-from nonstop.tasks.base import read_provenance, shipped_dir
+from nonstop.models.shipped import read_provenance, shipped_dir
 from support.cli import nonstop, records, small_model_args
 from support.served import served_versions
 

@@ -16,6 +16,7 @@ from nonstop.config import DistillConfig, LocalRuntimeConfig, TrainerConfig, loa
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.models.tiny import make_char_tokenizer
 from nonstop.runtime.local import LocalBackend
 from nonstop.scoring.compose import build_scorer
 from nonstop.scoring.judge import parse_verdict
@@ -23,7 +24,6 @@ from nonstop.scoring.pool import ActorPool, CallFailed
 from nonstop.scoring.process import split_steps, step_end_tokens, token_rewards
 from nonstop.scoring.rewards import resolve_reward
 from nonstop.scoring.teacher import TeacherComponent, TeacherWorker
-from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.trainer.core import Trainer
 from nonstop.types import Group, Sample
 from support.served import serving

@@ -133,7 +133,7 @@ def test_reward_model_killed_mid_run(tiny_dir, tmp_path):
     finishes and every prompt is settled once."""
     from transformers import AutoModelForSequenceClassification, Qwen2Config
 
-    from nonstop.tasks.tiny import make_char_tokenizer
+    from nonstop.models.tiny import make_char_tokenizer
 
     rm = tmp_path / "rm"
     AutoModelForSequenceClassification.from_config(

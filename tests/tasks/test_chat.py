@@ -11,11 +11,11 @@ from transformers import AutoTokenizer
 
 from nonstop.api import read_rows
 from nonstop.hf import stop_token_ids
+from nonstop.models.tiny import make_char_tokenizer
 from nonstop.scoring.rewards import exact_match, last_number, resolve_reward
 from nonstop.tasks.chat import render_chat
 from nonstop.tasks.codec import Codec, HeldOut
 from nonstop.tasks.data import DatasetError, DatasetReport, check_row, read_jsonl, split_examples
-from nonstop.tasks.tiny import make_char_tokenizer
 from nonstop.types import Sample
 
 QUESTION = [{"role": "user", "content": "What is 7 * 8?"}]

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from nonstop.config import load_config
+from nonstop.models.base_policy import choose_base
 from nonstop.scoring.rewards import resolve_reward
-from nonstop.tasks.base import choose_base
 from nonstop.tasks.data import load_task
 from support import ROOT
 
@@ -75,8 +75,8 @@ def test_cipher_task_ships_its_student_and_teacher_for_distillation(monkeypatch)
     """examples/tasks/cipher.yaml: twelve-letter answers, a shipped student and teacher whose
     weights are the bytes their provenance records, the teacher far stronger, both with the
     task's tokenizer, and room for the whole answer and its end of sequence."""
+    from nonstop.models.shipped import verify
     from nonstop.scoring.teacher import check_tokenizers
-    from nonstop.tasks.base import verify
 
     monkeypatch.chdir(ROOT)
     cfg = load_config(TASKS / "cipher.yaml")
@@ -103,7 +103,7 @@ def test_partial_credits_pay_less_than_a_right_answer_and_the_right_length_pays_
 def test_each_task_warms_up_into_its_own_cached_base(monkeypatch):
     """The warm-up cache key covers the task: two tasks with the same model and warm-up settings
     must not share a cached base (one task's base scores 0% on another)."""
-    from nonstop.tasks.warmup import _cache_key
+    from nonstop.models.warmup import _cache_key
 
     monkeypatch.chdir(ROOT)
     keys = {task: _cache_key(load_config(TASKS / f"{task}.yaml")) for task in MATRIX}

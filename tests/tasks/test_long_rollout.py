@@ -9,10 +9,11 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nonstop.config import ConfigError, TaskConfig, load_config
+from nonstop.models.base_policy import choose_base, prepare_base_model
+from nonstop.models.bpe import merged_tokens, train_bpe
+from nonstop.models.shipped import ASSETS, TASK_BASES, sha256_file, verify
 from nonstop.scoring.rewards import exact_match
 from nonstop.tasks import long_rollout as task
-from nonstop.tasks.base import ASSETS, TASK_BASES, choose_base, prepare_base_model, sha256_file, verify
-from nonstop.tasks.bpe import merged_tokens, train_bpe
 from nonstop.tasks.data import load_task
 
 ROOT = Path(__file__).resolve().parents[2]

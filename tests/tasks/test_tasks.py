@@ -5,8 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nonstop.config import TaskConfig
+from nonstop.models.tiny import VOCAB_SIZE, make_char_tokenizer
 from nonstop.tasks.data import DatasetError, PromptStream, addition_examples, load_task, read_jsonl, screen_prompts
-from nonstop.tasks.tiny import VOCAB_SIZE, make_char_tokenizer
 
 
 def test_char_tokenizer_round_trips_text_with_spaces():

@@ -10,9 +10,9 @@ from conftest import SMALL
 from nonstop.config import ConfigError, DistillConfig, TrainerConfig, load_config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.models.tiny import make_char_tokenizer, save_tiny
 from nonstop.scoring.rewards import RewardError
 from nonstop.scoring.teacher import TeacherWorker, check_tokenizers, teacher_identity
-from nonstop.tasks.tiny import make_char_tokenizer, save_tiny
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.token_advantages import distill_advantages, distill_term, process_advantages
 from nonstop.types import GenerationRequest, Group, SamplingParams

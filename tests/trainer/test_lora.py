@@ -19,7 +19,7 @@ from nonstop.config import (
 )
 from nonstop.hf import load_model
 from nonstop.lora import MergedAdapters, adapter_tensors, targeted_modules, wrap_with_peft
-from nonstop.tasks.tiny import make_tiny_model
+from nonstop.models.tiny import make_tiny_model
 from nonstop.transport import open_publisher, plan_transport
 from support.cli import nonstop, records
 from support.helpers import receive_weights

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nonstop.config import DistillConfig, TinyModelConfig, TrainerConfig
-from nonstop.tasks.tiny import make_tiny_model
+from nonstop.models.tiny import make_tiny_model
 from nonstop.trainer.core import Trainer, checkpoint_layers
 from nonstop.trainer.micro import forward_tokens, part_groups, split
 from nonstop.types import Group, Sample

@@ -9,7 +9,7 @@ import torch
 
 from nonstop.config import EngineConfig, TinyModelConfig, TinyMoeConfig, TrainerConfig
 from nonstop.engine.core import TorchEngine
-from nonstop.tasks.tiny import make_tiny_model
+from nonstop.models.tiny import make_tiny_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.routing import RouteShapeError
 from nonstop.types import GenerationRequest, Group, Routes, SamplingParams
@@ -254,7 +254,7 @@ def test_each_layer_uses_its_routes_exactly_once():
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from nonstop.tasks.tiny import save_tiny
+    from nonstop.models.tiny import save_tiny
 
     cfg = TinyModelConfig(
         hidden_size=32,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nonstop.config import TinyModelConfig, TrainerConfig
-from nonstop.tasks.tiny import make_tiny_model
+from nonstop.models.tiny import make_tiny_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.packed import length_buckets
 from nonstop.types import Group, Sample

@@ -16,9 +16,9 @@ import torch
 
 from nonstop.config import load_config
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.models.shipped import shipped_dir
 from nonstop.reference import grpo_loss, left_pad, run_reference, sample
 from nonstop.scoring.rewards import partial_credit
-from nonstop.tasks.base import shipped_dir
 from nonstop.tasks.data import load_task
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.losses import group_advantages

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nonstop.config import LoraConfig, TinyModelConfig, TrainerConfig
-from nonstop.tasks.tiny import make_tiny_model
+from nonstop.models.tiny import make_tiny_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.forward import unsupported
 from nonstop.types import Group, Sample

@@ -115,7 +115,7 @@ def test_shm_two_engines_on_different_versions_keep_their_slots_while_the_traine
 
 def test_layout_mismatch_is_reported_by_name(tiny_dir):
     from nonstop.config import TinyModelConfig
-    from nonstop.tasks.tiny import make_tiny_model
+    from nonstop.models.tiny import make_tiny_model
 
     layout, _ = model_layout(load_model(str(tiny_dir)))
     wider = make_tiny_model(

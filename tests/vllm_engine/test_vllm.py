@@ -23,10 +23,10 @@ import torch
 
 from nonstop.config import EngineConfig, LocalRuntimeConfig, ShmTransportConfig, TinyModelConfig, TrainerConfig
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.models.shipped import shipped_dir
+from nonstop.models.tiny import save_tiny
 from nonstop.runtime import make_backend
 from nonstop.runtime.actor_clients import EngineActor
-from nonstop.tasks.base import shipped_dir
-from nonstop.tasks.tiny import save_tiny
 from nonstop.trainer.core import Trainer
 from nonstop.transport import open_publisher, plan_transport
 from nonstop.types import GenerationRequest, Group, SamplingParams

@@ -20,7 +20,7 @@ import torch
 
 from nonstop.config import TinyModelConfig, TinyMoeConfig, TrainerConfig
 from nonstop.hf import load_model
-from nonstop.tasks.tiny import save_tiny
+from nonstop.models.tiny import save_tiny
 from nonstop.trainer.core import Trainer
 from nonstop.types import GenerationRequest, Group, Routes, SamplingParams
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from nonstop.config import TinyModelConfig
-from nonstop.tasks.tiny import save_tiny
+from nonstop.models.tiny import save_tiny
 from support.cli import nonstop
 from support.two_role_env import duel_args
 

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import pytest
 
 from nonstop.hf import load_model, load_tokenizer
+from nonstop.models.shipped import shipped_dir
 from nonstop.serve.client import HttpClient
 from nonstop.serve.protocol import sample_from_extension
-from nonstop.tasks.base import shipped_dir
 from nonstop.types import SamplingParams
 from support import child_env
 

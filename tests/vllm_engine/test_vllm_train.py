@@ -12,8 +12,8 @@ import pytest
 
 from faults.test_faults import TRAIN_PROMPTS, assert_epoch_consumed_exactly_once
 from nonstop.config import TinyModelConfig
+from nonstop.models.tiny import save_tiny
 from nonstop.observe.timeline import Timeline
-from nonstop.tasks.tiny import save_tiny
 from support.cli import nonstop, records
 
 pytest.importorskip("vllm")

@@ -188,7 +188,7 @@ def engine_limits(
 def learning_rate(cfg: Config, params: int | None, warmed_up: bool = False) -> tuple[float, str]:
     """trainer.lr resolved, and where the value comes from (for the start-up log).
     `params`: the loaded model's parameter count (None: the built-in tiny model). `warmed_up`: the
-    run starts from a base the warm-up builds on its task (tasks/base.py `choose_base` says 'warmup')."""
+    run starts from a base the warm-up builds on its task (models/base_policy.py `choose_base` says 'warmup')."""
     if cfg.trainer.lr is not None:
         return cfg.trainer.lr, "trainer.lr"
     if cfg.model.path is None and cfg.task.name in TASK_BASE_LR:

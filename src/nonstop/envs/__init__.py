@@ -1,6 +1,7 @@
 """Environments: the worlds of multi-turn, multi-agent episodes, and their lookup by name.
 
-The episode runner lives in orchestrator/episodes.py.
+The episode runner lives in orchestrator/episodes.py; an environment's warm-up (its base policy) in
+models/env_warmup.py.
 - base.py                the seam: `Environment`, `MultiAgentEnvironment` (and `SingleAgent` between
                          them), `Step`, `EnvLimits`, `EpisodeResult`, `TurnEngine`, tool calls;
 - registry.py            environments by name (built-ins and 'package.module:factory'): `env_factory`,
@@ -8,7 +9,6 @@ The episode runner lives in orchestrator/episodes.py.
 - guess.py               guess-the-number, a multi-turn game with feedback (`GuessNumber`);
 - calculator.py          a tool task: multiplication through the `calc` tool (`Calculator`);
 - nim.py                 Nim: self-play with two roles (`Nim`) and against a scripted mover (`NimVsScripted`);
-- warmup.py              the warm-up of a built-in environment (`env_base`): imitate a weak player;
 - http.py                `ClientEngine`: a served engine (`nonstop serve`) as the engine of an episode;
 - reasoning_gym.py       `reasoning_gym/<dataset>`: reasoning-gym generators and scorers (optional extra);
 - textarena_env.py       `textarena/<game id>`: a textarena game, one role per player (optional extra);

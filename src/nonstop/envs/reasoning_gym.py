@@ -8,7 +8,7 @@ scored by the dataset's own `score_answer(answer, entry)` (the reward, in [0, 1]
 `env.max_turns` above 1, a wrong answer is answered 'Wrong, try again.' and the model answers
 again: a multi-turn episode whose reward is the best score.
 
-`demo` is the weak player of the environment warm-up (envs/warmup.py): it answers right with
+`demo` is the weak player of the environment warm-up (models/env_warmup.py): it answers right with
 probability `DEMO_RIGHT`, else with another row's answer, so the warmed base writes answers in
 the dataset's format and is right by chance; RL has to learn which answer each question has.
 

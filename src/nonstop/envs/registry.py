@@ -52,7 +52,7 @@ _ROWS: dict[str, Callable[[int, int], list[Example]]] = {
     "nim_vs_random": nim.rows,
 }
 DEMOS: dict[str, Demo] = {"guess_number": guess.demo, "calculator": calculator.demo, "nim": nim.demo}
-"""Built-in transcripts of a weak player, for the supervised warm-up (envs/warmup.py)."""
+"""Built-in transcripts of a weak player, for the supervised warm-up (models/env_warmup.py)."""
 
 
 def _textarena() -> ModuleType:
@@ -107,7 +107,7 @@ def _reasoning_gym_task(name: str, cfg: EnvConfig | None) -> reasoning_gym.Reaso
 
 
 def demo_of(cfg: EnvConfig) -> Demo | None:
-    """The weak player whose transcripts warm up a base for `cfg.name` (envs/warmup.py); None: no warm-up."""
+    """The weak player whose transcripts warm up a base for `cfg.name` (models/env_warmup.py); None: no warm-up."""
     if cfg.name.startswith(reasoning_gym.PREFIX):
         data = builtin_task(cfg)
         assert data is not None

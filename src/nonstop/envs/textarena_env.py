@@ -21,7 +21,7 @@ players a game takes is what its state accepts (`players()`, probed once). Optio
 `pip install 'nonstop[textarena]'` (textarena 0.7.4 pulls no torch; its games draw from the
 process-global `random`, which textarena seeds from the row's seed at reset).
 
-The warm-up (envs/warmup.py) of a single-player game with a weak player in `WEAK_PLAYERS` plays
+The warm-up (models/env_warmup.py) of a single-player game with a weak player in `WEAK_PLAYERS` plays
 the real game with that player (`demo`): its transcripts are what the episodes will look like,
 the game's own messages included, so a base warmed up on them plays the format and wins
 sometimes, and RL has the game's feedback to sharpen it ("weak, not blank": a player that never

@@ -34,9 +34,9 @@ from nonstop.config.preflight import resolve_model_path
 from nonstop.config.shape import ModelShape
 from nonstop.config.sizing import loaded_model_defaults, size_run, vllm_dtype
 from nonstop.hf import load_tokenizer
-from nonstop.tasks.base import builds_warmup_base
+from nonstop.models.base_policy import builds_warmup_base
+from nonstop.models.tiny import make_char_tokenizer, tiny_config
 from nonstop.tasks.chat import render_chat
-from nonstop.tasks.tiny import make_char_tokenizer, tiny_config
 
 if TYPE_CHECKING:
     from nonstop.tasks.data import TaskData

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from nonstop.checkpoint import latest_valid
 from nonstop.config import Config, ConfigError, dump_config
 from nonstop.config.preflight import resolve_model_path
-from nonstop.envs.registry import builtin_task, demo_of, env_factory
+from nonstop.envs.registry import builtin_task, env_factory
 from nonstop.observe.consumed import DROPPED, TRAINED, rolled_back_name
 from nonstop.observe.consumed import restore as restore_record
 from nonstop.orchestrator.progress import Progress
@@ -200,10 +200,9 @@ def _run(
     t0: float,
 ) -> RunSummary:
     # start-up: the pipeline's modules load torch; the command line and nonstop.train() import this one first
-    from nonstop.envs.warmup import env_base
+    from nonstop.models.base_policy import prepare_base_model
     from nonstop.orchestrator.pipeline import train
     from nonstop.orchestrator.recovery import ROLLED_BACK, set_aside_rolled_back
-    from nonstop.tasks.base import prepare_base_model
 
     cfg = fitted.cfg  # need-dependent defaults resolved (config/sizing.py)
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
@@ -220,17 +219,7 @@ def _run(
         progress.log(f"run folder: {run_dir}; {len(data.train)} train / {len(data.eval)} held-out prompts")
         ckpt = None
         if resume_dir is None:
-            if (
-                cfg.env is not None
-                and cfg.model.path is None
-                and (
-                    not cfg.env.name.startswith(("verifiers/", "textarena/"))
-                    or (cfg.model.base != "init" and demo_of(cfg.env) is not None)
-                )
-            ):
-                base = env_base(cfg, progress.log)
-            else:
-                base = prepare_base_model(cfg, data, progress.log)
+            base = prepare_base_model(cfg, data, progress.log)
         else:
             ckpt = latest_valid(run_dir / "checkpoints", report=lambda m: progress.log(f"[yellow]{m}[/]"))
             base = Path(ckpt.state["base_model"])

@@ -6,7 +6,7 @@ text (the producers, the episode runner, evaluation, the warm-up). `eval_request
 by the task's own reward (so a chat model that answers "59 + 63 = 122." scores what training
 rewards, not an exact match of the whole text), or mean@k of k completions sampled at a
 temperature. `greedy_requests` and `exact_match_accuracy` are the warm-up's accuracy gate
-(tasks/warmup.py): the built-in tiny model trained on exact answers, where the default reward is
+(models/warmup.py): the built-in tiny model trained on exact answers, where the default reward is
 exact match, so the gate's accuracy and the run's base score are the same measurement.
 """
 

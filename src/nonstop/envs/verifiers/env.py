@@ -353,7 +353,7 @@ def player(cfg: EnvConfig, renderer_model: str | None) -> Any:
 
 
 def demo(cfg: EnvConfig) -> Any:
-    """The taskset's weak player for the warm-up (envs/warmup.py), when it defines `demo(task, rng,
+    """The taskset's weak player for the warm-up (models/env_warmup.py), when it defines `demo(task, rng,
     max_turns)` returning an episode's (text, written by the model) pieces; else None."""
     made = taskset(cfg.name)
     own = getattr(made, "demo", None)

@@ -11,7 +11,7 @@
   The reward is the task's `@vf.reward`: the last reply's number equals the product. Played by
   verifiers' own rollout (`env.verifiers_rollout: agent`, envs/verifiers/agent.py); with the
   plain-text tool syntax of envs/tool_calls.py an episode is '23*7=' `@calc 23*7` '[161]' '161'.
-  `ProductTaskset.demo` is the weak player the base is warmed up on (envs/warmup.py): it calls
+  `ProductTaskset.demo` is the weak player the base is warmed up on (models/env_warmup.py): it calls
   the tool in half of the episodes and copies the result, and otherwise guesses.
 
 Any taskset written against verifiers.v1 plugs in the same way.

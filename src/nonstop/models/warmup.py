@@ -8,7 +8,7 @@ different strength, because the accuracy jumps at a seed-dependent step).
 
 The warm-up is chaotic: float results differ between CPU instruction sets (AVX2, AVX-512), so
 the same seed ends in different places on different machines. The default job therefore starts
-from a base shipped with the package (tasks/base.py); the warm-up serves users' own tasks and
+from a base shipped with the package (models/shipped.py); the warm-up serves users' own tasks and
 shapes, and rebuilds the shipped base (`nonstop warmup --out DIR`). `cached_warmup` saves its
 result under `cache_dir/base-<hash>`, the hash covering everything that shapes it, written
 atomically (temp folder, then rename), so a later run loads it in a second.
@@ -32,9 +32,9 @@ import torch
 from nonstop.config import Config
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import quiet_transformers
+from nonstop.models.tiny import make_char_tokenizer, make_tiny_model
 from nonstop.tasks.codec import Codec, exact_match_accuracy, greedy_requests
 from nonstop.tasks.data import Example, TaskData
-from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
 
 GATE_SIZE = 200  # held-out prompts of the accuracy gate
 

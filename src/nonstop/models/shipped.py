@@ -1,19 +1,12 @@
-"""The base policy a run starts from, and the bases shipped with the package.
+"""The bases shipped with the package, and their provenance.
 
-`choose_base(cfg)` resolves `model.base`:
-- model.path set               -> 'path' (the user's model; model.base must stay 'auto');
-- 'auto', warmup.enabled false -> 'init' (freshly initialised tiny model);
-- 'auto', otherwise            -> 'builtin' when the tiny shape and the task match the shipped
-                                  base, else 'warmup';
-- 'builtin', 'builtin_weak', 'warmup', 'init' -> that, where 'builtin*' with a shape or task
-  the shipped base was not built for is a ConfigError naming the fields that differ.
-
-A shipped base is a folder under nonstop/assets/ written by `nonstop warmup --out DIR`:
-model.safetensors, config.json, the tokenizer files and provenance.json (command, warm-up seed
-and settings, tiny shape, task, gate and held-out accuracy, sha256 of model.safetensors, torch
-and transformers versions, CPU capability). Its weights are the same bytes on every machine,
-so the default job starts from the same policy whatever the CPU, and whatever run.seed: the
-seed changes data order and sampling only. `verify(folder)` checks the weights' hash.
+A shipped base is a folder under nonstop/assets/ written by `nonstop warmup --out DIR`
+(`write_base`): model.safetensors, config.json, the tokenizer files and provenance.json (command,
+warm-up seed and settings, tiny shape, task, gate and held-out accuracy, sha256 of
+model.safetensors, torch and transformers versions, CPU capability). Its weights are the same
+bytes on every machine, so the default job starts from the same policy whatever the CPU, and
+whatever run.seed: the seed changes data order and sampling only. `verify(folder)` checks the
+weights' hash; `mismatches` and `task_base_problems` say why a shipped base does not fit a config.
 """
 
 from __future__ import annotations
@@ -27,11 +20,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from nonstop.config import Config, ConfigError
-from nonstop.config.preflight import resolve_model_path
+from nonstop.config import Config
 from nonstop.engine.core import TorchEngine
+from nonstop.models.warmup import greedy_accuracy, save_atomically, warm_up, warmup_seed
 from nonstop.tasks.data import TaskData
-from nonstop.tasks.warmup import cached_base, greedy_accuracy, save_atomically, warm_up, warmup_seed
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED = {"builtin": "addition-base", "builtin_weak": "addition-weak"}
@@ -94,60 +86,6 @@ def task_base_problems(cfg: Config, prov: dict) -> list[str]:
             "without task.eval_fraction"
         )
     return out
-
-
-def choose_base(cfg: Config) -> str:
-    """'path', 'builtin', 'builtin_weak', 'warmup' or 'init' (see the module docstring)."""
-    kind = cfg.model.base
-    if cfg.model.path is not None:
-        if kind != "auto":
-            raise ConfigError(f"model.base: '{kind}' applies to the tiny model only, but model.path is set")
-        return "path"
-    if cfg.task.name in TASK_BASES:
-        if kind not in ("auto", "builtin"):
-            raise ConfigError(
-                f"model.base: task '{cfg.task.name}' starts from its shipped base (model.base auto or builtin), "
-                f"not '{kind}'; bench/make_long_base.py rebuilds that base"
-            )
-        problems = task_base_problems(cfg, read_provenance(ASSETS / TASK_BASES[cfg.task.name]))
-        if problems:
-            raise ConfigError(f"task '{cfg.task.name}': its shipped base does not fit: " + "; ".join(problems))
-        return "builtin"
-    if kind == "auto":
-        if cfg.warmup.enabled is False:
-            return "init"
-        return "builtin" if not mismatches(cfg, read_provenance(shipped_dir())) else "warmup"
-    if kind in SHIPPED:
-        problems = mismatches(cfg, read_provenance(shipped_dir(kind)))
-        if problems:
-            raise ConfigError(
-                f"model.base: the shipped base '{kind}' was built for another shape or task: "
-                + "; ".join(problems)
-                + ". Use model.base=warmup (or auto) for this one"
-            )
-    return kind
-
-
-def builds_warmup_base(cfg: Config) -> bool:
-    """Whether a run starts from a base the supervised warm-up builds on its task; its RL learning
-    rate follows (config/sizing.py WARMUP_BASE_LR). An environment run's base is built elsewhere."""
-    return cfg.env is None and choose_base(cfg) == "warmup"
-
-
-def prepare_base_model(cfg: Config, data: TaskData, log: Callable[[str], None] = print) -> Path:
-    """Return the folder of the base policy, building (and caching) it when needed."""
-    kind = choose_base(cfg)
-    if kind == "path":
-        return resolve_model_path(cfg.model.path)  # type: ignore[arg-type]
-    if kind in SHIPPED:
-        folder = ASSETS / TASK_BASES[cfg.task.name] if cfg.task.name in TASK_BASES else shipped_dir(kind)
-        prov = verify(folder)
-        log(
-            f"base policy: shipped '{kind}' ({prov['heldout_accuracy']:.1%} held-out when built; sha256 "
-            f"{prov['sha256'][:12]}); model.base=warmup builds one on this machine instead"
-        )
-        return folder
-    return cached_base(cfg, data, warmup=kind == "warmup", log=log)
 
 
 def build_provenance(

@@ -26,9 +26,9 @@ import torch
 from nonstop.config import Config, ConfigError
 from nonstop.envs.registry import DEMOS, builtin_task, demo_of
 from nonstop.hf import load_model, load_tokenizer, quiet_transformers
-from nonstop.tasks.base import shipped_dir
-from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
-from nonstop.tasks.warmup import save_atomically, warmup_seed
+from nonstop.models.shipped import shipped_dir
+from nonstop.models.tiny import make_char_tokenizer, make_tiny_model
+from nonstop.models.warmup import save_atomically, warmup_seed
 
 BATCH, LR = 64, 3e-3
 STEPS = {"guess_number": 150, "nim": 150, "calculator": 600, "reasoning_gym": 150, "verifiers": 600, "textarena": 800}

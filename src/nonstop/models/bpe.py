@@ -3,7 +3,7 @@
 `train_bpe(texts, vocab_size)` learns merges with the same pipeline as Qwen2's tokenizer: NFC
 normalisation, Qwen2's pre-tokenizer regex (single digits, letter runs with one leading
 non-letter, punctuation runs) and the GPT-2 byte map. Ids 0-2 are <pad>, <bos>, <eos> (as in the
-character tokenizer of tasks/tiny.py), then the 256 byte symbols, then one token per merge: every
+character tokenizer of models/tiny.py), then the 256 byte symbols, then one token per merge: every
 byte string encodes, and a token spans as many characters as its merges joined. Training stops at
 `vocab_size` or when no pair occurs `min_frequency` times, whichever comes first.
 

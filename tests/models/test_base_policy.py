@@ -12,18 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nonstop.config import ConfigError, TaskConfig, load_config
 from nonstop.engine.core import TorchEngine
-from nonstop.tasks.base import (
-    SHIPPED,
-    choose_base,
-    prepare_base_model,
-    read_provenance,
-    sha256_file,
-    shipped_dir,
-    verify,
-)
+from nonstop.models.base_policy import builds_warmup_base, choose_base, prepare_base_model
+from nonstop.models.shipped import SHIPPED, read_provenance, sha256_file, shipped_dir, verify
+from nonstop.models.tiny import make_char_tokenizer
+from nonstop.models.warmup import greedy_accuracy
 from nonstop.tasks.data import load_task
-from nonstop.tasks.tiny import make_char_tokenizer
-from nonstop.tasks.warmup import greedy_accuracy
 
 
 @pytest.mark.parametrize("kind", sorted(SHIPPED))
@@ -97,6 +90,11 @@ def test_base_choice_follows_the_shape_the_task_and_the_fields():
     assert choose_base(load_config(overrides=["task.eval_size=600"])) == "warmup"  # would test on trained prompts
     assert choose_base(load_config(overrides=["task.eval_size=100"])) == "builtin"
     assert choose_base(load_config(overrides=["model.base=warmup"])) == "warmup"
+    # an environment run starts from its environment's warm-up, the user's model.path aside
+    assert choose_base(load_config(overrides=["env.name=guess_number"])) == "env"
+    assert choose_base(load_config(overrides=["env.name=guess_number", "model.base=init"])) == "env"
+    assert choose_base(load_config(overrides=["env.name=guess_number", "model.path=/some/model"])) == "path"
+    assert not builds_warmup_base(load_config(overrides=["env.name=guess_number"]))
     with pytest.raises(ConfigError, match=r"model.base: the shipped base 'builtin' .*model.tiny.hidden_size is 64"):
         choose_base(load_config(overrides=["model.base=builtin", "model.tiny.hidden_size=64"]))
     with pytest.raises(ConfigError, match="model.base: 'init' applies to the tiny model only"):
@@ -199,8 +197,8 @@ def test_a_warmup_check_that_crosses_the_gate_replays_its_steps_to_the_first_tha
 def test_warmup_stops_at_its_time_limit_below_the_gate_and_says_so():
     """warmup.max_time_s (and by default half of run.max_total_s) ends a warm-up that has not
     reached its gate: the base is the model as it is, with why it stopped recorded."""
+    from nonstop.models.warmup import warm_up
     from nonstop.tasks.data import load_task
-    from nonstop.tasks.warmup import warm_up
 
     cfg = load_config(
         overrides=[
@@ -251,8 +249,8 @@ def test_a_warmup_race_keeps_the_racer_that_crosses_the_gate_in_the_fewest_steps
 
 def _small_warmup(*overrides: str):
     """A warm-up of a one-layer, 32-wide tiny model on addition, gated on 50 held-out prompts."""
+    from nonstop.models.warmup import warm_up
     from nonstop.tasks.data import load_task
-    from nonstop.tasks.warmup import warm_up
 
     cfg = _small_config(*overrides)
     return warm_up(cfg, load_task(cfg.task), log=lambda m: None, threads=1)
@@ -278,9 +276,9 @@ def test_a_racer_beaten_while_it_replays_stops_where_it_can_no_longer_win_and_a_
     the same step by a higher racer, this racer wins the tie and stops at the gate."""
     import multiprocessing as mp
 
+    from nonstop.models.tiny import make_char_tokenizer, make_tiny_model
+    from nonstop.models.warmup import RaceBoard, _sft
     from nonstop.tasks.data import load_task
-    from nonstop.tasks.tiny import make_char_tokenizer, make_tiny_model
-    from nonstop.tasks.warmup import RaceBoard, _sft
 
     gated = ("warmup.target_accuracy=0.06", "warmup.max_steps=600", "warmup.racers=1")
     _, _, single = _small_warmup(*gated)
