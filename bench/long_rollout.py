@@ -69,7 +69,7 @@ TRL (`--trl-steps` generation batches, 0 skips it; needs the bench extra): `trl.
 the same base, tokenizer, rows (the run's train split) and reward; per batch the config's
 prompts_per_step x group_size completions of at most rollout.max_new_tokens, each batch used for
 trainer.updates_per_batch optimizer steps (GRPO's mu, TRL's num_iterations); the learning rate
-nonstop resolves for this config (config/sizing.py `learning_rate`: 1e-4 for the shipped base,
+nonstop resolves for this config (sizing/defaults.py `learning_rate`: 1e-4 for the shipped base,
 TASK_BASE_LR); fp32 (its bf16 is slower at this width: docs/precision.md). Two arms, torch's
 default threads (both cores) and one thread, and the better one is the baseline (vs_trl.py's
 rule). Its samples/s are counted over whole batches, from the end of the first batch's last
@@ -93,8 +93,8 @@ from pathlib import Path
 
 from cli_run import ROOT, train
 from nonstop.config import Config, load_config
-from nonstop.config.sizing import learning_rate
 from nonstop.observe.spans import read_spans
+from nonstop.sizing.defaults import learning_rate
 
 CONFIG = ROOT / "examples" / "long_rollout.yaml"
 DEPTH_ARMS = {
@@ -113,7 +113,7 @@ Curve = list[tuple[int, float, float]]
 
 def arms(max_lag: int, mode_depth: str, prompts_per_step: int) -> dict[str, list[str]]:
     # unbounded: admission no longer waits for trainer steps, only for the queue's bound. The engine
-    # calls stay within twice what the engine holds (config/sizing.py engine_calls_bound), so a deep
+    # calls stay within twice what the engine holds (sizing/defaults.py engine_calls_bound), so a deep
     # queue no longer times a call out; but with the default bound (4096 groups) a whole epoch would
     # be admitted and most of it dropped for lag: (max_lag + 1) steps of groups is what max_lag lets
     # train at all.
@@ -248,7 +248,7 @@ def run_arm(name: str, seed: int, overrides: list[str], seconds: float, folder: 
 def trl_batch(cfg: Config) -> dict:
     """GRPOConfig's fields that make TRL's step nonstop's: the batch (prompts_per_step x group_size
     completions of at most max_new_tokens), mu (trainer.updates_per_batch) and the learning rate
-    nonstop resolves for the config (config/sizing.py; the shipped base: no model.path)."""
+    nonstop resolves for the config (sizing/defaults.py; the shipped base: no model.path)."""
     r = cfg.rollout
     return {
         "per_device_train_batch_size": r.group_size * r.prompts_per_step,

@@ -3,7 +3,7 @@
 A real RL loop on the model in DIR (SmolLM2-135M-Instruct in the repository's cache): the built-in
 engine (one thread, the wire dtype) samples `group` completions of chat prompts "What is a+b?",
 rewarded by how close its last number is to the sum; the trainer actor's own code (TrainerWorker, precision
-'auto', trainer.lr at what sizing.py's rule resolves for the model) takes one step on them; the new
+'auto', trainer.lr at what sizing/defaults.py's rule resolves for the model) takes one step on them; the new
 version then goes out through three publishers side by side:
 
 - files with deltas (`transport.delta`), read by the engine itself before it samples the next batch;
@@ -106,11 +106,11 @@ def measure(model_dir: Path, steps: int, prompts: int, group: int, tokens: int) 
         FilesTransportConfig,
         TrainerConfig,
     )
-    from nonstop.config.shape import ModelShape
-    from nonstop.config.sizing import learning_rate
     from nonstop.device import dtype_name, resolve_dtype
     from nonstop.engine.core import TorchEngine
     from nonstop.hf import load_model
+    from nonstop.sizing.defaults import learning_rate
+    from nonstop.sizing.shape import ModelShape
     from nonstop.trainer.worker import TrainerWorker
     from nonstop.transport import open_publisher, open_receiver, plan_transport
     from nonstop.transport.base import receiver_crc32, weights_crc32

@@ -25,10 +25,10 @@ import time
 import torch
 
 from nonstop.config import Config, load_config
-from nonstop.config.sizing import learning_rate
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.models.base_policy import builds_warmup_base
 from nonstop.scoring.rewards import exact_match, resolve_reward
+from nonstop.sizing.defaults import learning_rate
 from nonstop.tasks.data import PromptStream, load_task
 from nonstop.trainer.core import adamw
 from nonstop.trainer.losses import clipped_policy_loss, group_advantages, token_logprobs
@@ -144,7 +144,7 @@ def run_reference(
     data, reward = load_task(cfg.task), resolve_reward(cfg.task.reward)
     stream = PromptStream(data.train, seed)
     params = sum(p.numel() for p in model.parameters())
-    lr, _ = learning_rate(cfg, params, builds_warmup_base(cfg))  # the pipeline's rule (sizing.py)
+    lr, _ = learning_rate(cfg, params, builds_warmup_base(cfg))  # the pipeline's rule (sizing/defaults.py)
     opt = adamw(list(model.parameters()), lr, T.weight_decay)  # the trainer's optimizer, numerics included
     records = [
         {"step": 0, "samples": 0, "seconds": 0.0, "eval_accuracy": accuracy(model, tok, data.eval, R.max_new_tokens)}

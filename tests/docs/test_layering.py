@@ -112,7 +112,7 @@ def test_the_layer_check_can_fail() -> None:
     found = against_the_order(imps, layers)
     assert [t for t, bad in cases.items() if bad] == [t for t in cases if any(t in f for f in found)], found
     assert "sideways" in found[0] and "up" in found[1], (found, here)
-    assert unit_of("nonstop.config.sizing", [["config"], ["config.{sizing,shape}"]]) == "config.{sizing,shape}"
+    assert unit_of("nonstop.models.gguf", [["models"], ["models.{fetch,gguf}"]]) == "models.{fetch,gguf}"
     assert unit_of("nonstop.types", [["nonstop"]]) is None
 
 

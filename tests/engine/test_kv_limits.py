@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from nonstop.config import EngineConfig, TinyModelConfig
-from nonstop.config.machine import machine_memory
 from nonstop.engine.core import TorchEngine, kv_bytes_per_token
 from nonstop.hf import load_model
 from nonstop.models.tiny import make_tiny_model
+from nonstop.sizing.machine import machine_memory
 from nonstop.types import GenerationRequest, SamplingParams
 
 

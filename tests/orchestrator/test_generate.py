@@ -8,7 +8,6 @@ import time
 import pytest
 
 from nonstop.config import EngineConfig, RolloutConfig, load_config
-from nonstop.config.sizing import engine_calls_bound
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.hf import load_model, load_tokenizer
@@ -18,6 +17,7 @@ from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.generate import Production, RolloutStats, produce
 from nonstop.orchestrator.ledger import Ledger
 from nonstop.scoring.compose import build_scorer
+from nonstop.sizing.defaults import engine_calls_bound
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example, PromptStream
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from nonstop.config import load_config
-from nonstop.config.machine import GIB, MachineMemory
 from nonstop.orchestrator.fit import fit_run
+from nonstop.sizing.machine import GIB, MachineMemory
 from nonstop.tasks.data import load_task
 from support.cli import nonstop, records
 

@@ -1,5 +1,5 @@
 """An actor ended by the kernel's OOM killer is named as such with its plan (runtime/oom.py), and
-the cgroup and meminfo files it reads are parsed right (config/machine.py)."""
+the cgroup and meminfo files it reads are parsed right (sizing/machine.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import signal
 import pytest
 
 from nonstop.config import LocalRuntimeConfig
-from nonstop.config.machine import machine_memory, oom_kills, parse_counters
 from nonstop.runtime import ActorDied, make_backend
 from nonstop.runtime.oom import death_reason, kernel_records, oom_line, remember_plan
+from nonstop.sizing.machine import machine_memory, oom_kills, parse_counters
 from support.actor_classes import Echo
 
 V2_EVENTS = "low 0\nhigh 12\nmax 40\noom 3\noom_kill 2\noom_group_kill 0\n"

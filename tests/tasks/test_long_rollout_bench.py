@@ -14,7 +14,7 @@ import pytest
 
 from nonstop.config import load_config
 from nonstop.config.policy import TINY_MODEL_LR
-from nonstop.config.sizing import TASK_BASE_LR
+from nonstop.sizing.defaults import TASK_BASE_LR
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,8 @@
 """Configuration: pydantic models of a run, validated on load and frozen afterwards.
 
 One module per part of the tree; everything public is re-exported here, so callers write
-`from nonstop.config import Config, load_config`.
+`from nonstop.config import Config, load_config`. What follows from the tree for a given model and
+machine (the memory model) is nonstop/sizing/.
 
 | module | holds |
 |---|---|
@@ -14,10 +15,6 @@ One module per part of the tree; everything public is re-exported here, so calle
 | `task.py` | the task (dataset, reward) and the supervised warm-up |
 | `schema.py` | `Section` (the frozen base model), field docs, `nonstop config --explain` |
 | `preflight.py` | checks before any run folder or actor exists (`model.path`, `task.reward`) |
-| `shape.py` | a model's shape from its config.json: parameter counts, KV bytes per token |
-| `sizing.py` | defaults that follow from the run and the model: engine limits, `trainer.lr` |
-| `machine.py` | the machine's (or cgroup's) memory and OOM-kill count |
-| `memory.py` | the preflight memory plan per process, refused with the field to change |
 | `specs.py` | `package.module:attr` specs resolved to callables, errors naming the field |
 | `trl.py`, `trl_fields.py` | `from_trl`: TRL's GRPOConfig as a `Config`, and the table of its fields |
 """

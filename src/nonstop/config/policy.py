@@ -226,7 +226,7 @@ class TrainerConfig(_Section):
     """AdamW learning rate. None: 6e-4 for the built-in tiny model (model.path None) and a loaded
     model under 10 M parameters; 3e-4 for a base the warm-up builds on the user's task
     (docs/recipe.md); for a loaded model of N >= 10 M parameters 1e-5 x sqrt(1e8 / N) within
-    [1e-6, 1e-5], times 10 with model.lora (config/sizing.py, docs/memory.md); the start-up log
+    [1e-6, 1e-5], times 10 with model.lora (sizing/defaults.py, docs/memory.md); the start-up log
     says which value was chosen."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
@@ -300,7 +300,7 @@ class TrainerConfig(_Section):
     every statistic equal one forward of the whole batch up to float rounding. Activation memory
     then grows with this budget, not with the batch. None: in a training run, the whole batch when
     its activations fit a quarter of the machine's memory (run.memory_limit_gib when set), else the
-    tokens whose activations do (config/sizing.py, docs/memory.md); a Trainer built directly runs
+    tokens whose activations do (sizing/defaults.py, docs/memory.md); a Trainer built directly runs
     the whole batch at once. Needs trainer.ranks 1."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them: per
@@ -338,7 +338,7 @@ class TrainerConfig(_Section):
     @property
     def learning_rate(self) -> float:
         """trainer.lr, or the tiny model's where nothing resolved it: a training run resolves a None
-        lr before its trainers start (config/sizing.py); a trainer built directly gets this."""
+        lr before its trainers start (sizing/defaults.py); a trainer built directly gets this."""
         return self.lr if self.lr is not None else TINY_MODEL_LR
 
     @property

@@ -9,7 +9,7 @@ fields is checked in `Config._combinations`; a default that depends on another f
 in the file and resolves in one `Config` property (`engine_settings`, `engine_restarts`,
 `warmup_enabled`), so a written config.yaml resolves again from whatever is changed on resume.
 Defaults that depend on the run's data, the model or the machine (engine limits, trainer.lr)
-stay None too and resolve once per run in config/sizing.py, before any actor starts.
+stay None too and resolve once per run in sizing/defaults.py, before any actor starts.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Contract of `TorchEngine`:
   between any number of concurrent callers);
 - `submit(...)` / `step()` / `has_work()` expose the scheduler for drivers;
 - the KV cache holds `max_concurrent_seqs` x `max_seq_len` tokens, allocated once: the settings'
-  values, which a training run resolves from its need (config/sizing.py); an engine built
+  values, which a training run resolves from its need (sizing/defaults.py); an engine built
   directly sizes what is unset from the budget `kv_cache_fraction` of the machine's memory
   (`kv_limits`): with neither set, the model's positions (at most 4096) and as many slots as
   the budget holds; with the slots set, as many positions as the budget gives each slot (at
@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from nonstop.config import EngineConfig
-from nonstop.config.machine import machine_memory
-from nonstop.config.sizing import engine_limits
 from nonstop.device import on
 from nonstop.engine.runner import KVRunner
 from nonstop.engine.sampling import keep_mask
 from nonstop.engine.scheduler import RequestError, Scheduler
 from nonstop.engine.updates import WeightGate, WeightReceiver
 from nonstop.observe.flops import FlopModel
+from nonstop.sizing.defaults import engine_limits
+from nonstop.sizing.machine import machine_memory
 from nonstop.types import GenerationRequest, Sample
 
 if TYPE_CHECKING:

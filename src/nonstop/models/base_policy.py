@@ -85,7 +85,7 @@ def choose_base(cfg: Config) -> str:
 
 def builds_warmup_base(cfg: Config) -> bool:
     """Whether a run starts from a base the supervised warm-up builds on its task; its RL learning
-    rate follows (config/sizing.py WARMUP_BASE_LR). Never an environment run, whichever base it starts from."""
+    rate follows (sizing/defaults.py WARMUP_BASE_LR). Never an environment run, whichever base it starts from."""
     return cfg.env is None and choose_base(cfg) == "warmup"
 
 

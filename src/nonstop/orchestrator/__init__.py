@@ -3,7 +3,7 @@
 One file per stage of generate -> score -> buffer -> train -> publish, each importing only
 those listed before it (no circle; tests/docs/test_layering.py checks it):
 - fit.py           the run fitted to the machine before any actor starts: need -> resolved defaults
-                   (config/sizing.py) -> the memory plan, checked (config/memory.py);
+                   (sizing/defaults.py) -> the memory plan, checked (sizing/memory.py);
 - ledger.py        every drawn prompt settled once (by part, with env.policies);
 - buffer.py        admission by depth, the max-lag rule, drops counted;
 - dispatch.py      several engines (least-loaded pool) or trainer ranks (lockstep) as one client;

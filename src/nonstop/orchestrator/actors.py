@@ -26,7 +26,6 @@ from typing import Any
 
 from nonstop.clients import EngineClient, TrainerClient
 from nonstop.config import Config, FilesTransportConfig
-from nonstop.config.sizing import wire_dtype
 from nonstop.engine.vllm.engine import VllmEngineWorker
 from nonstop.engine.worker import EngineWorker
 from nonstop.hf import stop_token_ids
@@ -35,6 +34,7 @@ from nonstop.observe.spans import span_path
 from nonstop.orchestrator.dispatch import RankGroup
 from nonstop.runtime import ActorBackend
 from nonstop.runtime.actor_clients import EngineActor, TrainerActor
+from nonstop.sizing.defaults import wire_dtype
 from nonstop.trainer.worker import TrainerWorker
 from nonstop.types import TransportHandle
 

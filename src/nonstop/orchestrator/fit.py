@@ -9,10 +9,10 @@ run's config.yaml):
 2. the longest prompt the run admits: every train and held-out prompt tokenised with the
    policy's tokenizer, those over the screening limit left out (task.max_prompt_tokens, else
    the model's positions minus the completion's tokens: the rule build.screen applies);
-3. the need-dependent defaults resolved (config/sizing.py): for a loaded model of >= 50 M
+3. the need-dependent defaults resolved (sizing/defaults.py): for a loaded model of >= 50 M
    parameters rollout.max_new_tokens and run.eval_every where unset; engine.max_seq_len,
    engine.max_concurrent_seqs, engine.vllm.max_model_len, trainer.lr;
-4. the memory plan (config/memory.py) of that resolved config, checked: a run that cannot fit
+4. the memory plan (sizing/memory.py) of that resolved config, checked: a run that cannot fit
    raises ConfigError naming the field to change. With engine.kind vllm, a KV reserve smaller
    than one sequence of max_model_len is refused too (vLLM's own error comes only after it
    loaded the model).
@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nonstop.config import Config, ConfigError
-from nonstop.config.machine import GIB, MachineMemory, machine_memory, size
-from nonstop.config.memory import VLLM_BYTES, MemoryPlan, plan_memory
 from nonstop.config.preflight import resolve_model_path
-from nonstop.config.shape import ModelShape
-from nonstop.config.sizing import loaded_model_defaults, size_run, vllm_dtype
 from nonstop.hf import load_tokenizer
 from nonstop.models.base_policy import builds_warmup_base
 from nonstop.models.tiny import make_char_tokenizer, tiny_config
+from nonstop.sizing.defaults import loaded_model_defaults, size_run, vllm_dtype
+from nonstop.sizing.machine import GIB, MachineMemory, machine_memory, size
+from nonstop.sizing.memory import VLLM_BYTES, MemoryPlan, plan_memory
+from nonstop.sizing.shape import ModelShape
 from nonstop.tasks.chat import render_chat
 
 if TYPE_CHECKING:

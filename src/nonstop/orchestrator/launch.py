@@ -204,7 +204,7 @@ def _run(
     from nonstop.orchestrator.pipeline import train
     from nonstop.orchestrator.recovery import ROLLED_BACK, set_aside_rolled_back
 
-    cfg = fitted.cfg  # need-dependent defaults resolved (config/sizing.py)
+    cfg = fitted.cfg  # need-dependent defaults resolved (sizing/defaults.py)
     with Progress(cfg.run.progress, cfg.run.max_steps, console) as progress:
         for line in (*fitted.plan.notes, *fitted.plan.table()):
             progress.log(line)

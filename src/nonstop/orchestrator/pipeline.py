@@ -31,7 +31,6 @@ from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
-from nonstop.config.sizing import engine_calls_bound
 from nonstop.hf import max_positions
 from nonstop.observe.clock import Clock
 from nonstop.observe.doctor import Context, Doctor, read_records
@@ -49,6 +48,7 @@ from nonstop.orchestrator.run import Run
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
 from nonstop.scoring.rewards import RewardFn
+from nonstop.sizing.defaults import engine_calls_bound
 from nonstop.tasks.data import TaskData
 from nonstop.transport import release
 

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from nonstop.config.sizing import DEFAULT_SLOTS
+from nonstop.sizing.defaults import DEFAULT_SLOTS
 
 if TYPE_CHECKING:
     from nonstop.config import Config
@@ -95,7 +95,7 @@ class Shape:
             cfg.buffer.max_lag if cfg.buffer.reject == "group" else None,
             cfg.rollout.prompts_per_step,
             cfg.rollout.group_size,
-            cfg.engine.max_concurrent_seqs or DEFAULT_SLOTS,  # unset: at most 256 (config/sizing.py)
+            cfg.engine.max_concurrent_seqs or DEFAULT_SLOTS,  # unset: at most 256 (sizing/defaults.py)
             cfg.run.max_steps,
             cfg.run.eval_every,
             cfg.buffer.max_queued_groups,

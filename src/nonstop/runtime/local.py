@@ -41,11 +41,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nonstop.config import BaseRuntimeConfig
-from nonstop.config.machine import oom_kills
 from nonstop.runtime.base import ActorCallError, ActorDied
 from nonstop.runtime.oom import death_reason
 from nonstop.runtime.pinning import PoolMeter, pin, role_of
 from nonstop.runtime.procinfo import die_with_parent, name_process
+from nonstop.sizing.machine import oom_kills
 
 _READY = -1
 _CLOSE = object()

@@ -4,7 +4,7 @@ Contract:
 - `death_reason(name, pid, exitcode, oom_before)` is the message of an actor that ended:
   'exit code N', 'killed by signal N', or, for SIGKILL when the kernel's log says it killed
   that pid for memory (`/dev/kmsg`, where readable) or the cgroup's `oom_kill` counter rose past
-  `oom_before` (config/machine.py; read when the actor was spawned), "was killed by the kernel's
+  `oom_before` (sizing/machine.py; read when the actor was spawned), "was killed by the kernel's
   OOM killer (planned: 1.4 GiB; ...)" with the kernel's line or the counter's change;
 - `oom_line(records, pid)` picks the kernel's 'Killed process PID' line out of log records;
 - `remember_plan(planned)` gives the orchestrator's current run's planned bytes per actor name
@@ -23,7 +23,7 @@ import os
 import signal
 from collections.abc import Callable, Iterable
 
-from nonstop.config.machine import oom_kills, size
+from nonstop.sizing.machine import oom_kills, size
 
 _plan: Callable[[str], int | None] | None = None
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nonstop.config import ConfigError, VllmConfig
-from nonstop.config.sizing import VLLM_UNSET_DTYPE
+from nonstop.sizing.defaults import VLLM_UNSET_DTYPE
 
 if TYPE_CHECKING:
     import torch

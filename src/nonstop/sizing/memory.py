@@ -1,7 +1,7 @@
 """The preflight memory plan: what each process of a run will hold, from config.json alone.
 
 `plan_memory(cfg, shape, machine)` takes a config whose need-dependent defaults are resolved
-(config/sizing.py) and the policy's `ModelShape`, and returns a `MemoryPlan`: per process kind
+(sizing/defaults.py) and the policy's `ModelShape`, and returns a `MemoryPlan`: per process kind
 (one engine, one trainer rank, the orchestrator, shared memory) its items in bytes, each with
 the formula it came from and the fields that change it. Figures (docs/memory.md):
 
@@ -44,9 +44,7 @@ import torch
 
 from nonstop.config import Config, ConfigError
 from nonstop.config.kinds import device_path_of
-from nonstop.config.machine import GIB, MachineMemory, size
-from nonstop.config.shape import ModelShape
-from nonstop.config.sizing import (
+from nonstop.sizing.defaults import (
     engine_dtype_bytes,
     forward_tokens,
     micro_batch,
@@ -54,6 +52,8 @@ from nonstop.config.sizing import (
     vllm_dtype,
     wire_bytes,
 )
+from nonstop.sizing.machine import GIB, MachineMemory, size
+from nonstop.sizing.shape import ModelShape
 from nonstop.trainer.losses import HEAD_CHUNK_POSITIONS
 
 RUNTIME_BYTES = 300 * 1024**2
@@ -99,7 +99,7 @@ class MemoryPlan:
     """Bytes the run may hold (run.memory_limit_gib, else the machine's available memory)."""
     limit_source: str
     notes: tuple[str, ...] = ()
-    """The defaults resolved for this run (config/sizing.py)."""
+    """The defaults resolved for this run (sizing/defaults.py)."""
 
     @property
     def total(self) -> int:
@@ -407,7 +407,7 @@ def plan_memory(
     folder_of=None,
     seq_len: int | None = None,
 ) -> MemoryPlan:
-    """The plan of a run whose need-dependent defaults `cfg` already holds (config/sizing.py).
+    """The plan of a run whose need-dependent defaults `cfg` already holds (sizing/defaults.py).
     `folder_of(path, field)` turns a teacher / reward model / role path into a folder with a
     config.json (preflight.resolve_model_path); None reads the paths as they are. `seq_len`: the
     run's longest sequence (sizing.run_seq_len), which bounds what trainers see; None:

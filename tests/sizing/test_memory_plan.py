@@ -1,4 +1,4 @@
-"""The preflight memory plan (config/shape.py, config/memory.py, orchestrator/fit.py): counts from
+"""The preflight memory plan (sizing/shape.py, sizing/memory.py, orchestrator/fit.py): counts from
 config.json equal the instantiated models', the plan's figures equal hand-computed ones, and a
 run that cannot fit is refused before any actor starts, naming the field to change."""
 
@@ -13,12 +13,12 @@ import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config
 
 from nonstop.config import ConfigError, TinyModelConfig, TinyMoeConfig, load_config
-from nonstop.config.machine import GIB, MachineMemory
-from nonstop.config.memory import plan_memory
-from nonstop.config.shape import ModelShape
 from nonstop.models.tiny import make_char_tokenizer, tiny_config
 from nonstop.orchestrator.fit import check_vllm_kv, fit_run
 from nonstop.orchestrator.launch import run_rows
+from nonstop.sizing.machine import GIB, MachineMemory
+from nonstop.sizing.memory import plan_memory
+from nonstop.sizing.shape import ModelShape
 from support import EXAMPLES_DIR, child_env
 
 QWEN25_05B = dict(  # Qwen2.5-0.5B's shape (issue 31), vocabulary included
@@ -208,7 +208,7 @@ def test_a_bf16_engine_receives_half_the_bytes_into_its_live_model(tiny_dir):
     """transport.dtype 'auto' with a bf16 built-in engine on the host: the slots hold bf16 weights and the
     engine needs no staging copy; asked for float32, it stages a float32 copy and the slots double;
     LoRA and vLLM keep float32, and a half-precision transport with either is refused naming the field."""
-    from nonstop.config.sizing import wire_dtype
+    from nonstop.sizing.defaults import wire_dtype
 
     params = 13_472  # test_plan_figures_equal_hand_computed_values
     plans = {}

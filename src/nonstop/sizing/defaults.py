@@ -37,10 +37,10 @@ import math
 from dataclasses import dataclass
 
 from nonstop.config import Config, EngineConfig
-from nonstop.config.machine import machine_memory
 from nonstop.config.policy import TINY_MODEL_LR
-from nonstop.config.shape import ModelShape
 from nonstop.device import dtype_name, resolve_device, resolve_dtype
+from nonstop.sizing.machine import machine_memory
+from nonstop.sizing.shape import ModelShape
 
 DEFAULT_SLOTS = 256
 """engine.max_concurrent_seqs when unset and the KV budget allows it."""

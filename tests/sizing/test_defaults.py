@@ -1,4 +1,4 @@
-"""Defaults that follow from the run (config/sizing.py): the built-in engine's KV cache is sized
+"""Defaults that follow from the run (sizing/defaults.py): the built-in engine's KV cache is sized
 from the run's need and a memory budget, and trainer.lr follows its rule for loaded models while
 the default job keeps its own value."""
 
@@ -9,14 +9,14 @@ import json
 import pytest
 
 from nonstop.config import EngineConfig, TrainerConfig, load_config
-from nonstop.config.machine import GIB, MachineMemory
-from nonstop.config.sizing import engine_limits, engine_slots, learning_rate
 from nonstop.engine.core import TorchEngine
 from nonstop.engine.scheduler import RequestError
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.models.tiny import make_char_tokenizer
 from nonstop.orchestrator.fit import fit_run
 from nonstop.orchestrator.launch import run_rows
+from nonstop.sizing.defaults import engine_limits, engine_slots, learning_rate
+from nonstop.sizing.machine import GIB, MachineMemory
 from nonstop.types import GenerationRequest, SamplingParams
 
 MACHINE = MachineMemory(total=64 * GIB, available=48 * GIB, source="a stated test machine")
@@ -142,7 +142,7 @@ def test_a_loaded_model_of_the_tiny_family_keeps_the_tiny_learning_rate(params):
 
 
 def test_a_task_shipped_base_takes_its_measured_learning_rate():
-    """The long-rollout base collapses at the tiny model's 6e-4 (config/sizing.py TASK_BASE_LR)."""
+    """The long-rollout base collapses at the tiny model's 6e-4 (sizing/defaults.py TASK_BASE_LR)."""
     cfg = load_config(None, ["task.name=long_rollout"])
     assert learning_rate(cfg, None) == (1e-4, "the shipped long_rollout base's")
     assert learning_rate(load_config(cfg, ["trainer.lr=3e-4"]), None)[0] == 3e-4
@@ -179,8 +179,8 @@ def test_nonstop_config_plan_prints_the_resolved_values_and_the_plan():
 def test_unset_precision_is_auto_for_a_large_loaded_model_only(tiny_dir):
     """engine.dtype / trainer.precision left unset: auto from 50 M parameters of a loaded model up,
     None (float32 on the CPU) below it and for the built-in tiny model (docs/precision.md)."""
-    from nonstop.config.shape import ModelShape
-    from nonstop.config.sizing import AUTO_BF16_MIN_PARAMS, size_run
+    from nonstop.sizing.defaults import AUTO_BF16_MIN_PARAMS, size_run
+    from nonstop.sizing.shape import ModelShape
 
     def shape(hidden: int, layers: int) -> ModelShape:
         return ModelShape("qwen2", hidden, layers, 8, 2, hidden // 8, 4 * hidden, 128, True, 256)
@@ -205,8 +205,8 @@ def test_vllm_kv_cache_is_sized_from_the_run_unless_the_user_chose_a_reserve(tin
     max_num_seqs sequences of max_model_len tokens need in whole 128-token blocks (a large model's
     weights no longer eat the fixed 10% of the machine meant for weights and cache); a reserve the
     user set is kept."""
-    from nonstop.config.shape import ModelShape
-    from nonstop.config.sizing import VLLM_MIN_KV_GIB, size_run
+    from nonstop.sizing.defaults import VLLM_MIN_KV_GIB, size_run
+    from nonstop.sizing.shape import ModelShape
 
     qwen05 = ModelShape("qwen2", 896, 24, 14, 2, 64, 4864, 151_936, True, 32_768)
     fp32 = "engine.vllm.dtype=float32"  # the same figures whether or not this CPU has bf16
@@ -233,9 +233,9 @@ def test_vllm_dtype_left_unset_is_bf16_for_a_loaded_model_where_the_machine_has_
     computes bf16 natively, else float32; a small model, or a dtype the user set, stays as it is."""
     import torch
 
-    from nonstop.config.shape import ModelShape
-    from nonstop.config.sizing import size_run
     from nonstop.device import bf16_supported
+    from nonstop.sizing.defaults import size_run
+    from nonstop.sizing.shape import ModelShape
 
     qwen05 = ModelShape("qwen2", 896, 24, 14, 2, 64, 4864, 151_936, True, 32_768)
     tiny = ModelShape("qwen2", 64, 1, 4, 1, 16, 256, 128, True, 128)
@@ -262,7 +262,7 @@ def test_vllm_dtype_left_unset_is_bf16_for_a_loaded_model_where_the_machine_has_
 
 def test_a_base_the_warmup_builds_takes_the_warmup_learning_rate():
     """A user's task without a fitting shipped base is warmed up, and RL on that base runs at
-    3e-4 (config/sizing.py WARMUP_BASE_LR); the default job's shipped base and an untrained
+    3e-4 (sizing/defaults.py WARMUP_BASE_LR); the default job's shipped base and an untrained
     start keep the tiny model's 6e-4, and trainer.lr set by hand wins."""
     task = ["task.name=jsonl", "task.dataset_path=examples/tasks/multiply.jsonl", "rollout.max_new_tokens=7"]
     cfg = load_config(None, task)
