@@ -82,7 +82,7 @@ HELDOUT_ROWS = ROOT / "examples" / "smollm2" / "heldout.jsonl"
 AGENT = ROOT / "examples" / "api_agent" / "agent.py"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 STEPS = 3
-HELDOUT = 8
+HELDOUT = 4
 """Held-out rows each run evaluates (base and final): the bench checks paths, not accuracy."""
 SMALL = {
     "rollout.prompts_per_step": 4,
@@ -783,6 +783,11 @@ def row_resume(ctx: Ctx) -> Row:
         "rollout.seed_per_prompt": "true",
         "checkpoint.every_steps": 2,
         "run.max_steps": steps,
+        # float32 and no prefix cache: the same tokens from the same weights and seeds however the
+        # engine's batches and cached prefixes fall (bf16 rounding depends on both)
+        "engine.dtype": "float32",
+        "trainer.precision": "float32",
+        "engine.prefix_cache_tokens": 0,
     }
     ref, ref_dir, _ = train(ctx, "resume-ref", sync)
     kill: dict = {}
