@@ -225,7 +225,10 @@ def base_row(path: str, summary: dict, run_dir: Path, extra_ok: bool, extra: str
 RUNS: dict[str, dict[str, object]] = {
     # each training run covers two rows of the table (one of the engine/transport/backend/ranks
     # kinds and one buffer depth or partial-rollout mode), so the matrix takes half the runs
-    "builtin": {},  # shm, local, full fine-tuning, depth 1, never_stop
+    # shm, local, full fine-tuning, depth 1, never_stop. The modes that act on sequences in flight at a
+    # swap (never_stop, save_resume) need generation still running when the weights arrive: groups of
+    # uniform reward dropped and refilled, and 64 tokens, keep the engine busy through the trainer's step
+    "builtin": {"rollout.filter_uniform_reward": "true", "rollout.max_new_tokens": 64},
     "broadcast-depth2": {"transport.kind": "broadcast", "buffer.depth": 2, "buffer.max_lag": 2, "run.max_steps": 4},
     "files-depth0": {
         "transport.kind": "files",
@@ -236,7 +239,13 @@ RUNS: dict[str, dict[str, object]] = {
     "lora-blocking": {"model.lora.enabled": "true", "engine.update_mode": "blocking"},
     "ray-drain": {"runtime.backend": "ray", "engine.update_mode": "drain"},
     "ddp-abort_retry": {"trainer.ranks": 2, "trainer.data_parallel": "ddp", "engine.update_mode": "abort_retry"},
-    "fsdp2-save_resume": {"trainer.ranks": 2, "trainer.data_parallel": "fsdp2", "engine.update_mode": "save_resume"},
+    "fsdp2-save_resume": {
+        "trainer.ranks": 2,
+        "trainer.data_parallel": "fsdp2",
+        "engine.update_mode": "save_resume",
+        "rollout.filter_uniform_reward": "true",
+        "rollout.max_new_tokens": 64,
+    },
 }
 
 
@@ -302,11 +311,15 @@ def row_vllm(ctx: Ctx, python: Path | None = None) -> Row:
 
 def row_lora(ctx: Ctx) -> Row:
     r = run(ctx, "lora-blocking")
-    fracs = [x["publish_bytes_frac"] for x in steps_of(r.dir)]
+    # the run's publish_bytes_frac is against the adapters' own full size (a delta's measure): the
+    # model's float32 file is the full weights here
+    model_bytes = (ctx.model / "model.safetensors").stat().st_size
+    sent = max(x["publish_bytes"] for x in steps_of(r.dir))
     final = Path(r.summary["final_dir"])
     adapter = (final / "adapter_model.safetensors").is_file() and not (final / "model.safetensors").exists()
-    text = f"each publish {max(fracs):.3f} of the full weights' bytes; final/ holds the adapter only: {adapter}"
-    return run_row("LoRA, adapter-only sync", r, max(fracs) < 0.1 and adapter, text)
+    text = f"each publish at most {sent / 2**20:.1f} MiB, {sent / model_bytes:.3f} of the model's float32 bytes; "
+    text += f"final/ holds the adapter only: {adapter}"
+    return run_row("LoRA, adapter-only sync", r, sent < 0.1 * model_bytes and adapter, text)
 
 
 def row_ray(ctx: Ctx) -> Row:
@@ -567,6 +580,7 @@ def agents_run(
     extra = {
         "agents.enabled": "true",
         "agents.linger_s": 2,
+        "agents.episode_timeout_s": 600,  # a loaded machine's slow group is not abandoned
         "engine.max_seq_len": 320,
         "rollout.prompts_per_step": 2,  # two groups of episodes a step: the agent plays them as they go
         **extra,
@@ -596,6 +610,8 @@ def row_multiturn_tool(ctx: Ctx) -> Row:
     statuses = report["statuses"]
     ok_http = bool(statuses) and all(200 <= s < 300 for s in statuses)
     text = f"{exact_text}; {crc_text}; {len(statuses)} HTTP answers, all 2xx: {ok_http}"
+    if not ok_http:
+        text += f" ({sorted(set(statuses))}, the last error: {report.get('last_error')})"
     return base_row(
         "multi-turn env with a tool, chat template, tokens exact", summary, run_dir, exact and crc_ok and ok_http, text
     )
