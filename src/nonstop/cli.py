@@ -32,7 +32,7 @@ from nonstop import __version__
 from nonstop.checkpoint import CheckpointError
 from nonstop.config import Config, ConfigError, config_reference, dump_config, load_config
 from nonstop.config.preflight import resolve_model_path
-from nonstop.errors import NonstopError, ServeError
+from nonstop.errors import NonstopError, RunInterrupted, ServeError
 from nonstop.models.fetch import KNOWN_MODELS, fetch_model
 from nonstop.models.gguf import ModelFetchError, gguf_folder
 from nonstop.observe.report import ReportError, render
@@ -100,9 +100,6 @@ def train_cmd(config: str | None, overrides: tuple[str, ...], resume_dir: Path |
         console.print("[red]interrupted[/]")
         sys.exit(130)
     except (NonstopError, TimeoutError) as e:  # one clear line for the user; a bug keeps its traceback
-        # start-up: torch only when this command runs
-        from nonstop.orchestrator.recovery import RunInterrupted
-
         if isinstance(e, RunInterrupted):
             console.print(f"[yellow]interrupted:[/] {e}", highlight=False)
             sys.exit(130)

@@ -56,3 +56,9 @@ class ServeError(NonstopError):
 
 class RunError(NonstopError):
     """The flow of a run (orchestrator/): it cannot go on, was stopped, or cannot be verified."""
+
+
+class RunInterrupted(RunError, RuntimeError):
+    """The user stopped the run (Ctrl-C, SIGTERM); the message names the checkpoint written and
+    how to resume. Here, not beside the checkpoint code that raises it, so the command line catches
+    it without loading the pipeline."""

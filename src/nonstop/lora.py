@@ -105,15 +105,13 @@ class MergedAdapters:
 def wrap_with_peft(model: PreTrainedModel, cfg: LoraConfig, adapter_dir: str | None = None) -> PeftModel:
     """Trainer side: a peft model whose only trainable parameters are the adapters, freshly
     initialised or loaded from a peft adapter folder (a checkpoint's `model/`)."""
-    # optional: peft, the lora extra (model.lora)
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import PeftModel, get_peft_model
+    import peft  # optional: peft, the lora extra (model.lora)
 
     targeted_modules(model, cfg)  # the same matching rule as the engine, with its errors
     if adapter_dir is not None:
-        return PeftModel.from_pretrained(model, adapter_dir, adapter_name=ADAPTER, is_trainable=True)
+        return peft.PeftModel.from_pretrained(model, adapter_dir, adapter_name=ADAPTER, is_trainable=True)
     # peft annotates lora_alpha as int, yet scales by lora_alpha / r in floating point: a fractional alpha works.
-    peft_cfg = PeftLoraConfig(
+    peft_cfg = peft.LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,  # type: ignore[arg-type]
         lora_dropout=cfg.dropout,
@@ -121,7 +119,7 @@ def wrap_with_peft(model: PreTrainedModel, cfg: LoraConfig, adapter_dir: str | N
         bias="none",
         init_lora_weights=True,
     )
-    return get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
+    return peft.get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
 
 
 def adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

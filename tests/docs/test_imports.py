@@ -12,8 +12,6 @@ A function-level import hides an edge of the import graph until the call, so it 
 - `start-up:` a module the command line (or `import nonstop`) loads before it knows the command,
   keeping torch out until a command needs it (`nonstop --help`, `config`, `verify` start light);
 - `cycle:` two modules of one package that need each other (the layer order forbids any other).
-
-The files other work is changing carry their exceptions in the lists below, each with its reason.
 """
 
 from __future__ import annotations
@@ -22,45 +20,15 @@ import ast
 import io
 import re
 import tokenize
-from collections import Counter
 from pathlib import Path
 
 from support.source import PACKAGE, modules
 
 REASON = re.compile(r"#\s*(optional|spawn|start-up|cycle):")
 
-LAZY_IMPORTS = 89
-"""Function-level imports in src/nonstop today (issue 53's bar is 40): 46 of them are in the
-engine, transport and trainer packages, which other work is changing."""
-
-PENDING = "fixed when the engine/transport/trainer work lands"
-
-PRIVATE_ALLOWED: dict[tuple[str, str, str], str] = {
-    # (importing module, module imported from, name): why it is allowed for now
-    ("nonstop.engine.runner", "nonstop.engine.layers", "_Layer"): PENDING,
-    ("nonstop.engine.runner", "nonstop.engine.layers", "_check_supported"): PENDING,
-    ("nonstop.trainer.packed", "nonstop.trainer.forward", "_decoder_model"): PENDING,
-    ("nonstop.trainer.packed", "nonstop.trainer.forward", "_rotate"): PENDING,
-    ("nonstop.transport.broadcast_receiver", "nonstop.transport.broadcast", "_BACKEND"): PENDING,
-    ("nonstop.transport.broadcast_receiver", "nonstop.transport.broadcast", "_STARTED"): PENDING,
-    ("nonstop.transport.broadcast_receiver", "nonstop.transport.broadcast", "_buckets"): PENDING,
-}
-
-UNCOMMENTED_ALLOWED: dict[str, int] = {
-    # module: how many of its function-level imports may still lack a reason (PENDING)
-    "nonstop.engine.vllm.engine": 5,
-    "nonstop.engine.vllm.routes": 2,
-    "nonstop.engine.vllm.setup": 7,
-    "nonstop.engine.worker": 4,
-    "nonstop.trainer.core": 1,
-    "nonstop.trainer.parallel": 8,
-    "nonstop.trainer.worker": 1,
-    "nonstop.transport": 1,
-    "nonstop.transport.base": 12,
-    "nonstop.transport.device": 2,
-    "nonstop.transport.files": 1,
-    "nonstop.transport.shm": 2,
-}
+LAZY_IMPORTS = 40
+"""Function-level imports in src/nonstop at most (issue 53's bar): each one an optional extra, a
+spawned process's own load, the command line's light start, or a cycle within a package."""
 
 
 def private(name: str) -> bool:
@@ -103,16 +71,12 @@ def private_uses(source: str, module: str, known: set[str]) -> list[tuple[int, s
 def test_no_module_takes_another_modules_underscore_names() -> None:
     mods = modules()
     known = set(mods)
-    seen, bad = set(), []
-    for name, path in mods.items():
-        for line, target, attr in private_uses(path.read_text(), name, known):
-            key = (name, target, attr)
-            seen.add(key)
-            if key not in PRIVATE_ALLOWED:
-                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} takes {target}.{attr}")
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} takes {target}.{attr}"
+        for name, path in mods.items()
+        for line, target, attr in private_uses(path.read_text(), name, known)
+    ]
     assert not bad, "underscore names taken across modules (make them public, or move them):\n" + "\n".join(bad)
-    stale = sorted(set(PRIVATE_ALLOWED) - seen)
-    assert not stale, f"PRIVATE_ALLOWED lists what no module does any more: {stale}"
 
 
 def comments(source: str) -> dict[int, str]:
@@ -163,21 +127,16 @@ def lazy_imports(source: str) -> list[tuple[int, bool]]:
 
 def test_function_level_imports_say_why_and_stay_few() -> None:
     total, bad = 0, []
-    uncommented: Counter[str] = Counter()
-    for name, path in modules().items():
+    for path in modules().values():
         for line, ok in lazy_imports(path.read_text()):
             total += 1
             if not ok:
-                uncommented[name] += 1
-                if uncommented[name] > UNCOMMENTED_ALLOWED.get(name, 0):
-                    bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}")
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}")
     assert not bad, (
         "function-level imports without a reason (a comment starting 'optional:', 'spawn:', 'start-up:' or "
         "'cycle:'; or move the import to the top of the module):\n" + "\n".join(bad)
     )
     assert total <= LAZY_IMPORTS, f"{total} function-level imports in src/nonstop, more than {LAZY_IMPORTS}"
-    stale = {m: n for m, n in UNCOMMENTED_ALLOWED.items() if uncommented[m] < n}
-    assert not stale, f"UNCOMMENTED_ALLOWED allows more than these modules have now (lower it): {stale}"
 
 
 def test_the_checks_can_fail() -> None:

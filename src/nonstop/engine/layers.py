@@ -1,5 +1,5 @@
-"""The decoder's parameters as the runner reads them: `_Layer`, one decoder block's Parameter
-objects (attention, q/k norms, a gated MLP or a `_Moe` block), and `_check_supported`, which
+"""The decoder's parameters as the runner reads them: `Layer`, one decoder block's Parameter
+objects (attention, q/k norms, a gated MLP or a `_Moe` block), and `check_supported`, which
 refuses with `UnsupportedModel` a model outside the Llama family the runner implements.
 
 They hold references to the model's own Parameter objects, never copies, so a weight update
@@ -71,7 +71,7 @@ class _Moe:
         return out, experts
 
 
-class _Layer:
+class Layer:
     """Parameter objects of one decoder block (references, so updates are seen)."""
 
     ln1: torch.Tensor
@@ -96,7 +96,7 @@ class _Layer:
 
     def __init__(self, block: Any) -> None:
         """`block`: a Llama-family decoder layer, its submodules found by name (nn.Module types
-        attribute lookups only as Tensor | Module; _check_supported vouches for the names)."""
+        attribute lookups only as Tensor | Module; check_supported vouches for the names)."""
         attn, mlp = block.self_attn, block.mlp
         self.ln1, self.ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
         self.eps1 = block.input_layernorm.variance_epsilon
@@ -121,7 +121,7 @@ class _Layer:
         return F.rms_norm(q, (D,), self.qn, self.qk_eps), F.rms_norm(k, (D,), self.kn, self.qk_eps)
 
 
-def _check_supported(model: torch.nn.Module) -> None:
+def check_supported(model: torch.nn.Module) -> None:
     cfg = model.config
     problems = []
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from nonstop.device import attention, bf16_supported
 from nonstop.engine.blocks import attention_blocks
-from nonstop.engine.layers import _check_supported, _Layer
+from nonstop.engine.layers import Layer, check_supported
 
 MOVE_BY_SLICES = 8  # up to this many slots, `move` copies slot by slot (no index tensors, no gathered copy)
 
@@ -106,8 +106,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class KVRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, max_seq_len: int) -> None:
-        _check_supported(model)
-        hf: Any = model  # a transformers causal LM: modules found by name, as in _Layer
+        check_supported(model)
+        hf: Any = model  # a transformers causal LM: modules found by name, as in Layer
         cfg = hf.config
         self.model = model
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
@@ -120,7 +120,7 @@ class KVRunner:
         self.norm_eps: float = hf.model.norm.variance_epsilon
         self.lm_head: torch.Tensor = hf.lm_head.weight
         self.vocab_size: int = self.lm_head.shape[0]
-        self.layers = [_Layer(b) for b in hf.model.layers]
+        self.layers = [Layer(b) for b in hf.model.layers]
         dtype = self.embed.dtype
         shape = (num_slots, self.n_kv, max_seq_len, self.head_dim)
         # one allocation for every layer's keys and values (2 x layers, *shape): `move` copies a
@@ -167,7 +167,7 @@ class KVRunner:
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
         h = F.rms_norm(x, (self.hidden,), layer.ln2, layer.eps2)
         if layer.moe is None:
             return x + F.linear(F.silu(F.linear(h, layer.wg)) * F.linear(h, layer.wu), layer.wd)

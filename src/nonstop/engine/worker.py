@@ -17,20 +17,20 @@ from __future__ import annotations
 import torch
 
 from nonstop.config import EngineConfig
+from nonstop.device import place, resolve_device, resolve_dtype
 from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
-from nonstop.hf import load_model
+from nonstop.hf import load_model, load_tokenizer
 from nonstop.observe.flops import PeakProbe
 from nonstop.observe.spans import SpanLog
 from nonstop.transport import WeightReceiver, open_receiver
-from nonstop.transport.base import receiver_crc32
+from nonstop.transport.base import layout_dtype, receiver_crc32
+from nonstop.transport.device import receive_device
 from nonstop.types import GenerationRequest, Sample, TransportHandle
 
 
 def load_detokenizer(model_path: str):
     """The tokenizer's decode for stop strings, or None when the model folder has no tokenizer."""
-    from nonstop.hf import load_tokenizer
-
     try:
         tok = load_tokenizer(model_path)
     except (OSError, ValueError):
@@ -51,8 +51,6 @@ class EngineWorker:
     ) -> None:
         """`initial_version` is the policy_version of the weights at `model_path` (a checkpoint's on resume);
         `span_path`: this engine's span file (nonstop.observe.spans), None records nothing."""
-        from nonstop.device import place, resolve_device, resolve_dtype
-
         torch.manual_seed(seed)
         cfg = settings or EngineConfig()
         self.device = device = resolve_device(cfg.device, "engine.device")
@@ -72,9 +70,6 @@ class EngineWorker:
         self.receiver: WeightReceiver | None = None
 
     def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None:
-        from nonstop.transport.base import layout_dtype
-        from nonstop.transport.device import receive_device
-
         # a GPU path receives on this engine's GPU; every version arrives in the transport's dtype. LoRA
         # adapters arrive in tensors of their own and are merged into the model's weights: into the
         # live model itself under never_stop (no float32 copy of a bf16 model), else a copy in its dtype

@@ -19,7 +19,7 @@ those listed before it (no circle; tests/docs/test_layering.py checks it):
 - split_intake.py  with env.policies, each group split into one part per policy's buffer;
 - policies.py      roles with their own policy: `PolicySide`, `PolicyTally`, `Policies`;
 - run.py           `Run` (a run's fixed wiring) and `RunState`; evaluation of its policies;
-- recovery.py      checkpoint and resume of a run's state; `RunFailed`, `RunInterrupted`;
+- recovery.py      checkpoint and resume of a run's state; `RunFailed` (`RunInterrupted` is nonstop/errors.py's);
 - actors.py        spawn engines and trainer ranks, connect the weight transport, restart engines;
 - policy_build.py  the own policies' configs, checks and actors;
 - build.py         `build_run()`: the actors and the stages wired into a `Run`;
@@ -27,8 +27,10 @@ those listed before it (no circle; tests/docs/test_layering.py checks it):
 - step.py          one learner step (take, train, publish, settle), shared by both loops;
 - learn.py         the learning loops: the shared policy's `learn()`, each own policy's `learn_policy()`;
 - pipeline.py      `train()`: build the run, run the producer beside the learning loop, summarize;
-- launch.py        `run_training()`: run folder, data, base policy, pipeline, summary.json (the path
-                   shared by `nonstop train` and `nonstop.train()`);
+- session.py       one session of a run in this process: the checks before its folder, the base
+                   policy, the pipeline under the progress display, summary.json;
+- launch.py        `run_training()`: run folder and its lock, data, then session.py (the path
+                   shared by `nonstop train` and `nonstop.train()`; light until a run starts);
 - verify.py        `nonstop verify`: a run recounted from what its trainer trained and its buffer
                    dropped (observe/consumed.py) against the dataset's own order.
 Reward functions are nonstop.scoring's (scoring/rewards.py); text <-> ids is nonstop.tasks.codec.

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
+from nonstop.errors import RunInterrupted
 from nonstop.hf import max_positions
 from nonstop.observe.clock import Clock
 from nonstop.observe.doctor import Context, Doctor, read_records
@@ -43,7 +44,7 @@ from nonstop.orchestrator.grow import start_joins
 from nonstop.orchestrator.learn import learn, learn_policy
 from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.records import RunSummary, StepRecord
-from nonstop.orchestrator.recovery import RunInterrupted, restore, restore_engines
+from nonstop.orchestrator.recovery import restore, restore_engines
 from nonstop.orchestrator.run import Run
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats

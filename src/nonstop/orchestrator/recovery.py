@@ -44,11 +44,6 @@ class RunFailed(RunError, RuntimeError):
     """The run cannot go on; the message says why and how to resume."""
 
 
-class RunInterrupted(RunError, RuntimeError):
-    """The user stopped the run (Ctrl-C, SIGTERM); the message names the checkpoint written and
-    how to resume."""
-
-
 async def write_checkpoint(run: Run, step: int) -> None:
     """With own policies (env.policies), each one's trainer state goes under policies/<role>, taken
     while none of them trains, so its counters and the ledger's parts match its weights."""

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Protocol
 
-from nonstop.config import RayRuntimeConfig, RuntimeConfig
 from nonstop.errors import ActorError
 
 
@@ -46,14 +44,3 @@ class ActorBackend(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
-
-
-def make_backend(cfg: RuntimeConfig, run_dir: Path | None = None) -> ActorBackend:
-    """The backend `runtime.backend` names; `run_dir` receives the Ray cluster's logs."""
-    if isinstance(cfg, RayRuntimeConfig):
-        from nonstop.runtime.ray import RayBackend  # optional: the ray extra
-
-        return RayBackend(cfg, run_dir)
-    from nonstop.runtime.local import LocalBackend  # cycle: local.py builds on this module's seam
-
-    return LocalBackend(cfg)

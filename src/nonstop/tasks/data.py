@@ -25,6 +25,7 @@ from typing import Any
 
 from nonstop.config import TaskConfig
 from nonstop.errors import NonstopError
+from nonstop.tasks.long_rollout import long_rollout_rows
 
 
 class DatasetError(NonstopError, ValueError):
@@ -193,9 +194,6 @@ def load_task(cfg: TaskConfig, seed: int | None = None) -> TaskData:
         pairs, report = addition_examples(cfg.max_operand, cfg.pad_answer), DatasetReport()
         report.rows_read = len(pairs)
     elif cfg.name == "long_rollout":
-        # cycle: long_rollout.py builds its rows from this module's Row
-        from nonstop.tasks.long_rollout import long_rollout_rows
-
         pairs, report = long_rollout_rows(), DatasetReport()
         report.rows_read = len(pairs)
     else:

@@ -31,9 +31,10 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from nonstop.tasks.data import Row
+if TYPE_CHECKING:  # data.py builds its long-rollout task from this module's rows
+    from nonstop.tasks.data import Row
 
 NAME: Final = "long_rollout"
 K_MIN, K_MAX = 3, 60

@@ -39,13 +39,13 @@ from nonstop.device import attention
 SUPPORTED_TYPES = ("qwen2", "llama")
 
 
-def _decoder_model(model: Any) -> Any:
+def decoder_model(model: Any) -> Any:
     """The causal-LM under a peft wrapper, if any."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
-    lm = _decoder_model(model)
+    lm = decoder_model(model)
     cfg = getattr(lm, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED_TYPES:
@@ -66,7 +66,7 @@ def unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -80,7 +80,7 @@ def run_layer(layer: Callable[[Any, torch.Tensor], torch.Tensor], block: Any, x:
 
 
 def prompt_shared_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False) -> torch.Tensor:
-    lm = _decoder_model(model)
+    lm = decoder_model(model)
     dec, cfg = lm.model, lm.config
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
@@ -103,16 +103,14 @@ def prompt_shared_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool 
         attn = block.self_attn
         h = block.input_layernorm(x)
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        qp = _rotate(q[:Np].view(Q, Lp, H, D), cos_p[:, None], sin_p[:, None]).transpose(1, 2)  # (Q, H, Lp, D)
-        kp = _rotate(k[:Np].view(Q, Lp, KV, D), cos_p[:, None], sin_p[:, None]).transpose(1, 2)
+        qp = rotate(q[:Np].view(Q, Lp, H, D), cos_p[:, None], sin_p[:, None]).transpose(1, 2)  # (Q, H, Lp, D)
+        kp = rotate(k[:Np].view(Q, Lp, KV, D), cos_p[:, None], sin_p[:, None]).transpose(1, 2)
         vp = v[:Np].view(Q, Lp, KV, D).transpose(1, 2)
         ap = attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)  # (Q, H, Lp, D)
         out = [ap.transpose(1, 2).reshape(Np, H * D)]
         if Tc:
-            qc = _rotate(q[Np:].view(B, Tc, H, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(
-                1, 2
-            )  # (B, H, Tc, D)
-            kc = _rotate(k[Np:].view(B, Tc, KV, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(1, 2)
+            qc = rotate(q[Np:].view(B, Tc, H, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(1, 2)  # (B, H, Tc, D)
+            kc = rotate(k[Np:].view(B, Tc, KV, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(1, 2)
             vc = v[Np:].view(B, Tc, KV, D).transpose(1, 2)
             keys, values = torch.cat([kp[row], kc], dim=2), torch.cat([vp[row], vc], dim=2)  # (B, KV, Lp + Tc, D)
             ac = attention(qc, keys, values, attn_mask=mask, enable_gqa=gqa)  # (B, H, Tc, D)

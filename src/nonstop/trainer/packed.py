@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from nonstop.device import attention
-from nonstop.trainer.forward import _decoder_model, _rotate, run_layer
+from nonstop.trainer.forward import decoder_model, rotate, run_layer
 from nonstop.trainer.losses import token_logprobs
 
 BUCKET_WASTE = 0.25
@@ -64,7 +64,7 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tu
 
 
 def packed_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False) -> torch.Tensor:
-    lm = _decoder_model(model)
+    lm = decoder_model(model)
     dec, cfg = lm.model, lm.config
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
@@ -114,8 +114,8 @@ def packed_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False
     def layer(block: Any, x: torch.Tensor) -> torch.Tensor:
         attn = block.self_attn
         h = block.input_layernorm(x)
-        q = _rotate(attn.q_proj(h).view(-1, H, D), cos, sin)  # (N, H, D)
-        k = _rotate(attn.k_proj(h).view(-1, KV, D), cos, sin)  # (N, KV, D)
+        q = rotate(attn.q_proj(h).view(-1, H, D), cos, sin)  # (N, H, D)
+        k = rotate(attn.k_proj(h).view(-1, KV, D), cos, sin)  # (N, KV, D)
         v = attn.v_proj(h).view(-1, KV, D)
         where, what = [], []  # each bucket's kept positions and their attention outputs, put in place once
         for idx, keep in buckets:

@@ -30,6 +30,11 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from nonstop.config import TrainerConfig
 from nonstop.hf import CausalLM
@@ -45,7 +50,7 @@ def node_host(host: str | None) -> str:
     """The address other machines reach this actor on: `host`, or with None this Ray node's IP."""
     if host is not None:
         return host
-    import ray
+    import ray  # optional: ray, the ray extra (only a Ray run asks its node's address)
 
     return ray.util.get_node_ip_address()
 
@@ -125,9 +130,6 @@ class ParallelTrainer(Trainer):
         )
         if mode == "fsdp2":
             self.shared_prompts = False  # FSDP2 gathers a layer's parameters in that layer's forward: call it
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
             device = "cuda" if next(model.parameters()).is_cuda else "cpu"
             mesh = init_device_mesh(device, (self.world,))
             self.policy: torch.nn.Module = _Policy(self)
@@ -135,8 +137,6 @@ class ParallelTrainer(Trainer):
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.policy, mesh=mesh)  # in place: the module becomes an FSDP module
         else:
-            from torch.nn.parallel import DistributedDataParallel
-
             self.policy = DistributedDataParallel(_Policy(self))
         self.make_optimizer()  # over the sharded / wrapped parameters
         self._samples = 0
@@ -199,16 +199,10 @@ class ParallelTrainer(Trainer):
 
     def save_optimizer(self, folder: Path) -> None:
         """FSDP2: every rank writes its shard of the optimizer state (DCP); collective."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=str(folder))
 
     def load_optimizer(self, folder: Path) -> None:
         """FSDP2: read this rank's shard of the optimizer state `save_optimizer` wrote; collective."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
         state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}  # the layout to read into
         dcp.load(state, checkpoint_id=str(folder))
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])

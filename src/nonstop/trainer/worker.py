@@ -53,6 +53,7 @@ from nonstop.checkpoint import write_policy_version
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
 from nonstop.device import dtype_name, on, place, resolve_device, resolve_dtype, retain_freed_memory
 from nonstop.hf import CausalLM, load_model
+from nonstop.lora import wrap_with_peft
 from nonstop.observe import consumed
 from nonstop.observe.flops import FlopModel, PeakProbe, rate, train_flops
 from nonstop.observe.spans import SpanLog, now
@@ -100,8 +101,6 @@ class TrainerWorker:
         base = place(load_model(model_path), self.device)
         model: CausalLM = base
         if self.lora is not None:
-            from nonstop.lora import wrap_with_peft
-
             model = wrap_with_peft(base, self.lora, adapter_path)
             reference_path = model_path  # the plain base, not a copy of the peft model
         self.trainer = Trainer(

@@ -11,7 +11,8 @@ The seam is one method on each side:
 orchestrator, at the end of a run) frees what a dead trainer could not (a shm segment).
 
 - base.py       the seam (`WeightPublisher`, `WeightReceiver`), the flat parameter layout and its check,
-                `plan_transport` / `open_publisher` / `open_receiver`, `TransportError`;
+                what travels and what the engine's end fills, `TransportError`;
+- factory.py    `plan_transport` / `open_publisher` / `open_receiver` / `release`: the one place naming every kind;
 - shm.py        shared memory: one segment of N + 2 stamped slots, zero-copy apply (`ShmPublisher`, `ShmReceiver`);
 - broadcast.py  torch.distributed broadcast in buckets: the protocol and the trainer end (`BroadcastPublisher`);
 - broadcast_receiver.py  its engine end (`BroadcastReceiver`): a receiver thread, re-pointed buffers;
@@ -24,17 +25,8 @@ orchestrator, at the end of a run) frees what a dead trainer could not (a shm se
 - names.py      `PerExpertParameters`: a fused-expert trainer's tensors onto a per-expert engine.
 """
 
-from nonstop.transport.base import (
-    TransportError,
-    WeightPublisher,
-    WeightReceiver,
-    check_layout,
-    model_layout,
-    open_publisher,
-    open_receiver,
-    plan_transport,
-)
-from nonstop.types import TransportHandle
+from nonstop.transport.base import TransportError, WeightPublisher, WeightReceiver, check_layout, model_layout
+from nonstop.transport.factory import open_publisher, open_receiver, plan_transport, release
 
 __all__ = [
     "TransportError",
@@ -47,12 +39,3 @@ __all__ = [
     "plan_transport",
     "release",
 ]
-
-
-def release(handle: TransportHandle) -> bool:
-    """Free the transport's system resources if their owner died without freeing them."""
-    if handle.kind == "shm":
-        from nonstop.transport.shm import release_segment
-
-        return release_segment(handle.options.name)  # type: ignore[union-attr]
-    return False

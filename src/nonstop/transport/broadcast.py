@@ -89,11 +89,11 @@ from nonstop.transport.groups import (
 from nonstop.types import BroadcastOptions, TransportHandle
 
 STOP = "stop"
-_STARTED = "started"  # set once the trainer's first group is up: an engine attaching later is a replacement
-_BACKEND = "backend"  # the trainer's choice of gloo or nccl, set before any group is built
+STARTED_KEY = "started"  # set once the trainer's first group is up: an engine attaching later is a replacement
+BACKEND_KEY = "backend"  # the trainer's choice of gloo or nccl, set before any group is built
 
 
-def _buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions) -> list[torch.Tensor]:
+def split_buckets(flat: torch.Tensor, handle: TransportHandle, opts: BroadcastOptions) -> list[torch.Tensor]:
     """Fixed-size byte slices of the flat layout, or one slice per parameter (per_tensor)."""
     if opts.per_tensor:
         return [flat[s.offset : s.offset + s.nbytes] for s in handle.layout]
@@ -138,7 +138,7 @@ class BroadcastPublisher:
             self.sender = FlatSender(self.handle, torch.device(self.opts.device))
         self.pg = make_group(self.store, self.handle, 0, self.generation, self.backend, self.members, self.opts.host)
         self.store.add("joins", 0)
-        self.store.set(_STARTED, "1")
+        self.store.set(STARTED_KEY, "1")
 
     def _settle_backend(self, store: dist.TCPStore) -> Backend:
         """Read every engine's device, pick the backend and tell the engines (or tell them the refusal)."""
@@ -155,9 +155,9 @@ class BroadcastPublisher:
         try:
             backend = pick_backend(self.opts.device_path, devices)
         except ConfigError as e:
-            store.set(_BACKEND, REFUSED + str(e))
+            store.set(BACKEND_KEY, REFUSED + str(e))
             raise
-        store.set(_BACKEND, backend)
+        store.set(BACKEND_KEY, backend)
         return backend
 
     @torch.no_grad()
@@ -179,7 +179,9 @@ class BroadcastPublisher:
 
     def _payload(self, flat: torch.Tensor, packed: torch.Tensor | None) -> list[torch.Tensor]:
         """The round's broadcasts: the full layout's buckets or the delta's slices, then their CRCs (checksum)."""
-        buckets = _buckets(flat, self.handle, self.opts) if packed is None else slices(packed, self.opts.bucket_bytes)
+        buckets = (
+            split_buckets(flat, self.handle, self.opts) if packed is None else slices(packed, self.opts.bucket_bytes)
+        )
         self.sent_bytes = flat.numel() if packed is None else packed.numel()
         if not self.handle.checksum:
             return buckets

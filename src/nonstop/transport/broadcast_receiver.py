@@ -25,7 +25,7 @@ from nonstop.transport.base import (
     repoint,
     same_device,
 )
-from nonstop.transport.broadcast import _BACKEND, _STARTED, STOP, _buckets, slices
+from nonstop.transport.broadcast import BACKEND_KEY, STARTED_KEY, STOP, slices, split_buckets
 from nonstop.transport.delta import Chain, Delta, Held
 from nonstop.transport.device import Backend, member_device, settle, tensors_device
 from nonstop.transport.groups import (
@@ -52,7 +52,7 @@ class _Buffer(Held):
 
     def __init__(self, handle: TransportHandle, opts: BroadcastOptions, device: torch.device) -> None:
         super().__init__(handle, device)
-        self.buckets = _buckets(self.flat, handle, opts)
+        self.buckets = split_buckets(self.flat, handle, opts)
 
 
 class BroadcastReceiver:
@@ -77,7 +77,7 @@ class BroadcastReceiver:
         self.copies = 0
         self.chain = Chain(handle)
         # the group is running (this engine replaces a dead one), or this rank joins it later
-        replacement = rank not in first_members(handle) or self.store.check([_STARTED])
+        replacement = rank not in first_members(handle) or self.store.check([STARTED_KEY])
         if not replacement:
             self.store.set(f"device/{rank}", member_device(self.device))
         self.backend = self._await_backend()
@@ -93,13 +93,13 @@ class BroadcastReceiver:
 
     def _await_backend(self) -> Backend:
         try:
-            self.store.wait([_BACKEND], timedelta(seconds=self.handle.connect_timeout_s))
+            self.store.wait([BACKEND_KEY], timedelta(seconds=self.handle.connect_timeout_s))
         except Exception as e:  # the store raises DistStoreError on timeout
             raise TransportError(
                 f"engine rank {self.rank}: the trainer did not settle the broadcast backend within "
                 f"{self.handle.connect_timeout_s:g} s: {e}"
             ) from e
-        backend = decode_backend(self.store.get(_BACKEND), self.rank)
+        backend = decode_backend(self.store.get(BACKEND_KEY), self.rank)
         if backend == "nccl" and self.device.type != "cuda":
             raise TransportError(
                 f"transport.device_path: the broadcast group runs on NCCL, but engine rank {self.rank} "

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from nonstop.config import ConfigError
 from nonstop.types import BroadcastOptions, ShmOptions, TransportHandle
@@ -143,8 +144,6 @@ class IpcRecord:
 
     @staticmethod
     def export(buffer: torch.Tensor) -> IpcRecord:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         if buffer.device.type != "cuda":
             raise ValueError(f"a CUDA IPC handle needs a CUDA tensor, got one on {buffer.device}")
         _rebuild, args = reduce_tensor(buffer)
@@ -166,8 +165,6 @@ class IpcRecord:
         index = local_index(self.uuid)
         if index is None:
             return None
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         args = list(self.args)
         args[_DEVICE_ARG] = index  # the exporter's index of that GPU may differ from ours
         return rebuild_cuda_tensor(*args)

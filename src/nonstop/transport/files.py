@@ -27,6 +27,7 @@ counts full files, and every delta after the oldest kept one stays.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -123,8 +124,6 @@ class FilesPublisher:
         if self.server is not None:
             self.server.close()
         if self.opts.owned:
-            import shutil
-
             shutil.rmtree(self.dir, ignore_errors=True)
 
 

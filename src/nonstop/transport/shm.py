@@ -36,10 +36,11 @@ clear. The CPU tests run this copying apply on host slots (`apply="copy"`).
 
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]  # CPython's POSIX shm calls, as SharedMemory uses
 import threading
 import time
 import uuid
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Literal
 
 import torch
@@ -80,9 +81,6 @@ def release_segment(name: str) -> bool:
     """Unlink segment `name` if it still exists, i.e. its creator (the trainer) died without
     closing it, and drop it from the resource tracker the run's processes share, so no exit path
     leaves shared memory or a 'leaked shared_memory' warning behind. True if it had to."""
-    import _posixshmem  # type: ignore[import-not-found]  # CPython's POSIX shm calls, as SharedMemory uses
-    from multiprocessing import resource_tracker
-
     path = "/" + name
     try:
         _posixshmem.shm_unlink(path)

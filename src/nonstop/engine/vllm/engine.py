@@ -55,7 +55,9 @@ from nonstop.engine.aio import TokenEvent, stream_events
 from nonstop.engine.scheduler import RequestError
 from nonstop.engine.vllm.sequence import VllmSeq, VllmSeqGroup
 from nonstop.engine.vllm.setup import RouteLayout, VllmSetupError, route_layout, start_engine
+from nonstop.hf import load_model
 from nonstop.observe.spans import PassRecorder, SpanLog, now
+from nonstop.transport import open_receiver
 from nonstop.transport.base import receiver_crc32
 from nonstop.transport.names import per_expert_slices
 from nonstop.types import GenerationRequest, Routes, Sample, TransportHandle
@@ -131,9 +133,6 @@ class VllmEngineWorker:
     # --- the actor's calls ---------------------------------------------------------------
 
     def connect_transport(self, handle: TransportHandle, rank: int = 1) -> None:
-        from nonstop.hf import load_model
-        from nonstop.transport import open_receiver
-
         self.staging = load_model(self.model_path)
         self.receiver = open_receiver(handle, self.staging, rank)
 
@@ -284,6 +283,7 @@ class VllmEngineWorker:
 
     def _add(self, seq: VllmSeq) -> None:
         """Hand one completion to vLLM: the prompt plus what it generated so far (abort_retry)."""
+        # optional: vllm, the vllm extra (this module is imported without it)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind

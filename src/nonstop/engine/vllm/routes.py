@@ -21,6 +21,7 @@ types.Routes (MoE layers only, one byte per expert id up to 256 experts, two lit
 Contract: after `bind`, every forward pass of `runner` records; a pass run outside
 `execute_model` (vLLM's warm-up and profiling dummy runs) records nothing; `take(finished,
 dropped)` returns and forgets the finished requests' rows and forgets the dropped ones'.
+This module runs only in vLLM's worker process (setup.py loads it there), so it imports vllm at its top.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.model_executor.layers.fused_moe.layer import MoERunner
+from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
 
 class RouteRecorder:
@@ -42,9 +45,6 @@ class RouteRecorder:
 
     def bind(self, runner: Any) -> int:
         """Hook every router of `runner`'s model and its execute_model; returns the routers bound."""
-        from vllm.model_executor.layers.fused_moe.layer import MoERunner
-        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-
         bound = 0
         for module in runner.get_model().modules():
             if isinstance(module, MoERunner) and isinstance(module.router, BaseRouter):

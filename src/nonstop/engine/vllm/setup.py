@@ -116,25 +116,23 @@ def check_memory(settings: VllmConfig) -> None:
 
 def check_architecture(model_path: str) -> None:
     """Fail before loading when vLLM has no implementation of the model's architecture."""
-    from vllm import ModelRegistry
-
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return  # a hub id: vLLM resolves and checks it itself
-    import vllm
+    import vllm  # optional: vllm, the vllm extra (this module's preflight runs without it)
 
     fields = json.loads(config.read_text())
     archs = fields.get("architectures") or []
-    if not any(a in ModelRegistry.get_supported_archs() for a in archs):
+    if not any(a in vllm.ModelRegistry.get_supported_archs() for a in archs):
         raise VllmSetupError(
             f"model {model_path}: architecture {archs or '(none in config.json)'} is not supported by vLLM "
             f"{vllm.__version__}; use engine.kind: builtin, or a model whose architecture vLLM lists "
             "(vllm.ModelRegistry.get_supported_archs())"
         )
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # optional: vllm
 
     if current_platform.is_cpu() and "num_attention_heads" in fields and "hidden_size" in fields:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # optional: vllm
 
         head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
         sizes = CPUAttentionBackend.get_supported_head_sizes()
@@ -146,7 +144,7 @@ def check_architecture(model_path: str) -> None:
 
 
 def engine_args(model_path: str, settings: VllmConfig, seed: int) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import EngineArgs  # optional: vllm
 
     return EngineArgs(
         model=model_path,
@@ -175,7 +173,7 @@ def start_engine(model_path: str, settings: VllmConfig, seed: int) -> Any:
     prepare_environment()
     check_memory(settings)
     check_architecture(model_path)
-    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.engine.llm_engine import LLMEngine  # optional: vllm
 
     try:
         return LLMEngine.from_engine_args(engine_args(model_path, settings, seed))
@@ -204,6 +202,7 @@ class NonstopWorkerExtension:
 
     def nonstop_record_routes(self, layers: list[int], num_experts: int) -> int:
         """Record the experts of every computed token from now on; returns the routers hooked."""
+        # spawn: runs in vLLM's worker process; routes.py imports vllm at its top
         from nonstop.engine.vllm.routes import RouteRecorder
 
         self.nonstop_routes = RouteRecorder(layers, num_experts)
