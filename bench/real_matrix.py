@@ -509,7 +509,9 @@ async def tool_agent(base_url: str, model: str, group_size: int, rows: list[dict
             report["statuses"].append(r.status_code)
             report["episodes"].append({"episode_id": eid, "turns": turns})
         except APIStatusError as e:
-            if e.status_code == 409 and "finished" in str(e.message) + str(e.body):
+            # the run's end: a turn refused because it finished training, or a reward for an episode
+            # whose group the run dropped as it ended (`run_ended`), as examples/api_agent/agent.py reads it
+            if e.status_code == 409 and ("finished" in str(e.message) or "run_ended" in str(e.message)):
                 finished.set()
                 return
             report["failed"] += 1
