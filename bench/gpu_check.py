@@ -49,7 +49,7 @@ def fail(message: str) -> None:
 
 
 def max_abs_log_ratio(trainer, groups) -> float:
-    batch = trainer._batch(groups)
+    batch = trainer.batch_of(groups)
     with torch.no_grad():
         recomputed = trainer.logprobs(batch)
     m = batch["mask"]

@@ -226,6 +226,6 @@ def test_the_trainer_batch_holds_the_exact_ids_through_the_producer_and_buffer(b
     assert isinstance(group, Group) and len(group.samples) == 2
     turn = codec.encode(".") + encode_observation(codec, REPLY)
     expected = turn * (TURNS - 1) + codec.encode(".")
-    batch = Trainer(model, load_config(None, []).trainer, 1.0, codec.tokenizer.pad_token_id)._batch([group])
+    batch = Trainer(model, load_config(None, []).trainer, 1.0, codec.tokenizer.pad_token_id).batch_of([group])
     assert batch["targets"].tolist() == [expected, expected]
     assert batch["mask"].tolist() == [[t in (0, 4, 8) for t in range(len(expected))]] * 2

@@ -313,7 +313,7 @@ def test_trainer_recomputes_the_behaviour_logprobs_of_every_turn_and_ignores_env
     trainer = Trainer(
         load_model(str(tiny_dir)), TrainerConfig(lr=1e-2), temperature=1.0, pad_token_id=codec.tokenizer.pad_token_id
     )
-    batch = trainer._batch(groups)  # groups of different sizes: the samples carry their advantages
+    batch = trainer.batch_of(groups)  # groups of different sizes: the samples carry their advantages
     assert batch["advantages"].tolist() == [1.0, -0.5, 0.25]
     with torch.no_grad():
         logp = trainer.logprobs(batch)

@@ -110,10 +110,10 @@ def test_a_forward_after_an_optimizer_step_in_the_same_autocast_region_reads_the
     region equals one in a fresh region. Autocast alone kept its cached casts of the old weights."""
     w = worker(tiny_dir, cast_once=cast_once, precision="bfloat16", lr=1e-2)
     t = w.trainer
-    batch = t._batch(groups(1))
+    batch = t.batch_of(groups(1))
     with w._precision():
         before = t.logprobs(batch)
-        assert t._update(-(before * batch["mask"]).sum())[0] == 1
+        assert t.update(-(before * batch["mask"]).sum())[0] == 1
         after = t.logprobs(batch).detach()
     with w._precision():
         fresh = t.logprobs(batch).detach()

@@ -175,7 +175,7 @@ def test_activation_checkpointing_changes_no_gradient(layout):
     if layout == "plain":
         plain.shared_prompts = ckpt.shared_prompts = False
         checkpoint_layers(ckpt.model)  # what the Trainer does for a model without the shared-prompt forward
-    batch = plain._batch(make_groups(6))
+    batch = plain.batch_of(make_groups(6))
     grads = []
     for t in (plain, ckpt):
         logp = t.logprobs(batch)

@@ -128,7 +128,7 @@ def _perturbed_router(model, noise: float):
 
 def _log_ratios(trainer: Trainer, groups: list[Group]) -> torch.Tensor:
     """log pi - log mu of every completion token in the trainer's forward, routes as configured."""
-    batch = trainer._batch(groups)
+    batch = trainer.batch_of(groups)
     routes = batch["routes"]
     trainer.routing.arm(routes.reshape(-1, *routes.shape[2:]))
     try:

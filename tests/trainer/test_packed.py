@@ -40,7 +40,7 @@ def heavy_tailed_groups(seed: int, G: int, n: int, shared: bool = True, longest:
 
 def forward(trainer: Trainer, groups: list[Group], packed: bool, with_entropy: bool = False):
     trainer.cfg = trainer.cfg.model_copy(update={"packed": packed})
-    batch = trainer._batch(groups)
+    batch = trainer.batch_of(groups)
     out = trainer.logprobs(batch, with_entropy=with_entropy)
     logp, ent = out if with_entropy else (out, None)
     trainer.model.zero_grad(set_to_none=True)

@@ -30,7 +30,7 @@ def test_on_policy_first_step_has_ratio_one_and_publishes_new_weights(tiny_dir):
     trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(lr=1e-2), temperature=0.8, pad_token_id=tok.pad_token_id)
     groups = _rollouts(engine, tok, ["1+2=", "33+44=", "7+0="])
 
-    batch = trainer._batch(groups)
+    batch = trainer.batch_of(groups)
     with torch.no_grad():
         recomputed = trainer.logprobs(batch)
     m = batch["mask"]
@@ -53,7 +53,7 @@ def test_on_policy_first_step_has_ratio_one_and_publishes_new_weights(tiny_dir):
         new_groups = _rollouts(engine, tok, ["5+5="])
         assert all(v == 1 for s in new_groups[0].samples for v in s.versions)
         with torch.no_grad():
-            b2 = trainer._batch(new_groups)
+            b2 = trainer.batch_of(new_groups)
             assert torch.allclose(trainer.logprobs(b2)[b2["mask"]], b2["behaviour"][b2["mask"]], atol=1e-4)
     finally:
         receiver.close()
@@ -65,7 +65,7 @@ def test_step_raises_the_probability_of_rewarded_completions(tiny_dir):
     engine = TorchEngine(load_model(str(tiny_dir)), [tok.eos_token_id], tok.pad_token_id)
     trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(lr=3e-2), temperature=1.0, pad_token_id=tok.pad_token_id)
     groups = _rollouts(engine, tok, ["12+30="], n=6, temperature=1.0)
-    batch = trainer._batch(groups)
+    batch = trainer.batch_of(groups)
     with torch.no_grad():
         before = (trainer.logprobs(batch) * batch["mask"]).sum(-1)
     for _ in range(5):
@@ -147,9 +147,9 @@ def test_dual_clip_and_group_std_in_the_trainer(tiny_dir):
     # rewards 0, 1, 0, 1: advantages -1, +1, -1, +1 (population std 0.5), or +-sqrt(3)/2 (unbiased, 1/sqrt(1/3) x 0.5)
     unbiased = Trainer(load_model(str(tiny_dir)), TrainerConfig(group_std="unbiased"), 1.0, tok.pad_token_id)
     h = 3**0.5 / 2
-    assert torch.allclose(unbiased._batch(groups)["advantages"], torch.tensor([-h, h, -h, h]), atol=1e-5)
+    assert torch.allclose(unbiased.batch_of(groups)["advantages"], torch.tensor([-h, h, -h, h]), atol=1e-5)
     trainer = Trainer(load_model(str(tiny_dir)), TrainerConfig(clip_ratio_c=3.0), 1.0, tok.pad_token_id)
-    assert torch.allclose(trainer._batch(groups)["advantages"], torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.allclose(trainer.batch_of(groups)["advantages"], torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-5)
     m = trainer.step(groups)
     # every ratio > 3: A = -1 tokens are capped at 3, A = +1 tokens clipped at 1.2; per sample
     # 3, -1.2, 3, -1.2 -> mean 0.9; half the tokens dual-clipped, and every token's gradient is 0
@@ -168,7 +168,7 @@ def test_dr_grpo_needs_the_generation_budget(tiny_dir):
     groups = _far_behind_groups(tok)
     for s in groups[0].samples:
         s.logprobs = [-1.0, -1.0]
-    batch = trainer._batch(groups)
+    batch = trainer.batch_of(groups)
     with torch.no_grad():
         logp = trainer.logprobs(batch)
     m = trainer.step(groups)
@@ -206,7 +206,7 @@ def test_keep_sampling_mask_replays_the_engine_support(tiny_dir):
         for i, p in enumerate(["1+2=", "33+44="])
     ]
     groups = [Group(i, "p", "a", samples) for i, samples in enumerate(engine.generate(reqs))]
-    batch = trainer._batch(groups)
+    batch = trainer.batch_of(groups)
     m = batch["mask"]
     with torch.no_grad():
         kept_lp = trainer.logprobs(batch)

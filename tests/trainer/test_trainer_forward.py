@@ -40,7 +40,7 @@ def _both(trainer: Trainer, groups: list[Group]):
     out = []
     for shared in (True, False):
         trainer.shared_prompts = shared
-        batch = trainer._batch(groups)
+        batch = trainer.batch_of(groups)
         assert ("prompt_ids" in batch) == shared
         logp = trainer.logprobs(batch)
         trainer.model.zero_grad(set_to_none=True)

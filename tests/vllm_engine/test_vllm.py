@@ -76,7 +76,7 @@ def _worker():
 def abs_log_ratios(model: torch.nn.Module, groups: list[Group], temperature: float) -> torch.Tensor:
     """|log pi - log mu| per completion token, pi recomputed by the trainer's own code."""
     trainer = Trainer(model, TrainerConfig(), temperature=temperature, pad_token_id=0)
-    batch = trainer._batch(groups)
+    batch = trainer.batch_of(groups)
     with torch.no_grad():
         recomputed = trainer.logprobs(batch)
     m = batch["mask"]

@@ -48,7 +48,7 @@ def _replayed(model: torch.nn.Module, groups: list[Group], replay: str) -> tuple
     """|log pi - log mu| per completion token with the routes replayed (r3) or free, and the
     routing metrics of that forward."""
     trainer = Trainer(copy.deepcopy(model), TrainerConfig(routing_replay=replay), temperature=1.0, pad_token_id=0)
-    batch = trainer._batch(groups)
+    batch = trainer.batch_of(groups)
     routes = batch["routes"]
     assert trainer.routing is not None
     trainer.routing.arm(routes.reshape(-1, *routes.shape[2:]))

@@ -10,6 +10,7 @@
 - routing.py           Keep Routing in the trainer: `RouterHooks` compare or replay the engine's experts;
 - ahead.py             `AheadForwards`: forwards run ahead of their step, graph kept, assembled at the step;
 - micro.py             `split()`: a batch cut into micro-batches of trainer.micro_batch_tokens forward tokens;
+- updates.py           `whole_updates()`, `micro_updates()`: a batch's optimizer updates, at once or by micro-batch;
 - batch.py             `Batch`: a batch of groups as tensors, built by the Trainer's `BatchBuilder`;
 - compute.py           `ComputeWeights`: the bf16 step's weights, cast once per optimizer step (and published);
 - core.py              `Trainer`: one policy-gradient step on a batch of groups, then a new policy_version;

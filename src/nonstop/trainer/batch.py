@@ -53,7 +53,7 @@ class BatchBuilder:
     shared_prompts: bool
     routing: RouterHooks | None
 
-    def _batch(self, groups: list[Group]) -> Batch:
+    def batch_of(self, groups: list[Group]) -> Batch:
         """Tensors of one batch, built from flat per-token lists (no per-sample tensor calls).
 
         Per row b and completion position t (B, T): targets, behaviour, mask, versions; with the

@@ -40,8 +40,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -52,14 +50,13 @@ from nonstop.hf import CausalLM
 from nonstop.trainer.ahead import AheadForwards, assemble, by_group
 from nonstop.trainer.batch import Batch, BatchBuilder
 from nonstop.trainer.compute import ComputeWeights
-from nonstop.trainer.correction import is_weights
 from nonstop.trainer.forward import prompt_shared_hidden, unsupported
 from nonstop.trainer.losses import token_logprobs
-from nonstop.trainer.micro import Layout, forward_tokens, part_groups, part_rows, split
-from nonstop.trainer.objective import batch_denominators, policy_objective
+from nonstop.trainer.micro import Layout, forward_tokens
 from nonstop.trainer.packed import packed_logprobs
 from nonstop.trainer.routing import RouterHooks, moe_experts, moe_routers
 from nonstop.trainer.token_advantages import distill_advantages, distill_term, process_advantages
+from nonstop.trainer.updates import micro_updates, whole_updates
 from nonstop.types import Group
 
 
@@ -84,40 +81,6 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> t
     thread). Sharded (DTensor) parameters keep the foreach implementation."""
     fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
-
-
-@dataclass
-class Micro:
-    """One micro-batch of a step: its batch rows (b,), its groups, and the (b, T) logprobs [and
-    entropy] `forward_ahead` computed for it (graph kept), if it did."""
-
-    rows: torch.Tensor
-    groups: list[Group]
-    logp: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-
-
-@dataclass
-class Updates:
-    """What the optimizer updates of one batch leave for the step's record."""
-
-    loss: torch.Tensor  # the first update's loss
-    stats: dict
-    is_stats: dict
-    extra: dict
-    prox: torch.Tensor  # (B, T) the policy's logprobs at the batch's start, detached
-    applied: int
-    grad_norm: torch.Tensor
-    update_s: float
-    last_loss: torch.Tensor
-    last_clip: torch.Tensor | None
-    routing: dict[str, float]
-    ahead: int  # groups whose forward ran ahead of the step
-
-
-def fit(x: torch.Tensor, T: int) -> torch.Tensor:
-    """(b, T_part) -> (b, T): a part's forward right-padded with zeros (outside the loss mask) to the batch's T."""
-    return torch.nn.functional.pad(x[:, :T], (0, T - min(x.shape[1], T)))
 
 
 def checkpoint_layers(model: CausalLM) -> None:
@@ -254,7 +217,7 @@ class Trainer(BatchBuilder):
             return "plain"
         return "packed" if self.cfg.packed else "shared"
 
-    def _forward(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_batch(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self.logprobs(batch, with_entropy=with_entropy)
         return out if with_entropy else (out, None)  # (B, T) each
 
@@ -275,19 +238,21 @@ class Trainer(BatchBuilder):
             if not fits:
                 return len(held)
             groups = groups[:fits]
-        self.ahead.hold(groups, self.policy_version, *self._forward(self._batch(groups), self.cfg.entropy_coef > 0))
+        self.ahead.hold(
+            groups, self.policy_version, *self.forward_batch(self.batch_of(groups), self.cfg.entropy_coef > 0)
+        )
         return len(groups)
 
-    def _policy_logprobs(
+    def policy_logprobs(
         self, groups: list[Group], batch: Batch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """(B, T) logprobs [and entropy] of the batch under the policy, and how many of its groups
         came from `forward_ahead`."""
         found = self.ahead.take(groups, self.policy_version)
         if not any(found):
-            return *self._forward(batch, with_entropy), 0
+            return *self.forward_batch(batch, with_entropy), 0
         rest = [g for g, h in zip(groups, found) if h is None]
-        fresh = by_group(rest, *self._forward(self._batch(rest), with_entropy)) if rest else iter(())
+        fresh = by_group(rest, *self.forward_batch(self.batch_of(rest), with_entropy)) if rest else iter(())
         return *assemble(found, fresh, batch["targets"].shape[1], with_entropy), sum(h is not None for h in found)
 
     def _loss_mask(self, batch: Batch, lag: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
@@ -306,7 +271,7 @@ class Trainer(BatchBuilder):
             mask &= ~stale
         return mask, counts
 
-    def _token_advantages(self, batch: Batch, student: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def token_advantages(self, batch: Batch, student: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
         """The advantages of the loss: (B,) from the rewards, or (B, T) with process rewards or a
         distillation teacher (trainer/token_advantages.py); `student` (B, T) are the detached
         logprobs of the policy at the start of the step (needed with a teacher only)."""
@@ -331,13 +296,13 @@ class Trainer(BatchBuilder):
             stats["teacher_kl"] = float(k.mean()) if k.numel() else 0.0
         return adv, stats
 
-    def _update(self, loss: torch.Tensor) -> tuple[int, torch.Tensor, float]:
+    def update(self, loss: torch.Tensor) -> tuple[int, torch.Tensor, float]:
         """Backward, clip and one optimizer step; (1 if applied else 0, grad norm, seconds of the
         clip and optimizer step). A non-finite loss or gradient leaves the weights as they are."""
         self.optimizer.zero_grad(set_to_none=True)
-        return self._apply(self._backward(loss))
+        return self.apply_update(self.backward(loss))
 
-    def _backward(self, loss: torch.Tensor) -> bool:
+    def backward(self, loss: torch.Tensor) -> bool:
         """Add the gradient of `loss` if it is finite (on M ranks: if it is on all of them, which
         then all take the backward pass); whether it was."""
         ok = self.all_finite(loss)
@@ -345,9 +310,9 @@ class Trainer(BatchBuilder):
             loss.backward()
         return ok
 
-    def _apply(self, loss_ok: bool) -> tuple[int, torch.Tensor, float]:
+    def apply_update(self, loss_ok: bool) -> tuple[int, torch.Tensor, float]:
         """Clip the accumulated gradients and take the optimizer step, unless a loss or the
-        gradient is not finite; as `_update`."""
+        gradient is not finite; as `update`."""
         grad_norm = torch.tensor(float("nan"))
         t0 = time.perf_counter()  # from here on the cost does not grow with the batch's tokens
         if loss_ok:
@@ -365,13 +330,13 @@ class Trainer(BatchBuilder):
             self.compute.refresh()
         return 1, grad_norm, time.perf_counter() - t0
 
-    def _routed_forward(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    def routed_forward(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
         """The batch's forward with the engine's MoE routes replayed (trainer.routing_replay)."""
         assert self.routing is not None
         routes = batch["routes"]
         self.routing.arm(routes.reshape(-1, *routes.shape[2:]))  # router rows are (b, position) flattened
         try:
-            logp, entropy = self._forward(batch, with_entropy)
+            logp, entropy = self.forward_batch(batch, with_entropy)
         except BaseException:
             self.routing.reset()  # the forward's own error, not an unused-routes one
             raise
@@ -382,16 +347,16 @@ class Trainer(BatchBuilder):
         the forward pass (or the one `forward_ahead` ran), each later one from a fresh forward
         against the same behaviour logprobs, advantages and weights; policy_version and the lr
         schedule move once per batch, when at least one update was applied. A batch whose forward
-        is over trainer.micro_batch_tokens runs as micro-batches (`_micro_updates`)."""
+        is over trainer.micro_batch_tokens runs as micro-batches (trainer/updates.py)."""
         cfg = self.cfg
-        batch = self._batch(groups)
+        batch = self.batch_of(groups)
         lag = self.policy_version - batch["versions"]  # (B, T), against the version before the step
         mask, counts = self._loss_mask(batch, lag)
         budget = cfg.micro_batch_tokens
         if budget is not None and forward_tokens(groups, self.layout()) > budget:
-            run = self._micro_updates(groups, batch, mask, budget)
+            run = micro_updates(self, groups, batch, mask, budget)
         else:
-            run = self._whole_updates(groups, batch, mask)
+            run = whole_updates(self, groups, batch, mask)
         loss, grad_norm, applied, extra = run.loss, run.grad_norm, run.applied, run.extra
         teachers = Counter(s.teacher for g in groups for s in g.samples if s.teacher is not None)
         if teachers:
@@ -436,175 +401,3 @@ class Trainer(BatchBuilder):
             "tokens": int(mask.sum()),
             "update_s": run.update_s,  # gradient clips and optimizer steps
         }
-
-    def _whole_updates(self, groups: list[Group], batch: Batch, mask: torch.Tensor) -> Updates:
-        """The updates of a batch whose forward runs at once: one graph over every row."""
-        cfg = self.cfg
-        routing: dict[str, float] = {}
-        ahead = 0  # groups whose forward ran ahead of the step
-        replay = self.routing is not None and "routes" in batch
-        if replay:
-            logp, entropy, routing = self._routed_forward(batch, cfg.entropy_coef > 0)
-        else:
-            logp, entropy, ahead = self._policy_logprobs(groups, batch, cfg.entropy_coef > 0)
-        prox = logp.detach()  # proximal policy: the policy at the batch's start, for every update of it
-        weights, is_stats = is_weights(prox, batch["behaviour"], mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
-        old = batch["behaviour"] if cfg.correction == "none" else prox
-        advantages, token_stats = self._token_advantages(batch, prox)
-        den = self.denominators(mask)
-        ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = self.logprobs(batch, self.reference)
-        objective = partial(policy_objective, cfg, self.max_new_tokens, mask, old, advantages, weights, den, ref)
-        loss, stats, extra = objective(logp, entropy)
-        extra.update(token_stats)
-        applied, grad_norm, update_s = self._update(loss)
-        last_loss, last_clip = loss, stats.get("clip_frac")
-        for _ in range(cfg.updates_per_batch - 1):
-            if not applied:
-                break
-            if replay:
-                logp, entropy, _ = self._routed_forward(batch, cfg.entropy_coef > 0)
-            else:
-                logp, entropy = self._forward(batch, cfg.entropy_coef > 0)
-            last_loss, last_stats, _ = objective(logp, entropy)
-            last_clip = last_stats.get("clip_frac")
-            ok, grad_norm, more_s = self._update(last_loss)
-            applied, update_s = applied + ok, update_s + more_s
-        return Updates(
-            loss, stats, is_stats, extra, prox, applied, grad_norm, update_s, last_loss, last_clip, routing, ahead
-        )
-
-    def _micro_updates(self, groups: list[Group], batch: Batch, mask: torch.Tensor, budget: int) -> Updates:
-        """The updates of a batch over `budget` forward tokens, micro-batch by micro-batch (trainer/micro.py).
-
-        Every update runs forward + backward of one micro-batch at a time, gradients accumulated,
-        each micro-batch's loss divided by the whole batch's denominators, so their sum is the
-        whole batch's loss; then one clip and optimizer step. The first update's proximal
-        logprobs, importance weights and reference logprobs are per row, so each micro-batch takes
-        its own from its forward; a distillation teacher's advantages are standardised over the
-        batch, so with a teacher a no-grad forward of every micro-batch gives the proximal
-        logprobs first. The statistics are computed over the whole batch from the micro-batches'
-        detached (B, T) logprobs, as the unsplit step computes them. Groups `forward_ahead` held
-        are one micro-batch, run first."""
-        cfg = self.cfg
-        B, T = batch["targets"].shape
-        with_entropy = cfg.entropy_coef > 0
-        layout = self.layout()
-        found = self.ahead.take(groups, self.policy_version)
-        first_row = [0]
-        for g in groups:
-            first_row.append(first_row[-1] + len(g.samples))
-        held = [i for i, h in enumerate(found) if h is not None]
-        rest = [i for i, h in enumerate(found) if h is None]
-        parts = [[(rest[i], lo, hi) for i, lo, hi in part] for part in split([groups[i] for i in rest], budget, layout)]
-        micro = [Micro(part_rows(p, first_row), part_groups(groups, p)) for p in parts]
-        if held:
-            given = [found[i] for i in held]
-            micro.insert(
-                0,
-                Micro(
-                    part_rows([(i, 0, len(groups[i].samples)) for i in held], first_row),
-                    [groups[i] for i in held],
-                    torch.cat([fit(h.logp, T) for h in given if h is not None]),
-                    torch.cat([fit(h.entropy, T) for h in given if h is not None and h.entropy is not None])
-                    if with_entropy
-                    else None,
-                ),
-            )
-        behaviour = batch["behaviour"]
-        den = batch_denominators(mask, self.max_new_tokens)
-        prox: torch.Tensor | None = None
-        if "teacher" in batch:
-            with torch.no_grad():
-                prox, _, _, _ = self._accumulate(micro, T, False, None)
-        advantages, token_stats = self._token_advantages(batch, prox)
-        reference = self.reference
-        ref = torch.zeros((B, T)) if reference is not None else None
-
-        def first_loss(m: Micro, mb: Batch | None, logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
-            rows = m.rows
-            prox_m = prox[rows] if prox is not None else logp.detach()
-            w, _ = is_weights(prox_m, behaviour[rows], mask[rows], cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
-            old_m = behaviour[rows] if cfg.correction == "none" else prox_m
-            ref_m = None
-            if ref is not None and reference is not None:
-                assert mb is not None
-                with torch.no_grad():
-                    ref_m = fit(self.logprobs(mb, reference), T)
-                ref[rows] = ref_m
-            args = (cfg, self.max_new_tokens, mask[rows], old_m, advantages[rows], w, den, ref_m)
-            return policy_objective(*args, logp, entropy)[0]
-
-        self.optimizer.zero_grad(set_to_none=True)
-        logp, entropy, ok, routing = self._accumulate(micro, T, with_entropy, first_loss)
-        prox = prox if prox is not None else logp
-        weights, is_stats = is_weights(prox, behaviour, mask, cfg.correction, cfg.is_cap, cfg.is_lo, cfg.is_hi)
-        old = behaviour if cfg.correction == "none" else prox
-        objective = partial(policy_objective, cfg, self.max_new_tokens, mask, old, advantages, weights, den, ref)
-        loss, stats, extra = objective(logp, entropy)  # detached: the values the unsplit step reports
-        extra.update(token_stats)
-        extra["micro_batches"] = len(micro)
-        applied, grad_norm, update_s = self._apply(ok)
-        last_loss, last_clip = loss, stats.get("clip_frac")
-        micro = [Micro(m.rows, m.groups) for m in micro]  # later updates run every forward afresh
-
-        def later_loss(m: Micro, mb: Batch | None, logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
-            rows = m.rows
-            ref_m = ref[rows] if ref is not None else None
-            args = (cfg, self.max_new_tokens, mask[rows], old[rows], advantages[rows], weights[rows], den, ref_m)
-            return policy_objective(*args, logp, entropy)[0]
-
-        for _ in range(cfg.updates_per_batch - 1):
-            if not applied:
-                break
-            self.optimizer.zero_grad(set_to_none=True)
-            logp, entropy, ok, _ = self._accumulate(micro, T, with_entropy, later_loss)
-            last_loss, last_stats, _ = objective(logp, entropy)
-            last_clip = last_stats.get("clip_frac")
-            done, grad_norm, more_s = self._apply(ok)
-            applied, update_s = applied + done, update_s + more_s
-        return Updates(
-            loss, stats, is_stats, extra, prox, applied, grad_norm, update_s, last_loss, last_clip, routing, len(held)
-        )
-
-    def _accumulate(
-        self,
-        micro: list[Micro],
-        T: int,
-        with_entropy: bool,
-        loss_of: Callable[[Micro, Batch | None, torch.Tensor, torch.Tensor | None], torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, bool, dict[str, float]]:
-        """Forward each micro-batch and, with `loss_of(micro, its batch, logp, entropy)`, backward its
-        loss into the gradients (a non-finite loss, and every one after it, is not backpropagated).
-        Returns the batch's detached (B, T) logprobs [and entropy], whether every loss was finite,
-        and the routing fractions over all micro-batches' routed tokens (MoE replay)."""
-        B = sum(len(m.rows) for m in micro)
-        logp, entropy = torch.zeros((B, T)), torch.zeros((B, T)) if with_entropy else None
-        ok = True
-        routed: dict[str, float] = {}
-        routed_tokens = 0
-        for m in micro:
-            needs_batch = m.logp is None or (loss_of is not None and self.reference is not None)
-            mb = self._batch(m.groups) if needs_batch else None
-            if m.logp is not None:
-                lp, ent = m.logp, m.entropy
-            else:
-                assert mb is not None
-                if self.routing is not None and "routes" in mb:
-                    lp, ent, fractions = self._routed_forward(mb, with_entropy)
-                    n = int((mb["routes"][..., 0, 0] >= 0).sum())  # the tokens `fractions` are over
-                    for k, v in fractions.items():
-                        routed[k] = routed.get(k, 0.0) + v * n
-                    routed_tokens += n if fractions else 0
-                else:
-                    lp, ent = self._forward(mb, with_entropy)
-            lp, ent = fit(lp, T), fit(ent, T) if ent is not None else None
-            if loss_of is not None:
-                loss = loss_of(m, mb, lp, ent)
-                ok = ok and self._backward(loss)
-            logp[m.rows] = lp.detach()
-            if entropy is not None and ent is not None:
-                entropy[m.rows] = ent.detach()
-        return logp, entropy, ok, {k: v / routed_tokens for k, v in routed.items()} if routed_tokens else {}

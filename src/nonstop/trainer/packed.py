@@ -14,7 +14,7 @@ and the trainer pays for it in every projection, MLP, attention and the LM head.
 - the LM head and log-softmax run on the real completion positions only (`packed_logprobs`), in
   chunks no larger than the padded path's, and the result is scattered to (B, T).
 
-Contract: `packed_hidden(model, batch)` takes the shared-prompt batch of Trainer._batch plus
+Contract: `packed_hidden(model, batch)` takes the shared-prompt batch of Trainer.batch_of plus
 `completion_len` (B,) and returns (N, hidden), the final-normed hidden states that predict the
 N = sum(completion_len) completion tokens, in row-major order (row b's tokens 0..len_b - 1, then
 row b + 1's): the same values as `prompt_shared_hidden(model, batch)[in_completion]` up to float

@@ -141,9 +141,9 @@ class ParallelTrainer(Trainer):
         self.make_optimizer()  # over the sharded / wrapped parameters
         self._samples = 0
 
-    def _batch(self, groups: list[Group]) -> Batch:
+    def batch_of(self, groups: list[Group]) -> Batch:
         lo, hi = shard_bounds(len(groups), self.rank, self.world)
-        batch = super()._batch(groups[lo:hi])
+        batch = super().batch_of(groups[lo:hi])
         advantages = self._advantages(groups)  # (B,) over the whole batch: 'batch' mode normalises over it
         start = sum(len(g.samples) for g in groups[:lo])
         batch["advantages"] = advantages[start : start + sum(len(g.samples) for g in groups[lo:hi])]  # (B_r,)
