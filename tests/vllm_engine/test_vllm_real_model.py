@@ -21,6 +21,7 @@ def test_the_vllm_row_of_the_real_model_matrix(smollm2_dir, tmp_path):
     spec = importlib.util.spec_from_file_location("bench_real_matrix", ROOT / "bench" / "real_matrix.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
     spec.loader.exec_module(bench)
     ctx = bench.make_ctx(tmp_path)
     assert ctx.model == Path(smollm2_dir)
