@@ -16,7 +16,7 @@ import pytest
 from nonstop.config import TaskConfig
 from nonstop.tasks.data import DatasetError, load_task
 from support import child_env
-from support.cli import NONSTOP, nonstop, small_model_args
+from support.cli import NONSTOP, nonstop, sets, small_model_args
 
 
 def _children(pid: int) -> list[int]:
@@ -71,9 +71,7 @@ def test_bad_model_paths_fail_fast_with_one_line_and_no_run_folder(tmp_path, mod
     env_offline = {"HF_HUB_OFFLINE": "1"}
     os.environ.update(env_offline)
     try:
-        result = nonstop(
-            ["train", "--set", f"model.path={model}", "--set", "run.progress=plain"], cwd=tmp_path, timeout_s=120
-        )
+        result = nonstop(["train", *sets({"model.path": model, "run.progress": "plain"})], cwd=tmp_path, timeout_s=120)
     finally:
         for k in env_offline:
             os.environ.pop(k)
@@ -88,7 +86,7 @@ def test_bad_model_paths_fail_fast_with_one_line_and_no_run_folder(tmp_path, mod
 def test_hub_id_without_network_stops_on_ctrl_c(tmp_path):
     env = child_env(HF_HUB_OFFLINE="0")
     proc = subprocess.Popen(
-        [NONSTOP, "train", "--set", "model.path=someorg/some-model", "--set", "run.progress=plain"],
+        [NONSTOP, "train", *sets({"model.path": "someorg/some-model", "run.progress": "plain"})],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -114,7 +112,7 @@ def test_hub_id_without_network_stops_on_ctrl_c(tmp_path):
 def test_bad_reward_is_refused_before_any_actor_starts(tiny_dir, tmp_path, reward, words):
     t0 = time.perf_counter()
     result = nonstop(
-        ["train", *small_model_args(tiny_dir), "--set", f"task.reward={reward}"], cwd=tmp_path, timeout_s=120
+        ["train", *small_model_args(tiny_dir), *sets({"task.reward": reward})], cwd=tmp_path, timeout_s=120
     )
     assert result.returncode == 2 and words in result.stdout, result
     assert "starting" not in result.stdout and time.perf_counter() - t0 < 60
@@ -135,7 +133,7 @@ def test_a_failure_message_with_brackets_is_printed_as_it_is(tmp_path):
     is shown as one line, not turned into a traceback by the console's markup."""
     missing = tmp_path / "[/oops]" / "d.jsonl"
     result = nonstop(
-        ["train", "--set", "task.name=jsonl", "--set", f"task.dataset_path={missing}", "--set", "run.progress=plain"],
+        ["train", *sets({"task.name": "jsonl", "task.dataset_path": missing, "run.progress": "plain"})],
         cwd=tmp_path,
         timeout_s=120,
     )
@@ -146,7 +144,7 @@ def test_a_failure_message_with_brackets_is_printed_as_it_is(tmp_path):
 
 def test_a_config_error_is_one_line(tmp_path):
     """A config error is one line naming the field, exit status 2, no traceback."""
-    result = nonstop(["train", "--set", "buffer.depht=2"], cwd=tmp_path, timeout_s=120)
+    result = nonstop(["train", *sets({"buffer.depht": 2})], cwd=tmp_path, timeout_s=120)
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 2, result
     assert lines == ["invalid config: buffer.depht: unknown field (did you mean 'depth'?)"], result
@@ -155,7 +153,7 @@ def test_a_config_error_is_one_line(tmp_path):
 def test_an_error_no_command_handles_is_one_line(tmp_path):
     """`nonstop warmup` leaves a DatasetError to the command group, which catches NonstopError:
     one line on stderr, exit status 1, no traceback, no output folder."""
-    args = ["warmup", "--set", "task.name=jsonl", "--set", "task.dataset_path=missing.jsonl", "--out", "out"]
+    args = ["warmup", *sets({"task.name": "jsonl", "task.dataset_path": "missing.jsonl"}), "--out", "out"]
     result = nonstop(args, cwd=tmp_path, timeout_s=120)
     assert result.returncode == 1 and not result.stdout, result
     assert result.stderr.strip().splitlines() == ["nonstop warmup: dataset file not found: missing.jsonl"], result
@@ -189,16 +187,15 @@ def _start_run(tiny_dir, tmp_path, name, *extra):
             NONSTOP,
             "train",
             *small_model_args(tiny_dir),
-            "--set",
-            f"run.name={name}",
-            "--set",
-            "run.max_steps=100000",
-            "--set",
-            "run.max_time_s=null",
-            "--set",
-            "task.eval_size=10",
-            "--set",
-            "rollout.filter_uniform_reward=false",
+            *sets(
+                {
+                    "run.name": name,
+                    "run.max_steps": 100000,
+                    "run.max_time_s": None,
+                    "task.eval_size": 10,
+                    "rollout.filter_uniform_reward": False,
+                }
+            ),
             *extra,
         ],
         cwd=tmp_path,
@@ -294,10 +291,7 @@ def test_killed_trainer_leaves_no_segment_and_a_failed_marker(tiny_dir, tmp_path
         tiny_dir,
         tmp_path,
         "tk",
-        "--set",
-        "task.reward=support.fault_rewards:kill_trainer_reward",
-        "--set",
-        "checkpoint.every_steps=null",
+        *sets({"task.reward": "support.fault_rewards:kill_trainer_reward", "checkpoint.every_steps": None}),
     )
     try:
         _wait_for_line(proc, "base policy held-out ")
@@ -313,7 +307,7 @@ def test_killed_trainer_leaves_no_segment_and_a_failed_marker(tiny_dir, tmp_path
 
 @pytest.mark.slow  # a real training run (1-4 min on a loaded 2-core machine)
 def test_ctrl_c_writes_a_checkpoint_that_resumes_and_a_second_stops_at_once(tiny_dir, tmp_path):
-    proc = _start_run(tiny_dir, tmp_path, "cc", "--set", "checkpoint.every_steps=100000")
+    proc = _start_run(tiny_dir, tmp_path, "cc", *sets({"checkpoint.every_steps": 100000}))
     try:
         _wait_for_line(proc, "step    1")  # plain progress prints the first step at once
         proc.send_signal(signal.SIGINT)
@@ -326,7 +320,7 @@ def test_ctrl_c_writes_a_checkpoint_that_resumes_and_a_second_stops_at_once(tiny
     run_dir = tmp_path / "runs" / "cc"
     assert (run_dir / "checkpoints").is_dir() and "resume with" in (run_dir / "FAILED").read_text()
     result = nonstop(
-        ["train", "--resume", str(run_dir), "--set", f"run.max_steps={step + 2}"], cwd=tmp_path, timeout_s=400
+        ["train", "--resume", str(run_dir), *sets({"run.max_steps": step + 2})], cwd=tmp_path, timeout_s=400
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -357,20 +351,17 @@ def test_time_budget_ends_a_run_in_which_no_batch_ever_arrives(tiny_dir, tmp_pat
     out = nonstop(
         [
             "train",
-            "--set",
-            "task.reward=support.rewards:zero_reward",
-            "--set",
-            "run.max_time_s=4",
-            "--set",
-            "run.max_steps=1000",
-            "--set",
-            "checkpoint.every_steps=null",
-            "--set",
-            "rollout.max_consecutive_uniform=100000000",
-            "--set",
-            f"run.out_dir={tmp_path}",
-            "--set",
-            "run.name=flat",
+            *sets(
+                {
+                    "task.reward": "support.rewards:zero_reward",
+                    "run.max_time_s": 4,
+                    "run.max_steps": 1000,
+                    "checkpoint.every_steps": None,
+                    "rollout.max_consecutive_uniform": 100000000,
+                    "run.out_dir": tmp_path,
+                    "run.name": "flat",
+                }
+            ),
             *small_model_args(tiny_dir),
         ],
         tmp_path,
