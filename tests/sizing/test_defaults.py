@@ -18,6 +18,7 @@ from nonstop.orchestrator.launch import run_rows
 from nonstop.sizing.defaults import engine_limits, engine_slots, learning_rate
 from nonstop.sizing.machine import GIB, MachineMemory
 from nonstop.types import GenerationRequest, SamplingParams
+from support.cli import sets
 
 MACHINE = MachineMemory(total=64 * GIB, available=48 * GIB, source="a stated test machine")
 
@@ -172,7 +173,7 @@ def test_nonstop_config_plan_prints_the_resolved_values_and_the_plan():
     out = result.output
     assert "  lr: 0.0006\n" in out and "  max_concurrent_seqs: 256\n" in out and "  max_seq_len: 10\n" in out
     assert "# memory plan: " in out and "#   engine         x1" in out
-    refused = CliRunner().invoke(main, ["config", "--plan", "--set", "run.memory_limit_gib=0.1"])
+    refused = CliRunner().invoke(main, ["config", "--plan", *sets({"run.memory_limit_gib": 0.1})])
     assert refused.exit_code == 2 and "the run's memory plan needs" in refused.output
 
 

@@ -20,6 +20,7 @@ from nonstop.sizing.machine import GIB, MachineMemory
 from nonstop.sizing.memory import plan_memory
 from nonstop.sizing.shape import ModelShape
 from support import EXAMPLES_DIR, child_env
+from support.cli import sets
 
 QWEN25_05B = dict(  # Qwen2.5-0.5B's shape (issue 31), vocabulary included
     architectures=["Qwen2ForCausalLM"],
@@ -254,16 +255,15 @@ def test_the_old_default_reservation_of_a_05b_model_is_refused_before_any_actor(
             "-m",
             "nonstop.cli",
             "train",
-            "--set",
-            f"model.path={half_b_dir}",
-            "--set",
-            "warmup.enabled=false",
-            "--set",
-            "engine.max_concurrent_seqs=256",
-            "--set",
-            "engine.max_seq_len=4096",
-            "--set",
-            "engine.dtype=float32",  # unset it is auto (bf16 where the CPU has it): these are float32 figures
+            *sets(
+                {
+                    "model.path": half_b_dir,
+                    "warmup.enabled": False,
+                    "engine.max_concurrent_seqs": 256,
+                    "engine.max_seq_len": 4096,
+                    "engine.dtype": "float32",  # unset: auto (bf16 where the CPU has it); these are float32 figures
+                }
+            ),
         ],
         cwd=tmp_path,
         env=env,
