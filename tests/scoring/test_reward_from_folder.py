@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from support import child_env
-from support.cli import nonstop, small_model_args
+from support.cli import nonstop, sets, small_model_args
 
 PROBE = """
 import asyncio, os, sys
@@ -91,7 +91,7 @@ def test_the_cli_resolves_a_reward_from_the_folder_it_runs_in(tiny_dir, tmp_path
     user = _user_folder(tmp_path)
     t0 = time.perf_counter()
     result = nonstop(
-        ["train", *small_model_args(tiny_dir), "--set", "task.reward=mypkg.rewards:nosuch"], cwd=user, timeout_s=120
+        ["train", *small_model_args(tiny_dir), *sets({"task.reward": "mypkg.rewards:nosuch"})], cwd=user, timeout_s=120
     )
     assert result.returncode == 2, result
     assert "task.reward: cannot import 'mypkg.rewards:nosuch'" in result.stdout, result.stdout

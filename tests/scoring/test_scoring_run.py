@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from support.cli import nonstop, records, small_model_args
+from support.cli import nonstop, records, sets, small_model_args
 
 
 def _dataset(tmp_path, n=10):
@@ -21,27 +21,21 @@ def _run(tmp_path, tiny_dir, name, *overrides):
         [
             "train",
             *small_model_args(tiny_dir),
-            "--set",
-            "task.name=jsonl",
-            "--set",
-            "task.dataset_path=data.jsonl",
-            "--set",
-            "task.eval_size=8",
-            "--set",
-            "run.max_epochs=1",
-            "--set",
-            "run.max_steps=100",
-            "--set",
-            "rollout.filter_uniform_reward=false",
-            "--set",
-            "rollout.prompts_per_step=4",
-            "--set",
-            "rollout.group_size=2",
-            "--set",
-            "checkpoint.every_steps=null",
-            "--set",
-            f"run.name={name}",
-            *[a for o in overrides for a in ("--set", o)],
+            *sets(
+                {
+                    "task.name": "jsonl",
+                    "task.dataset_path": "data.jsonl",
+                    "task.eval_size": 8,
+                    "run.max_epochs": 1,
+                    "run.max_steps": 100,
+                    "rollout.filter_uniform_reward": False,
+                    "rollout.prompts_per_step": 4,
+                    "rollout.group_size": 2,
+                    "checkpoint.every_steps": None,
+                    "run.name": name,
+                }
+            ),
+            *sets(overrides),
         ],
         cwd=tmp_path,
         timeout_s=400,
