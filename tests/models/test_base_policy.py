@@ -17,6 +17,7 @@ from nonstop.models.shipped import SHIPPED, read_provenance, sha256_file, shippe
 from nonstop.models.tiny import make_char_tokenizer
 from nonstop.models.warmup import greedy_accuracy
 from nonstop.tasks.data import load_task
+from support.cli import sets
 
 
 @pytest.mark.parametrize("kind", sorted(SHIPPED))
@@ -107,28 +108,20 @@ def test_warmup_command_writes_a_base_with_its_provenance(tmp_path):
     from support.cli import nonstop
 
     out = tmp_path / "base"
-    small = [
-        "--set",
-        "model.tiny.hidden_size=32",
-        "--set",
-        "model.tiny.num_layers=1",
-        "--set",
-        "model.tiny.num_heads=2",
-        "--set",
-        "model.tiny.num_kv_heads=1",
-        "--set",
-        "model.tiny.intermediate_size=64",
-        "--set",
-        "task.max_operand=9",
-        "--set",
-        "task.eval_size=20",
-        "--set",
-        "warmup.max_steps=20",
-        "--set",
-        "warmup.eval_every=10",
-        "--set",
-        "warmup.seed=4",
-    ]
+    small = sets(
+        {
+            "model.tiny.hidden_size": 32,
+            "model.tiny.num_layers": 1,
+            "model.tiny.num_heads": 2,
+            "model.tiny.num_kv_heads": 1,
+            "model.tiny.intermediate_size": 64,
+            "task.max_operand": 9,
+            "task.eval_size": 20,
+            "warmup.max_steps": 20,
+            "warmup.eval_every": 10,
+            "warmup.seed": 4,
+        }
+    )
     result = nonstop(["warmup", *small, "--threads", "1", "--out", str(out)], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     prov = json.loads((out / "provenance.json").read_text())
