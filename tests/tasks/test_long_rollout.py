@@ -15,6 +15,7 @@ from nonstop.models.shipped import ASSETS, TASK_BASES, sha256_file, verify
 from nonstop.scoring.rewards import exact_match
 from nonstop.tasks import long_rollout as task
 from nonstop.tasks.data import load_task
+from support.cli import sets
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ASSETS / TASK_BASES[task.NAME]
@@ -139,24 +140,19 @@ def test_a_short_run_of_the_example_trains_end_to_end(tmp_path):
         [
             "train",
             str(EXAMPLE),
-            "--set",
-            "run.name=long",
-            "--set",
-            "run.max_steps=3",
-            "--set",
-            "run.max_time_s=null",
-            "--set",
-            "run.eval_every=3",
-            "--set",
-            "task.eval_size=16",
-            "--set",
-            "rollout.prompts_per_step=4",
-            "--set",
-            "rollout.group_size=4",
-            "--set",
-            "checkpoint.every_steps=null",
-            "--set",
-            "run.progress=plain",
+            *sets(
+                {
+                    "run.name": "long",
+                    "run.max_steps": 3,
+                    "run.max_time_s": None,
+                    "run.eval_every": 3,
+                    "task.eval_size": 16,
+                    "rollout.prompts_per_step": 4,
+                    "rollout.group_size": 4,
+                    "checkpoint.every_steps": None,
+                    "run.progress": "plain",
+                }
+            ),
         ],
         cwd=tmp_path,
     )
