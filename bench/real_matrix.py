@@ -38,7 +38,8 @@ from outside it, could have come out otherwise:
 - resume: an uninterrupted run and a run whose trainer is SIGKILLed after its step-2 checkpoint,
   then `nonstop train --resume`: every step trains the same prompts with the same completions
   (completions_crc32) and the final weights' crc is the uninterrupted run's; `nonstop verify`
-  finds nothing lost or duplicated.
+  finds nothing lost or duplicated. Its engine holds one group at a time, in float32: behaviour
+  logprobs enter the loss, and float32 matmuls round differently with the rows in a pass.
 
     python bench/real_matrix.py                          # every row (47 minutes on 2 shared cores)
     python bench/real_matrix.py --rows builtin,lora      # a subset
@@ -222,11 +223,11 @@ def base_row(path: str, summary: dict, run_dir: Path, extra_ok: bool, extra: str
 # -- training rows ----------------------------------------------------------------------------------
 
 RUNS: dict[str, dict[str, object]] = {
-    # each training run covers two rows of the table (one of the engine/transport/backend/ranks
-    # kinds and one buffer depth or partial-rollout mode), so the matrix takes half the runs
-    # shm, local, full fine-tuning, depth 1, never_stop. The modes that act on sequences in flight at a
-    # swap (never_stop, save_resume) need generation still running when the weights arrive: groups of
-    # uniform reward dropped and refilled, and 64 tokens, keep the engine busy through the trainer's step
+    # most training runs cover two rows of the table (one of the engine/transport/backend/ranks
+    # kinds and one buffer depth or partial-rollout mode), so the matrix takes about half the runs.
+    # "builtin": shm, local, full fine-tuning, depth 1, never_stop. never_stop acts on sequences in
+    # flight at a swap, so generation must still run when the weights arrive: groups of uniform
+    # reward dropped and refilled, and 64 tokens, keep the engine busy through the trainer's step
     "builtin": {"rollout.filter_uniform_reward": "true", "rollout.max_new_tokens": 64},
     "broadcast-depth2": {"transport.kind": "broadcast", "buffer.depth": 2, "buffer.max_lag": 2, "run.max_steps": 4},
     "files-depth0": {
@@ -238,12 +239,14 @@ RUNS: dict[str, dict[str, object]] = {
     "lora-blocking": {"model.lora.enabled": "true", "engine.update_mode": "blocking"},
     "ray-drain": {"runtime.backend": "ray", "engine.update_mode": "drain"},
     "ddp-abort_retry": {"trainer.ranks": 2, "trainer.data_parallel": "ddp", "engine.update_mode": "abort_retry"},
-    "fsdp2-save_resume": {
-        "trainer.ranks": 2,
-        "trainer.data_parallel": "fsdp2",
+    "fsdp2": {"trainer.ranks": 2, "trainer.data_parallel": "fsdp2"},
+    # save_resume pauses only sequences that are in flight at a swap, so its run keeps the engine the
+    # slower side: one trainer rank (a step of a few seconds) against 16 completions of up to 128
+    # tokens, with uniform groups dropped and refilled
+    "save_resume": {
         "engine.update_mode": "save_resume",
         "rollout.filter_uniform_reward": "true",
-        "rollout.max_new_tokens": 64,
+        "rollout.max_new_tokens": 128,
     },
 }
 
@@ -800,11 +803,16 @@ def row_resume(ctx: Ctx) -> Row:
         "rollout.seed_per_prompt": "true",
         "checkpoint.every_steps": 2,
         "run.max_steps": steps,
-        # float32 and no prefix cache: the same tokens from the same weights and seeds however the
-        # engine's batches and cached prefixes fall (bf16 rounding depends on both)
+        # Bit-equal final weights need bit-equal behaviour logprobs: they enter every step's
+        # importance ratio. An engine pass's float32 matmuls round differently with the number of
+        # rows in it, and which groups share a pass depends on timing, so the engine here holds one
+        # group at a time (slots = group size): each group's passes are its own rows whatever the
+        # timing. float32 and no prefix cache for the same reason (bf16 rounding and a cached
+        # prefix's KV both depend on what ran before).
         "engine.dtype": "float32",
         "trainer.precision": "float32",
         "engine.prefix_cache_tokens": 0,
+        "engine.max_concurrent_seqs": SMALL["rollout.group_size"],
     }
     ref, ref_dir, _ = train(ctx, "resume-ref", sync)
     kill: dict = {}
@@ -837,12 +845,16 @@ def row_resume(ctx: Ctx) -> Row:
     summary = json.loads((run_dir / "summary.json").read_text())
     same = lambda d: {r["step"]: (r["prompts"], r["completions_crc32"]) for r in steps_of(d)}  # noqa: E731
     steps_equal = same(run_dir) == same(ref_dir) and len(same(ref_dir)) == steps
+    # the behaviour logprobs' trace in each step: equal floats when the engine's arithmetic was the same
+    kl = lambda d: [r["mismatch_kl"] for r in steps_of(d)]  # noqa: E731
+    behaviour_same = sum(a == b for a, b in zip(kl(run_dir), kl(ref_dir), strict=False))
     weights_same = summary["weights_crc32"]["trainer"] == ref["weights_crc32"]["trainer"]
     counts = verified(run_dir)
     at = re.search(r"resumed from .*?\(step (\d+),", out, re.S)
     text = (
         f"{proof.evidence}; resumed at step {at.group(1) if at else '?'}; {steps} steps' prompts and completions_crc32 "
-        f"== the uninterrupted run's: {steps_equal}; final weights crc == the uninterrupted run's: {weights_same}; "
+        f"== the uninterrupted run's: {steps_equal}; steps whose behaviour/trainer KL == the uninterrupted "
+        f"run's: {behaviour_same}/{steps}; final weights crc == the uninterrupted run's: {weights_same}; "
         f"verify lost {counts.lost} duplicated {counts.duplicated}"
     )
     ok = proof.fired and steps_equal and weights_same and counts.clean
@@ -859,13 +871,13 @@ ROWS: dict[str, Callable[[Ctx], Row]] = {
     "broadcast": transport_row("broadcast", "broadcast-depth2"),
     "files": transport_row("files", "files-depth0"),
     "ddp": ranks_row("ddp", "ddp-abort_retry"),
-    "fsdp2": ranks_row("fsdp2", "fsdp2-save_resume"),
+    "fsdp2": ranks_row("fsdp2", "fsdp2"),
     "depth0": depth_row(0, "files-depth0"),
     "depth1": depth_row(1, "builtin"),
     "depth2": depth_row(2, "broadcast-depth2"),
     "never_stop": mode_row("never_stop", "builtin"),
     "abort_retry": mode_row("abort_retry", "ddp-abort_retry"),
-    "save_resume": mode_row("save_resume", "fsdp2-save_resume"),
+    "save_resume": mode_row("save_resume", "save_resume"),
     "drain": mode_row("drain", "ray-drain"),
     "blocking": mode_row("blocking", "lora-blocking"),
     "multiturn_tool": row_multiturn_tool,

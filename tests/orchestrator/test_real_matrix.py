@@ -30,7 +30,7 @@ def test_a_row_of_the_real_model_matrix_is_ok_on_its_evidence(row, smollm2_dir, 
     bench = load_bench()
     ctx = bench.make_ctx(tmp_path)
     assert ctx.model == Path(smollm2_dir)
-    result = bench.run_row(row, ctx)
+    result = bench.one_row(row, ctx)
     print(f"{row}: {result.evidence}")
     assert result.ok, result.evidence
 
