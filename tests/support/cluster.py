@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from support import child_env
-from support.cli import NONSTOP, small_model_args
+from support.cli import NONSTOP, sets, small_model_args
 from support.faults import DEAD, STOPPED, await_state
 from support.loopback import LoopbackAudit, own_addresses, ray_logs_mention
 
@@ -245,8 +245,8 @@ def nonstop_train(
     return subprocess.CompletedProcess(process.args, process.returncode, log.read_text(), "")
 
 
-def cluster_args(model: Path, address: str, name: str, sets: dict[str, str]) -> list[str]:
-    """One epoch of the 80 train prompts of addition 0-9 (unless `sets` says otherwise) on the
+def cluster_args(model: Path, address: str, name: str, overrides: dict[str, str]) -> list[str]:
+    """One epoch of the 80 train prompts of addition 0-9 (unless `overrides` says otherwise) on the
     cluster: engines on nodes with `engine_node`, the trainer on the node with `trainer_node`."""
     base = {
         "runtime.backend": "ray",
@@ -268,8 +268,7 @@ def cluster_args(model: Path, address: str, name: str, sets: dict[str, str]) -> 
         "run.eval_every": "100",
         "task.reward": "support.fault_rewards:cluster_event_reward",
     }
-    merged = {**base, **sets}
-    return [*small_model_args(model), *(a for k, v in merged.items() for a in ("--set", f"{k}={v}"))]
+    return [*small_model_args(model), *sets({**base, **overrides})]
 
 
 Action = Callable[[LoopbackCluster, dict], None]
@@ -409,9 +408,9 @@ def run_scenario(sc: Scenario, model: Path, work: Path) -> Outcome:
             cluster.add_node(resources, cpus)
         for event, action in sc.actions.items():
             pipe.on(event, lambda a=action: a(cluster, record))
-        sets = {k: v.replace("{root}", str(root)) for k, v in sc.sets.items()}
+        overrides = {k: v.replace("{root}", str(root)) for k, v in sc.sets.items()}
         env = {"NONSTOP_TEST_FIFO": str(root / "events"), "NONSTOP_TEST_EVENTS": sc.events}
-        runs = [cluster_args(model, cluster.address, sc.name, sets)]
+        runs = [cluster_args(model, cluster.address, sc.name, overrides)]
         if sc.resume:
             runs.append(["--resume", str(Path("runs") / sc.name)])
         for args in runs:

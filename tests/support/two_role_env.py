@@ -37,22 +37,22 @@ class Duel:
 def duel_args(tiny_dir: Path, out_dir: Path, steps: int, checkpoint_every: int | None = None, *extra: str) -> list[str]:
     """`nonstop train` arguments: Duel for `steps` shared-policy steps, role 'b' on its own policy
     (lr 0.003), 4 rows x 2 episodes a step, the run in out_dir/duel; `extra` are more arguments."""
-    from support.cli import small_model_args
+    from support.cli import sets, small_model_args
 
-    sets = [
-        "env.name=support.two_role_env:Duel",
-        f"env.max_turns={TURNS}",
-        "env.turn_max_tokens=3",
-        "env.max_episode_tokens=48",
-        "env.eval_name=null",
-        "env.policies.b.lr=0.003",
-        "task.eval_size=8",
-        "rollout.prompts_per_step=4",
-        "rollout.group_size=2",
-        f"run.max_steps={steps}",
-        f"run.eval_every={steps}",
-        f"checkpoint.every_steps={'null' if checkpoint_every is None else checkpoint_every}",
-        f"run.out_dir={out_dir}",
-        "run.name=duel",
-    ]
-    return [a for s in sets for a in ("--set", s)] + [*small_model_args(tiny_dir), *extra]
+    duel = {
+        "env.name": "support.two_role_env:Duel",
+        "env.max_turns": TURNS,
+        "env.turn_max_tokens": 3,
+        "env.max_episode_tokens": 48,
+        "env.eval_name": None,
+        "env.policies.b.lr": 0.003,
+        "task.eval_size": 8,
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 2,
+        "run.max_steps": steps,
+        "run.eval_every": steps,
+        "checkpoint.every_steps": checkpoint_every,
+        "run.out_dir": out_dir,
+        "run.name": "duel",
+    }
+    return [*sets(duel), *small_model_args(tiny_dir), *extra]
