@@ -26,6 +26,20 @@ if TYPE_CHECKING:
     from nonstop.envs.nim import Nim, NimVsScripted
     from nonstop.lora import MergedAdapters
     from nonstop.orchestrator.dispatch import EnginePool, RankGroup
+    from nonstop.orchestrator.modes.api_agents import AgentsMode
+    from nonstop.orchestrator.modes.environment import EnvMode
+    from nonstop.orchestrator.modes.own_policies import OwnPoliciesMode
+    from nonstop.orchestrator.modes.single_turn import TaskMode
+    from nonstop.orchestrator.run import RunMode
+    from nonstop.orchestrator.step_observers import (
+        Checkpoints,
+        Doctoring,
+        Evaluation,
+        Flops,
+        Records,
+        StepObserver,
+        Timing,
+    )
     from nonstop.runtime.actor_clients import (
         EngineActor,
         EngineService,
@@ -95,3 +109,7 @@ if TYPE_CHECKING:
     environments: list[type[Environment]] = [GuessNumber, Calculator, NimVsScripted]
     multi_agent: list[type[MultiAgentEnvironment]] = [SingleAgent, Nim]
     turn_engines: list[type[TurnEngine]] = [EnginePool, RestartingEngine, EngineActor, AsyncEngine, ClientEngine]
+
+    # A run's mode (where its groups come from, chosen once in build.py) and its learning loop's step observers.
+    run_modes: list[type[RunMode]] = [TaskMode, EnvMode, OwnPoliciesMode, AgentsMode]
+    step_observers: list[type[StepObserver]] = [Timing, Flops, Records, Doctoring, Evaluation, Checkpoints]

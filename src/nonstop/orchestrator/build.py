@@ -2,8 +2,13 @@
 
 `build_run(...)` returns a `Run` (run.py): the fixed wiring of one training run (config, data,
 the engine pool and the trainer rank group as typed clients, buffer, scorer, prompt stream and
-ledger, metrics sink) and its small mutable `RunState`, which resume (recovery.py) and the
-learning loop (learn.py) update.
+ledger, metrics sink, the run's mode) and its small mutable `RunState`, which resume
+(recovery.py) and the learning loop (learn.py) update.
+
+`build_mode(...)` is the one place that chooses the run's mode (run.py `RunMode`,
+orchestrator/modes/) from the config: groups from the task, episodes from an environment (with
+env.policies, roles on policies of their own), or agents over the API around either; nothing
+after it names a mode.
 
 Wiring: `runtime.num_engines` engine actors, each behind a RestartingEngine whose replacement
 starts from the same weights and attaches to the same transport, behind one least-loaded
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.clients import EngineClient
@@ -29,15 +35,19 @@ from nonstop.observe.consumed import DROPPED
 from nonstop.observe.spans import SpanLog
 from nonstop.observe.tracking import open_sinks
 from nonstop.orchestrator.actors import connect_transport, engine_restarter, span_file, spawn_engine, spawn_trainers
-from nonstop.orchestrator.buffer import make_buffer
+from nonstop.orchestrator.buffer import RolloutBuffer, make_buffer
 from nonstop.orchestrator.dispatch import EnginePool
 from nonstop.orchestrator.episode_flow import EnvRun
 from nonstop.orchestrator.generate import RolloutStats
 from nonstop.orchestrator.ledger import Ledger
+from nonstop.orchestrator.modes.api_agents import AgentsMode
+from nonstop.orchestrator.modes.environment import EnvMode
+from nonstop.orchestrator.modes.own_policies import OwnPoliciesMode
+from nonstop.orchestrator.modes.single_turn import TaskMode
 from nonstop.orchestrator.policies import Policies
 from nonstop.orchestrator.policy_build import build_policies
 from nonstop.orchestrator.progress import Progress
-from nonstop.orchestrator.run import Run, RunState
+from nonstop.orchestrator.run import Run, RunMode, RunState
 from nonstop.runtime import ActorBackend
 from nonstop.runtime.restart import RestartingEngine
 from nonstop.scoring.compose import build_scorer
@@ -131,10 +141,7 @@ async def build_run(
     ledger = Ledger(("", *own) if own else ())  # with own policies a row settles once each settled its part
     spans = SpanLog(span_file(cfg, run_dir, "orchestrator"))
     buffer = make_buffer(cfg, ledger.part("") if own else ledger, spans, None if own else run_dir / DROPPED)
-    policies = None
-    if own:
-        sides = await build_policies(cfg, backend, base_model, tok, ledger, run_dir, spans, progress, resume)
-        policies = Policies(buffer, sides, cfg.rollout.filter_uniform_reward, ledger)
+    mode = await build_mode(cfg, backend, base_model, weights, tok, buffer, ledger, run_dir, spans, progress, resume)
     return Run(
         cfg,
         data,
@@ -152,13 +159,41 @@ async def build_run(
         run_dir,
         base_model,
         RunState(),
+        mode,
         spans,
         handle,
-        EnvRun.build(cfg.env, weights) if cfg.env is not None else None,
-        policies,
         join=join if cfg.max_engines > num_engines else None,
         held_out=held_out(cfg, reward),
     )
+
+
+async def build_mode(
+    cfg: Config,
+    backend: ActorBackend,
+    base_model: Path,
+    weights: Path,
+    tok: Any,
+    buffer: RolloutBuffer,
+    ledger: Ledger,
+    run_dir: Path,
+    spans: SpanLog,
+    progress: Progress,
+    resume: Checkpoint | None = None,
+) -> RunMode:
+    """The run's mode, chosen from the config: the task's groups (no `env`), an environment's
+    episodes (`env`; with env.policies each named role's own policy started here, its actors
+    beside the run's), and with agents.enabled the agents' groups around either. `weights`: what
+    the run's engines start from (its tokenizer, `tok`, renders a verifiers taskset's prompts)."""
+    mode: RunMode
+    if cfg.env is None:
+        mode = TaskMode()
+    elif cfg.env.policies:
+        sides = await build_policies(cfg, backend, base_model, tok, ledger, run_dir, spans, progress, resume)
+        policies = Policies(buffer, sides, cfg.rollout.filter_uniform_reward, ledger)
+        mode = OwnPoliciesMode(EnvRun.build(cfg.env, weights), policies)
+    else:
+        mode = EnvMode(EnvRun.build(cfg.env, weights))
+    return AgentsMode(mode) if cfg.agents.enabled else mode
 
 
 def held_out(cfg: Config, reward: RewardFn | None) -> HeldOut:

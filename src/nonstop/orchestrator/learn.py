@@ -1,62 +1,53 @@
-"""The learning loops: the shared policy's `learn()` and each own policy's `learn_policy()`.
+"""The shared policy's learning loop, `learn()`: the run's clock, one step after another.
 
-Both take a batch from their buffer, train it, publish and settle it through one `train_step`
-(step.py), which also tells the buffer the published version only once `publish()` returned,
-i.e. once every engine can load it: admission and the max-lag rule count from there. With
-trainer.publish_overlap, `learn()` goes on while the send is under way: the next batch is taken
-(the max-lag rule counts from the new version at once) and its forward runs; the step's record is
-written once the send ended, with `publish_s` the launch's time and `publish_send_s` the send's.
-A step that evaluates, checkpoints or stops waits for the send first (engines must hold it). They run
-beside the producer (generate.py or episode_flow.py), which fills the buffers. A trainer
-failure ends the run with RunFailed naming the run folder and the last checkpoint to resume from.
+Each step takes a batch from the buffer, trains, publishes and settles it through one
+`train_step` (step.py), which also tells the buffer the published version only once `publish()`
+returned, i.e. once every engine can load it: admission and the max-lag rule count from there.
+With trainer.publish_overlap, `learn()` goes on while the send is under way: the next batch is
+taken (the max-lag rule counts from the new version at once) and its forward runs; the step's
+record is written once the send ended, with `publish_s` the launch's time and `publish_send_s`
+the send's. A step that evaluates, checkpoints or stops waits for the send first (engines must
+hold it). The loop runs beside what the run's mode started (its producer fills the buffer). A
+trainer failure ends the run with RunFailed naming the run folder and the last checkpoint to
+resume from.
 
 `learn(run)` is the run's clock: run.max_steps, run.max_time_s (or what run.max_total_s left:
 `run.state.max_rl_s`) and Ctrl-C count and stop it. Under run.max_total_s, a step is not started
-when one as long as the last would end past that limit.
-Each step it records a StepRecord (metrics.jsonl, the trackers, the progress line), evaluates
-every run.eval_every steps and writes a checkpoint every checkpoint.every_steps. While it waits
-for a batch whose first groups are there (trainer.forward_ahead), the trainer runs their
-forward pass (`Ahead`); that time counts as the trainer's, not as its wait. When
-`run.state.stop` is set (the first Ctrl-C), the loop ends after the step under way, or at once
-if it is waiting for a batch, and writes a checkpoint of the last finished step (when
-checkpoints are on): the taken-but-untrained groups are in flight in the ledger, so a resume
-generates them again.
-
-`learn_policy(side, run)` (env.policies; policies.py) steps whenever its buffer has a batch,
-under the policy's lock (so a checkpoint saves its trainer state and counters at one step), and
-writes one record per step to RUN_DIR/policies/<role>/metrics.jsonl; it ends with the run.
+when one as long as the last would end past that limit (`TimeLimit`). Each step it records a
+StepRecord (`step_record`) and tells the run's mode what it trained; what else a step does hangs
+off it as observers (step_observers.py): spans and the RL clock, FLOPs, metrics.jsonl, the
+trackers and the progress line, the run doctor, evaluation every run.eval_every steps, a
+checkpoint every checkpoint.every_steps. While it waits for a batch whose first groups are there
+(trainer.forward_ahead), the trainer runs their forward pass (`Ahead`); that time counts as the
+trainer's, not as its wait. When `run.state.stop` is set (the first Ctrl-C), the loop ends after
+the step under way, or at once if it is waiting for a batch, and writes a checkpoint of the last
+finished step (when checkpoints are on): the taken-but-untrained groups are in flight in the
+ledger, so a resume generates them again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections import Counter
 from dataclasses import replace
-from typing import Any
-
-from rich.markup import escape
 
 from nonstop.observe.clock import EVALUATION
 from nonstop.observe.spans import now
-from nonstop.orchestrator.policies import PolicySide
 from nonstop.orchestrator.records import StepRecord, completions_crc32
-from nonstop.orchestrator.recovery import write_checkpoint
 from nonstop.orchestrator.run import Run
 from nonstop.orchestrator.step import Trained, take_batch, train_step, trainer_failure
+from nonstop.orchestrator.step_observers import NOTHING_DUE, Due, StepObserver, observe_step, step_observers
 from nonstop.types import Group, PublishResult, StepResult
 
 
 async def learn(run: Run) -> StepRecord | None:
     """Returns the last step's record (None when no step ran)."""
-    cfg, state, record, spans = run.cfg, run.state, None, run.spans
-    max_rl_s = state.max_rl_s if state.max_rl_s is not None else cfg.run.max_time_s  # begin() sets the former
+    cfg, state, record = run.cfg, run.state, None
+    observers, limit = step_observers(run), TimeLimit(run)
     ahead = Ahead(run) if cfg.forward_ahead else None
     deferred: asyncio.Task[StepRecord] | None = None  # the last step's record, written once its send ended
     for step in range(state.first_step, cfg.run.max_steps + 1):
         t_wait, cpu = now(), time.process_time()
-        left_s = None if max_rl_s is None else max(0.0, max_rl_s - state.clock.wall())
         if ahead is not None:
             ahead.step = step
         groups = await take_batch(
@@ -64,7 +55,7 @@ async def learn(run: Run) -> StepRecord | None:
             state.stop,
             ahead if ahead is not None and ahead.able else None,
             max(1, cfg.rollout.prompts_per_step // AHEAD_PARTS),
-            timeout_s=left_s,
+            timeout_s=limit.left_s(),
         )
         if not groups:
             # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
@@ -73,89 +64,57 @@ async def learn(run: Run) -> StepRecord | None:
         done = await train_step(run, run.trainer, run.buffer, groups, step, overlap=True)
         if deferred is not None:  # the previous step's send ended before this step's optimizer step
             record, deferred = await deferred, None
-        state.clock.add("training", done.t2 - done.t0)
-        spans.emit("wait", step=step, t0=round(t_wait, 6), t1=round(done.t0, 6), cpu=round(cpu, 6))
-        spans.emit(
-            "train",
-            step=step,
-            t0=round(done.t0, 6),
-            t1=round(done.t1, 6),
-            queued=run.buffer.queued,
-            groups=[[g.epoch, g.prompt_index] for g in groups],
-        )
-        spans.emit(
-            "publish", step=step, version=done.published.policy_version, t0=round(done.t1, 6), t1=round(done.t2, 6)
-        )
-        if run.envs is not None:
-            run.envs.stats.trained(groups, done.trained_on)  # lag against the version trained on
-        if run.policies is not None:
-            run.policies.shared_trained(groups, done.trained_on, done.published.policy_version)
-        out_of_time = max_rl_s is not None and state.clock.wall() >= max_rl_s
-        if max_rl_s is not None and cfg.run.max_total_s is not None:
-            # the whole command must end in time: a step as long as this one would end past the limit
-            out_of_time |= state.clock.wall() + (done.t2 - t_wait) > max_rl_s
+        for o in observers:
+            o.trained(step, done, t_wait, cpu)
+        run.mode.trained(groups, done.trained_on, done.published.policy_version)
+        out_of_time = limit.reached(done.t2 - t_wait)
+        every = cfg.checkpoint.every_steps
         eval_due = step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time
-        checkpoint_due = cfg.checkpoint.every_steps is not None and step % cfg.checkpoint.every_steps == 0
-        engines_due = eval_due or state.flops.engines_due(now())  # a round trip to every engine: not every step
+        due = Due(eval_due, every is not None and step % every == 0, eval_due or state.flops.engines_due(now()))
         if done.finishing is not None:
-            if not (engines_due or checkpoint_due or state.stop.is_set()):
+            if not (due.engines or due.checkpoint or state.stop.is_set()):
                 # the send goes on while the next batch is taken and its forward runs (trainer.publish_overlap)
-                deferred = asyncio.create_task(record_when_sent(run, step, groups, done), name="learn-record")
+                deferred = asyncio.create_task(record_when_sent(run, observers, step, done), name="learn-record")
                 continue
             done = replace(done, published=await done.finishing)  # engines hold the version: evaluate it
         record = step_record(run, step, groups, done.result, done.published)
-        state.flops.trainer_step(done.result.metrics)
-        if engines_due:
-            record.engine_flops_per_s, record.engine_peak_frac = state.flops.engines(await run.engine.stats())
-        if eval_due:
-            t_eval = now()
-            record.eval_accuracy = await run.eval()
-            state.clock.add(EVALUATION, now() - t_eval)
-            spans.emit("eval", step=step, t0=round(t_eval, 6), t1=round(now(), 6), accuracy=record.eval_accuracy)
-        write_record(run, record)
-        if checkpoint_due:
-            t_ckpt = now()
-            with trainer_failure(run, step):  # the trainer may die while idle: its next call is this one
-                await write_checkpoint(run, step)
-            spans.emit("checkpoint", step=step, t0=round(t_ckpt, 6), t1=round(now(), 6))
+        await observe_step(observers, record, done, due)
         if out_of_time or state.stop.is_set():
             break
     if deferred is not None:
         record = await deferred
-    if state.doctor is not None:  # groups scored after the last step: did the run wait for signal?
-        for finding in state.doctor.finish(run.stats.vitals.take()):
-            run.progress.log(f"[yellow]{escape(finding.line())}[/]")
-    if state.stop.is_set():
-        if record is not None and cfg.checkpoint.every_steps is not None and state.last_checkpoint != record.step:
-            with trainer_failure(run, record.step):
-                await write_checkpoint(run, record.step)
-        return record
-    if record is not None and record.eval_accuracy is None:  # the stream ran out between two evaluations
-        record.eval_accuracy = await run.eval()
-        run.sink.write(record.final_eval())
-        consult(run, record.final_eval())
-    if record is not None and cfg.checkpoint.every_steps is not None and state.last_checkpoint != record.step:
-        with trainer_failure(run, record.step):
-            await write_checkpoint(run, record.step)
+    for o in observers:
+        await o.at_end(record, state.stop.is_set())
     return record
 
 
-def write_record(run: Run, record: StepRecord) -> None:
-    """One step's record to metrics.jsonl and the trackers, the progress line and the doctor."""
-    line = record.to_dict()
-    run.sink.write(line)
-    run.progress.update(record)
-    consult(run, line)
+class TimeLimit:
+    """The learning loop's RL time: run.max_time_s, or what run.max_total_s left (`RunState.max_rl_s`)."""
+
+    def __init__(self, run: Run) -> None:
+        state, cfg = run.state, run.cfg
+        self.clock, self.total = state.clock, cfg.run.max_total_s
+        self.max_rl_s = state.max_rl_s if state.max_rl_s is not None else cfg.run.max_time_s  # begin() sets the former
+
+    def left_s(self) -> float | None:
+        return None if self.max_rl_s is None else max(0.0, self.max_rl_s - self.clock.wall())
+
+    def reached(self, step_s: float) -> bool:
+        """Out of time after a step of `step_s` seconds (its wait included). Under run.max_total_s
+        the whole command must end in time: a step as long as this one would end past the limit."""
+        if self.max_rl_s is None:
+            return False
+        wall = self.clock.wall()
+        return wall >= self.max_rl_s or (self.total is not None and wall + step_s > self.max_rl_s)
 
 
-async def record_when_sent(run: Run, step: int, groups: list[Group], done: Trained) -> StepRecord:
+async def record_when_sent(run: Run, observers: list[StepObserver], step: int, done: Trained) -> StepRecord:
     """A step's record once its send ended (trainer.publish_overlap): the publish's own cost and bytes in it."""
     assert done.finishing is not None
     published = await done.finishing
-    record = step_record(run, step, groups, done.result, replace(published, publish_s=done.published.publish_s))
+    record = step_record(run, step, done.groups, done.result, replace(published, publish_s=done.published.publish_s))
     record.trainer["publish_send_s"] = published.publish_s  # the send's own time, beside the next forward
-    run.state.flops.trainer_step(done.result.metrics)
-    write_record(run, record)
+    await observe_step(observers, record, done, NOTHING_DUE)
     return record
 
 
@@ -182,13 +141,6 @@ class Ahead:
         run.state.clock.add("training", done.forward_s)
         run.spans.emit("ahead", step=self.step, t0=round(t0, 6), t1=round(now(), 6), groups=done.groups)
         self.able = done.groups > 0
-
-
-def consult(run: Run, line: dict[str, Any]) -> None:
-    """Hand a metrics.jsonl line to the run doctor; show each pattern it sees for the first time."""
-    if run.state.doctor is not None:
-        for finding in run.state.doctor.observe(line):
-            run.progress.log(f"[yellow]{escape(finding.line())}[/]")
 
 
 def step_record(run: Run, step: int, groups: list[Group], result: StepResult, published: PublishResult) -> StepRecord:
@@ -223,47 +175,6 @@ def step_record(run: Run, step: int, groups: list[Group], result: StepResult, pu
         prompts_requeued=run.ledger.requeued + sum(e.faults.requeued for e in run.engines),
         engine_versions=list(run.engine.versions),
         scoring=run.scorer.metrics(),
-        episodes=run.envs.report() if run.envs is not None else None,
-        policies=run.policies.report() if run.policies is not None else None,
-        agents=run.agents.report() if run.agents is not None else None,
+        **run.mode.report(),
         **stats.vitals.take(),
     )
-
-
-async def learn_policy(side: PolicySide, run: Run) -> None:
-    """An own policy's learner loop: take its part of the rows, train, publish, settle, record; until the
-    run ends (its supervisor cancels the loop) or the stream ran out and its buffer is empty."""
-    path = run.run_dir / "policies" / side.role / "metrics.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as records:
-        while True:
-            groups = await take_batch(side.buffer, run.state.stop)
-            if not groups:
-                return
-            async with side.lock:
-                t0 = time.perf_counter()
-                done = await train_step(run, side.trainer, side.buffer, groups, side.tally.steps + 1, side.role)
-                side.tally.stepped(groups, done.trained_on, done.published.policy_version)
-            records.write(json.dumps(policy_record(side, run, done, time.perf_counter() - t0)) + "\n")
-            records.flush()
-
-
-def policy_record(side: PolicySide, run: Run, done: Trained, train_s: float) -> dict[str, Any]:
-    """One line of RUN_DIR/policies/<role>/metrics.jsonl: the step, its batch and the trainer's metrics."""
-    rewards = [s.reward for g in done.groups for s in g.samples]
-    metrics = {k: v for k, v in done.result.metrics.items() if k != "samples"}
-    return {
-        "policy": side.role,
-        "step": side.tally.steps,
-        "policy_version": done.published.policy_version,
-        "shared_policy_version": run.buffer.policy_version,
-        "train_s": round(train_s, 3),
-        "reward_mean": sum(rewards) / max(len(rewards), 1),
-        "prompts": [[g.epoch, g.prompt_index] for g in done.groups],
-        "samples_trained": done.result.metrics["samples"],
-        "roles": dict(Counter(s.role for g in done.groups for s in g.samples)),
-        **metrics,
-        "publish_s": done.published.publish_s,
-        "publish_bytes": done.published.publish_bytes,
-        "drops": dict(side.buffer.drops),
-    }

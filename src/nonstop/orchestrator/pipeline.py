@@ -26,22 +26,17 @@ import gc
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from nonstop.checkpoint import Checkpoint
 from nonstop.config import Config
 from nonstop.errors import RunInterrupted
-from nonstop.hf import max_positions
 from nonstop.observe.clock import Clock
 from nonstop.observe.doctor import Context, Doctor, read_records
 from nonstop.observe.spans import host_cpus, now
-from nonstop.orchestrator.agents import AgentEndpoint, produce_agent_groups
 from nonstop.orchestrator.build import build_run
-from nonstop.orchestrator.episode_flow import produce_episodes
-from nonstop.orchestrator.generate import Production, produce
 from nonstop.orchestrator.grow import start_joins
-from nonstop.orchestrator.learn import learn, learn_policy
+from nonstop.orchestrator.learn import learn
 from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.records import RunSummary, StepRecord
 from nonstop.orchestrator.recovery import restore, restore_engines
@@ -49,7 +44,6 @@ from nonstop.orchestrator.run import Run
 from nonstop.runtime import Supervisor, make_backend
 from nonstop.runtime.restart import RestartStats
 from nonstop.scoring.rewards import RewardFn
-from nonstop.sizing.defaults import engine_calls_bound
 from nonstop.tasks.data import TaskData
 from nonstop.transport import release
 
@@ -83,10 +77,7 @@ async def train(
         gc.collect()
         gc.freeze()
         await begin(run, resume, started_s)
-        if cfg.agents.enabled:  # after the base evaluation: agents then see the policy the run trains
-            run = replace(run, agents=agent_endpoint(run))
-            assert run.agents is not None
-            await run.agents.start(progress.log)
+        await run.mode.open(run)  # after the base evaluation: what it serves sees the policy the run trains
         pools = getattr(backend, "pools", None)  # the local backend's CPU pools (runtime/pinning.py)
         if pools is not None:
             pools.start()
@@ -94,16 +85,15 @@ async def train(
         last = await supervisor.run(learn(run))
         if run.state.stop.is_set():
             raise interrupted(run, last)
-        if run.agents is not None:
-            await run.agents.finish()
+        await run.mode.finish()
         run.sink.close()
         run.spans.close()
         final_dir = run_dir / "final"
         await run.trainer.save(str(final_dir))
         run.codec.tokenizer.save_pretrained(final_dir)
-        own_final = await run.policies.save_final(run_dir) if run.policies is not None else {}
+        await run.mode.save_final(run)
         progress.stop()
-        summary = await summarize(run, last, final_dir, resume, own_final)
+        summary = await summarize(run, last, final_dir, resume)
         summary.pools = pools.report() if pools is not None else None
         return summary
     finally:
@@ -111,65 +101,25 @@ async def train(
         restore_signals()
         progress.stop()
         await supervisor.close()
-        if run is not None and run.agents is not None:
-            await run.agents.stop()
         if run is not None:
+            await run.mode.close()
             await run.scorer.close()
-            if run.envs is not None:
-                await run.envs.close()
         await backend.shutdown()
-        handles = ([run.transport] if run is not None and run.transport is not None else []) + (
-            run.policies.transports() if run is not None and run.policies is not None else []
-        )
+        handles = [run.transport] if run is not None and run.transport is not None else []
+        handles += run.mode.transports() if run is not None else []
         if any([release(h) for h in handles]):
             progress.log("[yellow]released the shared-memory weight segment of a trainer that died[/]")
 
 
 def start_beside(run: Run, supervisor: Supervisor) -> None:
     """What runs beside the shared policy's learning loop, under `supervisor` (its first failure
-    ends the run): every engine's heartbeat, the engines that may join (grow.py), the producer
-    (built on one `Production`), and with env.policies each own policy's learner loop. Call it
-    after `begin`."""
-    cfg = run.cfg
+    ends the run): every engine's heartbeat, the engines that may join (grow.py), and what the
+    run's mode starts (its producer, and whatever else it runs beside the loop). Call it after
+    `begin` (and the mode's `open`)."""
     for e in run.engines:
         supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
     start_joins(run, supervisor)  # engines past runtime.num_engines, as nodes with room join
-    policies = run.policies
-    production = Production(
-        policies.intake if policies is not None else run.buffer,
-        run.stream,
-        run.ledger,
-        run.codec,
-        cfg.rollout,
-        run.state.clock,  # the RL clock as begin() started or restored it
-        run.stats,
-        run.spans,
-        max_in_flight=engine_calls_bound(cfg),
-    )
-    if run.agents is not None:  # the agents' groups are the run's only training data
-        supervisor.spawn(produce_agent_groups(production, run.agents), name="agent-producer")
-    elif run.envs is None:
-        seed = cfg.run.seed if cfg.rollout.seed_per_prompt else None
-        supervisor.spawn(
-            produce(production, run.engine, run.scorer, cfg.task.max_consecutive_reward_failures, seed),
-            name="producer",
-        )
-    else:
-        engine = policies.engines(run.engine) if policies is not None else run.engine
-        supervisor.spawn(produce_episodes(production, engine, run.envs), name="episode-producer")
-    if policies is not None:  # roles with their own policy: their engines' heartbeats, their learner loops
-        for e in policies.actors:
-            supervisor.spawn(e.heartbeat(), name=f"{e.name}-heartbeat")
-        for role, side in policies.sides.items():
-            supervisor.spawn(learn_policy(side, run), name=f"learn-{role}")
-
-
-def agent_endpoint(run: Run) -> AgentEndpoint:
-    """The run's agents endpoint over its engine pool (not started)."""
-    limit = run.cfg.engine.max_seq_len or max_positions(run.base_model)
-    return AgentEndpoint(
-        run.cfg, run.engine, run.codec.tokenizer, run.run_dir, lambda: run.buffer.policy_version, limit
-    )
+    run.mode.start(run, supervisor)
 
 
 def _nothing() -> None:
@@ -269,15 +219,10 @@ async def begin(run: Run, resume: Checkpoint | None, started_s: float | None = N
     run.progress.metric = run.eval_metric
 
 
-async def summarize(
-    run: Run, last: StepRecord | None, final_dir: Path, resume: Checkpoint | None, own_final: dict[str, str]
-) -> RunSummary:
+async def summarize(run: Run, last: StepRecord | None, final_dir: Path, resume: Checkpoint | None) -> RunSummary:
     clock = run.state.clock
-    engines = run.engines + (run.policies.actors if run.policies is not None else [])  # own policies' engines too
-    policies = run.policies.report() if run.policies is not None else None
-    if run.policies is not None and policies is not None:
-        for role, accuracy in (await run.eval_own()).items():
-            policies[role].update(final_dir=own_final[role], final_accuracy=accuracy)
+    engines = run.engines + run.mode.engines()  # the mode's own engines too
+    fields = await run.mode.summary(run)  # the mode's own fields (final scores of its policies too)
     engine_stats = await run.engine.stats()
     weights = None
     if run.cfg.transport.checksum:  # end to end: what each engine decodes with against the trainer's weights
@@ -307,13 +252,11 @@ async def summarize(
             [r for e in engines for r in e.faults.restarts], sum(e.faults.requeued for e in engines)
         ).summary(),
         resumed_from=str(resume.path) if resume is not None else None,
-        episodes=run.envs.report() if run.envs is not None else None,
-        policies=policies,
-        agents=run.agents.report() if run.agents is not None else None,
         last_checkpoint=run.state.last_checkpoint,
         run_dir=str(run.run_dir),
         flops=run.state.flops.summary(engine_stats),
         doctor=run.state.doctor.report() if run.state.doctor is not None else None,
         weights_crc32=weights,
         engine_joins=list(run.state.joins),
+        **fields,
     )

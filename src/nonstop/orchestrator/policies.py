@@ -7,7 +7,7 @@ names it: such a role plays its own policy, a `PolicySide` here, which owns
   base policy, connected by their own weight transport (so its `policy_version` counts its own
   steps);
 - its buffer (own admission, max-lag rule, drops) and its learner loop (`learn_policy`, in
-  learn.py beside the shared policy's loop; both train through step.py's `train_step`).
+  modes/own_policies.py, beside the shared policy's loop; both train through step.py's `train_step`).
 They are built in policy_build.py; this module holds what a run keeps of them: `PolicySide`,
 `PolicyTally` (what a policy trained) and `Policies` (all of them, with the split intake).
 
@@ -30,7 +30,8 @@ drops, the mean reward of its trained samples so far and the lag histogram of it
 episodes, and for an own policy the newest version seen in each of its engines' tokens
 (`engine_versions`); an own policy also writes one line per step to
 RUN_DIR/policies/<role>/metrics.jsonl, its final weights to RUN_DIR/policies/<role>/final and its
-held-out score at the end (`final_accuracy`, measured like the shared policy's: `Run.eval_own`).
+held-out score at the end (`final_accuracy`, measured like the shared policy's:
+`OwnPoliciesMode.eval_own`, modes/own_policies.py).
 
 Checkpoints (recovery.py) hold every policy: while no own policy trains (`Policies.paused`),
 each one's trainer state goes under policies/<role> and its counters into state.json, beside

@@ -1,8 +1,9 @@
 """Orchestrator side of checkpoint and resume: what a run's state is, and how it comes back.
 
 `write_checkpoint(run, step)` has the trainer write its weights and optimizer/RNG state into a
-staging folder, adds the orchestrator's state (data cursor, prompt ledger, counters, clock) and
-each engine's sampling generator state, and a copy of the buffer's record of drops
+staging folder, adds the orchestrator's state (data cursor, prompt ledger, counters, clock), what
+the run's mode keeps (its files and state.json entries: run.py `RunMode`), each engine's sampling
+generator state, and a copy of the buffer's record of drops
 (observe/consumed.py; the trainer copies its own record of what it trained), and commits it
 atomically (checkpoint.py).
 The snapshot is taken between two trainer steps:
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import os
 import time
@@ -45,9 +45,9 @@ class RunFailed(RunError, RuntimeError):
 
 
 async def write_checkpoint(run: Run, step: int) -> None:
-    """With own policies (env.policies), each one's trainer state goes under policies/<role>, taken
-    while none of them trains, so its counters and the ledger's parts match its weights."""
-    async with run.policies.paused() if run.policies is not None else contextlib.nullcontext():
+    """Taken while nothing of the run's mode trains (`RunMode.paused`), so the mode's files and
+    counters, and the ledger's parts, match its weights."""
+    async with run.mode.paused():
         await _write_checkpoint(run, step)
 
 
@@ -56,8 +56,7 @@ async def _write_checkpoint(run: Run, step: int) -> None:
     tmp = staging_dir(root, step)
     version = await run.trainer.save_checkpoint(str(tmp))
     run.codec.tokenizer.save_pretrained(tmp / "model")
-    if run.policies is not None:
-        await run.policies.save_checkpoints(tmp, run.codec.tokenizer)
+    await run.mode.save_checkpoint(tmp, run.codec.tokenizer)
     if run.buffer.record is not None:  # with no await before the ledger's state: the same moment
         snapshot(run.buffer.record, tmp)
     state = {
@@ -72,8 +71,7 @@ async def _write_checkpoint(run: Run, step: int) -> None:
         "drops": dict(run.buffer.drops),
         "reward_errors": dict(run.scorer.errors),
         "clock": {"wall_s": run.state.clock.wall(), "busy_s": dict(run.state.clock.busy_s)},
-        "envs": run.envs.state_dict() if run.envs is not None else None,
-        "policies": run.policies.state_dict() if run.policies is not None else None,
+        **run.mode.state_dict(),
         "engine_rng": [
             {k: base64.b64encode(v).decode() for k, v in st.items()} for st in await run.engine.sampling_states()
         ],
@@ -101,10 +99,7 @@ def restore(run: Run, ckpt: Checkpoint) -> None:
     run.buffer.policy_version = state["policy_version"]
     run.scorer.errors.update(state["reward_errors"])
     run.state.clock = Clock(start=time.perf_counter() - state["clock"]["wall_s"], busy_s=dict(state["clock"]["busy_s"]))
-    if run.envs is not None and state.get("envs") is not None:  # episode counters and per-role baselines
-        run.envs.load_state_dict(state["envs"])
-    if run.policies is not None:  # build_policies checked that the checkpoint holds every own policy
-        run.policies.load_state_dict(state["policies"])
+    run.mode.load_state_dict(state)
     run.state.base_accuracy = state["base_accuracy"]
     run.state.first_step = state["step"] + 1
     run.state.last_checkpoint = state["step"]

@@ -1,51 +1,55 @@
-"""One training run's wiring (`Run`) and its small mutable state (`RunState`).
+"""One training run's wiring (`Run`), its small mutable state (`RunState`) and its mode's seam (`RunMode`).
 
 `Run` is what build.py made: the config, the data, the engine pool and the trainer rank group
-as typed clients, the buffer, scorer, prompt stream and ledger, the metrics sink, and (in an
-environment run) the environment side and the roles with their own policy. It never changes
-during the run; the stages keep their own counters. `RunState` is what does change besides
-them (the RL clock, the base accuracy, the first step, the last checkpoint, the stop request):
-resume (recovery.py) sets it and the learning loop (learn.py) advances it.
+as typed clients, the buffer, scorer, prompt stream and ledger, the metrics sink, and the run's
+mode. It never changes during the run; the stages keep their own counters. `RunState` is what
+does change besides them (the RL clock, the base accuracy, the first step, the last checkpoint,
+the stop request): resume (recovery.py) sets it and the learning loop (learn.py) advances it.
 
-Evaluation lives here because every part that measures a policy measures it the same way:
-the task's reward on greedy (or mean@k sampled) completions of the held-out prompts
-(`held_out`, tasks/codec.py HeldOut), or in an environment run the success rate of one
-sampled episode per held-out row, for the shared policy (`eval`) and for each role's own
-(`eval_own`).
+`RunMode` is the one seam between the core of a run (pipeline.py, learn.py, recovery.py) and
+where its groups come from: groups of completions of a task's prompts, episodes from an
+environment (each role on the shared policy or on its own), or agents' episodes over the API.
+build.py chooses the mode once (`build_mode`); its implementations live in orchestrator/modes/.
+A mode says how its groups are produced (the producer tasks it starts), how a policy is measured
+(`eval`, `eval_own`, `eval_metric`), what a trained step adds to its counters, what it adds to a
+checkpoint and the final save, the fields it adds to step records and summary.json, the engines
+and transports it holds besides the run's, and what it starts, finishes and closes.
+
+Evaluation is the mode's, so every part that measures a policy measures it the same way:
+`Run.eval()` asks the mode (the task's reward on held-out completions, or an environment's
+success rate over sampled episodes).
 
 This module sits below everything in the orchestrator that takes a run (build, step, learn,
-recovery, pipeline): it imports only the stages it holds, never those.
+recovery, pipeline, the modes): it imports only the stages it holds, never those.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from nonstop.clients import TrainerClient
 from nonstop.config import Config
-from nonstop.envs.base import TurnEngine
 from nonstop.observe.clock import Clock
 from nonstop.observe.doctor import Doctor
 from nonstop.observe.flops import FlopTally
 from nonstop.observe.spans import SpanLog
 from nonstop.observe.tracking import MetricsSink
-from nonstop.orchestrator.agents import AgentEndpoint
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.dispatch import EnginePool
-from nonstop.orchestrator.episode_flow import EnvRun
-from nonstop.orchestrator.generate import RolloutStats, evaluate
+from nonstop.orchestrator.generate import RolloutStats
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.policies import Policies
 from nonstop.orchestrator.progress import Progress
+from nonstop.runtime import Supervisor
 from nonstop.runtime.restart import RestartingEngine
 from nonstop.scoring.base import Scorer
-from nonstop.scoring.rewards import exact_match
 from nonstop.tasks.codec import Codec, HeldOut
 from nonstop.tasks.data import PromptStream, TaskData
-from nonstop.types import SamplingParams, TransportHandle
+from nonstop.types import Group, TransportHandle
 
 
 @dataclass
@@ -68,6 +72,80 @@ class RunState:
     writes a checkpoint."""
 
 
+class RunMode(Protocol):
+    """Where a run's groups come from, and what that adds to the core of the run (module docstring).
+    Implementations: orchestrator/modes/; build.py's `build_mode` chooses one from the config."""
+
+    def eval_metric(self, run: Run) -> str:
+        """The name the held-out score goes by in progress lines, summary.json and the report."""
+        ...
+
+    async def eval(self, run: Run) -> float:
+        """The shared policy's held-out score on the run's engines as they are now."""
+        ...
+
+    async def eval_own(self, run: Run) -> dict[str, float]:
+        """Each policy of its own (a role's) held-out score, measured like the shared policy's; {} if none."""
+        ...
+
+    async def open(self, run: Run) -> None:
+        """After the base evaluation, before the producer starts: what the mode serves (agents' endpoint)."""
+        ...
+
+    def start(self, run: Run, supervisor: Supervisor) -> None:
+        """Spawn under `supervisor` what produces the run's groups (and what else runs beside the
+        shared policy's learning loop: own policies' heartbeats and learner loops)."""
+        ...
+
+    def trained(self, groups: list[Group], trained_on: int, published: int) -> None:
+        """The shared policy's loop trained `groups` against version `trained_on` and published `published`."""
+        ...
+
+    def paused(self) -> AbstractAsyncContextManager[None]:
+        """Inside it, nothing of the mode trains (a checkpoint is taken there)."""
+        ...
+
+    async def save_checkpoint(self, folder: Path, tokenizer: Any) -> None:
+        """The mode's own files in a checkpoint's staging folder (called `paused`)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mode's entries of a checkpoint's state.json (JSON-ready)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from a checkpoint's whole state.json."""
+        ...
+
+    async def finish(self) -> None:
+        """Training ended normally (not stopped): what the mode does before the final save."""
+        ...
+
+    async def save_final(self, run: Run) -> None:
+        """The mode's own final weights, beside the shared policy's RUN_DIR/final."""
+        ...
+
+    def report(self) -> dict[str, Any]:
+        """The mode's fields of every step record (StepRecord keyword arguments)."""
+        ...
+
+    async def summary(self, run: Run) -> dict[str, Any]:
+        """The mode's fields of summary.json (RunSummary keyword arguments), after `save_final`."""
+        ...
+
+    def engines(self) -> list[RestartingEngine]:
+        """The engines the mode holds besides the run's (their faults count in the summary)."""
+        ...
+
+    def transports(self) -> list[TransportHandle]:
+        """The weight transports the mode holds besides the run's (released at the end)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop what the mode started; called once at the end however the run ended."""
+        ...
+
+
 @dataclass(frozen=True)
 class Run:
     cfg: Config
@@ -86,11 +164,9 @@ class Run:
     run_dir: Path
     base_model: Path
     state: RunState
+    mode: RunMode  # where the groups come from (orchestrator/modes/; build.py chooses it)
     spans: SpanLog = field(default_factory=lambda: SpanLog(None))  # the orchestrator's span file
     transport: TransportHandle | None = None
-    envs: EnvRun | None = None  # an environment run (cfg.env): episodes instead of single-turn groups
-    policies: Policies | None = None  # roles with their own policy (cfg.env.policies; orchestrator/policies.py)
-    agents: AgentEndpoint | None = None  # agents over the API (cfg.agents; orchestrator/agents.py)
     join: Callable[[int], Awaitable[RestartingEngine]] | None = None
     """Starts engine i past runtime.num_engines (runtime.max_engines; grow.py adds it to the pool)."""
     held_out: HeldOut | None = None
@@ -99,28 +175,8 @@ class Run:
     @property
     def eval_metric(self) -> str:
         """The name the held-out score goes by in progress lines, summary.json and the report."""
-        if self.envs is not None:
-            return "success"
-        return self.held_out.metric if self.held_out is not None else "exact_match"
+        return self.mode.eval_metric(self)
 
     async def eval(self) -> float:
-        """The held-out score by the task's reward; in an environment run, the success rate of sampled episodes."""
-        if self.envs is not None:
-            return await self._eval_episodes(self.engine)
-        held_out = self.held_out or HeldOut(exact_match, "exact_match")
-        return await evaluate(self.engine, self.data.eval, self.codec, self.cfg.rollout.max_new_tokens, held_out)
-
-    async def eval_own(self) -> dict[str, float]:
-        """Each own policy's held-out score (env.policies), measured like the shared policy's on its
-        own engines; {} when no role has its own policy."""
-        if self.policies is None:
-            return {}
-        return {role: await self._eval_episodes(side.engine) for role, side in self.policies.sides.items()}
-
-    async def _eval_episodes(self, engine: TurnEngine) -> float:
-        assert self.envs is not None
-        r = self.cfg.rollout
-        params = SamplingParams(
-            self.envs.limits.turn_max_tokens, r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p
-        )
-        return await self.envs.evaluate(engine, self.data.eval, self.codec, params)
+        """The shared policy's held-out score, as the run's mode measures it."""
+        return await self.mode.eval(self)

@@ -1,7 +1,8 @@
 """One learner step, shared by every learning loop: take a batch, train it, publish, settle.
 
-Both loops in learn.py go through here: the shared policy's `learn()` and each own policy's
-`learn_policy()` (env.policies), each with its own trainer and buffer. A step is
+Every learning loop goes through here: the shared policy's `learn()` (learn.py) and each own
+policy's `learn_policy()` (env.policies; modes/own_policies.py), each with its own trainer and
+buffer. A step is
 - `take_batch(...)`: the buffer's next batch, or [] as soon as the run is stopped (or out of
   time), sorted by (epoch, prompt index) so that the same groups make the same step whatever
   order the engines finished them in (a resumed run repeats the uninterrupted one);
