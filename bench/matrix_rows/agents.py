@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -18,8 +17,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from matrix_rows.common import AGENT, TRAIN_ROWS, Ctx, Row, RowFailed, base_row, steps_of, tail, train
-from support import PYTHONPATH
+from matrix_rows.common import TRAIN_ROWS, Ctx, Row, RowFailed, base_row, steps_of, tail, train
+from support import PYTHONPATH, api_agent_command
 
 
 def completions_crc(groups: list[dict]) -> int:
@@ -245,20 +244,7 @@ def row_api_agent(ctx: Ctx) -> Row:
 
     def agent(run_dir: Path, proc: subprocess.Popen) -> dict:
         done = subprocess.run(
-            [
-                sys.executable,
-                str(AGENT),
-                "--run-dir",
-                str(run_dir),
-                "--groups-in-flight",
-                "2",
-                "--eval-rows",
-                "4",
-                "--max-seconds",
-                "900",
-                "--wait-s",
-                "900",
-            ],
+            api_agent_command(run_dir, groups_in_flight=2, eval_rows=4, max_s=900, wait_s=900),
             cwd=ctx.folder,
             env=env,
             capture_output=True,

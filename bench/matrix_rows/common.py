@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "smollm2" / "recipe.yaml"
 TRAIN_ROWS = ROOT / "examples" / "smollm2" / "train.jsonl"
 HELDOUT_ROWS = ROOT / "examples" / "smollm2" / "heldout.jsonl"
-AGENT = ROOT / "examples" / "api_agent" / "agent.py"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 STEPS = 3
 HELDOUT = 4

@@ -5,17 +5,12 @@ recorded (each step's completions_crc32 against RUN_DIR/agents/groups.jsonl)."""
 
 import json
 import subprocess
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 
-from support import child_env
+from support import api_agent_command, child_env
 from support.cli import NONSTOP, records, small_model_args
-
-ROOT = Path(__file__).resolve().parents[2]
-AGENT = ROOT / "examples" / "api_agent" / "agent.py"
 
 
 def _crc(groups: list[dict]) -> int:
@@ -52,20 +47,7 @@ def test_agent_over_the_api_trains_on_exactly_the_recorded_tokens(tiny_dir, tmp_
     env = child_env(COLUMNS="200", OMP_NUM_THREADS="1")
     train = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     agent = subprocess.run(
-        [
-            sys.executable,
-            str(AGENT),
-            "--run-dir",
-            str(run_dir),
-            "--groups-in-flight",
-            "2",
-            "--eval-rows",
-            "7",
-            "--max-seconds",
-            "110",
-            "--wait-s",
-            "120",
-        ],
+        api_agent_command(run_dir, groups_in_flight=2, eval_rows=7, max_s=110, wait_s=120),
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -13,6 +13,7 @@ and this checkout's sources through `child_env()` / `PYTHONPATH`."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -26,3 +27,15 @@ def child_env(**extra: str) -> dict[str, str]:
     """os.environ with PYTHONPATH = this checkout's src (first: the venv's editable install may point
     at another checkout) and tests/ (for `support.*` named in configs), plus `extra`."""
     return {**os.environ, "PYTHONPATH": PYTHONPATH, **extra}
+
+
+def api_agent_command(run_dir: Path, groups_in_flight: int, eval_rows: int, max_s: float, wait_s: float) -> list[str]:
+    """The command line of examples/api_agent/agent.py (the official openai client, nothing of
+    nonstop) against the run in `run_dir`: it waits up to `wait_s` for the run's endpoint.json,
+    trains for `max_s` at most, then prints its held-out score on `eval_rows` numbers."""
+    return [
+        sys.executable,
+        str(EXAMPLES_DIR / "api_agent" / "agent.py"),
+        *("--run-dir", str(run_dir), "--groups-in-flight", str(groups_in_flight)),
+        *("--eval-rows", str(eval_rows), "--max-seconds", str(max_s), "--wait-s", str(wait_s)),
+    ]
