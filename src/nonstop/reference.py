@@ -31,7 +31,8 @@ from nonstop.scoring.rewards import exact_match, resolve_reward
 from nonstop.sizing.defaults import learning_rate
 from nonstop.tasks.data import PromptStream, load_task
 from nonstop.trainer.core import adamw
-from nonstop.trainer.losses import clipped_policy_loss, group_advantages, token_logprobs
+from nonstop.trainer.logprobs import token_logprobs
+from nonstop.trainer.losses import clipped_policy_loss, group_advantages
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

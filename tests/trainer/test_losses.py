@@ -3,15 +3,14 @@ import math
 import pytest
 import torch
 
-from nonstop.trainer import losses
+from nonstop.trainer import logprobs
+from nonstop.trainer.logprobs import target_logprobs, token_logprobs
 from nonstop.trainer.losses import (
     clipped_policy_loss,
     group_advantages,
     gspo_loss,
     kl_penalty,
     masked_mean,
-    target_logprobs,
-    token_logprobs,
 )
 
 
@@ -102,7 +101,7 @@ def test_target_logprobs_by_hand():
 
 def test_target_logprobs_gradient_across_chunks(monkeypatch):
     """float64 gradcheck with rows split over several chunks, a temperature and a keep mask."""
-    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 14)  # 2 rows of 7 per chunk: 5 rows -> 3 chunks
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 14)  # 2 rows of 7 per chunk: 5 rows -> 3 chunks
     torch.manual_seed(0)
     logits = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
     targets = torch.tensor([0, 3, 6, 2, 5])
@@ -254,7 +253,7 @@ def test_head_logprobs_recompute_matches_the_plain_head_and_log_softmax(monkeypa
     """The fused head + log-prob (logits recomputed chunk by chunk in the backward) against
     log_softmax(head(hidden)) in float64: values, d hidden, d weight and d bias agree, with chunks
     that cut the rows unevenly, a temperature and a keep mask; gradcheck on hidden and weight."""
-    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 14)  # the softmax's own row blocks split too
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 14)  # the softmax's own row blocks split too
     torch.manual_seed(0)
     B, T, H, V = 3, 4, 5, 7
     head = torch.nn.Linear(H, V, bias=True).double()
@@ -274,7 +273,7 @@ def test_head_logprobs_recompute_matches_the_plain_head_and_log_softmax(monkeypa
     weight = head.weight.detach().clone().requires_grad_(True)
 
     def fn(h, w):
-        return losses._HeadLogprob.apply(
+        return logprobs._HeadLogprob.apply(
             h.reshape(-1, H), w, None, targets.reshape(-1), keep.reshape(-1, V), 1 / 0.7, 5, torch.float64
         )
 

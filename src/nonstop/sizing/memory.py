@@ -54,7 +54,7 @@ from nonstop.sizing.defaults import (
 )
 from nonstop.sizing.machine import GIB, MachineMemory, size
 from nonstop.sizing.shape import ModelShape
-from nonstop.trainer.losses import HEAD_CHUNK_POSITIONS
+from nonstop.trainer.logprobs import HEAD_CHUNK_POSITIONS
 
 RUNTIME_BYTES = 300 * 1024**2
 """One process's Python + torch + transformers (246 MiB RSS measured), rounded up."""
@@ -359,7 +359,7 @@ def _trainer(
     chunk = min(rows, t.logprob_chunk_rows)
     if t.entropy_coef > 0:  # every chunk's float32 log-softmax and probabilities stay; one chunk's logits and grads
         logit_rows, logit_bytes, what = rows * 2 + 2 * chunk, 4, "log-probs"
-    else:  # one chunk's logits at a time (losses.head_logprobs recomputes them in the backward): the
+    else:  # one chunk's logits at a time (logprobs.head_logprobs recomputes them in the backward): the
         # chunk's logits, their gradient and the matmuls' operands on the way (d weight is summed in
         # place, in the autocast copy's dtype: the autocast copies item counts it); a chunk is
         # chunk rows x completion positions, at most HEAD_CHUNK_POSITIONS

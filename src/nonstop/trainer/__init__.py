@@ -1,7 +1,9 @@
 """Learning side: pure losses, the Trainer (model, optimizer, step) and its actor worker.
 
-- losses.py            pure tensor functions of the objectives: group advantages, token logprobs,
-                       the clipped (GRPO-family) and GSPO losses, the KL penalty;
+- losses.py            pure tensor functions of the objectives: group advantages, the clipped
+                       (GRPO-family) and GSPO losses, the KL penalty;
+- logprobs.py          `token_logprobs()`: the sampled tokens' logprobs under the LM head, one chunk of
+                       logits at a time in the forward and the backward;
 - objective.py         `policy_objective()`: one update's loss (policy loss, reference KL, entropy bonus);
 - correction.py        `is_weights()`: off-policy importance-sampling corrections;
 - token_advantages.py  token-level advantages: process rewards and on-policy distillation;

@@ -2,7 +2,7 @@
 
 Under `torch.autocast` every autocast region casts each float32 weight a matmul reads: once per region
 for weights that train (autocast's cache), at every use for frozen ones (a LoRA base, the KL reference),
-and the fused LM head (losses.py) casts its weight itself in its forward and again in its backward. The
+and the fused LM head (logprobs.py) casts its weight itself in its forward and again in its backward. The
 worker runs a step and each forward it runs ahead in separate regions, and the publish casts all weights
 once more into the transport's bfloat16. Worse, a cached cast outlives an in-place optimizer step inside
 its region, so the later updates of `trainer.updates_per_batch` > 1 read the weights as they were before

@@ -51,7 +51,7 @@ from nonstop.trainer.ahead import AheadForwards, assemble, by_group
 from nonstop.trainer.batch import Batch, BatchBuilder
 from nonstop.trainer.compute import ComputeWeights
 from nonstop.trainer.forward import prompt_shared_hidden, unsupported
-from nonstop.trainer.losses import token_logprobs
+from nonstop.trainer.logprobs import token_logprobs
 from nonstop.trainer.micro import Layout, forward_tokens
 from nonstop.trainer.packed import packed_logprobs
 from nonstop.trainer.routing import RouterHooks, moe_experts, moe_routers

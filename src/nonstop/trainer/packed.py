@@ -33,7 +33,7 @@ import torch
 
 from nonstop.device import attention
 from nonstop.trainer.forward import decoder_model, rotate, run_layer
-from nonstop.trainer.losses import token_logprobs
+from nonstop.trainer.logprobs import token_logprobs
 
 BUCKET_WASTE = 0.25
 """A bucket's padded size may exceed its real size by this fraction before a new bucket starts."""
