@@ -19,7 +19,7 @@ from nonstop.config import load_config
 from nonstop.observe.spans import CHUNK_S, PassRecorder, SpanLog, read_spans, span_path
 from nonstop.observe.timeline import Timeline, union_length
 from nonstop.orchestrator.actors import span_file
-from support.cli import nonstop, records, small_model_args
+from support.cli import nonstop, records, sets, small_model_args
 
 STEPS = 8
 
@@ -31,24 +31,19 @@ def run_dir(tiny_dir, tmp_path_factory) -> Path:
         [
             "train",
             *small_model_args(tiny_dir),
-            "--set",
-            f"run.out_dir={out}",
-            "--set",
-            "run.name=obs",
-            "--set",
-            f"run.max_steps={STEPS}",
-            "--set",
-            "run.max_time_s=null",
-            "--set",
-            "task.eval_size=20",
-            "--set",
-            "rollout.prompts_per_step=8",
-            "--set",
-            "rollout.filter_uniform_reward=false",
-            "--set",
-            "checkpoint.every_steps=null",
-            "--set",
-            "run.eval_every=4",
+            *sets(
+                {
+                    "run.out_dir": out,
+                    "run.name": "obs",
+                    "run.max_steps": STEPS,
+                    "run.max_time_s": None,
+                    "task.eval_size": 20,
+                    "rollout.prompts_per_step": 8,
+                    "rollout.filter_uniform_reward": False,
+                    "checkpoint.every_steps": None,
+                    "run.eval_every": 4,
+                }
+            ),
         ],
         cwd=out,
     )

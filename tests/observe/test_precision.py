@@ -24,7 +24,7 @@ from nonstop.hf import load_model
 from nonstop.observe.flops import FlopModel, FlopTally, PeakProbe, causal_pairs, matmul_peak, train_flops
 from nonstop.trainer.worker import TrainerWorker
 from nonstop.types import Group, Sample
-from support.cli import nonstop, records, small_model_args
+from support.cli import nonstop, records, sets, small_model_args
 
 CPU_BF16 = bf16_supported(torch.device("cpu"))
 
@@ -85,19 +85,18 @@ def test_the_peak_probe_and_the_recorded_fraction(tiny_dir):
 
 
 def run_args(tiny_dir, name: str, extra: list[str]) -> list[str]:
-    sets = [
-        "buffer.depth=0",
-        "buffer.max_lag=0",
-        "run.max_steps=3",
-        f"run.name={name}",
-        "rollout.filter_uniform_reward=false",
-        "rollout.max_new_tokens=6",
-        "task.max_operand=9",
-        "task.eval_size=8",
-        "task.reward=support.rewards:length_reward",
-        *extra,
-    ]
-    return ["train", *small_model_args(tiny_dir), *[a for s in sets for a in ("--set", s)]]
+    small = {
+        "buffer.depth": 0,
+        "buffer.max_lag": 0,
+        "run.max_steps": 3,
+        "run.name": name,
+        "rollout.filter_uniform_reward": False,
+        "rollout.max_new_tokens": 6,
+        "task.max_operand": 9,
+        "task.eval_size": 8,
+        "task.reward": "support.rewards:length_reward",
+    }
+    return ["train", *small_model_args(tiny_dir), *sets(small), *sets(extra)]
 
 
 def check_records(run_dir, precision: str) -> list[dict]:

@@ -12,15 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import nonstop
+from support.cli import nonstop, sets
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("verify")
-    args = ["--set", "run.max_steps=4", "--set", "run.max_time_s=null", "--set", "task.max_operand=9"]
-    args += ["--set", "task.eval_size=20", "--set", "rollout.prompts_per_step=4", "--set", "checkpoint.every_steps=2"]
-    args += ["--set", "run.eval_every=100", "--set", "run.progress=plain", "--set", "run.name=v"]
+    args = sets(
+        {
+            "run.max_steps": 4,
+            "run.max_time_s": None,
+            "task.max_operand": 9,
+            "task.eval_size": 20,
+            "rollout.prompts_per_step": 4,
+            "checkpoint.every_steps": 2,
+            "run.eval_every": 100,
+            "run.progress": "plain",
+            "run.name": "v",
+        }
+    )
     result = nonstop(["train", *args], cwd=cwd, timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return cwd / "runs" / "v"
