@@ -11,6 +11,7 @@ import pytest
 
 from nonstop.config import RayRuntimeConfig
 from nonstop.runtime import make_backend
+from support.cli import sets
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
 
@@ -36,34 +37,24 @@ def test_short_run_on_a_local_ray_cluster_learns(tiny_dir, tmp_path):
         [
             "train",
             *small_model_args(tiny_dir),
-            "--set",
-            "runtime.backend=ray",
-            "--set",
-            "runtime.ray_num_cpus=2",
-            "--set",
-            "runtime.num_engines=2",
-            "--set",
-            "runtime.ray_engine.num_cpus=0.5",
-            "--set",
-            "run.name=ray",
-            "--set",
-            "task.reward=support.rewards:ones_reward",
-            "--set",
-            "run.max_steps=25",
-            "--set",
-            "trainer.lr=3e-2",
-            "--set",
-            "rollout.prompts_per_step=8",
-            "--set",
-            "rollout.group_size=8",
-            "--set",
-            "rollout.max_new_tokens=6",
-            "--set",
-            "task.max_operand=9",
-            "--set",
-            "task.eval_size=10",
-            "--set",
-            "rollout.filter_uniform_reward=false",
+            *sets(
+                {
+                    "runtime.backend": "ray",
+                    "runtime.ray_num_cpus": 2,
+                    "runtime.num_engines": 2,
+                    "runtime.ray_engine.num_cpus": 0.5,
+                    "run.name": "ray",
+                    "task.reward": "support.rewards:ones_reward",
+                    "run.max_steps": 25,
+                    "trainer.lr": "3e-2",
+                    "rollout.prompts_per_step": 8,
+                    "rollout.group_size": 8,
+                    "rollout.max_new_tokens": 6,
+                    "task.max_operand": 9,
+                    "task.eval_size": 10,
+                    "rollout.filter_uniform_reward": False,
+                }
+            ),
         ],
         cwd=tmp_path,
         timeout_s=400,
