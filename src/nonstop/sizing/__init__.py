@@ -6,6 +6,7 @@ that would not fit, naming the field to change. orchestrator/fit.py runs it once
 - machine.py   the machine's (or cgroup's) memory (`machine_memory`) and OOM-kill count (`oom_kills`);
 - defaults.py  defaults that follow from the run and the model (`size_run`): engine limits,
                micro-batches, `trainer.lr`; the engine sizes its own limits by them;
-- memory.py    the preflight memory plan per process (`plan_memory`, `MemoryPlan`), refused with the
-               field to change.
+- plan.py      the plan's data: items per process kind (`MemoryPlan`), refused over its limit with the
+               field to change;
+- memory.py    `plan_memory`: what each process of the run will hold, item by item.
 """
