@@ -21,7 +21,7 @@ from nonstop.hf import load_model
 from nonstop.lora import MergedAdapters, adapter_tensors, targeted_modules, wrap_with_peft
 from nonstop.models.tiny import make_tiny_model
 from nonstop.transport import open_publisher, plan_transport
-from support.cli import nonstop, records
+from support.cli import nonstop, records, sets
 from support.helpers import receive_weights
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
@@ -181,34 +181,24 @@ def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path
     result = nonstop(
         [
             "train",
-            "--set",
-            "warmup.enabled=false",
-            "--set",
-            "run.progress=plain",
-            "--set",
-            "run.name=lora",
-            "--set",
-            "model.lora.enabled=true",
-            "--set",
-            "trainer.lr=1e-2",
-            "--set",
-            "run.max_steps=30",
-            "--set",
-            "buffer.depth=0",
-            "--set",
-            "buffer.max_lag=0",
-            "--set",
-            "task.max_operand=9",
-            "--set",
-            "task.eval_size=20",
-            "--set",
-            "task.reward=support.helpers:length_reward",
-            "--set",
-            "rollout.filter_uniform_reward=false",
-            "--set",
-            "rollout.max_new_tokens=12",
-            "--set",
-            "rollout.prompts_per_step=8",
+            *sets(
+                {
+                    "warmup.enabled": False,
+                    "run.progress": "plain",
+                    "run.name": "lora",
+                    "model.lora.enabled": True,
+                    "trainer.lr": "1e-2",
+                    "run.max_steps": 30,
+                    "buffer.depth": 0,
+                    "buffer.max_lag": 0,
+                    "task.max_operand": 9,
+                    "task.eval_size": 20,
+                    "task.reward": "support.helpers:length_reward",
+                    "rollout.filter_uniform_reward": False,
+                    "rollout.max_new_tokens": 12,
+                    "rollout.prompts_per_step": 8,
+                }
+            ),
         ],
         cwd=tmp_path,
     )
@@ -248,20 +238,17 @@ def test_lora_run_on_the_warmed_up_base_improves_held_out_accuracy(tmp_path):
     result = nonstop(
         [
             "train",
-            "--set",
-            "run.name=lora",
-            "--set",
-            "model.lora.enabled=true",
-            "--set",
-            "trainer.lr=3e-3",
-            "--set",
-            "run.max_time_s=60",
-            "--set",
-            "run.eval_every=20",
-            "--set",
-            "warmup.target_accuracy=0.2",
-            "--set",
-            "run.progress=plain",
+            *sets(
+                {
+                    "run.name": "lora",
+                    "model.lora.enabled": True,
+                    "trainer.lr": "3e-3",
+                    "run.max_time_s": 60,
+                    "run.eval_every": 20,
+                    "warmup.target_accuracy": 0.2,
+                    "run.progress": "plain",
+                }
+            ),
         ],
         cwd=tmp_path,
     )

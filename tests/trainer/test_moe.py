@@ -13,6 +13,7 @@ from nonstop.models.tiny import make_tiny_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.routing import RouteShapeError
 from nonstop.types import GenerationRequest, Group, Routes, SamplingParams
+from support.cli import sets
 
 
 def _moe(kind: str = "qwen3_moe", num_experts: int = 8, seed: int = 0):
@@ -367,34 +368,24 @@ def test_pipeline_carries_routes_from_the_engine_process_to_the_trainer(moe_dir,
     result = nonstop(
         [
             "train",
-            "--set",
-            f"model.path={moe_dir}",
-            "--set",
-            "warmup.enabled=false",
-            "--set",
-            "run.progress=plain",
-            "--set",
-            "buffer.depth=0",
-            "--set",
-            "buffer.max_lag=0",
-            "--set",
-            "run.max_steps=3",
-            "--set",
-            "run.name=moe",
-            "--set",
-            "rollout.filter_uniform_reward=false",
-            "--set",
-            "rollout.max_new_tokens=6",
-            "--set",
-            "rollout.prompts_per_step=8",
-            "--set",
-            "task.max_operand=9",
-            "--set",
-            "task.eval_size=20",
-            "--set",
-            "task.reward=support.helpers:length_reward",
-            "--set",
-            f"trainer.routing_replay={replay}",
+            *sets(
+                {
+                    "model.path": moe_dir,
+                    "warmup.enabled": False,
+                    "run.progress": "plain",
+                    "buffer.depth": 0,
+                    "buffer.max_lag": 0,
+                    "run.max_steps": 3,
+                    "run.name": "moe",
+                    "rollout.filter_uniform_reward": False,
+                    "rollout.max_new_tokens": 6,
+                    "rollout.prompts_per_step": 8,
+                    "task.max_operand": 9,
+                    "task.eval_size": 20,
+                    "task.reward": "support.helpers:length_reward",
+                    "trainer.routing_replay": replay,
+                }
+            ),
         ],
         cwd=tmp_path,
     )

@@ -23,6 +23,7 @@ from nonstop.tasks.data import load_task
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.losses import group_advantages
 from nonstop.types import Group, Sample
+from support.cli import sets
 
 
 def test_trainer_step_makes_the_reference_update_on_the_same_batch():
@@ -117,21 +118,18 @@ def test_pipeline_depth0_learns_like_the_reference_loop(tmp_path):
     for seed in seeds:
         args = [
             "train",
-            "--set",
-            f"run.name=s{seed}",
-            "--set",
-            f"run.seed={seed}",
-            "--set",
-            f"run.max_steps={steps}",
-            "--set",
-            "run.max_time_s=null",
-            "--set",
-            f"run.eval_every={steps}",
-            "--set",
-            "run.progress=plain",
+            *sets(
+                {
+                    "run.name": f"s{seed}",
+                    "run.seed": seed,
+                    "run.max_steps": steps,
+                    "run.max_time_s": None,
+                    "run.eval_every": steps,
+                    "run.progress": "plain",
+                }
+            ),
+            *sets(over),
         ]
-        for o in over:
-            args += ["--set", o]
         result = nonstop(args, cwd=tmp_path)
         assert result.returncode == 0, result.stdout + result.stderr
         s = json.loads((tmp_path / "runs" / f"s{seed}" / "summary.json").read_text())
