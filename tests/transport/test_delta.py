@@ -245,27 +245,27 @@ def test_a_run_on_ray_sends_deltas_by_broadcast_and_every_engine_ends_with_the_t
     import yaml
 
     from support import ROOT
-    from support.cli import nonstop, records, small_model_args
+    from support.cli import nonstop, records, sets, small_model_args
 
     example = yaml.safe_load((ROOT / "examples" / "weight_deltas.yaml").read_text())
-    sets = [f"transport.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in example["transport"].items()]
-    sets += [f"runtime.{k}={v}" for k, v in example["runtime"].items() if k != "ray_engine"]
-    sets += [f"runtime.ray_engine.num_cpus={example['runtime']['ray_engine']['num_cpus']}"]
-    sets += [f"trainer.publish_overlap={str(example['trainer']['publish_overlap']).lower()}"]
-    sets += [
-        "engine.dtype=bfloat16",  # weights travel in bfloat16, where small steps leave most bits alone
-        "trainer.lr=1e-5",
-        "run.name=deltas",
-        "run.max_steps=4",
-        "rollout.prompts_per_step=4",
-        "rollout.group_size=4",
-        "rollout.max_new_tokens=6",
-        "rollout.filter_uniform_reward=false",
-        "task.max_operand=9",
-        "task.eval_size=8",
-        "task.reward=support.helpers:length_reward",
-    ]
-    args = ["train", *small_model_args(tiny_dir), *[a for s in sets for a in ("--set", s)]]
+    overrides = {f"transport.{k}": v for k, v in example["transport"].items()}
+    overrides |= {f"runtime.{k}": v for k, v in example["runtime"].items() if k != "ray_engine"}
+    overrides["runtime.ray_engine.num_cpus"] = example["runtime"]["ray_engine"]["num_cpus"]
+    overrides["trainer.publish_overlap"] = example["trainer"]["publish_overlap"]
+    overrides |= {
+        "engine.dtype": "bfloat16",  # weights travel in bfloat16, where small steps leave most bits alone
+        "trainer.lr": "1e-5",
+        "run.name": "deltas",
+        "run.max_steps": 4,
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": 6,
+        "rollout.filter_uniform_reward": False,
+        "task.max_operand": 9,
+        "task.eval_size": 8,
+        "task.reward": "support.helpers:length_reward",
+    }
+    args = ["train", *small_model_args(tiny_dir), *sets(overrides)]
     result = nonstop(args, cwd=tmp_path, timeout_s=400)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "2 engine and 1 trainer actor(s) (ray backend)" in result.stdout
