@@ -5,9 +5,11 @@ least-loaded pool, `trainer.ranks` trainer actors in lockstep (dispatch.py), all
 typed clients (nonstop.clients). Rollouts flow engines -> orchestrator (generate.py, the
 scoring stage) -> buffer (buffer.py) -> trainer ranks (learn.py, step.py) as small messages;
 weights flow trainer rank 0 -> every engine through the weight transport only, when the learning
-loop publishes. The producer task runs beside the learning loop (`start_beside`); the supervisor
-re-raises its failure, and a dead actor fails every pending call at once, so the run ends with a
-message instead of a hang.
+loop publishes. What the run's mode starts (its producer; run.py `RunMode`, chosen in build.py)
+runs beside the learning loop (`start_beside`); the supervisor re-raises its failure, and a dead
+actor fails every pending call at once, so the run ends with a message instead of a hang. The
+mode is opened after the base evaluation, finished after the last step, saves its own final
+weights beside RUN_DIR/final, gives its fields to summary.json and is closed however the run ended.
 
 Faults: each engine sits behind a RestartingEngine (heartbeat, restart, its prompts
 re-submitted); a trainer failure ends the run with a message naming the last checkpoint,
@@ -16,7 +18,7 @@ from which `nonstop train --resume RUN_DIR` continues (see checkpoint.py and rec
 Stopping: once the actors run, the first Ctrl-C (or SIGTERM) asks the learning loop to end
 after the step under way and write a checkpoint, then the run ends with RunInterrupted naming
 it; a second one stops at once (KeyboardInterrupt). Either way the actors are stopped and the
-transport released.
+transports (the run's and its mode's) released.
 """
 
 from __future__ import annotations

@@ -85,16 +85,16 @@ class RunMode(Protocol):
         ...
 
     async def eval_own(self, run: Run) -> dict[str, float]:
-        """Each policy of its own (a role's) held-out score, measured like the shared policy's; {} if none."""
+        """The held-out score of each other policy the mode trains, measured like the shared policy's; {} if none."""
         ...
 
     async def open(self, run: Run) -> None:
-        """After the base evaluation, before the producer starts: what the mode serves (agents' endpoint)."""
+        """After the base evaluation, before the producer starts: what the mode serves to others."""
         ...
 
     def start(self, run: Run, supervisor: Supervisor) -> None:
-        """Spawn under `supervisor` what produces the run's groups (and what else runs beside the
-        shared policy's learning loop: own policies' heartbeats and learner loops)."""
+        """Spawn under `supervisor` what produces the run's groups, and whatever else of the mode runs
+        beside the shared policy's learning loop (its engines' heartbeats, its own learner loops)."""
         ...
 
     def trained(self, groups: list[Group], trained_on: int, published: int) -> None:
