@@ -17,5 +17,6 @@
 - compute.py           `ComputeWeights`: the bf16 step's weights, cast once per optimizer step (and published);
 - core.py              `Trainer`: one policy-gradient step on a batch of groups, then a new policy_version;
 - parallel.py          `ParallelTrainer`: M data-parallel ranks taking exactly the one-rank step;
+- checkpointing.py     what a trainer writes into a checkpoint beside its weights, and `load_state()`;
 - worker.py            `TrainerWorker`: the trainer actor, owner of the sending end of the weight transport.
 """

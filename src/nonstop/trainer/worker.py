@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -49,7 +48,6 @@ from typing import Any
 
 import torch
 
-from nonstop.checkpoint import write_policy_version
 from nonstop.config import DistillConfig, LoraConfig, TrainerConfig, TransportConfig
 from nonstop.device import dtype_name, on, place, resolve_device, resolve_dtype, retain_freed_memory
 from nonstop.hf import CausalLM, load_model
@@ -57,14 +55,13 @@ from nonstop.lora import wrap_with_peft
 from nonstop.observe import consumed
 from nonstop.observe.flops import FlopModel, PeakProbe, rate, train_flops
 from nonstop.observe.spans import SpanLog, now
+from nonstop.trainer.checkpointing import load_state, save_state, save_weights
 from nonstop.trainer.compute import ComputeWeights, cast_linears
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import ParallelTrainer, join_group, node_host, rendezvous
 from nonstop.transport import WeightPublisher, open_publisher, plan_transport
 from nonstop.transport.base import layout_dtype, sent_tensors, weights_crc32
 from nonstop.types import AheadResult, Group, PublishResult, StepResult, TransportHandle
-
-SHARDED_OPTIMIZER = "optimizer"  # a checkpoint's folder of FSDP2 optimizer shards (torch.distributed.checkpoint)
 
 
 class TrainerWorker:
@@ -344,74 +341,26 @@ class TrainerWorker:
         return self.trainer.policy_version, weights_crc32(t.to(wire.get(n, t.dtype)) for n, t in named)
 
     def save(self, path: str) -> str:
-        """Write the current weights with save_pretrained (safetensors): the full model, loadable
-        by transformers, or with LoRA the adapter folder, loadable by peft.PeftModel.from_pretrained
-        on top of the base this run started from; beside it, the weights' policy_version
-        (checkpoint.VERSION_FILE), which `nonstop serve` tags their tokens with."""
-        out = Path(path)
-        if isinstance(self.trainer, ParallelTrainer):
-            self.trainer.save_full(out)  # every rank takes part; rank 0 writes
-        else:
-            self.trainer.model.save_pretrained(
-                str(out)
-            )  # with LoRA, peft records the base's path in adapter_config.json
-        if not isinstance(self.trainer, ParallelTrainer) or self.trainer.rank == 0:
-            write_policy_version(out, self.trainer.policy_version)
-        return str(out)
+        """Write the current weights (checkpointing.save_weights): a model folder, or with LoRA an adapter folder."""
+        save_weights(self.trainer, Path(path))
+        return path
 
     def save_checkpoint(self, path: str) -> int:
         out = Path(path)
-        t = self.trainer
         self.save(str(out / "model"))
-        sharded = isinstance(t, ParallelTrainer) and t.mode == "fsdp2"
-        if isinstance(t, ParallelTrainer) and sharded:
-            t.save_optimizer(out / SHARDED_OPTIMIZER)
-        if isinstance(t, ParallelTrainer) and t.rank > 0:
-            return t.policy_version
-        if self.record is not None:
-            consumed.snapshot(self.record, out)
-        torch.save(
-            {
-                "optimizer": None if sharded else t.optimizer.state_dict(),
-                "scheduler": t.scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate(),
-                "policy_version": t.policy_version,
-                "skipped_steps": t.skipped_steps,
-                "skips_in_row": t.skips_in_row,
-            },
-            out / "trainer.pt",
-        )
-        return t.policy_version
+        save_state(self.trainer, out, self.record)
+        return self.trainer.policy_version
 
     def load_checkpoint(self, path: str) -> int:
         """Restore the state next to the weights this trainer was built from."""
         self._join_send()
-        state = torch.load(Path(path) / "trainer.pt", weights_only=False)
-        t = self.trainer
-        sharded = isinstance(t, ParallelTrainer) and t.mode == "fsdp2"
-        if sharded != (state["optimizer"] is None):
-            saved, now_ = ("fsdp2", "ddp or one rank") if state["optimizer"] is None else ("ddp or one rank", "fsdp2")
-            raise ValueError(
-                f"trainer.data_parallel: the checkpoint {path} holds the optimizer state of {saved} "
-                f"trainer ranks, this run has {now_}; resume with the checkpoint's trainer.data_parallel"
-            )
-        if isinstance(t, ParallelTrainer) and sharded:
-            t.load_optimizer(Path(path) / SHARDED_OPTIMIZER)
-        else:
-            t.optimizer.load_state_dict(state["optimizer"])
-        t.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        t.policy_version, t.skipped_steps, t.skips_in_row = (
-            state["policy_version"],
-            state["skipped_steps"],
-            state["skips_in_row"],
-        )
-        self.published_version = t.policy_version  # engines start from these weights (LoRA: connect publishes them)
+        load_state(self.trainer, Path(path))
+        self.published_version = (
+            self.trainer.policy_version
+        )  # engines start from these weights (LoRA: connect publishes them)
         if self.record is not None:
             self.steps = len(consumed.lines_of(Path(path) / self.record.name))
-        return t.policy_version
+        return self.trainer.policy_version
 
     def close(self) -> None:
         try:
