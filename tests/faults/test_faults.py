@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import nonstop, records, small_model_args
+from support.cli import nonstop, records, sets, small_model_args
 from support.faults import (
     Verified,
     corrupt_newest_checkpoint,
@@ -42,24 +42,19 @@ def epoch_args(tiny_dir: Path, name: str, reward: str, *extra: str) -> list[str]
     return [
         "train",
         *small_model_args(tiny_dir),
-        "--set",
-        f"run.name={name}",
-        "--set",
-        "run.max_epochs=1",
-        "--set",
-        "run.max_time_s=null",
-        "--set",
-        "task.max_operand=9",
-        "--set",
-        "task.eval_size=20",
-        "--set",
-        "rollout.prompts_per_step=8",
-        "--set",
-        "checkpoint.every_steps=2",
-        "--set",
-        "run.eval_every=100",
-        "--set",
-        f"task.reward=support.helpers:{reward}",
+        *sets(
+            {
+                "run.name": name,
+                "run.max_epochs": 1,
+                "run.max_time_s": None,
+                "task.max_operand": 9,
+                "task.eval_size": 20,
+                "rollout.prompts_per_step": 8,
+                "checkpoint.every_steps": 2,
+                "run.eval_every": 100,
+                "task.reward": f"support.helpers:{reward}",
+            }
+        ),
         *extra,
     ]
 
@@ -124,10 +119,7 @@ def test_hung_engine_is_detected_killed_and_restarted(tiny_dir, tmp_path):
             tiny_dir,
             "hang",
             "hang_engine_once_reward",
-            "--set",
-            "runtime.heartbeat_interval_s=0.5",
-            "--set",
-            "runtime.heartbeat_timeout_s=3",
+            *sets({"runtime.heartbeat_interval_s": 0.5, "runtime.heartbeat_timeout_s": 3}),
         ),
         cwd=tmp_path,
         timeout_s=400,
@@ -143,16 +135,14 @@ def test_hung_engine_is_detected_killed_and_restarted(tiny_dir, tmp_path):
 
 
 def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token(tiny_dir, tmp_path):
-    sync = [
-        "--set",
-        "buffer.depth=0",
-        "--set",
-        "buffer.max_lag=0",
-        "--set",
-        "rollout.filter_uniform_reward=false",
-        "--set",
-        "rollout.seed_per_prompt=true",
-    ]
+    sync = sets(
+        {
+            "buffer.depth": 0,
+            "buffer.max_lag": 0,
+            "rollout.filter_uniform_reward": False,
+            "rollout.seed_per_prompt": True,
+        }
+    )
     ref = nonstop(epoch_args(tiny_dir, "ref", "length_reward", *sync), cwd=tmp_path, timeout_s=400)
     assert ref.returncode == 0, ref.stdout + ref.stderr
 
@@ -184,7 +174,7 @@ def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token
 
 
 def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path):
-    args = epoch_args(tiny_dir, "corrupt", "length_reward", "--set", "run.max_epochs=null", "--set", "run.max_steps=4")
+    args = epoch_args(tiny_dir, "corrupt", "length_reward", *sets({"run.max_epochs": None, "run.max_steps": 4}))
     result = nonstop(args, cwd=tmp_path, timeout_s=400)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "corrupt"
@@ -193,7 +183,7 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path)
     change = corrupt_newest_checkpoint(run_dir)
     before = (run_dir / "metrics.jsonl").read_text().splitlines()
     resumed = nonstop(
-        ["train", "--resume", str(Path("runs") / "corrupt"), "--set", "run.max_steps=6"], cwd=tmp_path, timeout_s=400
+        ["train", "--resume", str(Path("runs") / "corrupt"), *sets({"run.max_steps": 6})], cwd=tmp_path, timeout_s=400
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     proof = proved_corrupted(change, resumed.stdout)
@@ -210,7 +200,7 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path)
 @pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
 def test_nan_loss_skips_the_step_and_the_epoch_still_completes(tiny_dir, tmp_path):
     result = nonstop(
-        epoch_args(tiny_dir, "nan", "overflow_reward", "--set", "trainer.max_consecutive_skips=50"),
+        epoch_args(tiny_dir, "nan", "overflow_reward", *sets({"trainer.max_consecutive_skips": 50})),
         cwd=tmp_path,
         timeout_s=400,
     )
@@ -225,7 +215,7 @@ def test_nan_loss_skips_the_step_and_the_epoch_still_completes(tiny_dir, tmp_pat
 @pytest.mark.slow  # ~1 min: a real epoch with two engines
 def test_one_of_several_engines_killed_the_others_keep_serving(tiny_dir, tmp_path):
     result = nonstop(
-        epoch_args(tiny_dir, "two", "kill_engine_0_once_reward", "--set", "runtime.num_engines=2"),
+        epoch_args(tiny_dir, "two", "kill_engine_0_once_reward", *sets({"runtime.num_engines": 2})),
         cwd=tmp_path,
         timeout_s=600,
     )
@@ -247,10 +237,7 @@ def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_d
             tiny_dir,
             "bcast",
             "kill_engine_0_once_reward",
-            "--set",
-            "runtime.num_engines=2",
-            "--set",
-            "transport.kind=broadcast",
+            *sets({"runtime.num_engines": 2, "transport.kind": "broadcast"}),
         ),
         cwd=tmp_path,
         timeout_s=600,
@@ -271,9 +258,7 @@ def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_d
 @pytest.mark.slow  # ~2-3 min: two runs with two trainer ranks; tests/trainer/test_parallel.py checks the state fast
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_killed_trainer_rank_and_resume_with_two_ranks(tiny_dir, tmp_path, mode):
-    args = epoch_args(
-        tiny_dir, mode, "kill_trainer_reward", "--set", "trainer.ranks=2", "--set", f"trainer.data_parallel={mode}"
-    )
+    args = epoch_args(tiny_dir, mode, "kill_trainer_reward", *sets({"trainer.ranks": 2, "trainer.data_parallel": mode}))
     first = nonstop(args, cwd=tmp_path, timeout_s=600)
     assert first.returncode == 1 and "the trainer failed" in first.stdout, first.stdout + first.stderr
     run_dir = tmp_path / "runs" / mode

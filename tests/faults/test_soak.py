@@ -35,7 +35,7 @@ import yaml
 from nonstop.serve.client import HttpClient
 from nonstop.types import SamplingParams
 from support import child_env
-from support.cli import NONSTOP, small_model_args
+from support.cli import NONSTOP, sets, small_model_args
 from support.faults import DEAD, await_state, fault_log, proved_each_kill, proved_node_lost, verified
 
 SOAK_S = min(float(os.environ.get("NONSTOP_SOAK_S", "240")), 1200.0)
@@ -135,24 +135,19 @@ def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
                     NONSTOP,
                     "train",
                     *small_model_args(tiny_dir),
-                    "--set",
-                    "run.name=soak",
-                    "--set",
-                    "run.max_steps=1000000",
-                    "--set",
-                    f"run.max_time_s={SOAK_S}",
-                    "--set",
-                    "task.eval_size=20",
-                    "--set",
-                    "runtime.num_engines=2",
-                    "--set",
-                    "runtime.max_engine_restarts=1000",
-                    "--set",
-                    "rollout.filter_uniform_reward=false",
-                    "--set",
-                    "task.reward=support.helpers:kill_an_engine_every_reward",
-                    "--set",
-                    "run.eval_every=1000000",
+                    *sets(
+                        {
+                            "run.name": "soak",
+                            "run.max_steps": 1000000,
+                            "run.max_time_s": SOAK_S,
+                            "task.eval_size": 20,
+                            "runtime.num_engines": 2,
+                            "runtime.max_engine_restarts": 1000,
+                            "rollout.filter_uniform_reward": False,
+                            "task.reward": "support.helpers:kill_an_engine_every_reward",
+                            "run.eval_every": 1000000,
+                        }
+                    ),
                 ],
                 cwd=tmp_path,
                 env=child_env(PYTHONUNBUFFERED="1"),
