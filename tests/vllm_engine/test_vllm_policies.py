@@ -10,7 +10,7 @@ import pytest
 
 from nonstop.config import TinyModelConfig
 from nonstop.models.tiny import save_tiny
-from support.cli import nonstop
+from support.cli import nonstop, sets
 from support.two_role_env import duel_args
 
 pytest.importorskip("vllm")
@@ -22,8 +22,7 @@ def test_two_policies_on_vllm_engines(tmp_path):
         tmp_path / "tiny",
         TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64),
     )
-    extra = ["engine.kind=vllm", "engine.vllm.kv_cache_gib=0.25"]
-    args = duel_args(model, tmp_path, 2, None, *[a for s in extra for a in ("--set", s)])
+    args = duel_args(model, tmp_path, 2, None, *sets({"engine.kind": "vllm", "engine.vllm.kv_cache_gib": 0.25}))
     out = nonstop(["train", *args], tmp_path, timeout_s=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     s = json.loads((tmp_path / "duel" / "summary.json").read_text())

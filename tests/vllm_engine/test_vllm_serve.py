@@ -26,6 +26,7 @@ from nonstop.serve.client import HttpClient
 from nonstop.serve.protocol import sample_from_extension
 from nonstop.types import SamplingParams
 from support import child_env
+from support.cli import sets
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -52,10 +53,7 @@ def server(tmp_path_factory) -> Iterator[str]:
             str(shipped_dir()),
             "--port",
             "0",
-            "--set",
-            "engine.vllm.kv_cache_gib=0.25",
-            "--set",
-            "engine.vllm.max_num_seqs=32",
+            *sets({"engine.vllm.kv_cache_gib": 0.25, "engine.vllm.max_num_seqs": 32}),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from nonstop.config import ConfigError, load_config
-from support.cli import nonstop
+from support.cli import nonstop, sets
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_what_vllm_cannot_do_is_refused_by_name(overrides, message):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_vllm_missing_is_one_line_naming_the_install(tmp_path):
-    result = nonstop(["train", "--set", "engine.kind=vllm", "--set", "run.progress=plain"], cwd=tmp_path, timeout_s=120)
+    result = nonstop(["train", *sets({"engine.kind": "vllm", "run.progress": "plain"})], cwd=tmp_path, timeout_s=120)
     assert result.returncode == 2, result.stdout + result.stderr
     out = " ".join(result.stdout.split())  # the console wraps long lines
     assert "engine.kind: 'vllm' needs the vllm package" in out

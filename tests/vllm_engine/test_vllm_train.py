@@ -14,12 +14,12 @@ from faults.test_faults import TRAIN_PROMPTS, assert_epoch_consumed_exactly_once
 from nonstop.config import TinyModelConfig
 from nonstop.models.tiny import save_tiny
 from nonstop.observe.timeline import Timeline
-from support.cli import nonstop, records
+from support.cli import nonstop, records, sets
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-VLLM = ["--set", "engine.kind=vllm", "--set", "engine.vllm.kv_cache_gib=0.5", "--set", "run.progress=plain"]
+VLLM = sets({"engine.kind": "vllm", "engine.vllm.kv_cache_gib": 0.5, "run.progress": "plain"})
 
 
 def test_a_vllm_run_learns(tmp_path):
@@ -31,14 +31,7 @@ def test_a_vllm_run_learns(tmp_path):
         [
             "train",
             *VLLM,
-            "--set",
-            "run.name=learn",
-            "--set",
-            "run.max_steps=50",
-            "--set",
-            "run.max_time_s=null",
-            "--set",
-            "run.eval_every=50",
+            *sets({"run.name": "learn", "run.max_steps": 50, "run.max_time_s": None, "run.eval_every": 50}),
         ],
         cwd=tmp_path,
         timeout_s=900,
@@ -78,28 +71,21 @@ def test_a_killed_vllm_engine_is_restarted_and_no_prompt_is_lost(tmp_path):
         [
             "train",
             *VLLM,
-            "--set",
-            f"model.path={model}",
-            "--set",
-            "warmup.enabled=false",
-            "--set",
-            "run.name=kill",
-            "--set",
-            "run.max_epochs=1",
-            "--set",
-            "run.max_time_s=null",
-            "--set",
-            "task.max_operand=9",
-            "--set",
-            "task.eval_size=20",
-            "--set",
-            "rollout.prompts_per_step=8",
-            "--set",
-            "checkpoint.every_steps=null",
-            "--set",
-            "run.eval_every=100",
-            "--set",
-            "task.reward=support.fault_rewards:kill_engine_once_reward",
+            *sets(
+                {
+                    "model.path": model,
+                    "warmup.enabled": False,
+                    "run.name": "kill",
+                    "run.max_epochs": 1,
+                    "run.max_time_s": None,
+                    "task.max_operand": 9,
+                    "task.eval_size": 20,
+                    "rollout.prompts_per_step": 8,
+                    "checkpoint.every_steps": None,
+                    "run.eval_every": 100,
+                    "task.reward": "support.fault_rewards:kill_engine_once_reward",
+                }
+            ),
         ],
         cwd=tmp_path,
         timeout_s=900,
