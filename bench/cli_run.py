@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from support.cli import sets  # noqa: E402
 
 
 def train(
@@ -37,15 +39,9 @@ def train(
         "nonstop.cli",
         "train",
         *([str(config)] if config else []),
-        "--set",
-        f"run.name={name}",
-        "--set",
-        f"run.out_dir={out_dir}",
-        "--set",
-        "run.progress=plain",
+        *sets({"run.name": name, "run.out_dir": out_dir, "run.progress": "plain"}),
+        *sets(overrides),
     ]
-    for o in overrides:
-        args += ["--set", o]
     t0 = time.perf_counter()
     result = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s)
     wall_s = time.perf_counter() - t0

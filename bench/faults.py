@@ -78,6 +78,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from support import faults as ev  # noqa: E402
+from support.cli import sets, small_model_args  # noqa: E402
 
 NONSTOP = str(Path(sys.executable).parent / "nonstop")
 TRAIN = 80
@@ -101,30 +102,20 @@ def cli(args: list[str], cwd: Path) -> tuple[int, int, float, str]:
 def epoch(model: Path, name: str, reward: str, *extra: str) -> list[str]:
     return [
         "train",
-        "--set",
-        f"model.path={model}",
-        "--set",
-        "warmup.enabled=false",
-        "--set",
-        "run.progress=plain",
-        "--set",
-        f"run.name={name}",
-        "--set",
-        "run.max_epochs=1",
-        "--set",
-        "run.max_time_s=null",
-        "--set",
-        "task.max_operand=9",
-        "--set",
-        "task.eval_size=20",
-        "--set",
-        "rollout.prompts_per_step=8",
-        "--set",
-        "checkpoint.every_steps=2",
-        "--set",
-        "run.eval_every=100",
-        "--set",
-        f"task.reward=support.helpers:{reward}",
+        *small_model_args(model),
+        *sets(
+            {
+                "run.name": name,
+                "run.max_epochs": 1,
+                "run.max_time_s": None,
+                "task.max_operand": 9,
+                "task.eval_size": 20,
+                "rollout.prompts_per_step": 8,
+                "checkpoint.every_steps": 2,
+                "run.eval_every": 100,
+                "task.reward": f"support.helpers:{reward}",
+            }
+        ),
         *extra,
     ]
 
@@ -143,33 +134,25 @@ def scenario(name: str, model: Path, work: Path) -> dict:
                 model,
                 name,
                 "hang_engine_once_reward",
-                "--set",
-                "runtime.heartbeat_interval_s=0.5",
-                "--set",
-                "runtime.heartbeat_timeout_s=3",
+                *sets({"runtime.heartbeat_interval_s": 0.5, "runtime.heartbeat_timeout_s": 3}),
             )
         ],
         "trainer_kill": [epoch(model, name, "kill_trainer_reward"), resume],
         "corrupt_ckpt": [epoch(model, name, "kill_trainer_after_two_checkpoints_reward"), "flip", resume],
-        "nan_loss": [epoch(model, name, "overflow_reward", "--set", "trainer.max_consecutive_skips=50")],
-        "engines_kill": [epoch(model, name, "kill_engine_0_once_reward", "--set", "runtime.num_engines=2")],
+        "nan_loss": [epoch(model, name, "overflow_reward", *sets({"trainer.max_consecutive_skips": 50}))],
+        "engines_kill": [epoch(model, name, "kill_engine_0_once_reward", *sets({"runtime.num_engines": 2}))],
         "ctrl_c": [epoch(model, name, "interrupt_once_reward"), resume],
         "broadcast_kill": [
             epoch(
                 model,
                 name,
                 "kill_engine_0_once_reward",
-                "--set",
-                "runtime.num_engines=2",
-                "--set",
-                "transport.kind=broadcast",
+                *sets({"runtime.num_engines": 2, "transport.kind": "broadcast"}),
             )
         ],
-        "ddp_resume": [epoch(model, name, "kill_trainer_reward", "--set", "trainer.ranks=2"), resume],
+        "ddp_resume": [epoch(model, name, "kill_trainer_reward", *sets({"trainer.ranks": 2})), resume],
         "fsdp2_resume": [
-            epoch(
-                model, name, "kill_trainer_reward", "--set", "trainer.ranks=2", "--set", "trainer.data_parallel=fsdp2"
-            ),
+            epoch(model, name, "kill_trainer_reward", *sets({"trainer.ranks": 2, "trainer.data_parallel": "fsdp2"})),
             resume,
         ],
     }

@@ -42,6 +42,10 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from support.cli import sets  # noqa: E402
+
 
 def fail(message: str) -> None:
     print(f"FAIL: {message}")
@@ -209,18 +213,16 @@ def vllm_learning_run() -> float:
                 "-m",
                 "nonstop.cli",
                 "train",
-                "--set",
-                "engine.kind=vllm",
-                "--set",
-                "engine.vllm.memory_fraction=0.3",
-                "--set",
-                "run.max_time_s=120",
-                "--set",
-                f"run.out_dir={out}",
-                "--set",
-                "run.name=gpu",
-                "--set",
-                "run.progress=plain",
+                *sets(
+                    {
+                        "engine.kind": "vllm",
+                        "engine.vllm.memory_fraction": 0.3,
+                        "run.max_time_s": 120,
+                        "run.out_dir": out,
+                        "run.name": "gpu",
+                        "run.progress": "plain",
+                    }
+                ),
             ],
             capture_output=True,
             text=True,

@@ -55,6 +55,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from support.cli import sets  # noqa: E402
+
 RECIPE = ROOT / "examples" / "smollm2" / "recipe.yaml"
 TARGET_MARGIN = 0.05
 """The target sits this far above the best of every arm's first two evaluations (3 of 60 questions)."""
@@ -91,12 +94,17 @@ def rss_tree(pid: int) -> int:
 
 def run_nonstop(arm: str, seed: int, minutes: float, folder: Path, extra: list[str]) -> dict:
     name = f"{arm}-s{seed}"
-    sets = [f"run.seed={seed}", f"run.max_total_s={minutes * 60:g}", f"run.out_dir={folder}", f"run.name={name}"]
-    sets += ["run.progress=plain", "checkpoint.every_steps=null", *extra]
+    overrides = {
+        "run.seed": seed,
+        "run.max_total_s": f"{minutes * 60:g}",
+        "run.out_dir": folder,
+        "run.name": name,
+        "run.progress": "plain",
+        "checkpoint.every_steps": None,
+    }
+    cmd = [str(Path(sys.executable).parent / "nonstop"), "train", str(RECIPE), *sets(overrides), *sets(extra)]
     if arm == "sync":
-        sets += ["buffer.depth=0"]
-    cmd = [str(Path(sys.executable).parent / "nonstop"), "train", str(RECIPE)]
-    cmd += [x for s in sets for x in ("--set", s)]
+        cmd += sets({"buffer.depth": 0})
     t0, peak = time.perf_counter(), 0
     with open(folder / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -151,7 +159,7 @@ def run_default_batch(folder: Path, new_tokens: int | None = None, steps: int = 
     from nonstop.models.fetch import fetch_model
 
     model, _ = fetch_model("smollm2", ROOT / ".nonstop_cache" / "models")
-    sets = {
+    overrides: dict[str, object] = {
         "model.path": model,
         "task.name": "jsonl",
         "task.dataset_path": ROOT / "examples/smollm2/train.jsonl",
@@ -163,9 +171,8 @@ def run_default_batch(folder: Path, new_tokens: int | None = None, steps: int = 
         "run.progress": "plain",
     }
     if new_tokens is not None:
-        sets["rollout.max_new_tokens"] = new_tokens
-    cmd = [str(Path(sys.executable).parent / "nonstop"), "train"]
-    cmd += [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+        overrides["rollout.max_new_tokens"] = new_tokens
+    cmd = [str(Path(sys.executable).parent / "nonstop"), "train", *sets(overrides)]
     peaks: dict[str, int] = {}  # each role's peak unique set size
     peak_total = 0  # the run's peak proportional set size, every process together
     with open(folder / "default-batch.log", "w") as log:

@@ -55,14 +55,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from support.cli import sets  # noqa: E402
+
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 WARM_STEPS = 2  # in-process trainer steps left out of its median
-ARMS = {
-    "full": [],
-    "full-fp32": ["trainer.precision=float32", "engine.dtype=float32"],
-    "lora": ["model.lora.enabled=true"],
-    "full-vllm": ["engine.kind=vllm"],
-    "lora-vllm": ["engine.kind=vllm", "model.lora.enabled=true"],
+ARMS: dict[str, dict[str, object]] = {
+    "full": {},
+    "full-fp32": {"trainer.precision": "float32", "engine.dtype": "float32"},
+    "lora": {"model.lora.enabled": True},
+    "full-vllm": {"engine.kind": "vllm"},
+    "lora-vllm": {"engine.kind": "vllm", "model.lora.enabled": True},
 }
 
 
@@ -155,24 +158,23 @@ def run_arm(name: str, model_dir: Path, steps: int, folder: Path) -> dict | None
     py = str(VLLM_PY) if name.endswith("vllm") else sys.executable
     if name.endswith("vllm") and not VLLM_PY.exists():
         return None
-    sets = [
-        f"model.path={model_dir}",
-        f"run.max_steps={steps}",
-        "run.max_time_s=null",
-        f"run.eval_every={10**6}",
-        "task.eval_size=8",
-        "rollout.prompts_per_step=2",
-        "rollout.group_size=8",
-        "rollout.filter_uniform_reward=false",
-        "buffer.depth=0",
-        "buffer.max_lag=0",
-        "checkpoint.every_steps=null",
-        f"run.out_dir={folder}",
-        f"run.name={name}",
-        "run.progress=plain",
-        *ARMS[name],
-    ]
-    args = [py, "-m", "nonstop.cli", "train", *[x for s in sets for x in ("--set", s)]]
+    overrides = {
+        "model.path": model_dir,
+        "run.max_steps": steps,
+        "run.max_time_s": None,
+        "run.eval_every": 10**6,
+        "task.eval_size": 8,
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 8,
+        "rollout.filter_uniform_reward": False,
+        "buffer.depth": 0,
+        "buffer.max_lag": 0,
+        "checkpoint.every_steps": None,
+        "run.out_dir": folder,
+        "run.name": name,
+        "run.progress": "plain",
+    }
+    args = [py, "-m", "nonstop.cli", "train", *sets(overrides), *sets(ARMS[name])]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.Popen(args, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     poller = RssPoller(proc.pid)
