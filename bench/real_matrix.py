@@ -41,7 +41,7 @@ from outside it, could have come out otherwise:
   finds nothing lost or duplicated. Its engine holds one group at a time, in float32: behaviour
   logprobs enter the loss, and float32 matmuls round differently with the rows in a pass.
 
-    python bench/real_matrix.py                          # every row (47 minutes on 2 shared cores)
+    python bench/real_matrix.py                          # every row (14-47 minutes on 2 shared cores)
     python bench/real_matrix.py --rows builtin,lora      # a subset
     python bench/real_matrix.py --keep /tmp/matrix       # keep the run folders
 
