@@ -2,7 +2,7 @@
 
 Every row trains one epoch (80 prompts of addition 0-9, 8 per step, a checkpoint every 2
 steps) of a small random model with a length reward, through the real CLI, with one fault
-injected from inside the orchestrator by a test reward function (tests/support/helpers.py):
+injected from inside the orchestrator by a test reward function (tests/support/fault_rewards.py):
 
     none        no fault (the reference for wall time)
     engine_kill SIGKILL of the engine while it generates
@@ -113,7 +113,7 @@ def epoch(model: Path, name: str, reward: str, *extra: str) -> list[str]:
                 "rollout.prompts_per_step": 8,
                 "checkpoint.every_steps": 2,
                 "run.eval_every": 100,
-                "task.reward": f"support.helpers:{reward}",
+                "task.reward": f"support.fault_rewards:{reward}",
             }
         ),
         *extra,

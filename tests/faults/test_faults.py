@@ -52,7 +52,7 @@ def epoch_args(tiny_dir: Path, name: str, reward: str, *extra: str) -> list[str]
                 "rollout.prompts_per_step": 8,
                 "checkpoint.every_steps": 2,
                 "run.eval_every": 100,
-                "task.reward": f"support.helpers:{reward}",
+                "task.reward": reward,
             }
         ),
         *extra,
@@ -102,7 +102,9 @@ def assert_rolled_back_set_aside(run_dir: Path, before: list[str], resumed_at: i
 
 
 def test_sigkilled_engine_is_restarted_and_no_prompt_is_lost(tiny_dir, tmp_path):
-    result = nonstop(epoch_args(tiny_dir, "kill", "kill_engine_once_reward"), cwd=tmp_path, timeout_s=400)
+    result = nonstop(
+        epoch_args(tiny_dir, "kill", "support.fault_rewards:kill_engine_once_reward"), cwd=tmp_path, timeout_s=400
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = assert_epoch_consumed_exactly_once(tmp_path / "runs" / "kill")
     proof = proved_engine_signalled(tmp_path, summary, "SIGKILL")
@@ -118,7 +120,7 @@ def test_hung_engine_is_detected_killed_and_restarted(tiny_dir, tmp_path):
         epoch_args(
             tiny_dir,
             "hang",
-            "hang_engine_once_reward",
+            "support.fault_rewards:hang_engine_once_reward",
             *sets({"runtime.heartbeat_interval_s": 0.5, "runtime.heartbeat_timeout_s": 3}),
         ),
         cwd=tmp_path,
@@ -143,10 +145,12 @@ def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token
             "rollout.seed_per_prompt": True,
         }
     )
-    ref = nonstop(epoch_args(tiny_dir, "ref", "length_reward", *sync), cwd=tmp_path, timeout_s=400)
+    ref = nonstop(epoch_args(tiny_dir, "ref", "support.rewards:length_reward", *sync), cwd=tmp_path, timeout_s=400)
     assert ref.returncode == 0, ref.stdout + ref.stderr
 
-    first = nonstop(epoch_args(tiny_dir, "crash", "kill_trainer_reward", *sync), cwd=tmp_path, timeout_s=400)
+    first = nonstop(
+        epoch_args(tiny_dir, "crash", "support.fault_rewards:kill_trainer_reward", *sync), cwd=tmp_path, timeout_s=400
+    )
     assert first.returncode == 1, first.stdout + first.stderr
     run_dir = tmp_path / "runs" / "crash"
     assert "the trainer failed" in first.stdout and f"--resume {run_dir.resolve()}" in first.stdout
@@ -174,7 +178,9 @@ def test_killed_trainer_stops_the_run_and_resume_repeats_the_run_token_for_token
 
 
 def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path):
-    args = epoch_args(tiny_dir, "corrupt", "length_reward", *sets({"run.max_epochs": None, "run.max_steps": 4}))
+    args = epoch_args(
+        tiny_dir, "corrupt", "support.rewards:length_reward", *sets({"run.max_epochs": None, "run.max_steps": 4})
+    )
     result = nonstop(args, cwd=tmp_path, timeout_s=400)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "corrupt"
@@ -200,7 +206,9 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(tiny_dir, tmp_path)
 @pytest.mark.slow  # unit-tested fast in test_restart / test_checkpoint / test_trainer
 def test_nan_loss_skips_the_step_and_the_epoch_still_completes(tiny_dir, tmp_path):
     result = nonstop(
-        epoch_args(tiny_dir, "nan", "overflow_reward", *sets({"trainer.max_consecutive_skips": 50})),
+        epoch_args(
+            tiny_dir, "nan", "support.fault_rewards:overflow_reward", *sets({"trainer.max_consecutive_skips": 50})
+        ),
         cwd=tmp_path,
         timeout_s=400,
     )
@@ -215,7 +223,9 @@ def test_nan_loss_skips_the_step_and_the_epoch_still_completes(tiny_dir, tmp_pat
 @pytest.mark.slow  # ~1 min: a real epoch with two engines
 def test_one_of_several_engines_killed_the_others_keep_serving(tiny_dir, tmp_path):
     result = nonstop(
-        epoch_args(tiny_dir, "two", "kill_engine_0_once_reward", *sets({"runtime.num_engines": 2})),
+        epoch_args(
+            tiny_dir, "two", "support.fault_rewards:kill_engine_0_once_reward", *sets({"runtime.num_engines": 2})
+        ),
         cwd=tmp_path,
         timeout_s=600,
     )
@@ -236,7 +246,7 @@ def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_d
         epoch_args(
             tiny_dir,
             "bcast",
-            "kill_engine_0_once_reward",
+            "support.fault_rewards:kill_engine_0_once_reward",
             *sets({"runtime.num_engines": 2, "transport.kind": "broadcast"}),
         ),
         cwd=tmp_path,
@@ -258,7 +268,12 @@ def test_engine_killed_on_the_broadcast_transport_rejoins_a_rebuilt_group(tiny_d
 @pytest.mark.slow  # ~2-3 min: two runs with two trainer ranks; tests/trainer/test_parallel.py checks the state fast
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_killed_trainer_rank_and_resume_with_two_ranks(tiny_dir, tmp_path, mode):
-    args = epoch_args(tiny_dir, mode, "kill_trainer_reward", *sets({"trainer.ranks": 2, "trainer.data_parallel": mode}))
+    args = epoch_args(
+        tiny_dir,
+        mode,
+        "support.fault_rewards:kill_trainer_reward",
+        *sets({"trainer.ranks": 2, "trainer.data_parallel": mode}),
+    )
     first = nonstop(args, cwd=tmp_path, timeout_s=600)
     assert first.returncode == 1 and "the trainer failed" in first.stdout, first.stdout + first.stderr
     run_dir = tmp_path / "runs" / mode

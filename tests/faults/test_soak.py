@@ -144,7 +144,7 @@ def test_soak_engine_kills_and_a_loaded_server(tiny_dir, tmp_path):
                             "runtime.num_engines": 2,
                             "runtime.max_engine_restarts": 1000,
                             "rollout.filter_uniform_reward": False,
-                            "task.reward": "support.helpers:kill_an_engine_every_reward",
+                            "task.reward": "support.fault_rewards:kill_an_engine_every_reward",
                             "run.eval_every": 1000000,
                         }
                     ),
@@ -231,7 +231,7 @@ def test_soak_on_a_cluster(tiny_dir, tmp_path):
                 "transport.kind": "files",
                 "transport.dir": str(root / "weights"),
                 "rollout.filter_uniform_reward": "false",
-                "task.reward": "support.helpers:length_reward",
+                "task.reward": "support.rewards:length_reward",
                 "run.eval_every": "1000000",
             },
         )

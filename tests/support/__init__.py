@@ -3,9 +3,8 @@ root conftest.py): classes spawned as actors (`actor_classes`), the engine side 
 tests (`weights`), reward functions named in configs by their dotted path
 (`support.rewards:...`, `support.fault_rewards:...` which inject faults, `support.scoring_helpers:...`),
 synthetic span logs (`timelines`), a two-role environment (`support.two_role_env:Duel`), an HTTP
-server around an engine (`served`), the runner of the real CLI (`cli`), and a Ray cluster of several
-nodes on loopback addresses (`cluster`, checked by `loopback`). `helpers` re-exports the first five
-for the folders that still import it.
+server around an engine (`served`), the runner of the real CLI and the `--set` arguments it takes
+(`cli`), and a Ray cluster of several nodes on loopback addresses (`cluster`, checked by `loopback`).
 
 Processes that do not inherit this process's sys.path (subprocesses, Ray workers) find `support`
 and this checkout's sources through `child_env()` / `PYTHONPATH`."""

@@ -22,7 +22,7 @@ from nonstop.lora import MergedAdapters, adapter_tensors, targeted_modules, wrap
 from nonstop.models.tiny import make_tiny_model
 from nonstop.transport import open_publisher, plan_transport
 from support.cli import nonstop, records, sets
-from support.helpers import receive_weights
+from support.weights import receive_weights
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
 
@@ -193,7 +193,7 @@ def test_lora_run_moves_only_adapters_stays_on_policy_and_raises_reward(tmp_path
                     "buffer.max_lag": 0,
                     "task.max_operand": 9,
                     "task.eval_size": 20,
-                    "task.reward": "support.helpers:length_reward",
+                    "task.reward": "support.rewards:length_reward",
                     "rollout.filter_uniform_reward": False,
                     "rollout.max_new_tokens": 12,
                     "rollout.prompts_per_step": 8,

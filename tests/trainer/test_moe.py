@@ -278,7 +278,7 @@ def test_moe_weights_cross_every_transport(moe_dir, kind, spawn_child, tmp_path)
     from nonstop.config import TransportConfig
     from nonstop.hf import load_model
     from nonstop.transport import open_publisher, open_receiver, plan_transport
-    from support.helpers import receive_weights
+    from support.weights import receive_weights
 
     trainer_model = load_model(str(moe_dir))
     fields = {
@@ -382,7 +382,7 @@ def test_pipeline_carries_routes_from_the_engine_process_to_the_trainer(moe_dir,
                     "rollout.prompts_per_step": 8,
                     "task.max_operand": 9,
                     "task.eval_size": 20,
-                    "task.reward": "support.helpers:length_reward",
+                    "task.reward": "support.rewards:length_reward",
                     "trainer.routing_replay": replay,
                 }
             ),

@@ -14,7 +14,7 @@ from nonstop.runtime import make_backend
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.parallel import rendezvous, shard_bounds
 from nonstop.types import GenerationRequest, Group, SamplingParams
-from support.helpers import DataParallelRank
+from support.actor_classes import DataParallelRank
 
 TEMPERATURE = 1.0
 MAX_NEW_TOKENS = 10  # the longest request of _groups: the generation budget of dr_grpo's divisor
@@ -136,7 +136,7 @@ def test_two_rank_checkpoints_resume_where_they_stood_with_ddp_and_fsdp2(tiny_di
     """Two real TrainerWorker ranks train a step, checkpoint, and train another; two new ranks built
     from the checkpoint load it and train that same step: weights, optimizer state (FSDP2: each
     rank's shard, through torch.distributed.checkpoint) and the step after it are the original's."""
-    from support.helpers import TrainerRankHost
+    from support.actor_classes import TrainerRankHost
 
     groups, pad = _groups(tiny_dir)
 

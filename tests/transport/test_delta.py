@@ -263,7 +263,7 @@ def test_a_run_on_ray_sends_deltas_by_broadcast_and_every_engine_ends_with_the_t
         "rollout.filter_uniform_reward": False,
         "task.max_operand": 9,
         "task.eval_size": 8,
-        "task.reward": "support.helpers:length_reward",
+        "task.reward": "support.rewards:length_reward",
     }
     args = ["train", *small_model_args(tiny_dir), *sets(overrides)]
     result = nonstop(args, cwd=tmp_path, timeout_s=400)

@@ -11,8 +11,8 @@ from nonstop.hf import load_model
 from nonstop.transport import TransportError, check_layout, model_layout, open_publisher, open_receiver, plan_transport
 from nonstop.transport.base import weights_crc32
 from nonstop.types import FilesOptions
-from support.helpers import connect_then_hang, receive_weights, receive_weights_in
-from support.helpers import perturbed_model as _perturbed
+from support.weights import connect_then_hang, receive_weights, receive_weights_in
+from support.weights import perturbed_model as _perturbed
 
 
 def transport(**fields) -> TransportConfig:

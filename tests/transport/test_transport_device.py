@@ -19,8 +19,8 @@ from nonstop.transport import TransportError, open_publisher, open_receiver, pla
 from nonstop.transport.base import FlatSender, engine_target
 from nonstop.transport.device import IpcRecord, pick_backend, receive_device
 from nonstop.transport.shm import NONE, ShmReceiver, _Segment
-from support.helpers import perturbed_model as _perturbed
-from support.helpers import receive_weights
+from support.weights import perturbed_model as _perturbed
+from support.weights import receive_weights
 
 
 def test_gpu_paths_asked_for_a_trainer_on_the_cpu_are_refused_naming_the_field(tiny_dir):
