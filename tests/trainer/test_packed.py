@@ -96,3 +96,18 @@ def test_packed_step_trains_like_the_padded_step():
     assert s_pk["loss"] == pytest.approx(s_pad["loss"], abs=1e-5)
     worst = max(float((a - b).abs().max()) for a, b in zip(w_pk, w_pad))
     assert worst <= 1e-2 * 1e-2, worst
+
+
+def test_packed_forward_runs_under_bf16_autocast_and_agrees_with_the_padded_one():
+    """The bf16 trainer runs its forward and backward under autocast (trainer/worker.py): attention
+    then returns bf16 while the rotated queries are float32. Both forwards must run there and agree
+    to bf16's precision, gradients finite."""
+    trainer = Trainer(make_tiny_model(GQA, seed=1), TrainerConfig(), temperature=0.9, pad_token_id=0)
+    groups = heavy_tailed_groups(1, 3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        b_pad, lp_pad, _, g_pad = forward(trainer, groups, packed=False)
+        _, lp_pk, _, g_pk = forward(trainer, groups, packed=True)
+    m = b_pad["mask"]
+    assert float((lp_pk[m] - lp_pad[m]).abs().max()) <= 0.05 * (1.0 + float(lp_pad[m].abs().max()))
+    assert all(torch.isfinite(g).all() for g in g_pk)
+    assert any(float(g.abs().max()) > 0 for g in g_pk)

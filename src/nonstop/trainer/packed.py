@@ -124,7 +124,10 @@ def packed_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False
             )  # (b, H, L, D)
             where.append(idx[keep])
             what.append(a.transpose(1, 2)[keep])
-        out = torch.zeros_like(q).index_put((torch.cat(where),), torch.cat(what))  # every position exactly once
+        # every position exactly once; in the attention's dtype (bf16 under autocast, where q is float32
+        # after the float32 rotation)
+        kept = torch.cat(what)
+        out = q.new_zeros(q.shape, dtype=kept.dtype).index_put((torch.cat(where),), kept)
         x = x + attn.o_proj(out.reshape(-1, H * D))
         return x + block.mlp(block.post_attention_layernorm(x))
 
