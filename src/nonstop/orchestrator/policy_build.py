@@ -8,7 +8,7 @@
   `env.policies.<role>.path` (checked to share the run's tokenizer) or the run's base policy,
   or with `resume` from its folder and version in the checkpoint; a checkpoint that lacks a
   policy the config names, or holds one it does not, ends the run with RunFailed.
-What an own policy is and how it is trained: policies.py and learn.py.
+What an own policy is and how it is trained: policies.py and modes/own_policies.py.
 """
 
 from __future__ import annotations
