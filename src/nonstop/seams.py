@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from nonstop.envs.nim import Nim, NimVsScripted
     from nonstop.lora import MergedAdapters
     from nonstop.orchestrator.dispatch import EnginePool, RankGroup
-    from nonstop.orchestrator.modes.api_agents import AgentsMode
-    from nonstop.orchestrator.modes.environment import EnvMode
-    from nonstop.orchestrator.modes.own_policies import OwnPoliciesMode
+    from nonstop.orchestrator.modes.api_agents.mode import AgentsMode
+    from nonstop.orchestrator.modes.environment.mode import EnvMode
+    from nonstop.orchestrator.modes.own_policies.mode import OwnPoliciesMode
     from nonstop.orchestrator.modes.single_turn import TaskMode
     from nonstop.orchestrator.run import RunMode
     from nonstop.orchestrator.step_observers import (

@@ -29,10 +29,16 @@ from nonstop.envs.base import ENV_VERSION, EnvLimits, SingleAgent, Step, Tool
 from nonstop.models.bpe import train_bpe
 from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
-from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, env_player, produce_episodes
-from nonstop.orchestrator.episodes import encode_observation, run_episode
 from nonstop.orchestrator.generate import Production, RolloutStats
 from nonstop.orchestrator.ledger import Ledger
+from nonstop.orchestrator.modes.environment.episode_flow import (
+    EnvRun,
+    EpisodeStats,
+    RoleBaselines,
+    env_player,
+    produce_episodes,
+)
+from nonstop.orchestrator.modes.environment.episodes import encode_observation, run_episode
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.trainer.core import Trainer

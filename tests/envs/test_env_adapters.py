@@ -11,7 +11,7 @@ from nonstop.engine.aio import AsyncEngine
 from nonstop.engine.core import TorchEngine
 from nonstop.envs.registry import builtin_task, env_factory
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.orchestrator.episode_flow import EnvRun
+from nonstop.orchestrator.modes.environment.episode_flow import EnvRun
 from nonstop.tasks.codec import Codec
 from nonstop.types import SamplingParams
 
@@ -74,7 +74,7 @@ def test_episodes_over_http_against_the_server_keep_its_ids_logprobs_and_version
     from nonstop.envs import guess
     from nonstop.envs.base import EnvLimits, SingleAgent
     from nonstop.envs.http import ClientEngine
-    from nonstop.orchestrator.episodes import run_episode
+    from nonstop.orchestrator.modes.environment.episodes import run_episode
     from nonstop.serve.client import HttpClient
     from nonstop.tasks.data import Example
     from support.served import serving

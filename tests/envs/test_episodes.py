@@ -18,10 +18,16 @@ from nonstop.envs.calculator import Calculator
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
-from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, env_player, produce_episodes
-from nonstop.orchestrator.episodes import encode_observation, run_episode, run_episodes
 from nonstop.orchestrator.generate import Production, RolloutStats
 from nonstop.orchestrator.ledger import Ledger
+from nonstop.orchestrator.modes.environment.episode_flow import (
+    EnvRun,
+    EpisodeStats,
+    RoleBaselines,
+    env_player,
+    produce_episodes,
+)
+from nonstop.orchestrator.modes.environment.episodes import encode_observation, run_episode, run_episodes
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Sample, SamplingParams

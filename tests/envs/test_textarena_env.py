@@ -18,9 +18,9 @@ from nonstop.envs.registry import builtin_task, env_factory  # noqa: E402
 from nonstop.envs.textarena_env import TextArenaGame  # noqa: E402
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
 from nonstop.models.tiny import save_tiny  # noqa: E402
-from nonstop.orchestrator.episode_flow import EnvRun  # noqa: E402
-from nonstop.orchestrator.episodes import RoleEngines, encode_observation, run_episodes  # noqa: E402
-from nonstop.orchestrator.policy_build import check_roles  # noqa: E402
+from nonstop.orchestrator.modes.environment.episode_flow import EnvRun  # noqa: E402
+from nonstop.orchestrator.modes.environment.episodes import RoleEngines, encode_observation, run_episodes  # noqa: E402
+from nonstop.orchestrator.modes.own_policies.policy_build import check_roles  # noqa: E402
 from nonstop.tasks.codec import Codec  # noqa: E402
 from nonstop.tasks.data import Example  # noqa: E402
 from nonstop.types import SamplingParams  # noqa: E402

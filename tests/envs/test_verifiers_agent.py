@@ -21,7 +21,7 @@ from nonstop.envs.base import ENV_VERSION, EnvLimits  # noqa: E402
 from nonstop.envs.verifiers.agent import AgentPlayer  # noqa: E402
 from nonstop.envs.verifiers.tasks import ProductData, ProductTask, products  # noqa: E402
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
-from nonstop.orchestrator.episode_flow import EnvRun  # noqa: E402
+from nonstop.orchestrator.modes.environment.episode_flow import EnvRun  # noqa: E402
 from nonstop.tasks.codec import Codec  # noqa: E402
 from nonstop.tasks.data import Example  # noqa: E402
 from nonstop.types import Sample, SamplingParams  # noqa: E402

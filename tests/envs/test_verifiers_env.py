@@ -27,10 +27,10 @@ from nonstop.envs.verifiers.tasks import AdditionData, AdditionTask  # noqa: E40
 from nonstop.hf import load_model, load_tokenizer  # noqa: E402
 from nonstop.observe.clock import Clock  # noqa: E402
 from nonstop.orchestrator.buffer import RolloutBuffer  # noqa: E402
-from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, produce_episodes  # noqa: E402
-from nonstop.orchestrator.episodes import encode_observation  # noqa: E402
 from nonstop.orchestrator.generate import Production, RolloutStats  # noqa: E402
 from nonstop.orchestrator.ledger import Ledger  # noqa: E402
+from nonstop.orchestrator.modes.environment.episode_flow import EnvRun, EpisodeStats, RoleBaselines, produce_episodes  # noqa: E402
+from nonstop.orchestrator.modes.environment.episodes import encode_observation  # noqa: E402
 from nonstop.tasks.codec import Codec  # noqa: E402
 from nonstop.tasks.data import PromptStream  # noqa: E402
 from support.served import serving  # noqa: E402

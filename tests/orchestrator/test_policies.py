@@ -19,12 +19,18 @@ from nonstop.envs.base import EnvLimits
 from nonstop.hf import load_model, load_tokenizer
 from nonstop.observe.clock import Clock
 from nonstop.orchestrator.buffer import RolloutBuffer
-from nonstop.orchestrator.episode_flow import EnvRun, EpisodeStats, RoleBaselines, env_player, produce_episodes
-from nonstop.orchestrator.episodes import RoleEngines
 from nonstop.orchestrator.generate import Production, RolloutStats
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.policy_build import check_roles, policy_config
-from nonstop.orchestrator.split_intake import SplitIntake
+from nonstop.orchestrator.modes.environment.episode_flow import (
+    EnvRun,
+    EpisodeStats,
+    RoleBaselines,
+    env_player,
+    produce_episodes,
+)
+from nonstop.orchestrator.modes.environment.episodes import RoleEngines
+from nonstop.orchestrator.modes.own_policies.policy_build import check_roles, policy_config
+from nonstop.orchestrator.modes.own_policies.split_intake import SplitIntake
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Example, PromptStream
 from nonstop.types import GenerationRequest, Group, Sample

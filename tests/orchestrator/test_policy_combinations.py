@@ -23,7 +23,7 @@ import torch
 
 from nonstop.config import load_config
 from nonstop.hf import load_model
-from nonstop.orchestrator.policy_build import policy_config
+from nonstop.orchestrator.modes.own_policies.policy_build import policy_config
 from nonstop.transport import open_publisher, open_receiver, plan_transport
 from support.two_role_env import duel_args
 from support.weights import perturbed_model

@@ -12,23 +12,27 @@ those listed before it (no circle; tests/docs/test_layering.py checks it):
 - progress.py             the progress display of a run (`Progress`) and the table printed at its end;
 - generate.py             the producer: admitted prompts -> engine groups (`Production`, `produce`), and
                           held-out evaluation;
-- episodes.py             one multi-turn, multi-agent episode through the engines, token-exact;
-- episode_flow.py         the producer of an environment run: groups of episodes, per-role advantages;
-- agents.py               agents over the API: the run's endpoint (`AgentEndpoint`) and the producer its
-                          rewarded groups feed;
-- split_intake.py         with env.policies, each group split into one part per policy's buffer;
-- policies.py             roles with their own policy: `PolicySide`, `PolicyTally`, `Policies`;
 - run.py                  `Run` (a run's fixed wiring), `RunState`, and `RunMode`, the seam of the run's
                           mode (where its groups come from); `Run.eval()` asks the mode;
 - recovery.py             checkpoint and resume of a run's state; `RunFailed` (`RunInterrupted` is nonstop/errors.py's);
 - step.py                 one learner step (take, train, publish, settle), shared by every learning loop;
-- modes/__init__.py       the run modes, each a `RunMode`:
-- modes/single_turn.py    `TaskMode`: groups of completions of a task's prompts (the default);
-- modes/environment.py    `EnvMode`: an environment's episodes on the shared policy;
-- modes/own_policies.py   `OwnPoliciesMode`: roles on policies of their own, their learner loops;
-- modes/api_agents.py     `AgentsMode`: agents' episodes over the API, evaluated as the mode it wraps;
 - actors.py               spawn engines and trainer ranks, connect the weight transport, restart engines;
-- policy_build.py         the own policies' configs, checks and actors;
+- modes/__init__.py       the run modes, each a `RunMode`, each with the blocks it is built from:
+- modes/single_turn.py    `TaskMode`: groups of completions of a task's prompts (the default);
+- modes/environment/__init__.py   an environment's episodes:
+- modes/environment/episodes.py   one multi-turn, multi-agent episode through the engines, token-exact;
+- modes/environment/episode_flow.py   the producer of an environment run: groups of episodes,
+                          per-role advantages;
+- modes/environment/mode.py   `EnvMode`: an environment's episodes on the shared policy;
+- modes/own_policies/__init__.py   roles on policies of their own (env.policies):
+- modes/own_policies/split_intake.py   each group split into one part per policy's buffer;
+- modes/own_policies/policies.py   `PolicySide`, `PolicyTally`, `Policies`;
+- modes/own_policies/policy_build.py   the own policies' configs, checks and actors;
+- modes/own_policies/mode.py   `OwnPoliciesMode`: the own policies' learner loops beside the shared one;
+- modes/api_agents/__init__.py   agents over the API:
+- modes/api_agents/agents.py   the run's endpoint (`AgentEndpoint`) and the producer its rewarded
+                          groups feed;
+- modes/api_agents/mode.py   `AgentsMode`: agents' episodes over the API, evaluated as the mode it wraps;
 - build.py                `build_run()`: the actors and the stages wired into a `Run`; `build_mode()`, the
                           one choice of the run's mode;
 - grow.py                 engines that join mid-run (runtime.max_engines) as nodes with room join;

@@ -2,7 +2,8 @@
 and how a dead engine is started again.
 
 Used for the run's shared policy (build.py) and for every role with its own policy
-(policy_build.py), which passes its own config (policy_build.policy_config) and name `prefix`.
+(modes/own_policies/policy_build.py), which passes its own config (`policy_config`) and name
+`prefix`.
 - `spawn_engine(...)`: engine i of `runtime.num_engines` (or of `runtime.max_engines`, for one
   that joins mid-run), the built-in torch engine or vLLM;
 - `spawn_trainers(...)`: the `trainer.ranks` trainer actors as one RankGroup (dispatch.py);

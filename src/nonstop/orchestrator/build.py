@@ -16,8 +16,8 @@ EnginePool; `trainer.ranks` trainer actors in one RankGroup (actors.py starts th
 rank 0 is transport rank 0; engine i is rank i + 1. With `runtime.max_engines`, `Run.join(i)`
 starts engine i >= num_engines the same way, for grow.py to add to the pool once it runs. With
 env.policies, each role with its own policy gets its own actors, transport and buffer
-(policy_build.py), all settling through one ledger split into parts. Before any actor starts,
-prompts too long for the model are skipped (`screen`) and the scoring stage is built, so a bad
+(modes/own_policies/policy_build.py), all settling through one ledger split into parts. Before
+any actor starts, prompts too long for the model are skipped (`screen`) and the scoring stage is built, so a bad
 reward name fails first.
 """
 
@@ -37,15 +37,15 @@ from nonstop.observe.tracking import open_sinks
 from nonstop.orchestrator.actors import connect_transport, engine_restarter, span_file, spawn_engine, spawn_trainers
 from nonstop.orchestrator.buffer import RolloutBuffer, make_buffer
 from nonstop.orchestrator.dispatch import EnginePool
-from nonstop.orchestrator.episode_flow import EnvRun
 from nonstop.orchestrator.generate import RolloutStats
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.modes.api_agents import AgentsMode
-from nonstop.orchestrator.modes.environment import EnvMode
-from nonstop.orchestrator.modes.own_policies import OwnPoliciesMode
+from nonstop.orchestrator.modes.api_agents.mode import AgentsMode
+from nonstop.orchestrator.modes.environment.episode_flow import EnvRun
+from nonstop.orchestrator.modes.environment.mode import EnvMode
+from nonstop.orchestrator.modes.own_policies.mode import OwnPoliciesMode
+from nonstop.orchestrator.modes.own_policies.policies import Policies
+from nonstop.orchestrator.modes.own_policies.policy_build import build_policies
 from nonstop.orchestrator.modes.single_turn import TaskMode
-from nonstop.orchestrator.policies import Policies
-from nonstop.orchestrator.policy_build import build_policies
 from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.run import Run, RunMode, RunState
 from nonstop.runtime import ActorBackend

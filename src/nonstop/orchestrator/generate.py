@@ -6,10 +6,10 @@ the engine complete each one `group_size` times, decode and score the groups (th
 runs many groups at once and holds admission while too many wait for it), and hand each group to
 the buffer (or drop it, counted and settled, when its reward failed or when all its samples
 scored the same and the run filters such groups). When the stream is exhausted it closes the
-buffer. `Production` holds what every producer (this one, episode_flow.produce_episodes and
-agents.produce_agent_groups) shares; the run's mode builds it (modes/single_turn.py
-`production`). `evaluate(...)` scores held-out prompts with the engine's current weights by the
-task's reward (greedy by default, or mean@k; tasks/codec.py HeldOut).
+buffer. `Production` holds what every producer (this one, modes/environment/episode_flow.py's
+`produce_episodes` and modes/api_agents/agents.py's `produce_agent_groups`) shares; the run's
+mode builds it (modes/single_turn.py `production`). `evaluate(...)` scores held-out prompts with
+the engine's current weights by the task's reward (greedy by default, or mean@k; tasks/codec.py HeldOut).
 
 With a `seed` (rollout.seed_per_prompt), each group's request carries `draw_seed(seed, epoch,
 prompt index)` and the engine seeds completion i with it + i: what a prompt's completions are

@@ -36,6 +36,9 @@ class Settler(Protocol):
     def drop_episodes(self, n: int, reason: str) -> None: ...
 
 
+SHARED = ""  # the policy name of the run's shared policy
+
+
 def policy_label(policy: str) -> str:
     """How reports name a policy: its role, or 'shared' for the run's shared policy ('')."""
     return policy or "shared"

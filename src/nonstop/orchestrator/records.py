@@ -117,9 +117,9 @@ class StepRecord:
     engine_versions: list[int]  # newest policy_version seen in each engine's tokens
     eval_accuracy: float | None = None  # held-out accuracy, on the steps that evaluate
     scoring: dict[str, Any] = field(default_factory=dict)  # the scoring stage's metrics of this step (latency, queue)
-    episodes: dict[str, Any] | None = None  # environment runs: EpisodeStats.report() (episode_flow.py)
-    policies: dict[str, Any] | None = None  # roles with their own policy: Policies.report() (policies.py)
-    agents: dict[str, Any] | None = None  # agents over the API: AgentEndpoint.report() (agents.py)
+    episodes: dict[str, Any] | None = None  # environment runs: EpisodeStats.report() (modes/environment/)
+    policies: dict[str, Any] | None = None  # roles with their own policy: Policies.report() (modes/own_policies/)
+    agents: dict[str, Any] | None = None  # agents over the API: AgentEndpoint.report() (modes/api_agents/)
     engine_flops_per_s: float | None = (
         None  # the engines' achieved FLOP/s since their last read (observe/flops.py FlopTally); None: unread
     )

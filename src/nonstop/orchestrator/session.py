@@ -30,8 +30,8 @@ from nonstop.models.base_policy import prepare_base_model
 from nonstop.observe.consumed import DROPPED, TRAINED, rolled_back_name
 from nonstop.observe.consumed import restore as restore_record
 from nonstop.orchestrator.fit import Fitted
+from nonstop.orchestrator.modes.own_policies.policy_build import check_roles
 from nonstop.orchestrator.pipeline import train
-from nonstop.orchestrator.policy_build import check_roles
 from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.records import RunSummary
 from nonstop.orchestrator.recovery import ROLLED_BACK, set_aside_rolled_back

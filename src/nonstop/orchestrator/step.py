@@ -1,7 +1,7 @@
 """One learner step, shared by every learning loop: take a batch, train it, publish, settle.
 
 Every learning loop goes through here: the shared policy's `learn()` (learn.py) and each own
-policy's `learn_policy()` (env.policies; modes/own_policies.py), each with its own trainer and
+policy's `learn_policy()` (env.policies; modes/own_policies/mode.py), each with its own trainer and
 buffer. A step is
 - `take_batch(...)`: the buffer's next batch, or [] as soon as the run is stopped (or out of
   time), sorted by (epoch, prompt index) so that the same groups make the same step whatever
@@ -30,7 +30,7 @@ from typing import Any
 from nonstop.clients import TrainerClient
 from nonstop.observe.spans import now
 from nonstop.orchestrator.buffer import RolloutBuffer
-from nonstop.orchestrator.policies import SHARED
+from nonstop.orchestrator.ledger import SHARED
 from nonstop.orchestrator.recovery import RunFailed
 from nonstop.orchestrator.run import Run
 from nonstop.runtime import ActorCallError, ActorDied

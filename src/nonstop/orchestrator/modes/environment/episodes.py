@@ -16,7 +16,7 @@ Per completion token of a role's `Sample` (prompt = the role's first observation
 So `prompt_ids + completion_ids` is exactly the concatenation of the engine's samples and the
 environment's appends, and the mask flips exactly at every boundary (tests/envs/test_episodes.py).
 With separate policies per role (env.policies), `engine` is a `RoleEngines`: each role's turns
-go to its own policy's engines and its Sample carries `policy` (orchestrator/policies.py).
+go to its own policy's engines and its Sample carries `policy` (modes/own_policies/policies.py).
 
 Limits (`EnvLimits`): a role's turns stop at `max_turns` and its sequence at
 `max_episode_tokens` (the episode then ends truncated with the rewards it had); every reset and

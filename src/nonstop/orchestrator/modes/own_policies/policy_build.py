@@ -8,7 +8,7 @@
   `env.policies.<role>.path` (checked to share the run's tokenizer) or the run's base policy,
   or with `resume` from its folder and version in the checkpoint; a checkpoint that lacks a
   policy the config names, or holds one it does not, ends the run with RunFailed.
-What an own policy is and how it is trained: policies.py and modes/own_policies.py.
+What an own policy is and how it is trained: policies.py and mode.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from nonstop.orchestrator.actors import connect_transport, engine_restarter, spa
 from nonstop.orchestrator.buffer import make_buffer
 from nonstop.orchestrator.dispatch import EnginePool
 from nonstop.orchestrator.ledger import Ledger
-from nonstop.orchestrator.policies import PolicySide
+from nonstop.orchestrator.modes.own_policies.policies import PolicySide
 from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.recovery import RunFailed
 from nonstop.runtime import ActorBackend

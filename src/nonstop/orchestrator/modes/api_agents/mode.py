@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nonstop.hf import max_positions
-from nonstop.orchestrator.agents import AgentEndpoint, produce_agent_groups
+from nonstop.orchestrator.modes.api_agents.agents import AgentEndpoint, produce_agent_groups
 from nonstop.orchestrator.modes.single_turn import production
 from nonstop.orchestrator.run import Run, RunMode
 from nonstop.runtime import Supervisor

@@ -12,8 +12,8 @@ RUN_DIR/agents/groups.jsonl.
 `produce_agent_groups` is the run's producer in this mode (the run draws no prompts of its own):
 it waits for the buffer's admission, then for the next complete group, records it as a draw in
 the ledger (so it settles once, trained or dropped), sets GRPO advantages over the group
-(episode_flow.RoleBaselines) and puts it in the buffer, or drops it ('uniform_reward') under
-rollout.filter_uniform_reward. When training ends, `finish()` refuses recorded requests (409),
+(modes/environment/episode_flow.py `RoleBaselines`) and puts it in the buffer, or drops it
+('uniform_reward') under rollout.filter_uniform_reward. When training ends, `finish()` refuses recorded requests (409),
 drops and counts what is open, and keeps serving the final policy until no request came for
 `agents.linger_s`.
 """
@@ -31,8 +31,8 @@ from typing import Any
 from nonstop.config import Config
 from nonstop.engine.aio import TokenEvent
 from nonstop.orchestrator.dispatch import EnginePool
-from nonstop.orchestrator.episode_flow import RoleBaselines
 from nonstop.orchestrator.generate import Production, drop_uniform
+from nonstop.orchestrator.modes.environment.episode_flow import RoleBaselines
 from nonstop.serve.recorder import EpisodeRecorder
 from nonstop.serve.server import EngineServer
 from nonstop.tasks.data import Draw, Example

@@ -29,9 +29,9 @@ from typing import Any
 
 from nonstop.envs.base import TurnEngine
 from nonstop.orchestrator.buffer import Intake
-from nonstop.orchestrator.episode_flow import EnvRun
-from nonstop.orchestrator.modes.environment import EnvMode
-from nonstop.orchestrator.policies import Policies, PolicySide
+from nonstop.orchestrator.modes.environment.episode_flow import EnvRun
+from nonstop.orchestrator.modes.environment.mode import EnvMode
+from nonstop.orchestrator.modes.own_policies.policies import Policies, PolicySide
 from nonstop.orchestrator.run import Run
 from nonstop.orchestrator.step import Trained, take_batch, train_step
 from nonstop.runtime import Supervisor

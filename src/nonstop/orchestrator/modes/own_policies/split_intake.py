@@ -11,8 +11,8 @@ every admitted row is settled once per policy, also across a resume (the ledger'
 from __future__ import annotations
 
 from nonstop.orchestrator.buffer import RolloutBuffer
-from nonstop.orchestrator.episode_flow import EPS
 from nonstop.orchestrator.ledger import Ledger
+from nonstop.orchestrator.modes.environment.episode_flow import EPS
 from nonstop.types import Group
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from nonstop.envs.base import TurnEngine
 from nonstop.orchestrator.buffer import Intake
-from nonstop.orchestrator.episode_flow import EnvRun, produce_episodes
+from nonstop.orchestrator.modes.environment.episode_flow import EnvRun, produce_episodes
 from nonstop.orchestrator.modes.single_turn import TaskMode, production
 from nonstop.orchestrator.run import Run
 from nonstop.runtime import Supervisor

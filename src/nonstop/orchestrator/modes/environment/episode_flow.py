@@ -3,7 +3,7 @@
 `produce_episodes(production, engine, env)` is `generate.produce` for environments (the same
 `Production`, and the run's `EnvRun`): it waits for admission, draws task rows (each draw
 recorded in the ledger), plays `rollout.group_size` episodes of each row concurrently on the
-engines (orchestrator/episodes.py) and hands the row's group to the buffer.
+engines (episodes.py) and hands the row's group to the buffer.
 A group holds one `Sample` per episode and role with model tokens, tagged with its episode index
 and role, and carries its advantages (the trainer uses them as they are):
 
@@ -35,8 +35,8 @@ from nonstop.config import EnvConfig
 from nonstop.envs import registry
 from nonstop.envs.base import EnvLimits, EpisodeResult, TurnEngine
 from nonstop.observe.clock import BusyClock
-from nonstop.orchestrator.episodes import EnvFactory, run_episodes
 from nonstop.orchestrator.generate import NoLearningSignal, Production, admit_and_run, drop_uniform
+from nonstop.orchestrator.modes.environment.episodes import EnvFactory, run_episodes
 from nonstop.tasks.codec import Codec
 from nonstop.tasks.data import Draw, Example
 from nonstop.types import Group, Sample, SamplingParams
@@ -137,7 +137,7 @@ Player = Callable[
 
 
 def env_player(make_env: EnvFactory) -> Player:
-    """The player of a nonstop environment: `run_episodes` (orchestrator/episodes.py)."""
+    """The player of a nonstop environment: `run_episodes` (episodes.py)."""
 
     async def play(
         engine: TurnEngine, rows: list[Example], codec: Codec, limits: EnvLimits, params: SamplingParams

@@ -7,13 +7,13 @@ names it: such a role plays its own policy, a `PolicySide` here, which owns
   base policy, connected by their own weight transport (so its `policy_version` counts its own
   steps);
 - its buffer (own admission, max-lag rule, drops) and its learner loop (`learn_policy`, in
-  modes/own_policies.py, beside the shared policy's loop; both train through step.py's `train_step`).
+  mode.py, beside the shared policy's loop; both train through step.py's `train_step`).
 They are built in policy_build.py; this module holds what a run keeps of them: `PolicySide`,
 `PolicyTally` (what a policy trained) and `Policies` (all of them, with the split intake).
 
 The flow, beside the shared policy's (pipeline.py, learn.py):
-- the episode runner gets a `RoleEngines` (episodes.py): each role's turns go to its policy's
-  engines, and each sample carries `policy` ('' the shared policy, else the role);
+- the episode runner gets a `RoleEngines` (modes/environment/episodes.py): each role's turns go
+  to its policy's engines, and each sample carries `policy` ('' the shared policy, else the role);
 - the producer hands each group to `SplitIntake`, which admits a row only when every policy's
   buffer admits it, and splits the group into one part per policy (advantages were computed
   per role before): a part with no sample, or no signal, is dropped in its own buffer, counted
@@ -31,7 +31,7 @@ episodes, and for an own policy the newest version seen in each of its engines' 
 (`engine_versions`); an own policy also writes one line per step to
 RUN_DIR/policies/<role>/metrics.jsonl, its final weights to RUN_DIR/policies/<role>/final and its
 held-out score at the end (`final_accuracy`, measured like the shared policy's:
-`OwnPoliciesMode.eval_own`, modes/own_policies.py).
+`OwnPoliciesMode.eval_own`, mode.py).
 
 Checkpoints (recovery.py) hold every policy: while no own policy trains (`Policies.paused`),
 each one's trainer state goes under policies/<role> and its counters into state.json, beside
@@ -59,13 +59,11 @@ from nonstop.clients import TrainerClient
 from nonstop.envs.base import TurnEngine
 from nonstop.orchestrator.buffer import RolloutBuffer
 from nonstop.orchestrator.dispatch import EnginePool
-from nonstop.orchestrator.episodes import RoleEngines
-from nonstop.orchestrator.ledger import Ledger, policy_label
-from nonstop.orchestrator.split_intake import SplitIntake
+from nonstop.orchestrator.ledger import SHARED, Ledger, policy_label
+from nonstop.orchestrator.modes.environment.episodes import RoleEngines
+from nonstop.orchestrator.modes.own_policies.split_intake import SplitIntake
 from nonstop.runtime.restart import RestartingEngine
 from nonstop.types import Group, TransportHandle
-
-SHARED = ""  # the policy name of the run's shared policy
 
 
 @dataclass
