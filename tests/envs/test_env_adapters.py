@@ -151,22 +151,25 @@ def test_reasoning_gym_example_trains_through_the_cli(tiny_dir, tmp_path):
 
     pytest.importorskip("reasoning_gym")
     from support import EXAMPLES_DIR
-    from support.cli import nonstop, small_model_args
+    from support.cli import nonstop, sets, small_model_args
 
     out = nonstop(
         [
             "train",
             str(EXAMPLES_DIR / "envs" / "reasoning_gym_arithmetic.yaml"),
             *small_model_args(tiny_dir),
-            *("--set", "env.train_rows=64", "--set", "env.eval_rows=16", "--set", "run.max_steps=3"),
-            *("--set", "run.eval_every=2", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=4"),
-            *(
-                "--set",
-                "rollout.filter_uniform_reward=false",
-                "--set",
-                f"run.out_dir={tmp_path}",
-                "--set",
-                "run.name=rg",
+            *sets(
+                {
+                    "env.train_rows": 64,
+                    "env.eval_rows": 16,
+                    "run.max_steps": 3,
+                    "run.eval_every": 2,
+                    "rollout.prompts_per_step": 4,
+                    "rollout.group_size": 4,
+                    "rollout.filter_uniform_reward": False,
+                    "run.out_dir": tmp_path,
+                    "run.name": "rg",
+                }
             ),
         ],
         tmp_path,

@@ -376,39 +376,29 @@ def test_cli_run_on_selfplay_nim_settles_every_row_and_reports_episodes(tiny_dir
     and the summary carries the episode counters, per-role metrics and per-episode lags."""
     import json
 
-    from support.cli import nonstop, small_model_args
+    from support.cli import nonstop, sets, small_model_args
 
     out = nonstop(
         [
             "train",
-            "--set",
-            "env.name=nim",
-            "--set",
-            "env.max_turns=5",
-            "--set",
-            "env.turn_max_tokens=2",
-            "--set",
-            "env.eval_rows=20",
-            "--set",
-            "buffer.reject=episode",
-            "--set",
-            "buffer.max_lag=1",
-            "--set",
-            "rollout.prompts_per_step=4",
-            "--set",
-            "rollout.group_size=2",
-            "--set",
-            "rollout.filter_uniform_reward=false",
-            "--set",
-            "run.max_steps=4",
-            "--set",
-            "run.eval_every=2",
-            "--set",
-            "checkpoint.every_steps=null",
-            "--set",
-            f"run.out_dir={tmp_path}",
-            "--set",
-            "run.name=nim",
+            *sets(
+                {
+                    "env.name": "nim",
+                    "env.max_turns": 5,
+                    "env.turn_max_tokens": 2,
+                    "env.eval_rows": 20,
+                    "buffer.reject": "episode",
+                    "buffer.max_lag": 1,
+                    "rollout.prompts_per_step": 4,
+                    "rollout.group_size": 2,
+                    "rollout.filter_uniform_reward": False,
+                    "run.max_steps": 4,
+                    "run.eval_every": 2,
+                    "checkpoint.every_steps": None,
+                    "run.out_dir": tmp_path,
+                    "run.name": "nim",
+                }
+            ),
             *small_model_args(tiny_dir),
         ],
         tmp_path,

@@ -176,15 +176,23 @@ def test_the_verifiers_tools_example_learns_to_use_its_tool(tmp_path):
     import json
 
     from support import EXAMPLES_DIR
-    from support.cli import nonstop
+    from support.cli import nonstop, sets
 
     out = nonstop(
         [
             "train",
             str(EXAMPLES_DIR / "envs" / "verifiers_tools.yaml"),
-            *("--set", "run.max_steps=12", "--set", "run.max_time_s=1800", "--set", "run.eval_every=100"),
-            *("--set", f"run.out_dir={tmp_path}", "--set", "run.name=tools", "--set", "run.progress=plain"),
-            *("--set", f"warmup.cache_dir={tmp_path / 'cache'}"),
+            *sets(
+                {
+                    "run.max_steps": 12,
+                    "run.max_time_s": 1800,
+                    "run.eval_every": 100,
+                    "run.out_dir": tmp_path,
+                    "run.name": "tools",
+                    "run.progress": "plain",
+                    "warmup.cache_dir": tmp_path / "cache",
+                }
+            ),
         ],
         tmp_path,
         timeout_s=2400,
