@@ -10,7 +10,7 @@ import zlib
 import pytest
 
 from support import api_agent_command, child_env
-from support.cli import NONSTOP, records, small_model_args
+from support.cli import NONSTOP, records, sets, small_model_args
 
 
 def _crc(groups: list[dict]) -> int:
@@ -43,7 +43,7 @@ def test_agent_over_the_api_trains_on_exactly_the_recorded_tokens(tiny_dir, tmp_
         "env.max_episode_tokens=32",
         "env.eval_rows=8",
     ]
-    args = [NONSTOP, "train", *small_model_args(tiny_dir)] + [x for o in overrides for x in ("--set", o)]
+    args = [NONSTOP, "train", *small_model_args(tiny_dir), *sets(overrides)]
     env = child_env(COLUMNS="200", OMP_NUM_THREADS="1")
     train = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     agent = subprocess.run(

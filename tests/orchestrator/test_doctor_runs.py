@@ -17,13 +17,13 @@ import shutil
 
 import pytest
 
-from support.cli import nonstop, records
+from support.cli import nonstop, records, sets
 
 
 @pytest.fixture(scope="module")
 def hacked(tmp_path_factory):
     out = tmp_path_factory.mktemp("doctor")
-    sets = {
+    overrides = {
         "run.name": "hack",
         "task.reward": "support.rewards:three_chars_reward",
         "task.eval_reward": "exact_match",  # held-out measures the task, not what the reward pays for
@@ -37,7 +37,7 @@ def hacked(tmp_path_factory):
         "doctor.window_steps": "10",  # a short run: trends over 10 steps, findings from step 30
         "doctor.min_steps": "30",
     }
-    r = nonstop(["train", *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]], cwd=out)
+    r = nonstop(["train", *sets(overrides)], cwd=out)
     assert r.returncode == 0, r.stdout + r.stderr
     return out / "runs" / "hack", r.stdout
 

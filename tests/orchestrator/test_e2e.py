@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from nonstop.checkpoint import list_checkpoints, saved_policy_version
 from nonstop.models.shipped import read_provenance, shipped_dir
-from support.cli import nonstop, records, small_model_args
+from support.cli import nonstop, records, sets, small_model_args
 from support.served import served_versions
 
 
@@ -23,16 +23,15 @@ def test_short_run_learns(tmp_path):
     result = nonstop(
         [
             "train",
-            "--set",
-            "run.name=learn",
-            "--set",
-            "run.max_steps=60",
-            "--set",
-            "run.max_time_s=null",
-            "--set",
-            "run.eval_every=20",
-            "--set",
-            "run.progress=plain",
+            *sets(
+                {
+                    "run.name": "learn",
+                    "run.max_steps": 60,
+                    "run.max_time_s": None,
+                    "run.eval_every": 20,
+                    "run.progress": "plain",
+                }
+            ),
         ],
         cwd=tmp_path,
     )
@@ -89,7 +88,7 @@ def test_short_run_learns(tmp_path):
         ("shm", []),
         ("broadcast", []),
         ("files", []),
-        ("shm", ["--set", "rollout.top_k=6", "--set", "rollout.top_p=0.9"]),
+        ("shm", sets({"rollout.top_k": 6, "rollout.top_p": 0.9})),
     ],
 )
 def test_depth0_first_step_is_exactly_on_policy(tiny_dir, tmp_path, transport, sampling):
@@ -98,28 +97,21 @@ def test_depth0_first_step_is_exactly_on_policy(tiny_dir, tmp_path, transport, s
         [
             "train",
             *small_model_args(tiny_dir),
-            "--set",
-            "buffer.depth=0",
-            "--set",
-            "buffer.max_lag=0",
-            "--set",
-            "run.max_steps=4",
-            "--set",
-            "run.name=d0",
-            "--set",
-            f"transport.kind={transport}",
-            "--set",
-            "rollout.filter_uniform_reward=false",
-            "--set",
-            "rollout.max_new_tokens=6",
-            "--set",
-            "task.max_operand=9",
-            "--set",
-            "task.eval_size=20",
-            "--set",
-            "trainer.lr=1e-2",
-            "--set",
-            "task.reward=support.rewards:length_reward",
+            *sets(
+                {
+                    "buffer.depth": 0,
+                    "buffer.max_lag": 0,
+                    "run.max_steps": 4,
+                    "run.name": "d0",
+                    "transport.kind": transport,
+                    "rollout.filter_uniform_reward": False,
+                    "rollout.max_new_tokens": 6,
+                    "task.max_operand": 9,
+                    "task.eval_size": 20,
+                    "trainer.lr": "1e-2",
+                    "task.reward": "support.rewards:length_reward",
+                }
+            ),
             *sampling,
         ],
         cwd=tmp_path,
@@ -153,22 +145,18 @@ def test_bad_dataset_rows_and_raising_reward_are_counted_not_fatal(tiny_dir, tmp
         [
             "train",
             *small_model_args(tiny_dir),
-            "--set",
-            "task.name=jsonl",
-            "--set",
-            "task.dataset_path=data.jsonl",
-            "--set",
-            "task.eval_size=10",
-            "--set",
-            "task.reward=support.rewards:raising_reward",
-            "--set",
-            "run.max_steps=3",
-            "--set",
-            "rollout.filter_uniform_reward=false",
-            "--set",
-            "rollout.prompts_per_step=4",
-            "--set",
-            "run.name=bad",
+            *sets(
+                {
+                    "task.name": "jsonl",
+                    "task.dataset_path": "data.jsonl",
+                    "task.eval_size": 10,
+                    "task.reward": "support.rewards:raising_reward",
+                    "run.max_steps": 3,
+                    "rollout.filter_uniform_reward": False,
+                    "rollout.prompts_per_step": 4,
+                    "run.name": "bad",
+                }
+            ),
         ],
         cwd=tmp_path,
     )
@@ -187,14 +175,14 @@ def test_reward_that_always_fails_stops_the_run_with_the_cause(tiny_dir, tmp_pat
         [
             "train",
             *small_model_args(tiny_dir),
-            "--set",
-            "task.reward=support.rewards:always_raising_reward",
-            "--set",
-            "task.max_operand=9",
-            "--set",
-            "task.eval_size=10",
-            "--set",
-            "task.max_consecutive_reward_failures=8",
+            *sets(
+                {
+                    "task.reward": "support.rewards:always_raising_reward",
+                    "task.max_operand": 9,
+                    "task.eval_size": 10,
+                    "task.max_consecutive_reward_failures": 8,
+                }
+            ),
         ],
         cwd=tmp_path,
         timeout_s=300,
@@ -209,16 +197,15 @@ def test_engine_killed_past_its_restart_budget_ends_the_run_with_a_clear_message
         [
             "train",
             *small_model_args(tiny_dir),
-            "--set",
-            "task.reward=support.fault_rewards:kill_engine_reward",
-            "--set",
-            "run.max_steps=50",
-            "--set",
-            "task.max_operand=9",
-            "--set",
-            "task.eval_size=10",
-            "--set",
-            "runtime.max_engine_restarts=1",
+            *sets(
+                {
+                    "task.reward": "support.fault_rewards:kill_engine_reward",
+                    "run.max_steps": 50,
+                    "task.max_operand": 9,
+                    "task.eval_size": 10,
+                    "runtime.max_engine_restarts": 1,
+                }
+            ),
         ],
         cwd=tmp_path,
         timeout_s=300,
@@ -240,7 +227,7 @@ def test_misspelt_config_key_is_one_clear_error(tmp_path):
 
 
 def test_config_command_prints_resolved_yaml(tmp_path):
-    result = nonstop(["config", "--set", "buffer.depth=3", "--set", "buffer.max_lag=4"], cwd=tmp_path)
+    result = nonstop(["config", *sets({"buffer.depth": 3, "buffer.max_lag": 4})], cwd=tmp_path)
     assert result.returncode == 0
     assert "depth: 3" in result.stdout and "max_lag: 4" in result.stdout
 
@@ -255,12 +242,7 @@ def test_default_job_meets_the_acceptance_bar(tmp_path):
     result = nonstop(
         [
             "train",
-            "--set",
-            "run.max_time_s=null",
-            "--set",
-            "run.max_steps=450",
-            "--set",
-            "run.progress=plain",
+            *sets({"run.max_time_s": None, "run.max_steps": 450, "run.progress": "plain"}),
         ],
         cwd=tmp_path,
         timeout_s=1800,

@@ -271,7 +271,7 @@ def test_a_run_with_two_policies_resumes_each_policy_from_its_checkpoint(tiny_di
     counters in state.json); a resumed run continues each policy's steps and versions where that
     policy was, not from 0, and the ledger still counts no duplicate and no unknown settlement."""
     from nonstop.checkpoint import latest_valid
-    from support.cli import nonstop
+    from support.cli import nonstop, sets
 
     out = nonstop(["train", *duel_args(tiny_dir, tmp_path, steps=2, checkpoint_every=2)], tmp_path, timeout_s=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -279,7 +279,7 @@ def test_a_run_with_two_policies_resumes_each_policy_from_its_checkpoint(tiny_di
     ckpt = latest_valid(run / "checkpoints")  # the manifest covers policies/<role> too
     saved = ckpt.state["policies"]["own"]["b"]
     assert (ckpt.path / "policies" / "b" / "trainer.pt").exists() and saved["policy_version"] == saved["steps"]
-    out = nonstop(["train", "--resume", str(run), "--set", "run.max_steps=4"], tmp_path, timeout_s=300)
+    out = nonstop(["train", "--resume", str(run), *sets({"run.max_steps": 4})], tmp_path, timeout_s=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     s = json.loads((run / "summary.json").read_text())
     own, ledger = s["policies"]["b"], s["prompts"]
@@ -300,7 +300,7 @@ def test_an_own_policy_trained_as_lora_adapters_sends_only_its_adapters(tiny_dir
     """env.policies.b.lora: role b's policy trains LoRA adapters on its start weights; its engines
     keep those weights and its transport carries only the adapters (far fewer bytes than the shared
     policy's full weights); it steps on role b's samples only and writes an adapter folder."""
-    from support.cli import nonstop
+    from support.cli import nonstop, sets
 
     out = nonstop(
         [
@@ -310,12 +310,7 @@ def test_an_own_policy_trained_as_lora_adapters_sends_only_its_adapters(tiny_dir
                 tmp_path,
                 3,
                 None,
-                "--set",
-                "env.policies.b.lora=true",
-                "--set",
-                "model.lora.rank=2",
-                "--set",
-                "model.lora.alpha=4",
+                *sets({"env.policies.b.lora": True, "model.lora.rank": 2, "model.lora.alpha": 4}),
             ),
         ],
         tmp_path,

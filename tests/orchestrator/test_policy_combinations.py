@@ -86,11 +86,11 @@ def test_an_own_policys_ray_actors_get_the_engine_and_trainer_resources():
         assert _resources(cfg, role_of(name) or name, 0.0) == {"num_cpus": cpus, "num_gpus": 0.0}, name
 
 
-def _duel(tiny_dir: Path, tmp_path: Path, steps: int, *sets: str) -> dict:
-    """Run the Duel through the real CLI with `sets`; its summary.json."""
-    from support.cli import nonstop
+def _duel(tiny_dir: Path, tmp_path: Path, steps: int, *overrides: str) -> dict:
+    """Run the Duel through the real CLI with `overrides` ("key=value"); its summary.json."""
+    from support.cli import nonstop, sets
 
-    extra = [a for s in ("rollout.filter_uniform_reward=false", *sets) for a in ("--set", s)]
+    extra = sets(["rollout.filter_uniform_reward=false", *overrides])
     out = nonstop(["train", *duel_args(tiny_dir, tmp_path, steps, None, *extra)], tmp_path, timeout_s=400)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return json.loads((tmp_path / "duel" / "summary.json").read_text())

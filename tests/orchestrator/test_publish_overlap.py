@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 from nonstop.config import TrainerConfig, TransportConfig
 from nonstop.trainer.worker import TrainerWorker
 from nonstop.types import Group, Sample
-from support.cli import nonstop, records, small_model_args
+from support.cli import nonstop, records, sets, small_model_args
 
 
 def groups(seed: int) -> list[Group]:
@@ -65,7 +65,7 @@ def test_the_worker_sends_on_its_thread_and_the_next_optimizer_step_waits_for_it
 
 
 def run(tiny_dir, tmp_path, name: str, extra: list[str]) -> list[dict]:
-    sets = [
+    overrides = [
         "trainer.publish_overlap=true",
         f"run.name={name}",
         "run.max_steps=6",
@@ -80,7 +80,7 @@ def run(tiny_dir, tmp_path, name: str, extra: list[str]) -> list[dict]:
         "transport.checksum=true",
         *extra,
     ]
-    result = nonstop(["train", *small_model_args(tiny_dir), *[a for s in sets for a in ("--set", s)]], cwd=tmp_path)
+    result = nonstop(["train", *small_model_args(tiny_dir), *sets(overrides)], cwd=tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     run_dir = tmp_path / "runs" / name
     summary = json.loads((run_dir / "summary.json").read_text())

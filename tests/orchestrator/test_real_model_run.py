@@ -14,7 +14,7 @@ from nonstop.config import load_config
 from nonstop.orchestrator.fit import fit_run
 from nonstop.sizing.machine import GIB, MachineMemory
 from nonstop.tasks.data import load_task
-from support.cli import nonstop, records
+from support.cli import nonstop, records, sets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def chat_rows(pairs: list[tuple[int, int]]) -> str:
 def test_two_steps_on_chat_rows_with_reward_based_evaluation(smollm2_dir, tmp_path):
     (tmp_path / "train.jsonl").write_text(chat_rows([(a, b) for a in range(1, 5) for b in range(1, 3)]))
     (tmp_path / "heldout.jsonl").write_text(chat_rows([(6, 3), (7, 2), (5, 4)]))
-    sets = {
+    overrides = {
         "model.path": smollm2_dir,
         "task.name": "jsonl",
         "task.dataset_path": "train.jsonl",
@@ -47,7 +47,7 @@ def test_two_steps_on_chat_rows_with_reward_based_evaluation(smollm2_dir, tmp_pa
         "engine.max_concurrent_seqs": 16,
         "trainer.lr": 1e-5,
     }
-    args = ["train"] + [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    args = ["train", *sets(overrides)]
     done = nonstop(args, tmp_path, timeout_s=420)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "base policy held-out last_number:" in done.stdout
@@ -86,10 +86,10 @@ def test_the_recipe_learns_within_ten_minutes(smollm2_dir, tmp_path):
     """Issue 50's bar, seed 0: the recipe as shipped gains at least +30 held-out points (last_number,
     greedy) and the whole command ends within ten minutes (seeds 0-2 measured +38 to +42 points:
     docs/benchmarks.md)."""
-    sets = [f"model.path={smollm2_dir}", "run.seed=0", f"run.out_dir={tmp_path}", "run.name=recipe"]
+    overrides = {"model.path": smollm2_dir, "run.seed": 0, "run.out_dir": tmp_path, "run.name": "recipe"}
     t0 = time.perf_counter()
     done = nonstop(
-        ["train", str(ROOT / "examples/smollm2/recipe.yaml"), *[x for s in sets for x in ("--set", s)]],
+        ["train", str(ROOT / "examples/smollm2/recipe.yaml"), *sets(overrides)],
         ROOT,
         timeout_s=900,
     )

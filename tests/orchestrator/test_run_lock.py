@@ -15,7 +15,7 @@ import pytest
 from nonstop.config import ConfigError, dump_config, load_config
 from nonstop.orchestrator.launch import LOCK, run_dir_lock
 from support import child_env
-from support.cli import NONSTOP, nonstop, records, small_model_args
+from support.cli import NONSTOP, nonstop, records, sets, small_model_args
 
 HOLD = """
 import sys, time
@@ -56,11 +56,11 @@ def test_a_resume_into_a_folder_in_use_is_refused_and_a_crash_releases_it(tiny_d
 
 @pytest.mark.slow  # a real run, then two real resumes of it at once (1-3 min)
 def test_two_resumes_at_once_one_runs_one_is_refused(tiny_dir, tmp_path):
-    args = [*small_model_args(tiny_dir), "--set", "task.eval_size=10", "--set", "rollout.filter_uniform_reward=false"]
-    first = nonstop(["train", *args, "--set", "run.name=twice", "--set", "run.max_steps=2"], cwd=tmp_path)
+    args = [*small_model_args(tiny_dir), *sets({"task.eval_size": 10, "rollout.filter_uniform_reward": False})]
+    first = nonstop(["train", *args, *sets({"run.name": "twice", "run.max_steps": 2})], cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     run_dir = tmp_path / "runs" / "twice"
-    resume = [NONSTOP, "train", "--resume", str(run_dir), "--set", "run.max_steps=6", "--set", "run.progress=plain"]
+    resume = [NONSTOP, "train", "--resume", str(run_dir), *sets({"run.max_steps": 6, "run.progress": "plain"})]
     procs = [
         subprocess.Popen(
             resume,
