@@ -78,7 +78,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from support import faults as ev  # noqa: E402
-from support.cli import sets, small_model_args  # noqa: E402
+from support.cli import sets  # noqa: E402
+from support.faults import epoch_args  # noqa: E402
 
 NONSTOP = str(Path(sys.executable).parent / "nonstop")
 TRAIN = 80
@@ -100,24 +101,7 @@ def cli(args: list[str], cwd: Path) -> tuple[int, int, float, str]:
 
 
 def epoch(model: Path, name: str, reward: str, *extra: str) -> list[str]:
-    return [
-        "train",
-        *small_model_args(model),
-        *sets(
-            {
-                "run.name": name,
-                "run.max_epochs": 1,
-                "run.max_time_s": None,
-                "task.max_operand": 9,
-                "task.eval_size": 20,
-                "rollout.prompts_per_step": 8,
-                "checkpoint.every_steps": 2,
-                "run.eval_every": 100,
-                "task.reward": f"support.fault_rewards:{reward}",
-            }
-        ),
-        *extra,
-    ]
+    return epoch_args(model, name, f"support.fault_rewards:{reward}", *extra)
 
 
 def scenario(name: str, model: Path, work: Path) -> dict:

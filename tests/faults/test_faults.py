@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import nonstop, records, sets, small_model_args
+from support.cli import nonstop, records, sets
 from support.faults import (
     Verified,
     corrupt_newest_checkpoint,
+    epoch_args,
     proved_corrupted,
     proved_engine_signalled,
     proved_overflow,
@@ -36,27 +37,6 @@ from support.faults import (
 )
 
 TRAIN_PROMPTS = 80
-
-
-def epoch_args(tiny_dir: Path, name: str, reward: str, *extra: str) -> list[str]:
-    return [
-        "train",
-        *small_model_args(tiny_dir),
-        *sets(
-            {
-                "run.name": name,
-                "run.max_epochs": 1,
-                "run.max_time_s": None,
-                "task.max_operand": 9,
-                "task.eval_size": 20,
-                "rollout.prompts_per_step": 8,
-                "checkpoint.every_steps": 2,
-                "run.eval_every": 100,
-                "task.reward": reward,
-            }
-        ),
-        *extra,
-    ]
 
 
 def assert_epoch_consumed_exactly_once(run_dir: Path) -> dict:

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from support.cli import nonstop
+from support.cli import nonstop, sets, small_model_args
 
 FAULT_LOG = "faults.jsonl"
 DEAD = ("gone", "Z", "X")  # /proc states of a process that no longer runs
@@ -299,3 +299,26 @@ def verified(run_dir: Path | None) -> Verified:
     return Verified(
         counts.get("lost"), counts.get("duplicated"), counts.get("prompts drawn"), why, text, result.returncode
     )
+
+
+def epoch_args(model: Path, name: str, reward: str, *extra: str) -> list[str]:
+    """`nonstop train` over one epoch of a small addition task on `model`, checkpointing every 2 steps,
+    scored by the reward function `reward` (a dotted path: the fault rewards make the fault)."""
+    return [
+        "train",
+        *small_model_args(model),
+        *sets(
+            {
+                "run.name": name,
+                "run.max_epochs": 1,
+                "run.max_time_s": None,
+                "task.max_operand": 9,
+                "task.eval_size": 20,
+                "rollout.prompts_per_step": 8,
+                "checkpoint.every_steps": 2,
+                "run.eval_every": 100,
+                "task.reward": reward,
+            }
+        ),
+        *extra,
+    ]
