@@ -44,7 +44,7 @@ from nonstop.orchestrator.modes.environment.episode_flow import EnvRun
 from nonstop.orchestrator.modes.environment.mode import EnvMode
 from nonstop.orchestrator.modes.own_policies.mode import OwnPoliciesMode
 from nonstop.orchestrator.modes.own_policies.policies import Policies
-from nonstop.orchestrator.modes.own_policies.policy_build import build_policies
+from nonstop.orchestrator.modes.own_policies.policy_build import SideContext, build_policies
 from nonstop.orchestrator.modes.single_turn import TaskMode
 from nonstop.orchestrator.progress import Progress
 from nonstop.orchestrator.run import Run, RunMode, RunState
@@ -188,7 +188,8 @@ async def build_mode(
     if cfg.env is None:
         mode = TaskMode()
     elif cfg.env.policies:
-        sides = await build_policies(cfg, backend, base_model, tok, ledger, run_dir, spans, progress, resume)
+        ctx = SideContext(cfg, backend, base_model, tok, ledger, run_dir, spans, progress, resume)
+        sides = await build_policies(ctx)
         policies = Policies(buffer, sides, cfg.rollout.filter_uniform_reward, ledger)
         mode = OwnPoliciesMode(EnvRun.build(cfg.env, weights), policies)
     else:

@@ -4,16 +4,19 @@
   rate, LoRA or not, its engine count, its own seeds, its own files-transport folder);
 - `check_roles(cfg, roles)`: every named role exists, and one is left to the shared policy
   (launch.py calls it before the run folder is made);
-- `build_policies(...)`: each own policy's engines, trainer, transport and buffer, started from
+- `build_policies(ctx)`: each own policy's engines, trainer, transport and buffer, started from
   `env.policies.<role>.path` (checked to share the run's tokenizer) or the run's base policy,
   or with `resume` from its folder and version in the checkpoint; a checkpoint that lacks a
-  policy the config names, or holds one it does not, ends the run with RunFailed.
+  policy the config names, or holds one it does not, ends the run with RunFailed. `ctx`, a
+  `SideContext`, holds what every policy's actors are built from (the run's config, backend,
+  base weights, tokenizer, ledger, folder, span log, progress and checkpoint).
 What an own policy is and how it is trained: policies.py and mode.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,21 +89,26 @@ def _saved(resume: Checkpoint, role: str) -> tuple[Path, int]:
     return resume.path / "policies" / role, int(saved[role]["policy_version"])
 
 
-async def build_side(
-    cfg: Config,
-    k: int,
-    role: str,
-    backend: ActorBackend,
-    base_model: Path,
-    tok: Any,
-    ledger: Ledger,
-    run_dir: Path,
-    spans: SpanLog,
-    progress: Progress,
-    resume: Checkpoint | None = None,
-) -> PolicySide:
+@dataclass(frozen=True)
+class SideContext:
+    """What each own policy's actors are built from: shared by every role of one run."""
+
+    cfg: Config
+    backend: ActorBackend
+    base_model: Path
+    tok: Any
+    ledger: Ledger
+    run_dir: Path
+    spans: SpanLog
+    progress: Progress
+    resume: Checkpoint | None = None
+
+
+async def build_side(ctx: SideContext, k: int, role: str) -> PolicySide:
+    """Policy k (role `role`): its engines behind restarters, its trainer, transport and buffer part."""
+    cfg, backend, tok, run_dir, progress, resume = ctx.cfg, ctx.backend, ctx.tok, ctx.run_dir, ctx.progress, ctx.resume
     own = cfg.env.policies[role] if cfg.env is not None else PolicyConfig()
-    start = base_model
+    start = ctx.base_model
     if own.path is not None:
         start = resolve_model_path(own.path, field=f"env.policies.{role}.path")
         check_tokenizer(role, start, tok)
@@ -150,23 +158,14 @@ async def build_side(
         )
         for i, e in enumerate(first)
     ]
-    buffer = make_buffer(cfg, ledger.part(role), spans)
+    buffer = make_buffer(cfg, ctx.ledger.part(role), ctx.spans)
     return PolicySide(role, EnginePool(list(engines)), engines, trainer, handle, buffer)
 
 
-async def build_policies(
-    cfg: Config,
-    backend: ActorBackend,
-    base_model: Path,
-    tok: Any,
-    ledger: Ledger,
-    run_dir: Path,
-    spans: SpanLog,
-    progress: Progress,
-    resume: Checkpoint | None = None,
-) -> dict[str, PolicySide]:
+async def build_policies(ctx: SideContext) -> dict[str, PolicySide]:
     """Spawn and connect every own policy of cfg.env.policies (the roles were checked in check_roles);
     with `resume`, each from its weights and trainer state in the checkpoint."""
+    cfg, resume = ctx.cfg, ctx.resume
     assert cfg.env is not None
     if resume is not None:
         extra = set((resume.state.get("policies") or {}).get("own", {})) - set(cfg.env.policies)
@@ -175,10 +174,5 @@ async def build_policies(
                 f"env.policies: the checkpoint {resume.path} has own policies {sorted(extra)} this config "
                 "does not name; resume with the run's own env.policies"
             )
-    sides = await asyncio.gather(
-        *(
-            build_side(cfg, k, role, backend, base_model, tok, ledger, run_dir, spans, progress, resume)
-            for k, role in enumerate(sorted(cfg.env.policies))
-        )
-    )
+    sides = await asyncio.gather(*(build_side(ctx, k, role) for k, role in enumerate(sorted(cfg.env.policies))))
     return {s.role: s for s in sides}
