@@ -9,7 +9,8 @@ from nonstop.config import EngineConfig
 from nonstop.engine.aio import AsyncEngine, TokenEvent
 from nonstop.engine.core import RequestError, TorchEngine
 from nonstop.hf import load_model, load_tokenizer
-from nonstop.types import GenerationRequest, KeptIds, SamplingParams
+from nonstop.kept import KeptIds
+from nonstop.types import GenerationRequest, SamplingParams
 
 
 def _engine(tiny_dir, **settings):

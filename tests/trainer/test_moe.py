@@ -9,10 +9,11 @@ import torch
 
 from nonstop.config import EngineConfig, TinyModelConfig, TinyMoeConfig, TrainerConfig
 from nonstop.engine.core import TorchEngine
+from nonstop.kept import Routes
 from nonstop.models.tiny import make_tiny_model
 from nonstop.trainer.core import Trainer
 from nonstop.trainer.routing import RouteShapeError
-from nonstop.types import GenerationRequest, Group, Routes, SamplingParams
+from nonstop.types import GenerationRequest, Group, SamplingParams
 from support.cli import sets
 
 

@@ -20,9 +20,10 @@ import torch
 
 from nonstop.config import TinyModelConfig, TinyMoeConfig, TrainerConfig
 from nonstop.hf import load_model
+from nonstop.kept import Routes
 from nonstop.models.tiny import save_tiny
 from nonstop.trainer.core import Trainer
-from nonstop.types import GenerationRequest, Group, Routes, SamplingParams
+from nonstop.types import GenerationRequest, Group, SamplingParams
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm

@@ -27,7 +27,7 @@ Contract:
   live during the forward pass that produced its logits, and tokens sampled before a swap keep
   their version and behaviour logprob in every mode;
 - with a mixture-of-experts model every sequence records the experts its input tokens were routed
-  to (types.Routes): the prompt's at its prefill (shared by the group), each completion token's
+  to (kept.Routes): the prompt's at its prefill (shared by the group), each completion token's
   when it is fed back; a re-prefill after an abort replaces the prefix's routes with the ones
   recomputed under the new weights, since later tokens attend to that recomputed KV;
 - `stats["flops"]` adds up each forward pass's FLOPs (observe/flops.py: the tokens it ran, the

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from nonstop.types import FinishReason, GenerationRequest, KeptIds, Routes, Sample
+from nonstop.kept import KeptIds, Routes
+from nonstop.types import FinishReason, GenerationRequest, Sample
 
 
 class Seq:

@@ -31,7 +31,7 @@ trainer needs. Each of a request's n completions is its own vLLM request.
 Keep Routing (MoE): for a Qwen3-MoE / Qwen2-MoE model (setup.route_layout), the worker
 extension records the experts vLLM's routers chose for every token it computed
 (engine/vllm/routes.py); each sample's `routes` holds them in the built-in engine's layout
-(types.Routes: its prompt's P tokens and completion tokens 0..T-2, MoE layers only). After an
+(kept.Routes: its prompt's P tokens and completion tokens 0..T-2, MoE layers only). After an
 abort_retry re-submission the prefix's routes are the re-prefill's, as in the built-in engine.
 
 Spans: with `span_path`, forward passes (coalesced `busy` chunks) and weight applies go to the
@@ -56,11 +56,12 @@ from nonstop.engine.scheduler import RequestError
 from nonstop.engine.vllm.sequence import VllmSeq, VllmSeqGroup
 from nonstop.engine.vllm.setup import RouteLayout, VllmSetupError, route_layout, start_engine
 from nonstop.hf import load_model
+from nonstop.kept import Routes
 from nonstop.observe.spans import PassRecorder, SpanLog, now
 from nonstop.transport import open_receiver
 from nonstop.transport.base import receiver_crc32
 from nonstop.transport.names import per_expert_slices
-from nonstop.types import GenerationRequest, Routes, Sample, TransportHandle
+from nonstop.types import GenerationRequest, Sample, TransportHandle
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ the runner lays a step's tokens out request after request in its input batch ord
 request's rows starting at its computed-token count (the positions it feeds the model). Rows are
 kept per request by position, so a recomputed prefix (a preempted request) overwrites rather
 than appends; `take` hands the finished requests' rows out as bytes in the layout of
-types.Routes (MoE layers only, one byte per expert id up to 256 experts, two little-endian above).
+kept.Routes (MoE layers only, one byte per expert id up to 256 experts, two little-endian above).
 
 Contract: after `bind`, every forward pass of `runner` records; a pass run outside
 `execute_model` (vLLM's warm-up and profiling dummy runs) records nothing; `take(finished,

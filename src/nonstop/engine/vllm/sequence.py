@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from nonstop.types import FinishReason, GenerationRequest, Routes, Sample
+from nonstop.kept import Routes
+from nonstop.types import FinishReason, GenerationRequest, Sample
 
 
 @dataclass(eq=False)  # identity: a completion is found in the queue by itself
