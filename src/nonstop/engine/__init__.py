@@ -7,7 +7,7 @@ The built-in engine, from the outside in:
 - core.py          the `Engine` protocol and `TorchEngine` (the synchronous driver: `generate`,
                    `submit` / `step` for other drivers), behaviour logprobs, where new weights meet it;
 - scheduler.py     `Scheduler`: continuous batching (admission, shared prefill, decode steps,
-                   finishing), the weight-update modes, `RequestError`;
+                   finishing), `RequestError`;
 - emit.py          `Emitter`: a forward pass's tokens sampled into their sequences, finish reasons;
 - sequence.py      `Seq` and `SeqGroup`: the in-flight state of each completion and of a request;
 - sampling.py      `sample()`: per-row temperature/top-k/top-p/min-p, behaviour logprobs, the
@@ -21,6 +21,7 @@ The built-in engine, from the outside in:
 - prefix.py        `PrefixCache`: the KV of prompt prefixes kept across groups in blocks of 16
                    tokens (a trie, least recently used first out), so a prompt prefills its tail;
 - updates.py       `WeightGate`: receiving a new version (poll) apart from applying it (apply);
+                   `WeightSwaps`: the scheduler's weight-update modes (when a waiting version goes live);
 - aio.py           `AsyncEngine`: one decode loop on the event loop shared by every caller,
                    `TokenEvent` streaming;
 - worker.py        `EngineWorker`: the engine actor (a TorchEngine in its own process);

@@ -20,8 +20,8 @@ Contract:
   that pass computes them, so prompts admitted together, as after a swap, compute a shared
   system prompt once); each prefilled prompt's blocks are cached after its pass; the cache
   empties whenever new weights go live;
-- the weight gate is polled before every forward pass; what a waiting version does depends on
-  `update_mode` (see docs/engine.md): never_stop and save_resume keep in-flight KV, abort_retry
+- the weight gate is polled before every forward pass (updates.py `WeightSwaps`); what a waiting
+  version does depends on `update_mode` (see docs/engine.md): never_stop and save_resume keep in-flight KV, abort_retry
   recomputes it under the new weights, drain holds admissions until in-flight sequences finish,
   blocking admits static batches and swaps only between them. A token's version is the version
   live during the forward pass that produced its logits, and tokens sampled before a swap keep
@@ -53,7 +53,7 @@ from nonstop.engine.prefix import BLOCK, PrefixCache
 from nonstop.engine.runner import Runner
 from nonstop.engine.sampling import RowParams
 from nonstop.engine.sequence import Seq, SeqGroup
-from nonstop.engine.updates import WeightGate
+from nonstop.engine.updates import WeightGate, WeightSwaps
 from nonstop.errors import EngineError
 from nonstop.observe.flops import FlopModel, causal_pairs
 from nonstop.types import GenerationRequest, Sample
@@ -66,7 +66,7 @@ class RequestError(EngineError, ValueError):
     """A request the engine cannot serve; the message names the field or limit."""
 
 
-class Scheduler(Emitter):
+class Scheduler(Emitter, WeightSwaps):
     def __init__(
         self,
         runner: Runner,
@@ -357,54 +357,3 @@ class Scheduler(Emitter):
             self._release(live)
         self.reserved_tokens -= group.held  # what its finished sequences gave back is already off
         group.held = 0
-
-    # -- weights ----------------------------------------------------------------------------
-
-    def apply_newest_if_idle(self) -> None:
-        """An engine with nothing to run applies the newest published version now, as its next
-        forward pass would first: asked what it decodes with, an idle engine (a replacement that
-        has not served yet) answers with the weights its next request gets, not its start weights."""
-        if not self.has_work():
-            self._poll_weights()
-
-    def _poll_weights(self) -> None:
-        if self.gate is None or (self.cfg.update_mode == "blocking" and self.rows):
-            return
-        t0 = time.perf_counter()  # in never_stop the transport re-points the live model's tensors in poll()
-        if self.gate.poll() is None:
-            return
-        if self.cfg.update_mode == "drain" and self.rows:
-            self.draining = True  # admissions wait; the swap happens once in-flight rows finish
-            return
-        self._swap(t0)
-
-    def _swap(self, t0: float) -> None:
-        mode, paused = self.cfg.update_mode, []
-        if mode == "save_resume" and self.rows:
-            paused = [(s, self.runner.save(s.row, s.length)) for s in self.rows]
-            self.stats["paused_seqs"] += len(paused)
-        assert self.gate is not None  # _poll_weights swaps only with a gate
-        self.policy_version = self.gate.apply()
-        if self.prefix is not None:  # cached prefixes are the old weights' KV
-            self.prefix.clear()
-        for s, saved in paused:
-            self.runner.restore(s.row, saved)
-        if mode == "abort_retry" and self.rows:
-            self.reprefill = list(self.rows)
-            self.stats["aborted_seqs"] += len(self.rows)
-        self.draining = False
-        dt = time.perf_counter() - t0
-        self.stats["swaps"] += 1
-        self.stats["swap_s"] += dt
-        self.stats["max_swap_s"] = max(self.stats["max_swap_s"], dt)
-        if self.cfg.group_cancel and self.cfg.max_lag is not None:
-            self._cancel_lagging(self.cfg.max_lag)
-
-    def _cancel_lagging(self, max_lag: int) -> None:
-        groups = {id(s.group): s.group for s in self.rows}.values()
-        lagging = [g for g in groups if self.policy_version - g.min_version > max_lag]
-        for g in lagging:
-            self._evict(g)
-            g.reset()
-            self.stats["groups_cancelled"] += 1
-        self.waiting.extendleft(reversed(lagging))

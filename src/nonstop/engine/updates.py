@@ -18,15 +18,31 @@ receiving device, and `apply()` copies (and casts) the staging parameters into t
 staging copy is on the host unless the transport has a GPU path (transport/device.py): then
 `receive_on(device, dtype)` puts it on the engine's GPU, so an update goes GPU to GPU; a model of
 the transport's dtype on that GPU in `never_stop` mode needs none.
+
+`WeightSwaps` is the scheduler's side of the update modes (engine/scheduler.py's `Scheduler`
+mixes it in and holds the attributes declared on it): before every forward pass it polls the gate
+and, by `engine.update_mode`, swaps at once (never_stop; save_resume saves and restores the
+in-flight rows' KV around the copy; abort_retry marks them for a re-prefill under the new
+weights), holds admissions until in-flight rows finish (drain), or waits for an empty batch
+(blocking). A swap empties the prefix cache (its KV is the old weights') and, with
+`engine.group_cancel`, sends every group more than `engine.max_lag` versions behind back to the
+queue from its prompt.
 """
 
 from __future__ import annotations
 
 import copy
+import time
+from collections import deque
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 
+from nonstop.config import EngineConfig
+from nonstop.engine.prefix import PrefixCache
+from nonstop.engine.runner import Runner
+from nonstop.engine.sequence import Seq, SeqGroup
 from nonstop.transport.base import WeightReceiver
 
 UpdateMode = Literal["never_stop", "abort_retry", "save_resume", "drain", "blocking"]
@@ -91,3 +107,70 @@ class WeightGate:
                 torch.cuda.current_stream(self._live_params[0].device).synchronize()
         version, self.waiting = self.waiting, None
         return version
+
+
+class WeightSwaps:
+    """The update modes' swap, a mixin of the scheduler: when a waiting version goes live."""
+
+    # set by Scheduler (engine/scheduler.py); declared here for the type checker only
+    cfg: EngineConfig
+    gate: WeightGate | None
+    runner: Runner
+    prefix: PrefixCache | None
+    rows: list[Seq]
+    waiting: deque[SeqGroup]
+    reprefill: list[Seq]
+    draining: bool
+    policy_version: int
+    stats: dict[str, float]
+    has_work: Callable[[], bool]
+    _evict: Callable[[SeqGroup], None]
+
+    def apply_newest_if_idle(self) -> None:
+        """An engine with nothing to run applies the newest published version now, as its next
+        forward pass would first: asked what it decodes with, an idle engine (a replacement that
+        has not served yet) answers with the weights its next request gets, not its start weights."""
+        if not self.has_work():
+            self._poll_weights()
+
+    def _poll_weights(self) -> None:
+        if self.gate is None or (self.cfg.update_mode == "blocking" and self.rows):
+            return
+        t0 = time.perf_counter()  # in never_stop the transport re-points the live model's tensors in poll()
+        if self.gate.poll() is None:
+            return
+        if self.cfg.update_mode == "drain" and self.rows:
+            self.draining = True  # admissions wait; the swap happens once in-flight rows finish
+            return
+        self._swap(t0)
+
+    def _swap(self, t0: float) -> None:
+        mode, paused = self.cfg.update_mode, []
+        if mode == "save_resume" and self.rows:
+            paused = [(s, self.runner.save(s.row, s.length)) for s in self.rows]
+            self.stats["paused_seqs"] += len(paused)
+        assert self.gate is not None  # _poll_weights swaps only with a gate
+        self.policy_version = self.gate.apply()
+        if self.prefix is not None:  # cached prefixes are the old weights' KV
+            self.prefix.clear()
+        for s, saved in paused:
+            self.runner.restore(s.row, saved)
+        if mode == "abort_retry" and self.rows:
+            self.reprefill = list(self.rows)
+            self.stats["aborted_seqs"] += len(self.rows)
+        self.draining = False
+        dt = time.perf_counter() - t0
+        self.stats["swaps"] += 1
+        self.stats["swap_s"] += dt
+        self.stats["max_swap_s"] = max(self.stats["max_swap_s"], dt)
+        if self.cfg.group_cancel and self.cfg.max_lag is not None:
+            self._cancel_lagging(self.cfg.max_lag)
+
+    def _cancel_lagging(self, max_lag: int) -> None:
+        groups = {id(s.group): s.group for s in self.rows}.values()
+        lagging = [g for g in groups if self.policy_version - g.min_version > max_lag]
+        for g in lagging:
+            self._evict(g)
+            g.reset()
+            self.stats["groups_cancelled"] += 1
+        self.waiting.extendleft(reversed(lagging))
