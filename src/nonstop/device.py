@@ -46,6 +46,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
+import shutil
 import sys
 from collections.abc import Iterator
 from typing import TypeVar
@@ -149,6 +151,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.
             with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back down
                 return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(out_dtype)
     return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def compile_blocker() -> str | None:
+    """Why torch.compile cannot run here (None when it can): inductor's CPU code needs a C++ compiler."""
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None and shutil.which("g++") is None:
+        return f"no C++ compiler ({compiler} or g++) on PATH for torch.compile's CPU code"
+    return None
 
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)

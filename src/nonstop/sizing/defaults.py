@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from nonstop.config import Config, EngineConfig
 from nonstop.config.policy import TINY_MODEL_LR
+from nonstop.device import compile_blocker as no_compiler
 from nonstop.device import dtype_name, resolve_device, resolve_dtype
 from nonstop.sizing.machine import machine_memory
 from nonstop.sizing.shape import ModelShape
@@ -257,6 +258,15 @@ def wire_bytes(cfg: Config) -> int:
     return 4 if wire_dtype(cfg) == "float32" else 2
 
 
+def compile_blocker(cfg: Config) -> str | None:
+    """Why trainer.compile left None stays off for this loaded model (None: it goes on)."""
+    if cfg.trainer.ranks > 1:
+        return f"trainer.ranks {cfg.trainer.ranks}: DDP and FSDP2 hook the layers' own forward"
+    if cfg.model.lora.enabled:
+        return "model.lora: the adapters' layers run eager"
+    return no_compiler()
+
+
 def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: int, warmed_up: bool = False) -> Sized:
     """`cfg` with engine.max_seq_len, engine.max_concurrent_seqs, engine.vllm.max_model_len and
     trainer.lr resolved for a run whose longest admitted prompt has `longest_prompt` tokens, on
@@ -281,6 +291,14 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
         if trainer.precision is None:
             trainer = trainer.model_copy(update={"precision": "auto"})
             notes.append(f"trainer.precision: auto ({loaded}: bfloat16 autocast where the trainer's device has it)")
+        if trainer.compile is None:
+            why_not = compile_blocker(cfg)
+            trainer = trainer.model_copy(update={"compile": why_not is None})
+            notes.append(
+                f"trainer.compile: true ({loaded}: fused decoder layers; the first step pays the compile)"
+                if why_not is None
+                else f"trainer.compile: false ({why_not})"
+            )
         if engine.kind == "vllm" and engine.vllm.dtype is None:  # as the built-in engine's auto resolves
             device = resolve_device(engine.device, "engine.device")
             dtype = dtype_name(resolve_dtype("auto", device, "engine.vllm.dtype"))

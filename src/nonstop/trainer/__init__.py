@@ -7,6 +7,7 @@
 - objective.py         `policy_objective()`: one update's loss (policy loss, reference KL, entropy bonus);
 - correction.py        `is_weights()`: off-policy importance-sampling corrections;
 - token_advantages.py  token-level advantages: process rewards and on-policy distillation;
+- layer.py             `project()`, `finish()`: a decoder layer's work around attention, compiled under trainer.compile;
 - forward.py           `prompt_shared_hidden()`: the forward with each distinct prompt computed once;
 - packed.py            `packed_logprobs()`: the same forward padding-free, real tokens only (trainer.packed);
 - routing.py           Keep Routing in the trainer: `RouterHooks` compare or replay the engine's experts;

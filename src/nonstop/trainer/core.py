@@ -187,10 +187,16 @@ class Trainer(BatchBuilder):
         model = model or self.model
         if "prompt_ids" in batch and self.cfg.packed:  # real tokens only (trainer/packed.py)
             return packed_logprobs(
-                model, batch, self.temperature, self.cfg.logprob_chunk_rows, with_entropy, self._checkpoint(model)
+                model,
+                batch,
+                self.temperature,
+                self.cfg.logprob_chunk_rows,
+                with_entropy,
+                self._checkpoint(model),
+                bool(self.cfg.compile),
             )
         if "prompt_ids" in batch:
-            hidden = prompt_shared_hidden(model, batch, self._checkpoint(model))  # (B, T, H)
+            hidden = prompt_shared_hidden(model, batch, self._checkpoint(model), bool(self.cfg.compile))  # (B, T, H)
         else:
             states = model.get_decoder()(
                 input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False

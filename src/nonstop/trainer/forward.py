@@ -17,7 +17,8 @@ Contract of `prompt_shared_hidden(model, batch)`:
 - the decoder's own submodules (norms, q/k/v/o projections, MLP) are called as modules, so peft
   LoRA layers and DDP see them as usual; only attention and rotary positions are computed here;
 - `checkpoint` (trainer.activation_checkpointing): each decoder layer's activations are recomputed
-  in the backward (`run_layer`), so the forward keeps one hidden matrix per layer.
+  in the backward (`run_layer`), so the forward keeps one hidden matrix per layer;
+- `compiled` (trainer.compile): the layer's halves around attention run compiled (trainer/layer.py).
 
 `unsupported(model)` says why a model cannot take this path (None when it can): decoders shaped
 like Qwen2 / Llama with full causal attention, rotary positions and no attention dropout. FSDP2
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from nonstop.device import attention
+from nonstop.trainer.layer import Dims, halves
 
 SUPPORTED_TYPES = ("qwen2", "llama")
 
@@ -66,11 +68,6 @@ def unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 def run_layer(layer: Callable[[Any, torch.Tensor], torch.Tensor], block: Any, x: torch.Tensor, checkpoint: bool):
     """layer(block, x); with `checkpoint` (trainer.activation_checkpointing) and autograd on, its
     activations are recomputed in the backward instead of kept: only its input x stays."""
@@ -79,11 +76,15 @@ def run_layer(layer: Callable[[Any, torch.Tensor], torch.Tensor], block: Any, x:
     return layer(block, x)
 
 
-def prompt_shared_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False) -> torch.Tensor:
+def prompt_shared_hidden(
+    model: Any, batch: Mapping[str, Any], checkpoint: bool = False, compiled: bool = False
+) -> torch.Tensor:
     lm = decoder_model(model)
     dec, cfg = lm.model, lm.config
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    dims = Dims(H, KV, D)
+    project, finish = halves(compiled)
     prompts, plen, row, comp = batch["prompt_ids"], batch["prompt_len"], batch["row_prompt"], batch["completion_in"]
     (Q, Lp), (B, Tc) = prompts.shape, comp.shape
     Np, Nc = Q * Lp, B * Tc
@@ -91,8 +92,9 @@ def prompt_shared_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool 
     cos, sin = dec.rotary_emb(dec.embed_tokens.weight[:1], positions[None])  # (1, Lp + Tc, D)
     cos, sin = cos[0], sin[0]
     pos_c = plen[row][:, None] + positions[:Tc]  # (B, Tc): completion token t sits at P_b + t
-    cos_p, sin_p = cos[:Lp], sin[:Lp]  # (Lp, D), broadcast over (Q, Lp, heads, D) as (Lp, 1, D)
-    cos_c, sin_c = cos[pos_c], sin[pos_c]  # (B, Tc, D)
+    # every packed token's rotation: prompt q at position t, completion token t of row b at P_b + t
+    cos_n = torch.cat([cos[:Lp].repeat(Q, 1), cos[pos_c].reshape(Nc, D)])[:, None]  # (Np + Nc, 1, D)
+    sin_n = torch.cat([sin[:Lp].repeat(Q, 1), sin[pos_c].reshape(Nc, D)])[:, None]
     # Completion queries see their prompt's real tokens and the completion causally: (B, 1, Tc, Lp + Tc).
     sees_prompt = (positions[:Lp][None, :] < plen[row][:, None])[:, None, :].expand(B, Tc, Lp)
     causal = torch.ones((Tc, Tc), dtype=torch.bool).tril()[None].expand(B, Tc, Tc)
@@ -100,23 +102,20 @@ def prompt_shared_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool 
     gqa = KV != H
 
     def layer(block: Any, x: torch.Tensor) -> torch.Tensor:
-        attn = block.self_attn
-        h = block.input_layernorm(x)
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        qp = rotate(q[:Np].view(Q, Lp, H, D), cos_p[:, None], sin_p[:, None]).transpose(1, 2)  # (Q, H, Lp, D)
-        kp = rotate(k[:Np].view(Q, Lp, KV, D), cos_p[:, None], sin_p[:, None]).transpose(1, 2)
+        q, k, v = project(block, x, cos_n, sin_n, dims)  # (N, H, D), (N, KV, D) x 2
+        qp = q[:Np].view(Q, Lp, H, D).transpose(1, 2)  # (Q, H, Lp, D)
+        kp = k[:Np].view(Q, Lp, KV, D).transpose(1, 2)
         vp = v[:Np].view(Q, Lp, KV, D).transpose(1, 2)
         ap = attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)  # (Q, H, Lp, D)
         out = [ap.transpose(1, 2).reshape(Np, H * D)]
         if Tc:
-            qc = rotate(q[Np:].view(B, Tc, H, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(1, 2)  # (B, H, Tc, D)
-            kc = rotate(k[Np:].view(B, Tc, KV, D), cos_c[:, :, None], sin_c[:, :, None]).transpose(1, 2)
+            qc = q[Np:].view(B, Tc, H, D).transpose(1, 2)  # (B, H, Tc, D)
+            kc = k[Np:].view(B, Tc, KV, D).transpose(1, 2)
             vc = v[Np:].view(B, Tc, KV, D).transpose(1, 2)
             keys, values = torch.cat([kp[row], kc], dim=2), torch.cat([vp[row], vc], dim=2)  # (B, KV, Lp + Tc, D)
             ac = attention(qc, keys, values, attn_mask=mask, enable_gqa=gqa)  # (B, H, Tc, D)
             out.append(ac.transpose(1, 2).reshape(Nc, H * D))
-        x = x + attn.o_proj(torch.cat(out) if Tc else out[0])
-        return x + block.mlp(block.post_attention_layernorm(x))
+        return finish(block, x, torch.cat(out) if Tc else out[0])
 
     x = dec.embed_tokens(torch.cat([prompts.reshape(-1), comp.reshape(-1)]))  # (Np + Nc, hidden): one packed matrix
     for block in dec.layers:

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from nonstop.device import attention
-from nonstop.trainer.forward import decoder_model, rotate, run_layer
+from nonstop.trainer.forward import decoder_model, run_layer
+from nonstop.trainer.layer import Dims, halves
 from nonstop.trainer.logprobs import token_logprobs
 
 BUCKET_WASTE = 0.25
@@ -63,12 +64,16 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tu
     return starts[:, None] + torch.minimum(t, (lengths - 1).clamp_min(0)[:, None]), real
 
 
-def packed_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False) -> torch.Tensor:
+def packed_hidden(
+    model: Any, batch: Mapping[str, Any], checkpoint: bool = False, compiled: bool = False
+) -> torch.Tensor:
     lm = decoder_model(model)
     dec, cfg = lm.model, lm.config
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
     gqa = KV != H
+    dims = Dims(H, KV, D)
+    project, finish = halves(compiled)
     plen, row = batch["prompt_len"], batch["row_prompt"]  # (Q,), (B,)
     clen = batch["completion_len"]  # (B,)
     cin = (clen - 1).clamp_min(0)  # completion input tokens per row (the last token is never an input)
@@ -112,11 +117,7 @@ def packed_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False
         buckets.append((torch.where(real, idx, idx[:, :1]), real & ~in_prompt))
 
     def layer(block: Any, x: torch.Tensor) -> torch.Tensor:
-        attn = block.self_attn
-        h = block.input_layernorm(x)
-        q = rotate(attn.q_proj(h).view(-1, H, D), cos, sin)  # (N, H, D)
-        k = rotate(attn.k_proj(h).view(-1, KV, D), cos, sin)  # (N, KV, D)
-        v = attn.v_proj(h).view(-1, KV, D)
+        q, k, v = project(block, x, cos, sin, dims)  # (N, H, D), (N, KV, D) x 2
         where, what = [], []  # each bucket's kept positions and their attention outputs, put in place once
         for idx, keep in buckets:
             a = attention(
@@ -128,8 +129,7 @@ def packed_hidden(model: Any, batch: Mapping[str, Any], checkpoint: bool = False
         # after the float32 rotation)
         kept = torch.cat(what)
         out = q.new_zeros(q.shape, dtype=kept.dtype).index_put((torch.cat(where),), kept)
-        x = x + attn.o_proj(out.reshape(-1, H * D))
-        return x + block.mlp(block.post_attention_layernorm(x))
+        return finish(block, x, out.reshape(-1, H * D))
 
     x = dec.embed_tokens(tokens)  # (N, hidden)
     for block in dec.layers:
@@ -150,14 +150,16 @@ def packed_logprobs(
     chunk_rows: int,
     with_entropy: bool,
     checkpoint: bool = False,
+    compiled: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(B, T) logprobs [and entropies] of the completion tokens, 0 at padding, from the packed
     forward; the LM head sees at most chunk_rows x T positions at once, as the padded path.
-    `checkpoint`: recompute each decoder layer in the backward (forward.run_layer)."""
+    `checkpoint`: recompute each decoder layer in the backward (forward.run_layer); `compiled`: the
+    layers' halves around attention compiled (trainer/layer.py)."""
     targets, clen = batch["targets"], batch["completion_len"]
     B, T = targets.shape
     inside = torch.arange(T)[None, :] < clen[:, None]  # (B, T)
-    hidden = packed_hidden(model, batch, checkpoint)  # (N, hidden)
+    hidden = packed_hidden(model, batch, checkpoint, compiled)  # (N, hidden)
     keep = batch.get("keep")
     got = token_logprobs(
         hidden[:, None],
