@@ -6,7 +6,8 @@ machine (the memory model) is nonstop/sizing/.
 
 | module | holds |
 |---|---|
-| `root.py` | `Config` (the whole tree and its rules across sections), `load_config`, `dump_config` |
+| `root.py` | `Config` (the whole tree and its rules across sections), `ConfigError` |
+| `loading.py` | `load_config` (YAML and `--set` overrides into a `Config`), `dump_config`, `config_reference` |
 | `flow.py` | the run's own sections, those no actor owns: rollout, buffer, env, agents, checkpoint, run, doctor |
 | `policy.py` | a policy's sections: model (with LoRA), engine (built-in and vLLM), trainer; a role's own policy |
 | `kinds.py` | one model per transport kind and per runtime backend |
@@ -21,47 +22,42 @@ machine (the memory model) is nonstop/sizing/.
 
 from __future__ import annotations
 
-from nonstop.config.root import (
+from nonstop.config.flow import (
     AgentsConfig,
+    BufferConfig,
+    CheckpointConfig,
+    DoctorConfig,
+    EnvConfig,
+    RolloutConfig,
+    RunConfig,
+)
+from nonstop.config.kinds import (
     BaseRuntimeConfig,
     BaseTransportConfig,
     BroadcastTransportConfig,
-    BufferConfig,
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    DistillConfig,
-    DoctorConfig,
-    EngineConfig,
-    EnvConfig,
     FilesTransportConfig,
-    JudgeConfig,
     LocalRuntimeConfig,
-    LoraConfig,
-    ModelConfig,
     NodeLossConfig,
-    PolicyConfig,
-    ProcessRewardConfig,
     RayActorResources,
     RayRuntimeConfig,
-    RewardModelConfig,
-    RolloutConfig,
-    RunConfig,
     RuntimeConfig,
-    ScoringConfig,
     ShmTransportConfig,
-    TaskConfig,
+    TransportConfig,
+)
+from nonstop.config.loading import config_reference, dump_config, format_validation_error, load_config
+from nonstop.config.policy import (
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    PolicyConfig,
     TinyModelConfig,
     TinyMoeConfig,
     TrainerConfig,
-    TransportConfig,
     VllmConfig,
-    WarmupConfig,
-    config_reference,
-    dump_config,
-    format_validation_error,
-    load_config,
 )
+from nonstop.config.root import Config, ConfigError
+from nonstop.config.scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
+from nonstop.config.task import TaskConfig, WarmupConfig
 
 __all__ = [
     "BaseRuntimeConfig",

@@ -1,8 +1,7 @@
-"""Run configuration: pydantic models, validated on load and frozen afterwards.
+"""The root of the run configuration: `Config`, the whole tree of sections, and its rules across them.
 
-`load_config(path, overrides)` reads an optional YAML file, applies `a.b=c` overrides (values
-parsed as YAML scalars) and validates the whole tree. Every problem becomes one `ConfigError`
-whose message names the dotted field, e.g. `buffer.depht: unknown field (did you mean 'depth'?)`.
+Reading a config (YAML, `--set` overrides) into a `Config` is loading.py; a problem there or in
+a rule here becomes one `ConfigError` naming the dotted field.
 
 The transport and runtime sections hold one model per kind (config/kinds.py). Every rule across
 fields is checked in `Config._combinations`; a default that depends on another field stays None
@@ -14,11 +13,9 @@ stay None too and resolve once per run in sizing/defaults.py, before any actor s
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import ValidationError, model_validator
+from pydantic import model_validator
 
 from nonstop.config.flow import (
     AgentsConfig,
@@ -30,13 +27,7 @@ from nonstop.config.flow import (
     RunConfig,
 )
 from nonstop.config.kinds import (
-    BaseRuntimeConfig,
-    BaseTransportConfig,
-    BroadcastTransportConfig,
-    FilesTransportConfig,
     LocalRuntimeConfig,
-    NodeLossConfig,
-    RayActorResources,
     RayRuntimeConfig,
     RuntimeConfig,
     ShmTransportConfig,
@@ -45,61 +36,13 @@ from nonstop.config.kinds import (
 )
 from nonstop.config.policy import (
     EngineConfig,
-    LoraConfig,
     ModelConfig,
-    PolicyConfig,
-    TinyModelConfig,
-    TinyMoeConfig,
     TrainerConfig,
-    VllmConfig,
 )
 from nonstop.config.schema import Section as _Section
-from nonstop.config.schema import explain, reference
-from nonstop.config.scoring import DistillConfig, JudgeConfig, ProcessRewardConfig, RewardModelConfig, ScoringConfig
+from nonstop.config.scoring import DistillConfig, ScoringConfig
 from nonstop.config.task import TaskConfig, WarmupConfig
 from nonstop.errors import NonstopError
-
-__all__ = [
-    "AgentsConfig",
-    "BaseRuntimeConfig",
-    "BaseTransportConfig",
-    "BroadcastTransportConfig",
-    "BufferConfig",
-    "CheckpointConfig",
-    "Config",
-    "ConfigError",
-    "DistillConfig",
-    "DoctorConfig",
-    "JudgeConfig",
-    "ProcessRewardConfig",
-    "RewardModelConfig",
-    "ScoringConfig",
-    "EngineConfig",
-    "EnvConfig",
-    "FilesTransportConfig",
-    "LocalRuntimeConfig",
-    "LoraConfig",
-    "ModelConfig",
-    "PolicyConfig",
-    "NodeLossConfig",
-    "RayActorResources",
-    "RayRuntimeConfig",
-    "RolloutConfig",
-    "RunConfig",
-    "RuntimeConfig",
-    "ShmTransportConfig",
-    "TaskConfig",
-    "TinyModelConfig",
-    "TinyMoeConfig",
-    "TrainerConfig",
-    "TransportConfig",
-    "VllmConfig",
-    "WarmupConfig",
-    "config_reference",
-    "dump_config",
-    "format_validation_error",
-    "load_config",
-]
 
 
 class ConfigError(NonstopError, ValueError):
@@ -335,74 +278,3 @@ class Config(_Section):
         if self.model.base == "warmup" and self.warmup.enabled is False:
             raise ValueError("model.base: 'warmup' contradicts warmup.enabled=false")
         return self
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = tree
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: '{key}' is a value, not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-def format_validation_error(err: ValidationError) -> str:
-    return explain(err, Config)
-
-
-_YAML11_WORDS = {"on", "off", "yes", "no", "y", "n"}
-
-
-def _parse_value(raw: str) -> Any:
-    """An override value as a YAML scalar, except YAML 1.1's on/off/yes/no, which stay strings
-    (so `run.progress=off` means 'off'; boolean fields still accept them through pydantic)."""
-    if not raw.strip():
-        return None
-    if raw.strip().lower() in _YAML11_WORDS:
-        return raw.strip()
-    return yaml.safe_load(raw)
-
-
-def load_config(path: str | Path | Config | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read YAML (optional; or start from a Config), apply `a.b=c` overrides, validate. Raises ConfigError."""
-    tree: dict[str, Any] = {}
-    if isinstance(path, Config):
-        tree = path.model_dump(mode="json")
-    elif path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {path} cannot be read: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        tree = loaded or {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-4")
-        try:
-            value = _parse_value(raw)
-        except yaml.YAMLError as e:
-            raise ConfigError(
-                f"--set {key.strip()}: {raw!r} is not a valid value ({getattr(e, 'problem', None) or e})"
-            ) from None
-        _set_dotted(tree, key.strip(), value)
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
-
-
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def config_reference() -> str:
-    """Markdown reference of every config field: type, default and its docstring."""
-    return reference(Config, "Configuration reference")

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nonstop.config.root import Config, ConfigError, load_config
+from nonstop.config.loading import load_config
+from nonstop.config.root import Config, ConfigError
 from nonstop.config.trl_fields import MAPPED, NO_EQUIVALENT, TRAINER_ONLY
 
 _REWRITTEN: dict[str, Any] = {"report_to": [], "debug": [], "pad_to_multiple_of": None}
