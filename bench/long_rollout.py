@@ -266,55 +266,28 @@ def run_trl(batches: int, threads: int | None, overrides: list[str]) -> dict:
 
     if threads is not None:
         torch.set_num_threads(threads)
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
 
     from nonstop.models.shipped import ASSETS, TASK_BASES
-    from nonstop.scoring.rewards import exact_match
     from nonstop.tasks.data import load_task
+    from trl_common import answer_dataset, exact_match_reward, grpo_config, step_ends
 
     cfg = load_config(str(CONFIG), overrides=overrides)
     r, mu = cfg.rollout, cfg.trainer.updates_per_batch
     same = trl_batch(cfg)
     base = str(ASSETS / TASK_BASES[cfg.task.name])
     data = load_task(cfg.task)  # the split the runs use (task.split_seed)
-    ds = Dataset.from_list(
-        [{"prompt": e.prompt, "answer": e.answer} for e in data.train[: r.prompts_per_step * (batches + 2)]]
-    )
-
-    def reward(prompts, completions, answer, **_):
-        return [exact_match(c, a) for c, a in zip(completions, answer)]
-
+    ds = answer_dataset(data.train[: r.prompts_per_step * (batches + 2)])
     with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(
-            output_dir=out,
-            **same,
-            max_steps=batches * mu,
-            bf16=False,
-            use_cpu=True,
-            gradient_checkpointing=False,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=10**6,
-            disable_tqdm=True,
-            seed=0,
-            temperature=1.0,
-        )
         trainer = GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-            reward_funcs=reward,
-            args=args,
+            reward_funcs=exact_match_reward,
+            args=grpo_config(out, batches * mu, **same),
             train_dataset=ds,
             processing_class=AutoTokenizer.from_pretrained(base),
         )
-        ends: list[float] = []
-
-        class Ends(TrainerCallback):
-            def on_step_end(self, *a, **kw):
-                ends.append(time.perf_counter())
-
-        trainer.add_callback(Ends())
+        ends = step_ends(trainer)
         trainer.train()
     # a batch is generated, then trained mu times: whole batches from the end of the first's last step
     wall = ends[-1] - ends[mu - 1]

@@ -59,47 +59,32 @@ def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None, bf
 
     if threads is not None:
         torch.set_num_threads(threads)
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
 
     from nonstop.config import TaskConfig
-    from nonstop.scoring.rewards import exact_match
     from nonstop.tasks.data import load_task
+    from trl_common import answer_dataset, exact_match_reward, grpo_config, step_ends
 
     data = load_task(TaskConfig(), seed=0)
-    ds = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in data.train[: PROMPTS * (steps + 2)]])
-
-    def reward(prompts, completions, answer, **_):
-        return [exact_match(c, a) for c, a in zip(completions, answer)]
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    args = GRPOConfig(
-        output_dir=out,
+    args = grpo_config(
+        out,
+        steps,
+        bf16,
         per_device_train_batch_size=PROMPTS * GROUP,
         num_generations=GROUP,
         max_completion_length=MAX_NEW,
-        max_steps=steps,
         learning_rate=3e-4,
-        bf16=bf16,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10**6,
-        disable_tqdm=True,
-        seed=0,
-        temperature=1.0,
     )
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=reward,
+        reward_funcs=exact_match_reward,
         args=args,
-        train_dataset=ds,
-        processing_class=tok,
+        train_dataset=answer_dataset(data.train[: PROMPTS * (steps + 2)]),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
+    ends = step_ends(trainer)  # perf_counter at the end of each step
     gen_s = [0.0]
-    ends: list[float] = []  # perf_counter at the end of each step
     inner = trainer._generate_and_score_completions
 
     def timed(*a, **kw):  # a timer around TRL's own generation step, to split gen vs train time
@@ -111,12 +96,6 @@ def run_trl(model_dir: str, steps: int, out: str, threads: int | None = None, bf
                 gen_s[0] += time.perf_counter() - t0
 
     setattr(trainer, "_generate_and_score_completions", timed)  # the same whether trl is typed here or not
-
-    class Ends(TrainerCallback):
-        def on_step_end(self, *a, **kw):
-            ends.append(time.perf_counter())
-
-    trainer.add_callback(Ends())
     trainer.train()
     wall = ends[-1] - ends[0]
     return {
