@@ -201,6 +201,38 @@ def test_unset_precision_is_auto_for_a_large_loaded_model_only(tiny_dir):
     assert (sized.cfg.engine.dtype, sized.cfg.trainer.precision) == ("float32", "float32")
 
 
+def test_unset_packed_and_compile_go_on_for_a_large_loaded_model_with_one_rank(tiny_dir):
+    """trainer.packed / trainer.compile left unset: on for a loaded model from 50 M parameters up with
+    one trainer rank (compile also needs no LoRA and a C++ compiler), each with a note saying why;
+    off below that size, for the built-in tiny model, and where the user set them."""
+    from nonstop.device import compile_blocker
+    from nonstop.sizing.defaults import size_run
+    from nonstop.sizing.shape import ModelShape
+
+    def shape(hidden: int, layers: int) -> ModelShape:
+        return ModelShape("llama", hidden, layers, 8, 2, hidden // 8, 4 * hidden, 128, True, 256)
+
+    large, small = shape(1024, 8), shape(64, 1)
+    loaded = load_config(None, [f"model.path={tiny_dir}"])
+    sized = size_run(loaded, large, 8, 64 * GIB)
+    assert sized.cfg.trainer.packed is True and sized.cfg.trainer.compile is (compile_blocker() is None)
+    assert any(n.startswith("trainer.packed: true") for n in sized.notes)
+    assert any(n.startswith("trainer.compile: ") for n in sized.notes)
+    for small_or_tiny, model in ((small, [f"model.path={tiny_dir}"]), (large, [])):
+        sized = size_run(load_config(None, model), small_or_tiny, 8, 64 * GIB)
+        assert (sized.cfg.trainer.packed, sized.cfg.trainer.compile) == (None, None)
+    two = size_run(load_config(None, [f"model.path={tiny_dir}", "trainer.ranks=2"]), large, 8, 64 * GIB)
+    assert (two.cfg.trainer.packed, two.cfg.trainer.compile) == (False, False)
+    assert any("trainer.compile: false (trainer.ranks 2" in n for n in two.notes)
+    lora = size_run(load_config(None, [f"model.path={tiny_dir}", "model.lora.enabled=true"]), large, 8, 64 * GIB)
+    assert lora.cfg.trainer.compile is False and lora.cfg.trainer.packed is True
+    pinned = load_config(None, [f"model.path={tiny_dir}", "trainer.packed=false", "trainer.compile=false"])
+    assert (
+        size_run(pinned, large, 8, 64 * GIB).cfg.trainer.packed,
+        size_run(pinned, large, 8, 64 * GIB).cfg.trainer.compile,
+    ) == (False, False)
+
+
 def test_vllm_kv_cache_is_sized_from_the_run_unless_the_user_chose_a_reserve(tiny_dir):
     """engine.kind vllm with neither kv_cache_gib nor memory_fraction set: the KV cache is what
     max_num_seqs sequences of max_model_len tokens need in whole 128-token blocks (a large model's

@@ -315,11 +315,13 @@ class TrainerConfig(_Section):
     models on the shared-prompt or packed forward; others run eager. None: on for a loaded model
     (model.path) of >= 50 M parameters with one trainer rank and no LoRA, where a C++ compiler is
     found; otherwise off."""
-    packed: bool = False
+    packed: bool | None = None
     """Pack the batch padding-free (trainer/packed.py): projections, MLPs and the LM head run on real
     tokens only and attention on buckets of rows of similar length, so a batch of heavy-tailed
     completion lengths costs about its real tokens, not rows x longest. With the shared-prompt
-    forward (Qwen2/Llama-shaped models); other models keep the padded forward."""
+    forward (Qwen2/Llama-shaped models); other models keep the padded forward. None: on for a loaded
+    model (model.path) of >= 50 M parameters with one trainer rank (SmolLM2's bf16 step on a batch of
+    10-64-token completions: 11.1 -> 7.6 s); otherwise off, where a seeded tiny run keeps its numbers."""
     ranks: int = Field(1, ge=1)
     """Data-parallel trainer ranks (actors); each trains on its share of the groups of a step."""
     routing_replay: Literal["none", "r3"] = "none"

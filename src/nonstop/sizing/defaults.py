@@ -291,6 +291,13 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
         if trainer.precision is None:
             trainer = trainer.model_copy(update={"precision": "auto"})
             notes.append(f"trainer.precision: auto ({loaded}: bfloat16 autocast where the trainer's device has it)")
+        if trainer.packed is None:
+            trainer = trainer.model_copy(update={"packed": cfg.trainer.ranks == 1})
+            notes.append(
+                f"trainer.packed: true ({loaded}: the forward runs on real tokens, not rows x longest)"
+                if cfg.trainer.ranks == 1
+                else f"trainer.packed: false (trainer.ranks {cfg.trainer.ranks})"
+            )
         if trainer.compile is None:
             why_not = compile_blocker(cfg)
             trainer = trainer.model_copy(update={"compile": why_not is None})

@@ -72,10 +72,9 @@ def finish(block: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(CACHE_DIR).absolute()))
-    import torch._inductor.config as inductor
-
-    # one compile worker: a pool of compile processes would take memory the plan does not count
-    inductor.compile_threads = 1
+    # one compile worker (read when inductor first loads, at the first compiled call): a pool of compile
+    # processes would take memory the plan does not count
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     return torch.compile(fn)
 
 
