@@ -2,7 +2,7 @@
 
 In a mixture-of-experts model the engine and the trainer can route the same token to different
 experts (other kernels, precision, batch), so the importance ratio would compare two different
-sub-networks. The engine records the top-k experts of every input token (types.Routes); here
+sub-networks. The engine records the top-k experts of every input token (kept.Routes); here
 the trainer's routers see them.
 
 Contract:
