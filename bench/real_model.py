@@ -225,11 +225,12 @@ def trl_child(out: Path, seed: int, minutes: float, lr: float) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from nonstop.device import bf16_supported
     from nonstop.models.fetch import fetch_model
     from nonstop.scoring.rewards import last_number
+    from trl_common import grpo_config
 
     folder, _ = fetch_model("smollm2", ROOT / ".nonstop_cache" / "models")
     rows = [json.loads(x) for x in (ROOT / "examples/smollm2/train.jsonl").read_text().splitlines()]
@@ -271,24 +272,17 @@ def trl_child(out: Path, seed: int, minutes: float, lr: float) -> None:
         answers = [str(tok.decode(g[0].completion_ids, skip_special_tokens=True)) for g in got]
         return sum((last_number(a, str(r["answer"])) for a, r in zip(answers, held)), 0.0) / len(held)
 
-    args = GRPOConfig(
-        output_dir=str(out.parent / f"trl-s{seed}"),
+    args = grpo_config(
+        str(out.parent / f"trl-s{seed}"),
+        10**6,
+        bf16,
+        seed,
         per_device_train_batch_size=16,  # x 4 accumulated: 8 prompts x 8 completions a step, as the recipe;
         gradient_accumulation_steps=4,  # 64 at once took the machine's memory (its logits over 49,152 ids)
         num_generations=8,
         max_completion_length=MAX_NEW_TOKENS,
         learning_rate=lr,
-        temperature=1.0,
         beta=0.0,
-        bf16=bf16,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10**6,
-        disable_tqdm=True,
-        seed=seed,
-        max_steps=10**6,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
     eval_s = [0.0]

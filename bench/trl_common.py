@@ -1,9 +1,9 @@
 """TRL's synchronous GRPOTrainer as the benchmarks run it: what bench/vs_trl.py and bench/long_rollout.py share.
 
-- `grpo_config(out, max_steps, bf16=False, **batch)`: the GRPOConfig of a CPU arm: the batch
+- `grpo_config(out, max_steps, bf16=False, seed=0, **batch)`: the GRPOConfig of a CPU arm: the batch
   fields the caller matches to nonstop's step (per_device_train_batch_size, num_generations,
   max_completion_length, learning_rate, num_iterations), on the CPU without gradient
-  checkpointing, seed 0, sampling at temperature 1.0 as nonstop's rollouts do, and nothing
+  checkpointing, seeded, sampling at temperature 1.0 as nonstop's rollouts do, and nothing
   reported, saved or logged (logging would take time the arm is timed on);
 - `answer_dataset(examples)`: a task's examples as the dataset GRPOTrainer reads (prompt, answer);
 - `exact_match_reward`: the task's exact-match reward in TRL's reward-function form;
@@ -23,7 +23,7 @@ from typing import Any
 from nonstop.scoring.rewards import exact_match
 
 
-def grpo_config(out: str, max_steps: int, bf16: bool = False, **batch: Any) -> Any:
+def grpo_config(out: str, max_steps: int, bf16: bool = False, seed: int = 0, **batch: Any) -> Any:
     from trl import GRPOConfig  # the bench extra, loaded by the TRL arm's process only
 
     return GRPOConfig(
@@ -37,7 +37,7 @@ def grpo_config(out: str, max_steps: int, bf16: bool = False, **batch: Any) -> A
         save_strategy="no",
         logging_steps=10**6,
         disable_tqdm=True,
-        seed=0,
+        seed=seed,
         temperature=1.0,
     )
 
