@@ -144,6 +144,7 @@ def test_plan_figures_equal_hand_computed_values(tiny_dir):
     trainer_estimates = expected[("trainer", "activations")] + 300 * 1024**2
     expected[("engine", "headroom")] = int(0.3 * engine_estimates)
     expected[("trainer", "headroom")] = int(0.3 * trainer_estimates)
+    expected[("orchestrator", "headroom")] = int(0.3 * 400 * 1024**2)
     assert items == expected
     assert fitted.plan.total == sum(items.values())
     assert fitted.plan.limit == 48 * GIB
@@ -237,7 +238,7 @@ def test_a_plan_over_the_memory_limit_is_refused_naming_the_field(tiny_dir):
     with pytest.raises(ConfigError) as err:
         fit_run(cfg, data, machine=MachineMemory(total=2 * GIB, available=1 * GIB, source="a 1 GiB test machine"))
     assert str(err.value).startswith(
-        "engine.max_concurrent_seqs: the run's memory plan needs 6.3 GiB but 1.0 GiB is available (the machine's "
+        "engine.max_concurrent_seqs: the run's memory plan needs 6.4 GiB but 1.0 GiB is available (the machine's "
         "available memory, a 1 GiB test machine); the largest part is the engine's attention temporaries, 3.0 GiB "
         "(65536 rows x 128 positions x 2 heads x 16 x 12 bytes: one layer's keys and values expanded to the query "
         "heads, and its scores); lower engine.max_concurrent_seqs or engine.max_seq_len. Plan: engine x1"
@@ -318,12 +319,12 @@ def test_a_small_memory_limit_is_refused_with_the_largest_part(half_b_dir):
         fit_run(cfg, run_rows(cfg))
     assert str(err.value).startswith(
         # the trainer's activations: micro-batches of 891 tokens (a quarter of 8 GiB), one chunk of logits
-        "model.lora.enabled: the run's memory plan needs 21.9 GiB but 8.0 GiB is available (run.memory_limit_gib); "
+        "model.lora.enabled: the run's memory plan needs 22.0 GiB but 8.0 GiB is available (run.memory_limit_gib); "
         "the largest part is the shm segment's slots, 5.5 GiB ((1 engines + 2) slots x 1.8 GiB sent)"
     )
     lora = load_config(cfg, ["model.lora.enabled=true", "rollout.prompts_per_step=2", "rollout.group_size=2"])
     fitted = fit_run(lora, run_rows(lora))  # adapters only: their gradients, AdamW states and slots are small
-    assert fitted.plan.total < 7 * GIB  # the float32 engine's weights and the base copy it merges into: 3.2 GiB
+    assert fitted.plan.total < 7.5 * GIB  # the float32 engine's weights and the base copy it merges into: 3.2 GiB
 
 
 SMOLLM2_135M = dict(  # SmolLM2-135M's shape (issue 50)

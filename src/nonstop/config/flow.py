@@ -183,7 +183,7 @@ class RunConfig(_Section):
     memory plan must fit in it or the run is refused before any actor starts; it also scales the
     engines' KV budget (engine.kv_cache_fraction). docs/memory.md."""
     memory_headroom: float = Field(0.3, ge=0.0, le=2.0)
-    """Headroom the memory plan adds to each process that holds a model, as a fraction of that
+    """Headroom the memory plan adds to each process that holds a model and to the orchestrator, as a fraction of that
     process's estimated items (activations, attention temporaries, logits, the runtime; weights,
     optimizer states and caches are counted exactly): the allocator's fragmentation and the
     temporaries the estimates leave out. 0.3 covers what SmolLM2-135M's default batch measured above

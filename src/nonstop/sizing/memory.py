@@ -26,9 +26,9 @@ the formula it came from and the fields that change it. Figures (docs/memory.md)
 - shm transport: N + 2 slots of the sent weights in /dev/shm, charged once to the machine;
 - every process: RUNTIME_BYTES for Python, torch and transformers (246 MiB measured); the
   orchestrator ORCHESTRATOR_BYTES (360 MiB measured with the default task);
-- every process that holds a model: a headroom of run.memory_headroom (0.3) x its estimated
-  items (ESTIMATED: activations, temporaries, logits, the runtime), for the allocator's
-  fragmentation and the temporaries the estimates leave out.
+- every process that holds a model, and the orchestrator: a headroom of run.memory_headroom (0.3)
+  x its estimated items (ESTIMATED: activations, temporaries, logits, the runtime), for the
+  allocator's fragmentation and the temporaries the estimates leave out.
 
 Items on a GPU are listed but not counted against the host. `MemoryPlan.check()` raises a
 ConfigError naming the field to change when the host total exceeds what the run may use
@@ -357,6 +357,9 @@ def plan_memory(
     # 360 MiB measured with the default task's 10,000 rows; 430 MiB under vLLM's environment (0.5B shape)
     vllm_env = 100 * 1024**2 if cfg.engine.kind == "vllm" else 0
     orchestrator.add("runtime", ORCHESTRATOR_BYTES + vllm_env, "Python, torch, transformers, the task's rows", *SMALLER)
+    # its runtime is an estimate too: 420 MiB measured with SmolLM2's tokenizer and 256 completions of
+    # up to 512 tokens in flight
+    _add_headroom(orchestrator, cfg.run.memory_headroom)
     procs.append(orchestrator)
     if cfg.transport.kind == "shm":
         for seg_name, engines in segments:
