@@ -308,13 +308,11 @@ class TrainerConfig(_Section):
     for about one more forward of compute (docs/memory.md). Not with trainer.routing_replay r3."""
     compile: bool | None = None
     """Compile each decoder layer's work around attention (norms, projections, rotary embedding, MLP)
-    with torch.compile, so that its elementwise steps and their backward run fused (trainer/layer.py):
-    on SmolLM2-135M in bf16 on one CPU core a step is about a fifth shorter. The first forward pays
-    the compile (10-25 s; seconds from the warm cache in TORCHINDUCTOR_CACHE_DIR, else
-    .nonstop_cache/inductor); values agree with the eager layer up to float rounding. Qwen2/Llama-shaped
-    models on the shared-prompt or packed forward; others run eager. None: on for a loaded model
-    (model.path) of >= 50 M parameters with one trainer rank and no LoRA, where a C++ compiler is
-    found; otherwise off."""
+    with torch.compile, its elementwise steps and their backward fused (trainer/layer.py; docs/precision.md).
+    The first steps pay the compile (about 30 s, seconds from a warm cache in TORCHINDUCTOR_CACHE_DIR, else
+    .nonstop_cache/inductor); values agree with the eager layers up to float rounding. None: on for a
+    loaded model (model.path) of >= 50 M parameters with one trainer rank, no LoRA and a C++ compiler;
+    otherwise off."""
     packed: bool | None = None
     """Pack the batch padding-free (trainer/packed.py): projections, MLPs and the LM head run on real
     tokens only and attention on buckets of rows of similar length, so a batch of heavy-tailed

@@ -21,16 +21,14 @@ equal the unsplit step's up to float rounding (tests/trainer/test_micro_batch.py
 With a mixture-of-experts model whose samples carry the engine's routes, the forward of step 3
 compares the trainer's routing with them and, with `trainer.routing_replay: r3`, uses the
 recorded experts (trainer/routing.py).
-`forward_ahead(groups)` runs step 3 for the groups of the coming batch that are already there,
-while the trainer would otherwise wait for the rest (trainer/ahead.py); `step` then uses those
-forwards and runs the others' only. The loss and every statistic are still computed over the
-whole batch; the values agree with an unsplit forward to float rounding. Not with a
-mixture-of-experts model (routes are armed for one batch at a time): it then holds nothing.
-Reported: loss, ratio and correction statistics, the mismatch KL between behaviour and trainer
-logprobs and the spread (std) of their log ratio, the routing fractions (MoE: how often the
-trainer's free router disagrees with the engine's, and how often the experts used were the
-engine's), the per-token lag histogram (lag = version before the step - token version), and
-rejections. Publishing the weights is the worker's job.
+`forward_ahead(groups)` runs step 3 for the groups of the coming batch that are already there, while the trainer would
+otherwise wait for the rest (trainer/ahead.py); `step` then uses those forwards and runs the others' only. The loss
+and every statistic are still computed over the whole batch; the values agree with an unsplit forward to float
+rounding. Not with a mixture-of-experts model (routes are armed for one batch at a time): it then holds nothing.
+Reported: loss, ratio and correction statistics, the mismatch KL between behaviour and trainer logprobs and the spread
+(std) of their log ratio, the routing fractions (MoE: how often the trainer's free router disagrees with the engine's,
+and how often the experts used were the engine's), the per-token lag histogram (lag = version before the step - token
+version), and rejections. Publishing the weights is the worker's job.
 """
 
 from __future__ import annotations
@@ -185,18 +183,11 @@ class Trainer(BatchBuilder):
     def logprobs(self, batch: Batch, model: CausalLM | None = None, with_entropy: bool = False):
         """Logprobs (B, T) of the completion tokens under `model` (default: the policy)."""
         model = model or self.model
+        checkpoint, compiled, chunk = self._checkpoint(model), bool(self.cfg.compile), self.cfg.logprob_chunk_rows
         if "prompt_ids" in batch and self.cfg.packed:  # real tokens only (trainer/packed.py)
-            return packed_logprobs(
-                model,
-                batch,
-                self.temperature,
-                self.cfg.logprob_chunk_rows,
-                with_entropy,
-                self._checkpoint(model),
-                bool(self.cfg.compile),
-            )
+            return packed_logprobs(model, batch, self.temperature, chunk, with_entropy, checkpoint, compiled)
         if "prompt_ids" in batch:
-            hidden = prompt_shared_hidden(model, batch, self._checkpoint(model), bool(self.cfg.compile))  # (B, T, H)
+            hidden = prompt_shared_hidden(model, batch, checkpoint, compiled)  # (B, T, H)
         else:
             states = model.get_decoder()(
                 input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False
@@ -207,7 +198,7 @@ class Trainer(BatchBuilder):
             model.get_output_embeddings(),
             batch["targets"],
             self.temperature,
-            self.cfg.logprob_chunk_rows,
+            chunk,
             with_entropy,
             batch["keep"],
         )
