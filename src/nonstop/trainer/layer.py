@@ -22,8 +22,9 @@ Invariants:
   more when the token count first changes, after which it is symbolic; and per grad mode);
 - the compiled halves compute the eager halves' function; fusion reorders float sums, so values
   agree up to rounding (tests/trainer/test_layer.py states the tolerance);
-- the compile is lazy: the first forward pays it (10-25 s for SmolLM2 on one core, a few seconds from
-  a warm cache). The cache is TORCHINDUCTOR_CACHE_DIR where it is set, else .nonstop_cache/inductor.
+- the compile is lazy: the first forwards pay it (SmolLM2 on one core: about 30 s over the first two
+  steps from a cold cache, 3 s from a warm one; bench/trainer_step.py). The cache is
+  TORCHINDUCTOR_CACHE_DIR where it is set, else .nonstop_cache/inductor.
 """
 
 from __future__ import annotations
