@@ -56,6 +56,24 @@ def test_a_compiled_step_lands_on_the_eager_step_weights():
     assert max(float((a - b).abs().max()) for a, b in zip(*weights)) <= 1e-2 * 1e-2
 
 
+@needs_compiler
+@pytest.mark.parametrize("packed", [False, True], ids=["shared", "packed"])
+def test_compiled_layers_with_checkpointing_and_a_reference_step_as_the_eager_ones(packed):
+    """The compiled halves inside activation checkpointing (recomputed in the backward) and in the
+    reference model's forward without gradients (a KL penalty): the step lands where the eager one does."""
+    groups = heavy_tailed_groups(5, 3, 4)
+    weights, kls = [], []
+    for compiled in (False, True):
+        cfg = TrainerConfig(compile=compiled, packed=packed, activation_checkpointing=True, kl_coef=0.1, lr=1e-2)
+        trainer = Trainer(make_tiny_model(GQA, seed=3), cfg, temperature=1.0, pad_token_id=0)
+        trainer.reference = make_tiny_model(GQA, seed=4).eval().requires_grad_(False)
+        stats = trainer.step(groups)
+        kls.append(stats["kl_ref"])
+        weights.append([p.detach().clone() for p in trainer.model.parameters()])
+    assert kls[1] == pytest.approx(kls[0], rel=1e-4) and kls[0] > 0
+    assert max(float((a - b).abs().max()) for a, b in zip(*weights)) <= 1e-2 * 1e-2
+
+
 def test_compile_with_data_parallel_ranks_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match="trainer.*compile needs ranks 1"):
         load_config(None, ["trainer.compile=true", "trainer.ranks=2"])
