@@ -13,7 +13,7 @@ from test_packed import GQA, close, forward, heavy_tailed_groups
 from nonstop.config import Config, ConfigError, TrainerConfig, load_config
 from nonstop.device import compile_blocker
 from nonstop.models.tiny import make_tiny_model
-from nonstop.sizing.defaults import compile_blocker as run_compile_blocker
+from nonstop.sizing.defaults import compile_off_reason
 from nonstop.trainer.core import Trainer
 
 needs_compiler = pytest.mark.skipif(compile_blocker() is not None, reason=str(compile_blocker()))
@@ -80,10 +80,10 @@ def test_compile_with_data_parallel_ranks_is_refused_naming_the_field():
 
 
 def test_compile_left_unset_stays_off_with_ranks_or_lora():
-    assert "trainer.ranks 2" in str(run_compile_blocker(Config.model_validate({"trainer": {"ranks": 2}})))
+    assert "trainer.ranks 2" in str(compile_off_reason(Config.model_validate({"trainer": {"ranks": 2}})))
     lora = Config.model_validate({"model": {"lora": {"enabled": True}}})
-    assert "model.lora" in str(run_compile_blocker(lora))
-    assert run_compile_blocker(Config()) == compile_blocker()
+    assert "model.lora" in str(compile_off_reason(lora))
+    assert compile_off_reason(Config()) == compile_blocker()
 
 
 def test_compile_blocker_names_a_missing_compiler(monkeypatch):

@@ -38,8 +38,7 @@ from dataclasses import dataclass
 
 from nonstop.config import Config, EngineConfig
 from nonstop.config.policy import TINY_MODEL_LR
-from nonstop.device import compile_blocker as no_compiler
-from nonstop.device import dtype_name, resolve_device, resolve_dtype
+from nonstop.device import compile_blocker, dtype_name, resolve_device, resolve_dtype
 from nonstop.sizing.machine import machine_memory
 from nonstop.sizing.shape import ModelShape
 
@@ -258,13 +257,13 @@ def wire_bytes(cfg: Config) -> int:
     return 4 if wire_dtype(cfg) == "float32" else 2
 
 
-def compile_blocker(cfg: Config) -> str | None:
+def compile_off_reason(cfg: Config) -> str | None:
     """Why trainer.compile left None stays off for this loaded model (None: it goes on)."""
     if cfg.trainer.ranks > 1:
         return f"trainer.ranks {cfg.trainer.ranks}: DDP and FSDP2 hook the layers' own forward"
     if cfg.model.lora.enabled:
         return "model.lora: the adapters' layers run eager"
-    return no_compiler()
+    return compile_blocker()
 
 
 def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: int, warmed_up: bool = False) -> Sized:
@@ -299,7 +298,7 @@ def size_run(cfg: Config, shape: ModelShape, longest_prompt: int, memory_total: 
                 else f"trainer.packed: false (trainer.ranks {cfg.trainer.ranks})"
             )
         if trainer.compile is None:
-            why_not = compile_blocker(cfg)
+            why_not = compile_off_reason(cfg)
             trainer = trainer.model_copy(update={"compile": why_not is None})
             notes.append(
                 f"trainer.compile: true ({loaded}: fused decoder layers; the first step pays the compile)"
