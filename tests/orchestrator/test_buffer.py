@@ -219,3 +219,26 @@ def test_take_hands_the_first_groups_ahead_while_it_waits_for_the_rest():
         assert parts == [[0, 1]]
 
     asyncio.run(go())
+
+
+def test_a_held_admission_opens_the_next_batch_only_when_released():
+    async def go():
+        for depth in (0, 1):
+            buf = RolloutBuffer(groups_per_step=2, depth=depth, max_lag=2, max_queued=100)
+            admitted = 0
+            while (k := await _admit_nowait(buf, 2)) is not None:
+                admitted += k
+            assert admitted == 2 * (depth + 1)
+            buf.hold_admission()  # a step that evaluates begins
+            await buf.refund(1)  # a group of the batches admitted so far is replaced while held
+            assert await _admit_nowait(buf, 2) == 1
+            await buf.step_done(1)  # the step ends: without the hold the next batch would start now
+            assert await _admit_nowait(buf, 2) is None
+            assert buf.policy_version == 1  # the max-lag rule counts from the new version all the same
+            waiting = asyncio.ensure_future(buf.admit(2))
+            await asyncio.sleep(0)
+            assert not waiting.done()
+            await buf.release_admission()  # the evaluation ended
+            assert await waiting == 2
+
+    asyncio.run(go())

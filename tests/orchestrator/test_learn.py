@@ -8,7 +8,9 @@ single-turn producer filling the buffer while `learn()` trains.
   ledger, data cursor (its in-flight prompts first), counters, clock and trainer state, and
   trains on from the next step and version;
 - a trainer that dies ends the run with RunFailed naming the resume command and the last
-  checkpoint, and the batch it held is settled by nobody (it is generated again on resume).
+  checkpoint, and the batch it held is settled by nobody (it is generated again on resume);
+- run.eval_pauses_generation: at depth 0 the next batch is admitted only once the step's
+  evaluation ended (and, without it, before).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from support.rewards import length_reward
 PROMPTS_PER_STEP = 4
 
 
-def config(tiny_dir: Path, out_dir: Path, max_steps: int) -> Config:
+def config(tiny_dir: Path, out_dir: Path, max_steps: int, *more: str) -> Config:
     return load_config(
         None,
         [
@@ -58,6 +60,7 @@ def config(tiny_dir: Path, out_dir: Path, max_steps: int) -> Config:
             "rollout.group_size=3",
             "rollout.max_new_tokens=4",
             "rollout.filter_uniform_reward=false",
+            *more,
         ],
     )
 
@@ -223,3 +226,28 @@ def test_rl_time_limit_is_what_the_total_budget_leaves():
     # the final evaluation is kept back as long as the base evaluation took
     assert rl_time_limit(None, 300.0, 100.0, 0.0, eval_s=30.0) == 170.0 - FINISH_RESERVE_S
     assert rl_time_limit(120.0, 300.0, 100.0, 0.0, eval_s=30.0) == 120.0
+
+
+@pytest.mark.parametrize("pause", [True, False], ids=["paused", "not_paused"])
+def test_a_step_that_evaluates_admits_the_next_batch_after_its_evaluation(tiny_dir, tmp_path, pause):
+    sets = ["buffer.depth=0", "run.eval_every=1", f"run.eval_pauses_generation={str(pause).lower()}"]
+    cfg = config(tiny_dir, tmp_path, 2, *sets)
+    data = load_task(cfg.task)
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+
+    async def go() -> None:
+        async with running(cfg, tiny_dir, data, run_dir) as run:
+            await learn_beside_producer(run)
+            run.spans.close()
+
+    asyncio.run(go())
+    spans = [json.loads(line) for line in (run_dir / "spans" / "orchestrator.jsonl").read_text().splitlines()]
+    first_eval = next(e for e in spans if e.get("ev") == "eval" and e["step"] == 1)
+    admitted = sorted(g["t_admit"] for g in spans if g.get("ev") == "group")
+    later = admitted[PROMPTS_PER_STEP:]  # depth 0, every group kept: the first batch is the first 4 admitted
+    assert later
+    if pause:
+        assert min(later) >= first_eval["t1"]
+    else:  # admitted when step 1 published, before its evaluation ended
+        assert min(later) < first_eval["t1"]

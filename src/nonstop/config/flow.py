@@ -169,6 +169,14 @@ class RunConfig(_Section):
     (None: no such bound). Counted per session when a run is resumed."""
     eval_every: int = Field(25, ge=1)
     """Measure held-out accuracy every this many steps (greedy decoding on the engine)."""
+    eval_pauses_generation: bool = False
+    """From the start of a step that evaluates (every eval_every steps, and the last) until its
+    evaluation ends, admit no group beyond what that step could admit: groups already generating
+    finish, the next batch starts after the evaluation. The evaluation then shares the engines
+    only with work already under way, and the seconds it takes generate nothing that the clock
+    without them would miss: for comparing runs by RL time with evaluation left out
+    (bench/real_model.py), since otherwise a depth-0 run generates its next batch during each
+    evaluation and a deeper one mostly cannot. Costs that generation time in wall-clock terms."""
     seed: int = 0
     """Seeds the model init, the data order and sampling."""
     out_dir: str = "runs"

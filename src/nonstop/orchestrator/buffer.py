@@ -160,12 +160,14 @@ class RolloutBuffer:
         self.delivered = 0  # groups (and empty slots) put, less those dropped from the queue since
         self.drop_rate = 0.0  # moving average over scored groups: 1 dropped and refunded, 0 delivered
         self.drops: Counter[str] = Counter()
+        self._held: int | None = None  # steps_trained as admission counts it while held (hold_admission)
         self._changed = asyncio.Condition()
 
     def _limit(self) -> float:
+        steps = self.steps_trained if self._held is None else self._held
         if self.depth is None:  # groups admitted and not yet trained stay within max_queued
-            return self.steps_trained * self.groups_per_step + self.queue.maxsize + self.refunded
-        bound = (self.steps_trained + self.depth + 1) * self.groups_per_step
+            return steps * self.groups_per_step + self.queue.maxsize + self.refunded
+        bound = (steps + self.depth + 1) * self.groups_per_step
         ahead = (
             refill_ahead_groups(bound - self.delivered, self.drop_rate, self.groups_per_step)
             if self.refill_ahead
@@ -286,6 +288,16 @@ class RolloutBuffer:
         the next batch trains against it, so the max-lag rule counts from it at once; admission waits for
         `step_done`, when every engine can load it."""
         self.policy_version = policy_version
+
+    def hold_admission(self) -> None:
+        """Admit as if no further step finished until `release_admission` (run.eval_pauses_generation):
+        refunds still top up the batches admitted so far; steps_trained and the max-lag rule move on."""
+        self._held = self.steps_trained
+
+    async def release_admission(self) -> None:
+        async with self._changed:
+            self._held = None
+            self._changed.notify_all()
 
     async def step_done(self, policy_version: int) -> None:
         """The trainer finished a step and published `policy_version`."""

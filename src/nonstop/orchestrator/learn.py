@@ -61,6 +61,9 @@ async def learn(run: Run) -> StepRecord | None:
             # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
             # budget ran out while no batch came (every group dropped, e.g. for uniform rewards)
             break
+        held = cfg.run.eval_pauses_generation and (step % cfg.run.eval_every == 0 or step == cfg.run.max_steps)
+        if held:  # the next batch waits for this step's evaluation (run.eval_pauses_generation)
+            run.buffer.hold_admission()
         done = await train_step(run, run.trainer, run.buffer, groups, step, overlap=True)
         if deferred is not None:  # the previous step's send ended before this step's optimizer step
             record, deferred = await deferred, None
@@ -79,6 +82,8 @@ async def learn(run: Run) -> StepRecord | None:
             done = replace(done, published=await done.finishing)  # engines hold the version: evaluate it
         record = step_record(run, step, groups, done.result, done.published)
         await observe_step(observers, record, done, due)
+        if held:
+            await run.buffer.release_admission()
         if out_of_time or state.stop.is_set():
             break
     if deferred is not None:
