@@ -17,7 +17,9 @@ when one as long as the last would end past that limit (`TimeLimit`). Each step 
 StepRecord (`step_record`) and tells the run's mode what it trained; what else a step does hangs
 off it as observers (step_observers.py): spans and the RL clock, FLOPs, metrics.jsonl, the
 trackers and the progress line, the run doctor, evaluation every run.eval_every steps, a
-checkpoint every checkpoint.every_steps. While it waits for a batch whose first groups are there
+checkpoint every checkpoint.every_steps. With run.eval_pauses_generation a step that evaluates
+holds the buffer's admission from its start until its evaluation ended (the next batch is not
+generated in evaluation time). While it waits for a batch whose first groups are there
 (trainer.forward_ahead), the trainer runs their forward pass (`Ahead`); that time counts as the
 trainer's, not as its wait. When `run.state.stop` is set (the first Ctrl-C), the loop ends after
 the step under way, or at once if it is waiting for a batch, and writes a checkpoint of the last
