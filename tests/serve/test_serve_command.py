@@ -141,7 +141,7 @@ def test_empty_api_key_in_the_environment_is_refused(tmp_path):
     assert proc.returncode == 2 and "empty key" in out and "NONSTOP_API_KEY" in out and "Traceback" not in out, out
 
 
-def test_ctrl_c_stops_serving_within_2_s_while_a_client_stalls_mid_body(tmp_path):
+def test_ctrl_c_stops_serving_promptly_while_a_client_stalls_mid_body(tmp_path):
     """A client that sent its headers and part of its body holds a handler reading it; Ctrl-C must
     not wait for that client (aiohttp's default shutdown waited 60 s for it)."""
     proc = _serve(tmp_path)
@@ -169,4 +169,6 @@ def test_ctrl_c_stops_serving_within_2_s_while_a_client_stalls_mid_body(tmp_path
             proc.kill()
     assert proc.returncode == 0 and "Traceback" not in out, out
     print(f"stopped {stopped_s:.2f} s after SIGINT")
-    assert stopped_s < 2, stopped_s  # measured 1.0 s on a shared 2-core machine, most of it the process's exit
+    # about 1 s alone on a 2-core machine, most of it the process's exit; 3.9 s once in a full CI run.
+    # The bound is what the test is for: not aiohttp's 60 s wait for the stalled client.
+    assert stopped_s < 10, stopped_s
