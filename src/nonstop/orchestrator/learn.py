@@ -63,7 +63,8 @@ async def learn(run: Run) -> StepRecord | None:
             # stopped; or the stream ran out (run.max_epochs) and every group was trained; or the time
             # budget ran out while no batch came (every group dropped, e.g. for uniform rewards)
             break
-        held = cfg.run.eval_pauses_generation and (step % cfg.run.eval_every == 0 or step == cfg.run.max_steps)
+        scheduled_eval = step % cfg.run.eval_every == 0 or step == cfg.run.max_steps
+        held = cfg.run.eval_pauses_generation and scheduled_eval
         if held:  # the next batch waits for this step's evaluation (run.eval_pauses_generation)
             run.buffer.hold_admission()
         done = await train_step(run, run.trainer, run.buffer, groups, step, overlap=True)
@@ -74,7 +75,7 @@ async def learn(run: Run) -> StepRecord | None:
         run.mode.trained(groups, done.trained_on, done.published.policy_version)
         out_of_time = limit.reached(done.t2 - t_wait)
         every = cfg.checkpoint.every_steps
-        eval_due = step % cfg.run.eval_every == 0 or step == cfg.run.max_steps or out_of_time
+        eval_due = scheduled_eval or out_of_time
         due = Due(eval_due, every is not None and step % every == 0, eval_due or state.flops.engines_due(now()))
         if done.finishing is not None:
             if not (due.engines or due.checkpoint or state.stop.is_set()):
