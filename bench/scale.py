@@ -37,8 +37,12 @@ fine-tuning's, the full builtin arm's publish time over its step and in seconds 
 machine's load, the publish's much less), the largest process's peak,
 the CLI arms' own trainer fraction and step speedup, the largest ratio of a process's sampled
 anonymous RSS to what the run's memory plan (memory_plan.json) gave it (above 1: the plan was under),
-and the in-process bf16 step over the same step under autocast alone (cast_once_speedup: the weights
-cast once per optimizer step into bf16 copies, trainer/compute.py, against a cast per autocast region).
+the in-process bf16 step over the same step under autocast alone (cast_once_speedup: the weights
+cast once per optimizer step into bf16 copies, trainer/compute.py, against a cast per autocast region),
+and the full-overlap arm's publish cost over its step and in seconds (publish_frac_overlap,
+publish_s_overlap: trainer.publish_overlap at buffer depth 1, where the next batch's forward runs
+beside the send). A publish's cost is what it keeps the learning loop waiting: inline, the whole
+send; overlapped, its launch plus the next optimizer step's wait for the send (publish_wait_s).
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ WARM_STEPS = 2  # in-process trainer steps left out of its median
 ARMS: dict[str, dict[str, object]] = {
     "full": {},
     "full-fp32": {"trainer.precision": "float32", "engine.dtype": "float32"},
+    # the send on the trainer's thread beside the next batch's forward: at depth 1, where there is a
+    # next forward to hide it behind (at depth 0 the engine waits for the send whatever the trainer does)
+    "full-overlap": {"trainer.publish_overlap": True, "buffer.depth": 1, "buffer.max_lag": 1},
     "lora": {"model.lora.enabled": True},
     "full-vllm": {"engine.kind": "vllm"},
     "lora-vllm": {"engine.kind": "vllm", "model.lora.enabled": True},
@@ -166,6 +173,9 @@ def run_arm(name: str, model_dir: Path, steps: int, folder: Path) -> dict | None
         "task.eval_size": 8,
         "rollout.prompts_per_step": 2,
         "rollout.group_size": 8,
+        # the addition task's answers; a loaded model's default of 256 would have this random-weights
+        # model, which never ends its turn, write 256 tokens an answer
+        "rollout.max_new_tokens": 4,
         "rollout.filter_uniform_reward": False,
         "buffer.depth": 0,
         "buffer.max_lag": 0,
@@ -200,8 +210,10 @@ def run_arm(name: str, model_dir: Path, steps: int, folder: Path) -> dict | None
         "step_s": statistics.median(t["train_s"] for t in tr),
         "precision": tr[-1].get("precision"),
         "peak_frac": statistics.median(t.get("peak_frac", 0.0) for t in tr),
-        "publish_frac": statistics.median(t["publish_s"] / t["train_s"] for t in tr),
-        "publish_s": statistics.median(t["publish_s"] for t in tr),
+        # what the publish keeps the learning loop waiting: inline, the whole send; overlapped, its launch
+        # plus the next optimizer step's wait for the send (publish_wait_s)
+        "publish_frac": statistics.median((t["publish_s"] + t.get("publish_wait_s", 0.0)) / t["train_s"] for t in tr),
+        "publish_s": statistics.median(t["publish_s"] + t.get("publish_wait_s", 0.0) for t in tr),
         "engine_tok_s": sum(int(e.get("tokens_generated", 0)) for e in eng) / busy if busy > 0 else None,
         "mismatch_kl": statistics.median(t.get("mismatch_kl_k3", 0.0) for t in tr),
     }
@@ -355,6 +367,7 @@ def main() -> None:
             real = realistic(model_dir, samples, tokens, WARM_STEPS + 3)
     by = {r["arm"]: r for r in rows if not r["failed"]}
     full, f32, lora = by.get("full"), by.get("full-fp32"), by.get("lora")
+    overlap = by.get("full-overlap")
     speedup = f32["step_s"] / full["step_s"] if full and f32 else float("nan")
     mem = lora["peaks"].get("trainer", 0) / full["peaks"]["trainer"] if full and lora else float("nan")
     peak_rss = max((v for r in rows for v in r["peaks"].values()), default=0) / 2**30
@@ -367,7 +380,9 @@ def main() -> None:
         f"publish_s={full['publish_s'] if full else float('nan'):.3f} "
         f"peak_rss_gib={peak_rss:.1f} arms_ok={len(by)}/{len(rows)} cli_trainer_peak_frac="
         f"{full['peak_frac'] if full else float('nan'):.3f} cli_bf16_step_speedup={speedup:.2f} "
-        f"anon_over_plan={plan_frac:.2f} cast_once_speedup={real[4]:.2f}"
+        f"anon_over_plan={plan_frac:.2f} cast_once_speedup={real[4]:.2f} "
+        f"publish_frac_overlap={overlap['publish_frac'] if overlap else float('nan'):.3f} "
+        f"publish_s_overlap={overlap['publish_s'] if overlap else float('nan'):.3f}"
     )
 
 

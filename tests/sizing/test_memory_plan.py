@@ -327,6 +327,38 @@ def test_a_small_memory_limit_is_refused_with_the_largest_part(half_b_dir):
     assert fitted.plan.total < 7.5 * GIB  # the float32 engine's weights and the base copy it merges into: 3.2 GiB
 
 
+def test_a_resolved_micro_batch_shrinks_to_what_the_rest_of_the_plan_leaves(half_b_dir):
+    """The 0.5B shape in bf16 with only model.path set, on a 22.3 GiB limit (this project's machine): a
+    quarter of the memory for one micro-batch's activations (2,623 tokens) left the plan 4.5 GiB over
+    and the run was refused; the resolved budget is lowered until the plan fits. A budget the user set
+    is theirs: it is refused as before."""
+    base = [
+        f"model.path={half_b_dir}",
+        "warmup.enabled=false",
+        "run.memory_limit_gib=22.3",
+        "engine.dtype=bfloat16",
+        "trainer.precision=bfloat16",  # the same plan whether or not this CPU has bf16
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=8",
+    ]
+    cfg = load_config(None, base)
+    fitted = fit_run(cfg, run_rows(cfg))
+    budget = fitted.cfg.trainer.micro_batch_tokens
+    assert fitted.plan.total <= fitted.plan.limit
+    shape = ModelShape.from_folder(half_b_dir)
+    per_token = shape.activation_bytes_per_token() * 1.3  # activations and their share of the headroom
+    quarter = int(0.25 * 22.3 * GIB // shape.activation_bytes_per_token())
+    assert 262 <= budget < quarter  # at least one sequence (6 + 256 tokens), below the quarter rule
+    # the largest budget that fits: one token more would put the plan over its limit
+    assert fitted.plan.limit - fitted.plan.total < per_token + 1
+    note = next(n for n in fitted.plan.notes if n.startswith("trainer.micro_batch_tokens:"))
+    assert note.startswith(f"trainer.micro_batch_tokens: {budget} (the {quarter} whose activations fit 0.25")
+    act = next(i for p in fitted.plan.procs for i in p.items if (p.name, i.name) == ("trainer", "activations"))
+    assert f"{budget} tokens of one micro-batch" in act.detail
+    with pytest.raises(ConfigError, match="^trainer.micro_batch_tokens: the run's memory plan needs"):
+        fit_run(load_config(None, [*base, f"trainer.micro_batch_tokens={quarter}"]), run_rows(cfg))
+
+
 SMOLLM2_135M = dict(  # SmolLM2-135M's shape (issue 50)
     architectures=["LlamaForCausalLM"],
     model_type="llama",

@@ -12,7 +12,10 @@ run's config.yaml):
 3. the need-dependent defaults resolved (sizing/defaults.py): for a loaded model of >= 50 M
    parameters rollout.max_new_tokens and run.eval_every where unset; engine.max_seq_len,
    engine.max_concurrent_seqs, engine.vllm.max_model_len, trainer.lr;
-4. the memory plan (sizing/memory.py) of that resolved config, checked: a run that cannot fit
+4. the memory plan (sizing/memory.py) of that resolved config. Where it is over its limit and
+   trainer.micro_batch_tokens was resolved, not set, the budget is lowered to what the rest of the
+   plan leaves (`micro_batch_within`) and the plan made again;
+5. the plan checked: a run that cannot fit
    raises ConfigError naming the field to change. With engine.kind vllm, a KV reserve smaller
    than one sequence of max_model_len is refused too (vLLM's own error comes only after it
    loaded the model).
@@ -23,7 +26,8 @@ folder (the built-in character tokenizer for the tiny model).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +36,14 @@ from nonstop.config.preflight import resolve_model_path
 from nonstop.hf import load_tokenizer
 from nonstop.models.base_policy import builds_warmup_base
 from nonstop.models.tiny import make_char_tokenizer, tiny_config
-from nonstop.sizing.defaults import loaded_model_defaults, size_run, vllm_dtype
+from nonstop.sizing.defaults import (
+    ACTIVATION_FRACTION,
+    Sized,
+    forward_tokens,
+    loaded_model_defaults,
+    size_run,
+    vllm_dtype,
+)
 from nonstop.sizing.machine import GIB, MachineMemory, machine_memory, size
 from nonstop.sizing.memory import VLLM_BYTES, MemoryPlan, plan_memory
 from nonstop.sizing.shape import ModelShape
@@ -58,6 +69,35 @@ def longest_prompt(cfg: Config, data: TaskData, encode, max_positions: int) -> i
     lengths = [len(ids) for ids in encode(prompts)] if prompts else [1]
     admitted = [n for n in lengths if n <= limit]
     return max(admitted) if admitted else limit
+
+
+def micro_batch_within(sized: Sized, shape: ModelShape, plan: MemoryPlan) -> Sized | None:
+    """`sized` with its resolved trainer.micro_batch_tokens lowered until `plan` fits its limit, or None
+    when even one sequence's micro-batch would not (the plan's refusal then names what to change).
+
+    The resolved budget gives one micro-batch's activations a fixed fraction of the machine's memory
+    (sizing/defaults.py), whatever the rest of the plan holds; a 0.5B model's weights, gradients,
+    AdamW states, engine and weight slots leave less than that on a 23 GiB machine. Each token
+    removed frees its activations and their share of the trainer's headroom."""
+    t = sized.cfg.trainer
+    budget = t.micro_batch_tokens
+    if budget is None:
+        return None
+    per_token = shape.activation_bytes_per_token(t.activation_checkpointing) * (1 + sized.cfg.run.memory_headroom)
+    lower = budget - math.ceil((plan.total - plan.limit) / per_token)
+    if lower < sized.seq_len:  # a sample is never cut: one sequence is the least a micro-batch holds
+        return None
+    was = next(n for n in sized.notes if n.startswith("trainer.micro_batch_tokens:"))
+    whole = forward_tokens(sized.cfg, shape, sized.seq_len)[0]
+    note = (
+        f"trainer.micro_batch_tokens: {lower} (the {budget} whose activations fit "
+        f"{ACTIVATION_FRACTION:g} of the machine's memory left the plan {size(plan.total - plan.limit)} over "
+        f"{size(plan.limit)}: micro-batches of what the rest of the plan leaves; {math.ceil(whole / lower)} "
+        f"micro-batches of the batch's {whole:,} tokens at most)"
+    )
+    trainer = t.model_copy(update={"micro_batch_tokens": lower})
+    notes = tuple(note if n == was else n for n in sized.notes)
+    return replace(sized, cfg=sized.cfg.model_copy(update={"trainer": trainer}), notes=notes)
 
 
 def _tokenizer(model_dir: Path | None) -> Any:
@@ -115,6 +155,11 @@ def fit_run(cfg: Config, data: TaskData, model_dir: Path | None = None, machine:
         return resolve_model_path(path, field=field) if not Path(path).is_dir() else Path(path)
 
     plan = plan_memory(sized.cfg, shape, machine, loaded_notes + sized.notes, folder_of, sized.seq_len)
+    if plan.total > plan.limit and cfg.trainer.micro_batch_tokens is None and sized.cfg.trainer.ranks == 1:
+        smaller = micro_batch_within(sized, shape, plan)
+        if smaller is not None:
+            sized = smaller
+            plan = plan_memory(sized.cfg, shape, machine, loaded_notes + sized.notes, folder_of, sized.seq_len)
     check_vllm_kv(sized.cfg, shape, machine.total)
     plan.check()
     return Fitted(sized.cfg, plan, shape)
