@@ -11,7 +11,12 @@ process:
 - padded:          trainer.packed false, trainer.compile false (the shared-prompt forward, eager);
 - padded+compile:  the same with the layers' halves compiled (trainer/layer.py);
 - packed:          the padding-free forward (trainer/packed.py), eager;
-- packed+compile:  both, what a loaded model of this size resolves to.
+- packed+compile:  both, what a loaded model of this size resolves to;
+- whole-prompts:   packed+compile with trainer.shared_prefix false: every prompt packed whole, its
+                   24-token head (the template's system turn) not shared across the 8 groups.
+
+The packed arms share the prompts' common head (trainer.shared_prefix, on by default); before it
+existed they packed every prompt whole, as whole-prompts does.
 
 Each arm takes --warmup steps first (the compiled arms compile there: their first step's time is
 printed), then the median of --repeats timed steps, every arm on the same batches.
@@ -19,8 +24,8 @@ printed), then the median of --repeats timed steps, every arm on the same batche
     python bench/trainer_step.py [--model DIR] [--repeats 5] [--warmup 2]
 
 The last line is `RESULT padded_s=... packed_s=... compile_speedup_padded=... compile_speedup_packed=...
-packed_speedup=... resolved_speedup=... first_compile_s=...` (resolved_speedup: packed+compile
-over padded eager).
+packed_speedup=... resolved_speedup=... first_compile_s=... shared_prefix_speedup=...` (resolved_speedup:
+packed+compile over padded eager; shared_prefix_speedup: whole-prompts over packed+compile).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ ARMS = {
     "padded+compile": {"packed": False, "compile": True},
     "packed": {"packed": True, "compile": False},
     "packed+compile": {"packed": True, "compile": True},
+    "whole-prompts": {"packed": True, "compile": True, "shared_prefix": False},
 }
 LENGTHS = (10, 14, 20, 30, 40, 64)
 
@@ -113,7 +119,8 @@ def main() -> None:
         f"compile_speedup_packed={median['packed'] / median['packed+compile']:.3f} "
         f"packed_speedup={median['padded'] / median['packed']:.3f} "
         f"resolved_speedup={median['padded'] / median['packed+compile']:.3f} "
-        f"first_compile_s={first['packed+compile'] - median['packed+compile']:.1f}"
+        f"first_compile_s={first['packed+compile'] - median['packed+compile']:.1f} "
+        f"shared_prefix_speedup={median['whole-prompts'] / median['packed+compile']:.3f}"
     )
 
 

@@ -142,6 +142,21 @@ class Group:
         return sum(len(s.completion_ids) for s in self.samples)
 
 
+def shared_prefix_len(prompts: list[list[int]] | list[tuple[int, ...]]) -> int:
+    """Tokens that begin every one of two or more distinct prompts (a chat template's head and a
+    shared system prompt), at most the shortest less one, so that each prompt keeps a token of its
+    own; 0 for fewer than two prompts. The trainer's packed forward computes these once for all
+    (trainer/packed.py); the FLOP count and the micro-batch budget count them so (observe/flops.py,
+    trainer/micro.py)."""
+    if len(prompts) < 2:
+        return 0
+    first, limit = prompts[0], min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts[1:]):
+        n += 1
+    return n
+
+
 RewardKind = Literal["sample", "group", "steps"]
 """How a reward function is called (scoring/calls.py): per sample, per group, or per step."""
 

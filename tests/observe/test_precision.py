@@ -53,6 +53,11 @@ def test_flop_count_of_the_small_model_equals_the_hand_computed_one(tiny_dir):
     assert train_flops(fm, groups, True, 3) == 3 * shared
     padded_free = fm.forward(5 + 7, 6, 15 + 28)  # prompt + completion per row, no pad positions
     assert train_flops(fm, groups, False, 2) == 2 * padded_free
+    # the packed forward: a second prompt that shares [5, 6] with the first; the head once, each tail after it
+    groups.append(Group(1, "q", "b", [sample([5, 6, 4, 4], [8])]))
+    packed = fm.forward(2 + 1 + 2 + 1 + 3, 2 + 4 + 1, (1 + 2) + 3 + (3 + 4) + 4 + (4 + 5 + 6))
+    assert train_flops(fm, groups, True, 3, shared_prefix=True) == 3 * packed
+    assert train_flops(fm, groups, True, 3) == 3 * fm.forward(3 + 4 + 1 + 3, 7, 6 + 10 + 4 + 15)
 
 
 def test_a_low_peak_is_raised_by_a_later_probe_only_when_due():

@@ -96,7 +96,7 @@ def assert_same_stats(whole: dict, micro: dict) -> None:
 
 def test_split_keeps_groups_whole_and_cuts_only_a_group_over_the_budget():
     groups = make_groups(0, G=4, n=4)
-    for layout in ("shared", "packed", "plain"):
+    for layout in ("shared", "packed", "packed-prefix", "plain"):
         cost = [forward_tokens([g], layout) for g in groups]
         budget = max(cost[0], cost[1])  # the first two fit alone, not together (cost > 0)
         parts = split(groups, budget, layout)

@@ -320,6 +320,11 @@ class TrainerConfig(_Section):
     forward (Qwen2/Llama-shaped models); other models keep the padded forward. None: on for a loaded
     model (model.path) of >= 50 M parameters with one trainer rank (SmolLM2's bf16 step on a batch of
     10-64-token completions: 11.1 -> 7.6 s); otherwise off, where a seeded tiny run keeps its numbers."""
+    shared_prefix: bool = True
+    """With trainer.packed: the head that a batch's distinct prompts begin with (a chat template's system
+    turn, one system prompt for the dataset) is packed and computed once for all of them, each prompt
+    then only its own tail; the same function up to float rounding, (prompts - 1) x head tokens fewer
+    (trainer/packed.py; docs/precision.md). false packs every prompt whole."""
     ranks: int = Field(1, ge=1)
     """Data-parallel trainer ranks (actors); each trains on its share of the groups of a step."""
     routing_replay: Literal["none", "r3"] = "none"

@@ -12,9 +12,11 @@ Contract (docs/precision.md has the formulas with an example):
   activations and the softmax are left out: they are a few percent at any real shape;
 - `causal_pairs(start, n)`: the pairs of n tokens at positions start..start+n-1 attending to
   every earlier position and themselves;
-- `train_flops(fm, groups, shared_prompts, factor)`: a trainer step over real (unpadded) tokens:
-  the forward as the trainer runs it (each distinct prompt once when `shared_prompts`, else
-  prompt + completion per sample) times `factor` (3: forward + backward of activations and
+- `train_flops(fm, groups, shared_prompts, factor, shared_prefix)`: a trainer step over real
+  (unpadded) tokens: the forward as the trainer runs it (each distinct prompt once when
+  `shared_prompts`, and with `shared_prefix`, the packed forward's, the head the distinct prompts
+  share once: `types.shared_prefix_len`, over the whole step, though each micro-batch computes its
+  own; else prompt + completion per sample) times `factor` (3: forward + backward of activations and
   weights; 2 with LoRA, whose frozen base needs no weight gradients; + 1 for a KL reference);
 - `matmul_peak(dtype, device, seconds)`: FLOP/s of a square matmul in `dtype` on this process's
   threads, the best of a few bursts over about `seconds`, once per (dtype, device, threads) and
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from nonstop.types import Group
+from nonstop.types import Group, shared_prefix_len
 
 PROBE_SIZE = 1024
 """Side of the probe's square matmul: large enough that a CPU core's FLOP/s no longer grows with it
@@ -77,10 +79,17 @@ def causal_pairs(start: int, n: int) -> int:
     return n * start + n * (n + 1) // 2
 
 
-def train_flops(fm: FlopModel, groups: list[Group], shared_prompts: bool, factor: int) -> int:
+def train_flops(
+    fm: FlopModel, groups: list[Group], shared_prompts: bool, factor: int, shared_prefix: bool = False
+) -> int:
     """FLOPs of one trainer step over `groups` (see the module docstring)."""
     tokens = rows = pairs = 0
+    distinct = list(dict.fromkeys(tuple(s.prompt_ids) for g in groups for s in g.samples))
+    head = shared_prefix_len(distinct) if shared_prompts and shared_prefix else 0
     seen: set[tuple[int, ...]] = set()
+    if head:  # the shared head's tokens once, its attention pairs once
+        tokens += head
+        pairs += causal_pairs(0, head)
     for g in groups:
         for s in g.samples:
             P, C = len(s.prompt_ids), len(s.completion_ids)
@@ -89,8 +98,8 @@ def train_flops(fm: FlopModel, groups: list[Group], shared_prompts: bool, factor
                 key = tuple(s.prompt_ids)
                 if key not in seen:
                     seen.add(key)
-                    tokens += P
-                    pairs += causal_pairs(0, P)
+                    tokens += P - head
+                    pairs += causal_pairs(head, P - head)
                 tokens += max(C - 1, 0)
                 pairs += causal_pairs(P, max(C - 1, 0))
             else:

@@ -185,7 +185,8 @@ class Trainer(BatchBuilder):
         model = model or self.model
         checkpoint, compiled, chunk = self._checkpoint(model), bool(self.cfg.compile), self.cfg.logprob_chunk_rows
         if "prompt_ids" in batch and self.cfg.packed:  # real tokens only (trainer/packed.py)
-            return packed_logprobs(model, batch, self.temperature, chunk, with_entropy, checkpoint, compiled)
+            share = self.cfg.shared_prefix
+            return packed_logprobs(model, batch, self.temperature, chunk, with_entropy, checkpoint, compiled, share)
         if "prompt_ids" in batch:
             hidden = prompt_shared_hidden(model, batch, checkpoint, compiled)  # (B, T, H)
         else:
@@ -212,7 +213,9 @@ class Trainer(BatchBuilder):
         """How the forward lays out a batch's tokens (trainer/micro.py counts them by it)."""
         if not self.shared_prompts:
             return "plain"
-        return "packed" if self.cfg.packed else "shared"
+        if self.cfg.packed:
+            return "packed-prefix" if self.cfg.shared_prefix else "packed"
+        return "shared"
 
     def forward_batch(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self.logprobs(batch, with_entropy=with_entropy)

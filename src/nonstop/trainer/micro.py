@@ -11,7 +11,8 @@ trainer runs forward + backward one after the other, accumulating gradients (tra
 - tokens are counted as the forward sees them (`forward_tokens`): with the shared-prompt forward
   (trainer/forward.py) each distinct prompt once, padded to the part's longest prompt, plus every
   completion padded to the part's longest; with the packed forward (trainer/packed.py) the real
-  tokens; otherwise prompt + completion per row, padded to the part's longest row.
+  tokens ("packed-prefix": the distinct prompts' shared head once, `shared_prefix_len`); otherwise
+  prompt + completion per row, padded to the part's longest row.
 
 A part names its groups by index and its runs of samples (`Part`); `part_rows` gives the batch
 rows it covers, so its (b, T_part) forward lands in the batch's (B, T) tensors, and the loss of the
@@ -25,9 +26,9 @@ from typing import Literal
 
 import torch
 
-from nonstop.types import Group
+from nonstop.types import Group, shared_prefix_len
 
-Layout = Literal["shared", "packed", "plain"]
+Layout = Literal["shared", "packed", "packed-prefix", "plain"]
 
 
 def forward_tokens(groups: list[Group], layout: Layout) -> int:
@@ -38,8 +39,9 @@ def forward_tokens(groups: list[Group], layout: Layout) -> int:
     if layout == "plain":
         return len(samples) * max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     prompts = {tuple(s.prompt_ids) for s in samples}
-    if layout == "packed":
-        return sum(len(p) for p in prompts) + sum(len(s.completion_ids) for s in samples)
+    if layout in ("packed", "packed-prefix"):
+        shared = shared_prefix_len(list(prompts)) if layout == "packed-prefix" else 0
+        return sum(len(p) - shared for p in prompts) + shared + sum(len(s.completion_ids) for s in samples)
     longest_prompt = max(len(p) for p in prompts)
     return len(prompts) * longest_prompt + len(samples) * max(len(s.completion_ids) for s in samples)
 

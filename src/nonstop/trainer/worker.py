@@ -209,7 +209,8 @@ class TrainerWorker:
         t1, cpu_s = now(), time.process_time() - cpu0
         train_s = t1 - t0
         self.busy_s += train_s
-        flops = train_flops(self.flop_model, groups, self.trainer.shared_prompts, self.flop_factor)
+        head_once = self.trainer.layout() == "packed-prefix"  # the prompts' shared head computed once
+        flops = train_flops(self.flop_model, groups, self.trainer.shared_prompts, self.flop_factor, head_once)
         peak = self.peak.tick()  # after the timed step: a probe again is not part of it
         achieved, frac = rate(flops, train_s + self.ahead_s, peak)
         self.ahead_s = 0.0
