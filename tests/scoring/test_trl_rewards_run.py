@@ -77,11 +77,16 @@ def test_a_conversational_dataset_and_trl_rewards_through_the_python_api(chat_mo
         # every other column by its name, the one mapped to `answer` under its own name too
         assert call["columns"] == ["answer", "kind", "log", "row_id", "solution"]
         assert all(1 <= len(ids) <= 4 for ids in call["completion_ids"])
-    # kind 'none': both rewards None -> counted, one per sample of each such group scored in training
+    # kind 'none': both rewards None -> counted, one per sample of each such group scored in training. A
+    # group whose scoring is under way when the run stops has its call logged by the reward's thread but is
+    # never counted (its scoring is cancelled; it happened once in a CI run: 12 counted of 15 logged), so
+    # the count is whole groups of 3, at least one group's, at most every logged group's
     none_groups = sum(1 for c in trained if train[c["row_ids"][0]]["kind"] == "none")
-    assert none_groups > 0 and summary.reward_errors == {"reward_all_none": 3 * none_groups}
+    counted = summary.reward_errors.get("reward_all_none", 0)
+    assert set(summary.reward_errors) == {"reward_all_none"}
+    assert counted % 3 == 0 and 3 <= counted <= 3 * none_groups, (counted, none_groups)
     record = json.loads((Path(summary.run_dir) / "summary.json").read_text())
-    assert record["reward_errors"]["reward_all_none"] == 3 * none_groups
+    assert record["reward_errors"]["reward_all_none"] == counted
 
 
 def test_samples_no_reward_applies_to_are_not_trained(chat_model, tmp_path):
