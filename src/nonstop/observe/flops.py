@@ -84,27 +84,21 @@ def train_flops(
 ) -> int:
     """FLOPs of one trainer step over `groups` (see the module docstring)."""
     tokens = rows = pairs = 0
-    distinct = list(dict.fromkeys(tuple(s.prompt_ids) for g in groups for s in g.samples))
-    head = shared_prefix_len(distinct) if shared_prompts and shared_prefix else 0
-    seen: set[tuple[int, ...]] = set()
-    if head:  # the shared head's tokens once, its attention pairs once
-        tokens += head
-        pairs += causal_pairs(0, head)
-    for g in groups:
-        for s in g.samples:
-            P, C = len(s.prompt_ids), len(s.completion_ids)
-            rows += C
-            if shared_prompts:  # trainer/forward.py: prompts once, then completion inputs (all but the last token)
-                key = tuple(s.prompt_ids)
-                if key not in seen:
-                    seen.add(key)
-                    tokens += P - head
-                    pairs += causal_pairs(head, P - head)
-                tokens += max(C - 1, 0)
-                pairs += causal_pairs(P, max(C - 1, 0))
-            else:
-                tokens += P + C
-                pairs += causal_pairs(0, P + C)
+    samples = [s for g in groups for s in g.samples]
+    if shared_prompts:  # trainer/forward.py: each distinct prompt once, the packed forward's shared head once
+        distinct = list(dict.fromkeys(tuple(s.prompt_ids) for s in samples))
+        head = shared_prefix_len(distinct) if shared_prefix else 0
+        tokens += head + sum(len(p) - head for p in distinct)
+        pairs += causal_pairs(0, head) + sum(causal_pairs(head, len(p) - head) for p in distinct)
+    for s in samples:
+        P, C = len(s.prompt_ids), len(s.completion_ids)
+        rows += C
+        if shared_prompts:  # then each completion's inputs (all but its last token) after its prompt
+            tokens += max(C - 1, 0)
+            pairs += causal_pairs(P, max(C - 1, 0))
+        else:
+            tokens += P + C
+            pairs += causal_pairs(0, P + C)
     return factor * fm.forward(tokens, rows, pairs)
 
 
