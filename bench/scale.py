@@ -8,8 +8,10 @@ Every arm is the real CLI with only `model.path` and the task set (the built-in 
 and trainer's numerics alone), every other setting at its default:
 
 - full / builtin: full fine-tune, the built-in engine (precision `auto`: bf16 where this CPU has it);
-- full-fp32 / builtin: the same with `trainer.precision=float32 engine.dtype=float32`, the
-  reference of the bf16 step speedup;
+- full-fp32 / builtin: the same with `trainer.precision=float32 engine.dtype=float32`;
+- batch and batch-fp32 / builtin: full and full-fp32 at a batch of real size, 8 prompts x 8
+  answers of 16 tokens (1,024 completion tokens a step, the in-process trainer's count): the
+  reference of `cli_bf16_step_speedup`;
 - lora / builtin: `model.lora.enabled=true`;
 - full / vllm and lora / vllm: `engine.kind=vllm`, run with .venv-vllm's interpreter (`make
   venv-vllm`); without it these rows say so and the others still run.
@@ -20,14 +22,15 @@ anonymous RSS beside the memory plan's figure for it, the median trainer step
 publish time as a fraction of step time, the engine's tokens/s while busy against HF `generate`
 on the same prompts in this process, and the depth-0 mismatch KL (k3).
 
-The CLI arms' batches are tiny (2 prompts x 8 answers of a few tokens): their trainer step is
-the optimizer and the per-step fixed costs, not matmuls. So the bench also measures, in fresh
+The other CLI arms' batches are tiny (2 prompts x 8 answers of a few tokens): their trainer step
+is the optimizer and the per-step fixed costs, not matmuls (`cli_bf16_step_speedup_tiny`, full-fp32
+over full). The bench also measures, in fresh
 processes on one thread each, the trainer actor's own code (TrainerWorker) on a batch of real
 size (`--batch`, default 8 completions x 128 tokens) in float32 and in bfloat16 autocast (the
 median of 3 steps after 2 warm-up steps), and the built-in engine decoding 16 rows, then 64 rows
 (the engine's batch in a run), of 64 new tokens with float32 and with bfloat16 weights.
 
-    python bench/scale.py [--steps 5] [--arms full,full-fp32,lora,full-vllm,lora-vllm] [--batch 8x128]
+    python bench/scale.py [--steps 5] [--arms full,full-fp32,batch,batch-fp32,full-overlap,lora,full-vllm,lora-vllm] [--batch 8x128]
 
 Last line: `RESULT trainer_peak_frac=... bf16_step_speedup=... engine_bf16_speedup=... engine_bf16_speedup_64=...
 lora_mem_ratio=... publish_frac=... publish_s=... peak_rss_gib=... arms_ok=... cli_trainer_peak_frac=...
@@ -35,7 +38,9 @@ cli_bf16_step_speedup=... anon_over_plan=...`: the bf16 trainer's fraction of it
 the bf16 step at the real batch, bf16 decode over fp32 decode, LoRA's peak trainer RSS over full
 fine-tuning's, the full builtin arm's publish time over its step and in seconds (the step's time moves with the
 machine's load, the publish's much less), the largest process's peak,
-the CLI arms' own trainer fraction and step speedup, the largest ratio of a process's sampled
+the full arm's own trainer fraction, the CLI's bf16 step speedup at the real batch (batch-fp32's step over
+batch's; `cli_bf16_step_speedup_tiny`: the same over the tiny full arms) and the batch arm's trainer fraction
+(`cli_batch_peak_frac`), the largest ratio of a process's sampled
 anonymous RSS to what the run's memory plan (memory_plan.json) gave it (above 1: the plan was under),
 the in-process bf16 step over the same step under autocast alone (cast_once_speedup: the weights
 cast once per optimizer step into bf16 copies, trainer/compute.py, against a cast per autocast region),
@@ -64,9 +69,19 @@ from support.cli import sets  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 WARM_STEPS = 2  # in-process trainer steps left out of its median
+FP32 = {"trainer.precision": "float32", "engine.dtype": "float32"}
+CLI_BATCH = {"rollout.prompts_per_step": 8, "rollout.max_new_tokens": 16, "trainer.micro_batch_tokens": 358}
+"""The batch arms' step: 8 prompts x 8 answers of 16 tokens (the random-weights model never ends its
+turn), 1,024 completion tokens, as many as the in-process trainer's 8 x 128; 1,072 forward tokens
+with the prompts. Both precisions train it in the same 3 micro-batches: 358 tokens is the budget the
+memory plan resolves for float32 on a 23 GiB machine (bf16, whose plan is smaller, resolves the
+whole batch at once), so the ratio of the two steps is the precision's alone."""
 ARMS: dict[str, dict[str, object]] = {
     "full": {},
-    "full-fp32": {"trainer.precision": "float32", "engine.dtype": "float32"},
+    "full-fp32": FP32,
+    # a batch of real size through the CLI: the reference of cli_bf16_step_speedup
+    "batch": CLI_BATCH,
+    "batch-fp32": {**CLI_BATCH, **FP32},
     # the send on the trainer's thread beside the next batch's forward: at depth 1, where there is a
     # next forward to hide it behind (at depth 0 the engine waits for the send whatever the trainer does)
     "full-overlap": {"trainer.publish_overlap": True, "buffer.depth": 1, "buffer.max_lag": 1},
@@ -368,7 +383,9 @@ def main() -> None:
     by = {r["arm"]: r for r in rows if not r["failed"]}
     full, f32, lora = by.get("full"), by.get("full-fp32"), by.get("lora")
     overlap = by.get("full-overlap")
-    speedup = f32["step_s"] / full["step_s"] if full and f32 else float("nan")
+    tiny = f32["step_s"] / full["step_s"] if full and f32 else float("nan")
+    b16, b32 = by.get("batch"), by.get("batch-fp32")
+    speedup = b32["step_s"] / b16["step_s"] if b16 and b32 else float("nan")
     mem = lora["peaks"].get("trainer", 0) / full["peaks"]["trainer"] if full and lora else float("nan")
     peak_rss = max((v for r in rows for v in r["peaks"].values()), default=0) / 2**30
     # the largest process's measured anonymous peak over its plan: above 1 the plan was under
@@ -380,6 +397,8 @@ def main() -> None:
         f"publish_s={full['publish_s'] if full else float('nan'):.3f} "
         f"peak_rss_gib={peak_rss:.1f} arms_ok={len(by)}/{len(rows)} cli_trainer_peak_frac="
         f"{full['peak_frac'] if full else float('nan'):.3f} cli_bf16_step_speedup={speedup:.2f} "
+        f"cli_bf16_step_speedup_tiny={tiny:.2f} "
+        f"cli_batch_peak_frac={b16['peak_frac'] if b16 else float('nan'):.3f} "
         f"anon_over_plan={plan_frac:.2f} cast_once_speedup={real[4]:.2f} "
         f"publish_frac_overlap={overlap['publish_frac'] if overlap else float('nan'):.3f} "
         f"publish_s_overlap={overlap['publish_s'] if overlap else float('nan'):.3f}"
