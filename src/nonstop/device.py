@@ -13,6 +13,9 @@ Contract:
   capability): without them torch emulates bf16 matmuls and they are slower than float32. The
   machines of this project's kind differ (some have AVX2 only), so this is asked at run time,
   inside the actor that computes, never assumed;
+- `amx_supported(device)`: a CPU with AMX tiles (`amx_bf16`, or torch's AMX capability). Only
+  there is torch's bf16 attention kernel faster than float32 attention: the engine's runner picks
+  its attention by it (engine/runner.py);
 - `attention(q, k, v, **kw)` is torch's scaled-dot-product attention computed in float32 on the
   CPU whenever it would otherwise run in half precision: half-precision inputs, or any inputs
   under CPU autocast (which lists this op for bfloat16 and casts float32 inputs down).
@@ -109,6 +112,15 @@ def bf16_supported(device: torch.device) -> bool:
     if "AMX" in torch.backends.cpu.get_cpu_capability():
         return True
     return any(flag in cpu_flags() for flag in CPU_BF16_FLAGS)
+
+
+def amx_supported(device: torch.device) -> bool:
+    """Whether `device` is a CPU with AMX tiles for bf16 (`amx_bf16`, or torch's AMX capability): there
+    torch's bf16 attention kernel is the fast one; with AVX512-BF16 alone it is the slow one (see
+    engine/runner.py)."""
+    if device.type != "cpu":
+        return False
+    return "AMX" in torch.backends.cpu.get_cpu_capability() or "amx_bf16" in cpu_flags()
 
 
 def resolve_dtype(spec: str | None, device: torch.device, field: str) -> torch.dtype:

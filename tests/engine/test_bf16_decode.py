@@ -1,26 +1,31 @@
 """A bfloat16 engine's decode steps against float32 arithmetic over the same (bf16-valued) weights.
 
-On a CPU with native bf16 the runner's decode attention runs in bf16 through torch's kernel
-(float32 accumulation inside); elsewhere through float32 (device.attention). Either way its
-logits must stay within bf16 rounding of the float32 ones, over prompts of uneven lengths read in
-attention blocks."""
+On a CPU with AMX the runner's attention runs in bf16 through torch's kernel (float32 accumulation
+inside); elsewhere through float32 (device.attention), which is the faster one there. The choice is
+speed alone: with either kernel, whichever this CPU picks, the logits must stay within bf16 rounding
+of the float32 ones, over prompts of uneven lengths read in attention blocks."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from nonstop.config import TinyModelConfig
+from nonstop.device import attention
 from nonstop.engine.runner import KVRunner
 from nonstop.models.tiny import make_tiny_model
 
 
-def test_bf16_decode_logits_are_float32_logits_within_bf16_rounding():
+@pytest.mark.parametrize("kernel", ["bf16", "float32"])
+def test_bf16_decode_logits_are_float32_logits_within_bf16_rounding(kernel):
     torch.manual_seed(0)
     bf16 = make_tiny_model(TinyModelConfig(max_position_embeddings=256)).to(torch.bfloat16).eval()
     fp32 = copy.deepcopy(bf16).float()
     runners = [KVRunner(m, 40, 256) for m in (bf16, fp32)]
+    runners[0]._sdpa = F.scaled_dot_product_attention if kernel == "bf16" else attention
     lengths = [5 + (37 * i) % 180 for i in range(40)]  # 5..184 positions: several attention blocks
     prompts = [[3 + (i * 7 + j) % 120 for j in range(n)] for i, n in enumerate(lengths)]
     for r in runners:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nonstop.device import attention, bf16_supported
+from nonstop.device import amx_supported, attention
 from nonstop.engine.blocks import attention_blocks
 from nonstop.engine.layers import Layer, check_supported
 
@@ -142,11 +142,13 @@ class KVRunner:
         self.routes: torch.Tensor | None = None
         self._routes: list[torch.Tensor] = []
         self.attention_reads = 0  # cached positions decode attention read so far, padding included
-        # decode attention: bfloat16 straight through torch's kernel where the CPU computes bf16
-        # natively (3-5x faster than casting the cached keys and values up at every layer: 0.87
-        # against 3.79 ms for 64 rows of 128 positions at SmolLM2's 9 / 3 heads, AMX CPU, torch
-        # 2.13); elsewhere float32 (device.attention: the bf16 kernel ran 4.5x slower without them)
-        native = dtype == torch.bfloat16 and self.embed.device.type == "cpu" and bf16_supported(self.embed.device)
+        # attention of a bf16 model: bfloat16 straight through torch's kernel on a CPU with AMX (3-5x
+        # faster there than casting the cached keys and values up at every layer: 0.87 against 3.79 ms
+        # for 64 rows of 128 positions at SmolLM2's 9 / 3 heads, torch 2.13); elsewhere float32
+        # (device.attention). With AVX512-BF16 alone torch's bf16 kernel is the slow one: 2.6 against
+        # 0.53 ms for 64 decode rows of 56 positions (5.5 against 1.26 at 120), 1.05 against 0.89 ms
+        # for 8 prompts of 45 tokens, on an AMD EPYC (Zen 5) with torch 2.13
+        native = dtype == torch.bfloat16 and amx_supported(self.embed.device)
         self._sdpa = F.scaled_dot_product_attention if native else attention
 
     def _plan(self, positions: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
@@ -221,7 +223,7 @@ class KVRunner:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             kc[slots, :, :L] = k
             vc[slots, :, :L] = v
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)  # (P, H, L, D)
+            a = self._sdpa(q, k, v, is_causal=True, enable_gqa=KV != H)  # (P, H, L, D)
             x = x + F.linear(a.transpose(1, 2).reshape(P, L, H * D), layer.wo, layer.bo)
             x = self._mlp(x, layer)
         if self._routes:  # a MoE model: keep the real tokens' routes only (a dense model builds no order)
@@ -328,7 +330,7 @@ class KVRunner:
             qp[pad_index] = q[B:]
             keys = kc[first : first + P, :, :T] if consecutive else kc[slots, :, :T]
             values = vc[first : first + P, :, :T] if consecutive else vc[slots, :, :T]
-            ap = F.scaled_dot_product_attention(
+            ap = self._sdpa(
                 qp.view(P, L, H, D).transpose(1, 2),
                 keys,
                 values,
