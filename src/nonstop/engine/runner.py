@@ -104,6 +104,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, enable_gqa: bool
+) -> torch.Tensor:
+    """Attention of one query per row, in float32: q (B, H, 1, D) against k, v (B, KV, T, D) with
+    attn_mask (B, 1, 1, T) True where a key is seen -> (B, H, 1, D) in q's dtype. Query head h reads
+    key head h // (H / KV), as SDPA's enable_gqa does; every row sees at least one key."""
+    B, H, _, D = q.shape
+    KV, G = k.shape[1], H // k.shape[1]
+    scores = torch.matmul(q.reshape(B, KV, G, D).float(), k.float().transpose(-1, -2))  # (B, KV, G, T)
+    scores = scores.mul_(D**-0.5).masked_fill_(~attn_mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())  # (B, KV, G, D)
+    return out.view(B, H, 1, D).to(q.dtype)
+
+
 class KVRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, max_seq_len: int) -> None:
         check_supported(model)
@@ -150,6 +164,9 @@ class KVRunner:
         # for 8 prompts of 45 tokens, on an AMD EPYC (Zen 5) with torch 2.13
         native = dtype == torch.bfloat16 and amx_supported(self.embed.device)
         self._sdpa = F.scaled_dot_product_attention if native else attention
+        # decode rows of a bf16 model without AMX: one query per row, as two float32 matmuls (0.74
+        # against 0.94 ms for SDPA over the same float32 casts, 64 rows of 94 positions, AMD EPYC)
+        self._decode_sdpa = decode_attention if dtype == torch.bfloat16 and not native else self._sdpa
 
     def _plan(self, positions: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
         """Attention blocks of a decode step (`attention_blocks`), each with its mask (rows, 1, 1, T)."""
@@ -162,7 +179,8 @@ class KVRunner:
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan) -> torch.Tensor:
         """q (B, H, 1, D) of decode rows 0..B-1 against their cached keys -> (B, H * D)."""
         B, gqa = q.shape[0], self.n_kv != self.n_heads
-        out = [self._sdpa(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa) for a, b, t, m in plan]
+        sdpa = self._decode_sdpa if self.embed.device.type == "cpu" else self._sdpa
+        out = [sdpa(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa) for a, b, t, m in plan]
         return (out[0] if len(out) == 1 else torch.cat(out)).reshape(B, self.n_heads * self.head_dim)
 
     @property
