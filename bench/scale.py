@@ -30,7 +30,8 @@ size (`--batch`, default 8 completions x 128 tokens) in float32 and in bfloat16 
 median of 3 steps after 2 warm-up steps), and the built-in engine decoding 16 rows, then 64 rows
 (the engine's batch in a run), of 64 new tokens with float32 and with bfloat16 weights.
 
-    python bench/scale.py [--steps 5] [--arms full,full-fp32,batch,batch-fp32,full-overlap,lora,full-vllm,lora-vllm] [--batch 8x128]
+    python bench/scale.py [--steps 5] [--batch 8x128] \
+        [--arms full,full-fp32,batch,batch-fp32,full-overlap,lora,full-vllm,lora-vllm]
 
 Last line: `RESULT trainer_peak_frac=... bf16_step_speedup=... engine_bf16_speedup=... engine_bf16_speedup_64=...
 lora_mem_ratio=... publish_frac=... publish_s=... peak_rss_gib=... arms_ok=... cli_trainer_peak_frac=...
@@ -69,8 +70,12 @@ from support.cli import sets  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 WARM_STEPS = 2  # in-process trainer steps left out of its median
-FP32 = {"trainer.precision": "float32", "engine.dtype": "float32"}
-CLI_BATCH = {"rollout.prompts_per_step": 8, "rollout.max_new_tokens": 16, "trainer.micro_batch_tokens": 358}
+FP32: dict[str, object] = {"trainer.precision": "float32", "engine.dtype": "float32"}
+CLI_BATCH: dict[str, object] = {
+    "rollout.prompts_per_step": 8,
+    "rollout.max_new_tokens": 16,
+    "trainer.micro_batch_tokens": 358,
+}
 """The batch arms' step: 8 prompts x 8 answers of 16 tokens (the random-weights model never ends its
 turn), 1,024 completion tokens, as many as the in-process trainer's 8 x 128; 1,072 forward tokens
 with the prompts. Both precisions train it in the same 3 micro-batches: 358 tokens is the budget the

@@ -166,7 +166,8 @@ class KVRunner:
         self._sdpa = F.scaled_dot_product_attention if native else attention
         # decode rows of a bf16 model without AMX: one query per row, as two float32 matmuls (0.74
         # against 0.94 ms for SDPA over the same float32 casts, 64 rows of 94 positions, AMD EPYC)
-        self._decode_sdpa = decode_attention if dtype == torch.bfloat16 and not native else self._sdpa
+        on_cpu = self.embed.device.type == "cpu"
+        self._decode_sdpa = decode_attention if dtype == torch.bfloat16 and on_cpu and not native else self._sdpa
 
     def _plan(self, positions: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]]:
         """Attention blocks of a decode step (`attention_blocks`), each with its mask (rows, 1, 1, T)."""
@@ -178,8 +179,7 @@ class KVRunner:
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan) -> torch.Tensor:
         """q (B, H, 1, D) of decode rows 0..B-1 against their cached keys -> (B, H * D)."""
-        B, gqa = q.shape[0], self.n_kv != self.n_heads
-        sdpa = self._decode_sdpa if self.embed.device.type == "cpu" else self._sdpa
+        B, gqa, sdpa = q.shape[0], self.n_kv != self.n_heads, self._decode_sdpa
         out = [sdpa(q[a:b], kc[a:b, :, :t], vc[a:b, :, :t], attn_mask=m, enable_gqa=gqa) for a, b, t, m in plan]
         return (out[0] if len(out) == 1 else torch.cat(out)).reshape(B, self.n_heads * self.head_dim)
 
